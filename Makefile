@@ -1,0 +1,35 @@
+# Two commands do everything from a fresh clone: `make train` and `make test`.
+# Both depend on `make setup`, which is idempotent: it creates .venv once, installs the
+# pinned torch first (an unpinned torch would pull a multi-GB CUDA build), then the rest,
+# then builds the C++ CPU optimizer in place.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.setup-stamp
+NPROC ?= 2
+
+.PHONY: setup train test lint clean bench
+
+setup: $(STAMP)
+
+$(STAMP): requirements.txt setup.py $(wildcard csrc/*.cpp csrc/*.h)
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -r requirements.txt
+	$(PY) setup.py -q build_ext --inplace
+	@touch $(STAMP)
+
+train: setup
+	$(VENV)/bin/torchrun --nproc-per-node $(NPROC) pretrain_llama.py --model-preset tiny
+
+test: setup
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf build megatron/optimizer/*.so
