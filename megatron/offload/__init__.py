@@ -1,1 +1,35 @@
+"""Host memory tier: device layer, shared-memory parameter store, prefetch and offload."""
 
+from megatron.offload.device import DeviceLayer, Event, get_device
+from megatron.offload.grad_offload import GradientOffloader, GradientsReady
+from megatron.offload.host_memory import HostBufferPool
+from megatron.offload.layout import (
+    FlatLayout,
+    bind_gradients,
+    bind_parameters,
+    copy_parameters_into,
+)
+from megatron.offload.naming import resolve_job_id
+from megatron.offload.param_store import ParameterStore
+from megatron.offload.prefetch import ParamDoubleBuffer, Slot
+from megatron.offload.shm import SegmentInUseError, SharedSegment, ShmSpaceError
+
+__all__ = [
+    "DeviceLayer",
+    "Event",
+    "FlatLayout",
+    "GradientOffloader",
+    "GradientsReady",
+    "HostBufferPool",
+    "ParamDoubleBuffer",
+    "ParameterStore",
+    "SegmentInUseError",
+    "SharedSegment",
+    "ShmSpaceError",
+    "Slot",
+    "bind_gradients",
+    "bind_parameters",
+    "copy_parameters_into",
+    "get_device",
+    "resolve_job_id",
+]

@@ -1,0 +1,269 @@
+"""The device layer: device memory, a compute stream, H2D and D2H copy streams, events.
+
+Everything above this module (prefetch, gradient offload, the executor) talks only to
+`DeviceLayer`, so the same code runs on CUDA and, in tests and CI, on the CPU:
+
+* CUDA: CUDA streams, timing events and pinned host memory.
+* CPU: each process plays one GPU. "Device memory" is private tensors. The compute
+  stream is synchronous (work runs on the caller's thread); each copy stream is a
+  background thread that runs its operations in submission order. An event completes
+  when the operations submitted before it on its stream have finished; waiting on an
+  event blocks only the waiter. torch copies release the GIL, so overlap is real.
+
+Events carry completion times (`time_s()`, seconds since the device layer was created)
+so that the executor can measure compute, copy and idle times per rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Protocol
+
+import torch
+
+
+class Event(Protocol):
+    """What every event offers; the CPU optimizer only ever calls `wait()`."""
+
+    def wait(self) -> None: ...
+
+    def query(self) -> bool: ...
+
+    def time_s(self) -> float: ...
+
+
+class CopyError(RuntimeError):
+    """An operation on a background copy stream failed."""
+
+
+class CpuEvent:
+    """Completed by the thread that runs its stream; records the completion time."""
+
+    def __init__(self, origin: float) -> None:
+        self._done = threading.Event()
+        self._origin = origin
+        self._time: float | None = None
+        self._error: BaseException | None = None
+
+    def _complete(self, error: BaseException | None = None) -> None:
+        self._time = time.perf_counter() - self._origin
+        self._error = error
+        self._done.set()
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        if not self._done.wait(timeout_s):
+            raise TimeoutError(f"event not completed after {timeout_s} s")
+        if self._error is not None:
+            raise CopyError(f"a copy before this event failed: {self._error}") from self._error
+
+    def query(self) -> bool:
+        return self._done.is_set()
+
+    def time_s(self) -> float:
+        """Completion time in seconds since the device layer started (waits for it)."""
+        self.wait()
+        assert self._time is not None
+        return self._time
+
+
+class CpuStream:
+    """A stream on the CPU device: synchronous (compute) or backed by one worker thread."""
+
+    def __init__(self, name: str, origin: float, synchronous: bool) -> None:
+        self.name = name
+        self._origin = origin
+        self._synchronous = synchronous
+        self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+
+    def submit(self, op: Callable[[], None]) -> None:
+        """Run `op` after everything submitted before it on this stream."""
+        if self._synchronous:
+            op()
+            return
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name=f"copy-stream-{self.name}", daemon=True
+                )
+                self._thread.start()
+        self._queue.put(op)
+
+    def _run(self) -> None:
+        while (op := self._queue.get()) is not None:
+            try:
+                op()
+            except BaseException as exc:  # reported by every later event of this stream
+                if self._error is None:
+                    self._error = exc
+
+    def record_event(self) -> CpuEvent:
+        event = CpuEvent(self._origin)
+        self.submit(lambda: event._complete(self._error))
+        return event
+
+    def wait_event(self, event: Event) -> None:
+        """Later work on this stream starts only after `event` completes."""
+        self.submit(event.wait)
+
+    def synchronize(self) -> None:
+        self.record_event().wait()
+
+    def close(self) -> None:
+        with self._lock:
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            self._queue.put(None)
+            thread.join()
+
+    @property
+    def has_thread(self) -> bool:
+        return self._thread is not None
+
+
+class CudaEvent:
+    """A CUDA timing event; `time_s` is measured against the layer's origin event."""
+
+    def __init__(self, origin: torch.cuda.Event, stream: torch.cuda.Stream) -> None:
+        self._origin = origin
+        self._event = torch.cuda.Event(enable_timing=True)
+        self._event.record(stream)
+
+    def wait(self) -> None:
+        self._event.synchronize()
+
+    def query(self) -> bool:
+        return self._event.query()
+
+    def time_s(self) -> float:
+        self._event.synchronize()
+        return self._origin.elapsed_time(self._event) / 1000.0
+
+    @property
+    def cuda_event(self) -> torch.cuda.Event:
+        return self._event
+
+
+class CudaStream:
+    def __init__(self, name: str, origin: torch.cuda.Event, stream: torch.cuda.Stream) -> None:
+        self.name = name
+        self._origin = origin
+        self.stream = stream
+
+    def submit(self, op: Callable[[], None]) -> None:
+        with torch.cuda.stream(self.stream):
+            op()
+
+    def record_event(self) -> CudaEvent:
+        return CudaEvent(self._origin, self.stream)
+
+    def wait_event(self, event: Event) -> None:
+        if isinstance(event, CudaEvent):
+            self.stream.wait_event(event.cuda_event)
+        else:  # a host-side event (e.g. a CPU optimizer finishing): block the submitter
+            event.wait()
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+
+    def close(self) -> None:
+        self.stream.synchronize()
+
+
+Stream = CpuStream | CudaStream
+
+
+class DeviceLayer:
+    """Device memory, three streams (compute, h2d, d2h) and events, on CUDA or the CPU."""
+
+    def __init__(self, kind: str = "cpu", index: int = 0) -> None:
+        if kind not in ("cpu", "cuda"):
+            raise ValueError(f"device kind={kind!r}: expected 'cpu' or 'cuda'")
+        self.kind = kind
+        if kind == "cuda":
+            if not torch.cuda.is_available():
+                raise RuntimeError("device kind='cuda' requested but CUDA is not available")
+            self.torch_device = torch.device("cuda", index)
+            torch.cuda.set_device(self.torch_device)
+            origin = torch.cuda.Event(enable_timing=True)
+            origin.record(torch.cuda.current_stream())
+            self.compute_stream: Stream = CudaStream("compute", origin, torch.cuda.current_stream())
+            self.h2d_stream: Stream = CudaStream("h2d", origin, torch.cuda.Stream())
+            self.d2h_stream: Stream = CudaStream("d2h", origin, torch.cuda.Stream())
+        else:
+            self.torch_device = torch.device("cpu")
+            origin_s = time.perf_counter()
+            self.compute_stream = CpuStream("compute", origin_s, synchronous=True)
+            self.h2d_stream = CpuStream("h2d", origin_s, synchronous=False)
+            self.d2h_stream = CpuStream("d2h", origin_s, synchronous=False)
+
+    # memory -------------------------------------------------------------------------
+    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A flat buffer in device memory."""
+        return torch.empty(numel, dtype=dtype, device=self.torch_device)
+
+    def zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(numel, dtype=dtype, device=self.torch_device)
+
+    def pin_host(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """Page-locked host memory on CUDA; raises if pinning fails. CPU: plain memory."""
+        if self.kind == "cuda":
+            return torch.empty(numel, dtype=dtype, pin_memory=True)
+        return torch.empty(numel, dtype=dtype)
+
+    @property
+    def pins_memory(self) -> bool:
+        return self.kind == "cuda"
+
+    # streams and events -------------------------------------------------------------
+    def copy_async(self, dst: torch.Tensor, src: torch.Tensor, stream: Stream) -> Event:
+        """Copy `src` into `dst` on `stream`, after earlier work there; returns its event."""
+        if dst.numel() != src.numel():
+            raise ValueError(f"copy of {src.numel()} elements into a {dst.numel()}-element buffer")
+        stream.submit(lambda: dst.copy_(src.view(dst.shape), non_blocking=True))
+        return stream.record_event()
+
+    @contextlib.contextmanager
+    def on(self, stream: Stream) -> Iterator[None]:
+        """Make `stream` current for the kernels launched inside (CUDA); CPU: no-op."""
+        if isinstance(stream, CudaStream):
+            with torch.cuda.stream(stream.stream):
+                yield
+        else:
+            yield
+
+    def synchronize(self) -> None:
+        for stream in (self.compute_stream, self.h2d_stream, self.d2h_stream):
+            stream.synchronize()
+
+    def close(self) -> None:
+        """Finish queued work and stop the copy threads."""
+        for stream in (self.h2d_stream, self.d2h_stream, self.compute_stream):
+            stream.close()
+
+    def __enter__(self) -> DeviceLayer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def get_device(kind: str | None = None, index: int | None = None) -> DeviceLayer:
+    """The device layer for this process: CUDA when available (or asked), else the CPU.
+
+    `index` defaults to LOCAL_RANK modulo the visible GPUs, as torchrun sets it.
+    """
+    if kind is None:
+        kind = "cuda" if torch.cuda.is_available() else "cpu"
+    if index is None:
+        import os
+
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        index = local_rank % max(torch.cuda.device_count(), 1) if kind == "cuda" else 0
+    return DeviceLayer(kind, index)

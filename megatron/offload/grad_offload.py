@@ -1,0 +1,92 @@
+"""Gradient offload: accumulated device gradients of a backward stage -> a host buffer.
+
+Gradients accumulate in a flat device buffer over all micro-batches of a backward stage
+(see layout.bind_gradients). `offload` then copies them on the D2H stream into a pooled
+host buffer and returns a `GradientsReady` whose `wait()` is all the CPU optimizer task
+needs to call before reading `host`.
+
+Host dtype: fp32 (default) upcasts on the device first and moves 4 bytes per value;
+the training dtype moves 2 bytes and leaves the upcast to the CPU. Deep Optimizer
+States (section 4.1) found the first faster; bench/offload.py measures both here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatron.offload.device import DeviceLayer, Event
+from megatron.offload.host_memory import HostBufferPool
+
+StageKey = tuple[int, int]
+
+
+@dataclass
+class GradientsReady:
+    """Host gradients of one stage and the event of their D2H copy."""
+
+    key: StageKey
+    host: torch.Tensor
+    event: Event
+    _pool: HostBufferPool
+
+    def wait(self) -> None:
+        """Block until `host` holds the stage's gradients."""
+        self.event.wait()
+
+    def query(self) -> bool:
+        return self.event.query()
+
+    def release(self) -> None:
+        """Give the host buffer back to the pool (after the optimizer has used it)."""
+        self.event.wait()
+        self._pool.release(self.host)
+
+
+class GradientOffloader:
+    """Copies flat device gradients to host buffers on the D2H stream."""
+
+    def __init__(
+        self,
+        device: DeviceLayer,
+        pool: HostBufferPool,
+        host_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        if host_dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(f"host_dtype={host_dtype}: expected float32, float16 or bfloat16")
+        self.device = device
+        self.pool = pool
+        self.host_dtype = host_dtype
+        self._upcast: torch.Tensor | None = None  # device scratch for the fp32 upcast
+        self._upcast_free: Event | None = None  # the last D2H copy out of the scratch is done
+
+    def _device_source(self, grads: torch.Tensor) -> torch.Tensor:
+        """The device tensor to copy: `grads`, or its upcast in a reused scratch buffer."""
+        if grads.dtype == self.host_dtype:
+            return grads
+        if self._upcast is None or self._upcast.numel() < grads.numel():
+            self._upcast = self.device.empty(grads.numel(), self.host_dtype)
+            self._upcast_free = None
+        if self._upcast_free is not None:
+            self.device.compute_stream.wait_event(self._upcast_free)
+        scratch = self._upcast[: grads.numel()]
+        with self.device.on(self.device.compute_stream):
+            scratch.copy_(grads)
+        return scratch
+
+    def offload(self, key: StageKey, grads: torch.Tensor) -> GradientsReady:
+        """Queue the D2H copy of a stage's accumulated flat gradients (after compute)."""
+        if grads.dim() != 1:
+            raise ValueError(
+                f"stage {key}: expected flat gradients, got shape {tuple(grads.shape)}"
+            )
+        source = self._device_source(grads)
+        computed = self.device.compute_stream.record_event()
+        host = self.pool.acquire(grads.numel(), self.host_dtype)
+        stream = self.device.d2h_stream
+        stream.wait_event(computed)
+        event = self.device.copy_async(host, source, stream)
+        if source is not grads:
+            self._upcast_free = event
+        return GradientsReady(key, host, event, self.pool)

@@ -1,0 +1,113 @@
+"""A device double buffer for stage parameters: one half computes, the other is prefetched.
+
+    buf = ParamDoubleBuffer(device, budget_bytes=2 * stage_bytes, dtype=torch.bfloat16)
+    nxt = buf.prefetch((3, 1), segment.params)    # H2D copy on the h2d stream
+    ... compute with the current slot ...
+    buf.release(cur)                              # the half is free once compute passes here
+    buf.bind(nxt, module, layout)                 # compute waits for the copy; params -> views
+    ... forward / backward of stage (3, 1) ...
+
+Both halves are allocated once; binding only re-points `.data`, so nothing is allocated
+per use. A prefetch into a released half first waits (on the h2d stream) for the compute
+that used it, so a copy never overwrites parameters still in use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from megatron.offload.device import DeviceLayer, Event
+from megatron.offload.layout import FlatLayout, bind_parameters
+
+StageKey = tuple[int, int]
+
+
+@dataclass
+class Slot:
+    """One half of the double buffer and the stage it holds."""
+
+    index: int
+    flat: torch.Tensor
+    key: StageKey | None = None
+    numel: int = 0
+    ready: Event | None = None  # the H2D copy of `key` has finished
+    freed: Event | None = None  # compute no longer uses the previous contents
+    in_use: bool = field(default=False)
+
+    @property
+    def params(self) -> torch.Tensor:
+        """The stage's flat parameters in device memory."""
+        return self.flat[: self.numel]
+
+
+class ParamDoubleBuffer:
+    """Two device halves of `budget_bytes // 2` each, reused for every stage."""
+
+    def __init__(self, device: DeviceLayer, budget_bytes: int, dtype: torch.dtype) -> None:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        half_numel = budget_bytes // 2 // itemsize
+        if half_numel <= 0:
+            raise ValueError(
+                f"budget_bytes={budget_bytes}: too small for two halves of {dtype} parameters"
+            )
+        self.device = device
+        self.dtype = dtype
+        self.budget_bytes = budget_bytes
+        self.half_numel = half_numel
+        self.slots = [Slot(i, device.empty(half_numel, dtype)) for i in range(2)]
+
+    def resident(self, key: StageKey) -> Slot | None:
+        """The slot already holding (or receiving) `key`, if any."""
+        return next((s for s in self.slots if s.in_use and s.key == key), None)
+
+    def prefetch(self, key: StageKey, source: torch.Tensor) -> Slot:
+        """Start copying `source` (a stage's flat parameters) into a free half."""
+        if (slot := self.resident(key)) is not None:
+            return slot
+        if source.numel() > self.half_numel:
+            nbytes = source.numel() * source.element_size()
+            raise ValueError(
+                f"stage {key} needs {nbytes} bytes of parameters but one half of the device "
+                f"double buffer holds {self.half_numel * source.element_size()} "
+                f"(budget_bytes={self.budget_bytes}); raise the budget or split stages finer"
+            )
+        if source.dtype != self.dtype:
+            raise ValueError(
+                f"stage {key}: parameters are {source.dtype}, buffer holds {self.dtype}"
+            )
+        free = [s for s in self.slots if not s.in_use]
+        if not free:
+            held = [s.key for s in self.slots]
+            raise RuntimeError(
+                f"prefetch of stage {key}: both halves hold stages {held}; release one"
+            )
+        slot = free[0]
+        stream = self.device.h2d_stream
+        if slot.freed is not None:
+            stream.wait_event(slot.freed)
+        slot.key, slot.numel, slot.in_use = key, source.numel(), True
+        slot.ready = self.device.copy_async(slot.params, source.reshape(-1), stream)
+        return slot
+
+    def wait_ready(self, slot: Slot) -> None:
+        """Order the compute stream after the slot's copy (blocks the caller on the CPU)."""
+        assert slot.ready is not None, f"slot {slot.index} was never prefetched"
+        self.device.compute_stream.wait_event(slot.ready)
+
+    def bind(self, slot: Slot, module: nn.Module, layout: FlatLayout) -> None:
+        """Compute waits for the slot's copy, then `module`'s parameters view the slot."""
+        if not slot.in_use or slot.numel != layout.numel:
+            raise ValueError(
+                f"slot {slot.index} holds stage {slot.key} ({slot.numel} elements), "
+                f"the layout needs {layout.numel}"
+            )
+        self.wait_ready(slot)
+        bind_parameters(module, layout, slot.params)
+
+    def release(self, slot: Slot) -> None:
+        """The stage in `slot` is done; its half can receive the next prefetch."""
+        slot.freed = self.device.compute_stream.record_event()
+        slot.in_use = False
