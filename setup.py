@@ -2,6 +2,11 @@
 
 pybind11 on raw pointers, no PyTorch headers, so it builds in seconds:
 `python setup.py build_ext --inplace` (what `make setup` runs).
+
+No -march=native: the AVX2 and AVX-512 kernels are compiled with per-file
+`#pragma GCC target` and chosen at run time, so one binary runs on any x86-64 and the
+portable kernel alone builds on aarch64. -ffp-contract=off keeps every kernel's
+arithmetic identical (no fused multiply-add), so they agree bit for bit.
 """
 
 from pybind11.setup_helpers import Pybind11Extension, build_ext
@@ -10,9 +15,20 @@ from setuptools import setup
 ext_modules = [
     Pybind11Extension(
         "megatron.optimizer._cpu_adam",
-        ["csrc/cpu_adam.cpp"],
+        [
+            "csrc/cpu_adam.cpp",
+            "csrc/isa_portable.cpp",
+            "csrc/isa_avx2.cpp",
+            "csrc/isa_avx512.cpp",
+        ],
+        depends=[
+            "csrc/kernel_api.h",
+            "csrc/adam_kernel.h",
+            "csrc/scalar_policy.h",
+        ],
         cxx_std=17,
-        extra_compile_args=["-O3"],
+        extra_compile_args=["-O3", "-ffp-contract=off", "-fno-math-errno"],
+        extra_link_args=["-pthread"],
     )
 ]
 

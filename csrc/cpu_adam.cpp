@@ -1,0 +1,281 @@
+// pybind11 entry points of megatron.optimizer._cpu_adam: ISA dispatch, threads, pinning.
+// Buffers arrive as raw addresses + sizes + dtype codes; the Python layer
+// (megatron/optimizer/cpu_adam.py) owns the tensors and validates them.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#if defined(__linux__)
+#include <pthread.h>
+#include <sched.h>
+#endif
+
+#include <cerrno>
+#include <cmath>
+#include <cstring>
+#include <exception>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "kernel_api.h"
+
+namespace py = pybind11;
+
+namespace cpu_adam {
+namespace {
+
+using RangeFn = RangeResult (*)(Op, const Buffers&, const Hyper&, int64_t, int64_t, int*);
+
+// Chunks start on 64-element boundaries so no two threads share a cache line.
+constexpr int64_t kAlign = 64;
+// Below this many elements per thread, starting a thread costs more than it saves.
+constexpr int64_t kMinPerThread = 16384;
+
+struct IsaEntry {
+  const char* name;
+  RangeFn fn;
+};
+
+std::vector<IsaEntry> available() {
+  std::vector<IsaEntry> isas{{"portable", &isa_portable::run_range}};
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                    __builtin_cpu_supports("f16c");
+  if (avx2) isas.push_back({"avx2", &isa_avx2::run_range});
+  if (avx2 && __builtin_cpu_supports("avx512f")) isas.push_back({"avx512", &isa_avx512::run_range});
+#endif
+  return isas;
+}
+
+std::vector<std::string> available_names() {
+  std::vector<std::string> names;
+  for (const auto& e : available()) names.emplace_back(e.name);
+  return names;
+}
+
+RangeFn resolve(const std::string& isa) {
+  const auto isas = available();
+  if (isa == "auto") return isas.back().fn;  // listed from least to most capable
+  std::string names;
+  for (const auto& e : isas) {
+    if (isa == e.name) return e.fn;
+    names += names.empty() ? e.name : std::string(", ") + e.name;
+  }
+  throw std::invalid_argument("isa='" + isa + "' is not available on this CPU; expected auto or one of: " + names);
+}
+
+void pin_current_thread(int core) {
+#if defined(__linux__)
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  CPU_SET(core, &set);
+  const int rc = pthread_setaffinity_np(pthread_self(), sizeof set, &set);
+  if (rc != 0) {
+    throw std::runtime_error("cannot pin an optimizer thread to core " + std::to_string(core) +
+                             ": " + std::strerror(rc));
+  }
+#else
+  (void)core;
+  throw std::runtime_error("pinning optimizer threads to cores is only supported on Linux");
+#endif
+}
+
+struct Partition {
+  int64_t n;
+  int64_t chunk;
+  int count;
+  int64_t begin(int t) const { return t * chunk; }
+  int64_t end(int t) const { return (t + 1) * chunk < n ? (t + 1) * chunk : n; }
+};
+
+Partition partition(int64_t n, int threads) {
+  int64_t useful = n / kMinPerThread;
+  int64_t t = threads < useful ? threads : useful;
+  if (t < 1) t = 1;
+  int64_t chunk = (n + t - 1) / t;
+  chunk = (chunk + kAlign - 1) / kAlign * kAlign;
+  if (chunk < 1) chunk = 1;
+  return {n, chunk, static_cast<int>((n + chunk - 1) / chunk)};
+}
+
+// Runs body(t) for every chunk t of the partition, one thread per chunk. The calling
+// thread only waits, so that pinning never changes the caller's own affinity.
+template <class Body>
+void run_chunks(const Partition& part, const std::vector<int>& cores, Body body) {
+  if (part.count <= 1 && cores.empty()) {
+    if (part.count == 1) body(0);
+    return;
+  }
+  std::exception_ptr error;
+  std::mutex error_mutex;
+  std::vector<std::thread> workers;
+  workers.reserve(part.count);
+  for (int t = 0; t < part.count; ++t) {
+    workers.emplace_back([&, t] {
+      try {
+        if (!cores.empty()) pin_current_thread(cores[t % cores.size()]);
+        body(t);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(error_mutex);
+        if (!error) error = std::current_exception();
+      }
+    });
+  }
+  for (auto& w : workers) w.join();
+  if (error) std::rethrow_exception(error);
+}
+
+Hyper make_hyper(double lr, double beta1, double beta2, double eps, double weight_decay,
+                 int64_t step, double inv_scale) {
+  // Same double-precision scalars as torch.optim.AdamW computes in Python.
+  const double bc1 = 1.0 - std::pow(beta1, static_cast<double>(step));
+  const double bc2 = 1.0 - std::pow(beta2, static_cast<double>(step));
+  Hyper h;
+  h.inv_scale = static_cast<float>(inv_scale);
+  h.decay = static_cast<float>(1.0 - lr * weight_decay);
+  h.one_minus_b1 = static_cast<float>(1.0 - beta1);
+  h.beta1 = static_cast<float>(beta1);
+  h.beta2 = static_cast<float>(beta2);
+  h.one_minus_b2 = static_cast<float>(1.0 - beta2);
+  h.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
+  h.eps = static_cast<float>(eps);
+  h.neg_step_size = static_cast<float>(-(lr / bc1));
+  return h;
+}
+
+Buffers make_buffers(uintptr_t p, uintptr_t m, uintptr_t v, uintptr_t grad, int grad_dtype,
+                     uintptr_t out, int out_dtype, uintptr_t snapshot, int64_t n) {
+  if (grad_dtype < kF32 || grad_dtype > kBF16) {
+    throw std::invalid_argument("grad_dtype=" + std::to_string(grad_dtype) + " is not 0 (fp32), 1 (fp16) or 2 (bf16)");
+  }
+  if (out_dtype < kNone || out_dtype > kBF16) {
+    throw std::invalid_argument("out_dtype=" + std::to_string(out_dtype) + " is not -1 (none), 0, 1 or 2");
+  }
+  if (n < 0) throw std::invalid_argument("n=" + std::to_string(n) + " must be >= 0");
+  return {reinterpret_cast<float*>(p), reinterpret_cast<float*>(m), reinterpret_cast<float*>(v),
+          reinterpret_cast<const void*>(grad), out ? reinterpret_cast<void*>(out) : nullptr,
+          snapshot ? reinterpret_cast<float*>(snapshot) : nullptr, n, grad_dtype,
+          out ? out_dtype : static_cast<int>(kNone)};
+}
+
+// One full step. A non-finite gradient anywhere leaves p, m, v and the working copy as
+// they were: the tiles updated before it was seen are put back (from the snapshot when
+// there is one, bit-exact; otherwise by the arithmetic inverse).
+py::tuple step(uintptr_t p, uintptr_t m, uintptr_t v, uintptr_t grad, int grad_dtype,
+               uintptr_t out, int out_dtype, uintptr_t snapshot, int64_t n, double lr,
+               double beta1, double beta2, double eps, double weight_decay, int64_t step_count,
+               double inv_scale, int threads, const std::vector<int>& cores,
+               const std::string& isa) {
+  const RangeFn fn = resolve(isa);
+  const Buffers b = make_buffers(p, m, v, grad, grad_dtype, out, out_dtype, snapshot, n);
+  const Hyper h = make_hyper(lr, beta1, beta2, eps, weight_decay, step_count, inv_scale);
+  const Partition part = partition(n, threads);
+  std::vector<RangeResult> results(part.count);
+  bool finite = true;
+  double sumsq = 0.0;
+  {
+    py::gil_scoped_release release;
+    int abort = 0;
+    run_chunks(part, cores, [&](int t) {
+      results[t] = fn(Op::kStep, b, h, part.begin(t), part.end(t), &abort);
+    });
+    for (const auto& r : results) {
+      finite = finite && r.finite;
+      sumsq += r.sumsq;
+    }
+    if (!finite || abort) {
+      finite = false;
+      const Op undo = b.snap ? Op::kRestore : Op::kInverse;
+      run_chunks(part, cores, [&](int t) {
+        fn(undo, b, h, part.begin(t), results[t].stop, nullptr);
+      });
+    }
+  }
+  return py::make_tuple(finite, finite ? sumsq : INFINITY);
+}
+
+// Undoes a step that was applied with the same arguments.
+void undo(uintptr_t p, uintptr_t m, uintptr_t v, uintptr_t grad, int grad_dtype, uintptr_t out,
+          int out_dtype, uintptr_t snapshot, int64_t n, double lr, double beta1, double beta2,
+          double eps, double weight_decay, int64_t step_count, double inv_scale, int threads,
+          const std::vector<int>& cores, const std::string& isa) {
+  const RangeFn fn = resolve(isa);
+  const Buffers b = make_buffers(p, m, v, grad, grad_dtype, out, out_dtype, snapshot, n);
+  const Hyper h = make_hyper(lr, beta1, beta2, eps, weight_decay, step_count, inv_scale);
+  const Partition part = partition(n, threads);
+  std::vector<RangeResult> results(part.count);
+  {
+    py::gil_scoped_release release;
+    const Op op = b.snap ? Op::kRestore : Op::kInverse;
+    run_chunks(part, cores, [&](int t) {
+      results[t] = fn(op, b, h, part.begin(t), part.end(t), nullptr);
+    });
+  }
+  for (const auto& r : results) {
+    if (!r.finite || r.stop != part.end(&r - results.data())) {
+      throw std::runtime_error(
+          "rollback met a non-finite gradient: the gradient buffer changed after the step");
+    }
+  }
+}
+
+// Unscale and check only (the synchronous schedule's first pass).
+py::tuple check(uintptr_t grad, int grad_dtype, int64_t n, double inv_scale, int threads,
+                const std::vector<int>& cores, const std::string& isa) {
+  const RangeFn fn = resolve(isa);
+  const Buffers b = make_buffers(0, 0, 0, grad, grad_dtype, 0, kNone, 0, n);
+  Hyper h{};
+  h.inv_scale = static_cast<float>(inv_scale);
+  const Partition part = partition(n, threads);
+  std::vector<RangeResult> results(part.count);
+  bool finite = true;
+  double sumsq = 0.0;
+  {
+    py::gil_scoped_release release;
+    int abort = 0;
+    run_chunks(part, cores, [&](int t) {
+      results[t] = fn(Op::kCheck, b, h, part.begin(t), part.end(t), &abort);
+    });
+    for (const auto& r : results) {
+      finite = finite && r.finite;
+      sumsq += r.sumsq;
+    }
+    finite = finite && !abort;
+  }
+  return py::make_tuple(finite, finite ? sumsq : INFINITY);
+}
+
+}  // namespace
+}  // namespace cpu_adam
+
+PYBIND11_MODULE(_cpu_adam, mod) {
+  using namespace cpu_adam;
+  mod.doc() = "Mixed-precision AdamW over flat host buffers (see docs/cpu_optimizer.md).";
+  mod.attr("F32") = static_cast<int>(kF32);
+  mod.attr("F16") = static_cast<int>(kF16);
+  mod.attr("BF16") = static_cast<int>(kBF16);
+  mod.attr("NONE") = static_cast<int>(kNone);
+  mod.def("available_isas", &available_names,
+          "Kernels this CPU can run, from least to most capable ('auto' picks the last).");
+  const auto step_args = [](auto... extra) {
+    return std::make_tuple(py::arg("p"), py::arg("m"), py::arg("v"), py::arg("grad"),
+                           py::arg("grad_dtype"), py::arg("out"), py::arg("out_dtype"),
+                           py::arg("snapshot"), py::arg("n"), py::arg("lr"), py::arg("beta1"),
+                           py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
+                           py::arg("step"), py::arg("inv_scale"), py::arg("threads"),
+                           py::arg("cores"), py::arg("isa"), extra...);
+  };
+  std::apply([&](auto... a) {
+    mod.def("step", &step, a...,
+            "AdamW step; returns (finite, sum of squares of the unscaled gradient).");
+  }, step_args());
+  std::apply([&](auto... a) {
+    mod.def("undo", &undo, a..., "Undo a step made with the same arguments.");
+  }, step_args());
+  mod.def("check", &check, py::arg("grad"), py::arg("grad_dtype"), py::arg("n"),
+          py::arg("inv_scale"), py::arg("threads"), py::arg("cores"), py::arg("isa"),
+          "Unscale and check; returns (finite, sum of squares of the unscaled gradient).");
+}

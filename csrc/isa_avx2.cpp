@@ -1,0 +1,65 @@
+// AVX2 + FMA + F16C kernel (x86-64 since Haswell / Zen), selected at run time.
+#include <cstdint>
+
+#include "kernel_api.h"
+
+#if defined(__x86_64__)
+#pragma GCC target("avx2,fma,f16c")
+#include <immintrin.h>
+
+namespace cpu_adam::isa_avx2 {
+#include "scalar_policy.h"
+
+struct Vec {
+  using F = __m256;
+  using M = __m256;
+  static constexpr int W = 8;
+  static F set1(float x) { return _mm256_set1_ps(x); }
+  static F load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, F x) { _mm256_storeu_ps(p, x); }
+  static F load_f16(const uint16_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static void store_f16(uint16_t* p, F x) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                     _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  static F load_bf16(const uint16_t* p) {
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+  }
+  static void store_bf16(uint16_t* p, F x) {
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb);
+    r = _mm256_srli_epi32(r, 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
+    // packus works per 128-bit lane: keep 64-bit elements 0 and 2
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+  }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F div(F a, F b) { return _mm256_div_ps(a, b); }
+  static F sqrt(F a) { return _mm256_sqrt_ps(a); }
+  static F max0(F a) {  // keeps nan, unlike _mm256_max_ps(a, 0)
+    const F zero = _mm256_setzero_ps();
+    return _mm256_blendv_ps(a, zero, _mm256_cmp_ps(a, zero, _CMP_LT_OQ));
+  }
+  static M mask_zero() { return _mm256_setzero_ps(); }
+  static M nonfinite_or(M acc, F x) {  // x - x is nan exactly for inf and nan
+    return _mm256_or_ps(acc, _mm256_cmp_ps(_mm256_sub_ps(x, x), _mm256_setzero_ps(), _CMP_UNORD_Q));
+  }
+  static bool any(M acc) { return _mm256_movemask_ps(acc) != 0; }
+  static float hsum(F x) {
+    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+  }
+};
+
+#include "adam_kernel.h"
+}  // namespace cpu_adam::isa_avx2
+#endif

@@ -1,0 +1,62 @@
+// AVX-512F kernel (Skylake-SP, Ice Lake, Sapphire Rapids, Zen 4), selected at run time.
+#include <cstdint>
+
+#include "kernel_api.h"
+
+#if defined(__x86_64__)
+#pragma GCC target("avx512f,avx2,fma,f16c")
+// GCC 12 warns about its own _mm512_undefined_* placeholders inside immintrin.h.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+
+namespace cpu_adam::isa_avx512 {
+#include "scalar_policy.h"
+
+struct Vec {
+  using F = __m512;
+  using M = __mmask16;
+  static constexpr int W = 16;
+  static F set1(float x) { return _mm512_set1_ps(x); }
+  static F load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, F x) { _mm512_storeu_ps(p, x); }
+  static F load_f16(const uint16_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  static void store_f16(uint16_t* p, F x) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                        _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  static F load_bf16(const uint16_t* p) {
+    const __m512i w =
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+  }
+  static void store_bf16(uint16_t* p, F x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
+    r = _mm512_srli_epi32(r, 16);
+    r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), r,
+                                _mm512_set1_epi32(0x7fc0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+  }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F div(F a, F b) { return _mm512_div_ps(a, b); }
+  static F sqrt(F a) { return _mm512_sqrt_ps(a); }
+  static F max0(F a) {  // keeps nan
+    const F zero = _mm512_setzero_ps();
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, zero, _CMP_LT_OQ), a, zero);
+  }
+  static M mask_zero() { return 0; }
+  static M nonfinite_or(M acc, F x) {  // x - x is nan exactly for inf and nan
+    return acc | _mm512_cmp_ps_mask(_mm512_sub_ps(x, x), _mm512_setzero_ps(), _CMP_UNORD_Q);
+  }
+  static bool any(M acc) { return acc != 0; }
+  static float hsum(F x) { return _mm512_reduce_add_ps(x); }
+};
+
+#include "adam_kernel.h"
+}  // namespace cpu_adam::isa_avx512
+#endif

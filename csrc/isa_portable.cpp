@@ -1,0 +1,10 @@
+// Portable kernel (any architecture): one lane at a time, left to the auto-vectorizer.
+#include <cstdint>
+
+#include "kernel_api.h"
+
+namespace cpu_adam::isa_portable {
+#include "scalar_policy.h"
+using Vec = Scalar;
+#include "adam_kernel.h"
+}  // namespace cpu_adam::isa_portable

@@ -1,0 +1,65 @@
+// Interface between the dispatcher (cpu_adam.cpp) and the per-ISA kernels.
+// Each ISA translation unit compiles adam_kernel.h inside its own namespace with its
+// own target flags, so no inline function compiled for AVX-512 can be picked by the
+// linker for a CPU without it. Keep this header free of STL includes for that reason.
+#pragma once
+#include <cstdint>
+
+namespace cpu_adam {
+
+// Element types of the gradient and of the working copy; kNone: no working copy.
+enum DType : int { kF32 = 0, kF16 = 1, kBF16 = 2, kNone = -1 };
+
+enum class Op : int {
+  kStep = 0,     // unscale, check, AdamW update, write the working copy
+  kInverse = 1,  // arithmetic inverse of kStep with the same gradient and hyper-parameters
+  kRestore = 2,  // copy p, m, v back from the snapshot, rewrite the working copy
+  kCheck = 3,    // unscale and check only (the synchronous baseline's first pass)
+};
+
+struct Buffers {
+  float* p;
+  float* m;
+  float* v;
+  const void* grad;
+  void* out;      // working copy (may be null when out_dtype == kNone)
+  float* snap;    // exact mode: 3 * n floats laid out as [p | m | v]; null otherwise
+  int64_t n;
+  int grad_dtype;
+  int out_dtype;
+};
+
+// Hyper-parameters of one step, already folded into the constants the update uses.
+struct Hyper {
+  float inv_scale;
+  float decay;          // 1 - lr * weight_decay
+  float one_minus_b1;
+  float beta1;
+  float beta2;
+  float one_minus_b2;
+  float bc2_sqrt;       // sqrt(1 - beta2^t)
+  float eps;
+  float neg_step_size;  // -lr / (1 - beta1^t)
+};
+
+struct RangeResult {
+  int64_t stop;   // elements in [begin, stop) were changed by this call
+  bool finite;    // every unscaled gradient in [begin, stop) was finite
+  double sumsq;   // sum of squares of the unscaled gradient over [begin, stop)
+};
+
+// `abort` is shared by the threads of one call: the first one that sees a non-finite
+// gradient sets it and the others stop at their next tile.
+#define CPU_ADAM_DECLARE_ISA(ns)                                                     \
+  namespace ns {                                                                     \
+  RangeResult run_range(Op op, const Buffers& b, const Hyper& h, int64_t begin,      \
+                        int64_t end, int* abort);                                    \
+  }
+
+CPU_ADAM_DECLARE_ISA(isa_portable)
+#if defined(__x86_64__)
+CPU_ADAM_DECLARE_ISA(isa_avx2)
+CPU_ADAM_DECLARE_ISA(isa_avx512)
+#endif
+
+}  // namespace cpu_adam

@@ -1,0 +1,71 @@
+// One-lane policy: the portable kernel and every ISA's tail elements.
+// Included inside an ISA namespace after <cstdint>; no includes of its own (see kernel_api.h).
+
+static inline uint32_t bits_of(float f) {
+  uint32_t u;
+  __builtin_memcpy(&u, &f, sizeof u);
+  return u;
+}
+
+static inline float float_of(uint32_t u) {
+  float f;
+  __builtin_memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+static inline float f16_to_f32(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1fu;
+  const uint32_t mant = h & 0x3ffu;
+  if (exp == 0x1f) return float_of(sign | 0x7f800000u | (mant << 13));  // inf, nan
+  if (exp != 0) return float_of(sign | ((exp + 112) << 23) | (mant << 13));
+  // zero and subnormals: mant * 2^-24 is exact in fp32
+  return float_of(sign | bits_of(static_cast<float>(mant) * 5.9604644775390625e-8f));
+}
+
+// Round to nearest even, nan -> 0x7e00 (as F16C and torch do). The two multiplications
+// let the FPU do the rounding of the mantissa (the classic FP16 library construction).
+static inline uint16_t f32_to_f16(float f) {
+  float base = (__builtin_fabsf(f) * 0x1.0p+112f) * 0x1.0p-110f;
+  const uint32_t w = bits_of(f);
+  const uint32_t shl1_w = w + w;
+  const uint32_t sign = w & 0x80000000u;
+  uint32_t bias = shl1_w & 0xff000000u;
+  if (bias < 0x71000000u) bias = 0x71000000u;
+  base = float_of((bias >> 1) + 0x07800000u) + base;
+  const uint32_t b = bits_of(base);
+  const uint32_t nonsign = ((b >> 13) & 0x7c00u) + (b & 0x0fffu);
+  return static_cast<uint16_t>((sign >> 16) | (shl1_w > 0xff000000u ? 0x7e00u : nonsign));
+}
+
+static inline float bf16_to_f32(uint16_t h) { return float_of(static_cast<uint32_t>(h) << 16); }
+
+// Round to nearest even, nan -> 0x7fc0 (torch's c10::BFloat16 rounding).
+static inline uint16_t f32_to_bf16(float f) {
+  if (f != f) return 0x7fc0;
+  const uint32_t u = bits_of(f);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+struct Scalar {
+  using F = float;
+  using M = bool;
+  static constexpr int W = 1;
+  static F set1(float x) { return x; }
+  static F load(const float* p) { return *p; }
+  static void store(float* p, F x) { *p = x; }
+  static F load_f16(const uint16_t* p) { return f16_to_f32(*p); }
+  static void store_f16(uint16_t* p, F x) { *p = f32_to_f16(x); }
+  static F load_bf16(const uint16_t* p) { return bf16_to_f32(*p); }
+  static void store_bf16(uint16_t* p, F x) { *p = f32_to_bf16(x); }
+  static F add(F a, F b) { return a + b; }
+  static F sub(F a, F b) { return a - b; }
+  static F mul(F a, F b) { return a * b; }
+  static F div(F a, F b) { return a / b; }
+  static F sqrt(F a) { return __builtin_sqrtf(a); }
+  static F max0(F a) { return a < 0.0f ? 0.0f : a; }  // keeps nan
+  static M mask_zero() { return false; }
+  static M nonfinite_or(M acc, F x) { return acc || !(x - x == 0.0f); }
+  static bool any(M acc) { return acc; }
+  static float hsum(F x) { return x; }
+};
