@@ -1,0 +1,248 @@
+"""LLaMA-2 from megatron-core building blocks, as an ordered list of pieces.
+
+Piece 0 is the embedding, pieces 1..L the decoder layers, piece L+1 the head (final RMSNorm,
+output layer and the loss). Every piece has the same call signature,
+`piece(hidden, batch) -> hidden` (the embedding ignores `hidden`, the head returns the
+micro-batch's mean loss), so a pipeline stage is just a run of consecutive pieces and a
+process builds only the pieces it runs.
+
+Each piece is initialized from its own seed (model seed, piece index), so a piece built alone
+in one process has the same weights as the same piece built inside the full model elsewhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron.models.cpu_adaptation import adapt_megatron_core_for_host
+
+Batch = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    vocab_size: int
+    seq_length: int
+    rope_base: float = 10000.0
+    norm_epsilon: float = 1e-5
+    init_method_std: float = 0.02
+    params_dtype: torch.dtype = torch.float32
+    seed: int = 1234
+
+    @property
+    def num_pieces(self) -> int:
+        return self.num_layers + 2
+
+    def with_dtype(self, dtype: torch.dtype) -> LlamaConfig:
+        return replace(self, params_dtype=dtype)
+
+
+def _use_transformer_engine() -> bool:
+    """TE's layer spec on CUDA when it imports; the local spec everywhere else."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def transformer_config(cfg: LlamaConfig):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    adapt_megatron_core_for_host()
+    return TransformerConfig(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        ffn_hidden_size=cfg.ffn_hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.num_query_groups,
+        normalization="RMSNorm",
+        layernorm_epsilon=cfg.norm_epsilon,
+        gated_linear_unit=True,  # SwiGLU
+        activation_func=F.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=cfg.init_method_std,
+        params_dtype=cfg.params_dtype,
+        pipeline_dtype=cfg.params_dtype,
+        bf16=cfg.params_dtype == torch.bfloat16,
+        fp16=cfg.params_dtype == torch.float16,
+        use_cpu_initialization=True,
+        # The fusions are CUDA kernels; the unfused paths are exact on every device.
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+    )
+
+
+def layer_spec():
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if _use_transformer_engine():
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+
+
+class EmbeddingPiece(nn.Module):
+    def __init__(self, cfg: LlamaConfig, tcfg) -> None:
+        super().__init__()
+        from megatron.core.models.common.embeddings.language_model_embedding import (
+            LanguageModelEmbedding,
+        )
+
+        self.embedding = LanguageModelEmbedding(
+            config=tcfg,
+            vocab_size=cfg.vocab_size,
+            max_sequence_length=cfg.seq_length,
+            position_embedding_type="rope",
+        )
+
+    def forward(self, hidden: torch.Tensor | None, batch: Batch) -> torch.Tensor:
+        tokens = batch["tokens"]
+        position_ids = batch.get("position_ids")
+        return self.embedding(input_ids=tokens, position_ids=position_ids)  # [s, b, h]
+
+
+class DecoderLayerPiece(nn.Module):
+    def __init__(self, cfg: LlamaConfig, tcfg, layer_number: int) -> None:
+        super().__init__()
+        from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+        from megatron.core.transformer.spec_utils import build_module
+
+        self.layer = build_module(layer_spec(), config=tcfg, layer_number=layer_number)
+        # No parameters: the frequencies are recomputed per sequence length and cached.
+        self._rotary = RotaryEmbedding(
+            kv_channels=tcfg.kv_channels,
+            rotary_percent=1.0,
+            rotary_base=cfg.rope_base,
+            use_cpu_initialization=True,
+        )
+        self._cache: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _rope_and_mask(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (seq_len, str(device))
+        if key not in self._cache:
+            rope = self._rotary(seq_len).to(device)
+            # True = masked: the causal mask as megatron-core's attention expects it.
+            mask = torch.triu(
+                torch.ones(1, 1, seq_len, seq_len, dtype=torch.bool, device=device), diagonal=1
+            )
+            self._cache = {key: (rope, mask)}
+        return self._cache[key]
+
+    def forward(self, hidden: torch.Tensor, batch: Batch) -> torch.Tensor:
+        rope, mask = self._rope_and_mask(hidden.shape[0], hidden.device)
+        out, _ = self.layer(hidden_states=hidden, attention_mask=mask, rotary_pos_emb=rope)
+        return out
+
+
+class HeadPiece(nn.Module):
+    """Final RMSNorm, output projection, masked mean cross-entropy of the micro-batch."""
+
+    def __init__(self, cfg: LlamaConfig, tcfg) -> None:
+        super().__init__()
+        from megatron.core import tensor_parallel
+        from megatron.core.transformer.transformer_block import LayerNormImpl
+
+        self.final_layernorm = LayerNormImpl(
+            config=tcfg, hidden_size=cfg.hidden_size, eps=cfg.norm_epsilon
+        )
+        self.output_layer = tensor_parallel.ColumnParallelLinear(
+            cfg.hidden_size,
+            cfg.vocab_size,
+            config=tcfg,
+            init_method=tcfg.init_method,
+            bias=False,
+            skip_bias_add=False,
+            gather_output=False,
+        )
+
+    def token_losses(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+        logits, _ = self.output_layer(self.final_layernorm(hidden))  # [s, b, V]
+        # Same as GPTModel.compute_language_model_loss: [b, s] labels -> [s, b] -> [b, s].
+        return vocab_parallel_cross_entropy(logits.float(), labels.t().contiguous()).t()
+
+    def forward(self, hidden: torch.Tensor, batch: Batch) -> torch.Tensor:
+        losses = self.token_losses(hidden, batch["labels"])
+        mask = batch["loss_mask"].to(losses.dtype)
+        return (losses * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def piece_name(cfg: LlamaConfig, index: int) -> str:
+    if index == 0:
+        return "embedding"
+    if index == cfg.num_layers + 1:
+        return "head"
+    return f"layer{index - 1}"
+
+
+def build_piece(cfg: LlamaConfig, index: int) -> nn.Module:
+    """Build piece `index` with weights that depend only on (cfg.seed, index)."""
+    if not 0 <= index < cfg.num_pieces:
+        raise IndexError(f"piece index {index} out of range 0..{cfg.num_pieces - 1}")
+    tcfg = transformer_config(cfg)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed * 100_003 + index)
+        if index == 0:
+            return EmbeddingPiece(cfg, tcfg)
+        if index == cfg.num_layers + 1:
+            return HeadPiece(cfg, tcfg)
+        return DecoderLayerPiece(cfg, tcfg, layer_number=index)
+
+
+def build_pieces(cfg: LlamaConfig, indices: Iterable[int]) -> nn.ModuleList:
+    return nn.ModuleList(build_piece(cfg, i) for i in indices)
+
+
+def run_pieces(pieces: Sequence[nn.Module], hidden: torch.Tensor | None, batch: Batch):
+    for piece in pieces:
+        hidden = piece(hidden, batch)
+    return hidden
+
+
+class LlamaModel(nn.Module):
+    """The whole model as one module: all pieces, chained. Returns the mean loss."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.pieces = build_pieces(cfg, range(cfg.num_pieces))
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        return run_pieces(self.pieces, None, batch)
+
+
+def gpt_model_name(cfg: LlamaConfig, piece_index: int, local_name: str) -> str:
+    """The name megatron-core's GPTModel gives to parameter `local_name` of a piece."""
+    if piece_index == 0:
+        return local_name  # embedding.word_embeddings.weight
+    if piece_index == cfg.num_layers + 1:
+        return ("decoder." if local_name.startswith("final_layernorm") else "") + local_name
+    return f"decoder.layers.{piece_index - 1}." + local_name.removeprefix("layer.")
+
+
+def to_gpt_model_state_dict(cfg: LlamaConfig, pieces: Sequence[nn.Module]) -> dict[str, torch.Tensor]:
+    """The full piece list's state, under megatron-core GPTModel's names."""
+    return {
+        gpt_model_name(cfg, index, name): tensor
+        for index, piece in enumerate(pieces)
+        for name, tensor in piece.state_dict().items()
+        if "_extra_state" not in name
+    }

@@ -1,0 +1,244 @@
+"""Megatron-style command-line flags, model presets, and validation of bad input.
+
+Flags given explicitly override the preset's values; a preset's values override the built-in
+defaults. Every inconsistency is reported as one line naming the flag, the value and what was
+expected, with exit status 2, before anything is allocated or written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+from megatron.models.presets import PRESETS, get_preset
+
+SCHEDULES = ("single", "decoupled", "mobius", "interleaved-1f1b", "1f1b", "gpipe")
+
+# Built-in defaults for flags that a preset may set (None in argparse so we can tell
+# "given explicitly" from "defaulted").
+DEFAULTS: dict[str, object] = {
+    "micro_batch_size": 1,
+    "global_batch_size": None,  # = micro_batch_size
+    "train_iters": 100,
+    "lr": 3e-4,
+    "min_lr": 0.0,
+    "lr_warmup_iters": 0,
+    "lr_decay_iters": None,  # = train_iters
+    "lr_decay_style": "cosine",
+    "weight_decay": 0.1,
+    "clip_grad": 1.0,
+    "adam_beta1": 0.9,
+    "adam_beta2": 0.95,
+    "adam_eps": 1e-8,
+    "seed": 1234,
+    "log_interval": 10,
+    "save_interval": None,
+    "initial_loss_scale": 2.0**16,
+    "min_loss_scale": 1.0,
+    "loss_scale_window": 1000,
+}
+
+MODEL_FLAGS = (
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "seq_length",
+    "vocab_size",
+)
+
+
+class ArgumentError(ValueError):
+    """Bad input: `flag`, `value`, and what was expected."""
+
+    def __init__(self, flag: str, value: object, expected: str) -> None:
+        self.flag, self.value, self.expected = flag, value, expected
+        super().__init__(f"{flag} {value}: {expected}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pretrain_llama.py",
+        description="Pretrain a LLaMA-2 model with model states in host memory.",
+    )
+    g = p.add_argument_group("model")
+    g.add_argument("--model-preset", default=None, metavar="NAME",
+                   help=f"one of: {', '.join(PRESETS)}; explicit flags override its values")
+    g.add_argument("--num-layers", type=int)
+    g.add_argument("--hidden-size", type=int)
+    g.add_argument("--ffn-hidden-size", type=int)
+    g.add_argument("--num-attention-heads", type=int)
+    g.add_argument("--num-query-groups", type=int, help="KV heads (grouped-query attention)")
+    g.add_argument("--seq-length", type=int)
+    g.add_argument("--vocab-size", type=int, help="default: the tokenizer's vocabulary size")
+    g.add_argument("--print-model-size", action="store_true",
+                   help="print the parameter count and model-state memory, then exit")
+
+    g = p.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int)
+    g.add_argument("--global-batch-size", type=int,
+                   help="a multiple of --micro-batch-size; the quotient is the number of "
+                        "micro-batches accumulated per iteration")
+    g.add_argument("--train-iters", type=int)
+    g.add_argument("--lr", type=float)
+    g.add_argument("--min-lr", type=float)
+    g.add_argument("--lr-warmup-iters", type=int)
+    g.add_argument("--lr-decay-iters", type=int)
+    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine", "inverse-square-root"])
+    g.add_argument("--weight-decay", type=float)
+    g.add_argument("--clip-grad", type=float, help="global gradient-norm clip; 0 disables")
+    g.add_argument("--adam-beta1", type=float)
+    g.add_argument("--adam-beta2", type=float)
+    g.add_argument("--adam-eps", type=float)
+    g.add_argument("--seed", type=int)
+    prec = g.add_mutually_exclusive_group()
+    prec.add_argument("--bf16", action="store_true", help="bf16 working parameters and gradients")
+    prec.add_argument("--fp16", action="store_true",
+                      help="fp16 working parameters and gradients, dynamic loss scaling")
+    g.add_argument("--initial-loss-scale", type=float)
+    g.add_argument("--min-loss-scale", type=float)
+    g.add_argument("--loss-scale-window", type=int)
+
+    g = p.add_argument_group("data")
+    g.add_argument("--data-path", default=None, metavar="PREFIX",
+                   help="prefix of a .bin/.idx indexed dataset; default: the built-in demo corpus")
+    g.add_argument("--tokenizer-model", default=None, metavar="PATH",
+                   help="tokenizer JSON from tools/train_tokenizer.py (required with --data-path)")
+    g.add_argument("--data-cache-dir", default=None, metavar="DIR",
+                   help="where the demo corpus and dataset indices are cached "
+                        "(default: $MEGATRON_SYSX_CACHE or ~/.cache/megatron-sysx)")
+
+    g = p.add_argument_group("logging and checkpoints")
+    g.add_argument("--log-interval", type=int)
+    g.add_argument("--metrics-file", default=None, metavar="PATH",
+                   help="append one JSON object per iteration")
+    g.add_argument("--save", default=None, metavar="DIR")
+    g.add_argument("--save-interval", type=int)
+    g.add_argument("--load", default=None, metavar="DIR")
+
+    g = p.add_argument_group("pipeline")
+    g.add_argument("--pipeline-schedule", default=None, choices=SCHEDULES,
+                   help="default: single (one process), decoupled with several")
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=None,
+                   help="number of GPU processes; must equal the launcher's world size")
+    g.add_argument("--forward-stages", type=int, default=None)
+    g.add_argument("--backward-split", type=int, default=None)
+    g.add_argument("--cpu-optimizer-threads", type=int, default=None)
+    return p
+
+
+def _apply_preset_and_defaults(args: argparse.Namespace) -> None:
+    preset = None
+    if args.model_preset is not None:
+        try:
+            preset = get_preset(args.model_preset)
+        except KeyError:
+            raise ArgumentError(
+                "--model-preset", args.model_preset, f"expected one of {', '.join(PRESETS)}"
+            ) from None
+        args.model_preset = preset.name
+        for name in MODEL_FLAGS:
+            if getattr(args, name) is None:
+                setattr(args, name, getattr(preset, name))
+        for name, value in preset.training.items():
+            if getattr(args, name) is None:
+                setattr(args, name, value)
+    for name, value in DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.global_batch_size is None:
+        args.global_batch_size = args.micro_batch_size
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    if args.num_query_groups is None and args.num_attention_heads is not None:
+        args.num_query_groups = args.num_attention_heads
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def validate_args(args: argparse.Namespace) -> None:
+    """Raise ArgumentError for the first inconsistency found."""
+    for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                 "seq_length"):
+        value = getattr(args, name)
+        if value is None:
+            raise ArgumentError(_flag(name), "missing", "required (or give --model-preset)")
+    positive = MODEL_FLAGS + ("micro_batch_size", "global_batch_size", "train_iters",
+                              "log_interval")
+    for name in positive:
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            raise ArgumentError(_flag(name), value, "expected a positive integer")
+    if args.hidden_size % args.num_attention_heads:
+        raise ArgumentError("--hidden-size", args.hidden_size,
+                            f"must be divisible by --num-attention-heads ({args.num_attention_heads})")
+    if args.num_attention_heads % args.num_query_groups:
+        raise ArgumentError("--num-attention-heads", args.num_attention_heads,
+                            f"must be divisible by --num-query-groups ({args.num_query_groups})")
+    if (args.hidden_size // args.num_attention_heads) % 2:
+        raise ArgumentError("--hidden-size", args.hidden_size,
+                            "hidden size / attention heads must be even for rotary embeddings")
+    if args.global_batch_size % args.micro_batch_size:
+        raise ArgumentError("--global-batch-size", args.global_batch_size,
+                            f"must be a multiple of --micro-batch-size ({args.micro_batch_size})")
+    for name in ("lr", "min_lr", "weight_decay", "clip_grad", "adam_eps"):
+        if getattr(args, name) < 0:
+            raise ArgumentError(_flag(name), getattr(args, name), "expected a value >= 0")
+    if args.min_lr > args.lr:
+        raise ArgumentError("--min-lr", args.min_lr, f"must not exceed --lr ({args.lr})")
+    for name in ("adam_beta1", "adam_beta2"):
+        if not 0.0 <= getattr(args, name) < 1.0:
+            raise ArgumentError(_flag(name), getattr(args, name), "expected a value in [0, 1)")
+    if args.lr_warmup_iters < 0:
+        raise ArgumentError("--lr-warmup-iters", args.lr_warmup_iters, "expected >= 0")
+    if args.lr_decay_style != "constant" and args.lr_decay_iters <= args.lr_warmup_iters:
+        raise ArgumentError("--lr-decay-iters", args.lr_decay_iters,
+                            f"must exceed --lr-warmup-iters ({args.lr_warmup_iters})")
+    if args.save_interval is not None and args.save_interval <= 0:
+        raise ArgumentError("--save-interval", args.save_interval, "expected a positive integer")
+    if args.save_interval is not None and args.save is None:
+        raise ArgumentError("--save-interval", args.save_interval, "needs --save DIR")
+    if args.data_path is not None and args.tokenizer_model is None:
+        raise ArgumentError("--tokenizer-model", "missing", "required with --data-path")
+    if args.cpu_optimizer_threads is not None and args.cpu_optimizer_threads <= 0:
+        raise ArgumentError("--cpu-optimizer-threads", args.cpu_optimizer_threads,
+                            "expected a positive integer")
+
+
+def check_writable_dir(flag: str, path: str) -> None:
+    """Create `path` if needed and prove it is writable, leaving nothing behind."""
+    existed = os.path.isdir(path)
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".write-probe-{os.getpid()}")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as exc:
+        if not existed and os.path.isdir(path):
+            try:
+                os.rmdir(path)
+            except OSError:
+                pass
+        raise ArgumentError(flag, path, f"expected a writable directory ({exc.strerror})") from None
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse and validate; exits with status 2 and a one-line message on bad input."""
+    args = build_parser().parse_args(argv)
+    try:
+        _apply_preset_and_defaults(args)
+        validate_args(args)
+    except ArgumentError as exc:
+        exit_bad_input(exc)
+    return args
+
+
+def exit_bad_input(exc: Exception) -> None:
+    print(f"pretrain_llama.py: error: {exc}", file=sys.stderr)
+    raise SystemExit(2)

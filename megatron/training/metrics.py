@@ -1,0 +1,52 @@
+"""Megatron-like log lines and the machine-readable metrics file (one JSON object per line)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from typing import Any, TextIO
+
+
+def format_log_line(m: dict[str, Any], train_iters: int) -> str:
+    parts = [
+        f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] iteration {m['iteration']:>8d}/{train_iters:>8d}",
+        f"consumed samples: {m['consumed_samples']:>12d}",
+        f"elapsed time per iteration (ms): {m['iter_time_s'] * 1000:.1f}",
+        f"tokens per second: {m['tokens_per_s']:.0f}",
+        f"learning rate: {m['lr']:.6E}",
+        f"global batch size: {m['global_batch_size']:>5d}",
+        f"lm loss: {m['loss']:.6E}",
+    ]
+    if m.get("loss_scale") is not None:
+        parts.append(f"loss scale: {m['loss_scale']:.1f}")
+    if m.get("grad_norm") is not None and math.isfinite(m["grad_norm"]):
+        parts.append(f"grad norm: {m['grad_norm']:.3f}")
+    parts.append(f"number of skipped iterations: {m.get('skipped_total', 0):>3d}")
+    for key, label in (("gpu_time_s", "gpu time (ms)"), ("bubble_time_s", "bubble time (ms)"),
+                       ("exposed_optimizer_time_s", "exposed optimizer time (ms)")):
+        if m.get(key) is not None:
+            parts.append(f"{label}: {m[key] * 1000:.1f}")
+    return " | ".join(parts) + " |"
+
+
+class MetricsWriter:
+    """Appends one JSON object per iteration; flushed each line so a crash loses nothing."""
+
+    def __init__(self, path: str | None) -> None:
+        self._file: TextIO | None = None
+        if path:
+            parent = os.path.dirname(os.path.abspath(path))
+            os.makedirs(parent, exist_ok=True)
+            self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps(record, sort_keys=True) + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None

@@ -1,0 +1,19 @@
+#!/usr/bin/env python
+"""Pretrain a LLaMA-2 model with all model states in host memory.
+
+One process:    python pretrain_llama.py --model-preset tiny
+A pipeline:     torchrun --nproc-per-node 2 pretrain_llama.py --model-preset tiny
+See README.md for the flags that matter.
+"""
+
+import sys
+import warnings
+
+# megatron-core warns at import that apex / Transformer Engine are absent (optional GPU extras
+# here) and about config defaults we do not use: noise on every run.
+warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.core")
+
+from megatron.training.training import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main())

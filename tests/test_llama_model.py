@@ -1,0 +1,112 @@
+"""The piece list is megatron-core's GPTModel, cut at layer boundaries."""
+
+import pytest
+import torch
+
+from megatron.models.llama import (
+    LlamaConfig,
+    LlamaModel,
+    build_piece,
+    gpt_model_name,
+    layer_spec,
+    run_pieces,
+    to_gpt_model_state_dict,
+    transformer_config,
+)
+from megatron.models.presets import PRESETS, count_parameters, count_parameters_full_mha
+from megatron.training.distributed import initialize_distributed
+
+CFG = LlamaConfig(num_layers=3, hidden_size=64, ffn_hidden_size=176, num_attention_heads=4,
+                  num_query_groups=2, vocab_size=300, seq_length=16, seed=7)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _dist():
+    initialize_distributed()
+
+
+def _batch(cfg, b=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    s = cfg.seq_length
+    return {
+        "tokens": torch.randint(0, cfg.vocab_size, (b, s), generator=g),
+        "labels": torch.randint(0, cfg.vocab_size, (b, s), generator=g),
+        "loss_mask": torch.ones(b, s),
+        "position_ids": torch.arange(s).expand(b, s),
+    }
+
+
+def _gpt_model(cfg, pieces):
+    from megatron.core.models.gpt import GPTModel
+
+    gpt = GPTModel(config=transformer_config(cfg), transformer_layer_spec=layer_spec(),
+                   vocab_size=cfg.vocab_size, max_sequence_length=cfg.seq_length,
+                   position_embedding_type="rope", share_embeddings_and_output_weights=False)
+    result = gpt.load_state_dict(to_gpt_model_state_dict(cfg, pieces), strict=False)
+    assert not result.unexpected_keys
+    assert all("_extra_state" in k for k in result.missing_keys)
+    return gpt
+
+
+def test_pieces_equal_gpt_model_loss_and_grads():
+    model = LlamaModel(CFG)
+    gpt = _gpt_model(CFG, model.pieces)
+    batch = _batch(CFG)
+    s = CFG.seq_length
+    mask = torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool), diagonal=1)
+    ref = gpt(batch["tokens"], batch["position_ids"], mask, labels=batch["labels"]).mean()
+    ours = model(batch)
+    torch.testing.assert_close(ours, ref, rtol=0, atol=0)
+    ref.backward()
+    ours.backward()
+    ours_grads = {
+        gpt_model_name(CFG, index, name): param.grad
+        for index, piece in enumerate(model.pieces)
+        for name, param in piece.named_parameters()
+    }
+    assert ours_grads.keys() == dict(gpt.named_parameters()).keys()
+    for name, param in gpt.named_parameters():
+        torch.testing.assert_close(ours_grads[name], param.grad, rtol=0, atol=0)
+
+
+def test_piece_built_alone_has_the_weights_it_has_in_the_full_model():
+    model = LlamaModel(CFG)
+    for index in (0, 2, CFG.num_layers + 1):
+        alone = build_piece(CFG, index)
+        for (n1, p1), (n2, p2) in zip(alone.named_parameters(), model.pieces[index].named_parameters()):
+            assert n1 == n2
+            assert torch.equal(p1, p2), n1
+
+
+def test_model_cut_anywhere_gives_the_same_loss():
+    model = LlamaModel(CFG)
+    batch = _batch(CFG, seed=3)
+    whole = model(batch)
+    for cut in range(1, CFG.num_pieces):
+        hidden = run_pieces(model.pieces[:cut], None, batch)
+        hidden = hidden.detach().requires_grad_(True)  # what crosses a pipeline boundary
+        assert torch.equal(run_pieces(model.pieces[cut:], hidden, batch), whole)
+
+
+@pytest.mark.parametrize("heads,groups", [(4, 4), (4, 2), (4, 1)])
+def test_parameter_count_matches_closed_form(heads, groups):
+    cfg = LlamaConfig(num_layers=2, hidden_size=64, ffn_hidden_size=160, num_attention_heads=heads,
+                      num_query_groups=groups, vocab_size=500, seq_length=8)
+    built = sum(p.numel() for p in LlamaModel(cfg).parameters())
+    closed = count_parameters(2, 64, 160, heads, groups, 500).total
+    # 2 norms + attention h*(h + 2*kv) + h*h + SwiGLU 3*h*ffn per layer; 2*V*h; final norm h.
+    kv = groups * 64 // heads
+    by_hand = 2 * (2 * 64 + 64 * (64 + 2 * kv) + 64 * 64 + 3 * 64 * 160) + 2 * 500 * 64 + 64
+    assert built == closed == by_hand
+
+
+@pytest.mark.parametrize("name", ["10b", "19b", "30b", "40b", "52b", "69b", "88b", "110b"])
+def test_paper_presets_match_the_size_column_when_counted_as_full_attention(name):
+    p = PRESETS[name]
+    mha = count_parameters_full_mha(p.num_layers, p.hidden_size, p.ffn_hidden_size, p.vocab_size)
+    assert abs(mha / 1e9 - p.paper_size_billions) / p.paper_size_billions < 0.03
+    real = count_parameters(p.num_layers, p.hidden_size, p.ffn_hidden_size,
+                            p.num_attention_heads, p.num_query_groups, p.vocab_size).total
+    assert real < mha  # grouped-query attention has narrower K/V projections
+    assert p.hidden_size % p.num_attention_heads == 0
+    assert p.num_attention_heads % p.num_query_groups == 0
