@@ -1,0 +1,216 @@
+"""Shared-memory parameter store in one process: naming, versions, bad input, cleanup."""
+
+import os
+import struct
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+
+import pytest
+import torch
+
+from megatron.offload.naming import resolve_job_id, segment_name
+from megatron.offload.param_store import ParameterStore, job_segments
+from megatron.offload.shm import (
+    MAGIC,
+    SegmentInUseError,
+    SharedSegment,
+    ShmSpaceError,
+    free_bytes,
+)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def job_id():
+    job = f"test-{uuid.uuid4().hex}"
+    yield job
+    leftovers = job_segments(job)
+    for name in leftovers:  # keep /dev/shm clean even when a test fails
+        os.unlink(os.path.join("/dev/shm", name))
+    assert leftovers == [], f"segments left behind: {leftovers}"
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+def fake_stale_segment(path: str, pid: int) -> None:
+    """What a process killed before any cleanup leaves: a complete segment file."""
+    with open(path, "wb") as f:
+        f.write(MAGIC + struct.pack("<6q", 3, 0, pid, 12345, 16, 3) + bytes(4096 - 56 + 32))
+
+
+def test_job_id_precedence_follows_the_launcher():
+    env = {"TORCHELASTIC_RUN_ID": "abc", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
+    assert resolve_job_id("mine", env) == "mine"
+    assert resolve_job_id(None, env) == "run:abc"
+    env["TORCHELASTIC_RUN_ID"] = "none"  # torchrun's value when no rdzv id is given
+    assert resolve_job_id(None, env) == "addr:10.0.0.1:29500"
+    with pytest.raises(ValueError, match="job_id=None"):
+        resolve_job_id(None, {})
+
+
+def test_names_separate_jobs_nodes_and_stages():
+    names = {
+        segment_name(job, node, stage, sub)
+        for job in ("addr:h:29500", "addr:h:29501")
+        for node in (0, 1)
+        for stage, sub in ((0, 0), (0, 1), (1, 0))
+    }
+    assert len(names) == 12
+
+
+def test_readers_see_published_versions_through_the_same_memory(job_id):
+    with ParameterStore(job_id=job_id, rank=0, procs_per_node=2) as owner_store:
+        owner = owner_store.create((1, 0), 1000, torch.bfloat16)
+        assert owner.version == -1
+        reader = SharedSegment.attach(owner.path, 1000, torch.bfloat16)
+        values = torch.linspace(-4, 4, 1000).to(torch.bfloat16)
+        owner.write(values, version=1)
+        assert reader.wait_version(1) == 1
+        assert torch.equal(reader.params.view(torch.int16), values.view(torch.int16))
+        owner.begin_write()  # a writer in progress hides the data from readers
+        with pytest.raises(TimeoutError, match="stayed at version 1"):
+            reader.wait_version(2, timeout_s=0.05)
+        owner.params.mul_(2)
+        owner.publish(2)
+        assert reader.wait_version(2) == 2
+        assert torch.equal(reader.params, values * 2)
+        with pytest.raises(ValueError, match="already at 2"):
+            owner.publish(2)
+        reader.release()
+
+
+def test_two_jobs_on_one_host_do_not_collide(job_id):
+    other_job = job_id + "-other"
+    try:
+        with (
+            ParameterStore(job_id=job_id, rank=0) as first,
+            ParameterStore(job_id=other_job, rank=0) as second,
+        ):
+            a = first.create((0, 0), 64, torch.float16)
+            b = second.create((0, 0), 64, torch.float16)
+            a.write(torch.ones(64, dtype=torch.float16), 1)
+            b.write(torch.full((64,), 2.0, dtype=torch.float16), 1)
+            assert a.path != b.path
+            assert torch.equal(a.params, torch.ones(64, dtype=torch.float16))
+    finally:
+        assert job_segments(other_job) == []
+
+
+def test_same_job_id_with_a_live_owner_is_a_clear_error(job_id):
+    with ParameterStore(job_id=job_id, rank=0) as first, ParameterStore(job_id=job_id) as again:
+        first.create((0, 0), 64, torch.float16).write(torch.ones(64, dtype=torch.float16), 1)
+        with pytest.raises(SegmentInUseError, match=f"belongs to live process {os.getpid()}"):
+            again.create((0, 0), 64, torch.float16)
+        assert torch.equal(first.get((0, 0)).params, torch.ones(64, dtype=torch.float16))
+
+
+def test_stale_segment_of_a_dead_run_is_swept_by_the_next_start(job_id):
+    store = ParameterStore(job_id=job_id, rank=0)
+    fake_stale_segment(store.path((0, 0)), dead_pid())
+    fake_stale_segment(store.path((0, 1)), dead_pid())
+    restarted = ParameterStore(job_id=job_id, rank=0)
+    assert restarted.swept == [os.path.basename(store.path(k)) for k in ((0, 0), (0, 1))]
+    fake_stale_segment(store.path((2, 0)), dead_pid())  # appears after the sweep
+    with pytest.warns(RuntimeWarning, match="removing stale shared-memory segment"):
+        fresh = restarted.create((2, 0), 16, torch.bfloat16)
+    assert fresh.version == -1 and fresh.numel == 16
+    restarted.close()
+    store.close()
+
+
+def test_dev_shm_too_small_fails_before_creating_anything(job_id):
+    store = ParameterStore(job_id=job_id, rank=0)
+    too_many = free_bytes() // 2 + 1  # fp16 elements: one byte more than is free
+    with pytest.raises(ShmSpaceError, match=r"bytes free but .* --shm-size"):
+        store.create((0, 0), too_many, torch.float16)
+    with pytest.raises(ShmSpaceError, match="2 stage segments of node 0"):
+        store.check_capacity({(0, 0): (10, torch.float16), (0, 1): (too_many, torch.float16)})
+    assert job_segments(job_id) == []
+    store.close()
+
+
+def test_attach_checks_the_layout_and_waits_with_a_timeout(job_id):
+    with ParameterStore(job_id=job_id, rank=0) as store:
+        with pytest.raises(TimeoutError, match="did not appear"):
+            store.attach((5, 0), timeout_s=0.05)
+        store.create((5, 0), 32, torch.bfloat16)
+        with pytest.raises(ValueError, match="layout mismatch"):
+            SharedSegment.attach(store.path((5, 0)), 33, torch.bfloat16)
+
+
+def test_exception_inside_the_store_context_removes_its_segments(job_id):
+    with pytest.raises(RuntimeError, match="boom"), ParameterStore(job_id=job_id) as store:
+        store.create((0, 0), 128, torch.bfloat16)
+        assert len(job_segments(job_id)) == 1
+        raise RuntimeError("boom")
+    assert job_segments(job_id) == []
+
+
+CHILD = textwrap.dedent(
+    """
+    import sys, time, torch
+    from megatron.offload.param_store import ParameterStore
+    from megatron.offload.shm import REAPER
+    store = ParameterStore(job_id=sys.argv[1], rank=0)
+    for key in ((0, 0), (0, 1)):
+        store.create(key, 4096, torch.bfloat16).write(torch.ones(4096), 1)
+    print(REAPER._proc.pid, flush=True)
+    if sys.argv[2] == "raise":
+        raise RuntimeError("uncaught error in a rank")
+    time.sleep(120)
+    """
+)
+
+
+def wait_until(condition, timeout_s: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return condition()
+
+
+def pid_gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_killed_rank_and_crashed_rank_leave_dev_shm_clean(job_id):
+    env = {**os.environ, "PYTHONPATH": REPO}
+    jobs = {mode: f"{job_id}-{mode}" for mode in ("kill", "raise")}
+    children = {
+        mode: subprocess.Popen(
+            [sys.executable, "-c", CHILD, job, mode],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            env=env,
+            text=True,
+        )
+        for mode, job in jobs.items()
+    }
+    try:
+        reapers = {mode: int(child.stdout.readline()) for mode, child in children.items()}
+        assert len(job_segments(jobs["kill"])) == 2  # mid-run: the segments exist
+        children["kill"].kill()  # SIGKILL: no Python cleanup runs in the child
+        assert children["kill"].wait(timeout=30) == -9
+        assert children["raise"].wait(timeout=30) == 1
+        for mode, job in jobs.items():
+            assert wait_until(lambda job=job: job_segments(job) == []), f"{mode}: left behind"
+            assert wait_until(lambda mode=mode: pid_gone(reapers[mode])), f"{mode}: reaper alive"
+    finally:
+        for child in children.values():
+            child.kill()
+            child.wait()
+            child.stdout.close()
