@@ -304,3 +304,13 @@ def batch_iterator(
 def _collate(dataset: GPTDataset, start: int, count: int) -> dict:
     samples = [dataset[i] for i in range(start, start + count)]
     return {key: torch.stack([s[key] for s in samples]) for key in BATCH_KEYS}
+
+
+def __getattr__(name: str):
+    # The demo corpus is built from this module's pieces; it is re-exported lazily here so
+    # that `data.ensure_demo_corpus` works without a circular import.
+    if name in ("ensure_demo_corpus", "DemoCorpus"):
+        from megatron.training import demo_corpus
+
+        return getattr(demo_corpus, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
