@@ -1,0 +1,230 @@
+"""Turns per-rank compute orders into complete programs.
+
+A schedule generator only decides, for each rank, the order of its FORWARD and BACKWARD
+instructions. This module adds everything else the same way for every schedule:
+
+- communication: every tensor that crosses ranks gets a matched send/receive. Blocking
+  pairs are placed at a rendezvous time taken from a reference timeline (forward 1,
+  backward 2 split over sub-stages, no transfer cost), and each rank issues its blocking
+  communications in increasing (time, tensor) order. One global order that every rank
+  follows cannot deadlock under rendezvous semantics: the earliest pending pair always has
+  both sides ready. Checkpoints go asynchronously: ISEND right after the forward, IRECV at
+  the same step on the receiver, WAIT right before the backward that recomputes from it.
+- parameters: consecutive compute on the same parameters forms a segment; the next
+  segment is prefetched when a segment starts and a segment is released when it ends, so
+  at most two segments are resident (a double buffer).
+- gradients: OFFLOAD_GRAD after a backward stage's last micro-batch on its owner; the
+  optimizer either starts right away (post-step overflow check) or after a synchronized
+  overflow check at the end.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections import defaultdict
+
+from .instructions import WHOLE_STAGE, Instruction, Op, Schedule
+
+SYNCHRONOUS_OPTIMIZER = "synchronous"  # overflow check + all-reduce, then every step
+POST_STEP_OPTIMIZER = "post-step"  # step as soon as gradients are home; check after
+
+# Priorities of instructions that share a gap between two compute instructions.
+_AFTER_COMPUTE, _ISEND, _PREFETCH, _COMM, _WAIT, _COMPUTE = range(6)
+
+
+def _forward(stage: int, mb: int) -> Instruction:
+    return Instruction(Op.FORWARD, stage=stage, mb=mb)
+
+
+def _backward(stage: int, sub: int, mb: int) -> Instruction:
+    return Instruction(Op.BACKWARD, stage=stage, sub=sub, mb=mb)
+
+
+def transfers(shape: Schedule):
+    """Yield (role, key, producer, producer_rank, consumer, consumer_rank) of every tensor."""
+    d = shape.backward_split
+    for mb in range(shape.micro_batches):
+        for stage in range(shape.forward_stages):
+            forward = _forward(stage, mb)
+            if stage + 1 < shape.forward_stages:
+                yield ("act", (stage, -1, mb), forward, shape.forward_rank[stage],
+                       _forward(stage + 1, mb), shape.forward_rank[stage + 1])
+            for sub in range(d):
+                if (stage, sub) != (0, 0):  # stage 0's input is the token batch
+                    yield ("ckpt", (stage, sub, mb), forward, shape.forward_rank[stage],
+                           _backward(stage, sub, mb), shape.backward_rank[(stage, sub)])
+                previous = shape.previous_piece((stage, sub))
+                if previous is not None:
+                    yield ("grad", (stage, sub, mb), _backward(stage, sub, mb),
+                           shape.backward_rank[(stage, sub)], _backward(*previous, mb),
+                           shape.backward_rank[previous])
+
+
+def reference_timeline(shape: Schedule, orders: list[list[Instruction]]) -> dict:
+    """{compute instruction: (start, end)} by list scheduling with integer unit costs."""
+    d = shape.backward_split
+    duration = {Op.FORWARD: 2 * d, Op.BACKWARD: 4}  # a backward stage costs 2/d forwards
+    deps = defaultdict(list)
+    for _, _, producer, _, consumer, _ in transfers(shape):
+        deps[consumer].append(producer)
+    times: dict = {}
+    position = [0] * shape.ranks
+    free = [0] * shape.ranks
+    pending = sum(len(order) for order in orders)
+    while pending:
+        progressed = False
+        for rank, order in enumerate(orders):
+            while position[rank] < len(order):
+                op = order[position[rank]]
+                if any(dep not in times for dep in deps[op]):
+                    break
+                start = max([free[rank]] + [times[dep][1] for dep in deps[op]])
+                times[op] = (start, start + duration[op.op])
+                free[rank] = times[op][1]
+                position[rank] += 1
+                pending -= 1
+                progressed = True
+        if not progressed:
+            stuck = {rank: str(order[position[rank]]) for rank, order in enumerate(orders)
+                     if position[rank] < len(order)}
+            raise RuntimeError(f"compute orders wait on each other: {stuck}")
+    return times
+
+
+class _RankTimeline:
+    """Start/end times of one rank's compute, to map a time to a gap between ops."""
+
+    def __init__(self, order: list[Instruction], times: dict) -> None:
+        self.starts = [times[op][0] for op in order]
+        self.ends = [times[op][1] for op in order]
+
+    def gap(self, time: int) -> int:
+        """Index of the first compute instruction that starts at or after `time`."""
+        return bisect_left(self.starts, time)
+
+    def busy_until(self, time: int) -> int | None:
+        index = bisect_left(self.starts, time) - 1
+        if index >= 0 and self.ends[index] > time:
+            return self.ends[index]
+        return None
+
+
+def _rendezvous(sender: _RankTimeline, receiver: _RankTimeline, ready: int, due: int) -> int:
+    """Earliest time >= ready at which both ranks are between compute instructions.
+
+    Falls back to `ready` when that time would be after the consumer's start `due` (the
+    sender then waits for the receiver, which is slower but still deadlock-free).
+    """
+    time = ready
+    while True:
+        later = receiver.busy_until(time) or sender.busy_until(time)
+        if later is None:
+            return time if time <= due else ready
+        time = later
+
+
+def _param_segments(shape: Schedule, order: list[Instruction]) -> list[tuple[frozenset, int, int]]:
+    """(pieces, first index, last index) of runs of compute using the same parameters."""
+    segments: list[tuple[frozenset, int, int]] = []
+    for index, op in enumerate(order):
+        sub = WHOLE_STAGE if op.op == Op.FORWARD else op.sub
+        pieces = frozenset(shape.stage_pieces(op.stage, sub))
+        if segments and segments[-1][0] == pieces:
+            segments[-1] = (pieces, segments[-1][1], index)
+        else:
+            segments.append((pieces, index, index))
+    return segments
+
+
+def _param_instructions(shape: Schedule, op: Op, pieces: frozenset) -> list[Instruction]:
+    """PREFETCH/RELEASE instructions covering `pieces`: whole stages where possible."""
+    instructions = []
+    for stage in sorted({stage for stage, _ in pieces}):
+        subs = sorted(sub for piece_stage, sub in pieces if piece_stage == stage)
+        if len(subs) == shape.backward_split:
+            instructions.append(Instruction(op, stage=stage, sub=WHOLE_STAGE))
+        else:
+            instructions += [Instruction(op, stage=stage, sub=sub) for sub in subs]
+    return instructions
+
+
+def build_programs(
+    shape: Schedule, orders: list[list[Instruction]], optimizer_mode: str
+) -> tuple[tuple[Instruction, ...], ...]:
+    """Complete programs for every rank from the compute orders (see module docstring)."""
+    times = reference_timeline(shape, orders)
+    timelines = [_RankTimeline(order, times) for order in orders]
+    index_of = {op: (rank, i) for rank, order in enumerate(orders) for i, op in enumerate(order)}
+    items: list[list[tuple]] = [[] for _ in range(shape.ranks)]
+
+    def put(rank: int, gap: int, priority: int, key: tuple, ins: Instruction) -> None:
+        items[rank].append((gap, priority, key, ins))
+
+    for role, (stage, sub, mb), producer, src, consumer, dst in transfers(shape):
+        if src == dst:
+            continue
+        produced = times[producer][1]
+        due = times[consumer][0]
+        if role == "ckpt":
+            key = (produced, role, stage, sub, mb)
+            put(src, index_of[producer][1] + 1, _ISEND, key,
+                Instruction(Op.ISEND_CKPT, stage=stage, sub=sub, mb=mb, peer=dst))
+            put(dst, timelines[dst].gap(produced), _COMM, key,
+                Instruction(Op.IRECV_CKPT, stage=stage, sub=sub, mb=mb, peer=src))
+            put(dst, index_of[consumer][1], _WAIT, key,
+                Instruction(Op.WAIT_CKPT, stage=stage, sub=sub, mb=mb, peer=src))
+            continue
+        meet = _rendezvous(timelines[src], timelines[dst], produced, due)
+        key = (meet, role, stage, sub, mb)
+        send, recv = (Op.SEND_ACT, Op.RECV_ACT) if role == "act" else (Op.SEND_GRAD, Op.RECV_GRAD)
+        put(src, timelines[src].gap(meet), _COMM, key,
+            Instruction(send, stage=stage, sub=sub, mb=mb, peer=dst))
+        put(dst, timelines[dst].gap(meet), _COMM, key,
+            Instruction(recv, stage=stage, sub=sub, mb=mb, peer=src))
+
+    for rank, order in enumerate(orders):
+        for index, op in enumerate(order):
+            put(rank, index, _COMPUTE, (), op)
+        # Double buffer: fetch segment j+1 when segment j starts, drop j when it ends;
+        # pieces shared by neighbouring segments stay resident.
+        segments = _param_segments(shape, order) + [(frozenset(), len(order), len(order))]
+        for number, (pieces, first, last) in enumerate(segments[:-1]):
+            following = segments[number + 1][0]
+            fetches = [(pieces, 0)] if number == 0 else []
+            fetches.append((following - pieces, 1))
+            for needed, slot in fetches:
+                for order_key, ins in enumerate(
+                        _param_instructions(shape, Op.PREFETCH_PARAMS, needed)):
+                    put(rank, first, _PREFETCH, (slot, order_key), ins)
+            for order_key, ins in enumerate(
+                    _param_instructions(shape, Op.RELEASE_PARAMS, pieces - following)):
+                put(rank, last + 1, _AFTER_COMPUTE, (2, order_key), ins)
+        last_backward = {}
+        for index, op in enumerate(order):
+            if op.op == Op.BACKWARD:
+                last_backward[(op.stage, op.sub)] = index
+        for (stage, sub), index in sorted(last_backward.items(), key=lambda item: item[1]):
+            put(rank, index + 1, _AFTER_COMPUTE, (0,),
+                Instruction(Op.OFFLOAD_GRAD, stage=stage, sub=sub))
+            if optimizer_mode == POST_STEP_OPTIMIZER:
+                put(rank, index + 1, _AFTER_COMPUTE, (1,),
+                    Instruction(Op.OPTIMIZER_START, stage=stage, sub=sub))
+        end = len(order) + 1
+        if optimizer_mode == SYNCHRONOUS_OPTIMIZER:
+            put(rank, end, 0, (), Instruction(Op.OVERFLOW_SYNC))
+            for number, ((stage, sub), _) in enumerate(
+                sorted(last_backward.items(), key=lambda item: item[1])
+            ):
+                put(rank, end, 1, (number,), Instruction(Op.OPTIMIZER_START, stage=stage, sub=sub))
+            put(rank, end, 2, (), Instruction(Op.OPTIMIZER_WAIT_ALL))
+        elif optimizer_mode == POST_STEP_OPTIMIZER:
+            put(rank, end, 2, (), Instruction(Op.OPTIMIZER_WAIT_ALL))
+            put(rank, end, 3, (), Instruction(Op.POST_STEP_SYNC))
+            put(rank, end, 4, (), Instruction(Op.ROLLBACK_IF_OVERFLOW))
+        else:
+            raise ValueError(f"unknown optimizer mode {optimizer_mode!r}")
+
+    return tuple(
+        tuple(ins for *_, ins in sorted(rank_items, key=lambda item: item[:3]))
+        for rank_items in items
+    )

@@ -1,0 +1,177 @@
+"""Schedule generators: gpipe, 1f1b, interleaved-1f1b, mobius and decoupled (SysX).
+
+Each generator decides the stage-to-rank assignment and every rank's order of FORWARD and
+BACKWARD instructions; `program_builder.build_programs` adds communication, parameter
+movement and the optimizer in the same way for all of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from .instructions import Instruction, Op, Piece, Schedule
+from .partition import check_partition, sub_stage_layers
+from .program_builder import POST_STEP_OPTIMIZER, SYNCHRONOUS_OPTIMIZER, build_programs
+
+Orders = list[list[Instruction]]
+
+
+def _f(stage: int, mb: int) -> Instruction:
+    return Instruction(Op.FORWARD, stage=stage, mb=mb)
+
+
+def _b(stage: int, sub: int, mb: int) -> Instruction:
+    return Instruction(Op.BACKWARD, stage=stage, sub=sub, mb=mb)
+
+
+def _coupled_backward(forward_rank: tuple[int, ...]) -> dict[Piece, int]:
+    return {(stage, 0): rank for stage, rank in enumerate(forward_rank)}
+
+
+def _gpipe_orders(ranks: int, micro_batches: int) -> Orders:
+    """All forwards, then all backwards, one stage per rank (SysX Fig. 1a)."""
+    return [
+        [_f(r, mb) for mb in range(micro_batches)] + [_b(r, 0, mb) for mb in range(micro_batches)]
+        for r in range(ranks)
+    ]
+
+
+def _one_f_one_b(forwards: list[Instruction], backwards: list[Instruction], warmup: int):
+    """Warm-up forwards, then alternate one forward and one backward, then drain."""
+    warmup = min(warmup, len(forwards))
+    order = forwards[:warmup]
+    for forward, backward in zip(forwards[warmup:], backwards):
+        order += [forward, backward]
+    return order + backwards[len(forwards) - warmup:]
+
+
+def _1f1b_orders(ranks: int, micro_batches: int) -> Orders:
+    """DAPPLE's one-forward-one-backward (SysX Fig. 1b): rank r warms up with R-r-1."""
+    return [
+        _one_f_one_b(
+            [_f(r, mb) for mb in range(micro_batches)],
+            [_b(r, 0, mb) for mb in range(micro_batches)],
+            ranks - r - 1,
+        )
+        for r in range(ranks)
+    ]
+
+
+def _interleaved_orders(ranks: int, chunks: int, micro_batches: int) -> Orders:
+    """Megatron's interleaved 1F1B: chunk c of rank r is stage c*R + r; micro-batches go
+    through all chunks in groups of R; warm-up is (R-r-1)*2 + (chunks-1)*R."""
+    if chunks == 1:
+        return _1f1b_orders(ranks, micro_batches)
+    orders = []
+    for r in range(ranks):
+        forwards, backwards = [], []
+        for group in range(0, micro_batches, ranks):
+            for c in range(chunks):
+                for mb in range(group, group + ranks):
+                    forwards.append(_f(c * ranks + r, mb))
+                    backwards.append(_b((chunks - 1 - c) * ranks + r, 0, mb))
+        warmup = (ranks - r - 1) * 2 + (chunks - 1) * ranks
+        orders.append(_one_f_one_b(forwards, backwards, warmup))
+    return orders
+
+
+def _interleaved_forwards(rank: int, ranks: int, stages: int, micro_batches: int):
+    """Interleaved AFAB forward: the rank's stages r, r+R, ... each for every micro-batch."""
+    return [_f(stage, mb) for stage in range(rank, stages, ranks) for mb in range(micro_batches)]
+
+
+def _mobius_orders(ranks: int, stages: int, micro_batches: int) -> Orders:
+    """Interleaved AFAB with coupled assignment (SysX Fig. 2)."""
+    return [
+        _interleaved_forwards(r, ranks, stages, micro_batches)
+        + [_b(stage, 0, mb) for stage in reversed(range(r, stages, ranks))
+           for mb in range(micro_batches)]
+        for r in range(ranks)
+    ]
+
+
+def decoupled_assignment(ranks: int, forward_stages: int, backward_split: int) -> dict[Piece, int]:
+    """Backward stages in reverse model order go round-robin to ranks 0, 1, 2, ... (SysX 3.1)."""
+    reverse = [(i, k) for i in reversed(range(forward_stages)) for k in reversed(range(backward_split))]
+    return {piece: index % ranks for index, piece in enumerate(reverse)}
+
+
+def _decoupled_orders(
+    ranks: int, stages: int, micro_batches: int, backward_rank: dict[Piece, int]
+) -> Orders:
+    """Interleaved AFAB forward, then each rank's backward stages in reverse model order."""
+    orders = []
+    for r in range(ranks):
+        pieces = sorted((p for p, owner in backward_rank.items() if owner == r), reverse=True)
+        orders.append(
+            _interleaved_forwards(r, ranks, stages, micro_batches)
+            + [_b(stage, sub, mb) for stage, sub in pieces for mb in range(micro_batches)]
+        )
+    return orders
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+def _check_common(name: str, ranks: int, stages: int, split: int, micro_batches: int) -> None:
+    for flag, value in (("ranks", ranks), ("forward_stages", stages),
+                        ("backward_split", split), ("micro_batches", micro_batches)):
+        _require(isinstance(value, int) and value >= 1,
+                 f"{flag} is {value!r}, expected an integer >= 1")
+    _require(name in SCHEDULE_NAMES,
+             f"schedule {name!r} is unknown, expected one of {', '.join(SCHEDULE_NAMES)}")
+    if name in ("gpipe", "1f1b"):
+        _require(stages == ranks,
+                 f"forward_stages is {stages}, {name} expects one stage per rank ({ranks})")
+    else:
+        _require(stages % ranks == 0,
+                 f"forward_stages is {stages}, expected a multiple of ranks ({ranks})")
+    if name != "decoupled":
+        _require(split == 1, f"backward_split is {split}, {name} expects 1 (coupled stages)")
+    if name == "interleaved-1f1b" and stages > ranks:
+        _require(micro_batches % ranks == 0,
+                 f"micro_batches is {micro_batches}, interleaved-1f1b expects a multiple of "
+                 f"ranks ({ranks}) as Megatron does")
+
+
+def build_schedule(
+    name: str,
+    ranks: int,
+    forward_stages: int,
+    backward_split: int,
+    micro_batches: int,
+    partition: list[int] | tuple[int, ...] | None = None,
+) -> Schedule:
+    """One training iteration of schedule `name` for every rank.
+
+    partition: decoder layers per forward stage; by default every stage has
+    `backward_split` layers (the smallest uniform model the split allows).
+    Raises ValueError with a one-line message on inconsistent arguments.
+    """
+    _check_common(name, ranks, forward_stages, backward_split, micro_batches)
+    partition = tuple(partition) if partition is not None else (backward_split,) * forward_stages
+    check_partition(partition, forward_stages)
+    sub_stage_layers(partition, backward_split)  # rejects d larger than a stage's layers
+    forward_rank = tuple(stage % ranks for stage in range(forward_stages))
+    if name == "decoupled":
+        backward_rank = decoupled_assignment(ranks, forward_stages, backward_split)
+        orders = _decoupled_orders(ranks, forward_stages, micro_batches, backward_rank)
+        mode = POST_STEP_OPTIMIZER
+    else:
+        backward_rank = _coupled_backward(forward_rank)
+        orders = _COUPLED_ORDERS[name](ranks, forward_stages, micro_batches)
+        mode = SYNCHRONOUS_OPTIMIZER
+    shape = Schedule(name, ranks, forward_stages, backward_split, micro_batches, partition,
+                     forward_rank, backward_rank, programs=())
+    return Schedule(**{**vars(shape), "programs": build_programs(shape, orders, mode)})
+
+
+_COUPLED_ORDERS: dict[str, Callable[[int, int, int], Orders]] = {
+    "gpipe": lambda ranks, stages, mbs: _gpipe_orders(ranks, mbs),
+    "1f1b": lambda ranks, stages, mbs: _1f1b_orders(ranks, mbs),
+    "interleaved-1f1b": lambda ranks, stages, mbs: _interleaved_orders(ranks, stages // ranks, mbs),
+    "mobius": _mobius_orders,
+}
+SCHEDULE_NAMES: tuple[str, ...] = (*_COUPLED_ORDERS, "decoupled")
