@@ -39,6 +39,9 @@ class HFTokenizer(MegatronTokenizerBase):
     def __init__(self, path: str, tokenizer: Tokenizer) -> None:
         super().__init__(path, config={})
         self._tokenizer = tokenizer
+        # Text that spells a special token ("<|endoftext|>" in a web page) stays ordinary text:
+        # only the data pipeline inserts the real end-of-document id between documents.
+        self._tokenizer.encode_special_tokens = True
         self._vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         self._eod = _first_token_id(tokenizer, _EOD_CANDIDATES)
         if self._eod is None:
