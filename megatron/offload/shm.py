@@ -173,6 +173,7 @@ class SharedSegment:
         self.numel = numel
         self.dtype = dtype
         self.owner = owner
+        self._creator_pid = os.getpid()  # a forked child must not remove its parent's files
         self._mm: mmap.mmap | None = mm
         self.params = torch.frombuffer(mm, dtype=dtype, count=numel, offset=HEADER_BYTES)
 
@@ -319,7 +320,7 @@ class SharedSegment:
         """Unmap; the owner also removes the file. Views still alive keep the mapping."""
         if self._mm is None:
             return
-        if self.owner:
+        if self.owner and os.getpid() == self._creator_pid:
             try:
                 os.unlink(self.path)
             except FileNotFoundError:

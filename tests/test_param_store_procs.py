@@ -1,0 +1,123 @@
+"""The parameter store across real processes: four local ranks, and two simulated nodes.
+
+Children are forked (not spawned): a spawned child re-imports torch, which costs seconds
+each on a 2-core machine; everything the workers use is imported here, before the fork.
+"""
+
+import multiprocessing as mp
+import os
+import socket
+import uuid
+
+import torch
+import torch.distributed as dist
+
+from megatron.offload.device import get_device
+from megatron.offload.multinode import push_parameters, receive_parameters
+from megatron.offload.param_store import ParameterStore, job_segments
+from megatron.offload.prefetch import ParamDoubleBuffer
+
+NUMEL = 1 << 20  # 2 MiB of bf16 per stage
+STAGE = (2, 1)
+
+
+def pattern(version: int, numel: int = NUMEL) -> torch.Tensor:
+    """Distinct, exactly representable bf16 values for each version."""
+    return ((torch.arange(numel) % 97) * (version + 1) - 50).to(torch.bfloat16)
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def local_rank_worker(rank: int, job_id: str, barrier, results) -> None:
+    torch.set_num_threads(1)  # a forked child must not reuse the parent's OpenMP pool
+    store = ParameterStore(job_id=job_id, rank=rank, procs_per_node=4)
+    if rank == 0:  # the owner of backward stage STAGE
+        segment = store.create(STAGE, NUMEL, torch.bfloat16)
+        segment.write(pattern(1), version=1)
+    else:
+        segment = store.attach(STAGE, NUMEL, torch.bfloat16)
+        segment.wait_version(1)
+    view = segment.params
+    first = same_bytes(view, pattern(1))
+    barrier.wait()  # everybody has read version 1
+    if rank == 0:  # the optimizer writes, then publishes
+        segment.write(pattern(2), version=2)
+    else:
+        segment.wait_version(2)
+    # the same tensor (a view of the mapping, never re-read) now holds version 2
+    second = same_bytes(view, pattern(2)) and view.data_ptr() == segment.params.data_ptr()
+    with get_device("cpu") as dev:  # the one copy: into the device double buffer
+        buf = ParamDoubleBuffer(dev, budget_bytes=4 * NUMEL, dtype=torch.bfloat16)
+        slot = buf.prefetch(STAGE, segment.params)
+        buf.wait_ready(slot)
+        on_device = same_bytes(slot.params, pattern(2))
+    barrier.wait()  # the owner removes the segment only after every reader is done
+    store.close()
+    results.put((rank, first, second, on_device))
+
+
+def test_four_local_ranks_share_one_stage_through_shared_memory():
+    job_id = f"test-{uuid.uuid4().hex}"
+    ctx = mp.get_context("fork")  # no torch re-import per child
+    barrier, results = ctx.Barrier(4), ctx.Queue()
+    procs = [
+        ctx.Process(target=local_rank_worker, args=(r, job_id, barrier, results)) for r in range(4)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    assert [p.exitcode for p in procs] == [0, 0, 0, 0]
+    outcome = sorted(results.get(timeout=5) for _ in range(4))
+    assert outcome == [(r, True, True, True) for r in range(4)]
+    assert job_segments(job_id) == []
+
+
+def two_node_worker(rank: int, job_id: str, port: int, steps: int, results) -> None:
+    torch.set_num_threads(1)  # a forked child must not reuse the parent's OpenMP pool
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    # one process per simulated node: rank 0 is node 0 (owner), rank 1 is node 1
+    store = ParameterStore(job_id=job_id, rank=rank, procs_per_node=1)
+    numel = 4096
+    segment = store.create((0, 0), numel, torch.bfloat16)  # owner / node-1 replica
+    seen = []
+    for step in range(1, steps + 1):
+        if rank == 0:
+            segment.write(pattern(step, numel), version=step)  # the optimizer step
+            push_parameters(segment, [1])
+        else:
+            version = receive_parameters(segment, src_rank=0)
+            fresh = segment.wait_version(step) == step == version
+            seen.append(fresh and same_bytes(segment.params, pattern(step, numel)))
+    dist.barrier()
+    results.put((rank, store.node, os.path.basename(segment.path), seen))
+    store.close()
+    dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_forward_stage_on_node_1_sees_each_update_of_its_owner_on_node_0():
+    job_id = f"test-{uuid.uuid4().hex}"
+    ctx = mp.get_context("fork")  # no torch re-import per child
+    results = ctx.Queue()
+    port, steps = free_port(), 3
+    procs = [
+        ctx.Process(target=two_node_worker, args=(r, job_id, port, steps, results))
+        for r in range(2)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    assert [p.exitcode for p in procs] == [0, 0]
+    (_, node0, name0, _), (_, node1, name1, seen) = sorted(results.get(timeout=5) for _ in range(2))
+    assert (node0, node1) == (0, 1) and name0 != name1  # separate node namespaces
+    assert seen == [True] * steps
+    assert job_segments(job_id) == []
