@@ -206,10 +206,11 @@ def print_model_size(args: argparse.Namespace) -> None:
 def prepare_data(args: argparse.Namespace, log=print):
     """The tokenizer and the training dataset; the demo corpus when no --data-path."""
     from megatron.training import data as data_mod
+    from megatron.training.demo_corpus import ensure_demo_corpus
     from megatron.training.tokenizer import TokenizerError, load_tokenizer
 
     if args.data_path is None:
-        corpus = data_mod.ensure_demo_corpus(cache_dir=args.data_cache_dir, log=log)
+        corpus = ensure_demo_corpus(cache_dir=args.data_cache_dir, log=log)
         data_path, tokenizer_path = corpus.data_prefix, corpus.tokenizer_path
         if args.tokenizer_model is not None:
             tokenizer_path = args.tokenizer_model

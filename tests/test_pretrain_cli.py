@@ -1,0 +1,128 @@
+"""pretrain_llama.py as a user runs it: bad input, model size, learning, checkpoints."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron.models.presets import PRESETS, count_parameters
+from megatron.training.arguments import parse_args
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL = ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "160",
+         "--num-attention-heads", "4", "--num-query-groups", "2", "--seq-length", "32",
+         "--micro-batch-size", "2", "--global-batch-size", "4", "--log-interval", "1"]
+
+
+def run_cli(*argv, cache=None, timeout=300):
+    cmd = [sys.executable, os.path.join(ROOT, "pretrain_llama.py"), *argv]
+    if cache:
+        cmd += ["--data-cache-dir", str(cache)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def read_metrics(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.mark.parametrize(
+    "argv,flag,fragment",
+    [
+        (["--model-preset", "huge"], "--model-preset", "expected one of"),
+        (["--model-preset", "tiny", "--hidden-size", "130"], "--hidden-size",
+         "divisible by --num-attention-heads"),
+        (["--model-preset", "tiny", "--num-attention-heads", "4", "--num-query-groups", "3"],
+         "--num-attention-heads", "divisible by --num-query-groups"),
+        (["--model-preset", "tiny", "--micro-batch-size", "3", "--global-batch-size", "8"],
+         "--global-batch-size", "multiple of --micro-batch-size"),
+        (["--model-preset", "tiny", "--lr", "-1"], "--lr", ">= 0"),
+        (["--num-layers", "2"], "--hidden-size", "required"),
+        (["--model-preset", "tiny", "--data-path", "/nonexistent/x"], "--tokenizer-model",
+         "required with --data-path"),
+    ],
+)
+def test_bad_flags_exit_2_with_one_line_naming_the_flag(argv, flag, fragment, capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert flag in err and fragment in err
+
+
+def test_explicit_flags_override_the_preset():
+    args = parse_args(["--model-preset", "tiny", "--num-layers", "3", "--lr", "0.5"])
+    assert (args.num_layers, args.lr, args.hidden_size) == (3, 0.5, 128)
+
+
+def test_missing_data_files_exit_2_and_name_the_path(tmp_path, cache):
+    tok = tmp_path / "tok.json"
+    tok.write_text("{}")
+    r = run_cli("--model-preset", "tiny", "--data-path", str(tmp_path / "none"),
+                "--tokenizer-model", str(tok), cache=cache)
+    assert r.returncode == 2, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert "--data-path" in last and str(tmp_path / "none") in last
+
+
+def test_unwritable_save_dir_exits_2_before_training(tmp_path, cache):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    metrics = tmp_path / "m.jsonl"
+    r = run_cli(*SMALL, "--train-iters", "2", "--save", str(blocker / "ckpt"),
+                "--metrics-file", str(metrics), cache=cache)
+    assert r.returncode == 2
+    assert "--save" in r.stderr.strip().splitlines()[-1]
+    assert not metrics.exists()
+
+
+def test_print_model_size_reports_count_and_model_state_memory():
+    r = run_cli("--model-preset", "10b", "--print-model-size")
+    assert r.returncode == 0, r.stderr
+    p = PRESETS["10b"]
+    total = count_parameters(p.num_layers, p.hidden_size, p.ffn_hidden_size,
+                             p.num_attention_heads, p.num_query_groups, p.vocab_size).total
+    assert f"parameters: {total:,}" in r.stdout
+    assert f"{total * 20 / 2**30:,.1f} GiB" in r.stdout
+
+
+def test_tiny_preset_learns_on_the_builtin_corpus(tmp_path, cache):
+    metrics = tmp_path / "metrics.jsonl"
+    r = run_cli("--model-preset", "tiny", "--train-iters", "100", "--log-interval", "50",
+                "--metrics-file", str(metrics), cache=cache)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "lm loss" in r.stdout and "tokens per second" in r.stdout
+    rows = read_metrics(metrics)
+    assert [row["iteration"] for row in rows] == list(range(1, 101))
+    for key in ("iteration", "loss", "lr", "iter_time_s", "tokens_per_s"):
+        assert key in rows[0]
+    assert rows[99]["loss"] < 0.8 * rows[0]["loss"]
+
+
+def test_resume_from_checkpoint_continues_the_same_run(tmp_path, cache):
+    full, part = tmp_path / "full.jsonl", tmp_path / "part.jsonl"
+    common = [*SMALL, "--train-iters", "6", "--lr", "1e-3", "--lr-warmup-iters", "2"]
+    assert run_cli(*common, "--metrics-file", str(full), cache=cache).returncode == 0
+    ckpt = tmp_path / "ckpt"
+    first = run_cli(*common, "--train-iters", "6", "--save", str(ckpt), "--save-interval", "3",
+                    "--metrics-file", str(tmp_path / "ignored.jsonl"), cache=cache)
+    assert first.returncode == 0, first.stderr[-2000:]
+    # Keep only the iteration-3 checkpoint, as if the first run had died after it.
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("3")
+    r = run_cli(*common, "--load", str(ckpt), "--metrics-file", str(part), cache=cache)
+    assert r.returncode == 0, r.stderr[-2000:]
+    resumed = read_metrics(part)
+    assert [row["iteration"] for row in resumed] == [4, 5, 6]
+    reference = {row["iteration"]: row for row in read_metrics(full)}
+    for row in resumed:
+        assert row["loss"] == pytest.approx(reference[row["iteration"]]["loss"], rel=1e-6)
+        assert row["lr"] == pytest.approx(reference[row["iteration"]]["lr"], rel=1e-12)
+    assert not list(ckpt.glob("*.tmp"))
