@@ -1,0 +1,264 @@
+"""CPUAdamW: fp32 master weights and Adam moments for flat parameter groups, stepped by
+the C++ kernel (csrc/, bound as megatron.optimizer._cpu_adam).
+
+One group per backward stage. A step reads the stage's gradient (fp32, fp16 or bf16),
+unscales it, checks it, applies AdamW and writes the working copy (bf16, fp16 or fp32)
+in one pass over memory. A group whose gradient holds a non-finite value is left as it
+was. A group that was updated can be rolled back: by the arithmetic inverse of AdamW
+(default, no extra memory, error bound in docs/cpu_optimizer.md) or, with
+`exact_rollback=True`, from a snapshot the step takes of the state it changes
+(12 more bytes per parameter, bit-exact).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from megatron.optimizer import _cpu_adam as _kernel
+
+_DTYPE_CODES = {torch.float32: _kernel.F32, torch.float16: _kernel.F16, torch.bfloat16: _kernel.BF16}
+
+
+@dataclass(frozen=True)
+class StageStepResult:
+    """What one stage's step did: `updated` is False when its gradient was not finite."""
+
+    stage: int
+    updated: bool
+    grad_sq_sum: float  # sum of squares of the unscaled gradient (inf when not finite)
+
+
+@dataclass(frozen=True)
+class _StepRecord:
+    """Everything the inverse of a step needs; the gradient must not change until then."""
+
+    grad: torch.Tensor
+    out: torch.Tensor | None
+    inv_scale: float
+    lr: float
+    weight_decay: float
+    step: int
+
+
+def available_isas() -> list[str]:
+    """Kernels this CPU can run, least to most capable; 'auto' picks the last."""
+    return list(_kernel.available_isas())
+
+
+def usable_cores() -> list[int]:
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(
+        range(os.cpu_count() or 1)
+    )
+
+
+def _check_flat(name: str, tensor: torch.Tensor, numel: int, dtypes: Sequence[torch.dtype]) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.device.type != "cpu":
+        raise ValueError(f"{name} must be in host memory, got device {tensor.device}")
+    if tensor.dtype not in dtypes:
+        names = ", ".join(str(d) for d in dtypes)
+        raise ValueError(f"{name} has dtype {tensor.dtype}; expected one of {names}")
+    if not tensor.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+    if tensor.numel() != numel:
+        raise ValueError(f"{name} has {tensor.numel()} elements; expected {numel}")
+
+
+def check_gradient(
+    grad: torch.Tensor, inv_scale: float = 1.0, threads: int = 1, isa: str = "auto"
+) -> tuple[bool, float]:
+    """Unscale and check a flat gradient without updating anything (the synchronous
+    schedule's first pass). Returns (finite, sum of squares of the unscaled gradient)."""
+    _check_flat("grad", grad, grad.numel(), list(_DTYPE_CODES))
+    return _kernel.check(
+        grad=grad.data_ptr(), grad_dtype=_DTYPE_CODES[grad.dtype], n=grad.numel(),
+        inv_scale=float(inv_scale), threads=int(threads), cores=[], isa=isa,
+    )
+
+
+class CPUAdamW:
+    """AdamW (decoupled weight decay, bias correction; torch.optim.AdamW's arithmetic)
+    over flat fp32 groups held in host memory.
+
+    params: one flat tensor per group (backward stage), copied into fp32 masters.
+    threads: kernel threads per step (default: all usable cores).
+    cores: pin the kernel threads to these cores (thread i -> cores[i % len]).
+    exact_rollback: snapshot the state each step changes so rollback is bit-exact.
+    isa: 'auto' or one of available_isas().
+
+    Steps of different groups may run concurrently from different threads; steps of one
+    group must not.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        *,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        threads: int | None = None,
+        cores: Sequence[int] | None = None,
+        exact_rollback: bool = False,
+        isa: str = "auto",
+    ) -> None:
+        if not 0.0 <= betas[0] < 1.0 or not 0.0 < betas[1] < 1.0:
+            raise ValueError(f"betas={betas} must lie in [0, 1) and (0, 1)")
+        if betas[0] == 0.0:
+            raise ValueError("betas[0]=0.0 makes the step irreversible; expected 0 < beta1 < 1")
+        if eps <= 0.0:
+            raise ValueError(f"eps={eps} must be > 0")
+        if weight_decay < 0.0:
+            raise ValueError(f"weight_decay={weight_decay} must be >= 0")
+        if isa != "auto" and isa not in available_isas():
+            raise ValueError(f"isa={isa!r} is not available; expected auto or one of {available_isas()}")
+        usable = usable_cores()
+        self.threads = len(usable) if threads is None else int(threads)
+        if self.threads < 1:
+            raise ValueError(f"threads={threads} must be >= 1")
+        self.cores = [int(c) for c in cores] if cores else []
+        bad = [c for c in self.cores if c not in usable]
+        if bad:
+            raise ValueError(f"cores={list(cores or [])}: {bad} not usable by this process; usable: {usable}")
+        self.lr = float(lr)
+        self.betas = (float(betas[0]), float(betas[1]))
+        self.eps = float(eps)
+        self.weight_decay = float(weight_decay)
+        self.exact_rollback = bool(exact_rollback)
+        self.isa = isa
+        self._master: list[torch.Tensor] = []
+        self._exp_avg: list[torch.Tensor] = []
+        self._exp_avg_sq: list[torch.Tensor] = []
+        self._snapshot: list[torch.Tensor | None] = []
+        self._steps: list[int] = []
+        self._last: list[_StepRecord | None] = []
+        for i, p in enumerate(params):
+            if not isinstance(p, torch.Tensor) or p.dim() != 1 or p.device.type != "cpu":
+                raise ValueError(f"params[{i}] must be a flat (1-D) host tensor")
+            n = p.numel()
+            self._master.append(p.detach().to(torch.float32, copy=True).contiguous())
+            self._exp_avg.append(torch.zeros(n, dtype=torch.float32))
+            self._exp_avg_sq.append(torch.zeros(n, dtype=torch.float32))
+            self._snapshot.append(torch.empty(3 * n, dtype=torch.float32) if exact_rollback else None)
+            self._steps.append(0)
+            self._last.append(None)
+
+    # --- state -------------------------------------------------------------------------
+
+    @property
+    def num_stages(self) -> int:
+        return len(self._master)
+
+    def master(self, stage: int) -> torch.Tensor:
+        return self._master[self._index(stage)]
+
+    def exp_avg(self, stage: int) -> torch.Tensor:
+        return self._exp_avg[self._index(stage)]
+
+    def exp_avg_sq(self, stage: int) -> torch.Tensor:
+        return self._exp_avg_sq[self._index(stage)]
+
+    def step_count(self, stage: int) -> int:
+        return self._steps[self._index(stage)]
+
+    def state_dict(self) -> dict:
+        """Checkpointable state (tensors are the live buffers: copy before mutating)."""
+        return {
+            "hyper": {"lr": self.lr, "betas": self.betas, "eps": self.eps,
+                      "weight_decay": self.weight_decay},
+            "stages": [
+                {"master": p, "exp_avg": m, "exp_avg_sq": v, "step": t}
+                for p, m, v, t in zip(self._master, self._exp_avg, self._exp_avg_sq, self._steps)
+            ],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        stages = state["stages"]
+        if len(stages) != self.num_stages:
+            raise ValueError(f"state has {len(stages)} stages; this optimizer has {self.num_stages}")
+        for i, s in enumerate(stages):
+            for key, own in (("master", self._master[i]), ("exp_avg", self._exp_avg[i]),
+                             ("exp_avg_sq", self._exp_avg_sq[i])):
+                _check_flat(f"stages[{i}][{key!r}]", s[key], own.numel(), [torch.float32])
+            self._master[i].copy_(s["master"])
+            self._exp_avg[i].copy_(s["exp_avg"])
+            self._exp_avg_sq[i].copy_(s["exp_avg_sq"])
+            self._steps[i] = int(s["step"])
+            self._last[i] = None
+        hyper = state.get("hyper", {})
+        self.lr = float(hyper.get("lr", self.lr))
+        self.weight_decay = float(hyper.get("weight_decay", self.weight_decay))
+
+    # --- steps -------------------------------------------------------------------------
+
+    def step_stage(
+        self,
+        stage: int,
+        grad: torch.Tensor,
+        *,
+        inv_scale: float = 1.0,
+        out: torch.Tensor | None = None,
+    ) -> StageStepResult:
+        """One AdamW step of `stage` with grad * inv_scale; writes the updated parameters
+        into `out` (bf16, fp16 or fp32) when given. Leaves the stage unchanged when the
+        unscaled gradient is not finite. Keep `grad` and `out` untouched until the step is
+        committed or rolled back."""
+        i = self._index(stage)
+        n = self._master[i].numel()
+        _check_flat("grad", grad, n, list(_DTYPE_CODES))
+        if out is not None:
+            _check_flat("out", out, n, list(_DTYPE_CODES))
+        if not inv_scale > 0.0:
+            raise ValueError(f"inv_scale={inv_scale} must be > 0")
+        if not 0.0 <= self.lr * self.weight_decay < 1.0:
+            raise ValueError(f"lr*weight_decay={self.lr * self.weight_decay} must lie in [0, 1)")
+        record = _StepRecord(grad, out, float(inv_scale), self.lr, self.weight_decay, self._steps[i] + 1)
+        finite, sq = _kernel.step(**self._kernel_args(i, record))
+        if finite:
+            self._steps[i] = record.step
+            self._last[i] = record
+        else:
+            self._last[i] = None
+        return StageStepResult(stage=i, updated=bool(finite), grad_sq_sum=float(sq))
+
+    def rollback_stage(self, stage: int) -> None:
+        """Undo the stage's last update (p, m, v, the step count and the working copy)."""
+        i = self._index(stage)
+        record = self._last[i]
+        if record is None:
+            raise RuntimeError(f"stage {i} has no update to roll back")
+        _kernel.undo(**self._kernel_args(i, record))
+        self._steps[i] = record.step - 1
+        self._last[i] = None
+
+    def commit_stage(self, stage: int) -> None:
+        """Forget the stage's last update (its gradient may be reused from now on)."""
+        self._last[self._index(stage)] = None
+
+    def has_update(self, stage: int) -> bool:
+        return self._last[self._index(stage)] is not None
+
+    def _kernel_args(self, i: int, r: _StepRecord) -> dict:
+        snap = self._snapshot[i]
+        return dict(
+            p=self._master[i].data_ptr(), m=self._exp_avg[i].data_ptr(),
+            v=self._exp_avg_sq[i].data_ptr(), grad=r.grad.data_ptr(),
+            grad_dtype=_DTYPE_CODES[r.grad.dtype],
+            out=0 if r.out is None else r.out.data_ptr(),
+            out_dtype=_kernel.NONE if r.out is None else _DTYPE_CODES[r.out.dtype],
+            snapshot=0 if snap is None else snap.data_ptr(), n=self._master[i].numel(),
+            lr=r.lr, beta1=self.betas[0], beta2=self.betas[1], eps=self.eps,
+            weight_decay=r.weight_decay, step=r.step, inv_scale=r.inv_scale,
+            threads=self.threads, cores=self.cores, isa=self.isa,
+        )
+
+    def _index(self, stage: int) -> int:
+        if not 0 <= stage < len(self._master):
+            raise IndexError(f"stage={stage} out of range; this optimizer has {len(self._master)} stages")
+        return stage
