@@ -1,0 +1,104 @@
+"""Gradient offload to pooled host buffers, and the pinned pool's bounds and fallback."""
+
+import threading
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from megatron.offload import host_memory
+from megatron.offload.device import get_device
+from megatron.offload.grad_offload import GradientOffloader
+from megatron.offload.host_memory import HostBufferPool
+from megatron.offload.layout import FlatLayout, bind_gradients
+
+
+@pytest.mark.parametrize("host_dtype", [torch.float32, torch.bfloat16])
+def test_accumulated_stage_gradients_reach_the_host_for_the_optimizer_thread(host_dtype):
+    torch.manual_seed(0)
+    stage = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8)).bfloat16()
+    reference = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8)).bfloat16()
+    reference.load_state_dict(stage.state_dict())
+    layout = FlatLayout.from_module(stage)
+    with get_device("cpu") as dev:
+        pool = HostBufferPool(dev, capacity_bytes=4 * layout.numel)
+        offloader = GradientOffloader(dev, pool, host_dtype=host_dtype)
+        device_grads = dev.zeros(layout.numel, torch.bfloat16)
+        bind_gradients(stage, layout, device_grads)
+        for _ in range(3):  # micro-batches accumulate on the device
+            x = torch.randn(4, 32, dtype=torch.bfloat16)
+            stage(x).float().square().sum().backward()
+            reference(x).float().square().sum().backward()
+        ready = offloader.offload((1, 0), device_grads)
+        seen = {}
+        optimizer_task = threading.Thread(target=lambda: (ready.wait(), seen.update(h=ready.host)))
+        optimizer_task.start()
+        optimizer_task.join(timeout=30)
+        expected = torch.cat([p.grad.reshape(-1) for p in reference.parameters()])
+        assert seen["h"].dtype == host_dtype
+        assert torch.equal(seen["h"], expected.to(host_dtype))  # the upcast is exact
+        ready.release()
+        assert pool.in_use == 0
+
+
+def test_host_buffers_are_reused_and_the_upcast_scratch_is_not_overwritten_early():
+    with get_device("cpu") as dev:
+        pool = HostBufferPool(dev, capacity_bytes=2 * 4 * (1 << 20))
+        offloader = GradientOffloader(dev, pool, host_dtype=torch.float32)
+        grads = [torch.randn(1 << 20).bfloat16() for _ in range(2)]
+        first = offloader.offload((0, 0), grads[0])
+        second = offloader.offload((0, 1), grads[1])  # reuses the scratch of `first`
+        first.wait()
+        second.wait()
+        assert torch.equal(first.host, grads[0].float())
+        assert torch.equal(second.host, grads[1].float())
+        kept = first.host.data_ptr()
+        first.release()
+        third = offloader.offload((0, 0), grads[1])
+        assert third.host.data_ptr() == kept and pool.allocated_bytes == 2 * 4 * (1 << 20)
+        with pytest.raises(MemoryError, match=r"capacity_bytes=8388608, 8388608 allocated"):
+            offloader.offload((0, 2), grads[0])
+        second.release()
+        third.release()
+
+
+def test_failed_pinning_falls_back_to_pageable_memory_with_one_warning(monkeypatch):
+    monkeypatch.setattr(host_memory, "_warned_pin_failure", False)
+
+    def pin_fails(numel, dtype):
+        raise RuntimeError("cudaHostAlloc: out of memory")
+
+    with get_device("cpu") as dev:
+        pools = [HostBufferPool(dev, 1 << 20, pin_fn=pin_fails) for _ in range(2)]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            buffers = [pool.acquire(1000, torch.float32) for pool in pools for _ in range(2)]
+        messages = [str(w.message) for w in caught]
+        assert len(messages) == 1 and "memlock limit is" in messages[0]
+        assert "Falling back to pageable host memory" in messages[0]
+        assert not any(pool.pinned for pool in pools)
+        for buf in buffers:
+            buf.fill_(1.0)  # usable memory
+        assert len({b.data_ptr() for b in buffers}) == 4
+
+
+def test_pool_pins_through_the_device_and_rejects_foreign_buffers():
+    pinned_calls = []
+
+    def pin(numel, dtype):
+        pinned_calls.append(numel)
+        return torch.empty(numel, dtype=dtype)
+
+    with get_device("cpu") as dev:
+        pool = HostBufferPool(dev, 1 << 20, pin_fn=pin)
+        buf = pool.acquire(256, torch.float16)
+        pool.release(buf)
+        assert pool.acquire(256, torch.float16).data_ptr() == buf.data_ptr()
+        assert pinned_calls == [256] and pool.pinned
+        with pytest.raises(ValueError, match="did not hand out"):
+            pool.release(torch.empty(256, dtype=torch.float16))
+        with pytest.raises(ValueError, match="capacity_bytes=0"):
+            HostBufferPool(dev, 0)
+        with pytest.raises(ValueError, match="host_dtype=torch.int32"):
+            GradientOffloader(dev, pool, host_dtype=torch.int32)
