@@ -132,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _apply_preset_and_defaults(args: argparse.Namespace) -> None:
     preset = None
+    warmup_given = args.lr_warmup_iters is not None
     if args.model_preset is not None:
         try:
             preset = get_preset(args.model_preset)
@@ -151,6 +152,9 @@ def _apply_preset_and_defaults(args: argparse.Namespace) -> None:
             setattr(args, name, value)
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size
+    if not warmup_given and args.lr_warmup_iters >= args.train_iters:
+        # A preset's warmup is sized for its own train_iters; a short run keeps 10% of it.
+        args.lr_warmup_iters = args.train_iters // 10
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
     if args.num_query_groups is None and args.num_attention_heads is not None:

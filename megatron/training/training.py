@@ -19,6 +19,7 @@ from typing import Protocol
 import torch
 
 from megatron.models.llama import Batch, LlamaConfig, LlamaModel
+from megatron.optimizer.loss_scaler import DynamicLossScaler
 from megatron.training.arguments import (
     ArgumentError,
     check_writable_dir,
@@ -52,34 +53,14 @@ class TrainStep(Protocol):
     def load_state_dict(self, state: dict) -> None: ...
 
 
+def make_loss_scaler(args: argparse.Namespace) -> DynamicLossScaler:
+    return DynamicLossScaler(args.initial_loss_scale, growth_interval=args.loss_scale_window,
+                             min_scale=args.min_loss_scale)
+
+
 def uses_weight_decay(name: str, param: torch.Tensor) -> bool:
     """Megatron's rule: no weight decay on biases and norm weights (1-D parameters)."""
     return param.dim() > 1 and not name.endswith(".bias")
-
-
-class DynamicLossScaler:
-    """fp16 loss scaling: halve on overflow, double after `window` clean iterations."""
-
-    def __init__(self, initial: float, minimum: float = 1.0, window: int = 1000,
-                 backoff: float = 0.5, growth: float = 2.0) -> None:
-        self.scale, self.minimum, self.window = float(initial), float(minimum), window
-        self.backoff, self.growth = backoff, growth
-        self._clean = 0
-
-    def update(self, overflow: bool) -> None:
-        if overflow:
-            self.scale = max(self.scale * self.backoff, self.minimum)
-            self._clean = 0
-            return
-        self._clean += 1
-        if self._clean % self.window == 0:
-            self.scale *= self.growth
-
-    def state_dict(self) -> dict:
-        return {"scale": self.scale, "clean": self._clean}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.scale, self._clean = float(state["scale"]), int(state["clean"])
 
 
 class LocalTrainStep:
@@ -101,10 +82,7 @@ class LocalTrainStep:
             lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
         )
         self.clip_grad = args.clip_grad
-        self.scaler = (
-            DynamicLossScaler(args.initial_loss_scale, args.min_loss_scale, args.loss_scale_window)
-            if self.dtype == torch.float16 else None
-        )
+        self.scaler = make_loss_scaler(args) if self.dtype == torch.float16 else None
 
     def step(self, iteration: int, micro_batches: Sequence[Batch], lr: float,
              weight_decay: float) -> StepResult:
