@@ -102,3 +102,12 @@ def test_pool_pins_through_the_device_and_rejects_foreign_buffers():
             HostBufferPool(dev, 0)
         with pytest.raises(ValueError, match="host_dtype=torch.int32"):
             GradientOffloader(dev, pool, host_dtype=torch.int32)
+
+
+def test_default_host_dtype_is_the_measured_choice_per_device():
+    with get_device("cpu") as dev:
+        pool = HostBufferPool(dev, 1 << 20)
+        assert GradientOffloader(dev, pool, training_dtype=torch.float16).host_dtype == (
+            torch.float16
+        )
+        assert GradientOffloader(dev, pool, host_dtype=torch.float32).host_dtype == torch.float32

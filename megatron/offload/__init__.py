@@ -1,7 +1,11 @@
 """Host memory tier: device layer, shared-memory parameter store, prefetch and offload."""
 
 from megatron.offload.device import DeviceLayer, Event, get_device
-from megatron.offload.grad_offload import GradientOffloader, GradientsReady
+from megatron.offload.grad_offload import (
+    GradientOffloader,
+    GradientsReady,
+    default_grad_host_dtype,
+)
 from megatron.offload.host_memory import HostBufferPool
 from megatron.offload.layout import (
     FlatLayout,
@@ -30,6 +34,7 @@ __all__ = [
     "bind_gradients",
     "bind_parameters",
     "copy_parameters_into",
+    "default_grad_host_dtype",
     "get_device",
     "resolve_job_id",
 ]

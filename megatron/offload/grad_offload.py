@@ -5,9 +5,12 @@ Gradients accumulate in a flat device buffer over all micro-batches of a backwar
 host buffer and returns a `GradientsReady` whose `wait()` is all the CPU optimizer task
 needs to call before reading `host`.
 
-Host dtype: fp32 (default) upcasts on the device first and moves 4 bytes per value;
-the training dtype moves 2 bytes and leaves the upcast to the CPU. Deep Optimizer
-States (section 4.1) found the first faster; bench/offload.py measures both here.
+Host dtype: fp32 upcasts on the device first and moves 4 bytes per value; the training
+dtype moves 2 bytes and leaves the upcast to the CPU. The default is picked by
+measurement (`default_grad_host_dtype`): on CUDA fp32, as Deep Optimizer States
+(section 4.1) measured over PCIe; on the CPU device layer the training dtype, which
+bench/offload.py measured faster there (the "device" upcast is CPU work as well, so
+moving fewer bytes wins). See BENCHMARKS.md "Host memory tier".
 """
 
 from __future__ import annotations
@@ -44,15 +47,26 @@ class GradientsReady:
         self._pool.release(self.host)
 
 
+def default_grad_host_dtype(device: DeviceLayer, training_dtype: torch.dtype) -> torch.dtype:
+    """The measured-faster host gradient dtype for this device (see the module docstring)."""
+    return torch.float32 if device.kind == "cuda" else training_dtype
+
+
 class GradientOffloader:
-    """Copies flat device gradients to host buffers on the D2H stream."""
+    """Copies flat device gradients to host buffers on the D2H stream.
+
+    `host_dtype=None` picks `default_grad_host_dtype(device, training_dtype)`.
+    """
 
     def __init__(
         self,
         device: DeviceLayer,
         pool: HostBufferPool,
-        host_dtype: torch.dtype = torch.float32,
+        host_dtype: torch.dtype | None = None,
+        training_dtype: torch.dtype = torch.bfloat16,
     ) -> None:
+        if host_dtype is None:
+            host_dtype = default_grad_host_dtype(device, training_dtype)
         if host_dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError(f"host_dtype={host_dtype}: expected float32, float16 or bfloat16")
         self.device = device
