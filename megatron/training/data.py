@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import shutil
+import struct
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ _ENCODE_CHUNK = 1024
 _PROGRESS_EVERY_S = 2.0
 # Token ids checked against the tokenizer's vocabulary (the first ones of the .bin).
 _VOCAB_CHECK_TOKENS = 1 << 22
+_DTYPE_CODES = {member.value for member in DType}
 
 
 class DataError(ValueError):
@@ -175,6 +177,33 @@ def _chunks(items: Iterable[str], size: int) -> Iterator[list[str]]:
         yield chunk
 
 
+# The .idx layout (megatron.core.datasets.indexed_dataset): magic, version, dtype code,
+# sequence count, document count, then int32 lengths, int64 pointers, int64 document indices.
+_IDX_MAGIC = b"MMIDIDX\x00\x00"
+_IDX_HEADER = struct.Struct("<9sQBQQ")
+
+
+def _check_index_layout(idx_path: str) -> None:
+    """Validate the .idx header and size before megatron's reader sees the file (its reader
+    fails on a corrupt file with bare asserts and a noisy destructor)."""
+    with open(idx_path, "rb") as f:
+        header = f.read(_IDX_HEADER.size)
+    problem = None
+    if len(header) < _IDX_HEADER.size:
+        problem = f"{len(header)} bytes, shorter than the {_IDX_HEADER.size}-byte header"
+    else:
+        magic, version, dtype_code, sequences, documents = _IDX_HEADER.unpack(header)
+        expected = _IDX_HEADER.size + sequences * (4 + 8) + documents * 8
+        if magic != _IDX_MAGIC or version != 1:
+            problem = "bad header (expected a version-1 MMIDIDX index)"
+        elif dtype_code not in _DTYPE_CODES:
+            problem = f"unknown token dtype code {dtype_code}"
+        elif os.path.getsize(idx_path) != expected:
+            problem = f"{os.path.getsize(idx_path)} bytes, expected {expected} from its header"
+    if problem:
+        raise DataError(f"'{idx_path}': not a readable Megatron index: {problem}")
+
+
 def check_data_prefix(prefix: str, vocab_size: int | None = None) -> None:
     """Raise DataError unless prefix.bin/prefix.idx form a readable Megatron indexed dataset
     with at least one document (and, given `vocab_size`, token ids below it)."""
@@ -185,17 +214,12 @@ def check_data_prefix(prefix: str, vocab_size: int | None = None) -> None:
                 f"'{path}': file not found (expected a Megatron indexed dataset "
                 f"{prefix}.bin/.idx, made by tools/preprocess_data.py)"
             )
-    try:
-        dataset = IndexedDataset(prefix, mmap=True)
-        index = dataset.index
-        lengths, pointers = index.sequence_lengths, index.sequence_pointers
-        itemsize = numpy.dtype(index.dtype).itemsize
-        expected_bin = int(pointers[-1]) + int(lengths[-1]) * itemsize if len(lengths) else 0
-        n_documents = len(index.document_indices) - 1
-    except Exception as err:  # the reader fails with asserts, struct and numpy errors
-        raise DataError(
-            f"'{idx_path}': not a readable Megatron index ({type(err).__name__}: {err})"
-        ) from None
+    _check_index_layout(idx_path)
+    index = IndexedDataset(prefix, mmap=True).index
+    lengths, pointers = index.sequence_lengths, index.sequence_pointers
+    itemsize = numpy.dtype(index.dtype).itemsize
+    expected_bin = int(pointers[-1]) + int(lengths[-1]) * itemsize if len(lengths) else 0
+    n_documents = len(index.document_indices) - 1
     if n_documents < 1 or len(lengths) == 0:
         raise DataError(f"'{idx_path}': the dataset is empty (expected at least one document)")
     actual_bin = os.path.getsize(bin_path)
