@@ -15,6 +15,7 @@ from megatron.offload.naming import resolve_job_id, segment_name
 from megatron.offload.param_store import ParameterStore, job_segments
 from megatron.offload.shm import (
     MAGIC,
+    REAPER,
     SegmentInUseError,
     SharedSegment,
     ShmSpaceError,
@@ -214,3 +215,15 @@ def test_killed_rank_and_crashed_rank_leave_dev_shm_clean(job_id):
             child.kill()
             child.wait()
             child.stdout.close()
+
+
+def test_a_killed_reaper_is_restarted_and_still_covers_earlier_segments(job_id):
+    with ParameterStore(job_id=job_id, rank=0) as store:
+        store.create((0, 0), 64, torch.bfloat16)
+        first_reaper = REAPER._proc
+        first_reaper.kill()
+        first_reaper.wait()
+        store.create((0, 1), 64, torch.bfloat16)  # finds the pipe broken: restarts
+        assert REAPER.running and REAPER._proc.pid != first_reaper.pid
+        REAPER.stop()  # what the reaper sees when this process dies: EOF
+        assert job_segments(job_id) == []

@@ -97,28 +97,44 @@ class _ReaperClient:
     def __init__(self) -> None:
         self._proc: subprocess.Popen[bytes] | None = None
         self._pid = -1
+        self._tracked: set[str] = set()
         self._lock = threading.Lock()
+
+    def _start(self) -> None:
+        self._proc = subprocess.Popen(
+            [sys.executable, "-I", reaper.__file__],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,  # survives a kill of our process group
+        )
+        self._pid = os.getpid()
+
+    def _write(self, text: str) -> None:
+        assert self._proc is not None and self._proc.stdin is not None
+        self._proc.stdin.write(text.encode())
+        self._proc.stdin.flush()
 
     def _send(self, line: str) -> None:
         with self._lock:
-            if self._proc is None or self._pid != os.getpid():  # none yet, or we were forked
-                self._proc = subprocess.Popen(
-                    [sys.executable, "-I", reaper.__file__],
-                    stdin=subprocess.PIPE,
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL,
-                    start_new_session=True,  # survives a kill of our process group
-                )
-                self._pid = os.getpid()
-            assert self._proc.stdin is not None
-            self._proc.stdin.write(line.encode())
-            self._proc.stdin.flush()
+            if self._pid != os.getpid():  # none yet, or we are a forked child
+                self._tracked = set()
+                self._start()
+            try:
+                self._write(line)
+            except BrokenPipeError:  # the reaper was killed: start another, re-track all
+                self._start()
+                self._write("".join(f"+{self._pid} {path}\n" for path in self._tracked))
 
     def track(self, path: str) -> None:
+        if self._pid == os.getpid():
+            self._tracked.add(path)  # first, so that a restarted reaper gets it too
         self._send(f"+{os.getpid()} {path}\n")
+        self._tracked.add(path)
 
     def untrack(self, path: str) -> None:
         if self._proc is not None and self._pid == os.getpid():
+            self._tracked.discard(path)
             self._send(f"-{os.getpid()} {path}\n")
 
     def stop(self) -> None:
@@ -126,8 +142,13 @@ class _ReaperClient:
             proc, self._proc = self._proc, None
             if proc is not None and self._pid == os.getpid():
                 assert proc.stdin is not None
-                proc.stdin.close()
+                try:
+                    proc.stdin.close()
+                except BrokenPipeError:
+                    pass
                 proc.wait(timeout=10)
+            self._pid = -1
+            self._tracked = set()
 
     @property
     def running(self) -> bool:
