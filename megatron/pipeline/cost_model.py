@@ -1,0 +1,191 @@
+"""Cost models for the pipeline simulator: abstract units or a model preset on hardware.
+
+All times are per micro-batch for compute and per iteration for parameter/gradient
+transfers and optimizer steps. A backward stage (i, k) of a forward stage split d ways
+costs 1/d of the forward stage's backward, recompute, optimizer and transfer figures in
+the abstract model, and its share of the layers in the derived one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron.models.presets import ModelPreset, count_parameters, get_preset
+
+from .instructions import Piece, Schedule
+from .partition import balanced_partition, sub_stage_layers
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Per-stage and per-backward-stage costs for one schedule's shape."""
+
+    forward: tuple[float, ...]  # per forward stage, per micro-batch
+    backward: dict[Piece, float]  # per backward stage, per micro-batch, without recompute
+    recompute: dict[Piece, float]  # per backward stage, per micro-batch
+    optimizer: dict[Piece, float]  # CPU optimizer step of a backward stage
+    param_transfer: dict[Piece, float]  # host -> device copy of a backward stage's parameters
+    grad_transfer: dict[Piece, float]  # device -> host copy of its gradients
+    p2p_activation: float = 0.0  # one activation or gradient between ranks
+    p2p_checkpoint: float = 0.0  # one activation checkpoint between ranks
+
+
+def uniform_costs(
+    schedule: Schedule,
+    forward_time: float = 1.0,
+    backward_time: float = 2.0,
+    recompute_time: float = 0.0,
+    optimizer_time: float = 0.0,
+    param_transfer_time: float = 0.0,
+    grad_transfer_time: float = 0.0,
+    p2p_time: float = 0.0,
+) -> CostModel:
+    """Abstract units per forward stage (the paper's simplified figures by default)."""
+    values = {
+        "forward_time": forward_time, "backward_time": backward_time,
+        "recompute_time": recompute_time, "optimizer_time": optimizer_time,
+        "param_transfer_time": param_transfer_time, "grad_transfer_time": grad_transfer_time,
+        "p2p_time": p2p_time,
+    }
+    for name, value in values.items():
+        if not value >= 0:
+            raise ValueError(f"{name} is {value!r}, expected a number >= 0")
+    if forward_time <= 0:
+        raise ValueError(f"forward_time is {forward_time!r}, expected a number > 0")
+    d = schedule.backward_split
+    pieces = schedule.pieces()
+
+    def share(value: float) -> dict[Piece, float]:
+        return {piece: value / d for piece in pieces}
+
+    return CostModel(
+        forward=(forward_time,) * schedule.forward_stages,
+        backward=share(backward_time),
+        recompute=share(recompute_time),
+        optimizer=share(optimizer_time),
+        param_transfer=share(param_transfer_time),
+        grad_transfer=share(grad_transfer_time),
+        p2p_activation=p2p_time,
+        p2p_checkpoint=p2p_time,
+    )
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    name: str
+    description: str
+    gpu_peak_flops: float  # dense half-precision tensor throughput
+    gpu_max_efficiency: float  # fraction of peak reached by large matmuls
+    efficiency_half_tokens: int  # tokens per micro-batch at which half of that is reached
+    pcie_bytes_per_s: float  # effective host <-> device bandwidth per GPU
+    p2p_bytes_per_s: float  # GPU <-> GPU bandwidth
+    cpu_optimizer_params_per_s: float  # mixed-precision Adam steps per second, whole node
+    gpus_per_node: int
+
+
+HARDWARE_PROFILES: dict[str, HardwareProfile] = {
+    # SysX Table 1. V100 PCIe: 112 TFLOPS fp16 tensor peak. PCIe Gen3 x16: ~12 GB/s
+    # effective. AMD EPYC 7452 (32 cores, 8 x DDR4-2666): Adam is memory bound at ~30
+    # bytes per parameter plus the fp16->fp32 gradient copy and unscale passes (S Fig. 3):
+    # we assume 1.5e9 parameters/s for the node.
+    "paper-v100": HardwareProfile(
+        name="paper-v100",
+        description="4 x V100 32 GB PCIe Gen3 x16 (~12 GB/s), 1 x AMD EPYC 7452 32-core",
+        gpu_peak_flops=112e12,
+        gpu_max_efficiency=0.45,
+        efficiency_half_tokens=256,
+        pcie_bytes_per_s=12e9,
+        p2p_bytes_per_s=10e9,
+        cpu_optimizer_params_per_s=1.5e9,
+        gpus_per_node=4,
+    ),
+}
+
+
+def get_hardware(name: str) -> HardwareProfile:
+    if name not in HARDWARE_PROFILES:
+        raise KeyError(f"unknown hardware {name!r}; expected one of {', '.join(HARDWARE_PROFILES)}")
+    return HARDWARE_PROFILES[name]
+
+
+def layer_forward_flops_per_token(preset: ModelPreset, seq_length: int) -> float:
+    """2 flops per weight plus attention scores and weighted sum (4 * s * h)."""
+    vocab = preset.vocab_size or 32000
+    per_layer = count_parameters(1, preset.hidden_size, preset.ffn_hidden_size,
+                                 preset.num_attention_heads, preset.num_query_groups,
+                                 vocab).per_layer
+    return 2.0 * per_layer + 4.0 * seq_length * preset.hidden_size
+
+
+def head_forward_flops_per_token(preset: ModelPreset) -> float:
+    return 2.0 * preset.hidden_size * (preset.vocab_size or 32000)
+
+
+def derived_costs(
+    schedule: Schedule,
+    preset: ModelPreset | str,
+    hardware: HardwareProfile | str,
+    micro_batch_size: int,
+    seq_length: int | None = None,
+) -> CostModel:
+    """Costs of `preset` on `hardware` for the schedule's partition (layers per stage).
+
+    Backward is twice the forward, recompute equals the forward; parameters and gradients
+    move in 16-bit; the CPU optimizer throughput of a node is shared by its GPUs.
+    """
+    preset = get_preset(preset) if isinstance(preset, str) else preset
+    hardware = get_hardware(hardware) if isinstance(hardware, str) else hardware
+    if micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size is {micro_batch_size}, expected >= 1")
+    if sum(schedule.partition) != preset.num_layers:
+        raise ValueError(
+            f"partition has {sum(schedule.partition)} layers, preset {preset.name} has "
+            f"{preset.num_layers}"
+        )
+    seq = seq_length or preset.seq_length
+    vocab = preset.vocab_size or 32000
+    counts = count_parameters(preset.num_layers, preset.hidden_size, preset.ffn_hidden_size,
+                              preset.num_attention_heads, preset.num_query_groups, vocab)
+    tokens = micro_batch_size * seq
+    efficiency = hardware.gpu_max_efficiency * tokens / (tokens + hardware.efficiency_half_tokens)
+    flops_per_s = hardware.gpu_peak_flops * efficiency
+    layer_time = layer_forward_flops_per_token(preset, seq) * tokens / flops_per_s
+    head_time = head_forward_flops_per_token(preset) * tokens / flops_per_s
+    optimizer_rate = hardware.cpu_optimizer_params_per_s / hardware.gpus_per_node
+
+    forward_piece, params = {}, {}
+    for piece, layers in sub_stage_layers(schedule.partition, schedule.backward_split).items():
+        forward_piece[piece] = layers.count * layer_time + (head_time if layers.has_head else 0.0)
+        params[piece] = (layers.count * counts.per_layer
+                         + (counts.embedding if layers.has_embedding else 0)
+                         + (counts.head if layers.has_head else 0))
+    forward = tuple(
+        sum(forward_piece[(stage, sub)] for sub in range(schedule.backward_split))
+        for stage in range(schedule.forward_stages)
+    )
+    activation_bytes = 2.0 * tokens * preset.hidden_size
+    return CostModel(
+        forward=forward,
+        backward={piece: 2.0 * t for piece, t in forward_piece.items()},
+        recompute=dict(forward_piece),
+        optimizer={piece: n / optimizer_rate for piece, n in params.items()},
+        param_transfer={piece: 2.0 * n / hardware.pcie_bytes_per_s for piece, n in params.items()},
+        grad_transfer={piece: 2.0 * n / hardware.pcie_bytes_per_s for piece, n in params.items()},
+        p2p_activation=activation_bytes / hardware.p2p_bytes_per_s,
+        p2p_checkpoint=activation_bytes / hardware.p2p_bytes_per_s,
+    )
+
+
+def preset_partition(
+    preset: ModelPreset | str, forward_stages: int, seq_length: int | None = None
+) -> list[int]:
+    """Layers per forward stage balanced by forward flops, the head's output layer included."""
+    preset = get_preset(preset) if isinstance(preset, str) else preset
+    seq = seq_length or preset.seq_length
+    return balanced_partition(
+        preset.num_layers,
+        forward_stages,
+        layer_cost=layer_forward_flops_per_token(preset, seq),
+        embedding_cost=0.0,  # a table lookup
+        head_cost=head_forward_flops_per_token(preset),
+    )

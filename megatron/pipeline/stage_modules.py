@@ -1,0 +1,85 @@
+"""The model pieces of each backward stage (i, k), and their flat parameter layout.
+
+Backward stage (i, k) covers the decoder layers that `sub_stage_layers` gives it, plus the
+embedding for (0, 0) and the head for (S-1, d-1). A forward stage is its d backward stages
+run in order. Each process builds the modules of the stages it runs, nothing else.
+
+The flat layout puts the parameters that take weight decay first and the 1-D ones (norm
+weights) after them, so the CPU optimizer can treat each as one contiguous group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from megatron.models.llama import LlamaConfig, build_pieces, run_pieces, uses_weight_decay
+from megatron.offload.layout import FlatLayout, ParamSlice
+from megatron.pipeline.instructions import Piece
+from megatron.pipeline.partition import sub_stage_layers
+
+
+def model_piece_indices(
+    partition: tuple[int, ...], backward_split: int, num_layers: int
+) -> dict[Piece, list[int]]:
+    """{(i, k): indices into the model's piece list (0 = embedding, L+1 = head)}."""
+    out: dict[Piece, list[int]] = {}
+    for key, r in sub_stage_layers(partition, backward_split).items():
+        indices = [0] if r.has_embedding else []
+        indices += [1 + layer for layer in range(r.first, r.stop)]
+        if r.has_head:
+            indices.append(num_layers + 1)
+        out[key] = indices
+    return out
+
+
+@dataclass
+class StageModule:
+    """One backward stage's pieces, its layout and how many elements take weight decay."""
+
+    key: Piece
+    module: nn.ModuleList
+    layout: FlatLayout
+    decay_numel: int  # layout elements [0, decay_numel) take weight decay, the rest not
+
+    @property
+    def has_embedding(self) -> bool:
+        return self.key == (0, 0)
+
+    def __call__(self, hidden: torch.Tensor | None, batch: dict) -> torch.Tensor:
+        return run_pieces(self.module, hidden, batch)
+
+
+def decay_first_layout(module: nn.Module) -> tuple[FlatLayout, int]:
+    params = list(module.named_parameters())
+    ordered = [np for np in params if uses_weight_decay(*np)]
+    decay_numel = sum(p.numel() for _, p in ordered)
+    ordered += [np for np in params if not uses_weight_decay(*np)]
+    slices, offset = [], 0
+    for name, p in ordered:
+        slices.append(ParamSlice(name, tuple(p.shape), offset, p.numel()))
+        offset += p.numel()
+    dtypes = {p.dtype for _, p in params}
+    if len(dtypes) != 1:
+        raise ValueError(f"stage parameters mix dtypes {sorted(map(str, dtypes))}")
+    return FlatLayout(tuple(slices), offset, dtypes.pop()), decay_numel
+
+
+def build_stage_modules(
+    cfg: LlamaConfig,
+    partition: tuple[int, ...],
+    backward_split: int,
+    keys: Iterable[Piece],
+) -> dict[Piece, StageModule]:
+    """Modules of the backward stages `keys`, initialized in fp32 (the masters' values)."""
+    indices = model_piece_indices(partition, backward_split, cfg.num_layers)
+    fp32 = cfg.with_dtype(torch.float32)
+    out = {}
+    for key in sorted(set(keys)):
+        module = build_pieces(fp32, indices[key])
+        layout, decay_numel = decay_first_layout(module)
+        out[key] = StageModule(key, module, layout, decay_numel)
+    return out
