@@ -42,23 +42,26 @@ def test_accumulated_stage_gradients_reach_the_host_for_the_optimizer_thread(hos
         assert pool.in_use == 0
 
 
-def test_host_buffers_are_reused_and_the_upcast_scratch_is_not_overwritten_early():
-    with get_device("cpu") as dev:
+@pytest.mark.parametrize("kind", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_host_buffers_are_reused_and_the_upcast_scratch_is_not_overwritten_early(kind):
+    with get_device(kind) as dev:
         pool = HostBufferPool(dev, capacity_bytes=2 * 4 * (1 << 20))
         offloader = GradientOffloader(dev, pool, host_dtype=torch.float32)
         grads = [torch.randn(1 << 20).bfloat16() for _ in range(2)]
-        first = offloader.offload((0, 0), grads[0])
-        second = offloader.offload((0, 1), grads[1])  # reuses the scratch of `first`
+        on_device = [g.to(dev.torch_device) for g in grads]
+        first = offloader.offload((0, 0), on_device[0])
+        second = offloader.offload((0, 1), on_device[1])  # reuses the scratch of `first`
         first.wait()
         second.wait()
+        assert first.host.is_pinned() == (kind == "cuda") == pool.pinned
         assert torch.equal(first.host, grads[0].float())
         assert torch.equal(second.host, grads[1].float())
         kept = first.host.data_ptr()
         first.release()
-        third = offloader.offload((0, 0), grads[1])
+        third = offloader.offload((0, 0), on_device[1])
         assert third.host.data_ptr() == kept and pool.allocated_bytes == 2 * 4 * (1 << 20)
         with pytest.raises(MemoryError, match=r"capacity_bytes=8388608, 8388608 allocated"):
-            offloader.offload((0, 2), grads[0])
+            offloader.offload((0, 2), on_device[0])
         second.release()
         third.release()
 
