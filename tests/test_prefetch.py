@@ -47,7 +47,7 @@ def test_a_stage_larger_than_a_half_and_a_third_prefetch_are_refused():
             buf.prefetch((7, 1), torch.zeros(101))
         buf.prefetch((0, 0), torch.zeros(100))
         buf.prefetch((1, 0), torch.zeros(100))
-        with pytest.raises(RuntimeError, match=r"both halves hold stages \[\(0, 0\), \(1, 0\)\]"):
+        with pytest.raises(RuntimeError, match=r"all 2 slots hold stages \[\(0, 0\), \(1, 0\)\]"):
             buf.prefetch((2, 0), torch.zeros(100))
         with pytest.raises(ValueError, match="budget_bytes=2"):
             ParamDoubleBuffer(dev, budget_bytes=2, dtype=torch.float32)

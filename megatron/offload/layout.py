@@ -65,9 +65,10 @@ class FlatLayout:
 
 
 def _parameters(module: nn.Module, layout: FlatLayout) -> list[nn.Parameter]:
+    """The module's parameters in layout order (a layout may order them its own way)."""
     params = dict(module.named_parameters())
     names = [s.name for s in layout.slices]
-    if list(params) != names:
+    if sorted(params) != sorted(names):
         raise ValueError("module parameters do not match the layout (a different module?)")
     return [params[name] for name in names]
 

@@ -46,18 +46,24 @@ class Slot:
 class ParamDoubleBuffer:
     """Two device halves of `budget_bytes // 2` each, reused for every stage."""
 
-    def __init__(self, device: DeviceLayer, budget_bytes: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self, device: DeviceLayer, budget_bytes: int, dtype: torch.dtype, slots: int = 2
+    ) -> None:
+        """`slots` equal parts of `budget_bytes`: two is the double buffer; a schedule that
+        keeps more stages resident at once (its validator reports how many) asks for more."""
+        if slots < 1:
+            raise ValueError(f"slots={slots}: expected at least one")
         itemsize = torch.empty((), dtype=dtype).element_size()
-        half_numel = budget_bytes // 2 // itemsize
+        half_numel = budget_bytes // slots // itemsize
         if half_numel <= 0:
             raise ValueError(
-                f"budget_bytes={budget_bytes}: too small for two halves of {dtype} parameters"
+                f"budget_bytes={budget_bytes}: too small for {slots} slots of {dtype} parameters"
             )
         self.device = device
         self.dtype = dtype
         self.budget_bytes = budget_bytes
         self.half_numel = half_numel
-        self.slots = [Slot(i, device.empty(half_numel, dtype)) for i in range(2)]
+        self.slots = [Slot(i, device.empty(half_numel, dtype)) for i in range(slots)]
 
     def resident(self, key: StageKey) -> Slot | None:
         """The slot already holding (or receiving) `key`, if any."""
@@ -70,7 +76,7 @@ class ParamDoubleBuffer:
         if source.numel() > self.half_numel:
             nbytes = source.numel() * source.element_size()
             raise ValueError(
-                f"stage {key} needs {nbytes} bytes of parameters but one half of the device "
+                f"stage {key} needs {nbytes} bytes of parameters but one slot of the device "
                 f"double buffer holds {self.half_numel * source.element_size()} "
                 f"(budget_bytes={self.budget_bytes}); raise the budget or split stages finer"
             )
@@ -82,7 +88,7 @@ class ParamDoubleBuffer:
         if not free:
             held = [s.key for s in self.slots]
             raise RuntimeError(
-                f"prefetch of stage {key}: both halves hold stages {held}; release one"
+                f"prefetch of stage {key}: all {len(self.slots)} slots hold stages {held}; release one"
             )
         slot = free[0]
         stream = self.device.h2d_stream

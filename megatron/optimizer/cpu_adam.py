@@ -89,6 +89,7 @@ class CPUAdamW:
     threads: kernel threads per step (default: all usable cores).
     cores: pin the kernel threads to these cores (thread i -> cores[i % len]).
     exact_rollback: snapshot the state each step changes so rollback is bit-exact.
+    weight_decay_mults: per group, a factor on weight_decay (0 for a no-decay group).
     isa: 'auto' or one of available_isas().
 
     Steps of different groups may run concurrently from different threads; steps of one
@@ -107,6 +108,7 @@ class CPUAdamW:
         cores: Sequence[int] | None = None,
         exact_rollback: bool = False,
         isa: str = "auto",
+        weight_decay_mults: Sequence[float] | None = None,
     ) -> None:
         if not 0.0 <= betas[0] < 1.0 or not 0.0 < betas[1] < 1.0:
             raise ValueError(f"betas={betas} must lie in [0, 1) and (0, 1)")
@@ -126,6 +128,12 @@ class CPUAdamW:
         bad = [c for c in self.cores if c not in usable]
         if bad:
             raise ValueError(f"cores={list(cores or [])}: {bad} not usable by this process; usable: {usable}")
+        mults = [1.0] * len(params) if weight_decay_mults is None else list(weight_decay_mults)
+        if len(mults) != len(params) or any(m < 0 for m in mults):
+            raise ValueError(f"weight_decay_mults={weight_decay_mults}: expected one value >= 0 "
+                             f"per group ({len(params)})")
+        # Per group, e.g. 0 for norm weights (Megatron's no-decay group).
+        self.weight_decay_mults = [float(m) for m in mults]
         self.lr = float(lr)
         self.betas = (float(betas[0]), float(betas[1]))
         self.eps = float(eps)
@@ -216,9 +224,10 @@ class CPUAdamW:
             _check_flat("out", out, n, list(_DTYPE_CODES))
         if not inv_scale > 0.0:
             raise ValueError(f"inv_scale={inv_scale} must be > 0")
-        if not 0.0 <= self.lr * self.weight_decay < 1.0:
+        if not 0.0 <= self.lr * self.weight_decay * self.weight_decay_mults[i] < 1.0:
             raise ValueError(f"lr*weight_decay={self.lr * self.weight_decay} must lie in [0, 1)")
-        record = _StepRecord(grad, out, float(inv_scale), self.lr, self.weight_decay, self._steps[i] + 1)
+        weight_decay = self.weight_decay * self.weight_decay_mults[i]
+        record = _StepRecord(grad, out, float(inv_scale), self.lr, weight_decay, self._steps[i] + 1)
         finite, sq = _kernel.step(**self._kernel_args(i, record))
         if finite:
             self._steps[i] = record.step
