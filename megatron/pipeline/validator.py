@@ -27,7 +27,7 @@ RULE_INPUT = "inputs produced before use"
 RULE_POSTED = "checkpoint receive posted before its wait"
 RULE_GRADIENTS = "gradients complete before offload"
 RULE_OPTIMIZER = "optimizer step after offload and overflow check"
-RULE_RELEASE = "parameters released once resident and by the end"
+RULE_RESIDENCY = "parameters prefetched when absent, released when resident and by the end"
 RULE_DANGLING = "every produced tensor used"
 
 
@@ -128,11 +128,14 @@ class _Checker(Interpreter):
         if op in (Op.FORWARD, Op.BACKWARD):
             self._compute(rank, index, ins)
         elif op == Op.PREFETCH_PARAMS:
-            self.resident[rank].update(s.stage_pieces(ins.stage, ins.sub))
+            pieces = s.stage_pieces(ins.stage, ins.sub)
+            if self.resident[rank].intersection(pieces):
+                self._fail(rank, index, ins, RULE_RESIDENCY, "parameters are already resident")
+            self.resident[rank].update(pieces)
         elif op == Op.RELEASE_PARAMS:
             pieces = s.stage_pieces(ins.stage, ins.sub)
             if not set(pieces) <= self.resident[rank]:
-                self._fail(rank, index, ins, RULE_RELEASE, "parameters are not resident")
+                self._fail(rank, index, ins, RULE_RESIDENCY, "parameters are not resident")
             self.resident[rank].difference_update(pieces)
         elif op == Op.ISEND_CKPT:
             self._take(rank, index, ins, ins.tensor_key, "checkpoint")
@@ -215,7 +218,7 @@ class _Checker(Interpreter):
         for rank in range(s.ranks):
             end = len(s.programs[rank])
             if self.resident[rank]:
-                raise ScheduleError(rank, end, None, RULE_RELEASE,
+                raise ScheduleError(rank, end, None, RULE_RESIDENCY,
                                     f"parameters {sorted(self.resident[rank])} still resident")
             leftovers = sorted(self.tensors[rank] | self.posted_irecvs[rank])
             if leftovers:

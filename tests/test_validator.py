@@ -1,0 +1,223 @@
+"""The validator accepts every generated schedule and names the rule a broken one breaks."""
+
+import dataclasses
+import random
+
+import pytest
+
+from megatron.pipeline.instructions import Instruction, Op
+from megatron.pipeline.interpreter import ScheduleError
+from megatron.pipeline.schedules import SCHEDULE_NAMES, build_schedule
+from megatron.pipeline.validator import validate
+
+
+def sweep_configurations(count: int, seed: int = 3):
+    """A seeded sample of (name, ranks 1..8, stages, d 1..4, micro-batches 1..16)."""
+    valid = []
+    for name in SCHEDULE_NAMES:
+        for ranks in range(1, 9):
+            for chunks in (1, 2, 3):
+                if name in ("gpipe", "1f1b") and chunks > 1:
+                    continue
+                for split in range(1, 5) if name == "decoupled" else (1,):
+                    for micro_batches in range(1, 17):
+                        if name == "interleaved-1f1b" and chunks > 1 and micro_batches % ranks:
+                            continue
+                        valid.append((name, ranks, ranks * chunks, split, micro_batches))
+    rng = random.Random(seed)
+    corners = [("decoupled", 8, 16, 4, 16), ("decoupled", 1, 3, 4, 1), ("mobius", 8, 24, 1, 1),
+               ("interleaved-1f1b", 8, 24, 1, 16), ("1f1b", 8, 8, 1, 1), ("gpipe", 1, 1, 1, 16)]
+    return corners + rng.sample(valid, count)
+
+
+@pytest.mark.parametrize("config", sweep_configurations(150), ids=str)
+def test_every_generated_schedule_is_valid_with_bounded_residency(config):
+    name, ranks, stages, split, micro_batches = config
+    schedule = build_schedule(name, ranks, stages, split, micro_batches, [split + 1] * stages)
+    report = validate(schedule)
+    # Double buffering: at most two parameter segments (a forward stage is d pieces).
+    assert max(report.peak_params) <= 2 * split
+    # A rank never holds more checkpoints than exist for the stages it touches.
+    assert max(report.peak_checkpoints) <= stages * split * micro_batches
+    computes = sum(ins.op in (Op.FORWARD, Op.BACKWARD) for p in schedule.programs for ins in p)
+    assert computes == stages * micro_batches * (1 + split)
+
+
+def with_program(schedule, rank, program):
+    programs = list(schedule.programs)
+    programs[rank] = tuple(program)
+    return dataclasses.replace(schedule, programs=tuple(programs))
+
+
+def index_of(program, op, **fields):
+    return next(i for i, ins in enumerate(program)
+                if ins.op == op and all(getattr(ins, k) == v for k, v in fields.items()))
+
+
+def moved(program, source, target):
+    """The program with the instruction at `source` moved to position `target`."""
+    program = list(program)
+    program.insert(target, program.pop(source))
+    return program
+
+
+def expect(schedule, rank, rule, op=None):
+    with pytest.raises(ScheduleError) as error:
+        validate(schedule)
+    message = str(error.value)
+    assert error.value.rank == rank and error.value.rule == rule, message
+    assert message.startswith(f"rank {rank}, ") and rule in message
+    if op is not None:
+        assert error.value.instruction.op == op and f"({error.value.instruction})" in message
+
+
+def test_duplicate_forward_breaks_exactly_once():
+    s = build_schedule("mobius", 2, 4, 1, 2)
+    p = list(s.programs[0])
+    i = index_of(p, Op.FORWARD, stage=0, mb=1)
+    p.insert(i + 1, p[i])
+    expect(with_program(s, 0, p), 0, "every forward and backward exactly once", Op.FORWARD)
+
+
+def test_missing_backward_breaks_exactly_once():
+    s = build_schedule("gpipe", 1, 1, 1, 1)
+    p = [ins for ins in s.programs[0]
+         if ins.op not in (Op.BACKWARD, Op.OFFLOAD_GRAD, Op.OPTIMIZER_START)]
+    expect(with_program(s, 0, p), 0, "every forward and backward exactly once")
+
+
+def test_forward_on_the_wrong_rank_breaks_assignment():
+    s = build_schedule("mobius", 2, 4, 1, 2)
+    broken = dataclasses.replace(s, forward_rank=(1, 0, 0, 1))
+    expect(broken, 0, "compute on its assigned rank", Op.FORWARD)
+
+
+def test_compute_without_prefetch_breaks_params_rule():
+    s = build_schedule("decoupled", 2, 4, 2, 2)
+    p = list(s.programs[1])
+    p.pop(index_of(p, Op.PREFETCH_PARAMS))
+    expect(with_program(s, 1, p), 1, "parameters prefetched before compute", Op.FORWARD)
+
+
+def test_forward_before_its_activation_arrives_breaks_inputs_rule():
+    s = build_schedule("1f1b", 2, 2, 1, 2)
+    p = s.programs[1]
+    recv = index_of(p, Op.RECV_ACT, mb=0)
+    broken = with_program(s, 1, moved(p, recv, index_of(p, Op.FORWARD, mb=0)))
+    expect(broken, 1, "inputs produced before use", Op.FORWARD)
+
+
+def test_backward_before_its_gradient_arrives_breaks_inputs_rule():
+    s = build_schedule("decoupled", 2, 2, 1, 2)
+    rank = s.backward_rank[(0, 0)]
+    p = s.programs[rank]
+    recv = index_of(p, Op.RECV_GRAD, mb=0)
+    broken = with_program(s, rank, moved(p, recv, index_of(p, Op.BACKWARD, stage=0, mb=0)))
+    expect(broken, rank, "inputs produced before use", Op.BACKWARD)
+
+
+def test_recompute_before_waiting_for_the_checkpoint_breaks_inputs_rule():
+    s = build_schedule("decoupled", 2, 4, 2, 2)
+    rank, program = next((r, p) for r, p in enumerate(s.programs)
+                         if any(ins.op == Op.WAIT_CKPT for ins in p))
+    wait = index_of(program, Op.WAIT_CKPT)
+    w = program[wait]
+    target = index_of(program, Op.BACKWARD, stage=w.stage, sub=w.sub, mb=w.mb)
+    expect(with_program(s, rank, moved(program, wait, target)), rank,
+           "inputs produced before use", Op.BACKWARD)
+
+
+def test_wait_without_posted_receive_is_rejected():
+    s = build_schedule("decoupled", 2, 4, 2, 2)
+    rank, program = next((r, p) for r, p in enumerate(s.programs)
+                         if any(ins.op == Op.IRECV_CKPT for ins in p))
+    program = list(program)
+    program.pop(index_of(program, Op.IRECV_CKPT))
+    expect(with_program(s, rank, program), rank, "checkpoint receive posted before its wait",
+           Op.WAIT_CKPT)
+
+
+def test_offload_before_the_last_micro_batch_breaks_gradient_rule():
+    s = build_schedule("decoupled", 2, 4, 2, 3)
+    p = s.programs[0]
+    offload = index_of(p, Op.OFFLOAD_GRAD)
+    o = p[offload]
+    target = index_of(p, Op.BACKWARD, stage=o.stage, sub=o.sub, mb=2)
+    expect(with_program(s, 0, moved(p, offload, target)), 0,
+           "gradients complete before offload", Op.OFFLOAD_GRAD)
+
+
+def test_optimizer_without_overflow_check_is_rejected():
+    s = build_schedule("mobius", 2, 4, 1, 2)
+    programs = tuple(tuple(i for i in p if i.op != Op.OVERFLOW_SYNC) for p in s.programs)
+    expect(dataclasses.replace(s, programs=programs), 0,
+           "optimizer step after offload and overflow check", Op.OPTIMIZER_START)
+
+
+def test_optimizer_before_offload_is_rejected():
+    s = build_schedule("decoupled", 2, 4, 2, 2)
+    p = s.programs[1]
+    step = index_of(p, Op.OPTIMIZER_START)
+    broken = with_program(s, 1, moved(p, step, step - 1))
+    expect(broken, 1, "optimizer step after offload and overflow check", Op.OPTIMIZER_START)
+
+
+def test_rollback_before_post_step_sync_is_rejected():
+    s = build_schedule("decoupled", 2, 4, 2, 2)
+    p = s.programs[1]
+    p = moved(p, index_of(p, Op.ROLLBACK_IF_OVERFLOW), index_of(p, Op.POST_STEP_SYNC))
+    expect(with_program(s, 1, p), 1, "optimizer step after offload and overflow check",
+           Op.ROLLBACK_IF_OVERFLOW)
+
+
+RESIDENCY = "parameters prefetched when absent, released when resident and by the end"
+
+
+def test_prefetch_of_parameters_never_released_is_rejected():
+    s = build_schedule("mobius", 2, 4, 1, 2)
+    p = list(s.programs[1])
+    p.pop(index_of(p, Op.RELEASE_PARAMS))  # stage 1 after its forwards; fetched again later
+    expect(with_program(s, 1, p), 1, RESIDENCY, Op.PREFETCH_PARAMS)
+
+
+def test_parameters_left_resident_at_the_end_are_reported():
+    s = build_schedule("mobius", 2, 4, 1, 2)
+    p = list(s.programs[1])
+    last = max(i for i, ins in enumerate(p) if ins.op == Op.RELEASE_PARAMS)
+    p.pop(last)
+    expect(with_program(s, 1, p), 1, RESIDENCY)
+
+
+def test_release_of_absent_parameters_is_rejected():
+    s = build_schedule("gpipe", 2, 2, 1, 2)
+    p = list(s.programs[0])
+    p.insert(0, Instruction(Op.RELEASE_PARAMS, stage=0, sub=-1))
+    expect(with_program(s, 0, p), 0, RESIDENCY, Op.RELEASE_PARAMS)
+
+
+def test_send_to_a_rank_without_matching_receive_is_rejected():
+    s = build_schedule("1f1b", 3, 3, 1, 2)
+    p = list(s.programs[0])
+    i = index_of(p, Op.SEND_ACT)
+    p[i] = dataclasses.replace(p[i], peer=2)
+    expect(with_program(s, 0, p), 0, "every send matched by a receive", Op.SEND_ACT)
+
+
+def test_crossed_blocking_sends_deadlock():
+    # Rank 1 sends its first gradient before receiving the second activation while rank 0
+    # sends that activation before receiving the gradient: both sends wait forever.
+    s = build_schedule("1f1b", 2, 2, 1, 2)
+    p = s.programs[1]
+    recv = index_of(p, Op.RECV_ACT, mb=1)
+    send = index_of(p, Op.SEND_GRAD, mb=0)
+    p = moved(p, recv, send)
+    assert index_of(p, Op.RECV_ACT, mb=1) > index_of(p, Op.SEND_GRAD, mb=0)
+    with pytest.raises(ScheduleError, match="no deadlock under blocking send/recv") as error:
+        validate(with_program(s, 1, p))
+    assert "SEND" in str(error.value)
+
+
+def test_receive_posted_but_never_used_is_dangling():
+    s = build_schedule("decoupled", 2, 4, 2, 2)
+    p = list(s.programs[0]) + [Instruction(Op.IRECV_CKPT, stage=3, sub=0, mb=9, peer=1)]
+    expect(with_program(s, 0, p), 0, "every produced tensor used")
