@@ -1,0 +1,122 @@
+"""The simulator against SysX's closed forms and the paper's Fig. 2 / Fig. 8 comparison."""
+
+import json
+
+import pytest
+
+from megatron.models.presets import count_parameters, get_preset
+from megatron.pipeline.cost_model import derived_costs, preset_partition, uniform_costs
+from megatron.pipeline.schedules import build_schedule
+from megatron.pipeline.simulator import simulate
+from megatron.pipeline.timeline import write_chrome_trace, write_timeline_png
+
+
+def eq3_bubble_ratio(ranks, micro_batches, tf, tb):
+    """SysX Eq. (3)."""
+    return ((tf * (ranks - 1) + tb * (ranks - 1))
+            / (tf * (micro_batches + ranks - 1) + tb * (micro_batches + ranks - 1)))
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("tf,tb", [(1.0, 2.0), (1.0, 1.0), (0.7, 2.3), (2.0, 1.0)])
+def test_bubble_ratio_equals_eq3_for_gpipe_and_1f1b(name, tf, tb):
+    for ranks in range(1, 9):
+        for micro_batches in (1, 2, 3, 4, 5, 7, 8, 12, 16):
+            schedule = build_schedule(name, ranks, ranks, 1, micro_batches)
+            result = simulate(schedule, uniform_costs(schedule, forward_time=tf, backward_time=tb))
+            expected = eq3_bubble_ratio(ranks, micro_batches, tf, tb)
+            assert result.bubble_ratio == pytest.approx([expected] * ranks, abs=1e-12)
+            assert result.iteration_time == pytest.approx((micro_batches + ranks - 1) * (tf + tb))
+
+
+FIG2 = ("mobius", 4, 8, 1, 4)  # SysX Fig. 2: 4 GPUs, 8 stages, 4 micro-batches
+FIG8 = ("decoupled", 4, 8, 2, 4)  # SysX Fig. 8: 8 forward, 16 backward stages
+
+
+@pytest.mark.parametrize("costs", [
+    {},
+    {"optimizer_time": 2.0, "param_transfer_time": 0.5, "grad_transfer_time": 0.5},
+    {"optimizer_time": 6.0, "param_transfer_time": 1.0, "grad_transfer_time": 1.0,
+     "recompute_time": 1.0, "p2p_time": 0.1},
+])
+def test_decoupled_has_fewer_bubbles_than_mobius_in_the_paper_setting(costs):
+    results = {}
+    for config in (FIG2, FIG8):
+        schedule = build_schedule(*config)
+        results[config[0]] = simulate(schedule, uniform_costs(schedule, **costs))
+    assert results["decoupled"].mean_bubble_ratio < results["mobius"].mean_bubble_ratio
+    assert results["decoupled"].iteration_time < results["mobius"].iteration_time
+    # Same work on every GPU in both schedules.
+    assert results["decoupled"].busy == pytest.approx(results["mobius"].busy)
+
+
+def test_mobius_optimizer_is_fully_exposed_and_decoupled_hides_all_but_the_last():
+    costs = {"optimizer_time": 2.0, "grad_transfer_time": 0.25}
+    mobius = simulate(build_schedule(*FIG2), uniform_costs(build_schedule(*FIG2), **costs))
+    decoupled = simulate(build_schedule(*FIG8), uniform_costs(build_schedule(*FIG8), **costs))
+    # Mobius: every rank steps its 2 stages after the synchronized check, in parallel.
+    assert mobius.exposed_optimizer_time == pytest.approx(2 * 2.0)
+    assert all(e.start >= mobius.compute_end for e in mobius.events
+               if e.resource == "cpu-optimizer")
+    # Decoupled: a backward stage's step (2.0 / d = 1) is shorter than the backwards that
+    # follow it, so only steps of the last backward stages remain exposed.
+    assert 0 < decoupled.exposed_optimizer_time <= 2.0 / 2 + 0.25
+    assert any(e.end <= decoupled.compute_end for e in decoupled.events
+               if e.resource == "cpu-optimizer")
+
+
+def test_events_respect_dependencies_and_resources():
+    schedule = build_schedule(*FIG8)
+    result = simulate(schedule, uniform_costs(schedule, optimizer_time=1.0, p2p_time=0.2,
+                                              param_transfer_time=0.5, grad_transfer_time=0.5))
+    by_key = {}
+    for event in result.events:
+        by_key[(event.kind, event.stage, event.sub, event.mb)] = event
+    for rank in range(schedule.ranks):
+        compute = sorted((e.start, e.end) for e in result.events
+                         if e.rank == rank and e.resource == "compute")
+        assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(compute, compute[1:]))
+    for (kind, stage, sub, mb), event in by_key.items():
+        if kind == "backward":
+            forward = by_key[("forward", stage, -1, mb)]
+            assert event.start >= forward.end + 0.2 - 1e-9 or \
+                schedule.backward_rank[(stage, sub)] == schedule.forward_rank[stage]
+        if kind == "optimizer":
+            assert event.start >= by_key[("offload", stage, sub, -1)].end
+        if kind == "forward" and stage > 0:
+            assert event.start >= by_key[("forward", stage - 1, -1, mb)].end + 0.2 - 1e-9
+
+
+def test_derived_costs_follow_the_parameter_count_and_hardware():
+    preset = get_preset("10b")
+    stages = 8
+    schedule = build_schedule("decoupled", 4, stages, 2, 8, preset_partition(preset, stages))
+    costs = derived_costs(schedule, preset, "paper-v100", micro_batch_size=2)
+    total = count_parameters(preset.num_layers, preset.hidden_size, preset.ffn_hidden_size,
+                             preset.num_attention_heads, preset.num_query_groups,
+                             preset.vocab_size).total
+    # fp16 parameters over ~12 GB/s PCIe; the pieces add up to the whole model.
+    assert sum(costs.param_transfer.values()) == pytest.approx(2 * total / 12e9)
+    # Node CPU (1.5e9 params/s) shared by its 4 GPUs.
+    assert sum(costs.optimizer.values()) == pytest.approx(total / (1.5e9 / 4))
+    for piece, backward in costs.backward.items():
+        assert backward == pytest.approx(2 * costs.recompute[piece])
+    assert sum(costs.forward) == pytest.approx(sum(costs.recompute.values()))
+    # The balanced partition evens out the head's extra cost.
+    assert max(costs.forward) / min(costs.forward) < 1.25
+
+
+def test_timeline_png_and_chrome_trace(tmp_path):
+    schedule = build_schedule(*FIG8)
+    result = simulate(schedule, uniform_costs(schedule, optimizer_time=2.0,
+                                              param_transfer_time=0.5, grad_transfer_time=0.5))
+    png, trace = tmp_path / "fig8.png", tmp_path / "fig8.json"
+    write_timeline_png(result.events, str(png), title="decoupled")
+    write_chrome_trace(result.events, str(trace))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    records = json.loads(trace.read_text())["traceEvents"]
+    spans = [r for r in records if r["ph"] == "X"]
+    assert len(spans) == len(result.events)
+    assert {r["args"]["name"] for r in records if r["name"] == "thread_name"} == {
+        "compute", "h2d", "d2h", "cpu-optimizer"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fig8.json", "fig8.png"]
