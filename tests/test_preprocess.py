@@ -187,3 +187,13 @@ def test_cli_exit_status_in_a_real_process(tmp_path):
         "file not found (expected a JSONL file)"
     ]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_empty_input_is_rejected_without_output(tmp_path, corpus, capsys):
+    _, tokenizer_path = corpus
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    rc = preprocess_data.main(["--input", str(empty), "--tokenizer-model", str(tokenizer_path),
+                               "--output-prefix", str(tmp_path / "out")])
+    assert rc == 2 and "no documents" in capsys.readouterr().err
+    assert [p.name for p in tmp_path.iterdir()] == ["empty.jsonl"]

@@ -135,8 +135,8 @@ def write_indexed_dataset(
     bin_tmp, idx_tmp = tmp_prefix + ".bin", tmp_prefix + ".idx"
     docs = tokens = nbytes = 0
     start = last_report = time.monotonic()
+    builder = IndexedDatasetBuilder(bin_tmp, dtype=dtype)  # opens the temporary .bin
     try:
-        builder = IndexedDatasetBuilder(bin_tmp, dtype=dtype)
         for chunk in _chunks(texts, _ENCODE_CHUNK):
             for ids in tokenizer.tokenize_batch(chunk):
                 ids.append(tokenizer.eod)
@@ -149,14 +149,12 @@ def write_indexed_dataset(
                 log(_progress_line(docs, nbytes, tokens, now - start))
                 last_report = now
         if docs == 0:
-            builder.data_file.close()
             raise DataError("no documents in the input (expected at least one)")
         builder.finalize(idx_tmp)
         os.replace(bin_tmp, output_prefix + ".bin")
         os.replace(idx_tmp, output_prefix + ".idx")
     except BaseException:
-        with contextlib.suppress(NameError):
-            builder.data_file.close()
+        builder.data_file.close()
         for path in (bin_tmp, idx_tmp):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
