@@ -1,0 +1,98 @@
+"""tools/simulate_pipeline.py as a user runs it."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron.pipeline.schedule_io import read_schedule
+
+TOOL = str(Path(__file__).resolve().parents[1] / "tools" / "simulate_pipeline.py")
+FIG8 = ["--schedule", "decoupled", "--ranks", "4", "--forward-stages", "8",
+        "--backward-split", "2", "--micro-batches", "4"]
+FIG2 = ["--schedule", "mobius", "--ranks", "4", "--forward-stages", "8",
+        "--backward-split", "1", "--micro-batches", "4"]
+
+
+def run(*args, cwd=None):
+    return subprocess.run([sys.executable, TOOL, *args], capture_output=True, text=True,
+                          cwd=cwd, timeout=120)
+
+
+def test_json_output_has_the_documented_keys():
+    done = run(*FIG8, "--json")
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["schedule"] == "decoupled"
+    assert {"iteration_time", "bubble_ratio", "per_rank", "exposed_optimizer_time"} <= set(result)
+    assert [row["rank"] for row in result["per_rank"]] == [0, 1, 2, 3]
+    mean = sum(row["bubble_ratio"] for row in result["per_rank"]) / 4
+    assert result["bubble_ratio"] == pytest.approx(mean)
+    for row in result["per_rank"]:
+        assert row["bubble_ratio"] == pytest.approx(1 - row["busy"] / result["iteration_time"])
+
+
+def test_cost_options_change_the_result_and_decoupled_beats_mobius():
+    costs = ["--optimizer-time", "2", "--param-transfer-time", "0.5", "--json"]
+    mobius = json.loads(run(*FIG2, *costs).stdout)
+    decoupled = json.loads(run(*FIG8, *costs).stdout)
+    plain = json.loads(run(*FIG2, "--json").stdout)
+    assert mobius["iteration_time"] > plain["iteration_time"]
+    assert mobius["exposed_optimizer_time"] == pytest.approx(4.0)
+    assert decoupled["bubble_ratio"] < mobius["bubble_ratio"]
+
+
+def test_plot_trace_and_schedule_file_round_trip(tmp_path):
+    done = run(*FIG8, "--plot", "t.png", "--trace", "t.json", "--write-schedule", "s.csv",
+               "--json", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
+    assert json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    written = read_schedule(str(tmp_path / "s.csv"))
+    assert written.name == "decoupled" and written.backward_split == 2
+    again = run("--schedule-file", "s.csv", "--json", cwd=tmp_path)
+    assert json.loads(again.stdout) == json.loads(done.stdout)
+
+
+def test_edited_schedule_file_that_breaks_a_rule_exits_2(tmp_path):
+    assert run(*FIG2, "--write-schedule", "s.csv", cwd=tmp_path).returncode == 0
+    lines = (tmp_path / "s.csv").read_text().splitlines()
+    lines.remove(next(line for line in lines if line.startswith("2,SEND_ACT")))
+    (tmp_path / "s.csv").write_text("\n".join(lines) + "\n")
+    done = run("--schedule-file", "s.csv", cwd=tmp_path)
+    assert done.returncode == 2
+    assert "rank" in done.stderr and "rule" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_model_preset_on_paper_hardware():
+    done = run("--schedule", "decoupled", "--ranks", "4", "--forward-stages", "8",
+               "--backward-split", "2", "--micro-batches", "8", "--model-preset", "10b",
+               "--hardware", "paper-v100", "--micro-batch-size", "2", "--json")
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert 0 < result["bubble_ratio"] < 1 and result["iteration_time"] > 0
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--num-layers", "16", "--backward-split", "3"], "backward split 3 is larger than the 2"),
+    (["--forward-stages", "6"], "forward_stages is 6, expected a multiple of ranks (4)"),
+    (["--micro-batches", "0"], "--micro-batches 0"),
+    (["--ranks", "0"], "--ranks 0"),
+    (["--forward-time", "-1"], "--forward-time '-1'"),
+    (["--partition", "1,x"], "--partition '1,x'"),
+    (["--model-preset", "7b"], "unknown preset '7b'"),
+])
+def test_bad_input_is_one_line_and_exit_status_2(args, needle, tmp_path):
+    done = run(*FIG8, *args, "--plot", "never.png", cwd=tmp_path)
+    assert done.returncode == 2
+    assert needle in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_missing_schedule_file_exits_2(tmp_path):
+    done = run("--schedule-file", str(tmp_path / "nope.csv"))
+    assert done.returncode == 2 and "does not exist" in done.stderr
