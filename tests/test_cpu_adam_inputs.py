@@ -80,4 +80,4 @@ def test_bench_cli_exits_2_on_bad_input():
     proc = subprocess.run([sys.executable, "bench/cpu_adam.py", "--params", "0"], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
-    assert "--params: invalid positive_int value" in proc.stderr
+    assert "argument --params: 0 must be >= 1" in proc.stderr
