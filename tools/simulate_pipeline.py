@@ -135,8 +135,11 @@ def _schedule(args: argparse.Namespace, parser: argparse.ArgumentParser):
         from megatron.pipeline.partition import balanced_partition
 
         partition = balanced_partition(args.num_layers, args.forward_stages)
+    # Place blocking transfers for the costs that will be simulated (derived: backward 2x
+    # plus a full recompute).
+    ratio = 3.0 if args.model_preset else (args.backward_time + args.recompute_time) / args.forward_time
     return build_schedule(args.schedule, args.ranks, args.forward_stages, args.backward_split,
-                          args.micro_batches, partition)
+                          args.micro_batches, partition, backward_ratio=ratio or 2.0)
 
 
 def main(argv: list[str] | None = None) -> int:

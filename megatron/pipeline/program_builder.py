@@ -5,7 +5,7 @@ instructions. This module adds everything else the same way for every schedule:
 
 - communication: every tensor that crosses ranks gets a matched send/receive. Blocking
   pairs are placed at a rendezvous time taken from a reference timeline (forward 1,
-  backward 2 split over sub-stages, no transfer cost), and each rank issues its blocking
+  backward `backward_ratio` split over sub-stages, no transfer cost), and each rank issues its blocking
   communications in increasing (time, tensor) order. One global order that every rank
   follows cannot deadlock under rendezvous semantics: the earliest pending pair always has
   both sides ready. Checkpoints go asynchronously: ISEND right after the forward, IRECV at
@@ -60,10 +60,12 @@ def transfers(shape: Schedule):
                            shape.backward_rank[previous])
 
 
-def reference_timeline(shape: Schedule, orders: list[list[Instruction]]) -> dict:
-    """{compute instruction: (start, end)} by list scheduling with integer unit costs."""
-    d = shape.backward_split
-    duration = {Op.FORWARD: 2 * d, Op.BACKWARD: 4}  # a backward stage costs 2/d forwards
+def reference_timeline(
+    shape: Schedule, orders: list[list[Instruction]], backward_ratio: float = 2.0
+) -> dict:
+    """{compute instruction: (start, end)} by list scheduling: a forward costs 1 and a
+    backward stage backward_ratio / d (its recompute included)."""
+    duration = {Op.FORWARD: 1.0, Op.BACKWARD: backward_ratio / shape.backward_split}
     deps = defaultdict(list)
     for _, _, producer, _, consumer, _ in transfers(shape):
         deps[consumer].append(producer)
@@ -98,18 +100,20 @@ class _RankTimeline:
         self.starts = [times[op][0] for op in order]
         self.ends = [times[op][1] for op in order]
 
-    def gap(self, time: int) -> int:
+    def gap(self, time: float) -> int:
         """Index of the first compute instruction that starts at or after `time`."""
         return bisect_left(self.starts, time)
 
-    def busy_until(self, time: int) -> int | None:
+    def busy_until(self, time: float) -> float | None:
         index = bisect_left(self.starts, time) - 1
         if index >= 0 and self.ends[index] > time:
             return self.ends[index]
         return None
 
 
-def _rendezvous(sender: _RankTimeline, receiver: _RankTimeline, ready: int, due: int) -> int:
+def _rendezvous(
+    sender: _RankTimeline, receiver: _RankTimeline, ready: float, due: float
+) -> float:
     """Earliest time >= ready at which both ranks are between compute instructions.
 
     Falls back to `ready` when that time would be after the consumer's start `due` (the
@@ -149,10 +153,15 @@ def _param_instructions(shape: Schedule, op: Op, pieces: frozenset) -> list[Inst
 
 
 def build_programs(
-    shape: Schedule, orders: list[list[Instruction]], optimizer_mode: str
+    shape: Schedule, orders: list[list[Instruction]], optimizer_mode: str,
+    backward_ratio: float = 2.0,
 ) -> tuple[tuple[Instruction, ...], ...]:
-    """Complete programs for every rank from the compute orders (see module docstring)."""
-    times = reference_timeline(shape, orders)
+    """Complete programs for every rank from the compute orders (see module docstring).
+
+    backward_ratio (backward + recompute of a stage over its forward) only shapes where
+    blocking transfers sit; the programs are deadlock-free for any real costs.
+    """
+    times = reference_timeline(shape, orders, backward_ratio)
     timelines = [_RankTimeline(order, times) for order in orders]
     index_of = {op: (rank, i) for rank, order in enumerate(orders) for i, op in enumerate(order)}
     items: list[list[tuple]] = [[] for _ in range(shape.ranks)]

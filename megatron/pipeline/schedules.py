@@ -143,14 +143,20 @@ def build_schedule(
     backward_split: int,
     micro_batches: int,
     partition: list[int] | tuple[int, ...] | None = None,
+    backward_ratio: float = 2.0,
 ) -> Schedule:
     """One training iteration of schedule `name` for every rank.
 
     partition: decoder layers per forward stage; by default every stage has
     `backward_split` layers (the smallest uniform model the split allows).
+    backward_ratio: expected (backward + recompute) / forward time of a stage; it decides
+    where blocking sends/receives sit so that they rarely stall (2 as in SysX's figures;
+    3 when the recompute is a full extra forward). Any value gives a valid schedule.
     Raises ValueError with a one-line message on inconsistent arguments.
     """
     _check_common(name, ranks, forward_stages, backward_split, micro_batches)
+    if not backward_ratio > 0:
+        raise ValueError(f"backward_ratio is {backward_ratio!r}, expected a number > 0")
     partition = tuple(partition) if partition is not None else (backward_split,) * forward_stages
     check_partition(partition, forward_stages)
     sub_stage_layers(partition, backward_split)  # rejects d larger than a stage's layers
@@ -165,7 +171,7 @@ def build_schedule(
         mode = SYNCHRONOUS_OPTIMIZER
     shape = Schedule(name, ranks, forward_stages, backward_split, micro_batches, partition,
                      forward_rank, backward_rank, programs=())
-    return Schedule(**{**vars(shape), "programs": build_programs(shape, orders, mode)})
+    return Schedule(**{**vars(shape), "programs": build_programs(shape, orders, mode, backward_ratio)})
 
 
 _COUPLED_ORDERS: dict[str, Callable[[int, int, int], Orders]] = {
