@@ -140,7 +140,7 @@ Hyper make_hyper(double lr, double beta1, double beta2, double eps, double weigh
   h.beta1 = static_cast<float>(beta1);
   h.beta2 = static_cast<float>(beta2);
   h.one_minus_b2 = static_cast<float>(1.0 - beta2);
-  h.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
+  h.inv_bc2_sqrt = static_cast<float>(1.0 / std::sqrt(bc2));
   h.eps = static_cast<float>(eps);
   h.neg_step_size = static_cast<float>(-(lr / bc1));
   return h;

@@ -37,7 +37,7 @@ struct Hyper {
   float beta1;
   float beta2;
   float one_minus_b2;
-  float bc2_sqrt;       // sqrt(1 - beta2^t)
+  float inv_bc2_sqrt;   // 1 / sqrt(1 - beta2^t): a multiply, not a divide, per element
   float eps;
   float neg_step_size;  // -lr / (1 - beta1^t)
 };
