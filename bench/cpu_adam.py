@@ -2,9 +2,10 @@
 
     python bench/cpu_adam.py [--params N] [--threads T] [--repeats R] [--json]
 
-Everything runs in one process on the same sizes; each figure is the best of R timed
-repetitions after one warm-up (the machine may be shared; the best is the least
-disturbed). Prints one JSON object (with --json, only that).
+Everything runs in one process on the same sizes; each figure is the best of R rounds
+after one warm-up, every round running each variant once (the machine may be shared:
+the best is the least disturbed, and interleaving spreads disturbances over all
+variants). Prints one JSON object (with --json, only that).
 
 The full step: 16-bit gradients in, unscale, check for non-finite values, AdamW on fp32
 master/m/v, 16-bit working copy out.
@@ -12,6 +13,7 @@ master/m/v, 16-bit working copy out.
 - torch_composed: the fastest torch ops, all buffers preallocated: copy_ to fp32,
   torch._amp_foreach_non_finite_check_and_unscale_ (unscale + check in one op, what
   torch.amp uses), fused AdamW, copy_ to 16 bits.
+- torch_composed_isfinite: the same with mul_ and torch.isfinite(g).all() as the check.
 - torch_fused_adamw: torch's fused AdamW on fp32 gradients alone (less work than ours).
 - deepspeed: DeepSpeedCPUAdam in place of the fused AdamW in torch_composed.
 - bandwidth_gb_s: torch.add(a, b, out=c) over fp32 buffers (3 x 4 bytes per element).
@@ -36,13 +38,17 @@ from megatron.optimizer import CPUAdamW, available_isas  # noqa: E402
 LR, INV_SCALE = 1e-4, 1.0 / 1024
 
 
-def best_seconds(fn: Callable[[], object], repeats: int) -> float:
-    fn()
-    best = float("inf")
+def best_seconds_interleaved(steps: dict[str, Callable[[], object]], repeats: int) -> dict:
+    """Best time of each step over `repeats` rounds; every round runs each step once, so
+    that load from other processes on a shared machine disturbs all of them alike."""
+    for step in steps.values():
+        step()  # warm-up: page faults, JIT builds, thread pools
+    best = dict.fromkeys(steps, float("inf"))
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
+        for name, step in steps.items():
+            start = time.perf_counter()
+            step()
+            best[name] = min(best[name], time.perf_counter() - start)
     return best
 
 
@@ -50,7 +56,7 @@ def fp32_param(n: int, gen: torch.Generator) -> torch.nn.Parameter:
     return torch.nn.Parameter(torch.randn(n, generator=gen))
 
 
-def bench_ours(n: int, threads: int, dtype: torch.dtype, repeats: int, gen) -> float:
+def ours_step(n: int, threads: int, dtype: torch.dtype, gen) -> Callable[[], None]:
     opt = CPUAdamW([torch.randn(n, generator=gen)], lr=LR, weight_decay=0.1, threads=threads)
     grad = (torch.randn(n, generator=gen) * 1024).to(dtype)
     out = torch.empty(n, dtype=dtype)
@@ -59,11 +65,15 @@ def bench_ours(n: int, threads: int, dtype: torch.dtype, repeats: int, gen) -> f
         opt.step_stage(0, grad, inv_scale=INV_SCALE, out=out)
         opt.commit_stage(0)
 
-    return n / best_seconds(step, repeats)
+    return step
 
 
-def composed_step(n: int, dtype: torch.dtype, gen, make_optimizer) -> Callable[[], None]:
-    """16-bit grad -> fp32 copy -> unscale+check -> optimizer step -> 16-bit copy."""
+def composed_step(
+    n: int, dtype: torch.dtype, gen, make_optimizer, check: str = "amp"
+) -> Callable[[], None]:
+    """16-bit grad -> fp32 copy -> unscale+check -> optimizer step -> 16-bit copy.
+    check="amp": torch's fused unscale-and-check op; "isfinite": mul_ then
+    torch.isfinite(g).all(), the textbook composition."""
     param = fp32_param(n, gen)
     param.grad = torch.empty(n)
     grad16 = (torch.randn(n, generator=gen) * 1024).to(dtype)
@@ -72,11 +82,17 @@ def composed_step(n: int, dtype: torch.dtype, gen, make_optimizer) -> Callable[[
     inv_scale = torch.tensor(INV_SCALE)
     opt = make_optimizer(param)
 
-    def step() -> None:
-        param.grad.copy_(grad16)
+    def unscale_and_check() -> bool:
+        if check == "isfinite":
+            param.grad.mul_(INV_SCALE)
+            return bool(torch.isfinite(param.grad).all())
         found_inf.zero_()
         torch._amp_foreach_non_finite_check_and_unscale_([param.grad], found_inf, inv_scale)
-        if found_inf.item() == 0.0:
+        return found_inf.item() == 0.0
+
+    def step() -> None:
+        param.grad.copy_(grad16)
+        if unscale_and_check():
             opt.step()
         out.copy_(param)
 
@@ -93,24 +109,25 @@ def deepspeed_optimizer(param: torch.nn.Parameter):
     return DeepSpeedCPUAdam([param], lr=LR, weight_decay=0.1, adamw_mode=True)
 
 
-def bench_deepspeed(n: int, dtype: torch.dtype, repeats: int, gen) -> tuple[float | None, str | None]:
+def deepspeed_step(n: int, dtype: torch.dtype, gen) -> tuple[Callable[[], None] | None, str | None]:
+    """DeepSpeedCPUAdam in the composed step, or None and why it cannot run."""
     try:
         step = composed_step(n, dtype, gen, deepspeed_optimizer)
-        return n / best_seconds(step, repeats), None
+        step()  # builds the extension on first use
+        return step, None
     except Exception as error:  # noqa: BLE001 - any failure to import or build is the answer
         return None, f"{type(error).__name__}: {error}".splitlines()[0][:300]
 
 
-def bench_torch_fused_fp32(n: int, repeats: int, gen) -> float:
+def torch_fused_fp32_step(n: int, gen) -> Callable[[], None]:
     param = fp32_param(n, gen)
     param.grad = torch.randn(n, generator=gen)
-    opt = torch_fused(param)
-    return n / best_seconds(opt.step, repeats)
+    return torch_fused(param).step
 
 
-def bench_bandwidth(n: int, repeats: int) -> float:
+def triad_step(n: int) -> Callable[[], None]:
     a, b, c = torch.ones(n), torch.ones(n), torch.empty(n)
-    return 12 * n / best_seconds(lambda: torch.add(a, b, out=c), repeats) / 1e9
+    return lambda: torch.add(a, b, out=c)
 
 
 def positive_int(text: str) -> int:
@@ -136,12 +153,22 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     gen = torch.Generator().manual_seed(0)
 
-    ours_bf16 = bench_ours(n, threads, torch.bfloat16, repeats, gen)
-    ours_fp16 = bench_ours(n, threads, torch.float16, repeats, gen)
-    composed = n / best_seconds(composed_step(n, torch.bfloat16, gen, torch_fused), repeats)
-    fused = bench_torch_fused_fp32(n, repeats, gen)
-    deepspeed, deepspeed_error = bench_deepspeed(n, torch.bfloat16, repeats, gen)
-    bandwidth = bench_bandwidth(n, repeats)
+    steps = {
+        "ours_bf16": ours_step(n, threads, torch.bfloat16, gen),
+        "ours_fp16": ours_step(n, threads, torch.float16, gen),
+        "composed": composed_step(n, torch.bfloat16, gen, torch_fused),
+        "composed_isfinite": composed_step(n, torch.bfloat16, gen, torch_fused, "isfinite"),
+        "fused": torch_fused_fp32_step(n, gen),
+        "triad": triad_step(n),
+    }
+    deepspeed, deepspeed_error = deepspeed_step(n, torch.bfloat16, gen)
+    if deepspeed is not None:
+        steps["deepspeed"] = deepspeed
+    seconds = best_seconds_interleaved(steps, repeats)
+    rate = {name: n / s for name, s in seconds.items()}
+    ours_bf16, ours_fp16 = rate["ours_bf16"], rate["ours_fp16"]
+    composed, composed_isfinite, fused = rate["composed"], rate["composed_isfinite"], rate["fused"]
+    bandwidth = 12 * rate["triad"] / 1e9
 
     result = {
         "params": n,
@@ -153,14 +180,16 @@ def main(argv: list[str] | None = None) -> int:
         "ours_bf16_params_per_s": ours_bf16,
         "ours_fp16_params_per_s": ours_fp16,
         "torch_composed_params_per_s": composed,
+        "torch_composed_isfinite_params_per_s": composed_isfinite,
         "torch_fused_adamw_params_per_s": fused,
-        "deepspeed_params_per_s": deepspeed,
+        "deepspeed_params_per_s": rate.get("deepspeed"),
         "deepspeed_error": deepspeed_error,
         "bandwidth_gb_s": bandwidth,
         # 4 reads (p, m, v: 4 B, grad: 2 B) and 4 writes (p, m, v: 4 B, copy: 2 B)
         "ours_gb_s": ours_bf16 * 28 / 1e9,
         "ours_over_torch_fused": ours_bf16 / fused,
         "ours_over_torch_composed": ours_bf16 / composed,
+        "ours_over_torch_composed_isfinite": ours_bf16 / composed_isfinite,
         "fp16_over_bf16": ours_fp16 / ours_bf16,
     }
     if args.json:

@@ -9,6 +9,7 @@
 #include <sched.h>
 #endif
 
+#include <atomic>
 #include <cerrno>
 #include <cmath>
 #include <cstring>
@@ -28,10 +29,10 @@ namespace {
 
 using RangeFn = RangeResult (*)(Op, const Buffers&, const Hyper&, int64_t, int64_t, int*);
 
-// Chunks start on 64-element boundaries so no two threads share a cache line.
-constexpr int64_t kAlign = 64;
-// Below this many elements per thread, starting a thread costs more than it saves.
-constexpr int64_t kMinPerThread = 16384;
+// Threads take blocks of this many elements from a shared counter, so that a thread
+// slowed down by other work on its core (another rank, a data loader) holds up no one:
+// 16 tiles, a multiple of 64 elements, so no two threads share a cache line.
+constexpr int64_t kBlock = 16 * 2048;
 
 struct IsaEntry {
   const char* name;
@@ -83,41 +84,36 @@ void pin_current_thread(int core) {
 #endif
 }
 
-struct Partition {
+struct Blocks {
   int64_t n;
-  int64_t chunk;
-  int count;
-  int64_t begin(int t) const { return t * chunk; }
-  int64_t end(int t) const { return (t + 1) * chunk < n ? (t + 1) * chunk : n; }
+  int64_t count;
+  int64_t begin(int64_t k) const { return k * kBlock; }
+  int64_t end(int64_t k) const { return (k + 1) * kBlock < n ? (k + 1) * kBlock : n; }
 };
 
-Partition partition(int64_t n, int threads) {
-  int64_t useful = n / kMinPerThread;
-  int64_t t = threads < useful ? threads : useful;
-  if (t < 1) t = 1;
-  int64_t chunk = (n + t - 1) / t;
-  chunk = (chunk + kAlign - 1) / kAlign * kAlign;
-  if (chunk < 1) chunk = 1;
-  return {n, chunk, static_cast<int>((n + chunk - 1) / chunk)};
-}
+Blocks blocks_of(int64_t n) { return {n, (n + kBlock - 1) / kBlock}; }
 
-// Runs body(t) for every chunk t of the partition, one thread per chunk. The calling
-// thread only waits, so that pinning never changes the caller's own affinity.
+// Runs body(k) for every block k on min(threads, blocks) threads that take blocks in
+// order from a shared counter. The calling thread only waits, so pinning never changes
+// the caller's own affinity; with one thread and no pinning it runs inline.
 template <class Body>
-void run_chunks(const Partition& part, const std::vector<int>& cores, Body body) {
-  if (part.count <= 1 && cores.empty()) {
-    if (part.count == 1) body(0);
+void run_blocks(const Blocks& blocks, int threads, const std::vector<int>& cores, Body body) {
+  const int64_t count = blocks.count;
+  const int workers_wanted = static_cast<int>(threads < count ? threads : count);
+  if (workers_wanted <= 1 && cores.empty()) {
+    for (int64_t k = 0; k < count; ++k) body(k);
     return;
   }
+  std::atomic<int64_t> next{0};
   std::exception_ptr error;
   std::mutex error_mutex;
   std::vector<std::thread> workers;
-  workers.reserve(part.count);
-  for (int t = 0; t < part.count; ++t) {
+  workers.reserve(workers_wanted);
+  for (int t = 0; t < (workers_wanted < 1 ? 1 : workers_wanted); ++t) {
     workers.emplace_back([&, t] {
       try {
         if (!cores.empty()) pin_current_thread(cores[t % cores.size()]);
-        body(t);
+        for (int64_t k = next++; k < count; k = next++) body(k);
       } catch (...) {
         std::lock_guard<std::mutex> lock(error_mutex);
         if (!error) error = std::current_exception();
@@ -172,25 +168,26 @@ py::tuple step(uintptr_t p, uintptr_t m, uintptr_t v, uintptr_t grad, int grad_d
   const RangeFn fn = resolve(isa);
   const Buffers b = make_buffers(p, m, v, grad, grad_dtype, out, out_dtype, snapshot, n);
   const Hyper h = make_hyper(lr, beta1, beta2, eps, weight_decay, step_count, inv_scale);
-  const Partition part = partition(n, threads);
-  std::vector<RangeResult> results(part.count);
+  const Blocks blocks = blocks_of(n);
+  std::vector<RangeResult> results(blocks.count);
+  for (int64_t k = 0; k < blocks.count; ++k) results[k] = {blocks.begin(k), true, 0.0};
   bool finite = true;
   double sumsq = 0.0;
   {
     py::gil_scoped_release release;
     int abort = 0;
-    run_chunks(part, cores, [&](int t) {
-      results[t] = fn(Op::kStep, b, h, part.begin(t), part.end(t), &abort);
+    run_blocks(blocks, threads, cores, [&](int64_t k) {
+      results[k] = fn(Op::kStep, b, h, blocks.begin(k), blocks.end(k), &abort);
     });
     for (const auto& r : results) {
       finite = finite && r.finite;
       sumsq += r.sumsq;
     }
-    if (!finite || abort) {
+    if (!finite || abort) {  // blocks not reached after the abort kept stop == begin
       finite = false;
       const Op undo = b.snap ? Op::kRestore : Op::kInverse;
-      run_chunks(part, cores, [&](int t) {
-        fn(undo, b, h, part.begin(t), results[t].stop, nullptr);
+      run_blocks(blocks, threads, cores, [&](int64_t k) {
+        fn(undo, b, h, blocks.begin(k), results[k].stop, nullptr);
       });
     }
   }
@@ -205,17 +202,17 @@ void undo(uintptr_t p, uintptr_t m, uintptr_t v, uintptr_t grad, int grad_dtype,
   const RangeFn fn = resolve(isa);
   const Buffers b = make_buffers(p, m, v, grad, grad_dtype, out, out_dtype, snapshot, n);
   const Hyper h = make_hyper(lr, beta1, beta2, eps, weight_decay, step_count, inv_scale);
-  const Partition part = partition(n, threads);
-  std::vector<RangeResult> results(part.count);
+  const Blocks blocks = blocks_of(n);
+  std::vector<RangeResult> results(blocks.count);
   {
     py::gil_scoped_release release;
     const Op op = b.snap ? Op::kRestore : Op::kInverse;
-    run_chunks(part, cores, [&](int t) {
-      results[t] = fn(op, b, h, part.begin(t), part.end(t), nullptr);
+    run_blocks(blocks, threads, cores, [&](int64_t k) {
+      results[k] = fn(op, b, h, blocks.begin(k), blocks.end(k), nullptr);
     });
   }
-  for (const auto& r : results) {
-    if (!r.finite || r.stop != part.end(&r - results.data())) {
+  for (int64_t k = 0; k < blocks.count; ++k) {
+    if (!results[k].finite || results[k].stop != blocks.end(k)) {
       throw std::runtime_error(
           "rollback met a non-finite gradient: the gradient buffer changed after the step");
     }
@@ -229,15 +226,15 @@ py::tuple check(uintptr_t grad, int grad_dtype, int64_t n, double inv_scale, int
   const Buffers b = make_buffers(0, 0, 0, grad, grad_dtype, 0, kNone, 0, n);
   Hyper h{};
   h.inv_scale = static_cast<float>(inv_scale);
-  const Partition part = partition(n, threads);
-  std::vector<RangeResult> results(part.count);
+  const Blocks blocks = blocks_of(n);
+  std::vector<RangeResult> results(blocks.count);
   bool finite = true;
   double sumsq = 0.0;
   {
     py::gil_scoped_release release;
     int abort = 0;
-    run_chunks(part, cores, [&](int t) {
-      results[t] = fn(Op::kCheck, b, h, part.begin(t), part.end(t), &abort);
+    run_blocks(blocks, threads, cores, [&](int64_t k) {
+      results[k] = fn(Op::kCheck, b, h, blocks.begin(k), blocks.end(k), &abort);
     });
     for (const auto& r : results) {
       finite = finite && r.finite;

@@ -71,6 +71,12 @@ def test_pinned_threads_give_the_same_result_and_leave_the_caller_unpinned():
     assert os.sched_getaffinity(0) == affinity_before
 
 
+def test_empty_stage_is_a_valid_no_op():
+    opt = CPUAdamW([torch.zeros(0)], threads=2, cores=usable_cores()[:1])
+    assert opt.step_stage(0, torch.zeros(0)).updated
+    opt.rollback_stage(0)
+
+
 def test_check_gradient_rejects_other_dtypes():
     with pytest.raises(ValueError, match="grad has dtype torch.int32"):
         check_gradient(torch.zeros(3, dtype=torch.int32))
