@@ -175,7 +175,7 @@ def build_programs(
         produced = times[producer][1]
         due = times[consumer][0]
         if role == "ckpt":
-            key = (produced, role, stage, sub, mb)
+            key = (produced, src % 2, role, stage, sub, mb)
             put(src, index_of[producer][1] + 1, _ISEND, key,
                 Instruction(Op.ISEND_CKPT, stage=stage, sub=sub, mb=mb, peer=dst))
             put(dst, timelines[dst].gap(produced), _COMM, key,
@@ -184,7 +184,9 @@ def build_programs(
                 Instruction(Op.WAIT_CKPT, stage=stage, sub=sub, mb=mb, peer=src))
             continue
         meet = _rendezvous(timelines[src], timelines[dst], produced, due)
-        key = (meet, role, stage, sub, mb)
+        # Pairs meeting at the same time along a chain r -> r+1 -> ... would run one after
+        # another; ordering even senders first lets them run in two rounds (odd-even).
+        key = (meet, src % 2, role, stage, sub, mb)
         send, recv = (Op.SEND_ACT, Op.RECV_ACT) if role == "act" else (Op.SEND_GRAD, Op.RECV_GRAD)
         put(src, timelines[src].gap(meet), _COMM, key,
             Instruction(send, stage=stage, sub=sub, mb=mb, peer=dst))
