@@ -6,6 +6,7 @@ import pytest
 
 from megatron.models.presets import count_parameters, get_preset
 from megatron.pipeline.cost_model import derived_costs, preset_partition, uniform_costs
+from megatron.pipeline.instructions import BLOCKING_RECVS, BLOCKING_SENDS
 from megatron.pipeline.schedules import build_schedule
 from megatron.pipeline.simulator import simulate
 from megatron.pipeline.timeline import write_chrome_trace, write_timeline_png
@@ -120,3 +121,21 @@ def test_timeline_png_and_chrome_trace(tmp_path):
     assert {r["args"]["name"] for r in records if r["name"] == "thread_name"} == {
         "compute", "h2d", "d2h", "cpu-optimizer"}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fig8.json", "fig8.png"]
+
+
+@pytest.mark.parametrize("name,split", [("decoupled", 3), ("mobius", 1), ("1f1b", 1)])
+def test_blocking_transfers_do_not_serialize_along_the_pipeline(name, split):
+    # Each blocking transfer holds its two ranks for p2p_time. Pairs meeting at the same time
+    # along the chain of ranks must run side by side, so a rank is delayed by its own
+    # transfers plus one per stage boundary crossed by the fill and the drain (2 per forward
+    # stage), not by everyone's transfers one after another.
+    ranks = 8
+    stages = ranks if name == "1f1b" else 2 * ranks
+    schedule = build_schedule(name, ranks, stages, split, 16, [3] * stages, backward_ratio=3.0)
+    costs = {"recompute_time": 1.0}
+    base = simulate(schedule, uniform_costs(schedule, **costs)).iteration_time
+    p2p = 0.01
+    slowed = simulate(schedule, uniform_costs(schedule, p2p_time=p2p, **costs)).iteration_time
+    blocking = max(sum(ins.op in BLOCKING_SENDS or ins.op in BLOCKING_RECVS for ins in program)
+                   for program in schedule.programs)
+    assert base < slowed <= base + p2p * (blocking + 2 * stages)
