@@ -45,7 +45,7 @@ def test_cost_options_change_the_result_and_decoupled_beats_mobius():
 
 
 def test_plot_trace_and_schedule_file_round_trip(tmp_path):
-    done = run(*FIG8, "--plot", "t.png", "--trace", "t.json", "--write-schedule", "s.csv",
+    done = run(*FIG8, "--plot", "t.png", "--trace", "t.json", "--schedule-file", "s.csv",
                "--json", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
@@ -57,7 +57,7 @@ def test_plot_trace_and_schedule_file_round_trip(tmp_path):
 
 
 def test_edited_schedule_file_that_breaks_a_rule_exits_2(tmp_path):
-    assert run(*FIG2, "--write-schedule", "s.csv", cwd=tmp_path).returncode == 0
+    assert run(*FIG2, "--schedule-file", "s.csv", cwd=tmp_path).returncode == 0
     lines = (tmp_path / "s.csv").read_text().splitlines()
     lines.remove(next(line for line in lines if line.startswith("2,SEND_ACT")))
     (tmp_path / "s.csv").write_text("\n".join(lines) + "\n")

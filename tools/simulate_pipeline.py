@@ -8,7 +8,7 @@ Examples:
       --backward-split 1 --micro-batches 4 --optimizer-time 2 --param-transfer-time 0.5
   tools/simulate_pipeline.py --schedule decoupled --ranks 4 --forward-stages 8 \\
       --backward-split 2 --micro-batches 8 --model-preset 10b --hardware paper-v100 \\
-      --micro-batch-size 2 --write-schedule my.csv      # edit my.csv, then:
+      --micro-batch-size 2 --schedule-file my.csv       # writes my.csv; edit it, then:
   tools/simulate_pipeline.py --schedule-file my.csv --model-preset 10b --micro-batch-size 2
 
 Bad input prints one line and exits with status 2.
@@ -90,8 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="decoder layers per forward stage, e.g. 7,6,6,7 (default: even)")
     shape.add_argument("--num-layers", type=_positive_int("--num-layers"),
                        help="decoder layers to balance over the stages (abstract costs)")
-    shape.add_argument("--schedule-file", help="read the schedule from this CSV file")
-    shape.add_argument("--write-schedule", metavar="FILE", help="write the schedule as CSV")
+    shape.add_argument("--schedule-file", metavar="FILE.csv",
+                       help="with --schedule: write the generated schedule there; without: "
+                            "read the schedule to simulate from it")
     costs = parser.add_argument_group("abstract costs (per forward stage; a backward stage "
                                       "of a stage split d ways costs 1/d)")
     for flag, default, text in (
@@ -117,9 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _schedule(args: argparse.Namespace, parser: argparse.ArgumentParser):
-    if args.schedule_file and args.schedule:
-        parser.error("give either --schedule or --schedule-file, not both")
-    if args.schedule_file:
+    if args.schedule_file and not args.schedule:
         return read_schedule(args.schedule_file)
     if not args.schedule:
         parser.error("--schedule or --schedule-file is required")
@@ -159,8 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, KeyError, ScheduleError) as error:
         message = error.args[0] if isinstance(error, KeyError) else str(error)
         parser.error(message)
-    if args.write_schedule:
-        write_schedule(schedule, args.write_schedule)
+    if args.schedule_file and args.schedule:
+        write_schedule(schedule, args.schedule_file)
     if args.plot:
         title = (f"{schedule.name}: {schedule.ranks} ranks, {schedule.forward_stages} forward "
                  f"stages, d={schedule.backward_split}, {schedule.micro_batches} micro-batches; "
