@@ -185,6 +185,11 @@ class HeadPiece(nn.Module):
         return (losses * mask).sum() / mask.sum().clamp(min=1.0)
 
 
+def uses_weight_decay(name: str, param: torch.Tensor) -> bool:
+    """Megatron's rule: no weight decay on biases and norm weights (1-D parameters)."""
+    return param.dim() > 1 and not name.endswith(".bias")
+
+
 def piece_name(cfg: LlamaConfig, index: int) -> str:
     if index == 0:
         return "embedding"

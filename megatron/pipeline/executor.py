@@ -29,6 +29,8 @@ measured with the device layer's events per iteration.
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -36,7 +38,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from megatron.offload.device import DeviceLayer
+from megatron.offload.device import DeviceLayer, Event
 from megatron.offload.grad_offload import GradientOffloader, GradientsReady
 from megatron.offload.layout import bind_gradients
 from megatron.offload.param_store import ParameterStore
@@ -48,6 +50,7 @@ from megatron.pipeline.stage_modules import StageModule
 from megatron.pipeline.timeline import TimedEvent
 
 Batch = dict[str, torch.Tensor]
+_COMPUTE = frozenset({Op.FORWARD, Op.BACKWARD})
 _OPTIMIZER_OPS = frozenset({Op.OPTIMIZER_START, Op.OPTIMIZER_WAIT_ALL, Op.OVERFLOW_SYNC,
                             Op.POST_STEP_SYNC, Op.ROLLBACK_IF_OVERFLOW})
 
@@ -63,7 +66,7 @@ class IterationStats:
     iteration_s: float
     compute_s: float
     exposed_optimizer_s: float
-    events: list[TimedEvent] = field(default_factory=list)
+    events: list[TimedEvent] = field(default_factory=list)  # when recorded
 
     @property
     def bubble_s(self) -> float:
@@ -109,7 +112,8 @@ class PipelineExecutor:
         self.p2p = p2p
         self.loss_scale_fn = loss_scale_fn
         self.inject_overflow = inject_overflow
-        self.synchronous = any(i.op == Op.OVERFLOW_SYNC for i in self.program)
+        self._kept_ckpts = _checkpoints_kept_locally(self.program)
+        self._fail_at = _failure_to_inject(rank)
         self.last_stage = schedule.forward_stages - 1
         self.head_piece = (self.last_stage, schedule.backward_split - 1)
 
@@ -130,59 +134,65 @@ class PipelineExecutor:
         self._grads: dict[tuple[Piece, int], torch.Tensor] = {}
         self._losses: list[float] = []
         self._result: IterationResult | None = None
-        self._events: list[TimedEvent] = []
-        self._record = record_timeline
         for state in self.owned.values():
             state.grad.zero_()
             state.offloaded = None
-        compute_s = optimizer_s = 0.0
+        # (instruction, start event, end event) on the compute stream; (instruction, start,
+        # end) in host seconds for the main thread's waits on the optimizer.
+        computed: list[tuple[Instruction, Event, Event]] = []
+        waited: list[tuple[Instruction, float, float]] = []
+        start_event = self.device.compute_stream.record_event()
         start = time.perf_counter()
         for index, instr in enumerate(self.program):
             t0 = time.perf_counter()
-            before = self.device.compute_stream.record_event() if instr.op in (Op.FORWARD, Op.BACKWARD) else None
+            before = self.device.compute_stream.record_event() if instr.op in _COMPUTE else None
             try:
+                if self._fail_at is not None and (iteration, index) >= self._fail_at[:2]:
+                    self._inject_failure()
                 self._execute(instr)
-            except InstructionError:
-                raise
             except Exception as exc:
                 raise InstructionError(
                     f"rank {self.rank}: instruction {index} ({instr}) of iteration {iteration} "
                     f"failed: {type(exc).__name__}: {exc}"
                 ) from exc
             if before is not None:
-                after = self.device.compute_stream.record_event()
-                after.wait()
-                compute_s += after.time_s() - before.time_s()
-                self._event("compute", before.time_s(), after.time_s(), instr)
+                computed.append((instr, before, self.device.compute_stream.record_event()))
             elif instr.op in _OPTIMIZER_OPS:
-                optimizer_s += time.perf_counter() - t0
-                self._event("cpu-optimizer", *self._since(t0), instr)
+                waited.append((instr, t0, time.perf_counter()))
         for work, _ in self._isends:
             work.wait()
         for piece in list(self._slots):
             self.params.release(self._slots.pop(piece))
-        assert self._result is not None, "the program has no OPTIMIZER_WAIT_ALL"
+        if self._result is None:
+            raise InstructionError(f"rank {self.rank}: the program has no OPTIMIZER_WAIT_ALL")
         self._publish(iteration)
+        self.device.compute_stream.synchronize()
+        iteration_s = time.perf_counter() - start
+        compute_s = sum(end.time_s() - begin.time_s() for _, begin, end in computed)
+        optimizer_s = sum(end - begin for _, begin, end in waited)
+        events = self._timeline(start_event.time_s(), start, computed, waited) if record_timeline else []
         loss = sum(self._losses) / len(self._losses) if self._losses else 0.0
-        return IterationStats(loss, self._result, time.perf_counter() - start, compute_s,
-                              optimizer_s, self._events)
+        return IterationStats(loss, self._result, iteration_s, compute_s, optimizer_s, events)
 
-    def _since(self, t0: float) -> tuple[float, float]:
-        origin = self.device.compute_stream.record_event().time_s() - time.perf_counter()
-        return t0 + origin, time.perf_counter() + origin
+    def _timeline(self, origin_event_s: float, origin_host_s: float, computed, waited) -> list[TimedEvent]:
+        """The iteration as timed events from its start (seconds), in the simulator's format."""
+        events = []
+        for instr, begin, end in computed:
+            label = f"f{instr.stage}" if instr.op == Op.FORWARD else f"b{instr.stage},{instr.sub}"
+            events.append(TimedEvent(self.rank, "compute", begin.time_s() - origin_event_s,
+                                     end.time_s() - origin_event_s, label, instr.op.value.lower(),
+                                     instr.stage, instr.sub, instr.mb))
+        for instr, begin, end in waited:
+            label = "opt" if instr.stage < 0 else f"o{instr.stage},{instr.sub}"
+            events.append(TimedEvent(self.rank, "cpu-optimizer", begin - origin_host_s,
+                                     end - origin_host_s, label, "optimizer",
+                                     instr.stage, instr.sub))
+        return events
 
-    def _event(self, resource: str, start: float, end: float, instr: Instruction) -> None:
-        if not self._record:
-            return
-        kind = instr.op.value.lower()
-        if instr.op == Op.FORWARD:
-            label = f"f{instr.stage}"
-        elif instr.op == Op.BACKWARD:
-            label = f"b{instr.stage},{instr.sub}"
-        else:
-            label = "o" if instr.stage < 0 else f"o{instr.stage},{instr.sub}"
-        self._events.append(TimedEvent(self.rank, resource, start, end, label, kind,
-                                       instr.stage, instr.sub, instr.mb))
+    def _inject_failure(self) -> None:
+        if self._fail_at[2] == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise RuntimeError("failure injected by MEGATRON_SYSX_TEST_FAIL")
 
     def _execute(self, instr: Instruction) -> None:
         op = instr.op
@@ -223,8 +233,10 @@ class PipelineExecutor:
         elif op == Op.OFFLOAD_GRAD:
             self._offload((instr.stage, instr.sub))
         elif op == Op.OPTIMIZER_START:
-            if not self.synchronous:
-                self._submit((instr.stage, instr.sub))
+            # Decoupled: the update runs now, overlapping later backward stages. Baselines
+            # place this after their overflow sync; the optimizer object (mode "sync") then
+            # only checks here and updates in finish_iteration(), after the all-reduce.
+            self._submit((instr.stage, instr.sub))
         elif op == Op.OPTIMIZER_WAIT_ALL:
             self._result = self.optimizer.finish_iteration()
         elif op in (Op.OVERFLOW_SYNC, Op.POST_STEP_SYNC, Op.ROLLBACK_IF_OVERFLOW):
@@ -257,8 +269,9 @@ class PipelineExecutor:
             self._acts[(stage, mb)] = hidden
 
     def _keep_checkpoint(self, key: tuple[int, int, int], hidden: torch.Tensor) -> None:
-        """Checkpoints are kept for a local backward or for the ISEND_CKPT that follows."""
-        self._ckpts[key] = hidden
+        """Only for a local backward or for the ISEND_CKPT that follows."""
+        if key in self._kept_ckpts:
+            self._ckpts[key] = hidden
 
     def _backward(self, piece: Piece, mb: int) -> None:
         batch = self._batches[mb]
@@ -287,11 +300,6 @@ class PipelineExecutor:
     def _offload(self, piece: Piece) -> None:
         state = self.owned[piece]
         state.offloaded = self.offloader.offload(piece, state.grad)
-        if self._record:
-            ev = state.offloaded.event
-            now = self.device.compute_stream.record_event().time_s()
-            self._events.append(TimedEvent(self.rank, "d2h", now, max(now, ev.time_s() if ev.query() else now),
-                                           f"g{piece[0]},{piece[1]}", "offload", *piece))
 
     def _submit(self, piece: Piece) -> None:
         state = self.owned[piece]
@@ -303,14 +311,28 @@ class PipelineExecutor:
             if hi > lo:
                 self.optimizer.submit(group, ready.host[lo:hi], ready=ready, out=out[lo:hi])
 
-    def submit_synchronous(self) -> None:
-        """Baselines: every stage's check starts once its gradient has landed."""
-        for piece in self.owned:
-            self._submit(piece)
-
     def _publish(self, iteration: int) -> None:
         for piece, state in self.owned.items():
             if state.offloaded is not None:
                 state.offloaded.release()
                 state.offloaded = None
             self.store.get(piece).publish(iteration)
+
+
+def _checkpoints_kept_locally(program: Sequence[Instruction]) -> frozenset:
+    """(stage, sub, mb) of the checkpoints a forward on this rank must keep: those sent
+    with ISEND_CKPT and those of local backwards that do not receive theirs."""
+    received = {(i.stage, i.sub, i.mb) for i in program if i.op == Op.IRECV_CKPT}
+    sent = {(i.stage, i.sub, i.mb) for i in program if i.op == Op.ISEND_CKPT}
+    local = {(i.stage, i.sub, i.mb) for i in program if i.op == Op.BACKWARD} - received
+    return frozenset(sent | local)
+
+
+def _failure_to_inject(rank: int) -> tuple[int, int, str] | None:
+    """Testing aid: MEGATRON_SYSX_TEST_FAIL=RANK,ITERATION,INSTRUCTION,raise|kill makes that
+    rank raise (or SIGKILL itself) at that instruction, to test how the job goes down."""
+    spec = os.environ.get("MEGATRON_SYSX_TEST_FAIL")
+    if not spec:
+        return None
+    fail_rank, iteration, index, how = spec.split(",")
+    return (int(iteration), int(index), how) if int(fail_rank) == rank else None

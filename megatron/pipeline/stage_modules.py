@@ -44,6 +44,11 @@ class StageModule:
     module: nn.ModuleList
     layout: FlatLayout
     decay_numel: int  # layout elements [0, decay_numel) take weight decay, the rest not
+    model_pieces: tuple[int, ...]  # indices into the whole model's piece list
+
+    def model_names(self) -> list[str]:
+        """Each layout slice's name in the whole model (LlamaModel's parameter names)."""
+        return [_model_name(s.name, self.model_pieces) for s in self.layout.slices]
 
     @property
     def has_embedding(self) -> bool:
@@ -53,7 +58,8 @@ class StageModule:
         return run_pieces(self.module, hidden, batch)
 
 
-def decay_first_layout(module: nn.Module) -> tuple[FlatLayout, int]:
+def decay_first_layout(module: nn.Module, dtype: torch.dtype) -> tuple[FlatLayout, int]:
+    """Layout in `dtype` (the working copy's), decayed parameters first."""
     params = list(module.named_parameters())
     ordered = [np for np in params if uses_weight_decay(*np)]
     decay_numel = sum(p.numel() for _, p in ordered)
@@ -62,10 +68,7 @@ def decay_first_layout(module: nn.Module) -> tuple[FlatLayout, int]:
     for name, p in ordered:
         slices.append(ParamSlice(name, tuple(p.shape), offset, p.numel()))
         offset += p.numel()
-    dtypes = {p.dtype for _, p in params}
-    if len(dtypes) != 1:
-        raise ValueError(f"stage parameters mix dtypes {sorted(map(str, dtypes))}")
-    return FlatLayout(tuple(slices), offset, dtypes.pop()), decay_numel
+    return FlatLayout(tuple(slices), offset, dtype), decay_numel
 
 
 def build_stage_modules(
@@ -73,13 +76,20 @@ def build_stage_modules(
     partition: tuple[int, ...],
     backward_split: int,
     keys: Iterable[Piece],
+    dtype: torch.dtype,
 ) -> dict[Piece, StageModule]:
-    """Modules of the backward stages `keys`, initialized in fp32 (the masters' values)."""
+    """Modules of the backward stages `keys`, initialized in fp32 (the masters' values),
+    with layouts in the training dtype `dtype`."""
     indices = model_piece_indices(partition, backward_split, cfg.num_layers)
     fp32 = cfg.with_dtype(torch.float32)
     out = {}
     for key in sorted(set(keys)):
         module = build_pieces(fp32, indices[key])
-        layout, decay_numel = decay_first_layout(module)
-        out[key] = StageModule(key, module, layout, decay_numel)
+        layout, decay_numel = decay_first_layout(module, dtype)
+        out[key] = StageModule(key, module, layout, decay_numel, tuple(indices[key]))
     return out
+
+
+def _model_name(local: str, model_pieces: tuple[int, ...]) -> str:
+    position, rest = local.split(".", 1)
+    return f"pieces.{model_pieces[int(position)]}.{rest}"

@@ -126,8 +126,26 @@ def build_parser() -> argparse.ArgumentParser:
                    help="number of GPU processes; must equal the launcher's world size")
     g.add_argument("--forward-stages", type=int, default=None)
     g.add_argument("--backward-split", type=int, default=None)
-    g.add_argument("--cpu-optimizer-threads", type=int, default=None)
+    g.add_argument("--stage-layers", type=_int_list, default=None, metavar="N,N,...",
+                   help="decoder layers per forward stage (default: balanced by cost, "
+                        "embedding and head counted)")
+    g.add_argument("--cpu-optimizer-threads", type=int, default=None,
+                   help="threads of each process's CPU optimizer (default: cores / processes)")
+    g.add_argument("--timeline", default=None, metavar="FILE.png",
+                   help="draw the measured last iteration, one row per rank (like the simulator)")
+    g.add_argument("--trace", default=None, metavar="FILE.json",
+                   help="Chrome-trace JSON of the measured last iteration")
+    g.add_argument("--inject-overflow", type=_int_list, default=None, metavar="ITER,STAGE,SUB",
+                   help="testing aid: make backward stage (STAGE, SUB)'s gradient non-finite at "
+                        "iteration ITER (one process: any stage)")
     return p
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers") from None
 
 
 def _apply_preset_and_defaults(args: argparse.Namespace) -> None:
@@ -209,6 +227,8 @@ def validate_args(args: argparse.Namespace) -> None:
         raise ArgumentError("--save-interval", args.save_interval, "needs --save DIR")
     if args.data_path is not None and args.tokenizer_model is None:
         raise ArgumentError("--tokenizer-model", "missing", "required with --data-path")
+    if args.inject_overflow is not None and len(args.inject_overflow) != 3:
+        raise ArgumentError("--inject-overflow", args.inject_overflow, "expected ITER,STAGE,SUB")
     if args.cpu_optimizer_threads is not None and args.cpu_optimizer_threads <= 0:
         raise ArgumentError("--cpu-optimizer-threads", args.cpu_optimizer_threads,
                             "expected a positive integer")
@@ -244,5 +264,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def exit_bad_input(exc: Exception) -> None:
-    print(f"pretrain_llama.py: error: {exc}", file=sys.stderr)
+    """One line on stderr (from rank 0 only, when several processes run), exit status 2."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"pretrain_llama.py: error: {exc}", file=sys.stderr)
     raise SystemExit(2)

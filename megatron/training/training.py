@@ -18,7 +18,7 @@ from typing import Protocol
 
 import torch
 
-from megatron.models.llama import Batch, LlamaConfig, LlamaModel
+from megatron.models.llama import Batch, LlamaConfig, LlamaModel, uses_weight_decay
 from megatron.optimizer.loss_scaler import DynamicLossScaler
 from megatron.training.arguments import (
     ArgumentError,
@@ -58,11 +58,6 @@ def make_loss_scaler(args: argparse.Namespace) -> DynamicLossScaler:
                              min_scale=args.min_loss_scale)
 
 
-def uses_weight_decay(name: str, param: torch.Tensor) -> bool:
-    """Megatron's rule: no weight decay on biases and norm weights (1-D parameters)."""
-    return param.dim() > 1 and not name.endswith(".bias")
-
-
 class LocalTrainStep:
     """Whole model in one process: working params in the training dtype, fp32 masters."""
 
@@ -82,6 +77,7 @@ class LocalTrainStep:
             lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
         )
         self.clip_grad = args.clip_grad
+        self.inject_overflow_at = args.inject_overflow[0] if args.inject_overflow else None
         self.scaler = make_loss_scaler(args) if self.dtype == torch.float16 else None
 
     def step(self, iteration: int, micro_batches: Sequence[Batch], lr: float,
@@ -94,6 +90,8 @@ class LocalTrainStep:
             loss = self.model(batch) / len(micro_batches)
             (loss * scale).backward()
             total += float(loss.detach())
+        if self.inject_overflow_at == iteration:
+            self.params[0].grad.view(-1)[0] = float("inf")
         for master, p in zip(self.masters, self.params):
             master.grad = p.grad.detach().float().div_(scale)
         grads = [m.grad for m in self.masters]
@@ -231,6 +229,10 @@ def train(args: argparse.Namespace) -> int:
     if args.save:
         check_writable_dir("--save", args.save)
     dist_info = initialize_distributed()
+    if dist_info.world_size > 1 or args.pipeline_schedule not in (None, "single"):
+        from megatron.pipeline.train_step import check_pipeline_args
+
+        check_pipeline_args(args, dist_info.world_size)
     is_logger = dist_info.rank == dist_info.world_size - 1 or dist_info.world_size == 1
     log = print if dist_info.rank == 0 else (lambda *_: None)
     metrics = None
