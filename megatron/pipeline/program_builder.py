@@ -152,6 +152,95 @@ def _param_instructions(shape: Schedule, op: Op, pieces: frozenset) -> list[Inst
     return instructions
 
 
+class _Placement:
+    """Instructions of each rank keyed by (gap before compute #gap, priority, order key)."""
+
+    def __init__(self, ranks: int) -> None:
+        self.items: list[list[tuple]] = [[] for _ in range(ranks)]
+
+    def put(self, rank: int, gap: int, priority: int, key: tuple, ins: Instruction) -> None:
+        self.items[rank].append((gap, priority, key, ins))
+
+    def programs(self) -> tuple[tuple[Instruction, ...], ...]:
+        return tuple(
+            tuple(ins for *_, ins in sorted(rank_items, key=lambda item: item[:3]))
+            for rank_items in self.items
+        )
+
+
+def _place_transfers(shape: Schedule, orders: list[list[Instruction]], times: dict,
+                     placement: _Placement) -> None:
+    timelines = [_RankTimeline(order, times) for order in orders]
+    index_of = {op: i for order in orders for i, op in enumerate(order)}
+    for role, (stage, sub, mb), producer, src, consumer, dst in transfers(shape):
+        if src == dst:
+            continue
+        produced = times[producer][1]
+        if role == "ckpt":
+            key = (produced, src % 2, role, stage, sub, mb)
+            placement.put(src, index_of[producer] + 1, _ISEND, key,
+                          Instruction(Op.ISEND_CKPT, stage=stage, sub=sub, mb=mb, peer=dst))
+            placement.put(dst, timelines[dst].gap(produced), _COMM, key,
+                          Instruction(Op.IRECV_CKPT, stage=stage, sub=sub, mb=mb, peer=src))
+            placement.put(dst, index_of[consumer], _WAIT, key,
+                          Instruction(Op.WAIT_CKPT, stage=stage, sub=sub, mb=mb, peer=src))
+            continue
+        meet = _rendezvous(timelines[src], timelines[dst], produced, times[consumer][0])
+        # Pairs meeting at the same time along a chain r -> r+1 -> ... would run one after
+        # another; ordering even senders first lets them run in two rounds (odd-even).
+        key = (meet, src % 2, role, stage, sub, mb)
+        send, recv = (Op.SEND_ACT, Op.RECV_ACT) if role == "act" else (Op.SEND_GRAD, Op.RECV_GRAD)
+        placement.put(src, timelines[src].gap(meet), _COMM, key,
+                      Instruction(send, stage=stage, sub=sub, mb=mb, peer=dst))
+        placement.put(dst, timelines[dst].gap(meet), _COMM, key,
+                      Instruction(recv, stage=stage, sub=sub, mb=mb, peer=src))
+
+
+def _place_parameters(shape: Schedule, rank: int, order: list[Instruction],
+                      placement: _Placement) -> None:
+    """Double buffer: fetch segment j+1 when segment j starts, drop j when it ends; pieces
+    shared by neighbouring segments stay resident."""
+    segments = _param_segments(shape, order) + [(frozenset(), len(order), len(order))]
+    for number, (pieces, first, last) in enumerate(segments[:-1]):
+        following = segments[number + 1][0]
+        fetches = [(pieces, 0)] if number == 0 else []
+        fetches.append((following - pieces, 1))
+        for needed, slot in fetches:
+            for key, ins in enumerate(_param_instructions(shape, Op.PREFETCH_PARAMS, needed)):
+                placement.put(rank, first, _PREFETCH, (slot, key), ins)
+        released = _param_instructions(shape, Op.RELEASE_PARAMS, pieces - following)
+        for key, ins in enumerate(released):
+            placement.put(rank, last + 1, _AFTER_COMPUTE, (2, key), ins)
+
+
+def _place_optimizer(rank: int, order: list[Instruction], mode: str,
+                     placement: _Placement) -> None:
+    last_backward = {}
+    for index, op in enumerate(order):
+        if op.op == Op.BACKWARD:
+            last_backward[(op.stage, op.sub)] = index
+    offloads = sorted(last_backward.items(), key=lambda item: item[1])
+    for (stage, sub), index in offloads:
+        placement.put(rank, index + 1, _AFTER_COMPUTE, (0,),
+                      Instruction(Op.OFFLOAD_GRAD, stage=stage, sub=sub))
+        if mode == POST_STEP_OPTIMIZER:
+            placement.put(rank, index + 1, _AFTER_COMPUTE, (1,),
+                          Instruction(Op.OPTIMIZER_START, stage=stage, sub=sub))
+    end = len(order) + 1
+    if mode == SYNCHRONOUS_OPTIMIZER:
+        tail = [Instruction(Op.OVERFLOW_SYNC)]
+        tail += [Instruction(Op.OPTIMIZER_START, stage=stage, sub=sub)
+                 for (stage, sub), _ in offloads]
+        tail += [Instruction(Op.OPTIMIZER_WAIT_ALL)]
+    elif mode == POST_STEP_OPTIMIZER:
+        tail = [Instruction(Op.OPTIMIZER_WAIT_ALL), Instruction(Op.POST_STEP_SYNC),
+                Instruction(Op.ROLLBACK_IF_OVERFLOW)]
+    else:
+        raise ValueError(f"unknown optimizer mode {mode!r}")
+    for number, ins in enumerate(tail):
+        placement.put(rank, end, 0, (number,), ins)
+
+
 def build_programs(
     shape: Schedule, orders: list[list[Instruction]], optimizer_mode: str,
     backward_ratio: float = 2.0,
@@ -162,80 +251,11 @@ def build_programs(
     blocking transfers sit; the programs are deadlock-free for any real costs.
     """
     times = reference_timeline(shape, orders, backward_ratio)
-    timelines = [_RankTimeline(order, times) for order in orders]
-    index_of = {op: (rank, i) for rank, order in enumerate(orders) for i, op in enumerate(order)}
-    items: list[list[tuple]] = [[] for _ in range(shape.ranks)]
-
-    def put(rank: int, gap: int, priority: int, key: tuple, ins: Instruction) -> None:
-        items[rank].append((gap, priority, key, ins))
-
-    for role, (stage, sub, mb), producer, src, consumer, dst in transfers(shape):
-        if src == dst:
-            continue
-        produced = times[producer][1]
-        due = times[consumer][0]
-        if role == "ckpt":
-            key = (produced, src % 2, role, stage, sub, mb)
-            put(src, index_of[producer][1] + 1, _ISEND, key,
-                Instruction(Op.ISEND_CKPT, stage=stage, sub=sub, mb=mb, peer=dst))
-            put(dst, timelines[dst].gap(produced), _COMM, key,
-                Instruction(Op.IRECV_CKPT, stage=stage, sub=sub, mb=mb, peer=src))
-            put(dst, index_of[consumer][1], _WAIT, key,
-                Instruction(Op.WAIT_CKPT, stage=stage, sub=sub, mb=mb, peer=src))
-            continue
-        meet = _rendezvous(timelines[src], timelines[dst], produced, due)
-        # Pairs meeting at the same time along a chain r -> r+1 -> ... would run one after
-        # another; ordering even senders first lets them run in two rounds (odd-even).
-        key = (meet, src % 2, role, stage, sub, mb)
-        send, recv = (Op.SEND_ACT, Op.RECV_ACT) if role == "act" else (Op.SEND_GRAD, Op.RECV_GRAD)
-        put(src, timelines[src].gap(meet), _COMM, key,
-            Instruction(send, stage=stage, sub=sub, mb=mb, peer=dst))
-        put(dst, timelines[dst].gap(meet), _COMM, key,
-            Instruction(recv, stage=stage, sub=sub, mb=mb, peer=src))
-
+    placement = _Placement(shape.ranks)
+    _place_transfers(shape, orders, times, placement)
     for rank, order in enumerate(orders):
         for index, op in enumerate(order):
-            put(rank, index, _COMPUTE, (), op)
-        # Double buffer: fetch segment j+1 when segment j starts, drop j when it ends;
-        # pieces shared by neighbouring segments stay resident.
-        segments = _param_segments(shape, order) + [(frozenset(), len(order), len(order))]
-        for number, (pieces, first, last) in enumerate(segments[:-1]):
-            following = segments[number + 1][0]
-            fetches = [(pieces, 0)] if number == 0 else []
-            fetches.append((following - pieces, 1))
-            for needed, slot in fetches:
-                for order_key, ins in enumerate(
-                        _param_instructions(shape, Op.PREFETCH_PARAMS, needed)):
-                    put(rank, first, _PREFETCH, (slot, order_key), ins)
-            for order_key, ins in enumerate(
-                    _param_instructions(shape, Op.RELEASE_PARAMS, pieces - following)):
-                put(rank, last + 1, _AFTER_COMPUTE, (2, order_key), ins)
-        last_backward = {}
-        for index, op in enumerate(order):
-            if op.op == Op.BACKWARD:
-                last_backward[(op.stage, op.sub)] = index
-        for (stage, sub), index in sorted(last_backward.items(), key=lambda item: item[1]):
-            put(rank, index + 1, _AFTER_COMPUTE, (0,),
-                Instruction(Op.OFFLOAD_GRAD, stage=stage, sub=sub))
-            if optimizer_mode == POST_STEP_OPTIMIZER:
-                put(rank, index + 1, _AFTER_COMPUTE, (1,),
-                    Instruction(Op.OPTIMIZER_START, stage=stage, sub=sub))
-        end = len(order) + 1
-        if optimizer_mode == SYNCHRONOUS_OPTIMIZER:
-            put(rank, end, 0, (), Instruction(Op.OVERFLOW_SYNC))
-            for number, ((stage, sub), _) in enumerate(
-                sorted(last_backward.items(), key=lambda item: item[1])
-            ):
-                put(rank, end, 1, (number,), Instruction(Op.OPTIMIZER_START, stage=stage, sub=sub))
-            put(rank, end, 2, (), Instruction(Op.OPTIMIZER_WAIT_ALL))
-        elif optimizer_mode == POST_STEP_OPTIMIZER:
-            put(rank, end, 2, (), Instruction(Op.OPTIMIZER_WAIT_ALL))
-            put(rank, end, 3, (), Instruction(Op.POST_STEP_SYNC))
-            put(rank, end, 4, (), Instruction(Op.ROLLBACK_IF_OVERFLOW))
-        else:
-            raise ValueError(f"unknown optimizer mode {optimizer_mode!r}")
-
-    return tuple(
-        tuple(ins for *_, ins in sorted(rank_items, key=lambda item: item[:3]))
-        for rank_items in items
-    )
+            placement.put(rank, index, _COMPUTE, (), op)
+        _place_parameters(shape, rank, order, placement)
+        _place_optimizer(rank, order, optimizer_mode, placement)
+    return placement.programs()
