@@ -1,11 +1,12 @@
 // The AdamW step over one contiguous range, written once for any SIMD policy.
 // Included inside an ISA namespace after `struct Scalar` and `struct Vec` are defined.
 //
-// The range is walked in tiles that fit in L1: phase A reads the tile's gradient from
-// memory once (converted to fp32 and unscaled into a tile buffer, checked for
-// non-finite values, squared and summed); phase B updates the tile from that buffer.
-// A tile with a non-finite gradient is never updated, so a caller can restore exactly
-// the tiles before it.
+// One pass over memory: each vector of gradient is loaded once, converted to fp32,
+// unscaled and checked in registers, then used for the update of the same elements, so
+// p, m, v, the gradient and the working copy stream through together. The update stops
+// before the first vector holding a non-finite value and reports where, so a caller can
+// put back exactly the elements before it. The range is walked in tiles of kTile
+// elements, the granularity at which threads notice another thread's abort.
 //
 // Arithmetic follows torch.optim.AdamW (single-tensor path): decoupled decay, lerp for
 // m, addcmul for v, p += (-step_size * m) / denom, except that denom multiplies sqrt(v)
@@ -36,33 +37,47 @@ static inline void store_from_f32(void* base, int64_t i, typename P::F x) {
   }
 }
 
+// The hyper-parameters broadcast once per part into locals: read through `const Hyper&`
+// inside the loop they would be reloaded after every store (a float store may alias
+// them), which costs more than the arithmetic.
+template <class P>
+struct Consts {
+  using F = typename P::F;
+  F inv_scale, decay, one_minus_b1, beta1, beta2, one_minus_b2, inv_bc2_sqrt, eps, neg_step;
+  explicit Consts(const Hyper& h)
+      : inv_scale(P::set1(h.inv_scale)), decay(P::set1(h.decay)),
+        one_minus_b1(P::set1(h.one_minus_b1)), beta1(P::set1(h.beta1)),
+        beta2(P::set1(h.beta2)), one_minus_b2(P::set1(h.one_minus_b2)),
+        inv_bc2_sqrt(P::set1(h.inv_bc2_sqrt)), eps(P::set1(h.eps)),
+        neg_step(P::set1(h.neg_step_size)) {}
+};
+
 template <class P>
 static inline void adam_forward(typename P::F& p, typename P::F& m, typename P::F& v,
-                                typename P::F g, const Hyper& h) {
-  p = P::mul(p, P::set1(h.decay));
-  m = P::add(m, P::mul(P::set1(h.one_minus_b1), P::sub(g, m)));
-  v = P::add(P::mul(v, P::set1(h.beta2)), P::mul(P::mul(P::set1(h.one_minus_b2), g), g));
-  const auto denom = P::add(P::mul(P::sqrt(v), P::set1(h.inv_bc2_sqrt)), P::set1(h.eps));
-  p = P::add(p, P::div(P::mul(P::set1(h.neg_step_size), m), denom));
+                                typename P::F g, const Consts<P>& c) {
+  p = P::mul(p, c.decay);
+  m = P::add(m, P::mul(c.one_minus_b1, P::sub(g, m)));
+  v = P::add(P::mul(v, c.beta2), P::mul(P::mul(c.one_minus_b2, g), g));
+  const auto denom = P::add(P::mul(P::sqrt(v), c.inv_bc2_sqrt), c.eps);
+  p = P::add(p, P::div(P::mul(c.neg_step, m), denom));
 }
 
 // Solves adam_forward for the old state, given the new state and the same gradient.
 // v is clamped at zero (rounding can leave a tiny negative); nan and inf propagate.
 template <class P>
 static inline void adam_inverse(typename P::F& p, typename P::F& m, typename P::F& v,
-                                typename P::F g, const Hyper& h) {
-  const auto denom = P::add(P::mul(P::sqrt(v), P::set1(h.inv_bc2_sqrt)), P::set1(h.eps));
-  p = P::sub(p, P::div(P::mul(P::set1(h.neg_step_size), m), denom));
-  p = P::div(p, P::set1(h.decay));
-  m = P::div(P::sub(m, P::mul(P::set1(h.one_minus_b1), g)), P::set1(h.beta1));
-  v = P::max0(P::div(P::sub(v, P::mul(P::mul(P::set1(h.one_minus_b2), g), g)),
-                     P::set1(h.beta2)));
+                                typename P::F g, const Consts<P>& c) {
+  const auto denom = P::add(P::mul(P::sqrt(v), c.inv_bc2_sqrt), c.eps);
+  p = P::sub(p, P::div(P::mul(c.neg_step, m), denom));
+  p = P::div(p, c.decay);
+  m = P::div(P::sub(m, P::mul(c.one_minus_b1, g)), c.beta1);
+  v = P::max0(P::div(P::sub(v, P::mul(P::mul(c.one_minus_b2, g), g)), c.beta2));
 }
 
-// Phase A over tile elements [lo, hi): unscale into buf (when given), check, sum squares.
+// Check only, over tile elements [lo, hi): unscale, look for inf/nan, sum squares.
 template <class P, int GD>
-static inline void unscale_part(const void* grad, int64_t base, int64_t lo, int64_t hi,
-                                float* buf, float inv_scale, bool& bad, double& sumsq) {
+static inline void check_part(const void* grad, int64_t base, int64_t lo, int64_t hi,
+                                float inv_scale, bool& bad, double& sumsq) {
   typename P::M nonfinite = P::mask_zero();
   typename P::F sq = P::set1(0.0f);
   const auto s = P::set1(inv_scale);
@@ -70,41 +85,66 @@ static inline void unscale_part(const void* grad, int64_t base, int64_t lo, int6
     const auto g = P::mul(load_as_f32<P, GD>(grad, base + i), s);
     nonfinite = P::nonfinite_or(nonfinite, g);
     sq = P::add(sq, P::mul(g, g));
-    if (buf) P::store(buf + i, g);
   }
   bad = bad || P::any(nonfinite);
   sumsq += P::hsum(sq);
 }
 
-// Phase B over tile elements [lo, hi).
+// Step or inverse over tile elements [lo, hi), one vector at a time: the gradient is
+// read, unscaled and checked in registers right before the update that uses it. Stops
+// before the first vector holding a non-finite value and returns its index (hi when
+// all were finite); [lo, returned index) was updated.
+template <class P, int GD, int OD>
+static inline int64_t update_part(Op op, const Buffers& b, const Hyper& h, int64_t base,
+                                  int64_t lo, int64_t hi, double& sumsq) {
+  const Consts<P> c(h);
+  // local copies of the pointers, for the same aliasing reason as Consts
+  float* const pp = b.p;
+  float* const mp = b.m;
+  float* const vp = b.v;
+  const void* const grad = b.grad;
+  void* const out = b.out;
+  float* const snap_p = b.snap;
+  float* const snap_m = b.snap ? b.snap + b.n : nullptr;
+  float* const snap_v = b.snap ? b.snap + 2 * b.n : nullptr;
+  typename P::F sq = P::set1(0.0f);
+  int64_t i = lo;
+  for (; i < hi; i += P::W) {
+    const int64_t k = base + i;
+    const auto g = P::mul(load_as_f32<P, GD>(grad, k), c.inv_scale);
+    if (P::any(P::nonfinite_or(P::mask_zero(), g))) break;
+    sq = P::add(sq, P::mul(g, g));
+    auto p = P::load(pp + k);
+    auto m = P::load(mp + k);
+    auto v = P::load(vp + k);
+    if (op == Op::kStep) {
+      if (snap_p) {
+        P::store(snap_p + k, p);
+        P::store(snap_m + k, m);
+        P::store(snap_v + k, v);
+      }
+      adam_forward<P>(p, m, v, g, c);
+    } else {
+      adam_inverse<P>(p, m, v, g, c);
+    }
+    P::store(pp + k, p);
+    P::store(mp + k, m);
+    P::store(vp + k, v);
+    store_from_f32<P, OD>(out, k, p);
+  }
+  sumsq += P::hsum(sq);
+  return i;
+}
+
+// Copies p, m, v back from the snapshot over tile elements [lo, hi).
 template <class P, int OD>
-static inline void update_part(Op op, const Buffers& b, const Hyper& h, int64_t base,
-                               int64_t lo, int64_t hi, const float* gbuf) {
+static inline void restore_part(const Buffers& b, int64_t base, int64_t lo, int64_t hi) {
   for (int64_t i = lo; i < hi; i += P::W) {
     const int64_t k = base + i;
-    auto p = P::load(b.p + k);
-    auto m = P::load(b.m + k);
-    auto v = P::load(b.v + k);
-    if (op == Op::kRestore) {
-      p = P::load(b.snap + k);
-      m = P::load(b.snap + b.n + k);
-      v = P::load(b.snap + 2 * b.n + k);
-    } else {
-      const auto g = P::load(gbuf + i);
-      if (op == Op::kStep) {
-        if (b.snap) {
-          P::store(b.snap + k, p);
-          P::store(b.snap + b.n + k, m);
-          P::store(b.snap + 2 * b.n + k, v);
-        }
-        adam_forward<P>(p, m, v, g, h);
-      } else {
-        adam_inverse<P>(p, m, v, g, h);
-      }
-    }
+    const auto p = P::load(b.snap + k);
     P::store(b.p + k, p);
-    P::store(b.m + k, m);
-    P::store(b.v + k, v);
+    P::store(b.m + k, P::load(b.snap + b.n + k));
+    P::store(b.v + k, P::load(b.snap + 2 * b.n + k));
     store_from_f32<P, OD>(b.out, k, p);
   }
 }
@@ -112,28 +152,30 @@ static inline void update_part(Op op, const Buffers& b, const Hyper& h, int64_t 
 template <int GD, int OD>
 static RangeResult range_impl(Op op, const Buffers& b, const Hyper& h, int64_t begin,
                               int64_t end, int* abort) {
-  alignas(64) float buf[kTile];
   RangeResult r{begin, true, 0.0};
   for (int64_t t = begin; t < end; t += kTile) {
     if (abort && __atomic_load_n(abort, __ATOMIC_RELAXED)) return r;
     const int64_t len = (end - t < kTile) ? end - t : kTile;
     const int64_t nv = len - len % Vec::W;
-    if (op != Op::kRestore) {
+    if (op == Op::kRestore) {
+      restore_part<Vec, OD>(b, t, 0, nv);
+      restore_part<Scalar, OD>(b, t, nv, len);
+    } else if (op == Op::kCheck) {
       bool bad = false;
-      double sq = 0.0;
-      float* dst = (op == Op::kCheck) ? nullptr : buf;
-      unscale_part<Vec, GD>(b.grad, t, 0, nv, dst, h.inv_scale, bad, sq);
-      unscale_part<Scalar, GD>(b.grad, t, nv, len, dst, h.inv_scale, bad, sq);
-      if (bad) {
+      check_part<Vec, GD>(b.grad, t, 0, nv, h.inv_scale, bad, r.sumsq);
+      check_part<Scalar, GD>(b.grad, t, nv, len, h.inv_scale, bad, r.sumsq);
+      if (bad) r.finite = false;
+    } else {
+      int64_t done = update_part<Vec, GD, OD>(op, b, h, t, 0, nv, r.sumsq);
+      if (done == nv) done = update_part<Scalar, GD, OD>(op, b, h, t, nv, len, r.sumsq);
+      if (done != len) {
+        r.stop = t + done;
         r.finite = false;
-        if (abort) __atomic_store_n(abort, 1, __ATOMIC_RELAXED);
-        return r;
       }
-      r.sumsq += sq;
     }
-    if (op != Op::kCheck) {
-      update_part<Vec, OD>(op, b, h, t, 0, nv, buf);
-      update_part<Scalar, OD>(op, b, h, t, nv, len, buf);
+    if (!r.finite) {
+      if (abort) __atomic_store_n(abort, 1, __ATOMIC_RELAXED);
+      return r;
     }
     r.stop = t + len;
   }

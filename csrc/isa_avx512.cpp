@@ -7,6 +7,7 @@
 #pragma GCC target("avx512f,avx2,fma,f16c")
 // GCC 12 warns about its own _mm512_undefined_* placeholders inside immintrin.h.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 #include <immintrin.h>
 
 namespace cpu_adam::isa_avx512 {
