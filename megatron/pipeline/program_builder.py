@@ -5,10 +5,11 @@ instructions. This module adds everything else the same way for every schedule:
 
 - communication: every tensor that crosses ranks gets a matched send/receive. Blocking
   pairs are placed at a rendezvous time taken from a reference timeline (forward 1,
-  backward `backward_ratio` split over sub-stages, no transfer cost), and each rank issues its blocking
-  communications in increasing (time, tensor) order. One global order that every rank
-  follows cannot deadlock under rendezvous semantics: the earliest pending pair always has
-  both sides ready. Checkpoints go asynchronously: ISEND right after the forward, IRECV at
+  backward stage `backward_ratio / d`, no transfer cost), and each rank issues its
+  blocking communications in increasing (time, sender parity, tensor) order. One global
+  order that every rank follows cannot deadlock under rendezvous semantics: the earliest
+  pending pair always has both sides ready. Even senders first makes the pairs of a chain
+  r -> r+1 -> ... that meet at the same time run in two rounds instead of one by one. Checkpoints go asynchronously: ISEND right after the forward, IRECV at
   the same step on the receiver, WAIT right before the backward that recomputes from it.
 - parameters: consecutive compute on the same parameters forms a segment; the next
   segment is prefetched when a segment starts and a segment is released when it ends, so
