@@ -23,17 +23,21 @@ MODEL = ["--num-layers", "8", "--hidden-size", "64", "--ffn-hidden-size", "160",
 SCHEDULES = ["decoupled", "mobius", "interleaved-1f1b", "1f1b", "gpipe"]
 
 
-def launch(tmp_path, name, nproc, *extra, env=None, timeout=240):
-    """Run pretrain_llama.py (one process, or torchrun with `nproc`); return its outputs."""
+def launch(tmp_path, name, nproc, *extra, env=None, timeout=300, script="pretrain_llama.py"):
+    """Run `script` (one process, or torchrun with `nproc`) on the test model; its outputs
+    (metrics, checkpoints) go to tmp_path/name."""
     out = tmp_path / name
     out.mkdir()
-    args = [*MODEL, "--metrics-file", str(out / "metrics.jsonl"), "--save", str(out / "ckpt"),
-            "--data-cache-dir", os.environ["MEGATRON_TEST_CACHE"], *extra]
-    script = os.path.join(ROOT, "pretrain_llama.py")
-    if nproc == 1:
-        cmd = [sys.executable, script, *args]
+    args = [*MODEL, "--data-cache-dir", os.environ["MEGATRON_TEST_CACHE"], *extra]
+    if script == "pretrain_llama.py":
+        args += ["--metrics-file", str(out / "metrics.jsonl"), "--save", str(out / "ckpt")]
     else:
-        cmd = [TORCHRUN, "--standalone", "--nproc-per-node", str(nproc), script, *args]
+        args += ["--out-dir", str(out), "--save-final", "--json"]
+    path = os.path.join(ROOT, script)
+    if nproc == 1:
+        cmd = [sys.executable, path, *args]
+    else:
+        cmd = [TORCHRUN, "--standalone", "--nproc-per-node", str(nproc), path, *args]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     t0 = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
@@ -41,6 +45,22 @@ def launch(tmp_path, name, nproc, *extra, env=None, timeout=240):
     proc.elapsed = time.monotonic() - t0
     proc.out = out
     return proc
+
+
+class ScheduleRun:
+    """One schedule's outputs inside a bench/schedules.py run."""
+
+    def __init__(self, bench, schedule):
+        self.returncode, self.stderr = bench.returncode, bench.stderr
+        self.out = bench.out / schedule
+
+
+def bench_all_schedules(tmp_path_factory, nproc, *extra):
+    run = launch(tmp_path_factory.mktemp(f"bench{nproc}"), "all", nproc, *extra,
+                 script="bench/schedules.py", timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    run.summary = json.loads(run.stdout[run.stdout.index("{"):])
+    return run
 
 
 def metrics(run):
@@ -80,19 +100,37 @@ def reference(tmp_path_factory):
     return run
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
-def test_two_processes_match_one_process(schedule, reference, tmp_path):
-    # 4 micro-batches on 2 processes; decoupled uses 4 forward stages split d = 2.
-    run = launch(tmp_path, schedule, 2, "--pipeline-schedule", schedule)
-    assert_same_training(run, reference)
-    assert metrics(run)[0]["schedule"] == schedule
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory, reference):
+    # 4 micro-batches on 2 processes; decoupled: 4 forward stages split d = 2 (the default).
+    return bench_all_schedules(tmp_path_factory, 2)
+
+
+@pytest.fixture(scope="module")
+def four_processes(tmp_path_factory, reference):
+    return bench_all_schedules(tmp_path_factory, 4, "--forward-stages", "4",
+                               "--backward-split", "2")
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
-def test_four_processes_match_one_process(schedule, reference, tmp_path):
-    extra = ["--forward-stages", "4", "--backward-split", "2"] if schedule == "decoupled" else []
-    run = launch(tmp_path, schedule, 4, "--pipeline-schedule", schedule, *extra)
-    assert_same_training(run, reference)
+def test_two_processes_match_one_process(schedule, two_processes, reference):
+    assert_same_training(ScheduleRun(two_processes, schedule), reference)
+    assert metrics(ScheduleRun(two_processes, schedule))[0]["schedule"] == schedule
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_four_processes_match_one_process(schedule, four_processes, reference):
+    assert_same_training(ScheduleRun(four_processes, schedule), reference)
+
+
+def test_bench_puts_the_simulation_beside_each_measurement(two_processes, four_processes):
+    for run, ranks in ((two_processes, 2), (four_processes, 4)):
+        rows = {r["schedule"]: r for r in run.summary["schedules"]}
+        assert run.summary["ranks"] == ranks and set(rows) == set(SCHEDULES)
+        assert rows["decoupled"]["backward_split"] == 2
+        for row in rows.values():
+            assert row["simulated_iteration_time_s"] > 0
+            assert 0 <= row["bubble_ratio"] < 1 and 0 <= row["simulated_bubble_ratio"] < 1
 
 
 def test_fp16_overflow_skips_the_iteration_on_every_rank(reference, tmp_path):
@@ -109,20 +147,20 @@ def test_fp16_overflow_skips_the_iteration_on_every_rank(reference, tmp_path):
 
 
 def test_exposed_optimizer_time_is_lower_with_the_decoupled_schedule(tmp_path, reference):
-    # A wide model on few tokens, so that the CPU optimizer is a large part of an iteration.
+    # A wide model on few tokens, so that the CPU optimizer is a large part of an iteration;
+    # both schedules in the same run, from the measured breakdown of each.
     heavy = ["--hidden-size", "256", "--ffn-hidden-size", "688", "--seq-length", "16",
              "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "6",
-             "--cpu-optimizer-threads", "1"]
-    runs = {s: launch(tmp_path, s, 2, "--pipeline-schedule", s, *heavy)
-            for s in ("decoupled", "mobius")}
+             "--cpu-optimizer-threads", "1", "--schedules", "decoupled,mobius"]
+    run = launch(tmp_path, "heavy", 2, *heavy, script="bench/schedules.py")
+    assert run.returncode == 0, run.stderr[-3000:]
     exposed = {}
-    for schedule, run in runs.items():
-        assert run.returncode == 0, run.stderr[-3000:]
-        rows = metrics(run)[1:]  # the first iteration warms up
+    for schedule in ("decoupled", "mobius"):
+        rows = metrics(ScheduleRun(run, schedule))[1:]  # the first iteration warms up
         exposed[schedule] = sum(r["exposed_optimizer_time_s"] for r in rows) / len(rows)
         for r in rows:
             assert r["gpu_time_s"] > 0 and r["bubble_time_s"] >= 0
-            assert len(r["per_rank"]) == 2
+            assert [p["rank"] for p in r["per_rank"]] == [0, 1]
     assert exposed["decoupled"] < exposed["mobius"], exposed
 
 
@@ -149,13 +187,25 @@ def test_a_failing_rank_ends_the_job_and_leaves_shm_clean(how, reference, tmp_pa
 
 @pytest.mark.parametrize(
     "extra,flag",
-    [(["--pipeline-model-parallel-size", "4"], "--pipeline-model-parallel-size"),
-     (["--forward-stages", "9"], "--forward-stages"),
+    [(["--forward-stages", "9"], "--forward-stages"),
      (["--stage-layers", "3,3,3,3"], "--stage-layers"),
-     (["--forward-stages", "4", "--backward-split", "3"], "--backward-split")],
+     (["--forward-stages", "4", "--backward-split", "3"], "--backward-split"),
+     (["--forward-stages", "3"], "--forward-stages")],
 )
-def test_bad_pipeline_flags_fail_before_training(extra, flag, reference, tmp_path):
-    run = launch(tmp_path, "bad", 2, "--pipeline-schedule", "decoupled", *extra, timeout=120)
+def test_bad_pipeline_flags_are_refused_before_anything_is_built(extra, flag, capsys):
+    from megatron.pipeline.train_step import check_pipeline_args, resolve_pipeline
+    from megatron.training.arguments import ArgumentError, parse_args
+
+    args = parse_args([*MODEL, "--pipeline-schedule", "decoupled", *extra])
+    with pytest.raises(ArgumentError) as exc:
+        check_pipeline_args(args, world_size=2)
+        resolve_pipeline(args, world_size=2, vocab_size=4096)
+    assert exc.value.flag == flag
+
+
+def test_world_size_mismatch_exits_2_naming_the_flag(reference, tmp_path):
+    run = launch(tmp_path, "bad", 2, "--pipeline-model-parallel-size", "4", timeout=120)
     assert run.returncode != 0
-    assert flag in run.stderr
+    lines = [line for line in run.stderr.splitlines() if "pretrain_llama.py: error" in line]
+    assert len(lines) == 1 and "--pipeline-model-parallel-size 4" in lines[0]
     assert not (run.out / "metrics.jsonl").exists()

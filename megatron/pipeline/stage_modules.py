@@ -36,6 +36,20 @@ def model_piece_indices(
     return out
 
 
+def piece_numels(cfg: LlamaConfig, partition: tuple[int, ...],
+                 backward_split: int) -> dict[Piece, int]:
+    """Parameters of every backward stage, from the closed-form count (nothing is built)."""
+    from megatron.models.presets import count_parameters
+
+    c = count_parameters(cfg.num_layers, cfg.hidden_size, cfg.ffn_hidden_size,
+                         cfg.num_attention_heads, cfg.num_query_groups, cfg.vocab_size)
+    out = {}
+    for key, r in sub_stage_layers(partition, backward_split).items():
+        out[key] = (r.count * c.per_layer + (c.embedding if r.has_embedding else 0)
+                    + (c.head if r.has_head else 0))
+    return out
+
+
 @dataclass
 class StageModule:
     """One backward stage's pieces, its layout and how many elements take weight decay."""

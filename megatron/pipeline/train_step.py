@@ -32,7 +32,7 @@ from megatron.pipeline.instructions import Piece, Schedule
 from megatron.pipeline.p2p import MessageShape, PointToPoint
 from megatron.pipeline.partition import balanced_partition
 from megatron.pipeline.schedules import build_schedule
-from megatron.pipeline.stage_modules import StageModule, build_stage_modules
+from megatron.pipeline.stage_modules import StageModule, build_stage_modules, piece_numels
 from megatron.pipeline.validator import validate
 from megatron.training.arguments import ArgumentError
 from megatron.training.training import StepResult, make_loss_scaler, training_dtype
@@ -192,8 +192,11 @@ class PipelineTrainStep:
         self.executor = PipelineExecutor(
             self.schedule, rank, self.modules, self.store, self.device, self.param_buffer,
             self.offloader, self.optimizer, self.owned, p2p, lambda: self.scaler.scale, inject)
-        self.timeline_iteration = args.train_iters if (args.timeline or args.trace) else None
+        keep = args.timeline or args.trace or getattr(args, "keep_timeline", False)
+        self.timeline_iteration = args.train_iters if keep else None
         self.timeline_paths = (args.timeline, args.trace)
+        self.last_events_all_ranks: list = []  # the recorded iteration, every rank's events
+        self.piece_numels = piece_numels(model_cfg, c.partition, c.backward_split)
         self.last_iteration = 0
 
     # --- setup helpers -----------------------------------------------------------------
@@ -250,7 +253,8 @@ class PipelineTrainStep:
             "gpu_time_s": float(means[0]),
             "bubble_time_s": float(means[1]),
             "exposed_optimizer_time_s": float(means[2]),
-            "bubble_ratio": float(means[1] / table[:world, 3].max()),
+            # S Eq. 1-3 (as the simulator): the share of the iteration a GPU is not computing.
+            "bubble_ratio": float((1 - table[:world, 0] / table[:world, 3]).mean()),
             "per_rank": per_rank,
             "schedule": self.config.schedule,
         }
@@ -260,10 +264,11 @@ class PipelineTrainStep:
 
         gathered: list = [None] * self.config.ranks
         dist.all_gather_object(gathered, stats.events)
+        events = [e for rank_events in gathered for e in rank_events]
+        self.last_events_all_ranks = events
+        png, trace = self.timeline_paths
         if self.rank != 0:
             return
-        events = [e for rank_events in gathered for e in rank_events]
-        png, trace = self.timeline_paths
         c = self.config
         title = (f"measured: {c.schedule}, {c.ranks} ranks, {c.forward_stages} forward stages, "
                  f"d={c.backward_split}, {c.micro_batches} micro-batches")

@@ -223,24 +223,26 @@ def make_train_step(args: argparse.Namespace, model_cfg: LlamaConfig, dist_info)
     return PipelineTrainStep(model_cfg, args, dist_info)
 
 
-def train(args: argparse.Namespace) -> int:
-    from megatron.training.distributed import initialize_distributed, shutdown_distributed
-
+def train(args: argparse.Namespace, dist_info, on_step=None) -> list[dict]:
+    """Train with `args` in an initialized process group; returns the per-iteration
+    metrics. Callable several times in one job (bench/schedules.py runs each schedule);
+    `on_step(train_step)` is called once the train step is built."""
     if args.save:
         check_writable_dir("--save", args.save)
-    dist_info = initialize_distributed()
     if dist_info.world_size > 1 or args.pipeline_schedule not in (None, "single"):
         from megatron.pipeline.train_step import check_pipeline_args
 
         check_pipeline_args(args, dist_info.world_size)
     is_logger = dist_info.rank == dist_info.world_size - 1 or dist_info.world_size == 1
     log = print if dist_info.rank == 0 else (lambda *_: None)
-    metrics = None
+    metrics, step, records = None, None, []
     try:
         _, dataset, vocab = prepare_data(args, log=log)
         model_cfg = model_config_from_args(args, vocab)
         torch.manual_seed(args.seed)
         step = make_train_step(args, model_cfg, dist_info)
+        if on_step is not None:
+            on_step(step)
         schedule = LRSchedule(args.lr, args.min_lr, args.lr_warmup_iters, args.lr_decay_iters,
                               args.lr_decay_style, args.weight_decay)
         start_iteration, skipped_total = 0, 0
@@ -282,6 +284,7 @@ def train(args: argparse.Namespace) -> int:
                 **result.extra,
             }
             metrics.write(record)
+            records.append(record)
             if is_logger and (iteration % args.log_interval == 0 or iteration == 1):
                 print(format_log_line(record, args.train_iters), flush=True)
             save_now = args.save and (
@@ -296,14 +299,13 @@ def train(args: argparse.Namespace) -> int:
                 path = save_checkpoint(args.save, iteration, state, rank=dist_info.rank,
                                        barrier=dist.barrier)
                 log(f"saved checkpoint to {path}")
+    finally:
         close = getattr(step, "close", None)
         if close:
             close()
-    finally:
         if metrics is not None:
             metrics.close()
-        shutdown_distributed()
-    return 0
+    return records
 
 
 def dtype_name(args: argparse.Namespace) -> str:
@@ -315,11 +317,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.print_model_size:
         print_model_size(args)
         return 0
+    from megatron.training.distributed import initialize_distributed, shutdown_distributed
+
     try:
-        return train(args)
+        dist_info = initialize_distributed()
+        try:
+            train(args, dist_info)
+        finally:
+            shutdown_distributed()
     except (ArgumentError, CheckpointError) as exc:
         exit_bad_input(exc)
-    return 2
+    return 0
 
 
 if __name__ == "__main__":

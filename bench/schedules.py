@@ -1,0 +1,202 @@
+"""Every schedule in turn on the same model, data and machine, measured and simulated.
+
+    torchrun --standalone --nproc-per-node 2 bench/schedules.py --model-preset tiny \
+        --train-iters 6 --json [--schedules decoupled,mobius] [--out-dir DIR]
+
+Any pretrain_llama.py flag applies to every schedule, except --backward-split, which only
+the decoupled schedule uses (the baselines are coupled, d = 1). Each schedule trains from
+the same initial weights for --train-iters iterations; the first iteration is a warm-up
+and is left out of the means. Beside each measurement: the simulator's prediction for the
+same configuration, with a cost model calibrated from the measured run (forward and
+backward times per stage, the CPU optimizer's speed, the copy bandwidth).
+
+Rank 0 prints one JSON object (--json) or a table. With --out-dir, each schedule's
+metrics file (and with --save-final its last checkpoint) goes to DIR/<schedule>/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import time
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.core")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from megatron.pipeline.cost_model import CostModel  # noqa: E402
+from megatron.pipeline.schedules import SCHEDULE_NAMES, build_schedule  # noqa: E402
+from megatron.pipeline.simulator import simulate  # noqa: E402
+from megatron.training.arguments import ArgumentError, exit_bad_input, parse_args  # noqa: E402
+from megatron.training.distributed import initialize_distributed, shutdown_distributed  # noqa: E402
+from megatron.training.training import train  # noqa: E402
+
+ORDER = ("decoupled", "mobius", "interleaved-1f1b", "1f1b", "gpipe")
+
+
+def bench_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--schedules", default=",".join(ORDER),
+                   help=f"comma-separated, from {', '.join(ORDER)}")
+    p.add_argument("--out-dir", default=None)
+    p.add_argument("--save-final", action="store_true",
+                   help="save each schedule's final checkpoint under --out-dir")
+    p.add_argument("--json", action="store_true")
+    return p
+
+
+def parse(argv: list[str]) -> tuple[argparse.Namespace, argparse.Namespace]:
+    bench, rest = bench_parser().parse_known_args(argv)
+    names = [n for n in bench.schedules.split(",") if n]
+    unknown = [n for n in names if n not in SCHEDULE_NAMES]
+    if unknown or not names:
+        exit_bad_input(ArgumentError("--schedules", bench.schedules,
+                                     f"expected names from {', '.join(ORDER)}"))
+    if bench.save_final and not bench.out_dir:
+        exit_bad_input(ArgumentError("--save-final", "set", "needs --out-dir"))
+    bench.names = names
+    return bench, parse_args(rest)
+
+
+def schedule_args(base: argparse.Namespace, name: str, bench: argparse.Namespace) -> argparse.Namespace:
+    args = copy.copy(base)
+    args.pipeline_schedule = name
+    if name != "decoupled":
+        args.backward_split = None
+    args.metrics_file = args.save = None
+    if bench.out_dir:
+        args.metrics_file = os.path.join(bench.out_dir, name, "metrics.jsonl")
+        if bench.save_final:
+            args.save = os.path.join(bench.out_dir, name, "ckpt")
+    return args
+
+
+def optimizer_seconds_per_param(threads: int, numel: int = 1 << 20) -> float:
+    """Measured time of one CPU AdamW step per parameter on this machine."""
+    from megatron.optimizer.cpu_adam import CPUAdamW
+
+    opt = CPUAdamW([torch.zeros(numel)], threads=threads)
+    grad, out = torch.full((numel,), 1e-3), torch.empty(numel)
+    opt.step_stage(0, grad, out=out)
+    start = time.perf_counter()
+    for _ in range(5):
+        opt.step_stage(0, grad, out=out)
+    return (time.perf_counter() - start) / 5 / numel
+
+
+def copy_seconds_per_byte(numel: int = 1 << 22) -> float:
+    src, dst = torch.ones(numel), torch.empty(numel)
+    dst.copy_(src)
+    start = time.perf_counter()
+    for _ in range(5):
+        dst.copy_(src)
+    return (time.perf_counter() - start) / 5 / (4 * numel)
+
+
+def calibrated_costs(step, events, opt_s_per_param: float, copy_s_per_byte: float) -> CostModel:
+    """A cost model from the measured run: mean compute time per stage and backward stage,
+    optimizer and copy times from the measured speeds and each stage's size."""
+    schedule = step.schedule
+    forward: dict[int, list[float]] = {}
+    backward: dict[tuple[int, int], list[float]] = {}
+    for e in events:
+        if e.resource != "compute":
+            continue
+        if e.kind == "forward":
+            forward.setdefault(e.stage, []).append(e.end - e.start)
+        else:
+            backward.setdefault((e.stage, e.sub), []).append(e.end - e.start)
+    pieces = schedule.pieces()
+    numel = step.piece_numels
+    itemsize = torch.empty((), dtype=step.dtype).element_size()
+    return CostModel(
+        forward=tuple(statistics.mean(forward[i]) for i in range(schedule.forward_stages)),
+        backward={p: statistics.mean(backward[p]) for p in pieces},
+        recompute={p: 0.0 for p in pieces},  # measured backward times include it
+        optimizer={p: numel[p] * opt_s_per_param for p in pieces},
+        param_transfer={p: numel[p] * itemsize * copy_s_per_byte for p in pieces},
+        grad_transfer={p: numel[p] * itemsize * copy_s_per_byte for p in pieces},
+    )
+
+
+def run(bench: argparse.Namespace, base: argparse.Namespace) -> dict:
+    dist_info = initialize_distributed()
+    results = []
+    try:
+        threads = base.cpu_optimizer_threads or 1
+        opt_s, copy_s = optimizer_seconds_per_param(threads), copy_seconds_per_byte()
+        for name in bench.names:
+            args = schedule_args(base, name, bench)
+            args.keep_timeline = True
+            built: list = []
+            records = train(args, dist_info, on_step=built.append)
+            step = built[0]
+            measured = records[1:] or records
+            row = {
+                "schedule": name,
+                "forward_stages": step.config.forward_stages,
+                "backward_split": step.config.backward_split,
+                "micro_batches": step.config.micro_batches,
+                "iteration_time_s": statistics.median(r["iter_time_s"] for r in measured),
+                "gpu_time_s": statistics.mean(r["gpu_time_s"] for r in measured),
+                "bubble_time_s": statistics.mean(r["bubble_time_s"] for r in measured),
+                "exposed_optimizer_time_s": statistics.mean(
+                    r["exposed_optimizer_time_s"] for r in measured),
+                "bubble_ratio": statistics.mean(r["bubble_ratio"] for r in measured),
+                "final_loss": records[-1]["loss"],
+            }
+            events = step.last_events_all_ranks
+            if events:
+                costs = calibrated_costs(step, events, opt_s, copy_s)
+                c = step.config
+                sim = simulate(build_schedule(c.schedule, c.ranks, c.forward_stages,
+                                              c.backward_split, c.micro_batches, c.partition),
+                               costs)
+                row["simulated_iteration_time_s"] = sim.iteration_time
+                row["simulated_bubble_ratio"] = sim.mean_bubble_ratio
+                row["simulated_exposed_optimizer_time_s"] = sim.exposed_optimizer_time
+            results.append(row)
+            dist.barrier()
+    finally:
+        shutdown_distributed()
+    return {
+        "ranks": dist_info.world_size,
+        "model": base.model_preset or "custom",
+        "iterations": base.train_iters,
+        "optimizer_s_per_param": opt_s,
+        "schedules": results,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    bench, base = parse(sys.argv[1:] if argv is None else argv)
+    base.log_interval = max(base.log_interval, base.train_iters)  # quiet
+    try:
+        summary = run(bench, base)
+    except ArgumentError as exc:
+        exit_bad_input(exc)
+    if os.environ.get("RANK", "0") != "0":
+        return 0
+    if bench.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        print(f"{'schedule':>18} {'iter (s)':>9} {'sim (s)':>9} {'gpu (s)':>8} "
+              f"{'bubble':>7} {'sim bubble':>10} {'exposed opt (s)':>15}")
+        for r in summary["schedules"]:
+            print(f"{r['schedule']:>18} {r['iteration_time_s']:9.3f} "
+                  f"{r.get('simulated_iteration_time_s', float('nan')):9.3f} "
+                  f"{r['gpu_time_s']:8.3f} {r['bubble_ratio']:7.1%} "
+                  f"{r.get('simulated_bubble_ratio', float('nan')):10.1%} "
+                  f"{r['exposed_optimizer_time_s']:15.4f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
