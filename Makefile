@@ -21,8 +21,13 @@ $(STAMP): requirements.txt setup.py $(wildcard csrc/*.cpp csrc/*.h)
 	$(PY) setup.py -q build_ext --inplace
 	@touch $(STAMP)
 
+# The tiny preset with the decoupled (SysX) schedule on $(NPROC) CPU processes, each playing
+# one GPU; metrics and the measured timeline of the last iteration go to runs/tiny/.
 train: setup
-	$(VENV)/bin/torchrun --nproc-per-node $(NPROC) pretrain_llama.py --model-preset tiny
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) \
+	    pretrain_llama.py --model-preset tiny --pipeline-schedule decoupled \
+	    --metrics-file runs/tiny/metrics.jsonl --timeline runs/tiny/timeline.png \
+	    --trace runs/tiny/trace.json $(ARGS)
 
 test: setup
 	$(VENV)/bin/ruff check .

@@ -32,7 +32,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from megatron.pipeline.cost_model import CostModel  # noqa: E402
-from megatron.pipeline.schedules import SCHEDULE_NAMES, build_schedule  # noqa: E402
+from megatron.pipeline.schedules import SCHEDULE_NAMES  # noqa: E402
 from megatron.pipeline.simulator import simulate  # noqa: E402
 from megatron.training.arguments import ArgumentError, exit_bad_input, parse_args  # noqa: E402
 from megatron.training.distributed import initialize_distributed, shutdown_distributed  # noqa: E402
@@ -155,10 +155,7 @@ def run(bench: argparse.Namespace, base: argparse.Namespace) -> dict:
             events = step.last_events_all_ranks
             if events:
                 costs = calibrated_costs(step, events, opt_s, copy_s)
-                c = step.config
-                sim = simulate(build_schedule(c.schedule, c.ranks, c.forward_stages,
-                                              c.backward_split, c.micro_batches, c.partition),
-                               costs)
+                sim = simulate(step.schedule, costs)
                 row["simulated_iteration_time_s"] = sim.iteration_time
                 row["simulated_bubble_ratio"] = sim.mean_bubble_ratio
                 row["simulated_exposed_optimizer_time_s"] = sim.exposed_optimizer_time

@@ -121,11 +121,21 @@ def resolve_pipeline(args: argparse.Namespace, world_size: int, vocab_size: int)
     micro_batches = args.global_batch_size // args.micro_batch_size
     config = PipelineConfig(name, world_size, stages, split, micro_batches, partition)
     try:
-        build_schedule(name, world_size, stages, split, micro_batches, partition)
+        build_pipeline_schedule(config)
     except ValueError as exc:
         flag = "--backward-split" if "split" in str(exc) else "--forward-stages"
         raise ArgumentError(flag, split if flag == "--backward-split" else stages, str(exc)) from None
     return config
+
+
+# Backward (with its recompute) over forward time: where the schedule places its blocking
+# transfers. Recomputation makes a backward about three forwards.
+BACKWARD_RATIO = 3.0
+
+
+def build_pipeline_schedule(c: PipelineConfig) -> Schedule:
+    return build_schedule(c.schedule, c.ranks, c.forward_stages, c.backward_split,
+                          c.micro_batches, c.partition, backward_ratio=BACKWARD_RATIO)
 
 
 class PipelineTrainStep:
@@ -133,8 +143,7 @@ class PipelineTrainStep:
         self.rank = dist_info.rank
         self.config = resolve_pipeline(args, dist_info.world_size, model_cfg.vocab_size)
         c = self.config
-        self.schedule: Schedule = build_schedule(c.schedule, c.ranks, c.forward_stages,
-                                                 c.backward_split, c.micro_batches, c.partition)
+        self.schedule: Schedule = build_pipeline_schedule(c)
         report = validate(self.schedule)
         self.dtype = training_dtype(args)
         self.device = get_device()

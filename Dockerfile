@@ -1,0 +1,18 @@
+# GPU image for clusters. The NGC PyTorch base brings CUDA, NCCL, torch, apex and
+# Transformer Engine (both are used when importable on CUDA, never required).
+# Build:  docker build -t megatron-sysx .
+# Run:    docker run --gpus all --ipc=host --shm-size=64g megatron-sysx \
+#             torchrun --nproc-per-node 4 pretrain_llama.py --model-preset 10b
+# The parameter store lives in /dev/shm: Docker's default of 64 MB is far too small, so
+# give it --ipc=host or a --shm-size of at least the model's 16-bit parameters (2 B/param).
+FROM nvcr.io/nvidia/pytorch:25.01-py3
+
+WORKDIR /workspace/megatron-sysx
+COPY requirements.txt setup.py pyproject.toml ./
+# The base image's torch satisfies megatron-core's requirement, so nothing pulls another.
+RUN pip install --no-cache-dir -r requirements.txt
+COPY . .
+RUN python setup.py -q build_ext --inplace
+
+ENV MEGATRON_SYSX_CACHE=/workspace/cache
+CMD ["python", "pretrain_llama.py", "--help"]
