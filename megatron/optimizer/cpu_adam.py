@@ -18,7 +18,13 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron.optimizer import _cpu_adam as _kernel
+try:
+    from megatron.optimizer import _cpu_adam as _kernel
+except ImportError as error:  # the extension is built in place by `make setup`
+    raise ImportError(
+        "megatron.optimizer._cpu_adam is not built: run `python setup.py build_ext --inplace` "
+        f"(or `make setup`) in the repository root ({error})"
+    ) from error
 
 _DTYPE_CODES = {torch.float32: _kernel.F32, torch.float16: _kernel.F16, torch.bfloat16: _kernel.BF16}
 
