@@ -167,6 +167,19 @@ def test_a_failed_stage_task_changes_nothing_and_names_the_stage():
         assert not run_iteration(opt, grads, outs).skipped  # still usable
 
 
+def test_bad_submission_fails_in_the_caller():
+    with make() as opt:
+        with pytest.raises(ValueError, match="grad has 4 elements; expected 5000"):
+            opt.submit(0, torch.zeros(4))
+        with pytest.raises(IndexError, match="stage=7 out of range"):
+            opt.submit(7, torch.zeros(4))
+        opt.submit(0, torch.zeros(5000))
+        with pytest.raises(ValueError, match="stage 0 was already submitted"):
+            opt.submit(0, torch.zeros(5000))
+        with pytest.raises(ValueError, match="mode='eager'"):
+            AsyncStageOptimizer(opt.optimizer, opt.scaler, mode="eager")
+
+
 def _rank_main(rank, port, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)

@@ -101,6 +101,7 @@ class AsyncStageOptimizer:
         `grad` and `out` must stay untouched until finish_iteration() returns."""
         if stage in self._submitted:
             raise ValueError(f"stage {stage} was already submitted in this iteration")
+        self.optimizer.check_inputs(stage, grad, out)  # fail here, not in a task
         if self._iteration_mode is None:
             self._iteration_mode = self.current_mode()
             self._iteration_scale = self.scaler.scale

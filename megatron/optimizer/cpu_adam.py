@@ -223,11 +223,7 @@ class CPUAdamW:
         into `out` (bf16, fp16 or fp32) when given. Leaves the stage unchanged when the
         unscaled gradient is not finite. Keep `grad` and `out` untouched until the step is
         committed or rolled back."""
-        i = self._index(stage)
-        n = self._master[i].numel()
-        _check_flat("grad", grad, n, list(_DTYPE_CODES))
-        if out is not None:
-            _check_flat("out", out, n, list(_DTYPE_CODES))
+        i = self.check_inputs(stage, grad, out)
         if not inv_scale > 0.0:
             raise ValueError(f"inv_scale={inv_scale} must be > 0")
         if not 0.0 <= self.lr * self.weight_decay * self.weight_decay_mults[i] < 1.0:
@@ -241,6 +237,15 @@ class CPUAdamW:
         else:
             self._last[i] = None
         return StageStepResult(stage=i, updated=bool(finite), grad_sq_sum=float(sq))
+
+    def check_inputs(self, stage: int, grad: torch.Tensor, out: torch.Tensor | None = None) -> int:
+        """Raises a one-line error unless grad (and out) fit the stage; returns its index."""
+        i = self._index(stage)
+        n = self._master[i].numel()
+        _check_flat("grad", grad, n, list(_DTYPE_CODES))
+        if out is not None:
+            _check_flat("out", out, n, list(_DTYPE_CODES))
+        return i
 
     def rollback_stage(self, stage: int) -> None:
         """Undo the stage's last update (p, m, v, the step count and the working copy)."""
