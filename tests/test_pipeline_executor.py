@@ -108,8 +108,10 @@ def two_processes(tmp_path_factory, reference):
 
 @pytest.fixture(scope="module")
 def four_processes(tmp_path_factory, reference):
+    # Two simulated nodes of 2 processes: stages whose owner is on the other node are read
+    # from replicas that the owner updates after every step.
     return bench_all_schedules(tmp_path_factory, 4, "--forward-stages", "4",
-                               "--backward-split", "2")
+                               "--backward-split", "2", "--procs-per-node", "2")
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
@@ -209,3 +211,24 @@ def test_world_size_mismatch_exits_2_naming_the_flag(reference, tmp_path):
     lines = [line for line in run.stderr.splitlines() if "pretrain_llama.py: error" in line]
     assert len(lines) == 1 and "--pipeline-model-parallel-size 4" in lines[0]
     assert not (run.out / "metrics.jsonl").exists()
+
+
+def test_replica_plan_covers_every_remote_reader():
+    from megatron.offload.naming import node_of
+    from megatron.pipeline.instructions import Op
+    from megatron.pipeline.replicas import plan_replicas
+    from megatron.pipeline.schedules import build_schedule
+
+    schedule = build_schedule("decoupled", 4, 4, 2, 4, partition=(2, 2, 2, 2))
+    plan = {r.piece: r for r in plan_replicas(schedule, procs_per_node=2)}
+    assert plan  # the four-process run above really reads stages across nodes
+    for rank, program in enumerate(schedule.programs):
+        for instr in program:
+            if instr.op != Op.PREFETCH_PARAMS:
+                continue
+            for piece in schedule.stage_pieces(instr.stage, instr.sub):
+                owner = schedule.backward_rank[piece]
+                if node_of(rank, 2) != node_of(owner, 2):
+                    holders = plan[piece].holders
+                    assert [h for h in holders if node_of(h, 2) == node_of(rank, 2)]
+    assert plan_replicas(schedule, procs_per_node=4) == []  # one node: nothing to push

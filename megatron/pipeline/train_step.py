@@ -31,6 +31,7 @@ from megatron.pipeline.executor import IterationStats, OwnedStage, PipelineExecu
 from megatron.pipeline.instructions import Piece, Schedule
 from megatron.pipeline.p2p import MessageShape, PointToPoint
 from megatron.pipeline.partition import balanced_partition
+from megatron.pipeline.replicas import holds_segment, plan_replicas, push_replicas
 from megatron.pipeline.schedules import build_schedule
 from megatron.pipeline.stage_modules import StageModule, build_stage_modules, piece_numels
 from megatron.pipeline.validator import validate
@@ -153,12 +154,18 @@ class PipelineTrainStep:
         owned = self.schedule.owned_pieces(rank)
         self.modules = build_stage_modules(model_cfg, c.partition, c.backward_split,
                                            forward_pieces + owned, self.dtype)
-        self.store = ParameterStore(rank=rank)
-        self.store.check_capacity({p: (self.modules[p].layout.numel, self.dtype) for p in owned})
+        self.store = ParameterStore(rank=rank, procs_per_node=args.procs_per_node)
+        self.replicas = plan_replicas(self.schedule, self.store.procs_per_node)
+        held = holds_segment(self.replicas, rank)
+        created = [*owned, *held]
+        self.store.check_capacity({p: (self.modules[p].layout.numel, self.dtype) for p in created})
         masters = self._create_owned_segments(owned)
+        for piece in held:  # replicas of stages owned on another node
+            self.store.create(piece, self.modules[piece].layout.numel, self.dtype)
         dist.barrier()  # every segment exists before anyone maps it
+        push_replicas(self.replicas, self.store, rank)
         for piece in self.modules:
-            if piece not in owned:
+            if piece not in created:
                 self.store.attach(piece, self.modules[piece].layout.numel, self.dtype)
         self._free_module_storage()
 
@@ -236,6 +243,7 @@ class PipelineTrainStep:
         batches = [{k: v.to(self.device.torch_device) for k, v in b.items()} for b in micro_batches]
         stats = self.executor.run_iteration(iteration, batches,
                                             record_timeline=iteration == self.timeline_iteration)
+        push_replicas(self.replicas, self.store, self.rank)
         self.last_iteration = iteration
         extra = self._breakdown(stats)
         if stats.events:
@@ -331,6 +339,7 @@ class PipelineTrainStep:
         self.last_iteration = int(state["iteration"])
         for piece in self.owned:
             self.store.get(piece).write(self._working_master(piece), version=self.last_iteration)
+        push_replicas(self.replicas, self.store, self.rank)
 
     def close(self) -> None:
         self.optimizer.close()

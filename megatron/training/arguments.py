@@ -129,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stage-layers", type=_int_list, default=None, metavar="N,N,...",
                    help="decoder layers per forward stage (default: balanced by cost, "
                         "embedding and head counted)")
+    g.add_argument("--procs-per-node", type=int, default=None,
+                   help="processes per node (default: torchrun's LOCAL_WORLD_SIZE); smaller "
+                        "values simulate several nodes on one host")
     g.add_argument("--cpu-optimizer-threads", type=int, default=None,
                    help="threads of each process's CPU optimizer (default: cores / processes)")
     g.add_argument("--timeline", default=None, metavar="FILE.png",
@@ -229,6 +232,8 @@ def validate_args(args: argparse.Namespace) -> None:
         raise ArgumentError("--tokenizer-model", "missing", "required with --data-path")
     if args.inject_overflow is not None and len(args.inject_overflow) != 3:
         raise ArgumentError("--inject-overflow", args.inject_overflow, "expected ITER,STAGE,SUB")
+    if args.procs_per_node is not None and args.procs_per_node <= 0:
+        raise ArgumentError("--procs-per-node", args.procs_per_node, "expected a positive integer")
     if args.cpu_optimizer_threads is not None and args.cpu_optimizer_threads <= 0:
         raise ArgumentError("--cpu-optimizer-threads", args.cpu_optimizer_threads,
                             "expected a positive integer")

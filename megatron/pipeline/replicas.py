@@ -1,0 +1,59 @@
+"""Parameters of stages whose owner is on another node.
+
+A backward stage's segment lives on its owner's node. A node where another rank runs that
+stage's forward (or, in general, reads the segment) holds a replica: its lowest such rank
+creates a segment of the same key in its node's store and receives every published
+version from the owner (S section 4 fetches over RDMA; we push over torch.distributed after
+each optimizer step). Every rank walks the pieces in the same order, so the blocking
+transfers cannot deadlock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron.offload.multinode import push_parameters, receive_parameters
+from megatron.offload.naming import node_of
+from megatron.offload.param_store import ParameterStore
+from megatron.pipeline.instructions import Op, Piece, Schedule
+
+
+@dataclass(frozen=True)
+class Replica:
+    piece: Piece
+    owner: int
+    holders: tuple[int, ...]  # one rank per other node that reads the piece
+
+
+def plan_replicas(schedule: Schedule, procs_per_node: int) -> list[Replica]:
+    readers: dict[Piece, set[int]] = {}
+    for rank, program in enumerate(schedule.programs):
+        for instr in program:
+            if instr.op == Op.PREFETCH_PARAMS:
+                for piece in schedule.stage_pieces(instr.stage, instr.sub):
+                    readers.setdefault(piece, set()).add(rank)
+    plan = []
+    for piece in schedule.pieces():
+        owner = schedule.backward_rank[piece]
+        by_node: dict[int, int] = {}
+        for rank in sorted(readers.get(piece, ())):
+            node = node_of(rank, procs_per_node)
+            if node != node_of(owner, procs_per_node):
+                by_node.setdefault(node, rank)
+        if by_node:
+            plan.append(Replica(piece, owner, tuple(sorted(by_node.values()))))
+    return plan
+
+
+def holds_segment(plan: list[Replica], rank: int) -> set[Piece]:
+    """The replica segments this rank creates (beside the segments of what it owns)."""
+    return {r.piece for r in plan if rank in r.holders}
+
+
+def push_replicas(plan: list[Replica], store: ParameterStore, rank: int) -> None:
+    """Owners send the published version of each piece to its holders, who publish it."""
+    for replica in plan:
+        if rank == replica.owner:
+            push_parameters(store.get(replica.piece), list(replica.holders))
+        elif rank in replica.holders:
+            receive_parameters(store.get(replica.piece), replica.owner)
