@@ -112,10 +112,10 @@ class AsyncStageOptimizer:
                 result = self.optimizer.step_stage(stage, grad, inv_scale=inv_scale, out=out)
                 return result.updated, result.grad_sq_sum
         else:
-            threads = self.optimizer.threads
+            adam = self.optimizer
 
             def task() -> tuple[bool, float]:
-                return check_gradient(grad, inv_scale, threads, self.optimizer.isa)
+                return check_gradient(grad, inv_scale, adam.threads, adam.isa, adam.cores)
 
         self.runner.submit(stage, task, ready)
 

@@ -76,14 +76,18 @@ def _check_flat(name: str, tensor: torch.Tensor, numel: int, dtypes: Sequence[to
 
 
 def check_gradient(
-    grad: torch.Tensor, inv_scale: float = 1.0, threads: int = 1, isa: str = "auto"
+    grad: torch.Tensor,
+    inv_scale: float = 1.0,
+    threads: int = 1,
+    isa: str = "auto",
+    cores: Sequence[int] = (),
 ) -> tuple[bool, float]:
     """Unscale and check a flat gradient without updating anything (the synchronous
     schedule's first pass). Returns (finite, sum of squares of the unscaled gradient)."""
     _check_flat("grad", grad, grad.numel(), list(_DTYPE_CODES))
     return _kernel.check(
         grad=grad.data_ptr(), grad_dtype=_DTYPE_CODES[grad.dtype], n=grad.numel(),
-        inv_scale=float(inv_scale), threads=int(threads), cores=[], isa=isa,
+        inv_scale=float(inv_scale), threads=int(threads), cores=list(cores), isa=isa,
     )
 
 
