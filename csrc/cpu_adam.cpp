@@ -41,7 +41,7 @@ struct IsaEntry {
 
 std::vector<IsaEntry> available() {
   std::vector<IsaEntry> isas{{"portable", &isa_portable::run_range}};
-#if defined(__x86_64__)
+#if defined(CPU_ADAM_X86)
   __builtin_cpu_init();
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                     __builtin_cpu_supports("f16c");

@@ -3,7 +3,7 @@
 
 #include "kernel_api.h"
 
-#if defined(__x86_64__)
+#if defined(CPU_ADAM_X86)
 #pragma GCC target("avx2,fma,f16c")
 #include <immintrin.h>
 

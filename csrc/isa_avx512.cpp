@@ -3,7 +3,7 @@
 
 #include "kernel_api.h"
 
-#if defined(__x86_64__)
+#if defined(CPU_ADAM_X86)
 #pragma GCC target("avx512f,avx2,fma,f16c")
 // GCC 12 warns about its own _mm512_undefined_* placeholders inside immintrin.h.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"

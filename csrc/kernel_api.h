@@ -5,6 +5,13 @@
 #pragma once
 #include <cstdint>
 
+// x86-64 builds carry the AVX2 and AVX-512 kernels; elsewhere (aarch64) only the portable
+// one. -DCPU_ADAM_PORTABLE_ONLY builds the portable-only module on x86 as well (how the
+// non-x86 path is compiled and tested on an x86 machine).
+#if defined(__x86_64__) && !defined(CPU_ADAM_PORTABLE_ONLY)
+#define CPU_ADAM_X86 1
+#endif
+
 namespace cpu_adam {
 
 // Element types of the gradient and of the working copy; kNone: no working copy.
@@ -57,7 +64,7 @@ struct RangeResult {
   }
 
 CPU_ADAM_DECLARE_ISA(isa_portable)
-#if defined(__x86_64__)
+#if defined(CPU_ADAM_X86)
 CPU_ADAM_DECLARE_ISA(isa_avx2)
 CPU_ADAM_DECLARE_ISA(isa_avx512)
 #endif
