@@ -39,6 +39,9 @@ def test_bad_working_copy_scale_and_stage(opt):
         opt.step_stage(0, torch.zeros(10), inv_scale=0.0)
     with pytest.raises(IndexError, match="stage=3 out of range"):
         opt.step_stage(3, torch.zeros(10))
+    opt.weight_decay, opt.lr = 2.0, 0.5
+    with pytest.raises(ValueError, match=r"lr\*weight_decay=1.0 for stage 0 must lie in \[0, 1\)"):
+        opt.step_stage(0, torch.zeros(10))
     assert opt.step_count(0) == 0
 
 
@@ -50,6 +53,7 @@ def test_bad_working_copy_scale_and_stage(opt):
         ({"cores": [10_000]}, r"cores=\[10000\]: \[10000\] not usable"),
         ({"betas": (0.0, 0.999)}, "betas\\[0\\]=0.0 makes the step irreversible"),
         ({"eps": 0.0}, "eps=0.0 must be > 0"),
+        ({"weight_decay_mults": [1.0, 0.0]}, "weight_decay_mults=\\[1.0, 0.0\\]: expected one"),
     ],
 )
 def test_bad_constructor_arguments(kwargs, match):

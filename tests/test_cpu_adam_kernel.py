@@ -118,3 +118,20 @@ def test_unscaled_overflow_counts_as_non_finite():
     g = torch.full((100,), 3e38)  # finite in fp32, inf once multiplied by 2
     assert check_gradient(g)[0]
     assert not check_gradient(g, inv_scale=2.0)[0]
+
+
+def test_per_group_weight_decay_factor_matches_torch_param_groups():
+    gen = torch.Generator().manual_seed(6)
+    weights = [torch.randn(3000, generator=gen), torch.randn(500, generator=gen)]
+    grads = [[torch.randn(w.numel(), generator=gen) for w in weights] for _ in range(5)]
+    opt = CPUAdamW(weights, lr=1e-2, weight_decay=0.1, weight_decay_mults=[1.0, 0.0], threads=1)
+    params = [torch.nn.Parameter(w.clone()) for w in weights]
+    ref = torch.optim.AdamW([{"params": [params[0]], "weight_decay": 0.1},
+                             {"params": [params[1]], "weight_decay": 0.0}], lr=1e-2)
+    for step_grads in grads:
+        for stage, g in enumerate(step_grads):
+            opt.step_stage(stage, g)
+            params[stage].grad = g
+        ref.step()
+    for stage, p in enumerate(params):
+        assert rel_err(opt.master(stage), p.detach()) < 1e-6

@@ -56,9 +56,10 @@ def available_isas() -> list[str]:
 
 
 def usable_cores() -> list[int]:
-    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(
-        range(os.cpu_count() or 1)
-    )
+    """The cores this process may run on (what `cores=` may name)."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
 
 
 def _check_flat(name: str, tensor: torch.Tensor, numel: int, dtypes: Sequence[torch.dtype]) -> None:
@@ -230,9 +231,9 @@ class CPUAdamW:
         i = self.check_inputs(stage, grad, out)
         if not inv_scale > 0.0:
             raise ValueError(f"inv_scale={inv_scale} must be > 0")
-        if not 0.0 <= self.lr * self.weight_decay * self.weight_decay_mults[i] < 1.0:
-            raise ValueError(f"lr*weight_decay={self.lr * self.weight_decay} must lie in [0, 1)")
         weight_decay = self.weight_decay * self.weight_decay_mults[i]
+        if not 0.0 <= self.lr * weight_decay < 1.0:  # 1 - lr*wd divides in the inverse
+            raise ValueError(f"lr*weight_decay={self.lr * weight_decay} for stage {i} must lie in [0, 1)")
         record = _StepRecord(grad, out, float(inv_scale), self.lr, weight_decay, self._steps[i] + 1)
         finite, sq = _kernel.step(**self._kernel_args(i, record))
         if finite:
