@@ -14,7 +14,7 @@ from megatron.models.llama import (
     transformer_config,
 )
 from megatron.models.presets import PRESETS, count_parameters, count_parameters_full_mha
-from megatron.training.distributed import initialize_distributed
+from megatron.training.distributed import initialize_distributed, shutdown_distributed
 
 CFG = LlamaConfig(num_layers=3, hidden_size=64, ffn_hidden_size=176, num_attention_heads=4,
                   num_query_groups=2, vocab_size=300, seq_length=16, seed=7)
@@ -23,6 +23,9 @@ CFG = LlamaConfig(num_layers=3, hidden_size=64, ffn_hidden_size=176, num_attenti
 @pytest.fixture(scope="module", autouse=True)
 def _dist():
     initialize_distributed()
+    yield
+    # Later tests fork processes that set up their own groups.
+    shutdown_distributed()
 
 
 def _batch(cfg, b=2, seed=0):
