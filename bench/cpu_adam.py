@@ -9,7 +9,8 @@ variants). Prints one JSON object (with --json, only that).
 
 The full step: 16-bit gradients in, unscale, check for non-finite values, AdamW on fp32
 master/m/v, 16-bit working copy out.
-- ours: one call of the C++ kernel (megatron.optimizer.CPUAdamW).
+- ours: one call of the C++ kernel (megatron.optimizer.CPUAdamW); also in exact-rollback
+  mode (snapshots the state it changes) and the arithmetic rollback's own speed.
 - torch_composed: the fastest torch ops, all buffers preallocated: copy_ to fp32,
   torch._amp_foreach_non_finite_check_and_unscale_ (unscale + check in one op, what
   torch.amp uses), fused AdamW, copy_ to 16 bits.
@@ -56,14 +57,21 @@ def fp32_param(n: int, gen: torch.Generator) -> torch.nn.Parameter:
     return torch.nn.Parameter(torch.randn(n, generator=gen))
 
 
-def ours_step(n: int, threads: int, dtype: torch.dtype, gen) -> Callable[[], None]:
-    opt = CPUAdamW([torch.randn(n, generator=gen)], lr=LR, weight_decay=0.1, threads=threads)
+def ours_step(
+    n: int, threads: int, dtype: torch.dtype, gen, exact: bool = False, rollback: bool = False
+) -> Callable[[], None]:
+    """Our full step; with rollback=True the step and then its rollback."""
+    opt = CPUAdamW([torch.randn(n, generator=gen)], lr=LR, weight_decay=0.1, threads=threads,
+                   exact_rollback=exact)
     grad = (torch.randn(n, generator=gen) * 1024).to(dtype)
     out = torch.empty(n, dtype=dtype)
 
     def step() -> None:
         opt.step_stage(0, grad, inv_scale=INV_SCALE, out=out)
-        opt.commit_stage(0)
+        if rollback:
+            opt.rollback_stage(0)
+        else:
+            opt.commit_stage(0)
 
     return step
 
@@ -156,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     steps = {
         "ours_bf16": ours_step(n, threads, torch.bfloat16, gen),
         "ours_fp16": ours_step(n, threads, torch.float16, gen),
+        "ours_exact": ours_step(n, threads, torch.bfloat16, gen, exact=True),
+        "ours_step_rollback": ours_step(n, threads, torch.bfloat16, gen, rollback=True),
         "composed": composed_step(n, torch.bfloat16, gen, torch_fused),
         "composed_isfinite": composed_step(n, torch.bfloat16, gen, torch_fused, "isfinite"),
         "fused": torch_fused_fp32_step(n, gen),
@@ -179,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
         "ours_params_per_s": ours_bf16,
         "ours_bf16_params_per_s": ours_bf16,
         "ours_fp16_params_per_s": ours_fp16,
+        "ours_exact_rollback_mode_params_per_s": rate["ours_exact"],
+        # the rollback alone: the step-then-rollback pair's time minus the step's
+        "ours_rollback_params_per_s": n / max(seconds["ours_step_rollback"] - seconds["ours_bf16"], 1e-9),
         "torch_composed_params_per_s": composed,
         "torch_composed_isfinite_params_per_s": composed_isfinite,
         "torch_fused_adamw_params_per_s": fused,
