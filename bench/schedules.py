@@ -17,6 +17,7 @@ metrics file (and with --save-final its last checkpoint) goes to DIR/<schedule>/
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import os
@@ -136,7 +137,8 @@ def run(bench: argparse.Namespace, base: argparse.Namespace) -> dict:
             args = schedule_args(base, name, bench)
             args.keep_timeline = True
             built: list = []
-            records = train(args, dist_info, on_step=built.append)
+            with contextlib.redirect_stdout(sys.stderr):  # stdout carries only the result
+                records = train(args, dist_info, on_step=built.append)
             step = built[0]
             measured = records[1:] or records
             row = {
