@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.models.llama import Batch, LlamaConfig
-from megatron.models.presets import count_parameters
+from megatron.models.presets import ModelPreset
 from megatron.offload.device import get_device
 from megatron.offload.grad_offload import GradientOffloader
 from megatron.offload.host_memory import HostBufferPool
@@ -27,6 +27,7 @@ from megatron.offload.prefetch import ParamDoubleBuffer
 from megatron.optimizer.async_optimizer import AsyncStageOptimizer
 from megatron.optimizer.cpu_adam import CPUAdamW
 from megatron.optimizer.loss_scaler import ConstantLossScaler
+from megatron.pipeline.cost_model import head_forward_flops_per_token, layer_forward_flops_per_token
 from megatron.pipeline.executor import IterationStats, OwnedStage, PipelineExecutor
 from megatron.pipeline.instructions import Piece, Schedule
 from megatron.pipeline.p2p import MessageShape, PointToPoint
@@ -93,16 +94,16 @@ def resolve_partition(args: argparse.Namespace, forward_stages: int, vocab_size:
         raise ArgumentError("--backward-split", min_layers,
                             f"needs {min_layers} layers in each of {forward_stages} forward "
                             f"stages, the model has {args.num_layers}")
-    counts = count_parameters(args.num_layers, args.hidden_size, args.ffn_hidden_size,
-                              args.num_attention_heads, args.num_query_groups, vocab_size)
-    # Cost ~ multiply-adds per token: weights, plus attention's scores over the sequence.
-    layer_cost = counts.per_layer + 2 * args.seq_length * args.hidden_size
-    # Give every stage (min_layers - 1) layers up front, balance the rest: the fixed part
-    # is the same for all stages, so the balance by cost is kept.
+    model = ModelPreset("custom", args.num_layers, args.hidden_size, args.ffn_hidden_size,
+                        args.num_attention_heads, args.num_query_groups, args.seq_length,
+                        vocab_size)
+    # Give every stage (min_layers - 1) layers up front, balance the rest by forward flops
+    # (the simulator's cost model): the fixed part is the same for all stages, so the
+    # balance is kept.
     fixed = min_layers - 1
     rest = balanced_partition(args.num_layers - fixed * forward_stages, forward_stages,
-                              layer_cost=layer_cost, embedding_cost=0.0,
-                              head_cost=float(counts.head))
+                              layer_cost=layer_forward_flops_per_token(model, args.seq_length),
+                              embedding_cost=0.0, head_cost=head_forward_flops_per_token(model))
     return tuple(fixed + n for n in rest)
 
 
