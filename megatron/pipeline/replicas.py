@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch.distributed as dist
+
 from megatron.offload.multinode import push_parameters, receive_parameters
 from megatron.offload.naming import node_of
 from megatron.offload.param_store import ParameterStore
@@ -50,10 +52,12 @@ def holds_segment(plan: list[Replica], rank: int) -> set[Piece]:
     return {r.piece for r in plan if rank in r.holders}
 
 
-def push_replicas(plan: list[Replica], store: ParameterStore, rank: int) -> None:
-    """Owners send the published version of each piece to its holders, who publish it."""
+def push_replicas(plan: list[Replica], store: ParameterStore, rank: int,
+                  group: dist.ProcessGroup | None = None) -> None:
+    """Owners send the published version of each piece to its holders, who publish it.
+    `group` must move host tensors (gloo)."""
     for replica in plan:
         if rank == replica.owner:
-            push_parameters(store.get(replica.piece), list(replica.holders))
+            push_parameters(store.get(replica.piece), list(replica.holders), group=group)
         elif rank in replica.holders:
-            receive_parameters(store.get(replica.piece), replica.owner)
+            receive_parameters(store.get(replica.piece), replica.owner, group=group)

@@ -37,6 +37,7 @@ from megatron.pipeline.schedules import build_schedule
 from megatron.pipeline.stage_modules import StageModule, build_stage_modules, piece_numels
 from megatron.pipeline.validator import validate
 from megatron.training.arguments import ArgumentError
+from megatron.training.distributed import cpu_process_group
 from megatron.training.training import StepResult, make_loss_scaler, training_dtype
 
 ONE_STAGE_PER_RANK = ("gpipe", "1f1b")
@@ -155,6 +156,7 @@ class PipelineTrainStep:
         owned = self.schedule.owned_pieces(rank)
         self.modules = build_stage_modules(model_cfg, c.partition, c.backward_split,
                                            forward_pieces + owned, self.dtype)
+        self.cpu_group = cpu_process_group()
         self.store = ParameterStore(rank=rank, procs_per_node=args.procs_per_node)
         self.replicas = plan_replicas(self.schedule, self.store.procs_per_node)
         held = holds_segment(self.replicas, rank)
@@ -164,7 +166,7 @@ class PipelineTrainStep:
         for piece in held:  # replicas of stages owned on another node
             self.store.create(piece, self.modules[piece].layout.numel, self.dtype)
         dist.barrier()  # every segment exists before anyone maps it
-        push_replicas(self.replicas, self.store, rank)
+        push_replicas(self.replicas, self.store, rank, self.cpu_group)
         for piece in self.modules:
             if piece not in created:
                 self.store.attach(piece, self.modules[piece].layout.numel, self.dtype)
@@ -190,7 +192,8 @@ class PipelineTrainStep:
         self.optimizer = AsyncStageOptimizer(
             self.cpu_adam, self.scaler,
             mode="async" if c.schedule == "decoupled" else "sync",
-            clip_grad=args.clip_grad, max_workers=max(1, min(4, len(groups))))
+            clip_grad=args.clip_grad, max_workers=max(1, min(4, len(groups))),
+            process_group=self.cpu_group)
         slot_numel = max(m.layout.numel for m in self.modules.values())
         slots = max(2, report.peak_params[rank])
         itemsize = torch.empty((), dtype=self.dtype).element_size()
@@ -244,7 +247,7 @@ class PipelineTrainStep:
         batches = [{k: v.to(self.device.torch_device) for k, v in b.items()} for b in micro_batches]
         stats = self.executor.run_iteration(iteration, batches,
                                             record_timeline=iteration == self.timeline_iteration)
-        push_replicas(self.replicas, self.store, self.rank)
+        push_replicas(self.replicas, self.store, self.rank, self.cpu_group)
         self.last_iteration = iteration
         extra = self._breakdown(stats)
         if stats.events:
@@ -262,7 +265,7 @@ class PipelineTrainStep:
         table[self.rank] = torch.tensor([stats.compute_s, stats.bubble_s,
                                          stats.exposed_optimizer_s, stats.iteration_s])
         table[world, 0] = stats.loss if has_loss else 0.0
-        dist.all_reduce(table)
+        dist.all_reduce(table, group=self.cpu_group)
         per_rank = [{"rank": r, "gpu_time_s": float(table[r, 0]), "bubble_time_s": float(table[r, 1]),
                      "exposed_optimizer_time_s": float(table[r, 2])} for r in range(world)]
         means = table[:world].mean(dim=0)
@@ -281,7 +284,7 @@ class PipelineTrainStep:
         from megatron.pipeline.timeline import write_chrome_trace, write_timeline_png
 
         gathered: list = [None] * self.config.ranks
-        dist.all_gather_object(gathered, stats.events)
+        dist.all_gather_object(gathered, stats.events, group=self.cpu_group)
         events = [e for rank_events in gathered for e in rank_events]
         self.last_events_all_ranks = events
         png, trace = self.timeline_paths
@@ -340,7 +343,7 @@ class PipelineTrainStep:
         self.last_iteration = int(state["iteration"])
         for piece in self.owned:
             self.store.get(piece).write(self._working_master(piece), version=self.last_iteration)
-        push_replicas(self.replicas, self.store, self.rank)
+        push_replicas(self.replicas, self.store, self.rank, self.cpu_group)
 
     def close(self) -> None:
         self.optimizer.close()
