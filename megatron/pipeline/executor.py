@@ -32,7 +32,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -96,7 +96,7 @@ class PipelineExecutor:
         optimizer: AsyncStageOptimizer,
         owned: dict[Piece, OwnedStage],
         p2p: PointToPoint,
-        loss_scale_fn,
+        loss_scale_fn: Callable[[], float],
         inject_overflow: tuple[int, Piece] | None = None,
     ) -> None:
         self.schedule = schedule
