@@ -25,7 +25,7 @@ from megatron.offload.layout import copy_parameters_into
 from megatron.offload.param_store import ParameterStore
 from megatron.offload.prefetch import ParamDoubleBuffer
 from megatron.optimizer.async_optimizer import AsyncStageOptimizer
-from megatron.optimizer.cpu_adam import CPUAdamW
+from megatron.optimizer.cpu_adam import CPUAdamW, usable_cores
 from megatron.optimizer.loss_scaler import ConstantLossScaler
 from megatron.pipeline.cost_model import head_forward_flops_per_token, layer_forward_flops_per_token
 from megatron.pipeline.executor import IterationStats, OwnedStage, PipelineExecutor
@@ -183,7 +183,8 @@ class PipelineTrainStep:
                 mults.append(mult)
             grad = self.device.zeros(stage.layout.numel, self.dtype)
             self.owned[piece] = OwnedStage(grad, tuple(ids), stage.decay_numel)
-        threads = args.cpu_optimizer_threads or max(1, (os.cpu_count() or 2) // max(
+        # Default: this process's share of the cores it may run on (affinity respected).
+        threads = args.cpu_optimizer_threads or max(1, len(usable_cores()) // max(
             1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
         self.cpu_adam = CPUAdamW(groups, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
                                  eps=args.adam_eps, weight_decay=args.weight_decay,
