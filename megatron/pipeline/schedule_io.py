@@ -24,7 +24,7 @@ import csv
 import io
 import os
 
-from .files import atomic_write
+from megatron.common.files import atomic_write
 from .instructions import Instruction, Op, Schedule
 
 MAGIC = "# pipeline-schedule v1"

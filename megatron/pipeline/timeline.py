@@ -13,7 +13,7 @@ import json
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 
-from .files import atomic_write
+from megatron.common.files import atomic_write
 
 # Rows of one rank, top to bottom.
 RESOURCES = ("compute", "h2d", "d2h", "network", "cpu-optimizer")

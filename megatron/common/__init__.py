@@ -1,0 +1,1 @@
+"""Stdlib-only helpers every layer uses (atomic file writes)."""
