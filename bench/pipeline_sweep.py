@@ -24,7 +24,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.models.presets import get_preset  # noqa: E402
-from megatron.pipeline import build_schedule, derived_costs, simulate  # noqa: E402
+from megatron.schedules import build_schedule, derived_costs, simulate  # noqa: E402
 
 # SysX Table 2: model -> nodes.
 PAPER_MODELS = {"10b": 1, "19b": 1, "30b": 2, "40b": 2, "52b": 4, "69b": 4, "88b": 8, "110b": 8}

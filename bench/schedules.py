@@ -32,9 +32,9 @@ warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.core"
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from megatron.pipeline.cost_model import CostModel  # noqa: E402
-from megatron.pipeline.schedules import SCHEDULE_NAMES  # noqa: E402
-from megatron.pipeline.simulator import simulate  # noqa: E402
+from megatron.schedules.cost_model import CostModel  # noqa: E402
+from megatron.schedules.generators import SCHEDULE_NAMES  # noqa: E402
+from megatron.schedules.simulator import simulate  # noqa: E402
 from megatron.training.arguments import ArgumentError, exit_bad_input, parse_args  # noqa: E402
 from megatron.training.distributed import initialize_distributed, shutdown_distributed  # noqa: E402
 from megatron.training.training import train  # noqa: E402

@@ -2,11 +2,11 @@
 
 import pytest
 
-from megatron.pipeline.instructions import Op
-from megatron.pipeline.partition import balanced_partition, sub_stage_layers
-from megatron.pipeline.schedule_io import read_schedule, schedule_from_csv, write_schedule
-from megatron.pipeline.schedules import SCHEDULE_NAMES, build_schedule, decoupled_assignment
-from megatron.pipeline.validator import validate
+from megatron.schedules.instructions import Op
+from megatron.schedules.partition import balanced_partition, sub_stage_layers
+from megatron.schedules.schedule_file import read_schedule, schedule_from_csv, write_schedule
+from megatron.schedules.generators import SCHEDULE_NAMES, build_schedule, decoupled_assignment
+from megatron.schedules.validator import validate
 
 
 def compute_order(schedule, rank):

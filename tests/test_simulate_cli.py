@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron.pipeline.schedule_io import read_schedule
+from megatron.schedules.schedule_file import read_schedule
 
 TOOL = str(Path(__file__).resolve().parents[1] / "tools" / "simulate_pipeline.py")
 FIG8 = ["--schedule", "decoupled", "--ranks", "4", "--forward-stages", "8",

@@ -5,11 +5,11 @@ import json
 import pytest
 
 from megatron.models.presets import count_parameters, get_preset
-from megatron.pipeline.cost_model import derived_costs, preset_partition, uniform_costs
-from megatron.pipeline.instructions import BLOCKING_RECVS, BLOCKING_SENDS
-from megatron.pipeline.schedules import build_schedule
-from megatron.pipeline.simulator import simulate
-from megatron.pipeline.timeline import write_chrome_trace, write_timeline_png
+from megatron.schedules.cost_model import derived_costs, preset_partition, uniform_costs
+from megatron.schedules.instructions import BLOCKING_RECVS, BLOCKING_SENDS
+from megatron.schedules.generators import build_schedule
+from megatron.schedules.simulator import simulate
+from megatron.schedules.timeline import write_chrome_trace, write_timeline_png
 
 
 def eq3_bubble_ratio(ranks, micro_batches, tf, tb):

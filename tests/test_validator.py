@@ -5,10 +5,10 @@ import random
 
 import pytest
 
-from megatron.pipeline.instructions import Instruction, Op
-from megatron.pipeline.interpreter import ScheduleError
-from megatron.pipeline.schedules import SCHEDULE_NAMES, build_schedule
-from megatron.pipeline.validator import validate
+from megatron.schedules.instructions import Instruction, Op
+from megatron.schedules.interpreter import ScheduleError
+from megatron.schedules.generators import SCHEDULE_NAMES, build_schedule
+from megatron.schedules.validator import validate
 
 
 def sweep_configurations(count: int, seed: int = 3):

@@ -23,17 +23,17 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron.pipeline.cost_model import (  # noqa: E402
+from megatron.schedules.cost_model import (  # noqa: E402
     HARDWARE_PROFILES,
     derived_costs,
     preset_partition,
     uniform_costs,
 )
-from megatron.pipeline.interpreter import ScheduleError  # noqa: E402
-from megatron.pipeline.schedule_io import read_schedule, write_schedule  # noqa: E402
-from megatron.pipeline.schedules import SCHEDULE_NAMES, build_schedule  # noqa: E402
-from megatron.pipeline.simulator import simulate  # noqa: E402
-from megatron.pipeline.timeline import write_chrome_trace, write_timeline_png  # noqa: E402
+from megatron.schedules.interpreter import ScheduleError  # noqa: E402
+from megatron.schedules.schedule_file import read_schedule, write_schedule  # noqa: E402
+from megatron.schedules.generators import SCHEDULE_NAMES, build_schedule  # noqa: E402
+from megatron.schedules.simulator import simulate  # noqa: E402
+from megatron.schedules.timeline import write_chrome_trace, write_timeline_png  # noqa: E402
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -131,7 +131,7 @@ def _schedule(args: argparse.Namespace, parser: argparse.ArgumentParser):
     if partition is None and args.model_preset:
         partition = preset_partition(args.model_preset, args.forward_stages, args.seq_length)
     elif partition is None and args.num_layers:
-        from megatron.pipeline.partition import balanced_partition
+        from megatron.schedules.partition import balanced_partition
 
         partition = balanced_partition(args.num_layers, args.forward_stages)
     # Place blocking transfers for the costs that will be simulated (derived: backward 2x

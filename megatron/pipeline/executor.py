@@ -44,10 +44,10 @@ from megatron.offload.layout import bind_gradients
 from megatron.offload.param_store import ParameterStore
 from megatron.offload.prefetch import ParamDoubleBuffer, Slot
 from megatron.optimizer.async_optimizer import AsyncStageOptimizer, IterationResult
-from megatron.pipeline.instructions import Instruction, Op, Piece, Schedule
+from megatron.schedules.instructions import Instruction, Op, Piece, Schedule
 from megatron.pipeline.p2p import PointToPoint
 from megatron.pipeline.stage_modules import StageModule
-from megatron.pipeline.timeline import TimedEvent
+from megatron.schedules.timeline import TimedEvent
 
 Batch = dict[str, torch.Tensor]
 _COMPUTE = frozenset({Op.FORWARD, Op.BACKWARD})

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron.pipeline.instructions import Instruction
+from megatron.schedules.instructions import Instruction
 
 _ROLE_CODES = {"act": 0, "grad": 1, "ckpt": 2}
 

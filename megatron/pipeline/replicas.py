@@ -17,7 +17,7 @@ import torch.distributed as dist
 from megatron.offload.multinode import push_parameters, receive_parameters
 from megatron.offload.naming import node_of
 from megatron.offload.param_store import ParameterStore
-from megatron.pipeline.instructions import Op, Piece, Schedule
+from megatron.schedules.instructions import Op, Piece, Schedule
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,8 @@ from torch import nn
 
 from megatron.models.llama import LlamaConfig, build_pieces, run_pieces, uses_weight_decay
 from megatron.offload.layout import FlatLayout, ParamSlice
-from megatron.pipeline.instructions import Piece
-from megatron.pipeline.partition import sub_stage_layers
+from megatron.schedules.instructions import Piece
+from megatron.schedules.partition import sub_stage_layers
 
 
 def model_piece_indices(

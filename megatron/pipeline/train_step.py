@@ -27,15 +27,15 @@ from megatron.offload.prefetch import ParamDoubleBuffer
 from megatron.optimizer.async_optimizer import AsyncStageOptimizer
 from megatron.optimizer.cpu_adam import CPUAdamW, usable_cores
 from megatron.optimizer.loss_scaler import ConstantLossScaler
-from megatron.pipeline.cost_model import head_forward_flops_per_token, layer_forward_flops_per_token
+from megatron.schedules.cost_model import head_forward_flops_per_token, layer_forward_flops_per_token
 from megatron.pipeline.executor import IterationStats, OwnedStage, PipelineExecutor
-from megatron.pipeline.instructions import Piece, Schedule
+from megatron.schedules.instructions import Piece, Schedule
 from megatron.pipeline.p2p import MessageShape, PointToPoint
-from megatron.pipeline.partition import balanced_partition
+from megatron.schedules.partition import balanced_partition
 from megatron.pipeline.replicas import holds_segment, plan_replicas, push_replicas
-from megatron.pipeline.schedules import build_schedule
+from megatron.schedules.generators import build_schedule
 from megatron.pipeline.stage_modules import StageModule, build_stage_modules, piece_numels
-from megatron.pipeline.validator import validate
+from megatron.schedules.validator import validate
 from megatron.training.arguments import ArgumentError
 from megatron.training.distributed import cpu_process_group
 from megatron.training.training import StepResult, make_loss_scaler, training_dtype
@@ -282,7 +282,7 @@ class PipelineTrainStep:
         }
 
     def _write_timeline(self, stats: IterationStats) -> None:
-        from megatron.pipeline.timeline import write_chrome_trace, write_timeline_png
+        from megatron.schedules.timeline import write_chrome_trace, write_timeline_png
 
         gathered: list = [None] * self.config.ranks
         dist.all_gather_object(gathered, stats.events, group=self.cpu_group)

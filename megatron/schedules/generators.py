@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from .instructions import Instruction, Op, Piece, Schedule
 from .partition import check_partition, sub_stage_layers
-from .program_builder import POST_STEP_OPTIMIZER, SYNCHRONOUS_OPTIMIZER, build_programs
+from .lowering import POST_STEP_OPTIMIZER, SYNCHRONOUS_OPTIMIZER, build_programs
 
 Orders = list[list[Instruction]]
 
