@@ -215,9 +215,9 @@ def test_world_size_mismatch_exits_2_naming_the_flag(reference, tmp_path):
 
 def test_replica_plan_covers_every_remote_reader():
     from megatron.offload.naming import node_of
-    from megatron.schedules.instructions import Op
     from megatron.pipeline.replicas import plan_replicas
     from megatron.schedules.generators import build_schedule
+    from megatron.schedules.instructions import Op
 
     schedule = build_schedule("decoupled", 4, 4, 2, 4, partition=(2, 2, 2, 2))
     plan = {r.piece: r for r in plan_replicas(schedule, procs_per_node=2)}

@@ -2,10 +2,10 @@
 
 import pytest
 
+from megatron.schedules.generators import SCHEDULE_NAMES, build_schedule, decoupled_assignment
 from megatron.schedules.instructions import Op
 from megatron.schedules.partition import balanced_partition, sub_stage_layers
 from megatron.schedules.schedule_file import read_schedule, schedule_from_csv, write_schedule
-from megatron.schedules.generators import SCHEDULE_NAMES, build_schedule, decoupled_assignment
 from megatron.schedules.validator import validate
 
 

@@ -6,8 +6,8 @@ import pytest
 
 from megatron.models.presets import count_parameters, get_preset
 from megatron.schedules.cost_model import derived_costs, preset_partition, uniform_costs
-from megatron.schedules.instructions import BLOCKING_RECVS, BLOCKING_SENDS
 from megatron.schedules.generators import build_schedule
+from megatron.schedules.instructions import BLOCKING_RECVS, BLOCKING_SENDS
 from megatron.schedules.simulator import simulate
 from megatron.schedules.timeline import write_chrome_trace, write_timeline_png
 

@@ -5,9 +5,9 @@ import random
 
 import pytest
 
+from megatron.schedules.generators import SCHEDULE_NAMES, build_schedule
 from megatron.schedules.instructions import Instruction, Op
 from megatron.schedules.interpreter import ScheduleError
-from megatron.schedules.generators import SCHEDULE_NAMES, build_schedule
 from megatron.schedules.validator import validate
 
 

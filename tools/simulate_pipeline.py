@@ -29,9 +29,9 @@ from megatron.schedules.cost_model import (  # noqa: E402
     preset_partition,
     uniform_costs,
 )
+from megatron.schedules.generators import SCHEDULE_NAMES, build_schedule  # noqa: E402
 from megatron.schedules.interpreter import ScheduleError  # noqa: E402
 from megatron.schedules.schedule_file import read_schedule, write_schedule  # noqa: E402
-from megatron.schedules.generators import SCHEDULE_NAMES, build_schedule  # noqa: E402
 from megatron.schedules.simulator import simulate  # noqa: E402
 from megatron.schedules.timeline import write_chrome_trace, write_timeline_png  # noqa: E402
 

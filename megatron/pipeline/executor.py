@@ -44,9 +44,9 @@ from megatron.offload.layout import bind_gradients
 from megatron.offload.param_store import ParameterStore
 from megatron.offload.prefetch import ParamDoubleBuffer, Slot
 from megatron.optimizer.async_optimizer import AsyncStageOptimizer, IterationResult
-from megatron.schedules.instructions import Instruction, Op, Piece, Schedule
 from megatron.pipeline.p2p import PointToPoint
 from megatron.pipeline.stage_modules import StageModule
+from megatron.schedules.instructions import Instruction, Op, Piece, Schedule
 from megatron.schedules.timeline import TimedEvent
 
 Batch = dict[str, torch.Tensor]

@@ -27,14 +27,17 @@ from megatron.offload.prefetch import ParamDoubleBuffer
 from megatron.optimizer.async_optimizer import AsyncStageOptimizer
 from megatron.optimizer.cpu_adam import CPUAdamW, usable_cores
 from megatron.optimizer.loss_scaler import ConstantLossScaler
-from megatron.schedules.cost_model import head_forward_flops_per_token, layer_forward_flops_per_token
 from megatron.pipeline.executor import IterationStats, OwnedStage, PipelineExecutor
-from megatron.schedules.instructions import Piece, Schedule
 from megatron.pipeline.p2p import MessageShape, PointToPoint
-from megatron.schedules.partition import balanced_partition
 from megatron.pipeline.replicas import holds_segment, plan_replicas, push_replicas
-from megatron.schedules.generators import build_schedule
 from megatron.pipeline.stage_modules import StageModule, build_stage_modules, piece_numels
+from megatron.schedules.cost_model import (
+    head_forward_flops_per_token,
+    layer_forward_flops_per_token,
+)
+from megatron.schedules.generators import build_schedule
+from megatron.schedules.instructions import Piece, Schedule
+from megatron.schedules.partition import balanced_partition
 from megatron.schedules.validator import validate
 from megatron.training.arguments import ArgumentError
 from megatron.training.distributed import cpu_process_group

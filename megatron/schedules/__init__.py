@@ -4,11 +4,11 @@ Public API of the schedule side; see docs/schedules.md.
 """
 
 from .cost_model import CostModel, HardwareProfile, derived_costs, preset_partition, uniform_costs
+from .generators import SCHEDULE_NAMES, build_schedule, decoupled_assignment
 from .instructions import WHOLE_STAGE, Instruction, Op, Schedule
 from .interpreter import ScheduleError
 from .partition import LayerRange, balanced_partition, stage_layers, sub_stage_layers
 from .schedule_file import read_schedule, schedule_from_csv, schedule_to_csv, write_schedule
-from .generators import SCHEDULE_NAMES, build_schedule, decoupled_assignment
 from .simulator import SimResult, simulate
 from .timeline import TimedEvent, write_chrome_trace, write_timeline_png
 from .validator import ValidationReport, validate

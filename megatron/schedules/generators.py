@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from .instructions import Instruction, Op, Piece, Schedule
-from .partition import check_partition, sub_stage_layers
 from .lowering import POST_STEP_OPTIMIZER, SYNCHRONOUS_OPTIMIZER, build_programs
+from .partition import check_partition, sub_stage_layers
 
 Orders = list[list[Instruction]]
 

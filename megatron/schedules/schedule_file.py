@@ -25,6 +25,7 @@ import io
 import os
 
 from megatron.common.files import atomic_write
+
 from .instructions import Instruction, Op, Schedule
 
 MAGIC = "# pipeline-schedule v1"
