@@ -22,7 +22,7 @@ def test_paper_example_rank0_runs_backward_stages_7_1_5_1_3_1_1_1():
         if op == Op.BACKWARD and (stage, sub) not in backward_stages:
             backward_stages.append((stage, sub))
     assert backward_stages == [(7, 1), (5, 1), (3, 1), (1, 1)]
-    assert schedule.owned_pieces(0) == [(1, 1), (3, 1), (5, 1), (7, 1)]
+    assert schedule.owned_by(0) == [(1, 1), (3, 1), (5, 1), (7, 1)]
     # Forward stages S0 and S4 on GPU0 (interleaved AFAB), all forwards before backwards.
     forwards = [stage for op, stage, _, _ in compute_order(schedule, 0) if op == Op.FORWARD]
     assert forwards == [0] * 4 + [4] * 4

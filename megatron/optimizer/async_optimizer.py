@@ -43,6 +43,16 @@ class IterationResult:
     clipped: bool  # the update used a clip factor < 1
 
 
+@dataclass(frozen=True)
+class _Verdict:
+    """What the overflow all-reduce decided for the whole iteration."""
+
+    overflow: bool
+    grad_norm: float
+    clip: float  # the clip factor (1.0: no clipping)
+    overflow_stages: tuple[int, ...]  # local stages whose gradient was not finite
+
+
 @dataclass
 class _Submission:
     grad: torch.Tensor
@@ -79,8 +89,12 @@ class AsyncStageOptimizer:
         self.runner = StageTaskRunner(max_workers=max_workers)
         self._clean_in_a_row = 0
         self._submitted: dict[int, _Submission] = {}
+        self._speculated: set[int] = set()  # stages stepped before the verdict
+        self._checks: dict[int, tuple[bool, float]] = {}  # finite, sum of squares
+        self._verdict: _Verdict | None = None
+        self._rolled_back: tuple[int, ...] = ()
         self._iteration_mode: str | None = None
-        self._iteration_scale: float | None = None
+        self._scale = 1.0
 
     def current_mode(self) -> str:
         """The schedule the next (or current) iteration runs with."""
@@ -98,59 +112,107 @@ class AsyncStageOptimizer:
         out: torch.Tensor | None = None,
     ) -> None:
         """Schedule stage's step: it starts once `ready` says the gradient has landed.
-        `grad` and `out` must stay untouched until finish_iteration() returns."""
+        `grad` and `out` must stay untouched until end_iteration() returns.
+
+        Before the overflow verdict (synchronize()) this is a speculative step that checks
+        its own gradient ("async"), or only the check when the optimizer runs "sync" through
+        finish_iteration(); after the verdict it is the deferred update, skipped on overflow
+        and scaled by the clip factor."""
         if stage in self._submitted:
             raise ValueError(f"stage {stage} was already submitted in this iteration")
         self.optimizer.check_inputs(stage, grad, out)  # fail here, not in a task
-        if self._iteration_mode is None:
-            self._iteration_mode = self.current_mode()
-            self._iteration_scale = self.scaler.scale
+        self._begin()
         self._submitted[stage] = _Submission(grad, out)
-        inv_scale = 1.0 / self._iteration_scale
-        if self._iteration_mode == "async":
-            def task() -> tuple[bool, float]:
-                result = self.optimizer.step_stage(stage, grad, inv_scale=inv_scale, out=out)
-                return result.updated, result.grad_sq_sum
+        if self._verdict is not None:
+            if not self._verdict.overflow:
+                self._update(stage, self._submitted[stage], self._verdict.clip / self._scale, ready)
+        elif self._iteration_mode == "async":
+            self._speculated.add(stage)
+            self.runner.submit(stage, self._speculative_task(stage, grad, out), ready)
         else:
-            adam = self.optimizer
+            self.runner.submit(stage, self._check_task(grad), ready)
 
-            def task() -> tuple[bool, float]:
-                return check_gradient(grad, inv_scale, adam.threads, adam.isa, adam.cores)
+    def check(self, stage: int, grad: torch.Tensor, ready: ReadySignal = None) -> None:
+        """Start the overflow check and sum of squares of a gradient that is not stepped
+        before the verdict (the synchronous schedules' check as gradients land)."""
+        self.optimizer.check_inputs(stage, grad)
+        self._begin()
+        self.runner.submit(stage, self._check_task(grad), ready)
 
-        self.runner.submit(stage, task, ready)
+    def wait_all(self) -> None:
+        """Wait for every started task; a failed task undoes the updates of this round."""
+        for stage, (ok, sq) in self._wait_all_or_undo().items():
+            if ok is not None:  # a check or a speculative step: its verdict counts
+                self._checks[stage] = (ok, sq)
+
+    def synchronize(self) -> float:
+        """One all-reduce of the overflow flags and squared norms over the process group:
+        the verdict every later submit() and correct() follows. Returns the global norm."""
+        self._begin()
+        overflow_stages = tuple(s for s, (finite, _) in sorted(self._checks.items()) if not finite)
+        local_sq = sum(sq for finite, sq in self._checks.values() if finite)
+        overflow, global_sq = self._all_reduce(len(overflow_stages) > 0, local_sq)
+        grad_norm = math.inf if overflow else math.sqrt(global_sq)
+        self._verdict = _Verdict(overflow, grad_norm, self._clip_factor(grad_norm),
+                                 overflow_stages)
+        return grad_norm
+
+    def correct(self) -> None:
+        """After the verdict: undo every speculative update when it says overflow, and
+        redo them with the clip factor when it clips."""
+        verdict = self._verdict
+        if verdict is None:
+            raise RuntimeError("correct() before synchronize()")
+        if not (verdict.overflow or verdict.clip < 1.0):
+            return
+        updated = tuple(s for s in sorted(self._speculated) if self.optimizer.has_update(s))
+        for stage in updated:
+            self.runner.submit(stage, lambda s=stage: self.optimizer.rollback_stage(s))
+        self.runner.wait_all()
+        self._rolled_back = updated
+        if not verdict.overflow:
+            for stage in updated:
+                self._update(stage, self._submitted[stage], verdict.clip / self._scale)
+            self.runner.wait_all()
+
+    def end_iteration(self) -> IterationResult:
+        """Commit this iteration's updates, adjust the loss scale, report."""
+        verdict = self._verdict
+        if verdict is None:
+            raise RuntimeError("end_iteration() before synchronize()")
+        if self.runner.pending_stages:
+            raise RuntimeError(f"optimizer tasks of stages {self.runner.pending_stages} "
+                               "were never waited for")
+        mode = "async" if self._speculated else "sync"
+        result = IterationResult(
+            skipped=verdict.overflow, mode=mode, loss_scale=self._scale,
+            grad_norm=verdict.grad_norm, overflow_stages=verdict.overflow_stages,
+            rolled_back_stages=self._rolled_back if verdict.overflow else (),
+            clipped=not verdict.overflow and verdict.clip < 1.0,
+        )
+        for stage in self._submitted:
+            self.optimizer.commit_stage(stage)
+        self._reset()
+        self.scaler.update(verdict.overflow)
+        self._clean_in_a_row = 0 if verdict.overflow else self._clean_in_a_row + 1
+        return result
 
     def finish_iteration(self) -> IterationResult:
         """Waits for every stage, synchronizes the flags across ranks, rolls back or
-        updates, and adjusts the loss scale."""
-        mode = self._iteration_mode or self.current_mode()
-        scale = self._iteration_scale or self.scaler.scale
-        submitted = self._submitted
+        updates, and adjusts the loss scale (the whole optimizer phase in one call)."""
         try:
-            checks = self._wait_all_or_undo()
-            overflow_stages = tuple(s for s, (finite, _) in sorted(checks.items()) if not finite)
-            local_sq = sum(sq for finite, sq in checks.values() if finite)
-            overflow, global_sq = self._all_reduce(len(overflow_stages) > 0, local_sq)
-            grad_norm = math.inf if overflow else math.sqrt(global_sq)
-            clip = self._clip_factor(grad_norm)
-            rolled_back: tuple[int, ...] = ()
-            if mode == "async" and (overflow or clip < 1.0):
-                rolled_back = self._roll_back_updated(checks)
-            if not overflow and (mode == "sync" or clip < 1.0):
-                self._update_all(submitted, 1.0 / scale * clip)
-            for stage in submitted:
-                self.optimizer.commit_stage(stage)
-        finally:
-            self._submitted = {}
-            self._iteration_mode = None
-            self._iteration_scale = None
-        self.scaler.update(overflow)
-        self._clean_in_a_row = 0 if overflow else self._clean_in_a_row + 1
-        return IterationResult(
-            skipped=overflow, mode=mode, loss_scale=scale, grad_norm=grad_norm,
-            overflow_stages=overflow_stages,
-            rolled_back_stages=rolled_back if overflow else (),
-            clipped=not overflow and clip < 1.0,
-        )
+            self.wait_all()
+            self.synchronize()
+            if self._speculated:
+                self.correct()
+            elif not self._verdict.overflow:
+                for stage, sub in self._submitted.items():
+                    self._update(stage, sub, self._verdict.clip / self._scale)
+                self.runner.wait_all()
+        except BaseException:
+            self._reset()
+            raise
+        return self.end_iteration()
 
     def close(self) -> None:
         self.runner.close()
@@ -161,9 +223,47 @@ class AsyncStageOptimizer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # --- steps of finish_iteration ------------------------------------------------------
+    # --- the pieces of an iteration ----------------------------------------------------
 
-    def _wait_all_or_undo(self) -> dict[int, tuple[bool, float]]:
+    def _begin(self) -> None:
+        if self._iteration_mode is None:
+            self._iteration_mode = self.current_mode()
+            self._scale = self.scaler.scale
+
+    def _reset(self) -> None:
+        self._submitted = {}
+        self._speculated = set()
+        self._checks = {}
+        self._verdict = None
+        self._rolled_back = ()
+        self._iteration_mode = None
+        self._scale = 1.0
+
+    def _speculative_task(self, stage: int, grad: torch.Tensor, out: torch.Tensor | None):
+        inv_scale = 1.0 / self._scale
+
+        def task() -> tuple[bool, float]:
+            result = self.optimizer.step_stage(stage, grad, inv_scale=inv_scale, out=out)
+            return result.updated, result.grad_sq_sum
+        return task
+
+    def _check_task(self, grad: torch.Tensor):
+        adam, inv_scale = self.optimizer, 1.0 / self._scale
+
+        def task() -> tuple[bool, float]:
+            return check_gradient(grad, inv_scale, adam.threads, adam.isa, adam.cores)
+        return task
+
+    def _update(self, stage: int, sub: _Submission, inv_scale: float,
+                ready: ReadySignal = None) -> None:
+        def task() -> tuple[None, float]:
+            result = self.optimizer.step_stage(stage, sub.grad, inv_scale=inv_scale, out=sub.out)
+            if not result.updated:  # the check passed: only a changed buffer gets here
+                raise RuntimeError(f"stage {stage}: gradient became non-finite after its check")
+            return None, 0.0
+        self.runner.submit(stage, task, ready)
+
+    def _wait_all_or_undo(self) -> dict[int, tuple[bool | None, float]]:
         """On a failed task, the stages that did update roll back before the error
         propagates, so that a failed iteration changes nothing."""
         try:
@@ -172,6 +272,7 @@ class AsyncStageOptimizer:
             for stage in error.results:
                 if self.optimizer.has_update(stage):
                     self.optimizer.rollback_stage(stage)
+            self._reset()
             raise
 
     def _all_reduce(self, local_overflow: bool, local_sq: float) -> tuple[bool, float]:
@@ -184,19 +285,3 @@ class AsyncStageOptimizer:
         if self.clip_grad <= 0.0 or not math.isfinite(grad_norm) or grad_norm <= self.clip_grad:
             return 1.0
         return self.clip_grad / (grad_norm + 1e-6)  # Megatron's clip coefficient
-
-    def _roll_back_updated(self, checks: dict[int, tuple[bool, float]]) -> tuple[int, ...]:
-        updated = tuple(s for s in sorted(checks) if self.optimizer.has_update(s))
-        for stage in updated:
-            self.runner.submit(stage, lambda s=stage: self.optimizer.rollback_stage(s))
-        self.runner.wait_all()
-        return updated
-
-    def _update_all(self, submitted: dict[int, _Submission], inv_scale: float) -> None:
-        for stage, sub in submitted.items():
-            def task(stage: int = stage, sub: _Submission = sub) -> None:
-                result = self.optimizer.step_stage(stage, sub.grad, inv_scale=inv_scale, out=sub.out)
-                if not result.updated:  # the check passed: only a changed buffer gets here
-                    raise RuntimeError(f"stage {stage}: gradient became non-finite after its check")
-            self.runner.submit(stage, task)
-        self.runner.wait_all()

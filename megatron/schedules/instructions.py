@@ -9,8 +9,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import NamedTuple
 
-Piece = tuple[int, int]  # a backward stage (forward stage, sub-stage)
+
+class BackwardStage(NamedTuple):
+    """Backward stage (stage, sub): the sub-th of the `backward_split` contiguous parts of
+    forward stage `stage`. The unit of ownership: one rank runs its backward and owns its
+    parameters' segment, gradient buffer and optimizer state."""
+
+    stage: int
+    sub: int
 
 
 class Op(str, Enum):
@@ -33,21 +41,82 @@ class Op(str, Enum):
     ROLLBACK_IF_OVERFLOW = "ROLLBACK_IF_OVERFLOW"
 
 
-# The tensor role each communication op moves; the executor picks buffers by it.
-_ROLE_OF = {
-    Op.SEND_ACT: "act",
-    Op.RECV_ACT: "act",
-    Op.SEND_GRAD: "grad",
-    Op.RECV_GRAD: "grad",
-    Op.ISEND_CKPT: "ckpt",
-    Op.IRECV_CKPT: "ckpt",
-    Op.WAIT_CKPT: "ckpt",
+class Stepping(str, Enum):
+    """How an instruction advances its rank under blocking semantics (the interpreter)."""
+
+    LOCAL = "local"  # never waits on another rank
+    SEND = "send"  # blocking send: completes together with the peer's matching receive
+    RECV = "recv"  # blocking receive
+    WAIT_POSTED = "wait-posted"  # waits until the peer has posted the matching ISEND
+    COLLECTIVE = "collective"  # every rank must reach the same one
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """What an instruction means, for the validator, the simulator and the executor alike.
+
+    moves: the tensor it moves between ranks ("act", "grad", "ckpt") or "" for none.
+    stepping: how it blocks (see Stepping).
+    resource: the simulated resource it occupies ("compute", "h2d", "d2h", "network",
+    "cpu-optimizer", "host": the rank's main thread, "none": bookkeeping only).
+    action: what the executor does, in one line.
+    """
+
+    moves: str
+    stepping: Stepping
+    resource: str
+    action: str
+
+
+OP_SPECS: dict[Op, OpSpec] = {
+    Op.PREFETCH_PARAMS: OpSpec("", Stepping.LOCAL, "h2d",
+                               "copy the backward stages' parameters from the node's "
+                               "shared-memory store into a device parameter slot"),
+    Op.RELEASE_PARAMS: OpSpec("", Stepping.LOCAL, "none",
+                              "give the parameter slots back after their last use"),
+    Op.FORWARD: OpSpec("", Stepping.LOCAL, "compute",
+                       "forward through the stage without autograd, keeping the activation "
+                       "checkpoint at each backward stage's input"),
+    Op.BACKWARD: OpSpec("", Stepping.LOCAL, "compute",
+                        "recompute from the activation checkpoint, back-propagate, "
+                        "accumulate parameter gradients"),
+    Op.SEND_ACT: OpSpec("act", Stepping.SEND, "network", "blocking send of a stage's output"),
+    Op.RECV_ACT: OpSpec("act", Stepping.RECV, "network", "blocking receive of a stage's input"),
+    Op.SEND_GRAD: OpSpec("grad", Stepping.SEND, "network",
+                         "blocking send of a backward stage's input gradient"),
+    Op.RECV_GRAD: OpSpec("grad", Stepping.RECV, "network",
+                         "blocking receive of the gradient a backward stage starts from"),
+    Op.ISEND_CKPT: OpSpec("ckpt", Stepping.LOCAL, "network",
+                          "post the asynchronous send of an activation checkpoint"),
+    Op.IRECV_CKPT: OpSpec("ckpt", Stepping.LOCAL, "network",
+                          "post the asynchronous receive of an activation checkpoint"),
+    Op.WAIT_CKPT: OpSpec("ckpt", Stepping.WAIT_POSTED, "network",
+                         "wait for a posted checkpoint receive, right before its recompute"),
+    Op.OFFLOAD_GRAD: OpSpec("", Stepping.LOCAL, "d2h",
+                            "copy a backward stage's accumulated gradients to host memory"),
+    Op.OPTIMIZER_START: OpSpec("", Stepping.LOCAL, "cpu-optimizer",
+                               "start the backward stage's CPU AdamW once its gradients are "
+                               "home: speculative (checks itself) before the overflow "
+                               "verdict, the deferred update after it"),
+    Op.OPTIMIZER_WAIT_ALL: OpSpec("", Stepping.LOCAL, "host",
+                                  "wait for every optimizer task this rank started"),
+    Op.OVERFLOW_SYNC: OpSpec("", Stepping.COLLECTIVE, "host",
+                             "check every offloaded gradient (finite, sum of squares), then "
+                             "all-reduce the overflow flags and the norm: the verdict"),
+    Op.POST_STEP_SYNC: OpSpec("", Stepping.COLLECTIVE, "host",
+                              "all-reduce the speculative steps' overflow flags and norm: "
+                              "the verdict"),
+    Op.ROLLBACK_IF_OVERFLOW: OpSpec("", Stepping.LOCAL, "cpu-optimizer",
+                                    "undo the speculative steps when the verdict says "
+                                    "overflow; redo them with the clip factor when it clips"),
 }
-BLOCKING_SENDS = frozenset({Op.SEND_ACT, Op.SEND_GRAD})
-BLOCKING_RECVS = frozenset({Op.RECV_ACT, Op.RECV_GRAD})
-COLLECTIVES = frozenset({Op.OVERFLOW_SYNC, Op.POST_STEP_SYNC})
-COMPUTE = frozenset({Op.FORWARD, Op.BACKWARD})
-WHOLE_STAGE = -1  # `sub` of a PREFETCH/RELEASE that covers every piece of a forward stage
+
+BLOCKING_SENDS = frozenset(op for op, spec in OP_SPECS.items() if spec.stepping == Stepping.SEND)
+BLOCKING_RECVS = frozenset(op for op, spec in OP_SPECS.items() if spec.stepping == Stepping.RECV)
+COLLECTIVES = frozenset(op for op, spec in OP_SPECS.items()
+                        if spec.stepping == Stepping.COLLECTIVE)
+COMPUTE = frozenset(op for op, spec in OP_SPECS.items() if spec.resource == "compute")
+WHOLE_STAGE = -1  # `sub` of a PREFETCH/RELEASE that covers every backward stage of a stage
 
 
 @dataclass(frozen=True)
@@ -68,7 +137,7 @@ class Instruction:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "op", Op(self.op))
-        expected = _ROLE_OF.get(self.op, "")
+        expected = OP_SPECS[self.op].moves
         if self.role and self.role != expected:
             raise ValueError(f"role {self.role!r} does not match op {self.op.value}")
         object.__setattr__(self, "role", expected)
@@ -105,36 +174,49 @@ class Schedule:
     micro_batches: int
     partition: tuple[int, ...]
     forward_rank: tuple[int, ...]
-    backward_rank: dict[Piece, int]
+    backward_rank: dict[BackwardStage, int]
     programs: tuple[tuple[Instruction, ...], ...]
 
-    def pieces(self) -> list[Piece]:
+    def backward_stages(self) -> list[BackwardStage]:
         """All backward stages in model order."""
-        return [(i, k) for i in range(self.forward_stages) for k in range(self.backward_split)]
+        return [BackwardStage(i, k) for i in range(self.forward_stages)
+                for k in range(self.backward_split)]
 
-    def owned_pieces(self, rank: int) -> list[Piece]:
-        return [p for p in self.pieces() if self.backward_rank[p] == rank]
+    def owned_by(self, rank: int) -> list[BackwardStage]:
+        """The backward stages `rank` runs and owns, in model order."""
+        return [b for b in self.backward_stages() if self.backward_rank[b] == rank]
 
-    def stage_pieces(self, stage: int, sub: int) -> list[Piece]:
-        """The pieces a PREFETCH/RELEASE of (stage, sub) covers."""
+    def params_of(self, stage: int, sub: int) -> list[BackwardStage]:
+        """The backward stages whose parameters a PREFETCH/RELEASE of (stage, sub) covers."""
         if sub == WHOLE_STAGE:
-            return [(stage, k) for k in range(self.backward_split)]
-        return [(stage, sub)]
+            return [BackwardStage(stage, k) for k in range(self.backward_split)]
+        return [BackwardStage(stage, sub)]
 
-    def previous_piece(self, piece: Piece) -> Piece | None:
+    def previous_backward_stage(self, b: BackwardStage) -> BackwardStage | None:
         """The backward stage that receives this one's input gradient (None for (0, 0))."""
-        stage, sub = piece
+        stage, sub = b
         if sub > 0:
-            return (stage, sub - 1)
+            return BackwardStage(stage, sub - 1)
         if stage > 0:
-            return (stage - 1, self.backward_split - 1)
+            return BackwardStage(stage - 1, self.backward_split - 1)
         return None
 
-    def next_piece(self, piece: Piece) -> Piece | None:
+    def next_backward_stage(self, b: BackwardStage) -> BackwardStage | None:
         """The backward stage whose gradient this one consumes (None for the head's)."""
-        stage, sub = piece
+        stage, sub = b
         if sub < self.backward_split - 1:
-            return (stage, sub + 1)
+            return BackwardStage(stage, sub + 1)
         if stage < self.forward_stages - 1:
-            return (stage + 1, 0)
+            return BackwardStage(stage + 1, 0)
         return None
+
+    @property
+    def head(self) -> BackwardStage:
+        """The backward stage that holds the head (final norm, output layer, loss)."""
+        return BackwardStage(self.forward_stages - 1, self.backward_split - 1)
+
+    def shape(self) -> dict:
+        """What a run must agree with: everything but the programs."""
+        return {"name": self.name, "ranks": self.ranks, "forward_stages": self.forward_stages,
+                "backward_split": self.backward_split, "micro_batches": self.micro_batches,
+                "partition": self.partition}

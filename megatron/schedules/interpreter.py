@@ -1,7 +1,7 @@
 """Steps every rank's program with blocking-communication semantics.
 
 Shared by the validator (which checks rules) and the simulator (which keeps clocks).
-Semantics modelled:
+Semantics modelled (each op's `Stepping` in instructions.OP_SPECS):
 - a blocking send and its receive form a rendezvous: neither completes until both ranks
   have reached them (gloo's send/recv);
 - ISEND_CKPT and IRECV_CKPT never block; WAIT_CKPT blocks until the peer's matching
@@ -12,7 +12,15 @@ A rank that can never continue is a deadlock, reported as a ScheduleError.
 
 from __future__ import annotations
 
-from .instructions import BLOCKING_RECVS, BLOCKING_SENDS, COLLECTIVES, Instruction, Op, Schedule
+from .instructions import (
+    BLOCKING_SENDS,
+    COLLECTIVES,
+    OP_SPECS,
+    Instruction,
+    Op,
+    Schedule,
+    Stepping,
+)
 
 
 class ScheduleError(ValueError):
@@ -61,9 +69,10 @@ class Interpreter:
         """Run `rank` until it blocks; True if it moved."""
         moved = False
         while (ins := self.current(rank)) is not None:
-            if ins.op in BLOCKING_SENDS or ins.op in BLOCKING_RECVS or ins.op in COLLECTIVES:
+            stepping = OP_SPECS[ins.op].stepping
+            if stepping in (Stepping.SEND, Stepping.RECV, Stepping.COLLECTIVE):
                 break
-            if ins.op == Op.WAIT_CKPT and ins.tensor_key not in self.posted_isends:
+            if stepping == Stepping.WAIT_POSTED and ins.tensor_key not in self.posted_isends:
                 break
             if ins.op == Op.ISEND_CKPT:
                 self.posted_isends[ins.tensor_key] = rank

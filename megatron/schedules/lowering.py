@@ -54,7 +54,7 @@ def transfers(shape: Schedule):
                 if (stage, sub) != (0, 0):  # stage 0's input is the token batch
                     yield ("ckpt", (stage, sub, mb), forward, shape.forward_rank[stage],
                            _backward(stage, sub, mb), shape.backward_rank[(stage, sub)])
-                previous = shape.previous_piece((stage, sub))
+                previous = shape.previous_backward_stage((stage, sub))
                 if previous is not None:
                     yield ("grad", (stage, sub, mb), _backward(stage, sub, mb),
                            shape.backward_rank[(stage, sub)], _backward(*previous, mb),
@@ -62,7 +62,7 @@ def transfers(shape: Schedule):
 
 
 def reference_timeline(
-    shape: Schedule, orders: list[list[Instruction]], backward_ratio: float = 2.0
+    shape: Schedule, orders: list[list[Instruction]], backward_ratio: float
 ) -> dict:
     """{compute instruction: (start, end)} by list scheduling: a forward costs 1 and a
     backward stage backward_ratio / d (its recompute included)."""
@@ -133,7 +133,7 @@ def _param_segments(shape: Schedule, order: list[Instruction]) -> list[tuple[fro
     segments: list[tuple[frozenset, int, int]] = []
     for index, op in enumerate(order):
         sub = WHOLE_STAGE if op.op == Op.FORWARD else op.sub
-        pieces = frozenset(shape.stage_pieces(op.stage, sub))
+        pieces = frozenset(shape.params_of(op.stage, sub))
         if segments and segments[-1][0] == pieces:
             segments[-1] = (pieces, segments[-1][1], index)
         else:
@@ -244,7 +244,7 @@ def _place_optimizer(rank: int, order: list[Instruction], mode: str,
 
 def build_programs(
     shape: Schedule, orders: list[list[Instruction]], optimizer_mode: str,
-    backward_ratio: float = 2.0,
+    backward_ratio: float,
 ) -> tuple[tuple[Instruction, ...], ...]:
     """Complete programs for every rank from the compute orders (see module docstring).
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .cost_model import CostModel
-from .instructions import Instruction, Op, Schedule
+from .instructions import WHOLE_STAGE, BackwardStage, Instruction, Op, Schedule
 from .interpreter import Interpreter
 from .timeline import TimedEvent
 from .validator import validate
@@ -54,7 +54,7 @@ class SimResult:
         }
 
 
-def _piece_label(stage: int, sub: int, split: int) -> str:
+def _label(stage: int, sub: int, split: int) -> str:
     return f"{stage}" if split == 1 or sub < 0 else f"{stage},{sub}"
 
 
@@ -83,63 +83,81 @@ class _Simulator(Interpreter):
     def _compute(self, rank: int, ins: Instruction) -> None:
         s, c = self.schedule, self.costs
         if ins.op == Op.FORWARD:
-            pieces = s.stage_pieces(ins.stage, -1)
+            uses = s.params_of(ins.stage, WHOLE_STAGE)
             duration = c.forward[ins.stage]
             label, kind = f"f{ins.stage}", "forward"
         else:
-            pieces = [(ins.stage, ins.sub)]
-            duration = c.recompute[pieces[0]] + c.backward[pieces[0]]
-            label = f"b{_piece_label(ins.stage, ins.sub, s.backward_split)}"
+            uses = [BackwardStage(ins.stage, ins.sub)]
+            duration = c.recompute[uses[0]] + c.backward[uses[0]]
+            label = f"b{_label(ins.stage, ins.sub, s.backward_split)}"
             kind = "backward"
-        start = max([self.clock[rank]] + [self.param_ready[rank][p] for p in pieces])
+        start = max([self.clock[rank]] + [self.param_ready[rank][b] for b in uses])
         self.clock[rank] = start + duration
         self.busy[rank] += duration
         self._event(rank, "compute", start, start + duration, label, kind, ins)
 
     def local(self, rank: int, index: int, ins: Instruction) -> None:
+        getattr(self, OP_HANDLERS[ins.op])(rank, ins)
+
+    def _prefetch(self, rank: int, ins: Instruction) -> None:
         s, c = self.schedule, self.costs
-        op = ins.op
-        now = self.clock[rank]
-        if op in (Op.FORWARD, Op.BACKWARD):
-            self._compute(rank, ins)
-        elif op == Op.PREFETCH_PARAMS:
-            pieces = s.stage_pieces(ins.stage, ins.sub)
-            start = max(now, self.h2d_free[rank])
-            end = start + sum(c.param_transfer[p] for p in pieces)
-            self.h2d_free[rank] = end
-            for piece in pieces:
-                self.param_ready[rank][piece] = end
-            label = f"p{_piece_label(ins.stage, ins.sub, s.backward_split)}"
-            self._event(rank, "h2d", start, end, label, "prefetch", ins)
-        elif op == Op.ISEND_CKPT:
-            self.isend_time[ins.tensor_key] = now
-        elif op == Op.IRECV_CKPT:
-            self.irecv_time[ins.tensor_key] = now
-        elif op == Op.WAIT_CKPT:
-            start = max(self.isend_time[ins.tensor_key], self.irecv_time[ins.tensor_key])
-            arrival = start + c.p2p_checkpoint
-            self._event(ins.peer, "network", start, arrival,
-                        f"c{_piece_label(ins.stage, ins.sub, s.backward_split)}", "p2p", ins)
-            self.clock[rank] = max(now, arrival)
-        elif op == Op.OFFLOAD_GRAD:
-            piece = (ins.stage, ins.sub)
-            start = max(now, self.d2h_free[rank])
-            end = start + c.grad_transfer[piece]
-            self.d2h_free[rank] = self.grad_ready[piece] = end
-            self._event(rank, "d2h", start, end,
-                        f"g{_piece_label(*piece, s.backward_split)}", "offload", ins)
-        elif op == Op.OPTIMIZER_START:
-            piece = (ins.stage, ins.sub)
-            start = max(now, self.grad_ready[piece], self.cpu_free[rank])
-            end = start + c.optimizer[piece]
-            self.cpu_free[rank] = end
-            self._event(rank, "cpu-optimizer", start, end,
-                        f"o{_piece_label(*piece, s.backward_split)}", "optimizer", ins)
-        elif op == Op.OPTIMIZER_WAIT_ALL:
-            self.clock[rank] = max(now, self.cpu_free[rank])
+        covered = s.params_of(ins.stage, ins.sub)
+        start = max(self.clock[rank], self.h2d_free[rank])
+        end = start + sum(c.param_transfer[b] for b in covered)
+        self.h2d_free[rank] = end
+        for b in covered:
+            self.param_ready[rank][b] = end
+        label = f"p{_label(ins.stage, ins.sub, s.backward_split)}"
+        self._event(rank, "h2d", start, end, label, "prefetch", ins)
+
+    def _release(self, rank: int, ins: Instruction) -> None:
+        for b in self.schedule.params_of(ins.stage, ins.sub):  # the slot is free again
+            self.param_ready[rank].pop(b, None)
+
+    def _isend(self, rank: int, ins: Instruction) -> None:
+        self.isend_time[ins.tensor_key] = self.clock[rank]
+
+    def _irecv(self, rank: int, ins: Instruction) -> None:
+        self.irecv_time[ins.tensor_key] = self.clock[rank]
+
+    def _wait_checkpoint(self, rank: int, ins: Instruction) -> None:
+        start = max(self.isend_time[ins.tensor_key], self.irecv_time[ins.tensor_key])
+        arrival = start + self.costs.p2p_checkpoint
+        self._event(ins.peer, "network", start, arrival,
+                    f"c{_label(ins.stage, ins.sub, self.schedule.backward_split)}", "p2p", ins)
+        self.clock[rank] = max(self.clock[rank], arrival)
+
+    def _offload(self, rank: int, ins: Instruction) -> None:
+        b = BackwardStage(ins.stage, ins.sub)
+        start = max(self.clock[rank], self.d2h_free[rank])
+        end = start + self.costs.grad_transfer[b]
+        self.d2h_free[rank] = self.grad_ready[b] = end
+        self._event(rank, "d2h", start, end,
+                    f"g{_label(*b, self.schedule.backward_split)}", "offload", ins)
+
+    def _optimizer_start(self, rank: int, ins: Instruction) -> None:
+        b = BackwardStage(ins.stage, ins.sub)
+        start = max(self.clock[rank], self.grad_ready[b], self.cpu_free[rank])
+        end = start + self.costs.optimizer[b]
+        self.cpu_free[rank] = end
+        self._event(rank, "cpu-optimizer", start, end,
+                    f"o{_label(*b, self.schedule.backward_split)}", "optimizer", ins)
+
+    def _wait_all(self, rank: int, ins: Instruction) -> None:
+        self.clock[rank] = max(self.clock[rank], self.cpu_free[rank])
+
+    def _rollback(self, rank: int, ins: Instruction) -> None:
+        """The expected cost of corrections (cost model's `rollback`, 0: no overflow)."""
+        start = max(self.clock[rank], self.cpu_free[rank])
+        end = start + self.costs.rollback
+        self.clock[rank] = self.cpu_free[rank] = end
+        self._event(rank, "cpu-optimizer", start, end, "rb", "optimizer", ins)
 
     def rendezvous(self, sender: int, send_index: int, receiver: int, recv_index: int) -> None:
         ins = self.schedule.programs[sender][send_index]
+        getattr(self, OP_HANDLERS[ins.op])(sender, receiver, ins)
+
+    def _transfer(self, sender: int, receiver: int, ins: Instruction) -> None:
         start = max(self.clock[sender], self.clock[receiver])
         end = start + self.costs.p2p_activation
         self.clock[sender] = self.clock[receiver] = end
@@ -147,13 +165,38 @@ class _Simulator(Interpreter):
         self._event(sender, "network", start, end, f"{label}{ins.stage}", "p2p", ins)
 
     def collective(self, op: Op, indices: list[int]) -> None:
-        ranks = range(self.schedule.ranks)
-        if op == Op.OVERFLOW_SYNC:  # the check reads every offloaded gradient
-            meet = max(max(self.clock[r], self.d2h_free[r]) for r in ranks)
-        else:
-            meet = max(self.clock)
-        for rank in ranks:
+        meet = getattr(self, OP_HANDLERS[op])()
+        for rank in range(self.schedule.ranks):
             self.clock[rank] = meet
+
+    def _overflow_sync(self) -> float:
+        """Meets when every rank's gradients are home: the check reads all of them."""
+        return max(max(clock, d2h) for clock, d2h in zip(self.clock, self.d2h_free))
+
+    def _post_step_sync(self) -> float:
+        return max(self.clock)
+
+
+# The _Simulator method that gives each op its time on its resource (OP_SPECS[op].resource).
+OP_HANDLERS: dict[Op, str] = {
+    Op.PREFETCH_PARAMS: "_prefetch",
+    Op.RELEASE_PARAMS: "_release",
+    Op.FORWARD: "_compute",
+    Op.BACKWARD: "_compute",
+    Op.SEND_ACT: "_transfer",
+    Op.SEND_GRAD: "_transfer",
+    Op.RECV_ACT: "_transfer",  # timed with its send, in the rendezvous
+    Op.RECV_GRAD: "_transfer",
+    Op.ISEND_CKPT: "_isend",
+    Op.IRECV_CKPT: "_irecv",
+    Op.WAIT_CKPT: "_wait_checkpoint",
+    Op.OFFLOAD_GRAD: "_offload",
+    Op.OPTIMIZER_START: "_optimizer_start",
+    Op.OPTIMIZER_WAIT_ALL: "_wait_all",
+    Op.OVERFLOW_SYNC: "_overflow_sync",
+    Op.POST_STEP_SYNC: "_post_step_sync",
+    Op.ROLLBACK_IF_OVERFLOW: "_rollback",
+}
 
 
 def _union_length_after(intervals: list[tuple[float, float]], after: float) -> float:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from .instructions import Instruction, Op, Schedule
+from .instructions import BackwardStage, Instruction, Op, Schedule
 from .interpreter import RULE_MATCHED, Interpreter, ScheduleError
 
 RULE_ONCE = "every forward and backward exactly once"
@@ -30,10 +30,31 @@ RULE_OPTIMIZER = "optimizer step after offload and overflow check"
 RULE_RESIDENCY = "parameters prefetched when absent, released when resident and by the end"
 RULE_DANGLING = "every produced tensor used"
 
+# The _Checker method that checks each op; the rules it enforces are in its body.
+OP_HANDLERS: dict[Op, str] = {
+    Op.PREFETCH_PARAMS: "_prefetch",
+    Op.RELEASE_PARAMS: "_release",
+    Op.FORWARD: "_compute",
+    Op.BACKWARD: "_compute",
+    Op.SEND_ACT: "_transfer",
+    Op.SEND_GRAD: "_transfer",
+    Op.RECV_ACT: "_transfer",  # checked with its send, in the rendezvous
+    Op.RECV_GRAD: "_transfer",
+    Op.ISEND_CKPT: "_isend",
+    Op.IRECV_CKPT: "_irecv",
+    Op.WAIT_CKPT: "_wait_checkpoint",
+    Op.OFFLOAD_GRAD: "_offload",
+    Op.OPTIMIZER_START: "_optimizer_start",
+    Op.OPTIMIZER_WAIT_ALL: "_wait_all",
+    Op.OVERFLOW_SYNC: "_overflow_sync",
+    Op.POST_STEP_SYNC: "_post_step_sync",
+    Op.ROLLBACK_IF_OVERFLOW: "_rollback",
+}
+
 
 @dataclass(frozen=True)
 class ValidationReport:
-    """Resident bounds per rank: parameter pieces (backward stages) and checkpoints.
+    """Resident bounds per rank: parameters (in backward stages) and checkpoints.
 
     peak_params[r] counts backward stages' parameters resident at once on rank r (a whole
     forward stage counts `backward_split`); peak_checkpoints[r] counts activation
@@ -64,6 +85,7 @@ class _Checker(Interpreter):
         self.synced = [False for _ in ranks]
         self.waited_all = [False for _ in ranks]
         self.post_synced = [False for _ in ranks]
+        self.rolled_back = [False for _ in ranks]
         self.waited: set[tuple] = set()
         self.post_step_mode = [
             any(ins.op == Op.POST_STEP_SYNC for ins in program) for program in schedule.programs
@@ -85,6 +107,7 @@ class _Checker(Interpreter):
 
     def _compute(self, rank: int, index: int, ins: Instruction) -> None:
         s = self.schedule
+        b = BackwardStage(ins.stage, ins.sub)
         if ins in self.computed:
             self._fail(rank, index, ins, RULE_ONCE, "already computed")
         if not (0 <= ins.stage < s.forward_stages and 0 <= ins.mb < s.micro_batches):
@@ -94,15 +117,14 @@ class _Checker(Interpreter):
             if s.forward_rank[ins.stage] != rank:
                 self._fail(rank, index, ins, RULE_ASSIGNMENT,
                            f"forward stage {ins.stage} belongs to rank {s.forward_rank[ins.stage]}")
-            needed = s.stage_pieces(ins.stage, -1)
+            needed = s.params_of(ins.stage, -1)
             if ins.stage > 0:
                 self._take(rank, index, ins, ("act", ins.stage - 1, -1, ins.mb), "input activation")
         else:
-            piece = (ins.stage, ins.sub)
-            if s.backward_rank.get(piece) != rank:
+            if s.backward_rank.get(b) != rank:
                 self._fail(rank, index, ins, RULE_ASSIGNMENT,
-                           f"backward stage {piece} belongs to rank {s.backward_rank.get(piece)}")
-            needed = [piece]
+                           f"backward stage {b} belongs to rank {s.backward_rank.get(b)}")
+            needed = [b]
         missing = [p for p in needed if p not in self.resident[rank]]
         if missing:
             self._fail(rank, index, ins, RULE_PARAMS, f"parameters of {missing} not prefetched")
@@ -113,69 +135,81 @@ class _Checker(Interpreter):
                 if (ins.stage, sub) != (0, 0):
                     self.tensors[rank].add(("ckpt", ins.stage, sub, ins.mb))
             return
-        if piece != (0, 0):
-            self._take(rank, index, ins, ("ckpt", *piece, ins.mb), "checkpoint")
-        after = s.next_piece(piece)
+        if b != (0, 0):
+            self._take(rank, index, ins, ("ckpt", *b, ins.mb), "checkpoint")
+        after = s.next_backward_stage(b)
         if after is not None:
             self._take(rank, index, ins, ("grad", *after, ins.mb), "incoming gradient")
-        if s.previous_piece(piece) is not None:
-            self.tensors[rank].add(("grad", *piece, ins.mb))
-        self.backward_counts[rank][piece] += 1
+        if s.previous_backward_stage(b) is not None:
+            self.tensors[rank].add(("grad", *b, ins.mb))
+        self.backward_counts[rank][b] += 1
 
     def local(self, rank: int, index: int, ins: Instruction) -> None:
-        s = self.schedule
-        op = ins.op
-        if op in (Op.FORWARD, Op.BACKWARD):
-            self._compute(rank, index, ins)
-        elif op == Op.PREFETCH_PARAMS:
-            pieces = s.stage_pieces(ins.stage, ins.sub)
-            if self.resident[rank].intersection(pieces):
-                self._fail(rank, index, ins, RULE_RESIDENCY, "parameters are already resident")
-            self.resident[rank].update(pieces)
-        elif op == Op.RELEASE_PARAMS:
-            pieces = s.stage_pieces(ins.stage, ins.sub)
-            if not set(pieces) <= self.resident[rank]:
-                self._fail(rank, index, ins, RULE_RESIDENCY, "parameters are not resident")
-            self.resident[rank].difference_update(pieces)
-        elif op == Op.ISEND_CKPT:
-            self._take(rank, index, ins, ins.tensor_key, "checkpoint")
-        elif op == Op.IRECV_CKPT:
-            self.posted_irecvs[rank].add(ins.tensor_key)
-        elif op == Op.WAIT_CKPT:
-            if ins.tensor_key not in self.posted_irecvs[rank]:
-                self._fail(rank, index, ins, RULE_POSTED, "no IRECV_CKPT posted before the wait")
-            if self.posted_isends[ins.tensor_key] != ins.peer:
-                self._fail(rank, index, ins, RULE_INPUT, "checkpoint sent by another rank")
-            self.posted_irecvs[rank].remove(ins.tensor_key)
-            self.waited.add(ins.tensor_key)
-            self.tensors[rank].add(ins.tensor_key)
-        elif op == Op.OFFLOAD_GRAD:
-            piece = (ins.stage, ins.sub)
-            done = self.backward_counts[rank][piece]
-            if s.backward_rank.get(piece) != rank or done != s.micro_batches:
-                self._fail(rank, index, ins, RULE_GRADIENTS,
-                           f"{done} of {s.micro_batches} micro-batches' backward done here")
-            if piece in self.offloaded:
-                self._fail(rank, index, ins, RULE_GRADIENTS, "offloaded twice")
-            self.offloaded[piece] = rank
-        elif op == Op.OPTIMIZER_START:
-            piece = (ins.stage, ins.sub)
-            if self.offloaded.get(piece) != rank:
-                self._fail(rank, index, ins, RULE_OPTIMIZER, "gradients not offloaded on this rank")
-            if piece in self.stepped:
-                self._fail(rank, index, ins, RULE_OPTIMIZER, "optimizer started twice")
-            if not (self.synced[rank] or self.post_step_mode[rank]):
-                self._fail(rank, index, ins, RULE_OPTIMIZER,
-                           "no OVERFLOW_SYNC before it and no POST_STEP_SYNC after")
-            self.stepped[piece] = rank
-        elif op == Op.OPTIMIZER_WAIT_ALL:
-            self.waited_all[rank] = True
-        elif op == Op.ROLLBACK_IF_OVERFLOW:
-            if not self.post_synced[rank]:
-                self._fail(rank, index, ins, RULE_OPTIMIZER, "rollback before POST_STEP_SYNC")
+        getattr(self, OP_HANDLERS[ins.op])(rank, index, ins)
         self._measure(rank)
 
+    def _prefetch(self, rank: int, index: int, ins: Instruction) -> None:
+        covered = self.schedule.params_of(ins.stage, ins.sub)
+        if self.resident[rank].intersection(covered):
+            self._fail(rank, index, ins, RULE_RESIDENCY, "parameters are already resident")
+        self.resident[rank].update(covered)
+
+    def _release(self, rank: int, index: int, ins: Instruction) -> None:
+        covered = self.schedule.params_of(ins.stage, ins.sub)
+        if not set(covered) <= self.resident[rank]:
+            self._fail(rank, index, ins, RULE_RESIDENCY, "parameters are not resident")
+        self.resident[rank].difference_update(covered)
+
+    def _isend(self, rank: int, index: int, ins: Instruction) -> None:
+        self._take(rank, index, ins, ins.tensor_key, "checkpoint")
+
+    def _irecv(self, rank: int, index: int, ins: Instruction) -> None:
+        self.posted_irecvs[rank].add(ins.tensor_key)
+
+    def _wait_checkpoint(self, rank: int, index: int, ins: Instruction) -> None:
+        if ins.tensor_key not in self.posted_irecvs[rank]:
+            self._fail(rank, index, ins, RULE_POSTED, "no IRECV_CKPT posted before the wait")
+        if self.posted_isends[ins.tensor_key] != ins.peer:
+            self._fail(rank, index, ins, RULE_INPUT, "checkpoint sent by another rank")
+        self.posted_irecvs[rank].remove(ins.tensor_key)
+        self.waited.add(ins.tensor_key)
+        self.tensors[rank].add(ins.tensor_key)
+
+    def _offload(self, rank: int, index: int, ins: Instruction) -> None:
+        s = self.schedule
+        b = BackwardStage(ins.stage, ins.sub)
+        done = self.backward_counts[rank][b]
+        if s.backward_rank.get(b) != rank or done != s.micro_batches:
+            self._fail(rank, index, ins, RULE_GRADIENTS,
+                       f"{done} of {s.micro_batches} micro-batches' backward done here")
+        if b in self.offloaded:
+            self._fail(rank, index, ins, RULE_GRADIENTS, "offloaded twice")
+        self.offloaded[b] = rank
+
+    def _optimizer_start(self, rank: int, index: int, ins: Instruction) -> None:
+        b = BackwardStage(ins.stage, ins.sub)
+        if self.offloaded.get(b) != rank:
+            self._fail(rank, index, ins, RULE_OPTIMIZER, "gradients not offloaded on this rank")
+        if b in self.stepped:
+            self._fail(rank, index, ins, RULE_OPTIMIZER, "optimizer started twice")
+        if not (self.synced[rank] or self.post_step_mode[rank]):
+            self._fail(rank, index, ins, RULE_OPTIMIZER,
+                       "no OVERFLOW_SYNC before it and no POST_STEP_SYNC after")
+        self.stepped[b] = rank
+
+    def _wait_all(self, rank: int, index: int, ins: Instruction) -> None:
+        self.waited_all[rank] = True
+
+    def _rollback(self, rank: int, index: int, ins: Instruction) -> None:
+        if not self.post_synced[rank]:
+            self._fail(rank, index, ins, RULE_OPTIMIZER, "rollback before POST_STEP_SYNC")
+        self.rolled_back[rank] = True
+
     def rendezvous(self, sender: int, send_index: int, receiver: int, recv_index: int) -> None:
+        getattr(self, OP_HANDLERS[self.schedule.programs[sender][send_index].op])(
+            sender, send_index, receiver)
+
+    def _transfer(self, sender: int, send_index: int, receiver: int) -> None:
         ins = self.schedule.programs[sender][send_index]
         self._take(sender, send_index, ins, ins.tensor_key, "sent tensor")
         self.tensors[receiver].add(ins.tensor_key)
@@ -183,14 +217,15 @@ class _Checker(Interpreter):
 
     def collective(self, op: Op, indices: list[int]) -> None:
         for rank, index in enumerate(indices):
-            ins = self.schedule.programs[rank][index]
-            if op == Op.OVERFLOW_SYNC:
-                self.synced[rank] = True
-            elif not self.waited_all[rank]:
-                self._fail(rank, index, ins, RULE_OPTIMIZER,
-                           "post-step sync before OPTIMIZER_WAIT_ALL")
-            else:
-                self.post_synced[rank] = True
+            getattr(self, OP_HANDLERS[op])(rank, index, self.schedule.programs[rank][index])
+
+    def _overflow_sync(self, rank: int, index: int, ins: Instruction) -> None:
+        self.synced[rank] = True
+
+    def _post_step_sync(self, rank: int, index: int, ins: Instruction) -> None:
+        if not self.waited_all[rank]:
+            self._fail(rank, index, ins, RULE_OPTIMIZER, "post-step sync before OPTIMIZER_WAIT_ALL")
+        self.post_synced[rank] = True
 
     def finish(self) -> None:
         s = self.schedule
@@ -206,11 +241,11 @@ class _Checker(Interpreter):
                     if ins not in self.computed:
                         raise ScheduleError(rank, len(s.programs[rank]), None, RULE_ONCE,
                                             f"{ins} never runs")
-        for piece in s.pieces():
-            owner = s.backward_rank[piece]
-            if piece not in self.stepped:
+        for b in s.backward_stages():
+            owner = s.backward_rank[b]
+            if b not in self.stepped:
                 raise ScheduleError(owner, len(s.programs[owner]), None, RULE_OPTIMIZER,
-                                    f"backward stage {piece} never offloaded and stepped")
+                                    f"backward stage {b} never offloaded and stepped")
         for key, sender in self.posted_isends.items():
             if key not in self.waited:
                 raise ScheduleError(sender, len(s.programs[sender]), None, RULE_MATCHED,
@@ -226,6 +261,10 @@ class _Checker(Interpreter):
                                     f"tensors {leftovers} produced or posted but never used")
             if self.post_step_mode[rank] and not self.post_synced[rank]:
                 raise ScheduleError(rank, end, None, RULE_OPTIMIZER, "no POST_STEP_SYNC ran")
+            if self.post_step_mode[rank] and not self.rolled_back[rank]:
+                raise ScheduleError(rank, end, None, RULE_OPTIMIZER,
+                                    "speculative steps without a ROLLBACK_IF_OVERFLOW after "
+                                    "the POST_STEP_SYNC")
 
 
 def validate(schedule: Schedule) -> ValidationReport:
