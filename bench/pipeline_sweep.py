@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.models.presets import get_preset  # noqa: E402
 from megatron.schedules import build_schedule, derived_costs, simulate  # noqa: E402
+from megatron.schedules.generators import RECOMPUTE_BACKWARD_RATIO  # noqa: E402
 
 # SysX Table 2: model -> nodes.
 PAPER_MODELS = {"10b": 1, "19b": 1, "30b": 2, "40b": 2, "52b": 4, "69b": 4, "88b": 8, "110b": 8}
@@ -46,7 +47,7 @@ def run_pair(model: str, nodes: int, micro_batch_size: int, global_batch: int,
     results = {}
     for name, split in (("mobius", 1), ("decoupled", BACKWARD_SPLIT)):
         schedule = build_schedule(name, ranks, stages, split, micro_batches, partition,
-                                  backward_ratio=3.0)
+                                  backward_ratio=RECOMPUTE_BACKWARD_RATIO)
         costs = derived_costs(schedule, preset, "paper-v100", micro_batch_size, seq_length)
         results[name] = simulate(schedule, costs)
     mobius, decoupled = results["mobius"], results["decoupled"]

@@ -18,25 +18,28 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import json
 import os
+import shutil
 import statistics
 import sys
-import time
+import tempfile
 import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.core")
 
-import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from megatron.schedules.cost_model import CostModel  # noqa: E402
+from megatron.pipeline.calibration import (  # noqa: E402
+    copy_seconds_per_byte,
+    optimizer_seconds_per_param,
+)
 from megatron.schedules.generators import SCHEDULE_NAMES  # noqa: E402
-from megatron.schedules.simulator import simulate  # noqa: E402
 from megatron.training.arguments import ArgumentError, exit_bad_input, parse_args  # noqa: E402
 from megatron.training.distributed import initialize_distributed, shutdown_distributed  # noqa: E402
+from megatron.training.pipeline_args import args_for_schedule  # noqa: E402
+from megatron.training.pipeline_step import simulate_measured  # noqa: E402
 from megatron.training.training import train  # noqa: E402
 
 ORDER = ("decoupled", "mobius", "interleaved-1f1b", "1f1b", "gpipe")
@@ -66,12 +69,11 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, argparse.Namespace]:
     return bench, parse_args(rest)
 
 
-def schedule_args(base: argparse.Namespace, name: str, bench: argparse.Namespace) -> argparse.Namespace:
-    args = copy.copy(base)
-    args.pipeline_schedule = name
-    if name != "decoupled":
-        args.backward_split = None
+def schedule_args(base: argparse.Namespace, name: str, bench: argparse.Namespace,
+                  trace: str) -> argparse.Namespace:
+    args = args_for_schedule(base, name)
     args.metrics_file = args.save = None
+    args.trace = trace  # the last iteration's events calibrate the simulation
     if bench.out_dir:
         args.metrics_file = os.path.join(bench.out_dir, name, "metrics.jsonl")
         if bench.save_final:
@@ -79,63 +81,16 @@ def schedule_args(base: argparse.Namespace, name: str, bench: argparse.Namespace
     return args
 
 
-def optimizer_seconds_per_param(threads: int, numel: int = 1 << 20) -> float:
-    """Measured time of one CPU AdamW step per parameter on this machine."""
-    from megatron.optimizer.cpu_adam import CPUAdamW
-
-    opt = CPUAdamW([torch.zeros(numel)], threads=threads)
-    grad, out = torch.full((numel,), 1e-3), torch.empty(numel)
-    opt.step_stage(0, grad, out=out)
-    start = time.perf_counter()
-    for _ in range(5):
-        opt.step_stage(0, grad, out=out)
-    return (time.perf_counter() - start) / 5 / numel
-
-
-def copy_seconds_per_byte(numel: int = 1 << 22) -> float:
-    src, dst = torch.ones(numel), torch.empty(numel)
-    dst.copy_(src)
-    start = time.perf_counter()
-    for _ in range(5):
-        dst.copy_(src)
-    return (time.perf_counter() - start) / 5 / (4 * numel)
-
-
-def calibrated_costs(step, events, opt_s_per_param: float, copy_s_per_byte: float) -> CostModel:
-    """A cost model from the measured run: mean compute time per stage and backward stage,
-    optimizer and copy times from the measured speeds and each stage's size."""
-    schedule = step.schedule
-    forward: dict[int, list[float]] = {}
-    backward: dict[tuple[int, int], list[float]] = {}
-    for e in events:
-        if e.resource != "compute":
-            continue
-        if e.kind == "forward":
-            forward.setdefault(e.stage, []).append(e.end - e.start)
-        else:
-            backward.setdefault((e.stage, e.sub), []).append(e.end - e.start)
-    pieces = schedule.pieces()
-    numel = step.piece_numels
-    itemsize = torch.empty((), dtype=step.dtype).element_size()
-    return CostModel(
-        forward=tuple(statistics.mean(forward[i]) for i in range(schedule.forward_stages)),
-        backward={p: statistics.mean(backward[p]) for p in pieces},
-        recompute={p: 0.0 for p in pieces},  # measured backward times include it
-        optimizer={p: numel[p] * opt_s_per_param for p in pieces},
-        param_transfer={p: numel[p] * itemsize * copy_s_per_byte for p in pieces},
-        grad_transfer={p: numel[p] * itemsize * copy_s_per_byte for p in pieces},
-    )
-
-
 def run(bench: argparse.Namespace, base: argparse.Namespace) -> dict:
     dist_info = initialize_distributed()
     results = []
+    traces = tempfile.mkdtemp(prefix="bench-schedules-")  # rank 0 writes each one
     try:
         threads = base.cpu_optimizer_threads or 1
         opt_s, copy_s = optimizer_seconds_per_param(threads), copy_seconds_per_byte()
         for name in bench.names:
-            args = schedule_args(base, name, bench)
-            args.keep_timeline = True
+            trace = os.path.join(traces, f"{name}.json")
+            args = schedule_args(base, name, bench, trace)
             built: list = []
             with contextlib.redirect_stdout(sys.stderr):  # stdout carries only the result
                 records = train(args, dist_info, on_step=built.append)
@@ -154,16 +109,16 @@ def run(bench: argparse.Namespace, base: argparse.Namespace) -> dict:
                 "bubble_ratio": statistics.mean(r["bubble_ratio"] for r in measured),
                 "final_loss": records[-1]["loss"],
             }
-            events = step.last_events_all_ranks
-            if events:
-                costs = calibrated_costs(step, events, opt_s, copy_s)
-                sim = simulate(step.schedule, costs)
+            dist.barrier()  # rank 0 has written the trace
+            if os.path.exists(trace):
+                sim = simulate_measured(step, trace, opt_s, copy_s)
                 row["simulated_iteration_time_s"] = sim.iteration_time
                 row["simulated_bubble_ratio"] = sim.mean_bubble_ratio
                 row["simulated_exposed_optimizer_time_s"] = sim.exposed_optimizer_time
             results.append(row)
             dist.barrier()
     finally:
+        shutil.rmtree(traces, ignore_errors=True)
         shutdown_distributed()
     return {
         "ranks": dist_info.world_size,

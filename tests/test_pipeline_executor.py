@@ -14,6 +14,13 @@ import time
 import pytest
 import torch
 
+from megatron.models.presets import ModelPreset
+from megatron.schedules.cost_model import backward_stage_params, calibrated_costs
+from megatron.schedules.simulator import simulate
+from megatron.schedules.timeline import read_chrome_trace
+from megatron.training.arguments import parse_args
+from megatron.training.pipeline_args import generate_schedule
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 MODEL = ["--num-layers", "8", "--hidden-size", "64", "--ffn-hidden-size", "160",
@@ -32,7 +39,9 @@ def launch(tmp_path, name, nproc, *extra, env=None, timeout=300, script="pretrai
     if script == "pretrain_llama.py":
         args += ["--metrics-file", str(out / "metrics.jsonl"), "--save", str(out / "ckpt")]
     else:
-        args += ["--out-dir", str(out), "--save-final", "--json"]
+        args += ["--out-dir", str(out)]
+        if "--schedules" not in extra:
+            args += ["--schedules", ",".join(SCHEDULES)]
     path = os.path.join(ROOT, script)
     if nproc == 1:
         cmd = [sys.executable, path, *args]
@@ -43,23 +52,23 @@ def launch(tmp_path, name, nproc, *extra, env=None, timeout=300, script="pretrai
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
                           env=full_env)
     proc.elapsed = time.monotonic() - t0
-    proc.out = out
+    proc.out, proc.ranks, proc.extra = out, nproc, extra
     return proc
 
 
 class ScheduleRun:
-    """One schedule's outputs inside a bench/schedules.py run."""
+    """One schedule's outputs inside a tests/run_schedules.py run."""
 
-    def __init__(self, bench, schedule):
-        self.returncode, self.stderr = bench.returncode, bench.stderr
-        self.out = bench.out / schedule
+    def __init__(self, run, schedule):
+        self.returncode, self.stderr = run.returncode, run.stderr
+        self.out = run.out / schedule
+        self.ranks, self.extra = run.ranks, run.extra
 
 
-def bench_all_schedules(tmp_path_factory, nproc, *extra):
-    run = launch(tmp_path_factory.mktemp(f"bench{nproc}"), "all", nproc, *extra,
-                 script="bench/schedules.py", timeout=600)
+def run_all_schedules(tmp_path_factory, nproc, *extra):
+    run = launch(tmp_path_factory.mktemp(f"schedules{nproc}"), "all", nproc, *extra,
+                 script="tests/run_schedules.py", timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
-    run.summary = json.loads(run.stdout[run.stdout.index("{"):])
     return run
 
 
@@ -103,14 +112,14 @@ def reference(tmp_path_factory):
 @pytest.fixture(scope="module")
 def two_processes(tmp_path_factory, reference):
     # 4 micro-batches on 2 processes; decoupled: 4 forward stages split d = 2 (the default).
-    return bench_all_schedules(tmp_path_factory, 2)
+    return run_all_schedules(tmp_path_factory, 2)
 
 
 @pytest.fixture(scope="module")
 def four_processes(tmp_path_factory, reference):
     # Two simulated nodes of 2 processes: stages whose owner is on the other node are read
     # from replicas that the owner updates after every step.
-    return bench_all_schedules(tmp_path_factory, 4, "--forward-stages", "4",
+    return run_all_schedules(tmp_path_factory, 4, "--forward-stages", "4",
                                "--backward-split", "2", "--procs-per-node", "2")
 
 
@@ -125,14 +134,40 @@ def test_four_processes_match_one_process(schedule, four_processes, reference):
     assert_same_training(ScheduleRun(four_processes, schedule), reference)
 
 
-def test_bench_puts_the_simulation_beside_each_measurement(two_processes, four_processes):
-    for run, ranks in ((two_processes, 2), (four_processes, 4)):
-        rows = {r["schedule"]: r for r in run.summary["schedules"]}
-        assert run.summary["ranks"] == ranks and set(rows) == set(SCHEDULES)
-        assert rows["decoupled"]["backward_split"] == 2
-        for row in rows.values():
-            assert row["simulated_iteration_time_s"] > 0
-            assert 0 <= row["bubble_ratio"] < 1 and 0 <= row["simulated_bubble_ratio"] < 1
+def test_the_measured_iteration_calibrates_the_simulation_of_each_schedule(
+        two_processes, four_processes):
+    """The trace of the last iteration gives every stage's compute time, so the simulator
+    can be put beside each measured run."""
+    for run in (two_processes, four_processes):
+        for name in SCHEDULES:
+            one = ScheduleRun(run, name)
+            args = parse_args(args_for_schedule_argv(name, *one.extra))
+            schedule = generate_schedule(args, one.ranks, vocab_size=_vocab(one))
+            events = read_chrome_trace(str(one.out / "trace.json"))
+            assert {e.rank for e in events} == set(range(one.ranks))
+            model = ModelPreset("test", args.num_layers, args.hidden_size, args.ffn_hidden_size,
+                                args.num_attention_heads, args.num_query_groups,
+                                args.seq_length, _vocab(one))
+            params = backward_stage_params(model, schedule.partition, schedule.backward_split)
+            sim = simulate(schedule, calibrated_costs(schedule, events, params, 4, 1e-9, 1e-10))
+            assert sim.iteration_time > 0
+            assert 0 <= sim.mean_bubble_ratio < 1
+            assert metrics(one)[-1]["bubble_ratio"] < 1
+            measured_split = 1 + max(e.sub for e in events if e.kind == "backward")
+            assert measured_split == schedule.backward_split == (2 if name == "decoupled" else 1)
+
+
+def args_for_schedule_argv(name, *extra):
+    argv = [*MODEL, *extra, "--pipeline-schedule", name]
+    if name != "decoupled":  # the baselines are coupled: their own default split
+        argv = [a for i, a in enumerate(argv)
+                if a != "--backward-split" and (i == 0 or argv[i - 1] != "--backward-split")]
+    return argv
+
+
+def _vocab(run):
+    embedding = next(t for name, t in final_masters(run).items() if "word_embeddings" in name)
+    return embedding.shape[0]
 
 
 def test_fp16_overflow_skips_the_iteration_on_every_rank(reference, tmp_path):
@@ -154,7 +189,7 @@ def test_exposed_optimizer_time_is_lower_with_the_decoupled_schedule(tmp_path, r
     heavy = ["--hidden-size", "256", "--ffn-hidden-size", "688", "--seq-length", "16",
              "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "6",
              "--cpu-optimizer-threads", "1", "--schedules", "decoupled,mobius"]
-    run = launch(tmp_path, "heavy", 2, *heavy, script="bench/schedules.py")
+    run = launch(tmp_path, "heavy", 2, *heavy, script="tests/run_schedules.py")
     assert run.returncode == 0, run.stderr[-3000:]
     exposed = {}
     for schedule in ("decoupled", "mobius"):
@@ -195,13 +230,13 @@ def test_a_failing_rank_ends_the_job_and_leaves_shm_clean(how, reference, tmp_pa
      (["--forward-stages", "3"], "--forward-stages")],
 )
 def test_bad_pipeline_flags_are_refused_before_anything_is_built(extra, flag, capsys):
-    from megatron.pipeline.train_step import check_pipeline_args, resolve_pipeline
-    from megatron.training.arguments import ArgumentError, parse_args
+    from megatron.training.arguments import ArgumentError
+    from megatron.training.pipeline_args import check_pipeline_args
 
     args = parse_args([*MODEL, "--pipeline-schedule", "decoupled", *extra])
     with pytest.raises(ArgumentError) as exc:
         check_pipeline_args(args, world_size=2)
-        resolve_pipeline(args, world_size=2, vocab_size=4096)
+        generate_schedule(args, world_size=2, vocab_size=4096)
     assert exc.value.flag == flag
 
 
@@ -226,9 +261,77 @@ def test_replica_plan_covers_every_remote_reader():
         for instr in program:
             if instr.op != Op.PREFETCH_PARAMS:
                 continue
-            for piece in schedule.stage_pieces(instr.stage, instr.sub):
+            for piece in schedule.params_of(instr.stage, instr.sub):
                 owner = schedule.backward_rank[piece]
                 if node_of(rank, 2) != node_of(owner, 2):
                     holders = plan[piece].holders
                     assert [h for h in holders if node_of(h, 2) == node_of(rank, 2)]
     assert plan_replicas(schedule, procs_per_node=4) == []  # one node: nothing to push
+
+
+def _write_schedule_file(path, ranks, *extra):
+    tool = os.path.join(ROOT, "tools", "simulate_pipeline.py")
+    run = subprocess.run([sys.executable, tool, "--schedule", "decoupled", "--ranks", str(ranks),
+                          "--forward-stages", "4", "--backward-split", "2", "--micro-batches",
+                          "4", "--partition", "2,2,2,2", "--schedule-file", str(path), *extra],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert run.returncode == 0, run.stderr
+    return path.read_text().splitlines(keepends=True)
+
+
+def _legal_swap(lines):
+    """The CSV with the first pair of adjacent instructions of rank 0 swapped such that the
+    schedule stays valid (an edit a user could make by hand)."""
+    from megatron.schedules.schedule_file import schedule_from_csv
+    from megatron.schedules.validator import validate
+
+    rows = [i for i, line in enumerate(lines) if line.startswith("0,")]
+    for a, b in zip(rows, rows[1:]):
+        edited = list(lines)
+        edited[a], edited[b] = edited[b], edited[a]
+        if edited[a] == edited[b]:
+            continue
+        try:
+            validate(schedule_from_csv("".join(edited)))
+        except ValueError:
+            continue
+        return edited
+    raise AssertionError("no legal swap of two adjacent instructions on rank 0")
+
+
+def test_schedule_files_train_like_the_generated_schedule(reference, tmp_path):
+    generated = tmp_path / "decoupled.csv"
+    lines = _write_schedule_file(generated, 2)
+    edited = tmp_path / "edited.csv"
+    edited.write_text("".join(_legal_swap(lines)))
+    for path in (generated, edited):
+        run = launch(tmp_path, path.stem, 2, "--schedule-file", str(path))
+        assert_same_training(run, reference)
+
+
+def test_a_broken_schedule_file_exits_2_naming_rank_index_and_rule(reference, tmp_path):
+    path = tmp_path / "broken.csv"
+    lines = _write_schedule_file(path, 1)
+    first_backward = next(i for i, line in enumerate(lines) if ",BACKWARD," in line)
+    del lines[first_backward]  # one backward never runs: its gradient is missing downstream
+    path.write_text("".join(lines))
+    before = set(os.listdir("/dev/shm"))
+    run = launch(tmp_path, "broken", 1, "--schedule-file", str(path), timeout=120)
+    assert run.returncode == 2, run.stderr[-2000:]
+    errors = [line for line in run.stderr.splitlines() if "pretrain_llama.py: error" in line]
+    assert len(errors) == 1
+    assert "--schedule-file" in errors[0] and "rank 0, instruction #" in errors[0]
+    assert "rule '" in errors[0]
+    grid = run.stderr.splitlines()
+    assert any(line.startswith("rank ") for line in grid)  # the programs, one row per rank,
+    assert "[OG3.1]" in run.stderr  # with the offending instruction marked
+    assert not (run.out / "metrics.jsonl").exists() and not (run.out / "ckpt").exists()
+    assert set(os.listdir("/dev/shm")) <= before
+
+
+def test_a_schedule_file_for_another_run_exits_2(reference, tmp_path):
+    path = tmp_path / "two-ranks.csv"
+    _write_schedule_file(path, 2)
+    run = launch(tmp_path, "mismatch", 1, "--schedule-file", str(path), timeout=120)
+    assert run.returncode == 2
+    assert "the file has ranks=2, this run has 1" in run.stderr

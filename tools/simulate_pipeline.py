@@ -29,7 +29,12 @@ from megatron.schedules.cost_model import (  # noqa: E402
     preset_partition,
     uniform_costs,
 )
-from megatron.schedules.generators import SCHEDULE_NAMES, build_schedule  # noqa: E402
+from megatron.schedules.generators import (  # noqa: E402
+    PAPER_BACKWARD_RATIO,
+    RECOMPUTE_BACKWARD_RATIO,
+    SCHEDULE_NAMES,
+    build_schedule,
+)
 from megatron.schedules.interpreter import ScheduleError  # noqa: E402
 from megatron.schedules.schedule_file import read_schedule, write_schedule  # noqa: E402
 from megatron.schedules.simulator import simulate  # noqa: E402
@@ -136,9 +141,11 @@ def _schedule(args: argparse.Namespace, parser: argparse.ArgumentParser):
         partition = balanced_partition(args.num_layers, args.forward_stages)
     # Place blocking transfers for the costs that will be simulated (derived: backward 2x
     # plus a full recompute).
-    ratio = 3.0 if args.model_preset else (args.backward_time + args.recompute_time) / args.forward_time
+    ratio = (RECOMPUTE_BACKWARD_RATIO if args.model_preset
+             else (args.backward_time + args.recompute_time) / args.forward_time)
     return build_schedule(args.schedule, args.ranks, args.forward_stages, args.backward_split,
-                          args.micro_batches, partition, backward_ratio=ratio or 2.0)
+                          args.micro_batches, partition,
+                          backward_ratio=ratio or PAPER_BACKWARD_RATIO)
 
 
 def main(argv: list[str] | None = None) -> int:

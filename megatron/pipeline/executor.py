@@ -16,11 +16,17 @@ interpreter, so they are compared on equal terms. What each instruction does:
   before the recompute that needs it.
 - OFFLOAD_GRAD: D2H copy of the stage's accumulated gradients; its event is the "ready"
   signal of the stage's CPU optimizer task.
-- OPTIMIZER_START: decoupled: the stage's CPU AdamW task (validate locally, update, write
-  the new working copy into the store) starts as soon as the gradients have landed.
-  Synchronous baselines: the task only checks the gradient (S Fig. 3), the update waits.
-- OPTIMIZER_WAIT_ALL (+ OVERFLOW_SYNC / POST_STEP_SYNC / ROLLBACK_IF_OVERFLOW): one
-  all-reduce of the overflow flags; rollback (decoupled) or the deferred update (sync).
+- OPTIMIZER_START: the stage's CPU AdamW task starts as soon as its gradients have
+  landed. Before the overflow verdict it is speculative (it checks its own gradient and
+  updates if finite); after OVERFLOW_SYNC it is the deferred update (none on overflow).
+- OVERFLOW_SYNC: check the offloaded gradients not stepped yet, then one all-reduce of the
+  overflow flags and squared norms: the verdict. POST_STEP_SYNC: the same all-reduce over
+  the speculative steps' own checks. ROLLBACK_IF_OVERFLOW: undo the speculative steps on
+  overflow, redo them with the clip factor when the norm clips.
+- OPTIMIZER_WAIT_ALL: wait for every optimizer task this rank started.
+
+What an instruction does is chosen from its op (OP_HANDLERS), never from the schedule's
+name. After the program, the optimizer commits the iteration and updates the loss scale.
 
 The time on the compute stream, the exposed optimizer time (the main thread waiting for
 optimizer work) and the rest (bubbles: waiting for peers, parameters, checkpoints) are
@@ -39,20 +45,28 @@ import torch
 import torch.distributed as dist
 
 from megatron.offload.device import DeviceLayer, Event
-from megatron.offload.grad_offload import GradientOffloader, GradientsReady
+from megatron.offload.grad_offload import GradientOffloader
 from megatron.offload.layout import bind_gradients
 from megatron.offload.param_store import ParameterStore
 from megatron.offload.prefetch import ParamDoubleBuffer, Slot
 from megatron.optimizer.async_optimizer import AsyncStageOptimizer, IterationResult
+from megatron.pipeline.owner import BackwardStageOwner
 from megatron.pipeline.p2p import PointToPoint
 from megatron.pipeline.stage_modules import StageModule
-from megatron.schedules.instructions import Instruction, Op, Piece, Schedule
+from megatron.schedules.instructions import (
+    COMPUTE,
+    OP_SPECS,
+    BackwardStage,
+    Instruction,
+    Op,
+    Schedule,
+)
 from megatron.schedules.timeline import TimedEvent
 
 Batch = dict[str, torch.Tensor]
-_COMPUTE = frozenset({Op.FORWARD, Op.BACKWARD})
-_OPTIMIZER_OPS = frozenset({Op.OPTIMIZER_START, Op.OPTIMIZER_WAIT_ALL, Op.OVERFLOW_SYNC,
-                            Op.POST_STEP_SYNC, Op.ROLLBACK_IF_OVERFLOW})
+# Ops whose time on the main thread counts as optimizer time the GPUs are not hidden by.
+_OPTIMIZER_OPS = frozenset(op for op, spec in OP_SPECS.items()
+                           if spec.resource in ("cpu-optimizer", "host"))
 
 
 class InstructionError(RuntimeError):
@@ -73,31 +87,21 @@ class IterationStats:
         return max(0.0, self.iteration_s - self.compute_s - self.exposed_optimizer_s)
 
 
-@dataclass
-class OwnedStage:
-    """What the owner of a backward stage keeps: gradients and optimizer group indices."""
-
-    grad: torch.Tensor  # flat, device, training dtype
-    groups: tuple[int, ...]  # CPUAdamW group of the decayed / non-decayed elements
-    split: int  # elements [0, split) are the first group
-    offloaded: GradientsReady | None = None
-
-
 class PipelineExecutor:
     def __init__(
         self,
         schedule: Schedule,
         rank: int,
-        modules: dict[Piece, StageModule],
+        modules: dict[BackwardStage, StageModule],
         store: ParameterStore,
         device: DeviceLayer,
         param_buffer: ParamDoubleBuffer,
         offloader: GradientOffloader,
         optimizer: AsyncStageOptimizer,
-        owned: dict[Piece, OwnedStage],
+        owned: dict[BackwardStage, BackwardStageOwner],
         p2p: PointToPoint,
         loss_scale_fn: Callable[[], float],
-        inject_overflow: tuple[int, Piece] | None = None,
+        inject_overflow: tuple[int, BackwardStage] | None = None,
     ) -> None:
         self.schedule = schedule
         self.rank = rank
@@ -115,7 +119,6 @@ class PipelineExecutor:
         self._kept_ckpts = _checkpoints_kept_locally(self.program)
         self._fail_at = _failure_to_inject(rank)
         self.last_stage = schedule.forward_stages - 1
-        self.head_piece = (self.last_stage, schedule.backward_split - 1)
 
     # --- one iteration -----------------------------------------------------------------
 
@@ -126,17 +129,15 @@ class PipelineExecutor:
                              f"{self.schedule.micro_batches}")
         self._iteration = iteration
         self._batches = micro_batches
-        self._slots: dict[Piece, Slot] = {}
+        self._slots: dict[BackwardStage, Slot] = {}
         self._acts: dict[tuple[int, int], torch.Tensor] = {}
         self._ckpts: dict[tuple[int, int, int], torch.Tensor] = {}
         self._pending_ckpts: dict[tuple[int, int, int], tuple[dist.Work, torch.Tensor]] = {}
         self._isends: list[tuple[dist.Work, torch.Tensor]] = []
-        self._grads: dict[tuple[Piece, int], torch.Tensor] = {}
+        self._grads: dict[tuple[BackwardStage, int], torch.Tensor] = {}
         self._losses: list[float] = []
-        self._result: IterationResult | None = None
-        for state in self.owned.values():
-            state.grad.zero_()
-            state.offloaded = None
+        for owner in self.owned.values():
+            owner.start_iteration()
         # (instruction, start event, end event) on the compute stream; (instruction, start,
         # end) in host seconds for the main thread's waits on the optimizer.
         computed: list[tuple[Instruction, Event, Event]] = []
@@ -145,7 +146,7 @@ class PipelineExecutor:
         start = time.perf_counter()
         for index, instr in enumerate(self.program):
             t0 = time.perf_counter()
-            before = self.device.compute_stream.record_event() if instr.op in _COMPUTE else None
+            before = self.device.compute_stream.record_event() if instr.op in COMPUTE else None
             try:
                 if self._fail_at is not None and (iteration, index) >= self._fail_at[:2]:
                     self._inject_failure()
@@ -163,16 +164,16 @@ class PipelineExecutor:
             work.wait()
         for piece in list(self._slots):
             self.params.release(self._slots.pop(piece))
-        if self._result is None:
-            raise InstructionError(f"rank {self.rank}: the program has no OPTIMIZER_WAIT_ALL")
-        self._publish(iteration)
+        result = self.optimizer.end_iteration()
+        for owner in self.owned.values():
+            owner.publish(iteration)
         self.device.compute_stream.synchronize()
         iteration_s = time.perf_counter() - start
         compute_s = sum(end.time_s() - begin.time_s() for _, begin, end in computed)
         optimizer_s = sum(end - begin for _, begin, end in waited)
         events = self._timeline(start_event.time_s(), start, computed, waited) if record_timeline else []
         loss = sum(self._losses) / len(self._losses) if self._losses else 0.0
-        return IterationStats(loss, self._result, iteration_s, compute_s, optimizer_s, events)
+        return IterationStats(loss, result, iteration_s, compute_s, optimizer_s, events)
 
     def _timeline(self, origin_event_s: float, origin_host_s: float, computed, waited) -> list[TimedEvent]:
         """The iteration as timed events from its start (seconds), in the simulator's format."""
@@ -195,58 +196,77 @@ class PipelineExecutor:
         raise RuntimeError("failure injected by MEGATRON_SYSX_TEST_FAIL")
 
     def _execute(self, instr: Instruction) -> None:
-        op = instr.op
-        if op == Op.PREFETCH_PARAMS:
-            for piece in self.schedule.stage_pieces(instr.stage, instr.sub):
-                if piece not in self._slots:
-                    segment = self.store.get(piece)
-                    segment.wait_version(self._iteration - 1)
-                    self._slots[piece] = self.params.prefetch(piece, segment.params)
-        elif op == Op.RELEASE_PARAMS:
-            for piece in self.schedule.stage_pieces(instr.stage, instr.sub):
-                slot = self._slots.pop(piece, None)
-                if slot is not None:
-                    self.params.release(slot)
-        elif op == Op.FORWARD:
-            self._forward(instr.stage, instr.mb)
-        elif op == Op.BACKWARD:
-            self._backward((instr.stage, instr.sub), instr.mb)
-        elif op == Op.SEND_ACT:
-            self.p2p.send(instr, self._acts.pop((instr.stage, instr.mb)))
-        elif op == Op.RECV_ACT:
-            self._acts[(instr.stage, instr.mb)] = self.p2p.recv(instr)
-        elif op == Op.SEND_GRAD:
-            self.p2p.send(instr, self._grads.pop(((instr.stage, instr.sub), instr.mb)))
-        elif op == Op.RECV_GRAD:
-            self._grads[((instr.stage, instr.sub), instr.mb)] = self.p2p.recv(instr)
-        elif op == Op.ISEND_CKPT:
-            key = (instr.stage, instr.sub, instr.mb)
-            tensor = self._ckpts.pop(key)
-            self._isends.append((self.p2p.isend(instr, tensor), tensor))
-        elif op == Op.IRECV_CKPT:
-            self._pending_ckpts[(instr.stage, instr.sub, instr.mb)] = self.p2p.irecv(instr)
-        elif op == Op.WAIT_CKPT:
-            key = (instr.stage, instr.sub, instr.mb)
-            work, buffer = self._pending_ckpts.pop(key)
-            work.wait()
-            self._ckpts[key] = buffer
-        elif op == Op.OFFLOAD_GRAD:
-            self._offload((instr.stage, instr.sub))
-        elif op == Op.OPTIMIZER_START:
-            # Decoupled: the update runs now, overlapping later backward stages. Baselines
-            # place this after their overflow sync; the optimizer object (mode "sync") then
-            # only checks here and updates in finish_iteration(), after the all-reduce.
-            self._submit((instr.stage, instr.sub))
-        elif op == Op.OPTIMIZER_WAIT_ALL:
-            self._result = self.optimizer.finish_iteration()
-        elif op in (Op.OVERFLOW_SYNC, Op.POST_STEP_SYNC, Op.ROLLBACK_IF_OVERFLOW):
-            pass  # part of finish_iteration(): one all-reduce, then rollback or update
-        else:
-            raise ValueError(f"unknown instruction {instr}")
+        getattr(self, OP_HANDLERS[instr.op])(instr)
+
+    # --- parameters ------------------------------------------------------------------------
+
+    def _prefetch(self, instr: Instruction) -> None:
+        for b in self.schedule.params_of(instr.stage, instr.sub):
+            if b not in self._slots:
+                segment = self.store.get(b)
+                segment.wait_version(self._iteration - 1)
+                self._slots[b] = self.params.prefetch(b, segment.params)
+
+    def _release(self, instr: Instruction) -> None:
+        for b in self.schedule.params_of(instr.stage, instr.sub):
+            slot = self._slots.pop(b, None)
+            if slot is not None:
+                self.params.release(slot)
+
+    # --- communication ---------------------------------------------------------------------
+
+    def _send_activation(self, instr: Instruction) -> None:
+        self.p2p.send(instr, self._acts.pop((instr.stage, instr.mb)))
+
+    def _recv_activation(self, instr: Instruction) -> None:
+        self._acts[(instr.stage, instr.mb)] = self.p2p.recv(instr)
+
+    def _send_gradient(self, instr: Instruction) -> None:
+        self.p2p.send(instr, self._grads.pop((BackwardStage(instr.stage, instr.sub), instr.mb)))
+
+    def _recv_gradient(self, instr: Instruction) -> None:
+        self._grads[(BackwardStage(instr.stage, instr.sub), instr.mb)] = self.p2p.recv(instr)
+
+    def _isend_checkpoint(self, instr: Instruction) -> None:
+        tensor = self._ckpts.pop((instr.stage, instr.sub, instr.mb))
+        self._isends.append((self.p2p.isend(instr, tensor), tensor))
+
+    def _irecv_checkpoint(self, instr: Instruction) -> None:
+        self._pending_ckpts[(instr.stage, instr.sub, instr.mb)] = self.p2p.irecv(instr)
+
+    def _wait_checkpoint(self, instr: Instruction) -> None:
+        key = (instr.stage, instr.sub, instr.mb)
+        work, buffer = self._pending_ckpts.pop(key)
+        work.wait()
+        self._ckpts[key] = buffer
+
+    # --- gradients and the optimizer -------------------------------------------------------
+
+    def _offload(self, instr: Instruction) -> None:
+        self.owned[BackwardStage(instr.stage, instr.sub)].offload(self.offloader)
+
+    def _optimizer_start(self, instr: Instruction) -> None:
+        self.owned[BackwardStage(instr.stage, instr.sub)].step(self.optimizer)
+
+    def _optimizer_wait_all(self, instr: Instruction) -> None:
+        self.optimizer.wait_all()
+
+    def _overflow_sync(self, instr: Instruction) -> None:
+        for owner in self.owned.values():
+            if owner.offloaded is not None and not owner.submitted:
+                owner.check(self.optimizer)
+        self.optimizer.wait_all()
+        self.optimizer.synchronize()
+
+    def _post_step_sync(self, instr: Instruction) -> None:
+        self.optimizer.synchronize()
+
+    def _rollback_if_overflow(self, instr: Instruction) -> None:
+        self.optimizer.correct()
 
     # --- compute -------------------------------------------------------------------------
 
-    def _bind(self, piece: Piece) -> StageModule:
+    def _bind(self, piece: BackwardStage) -> StageModule:
         stage = self.modules[piece]
         slot = self._slots.get(piece)
         if slot is None:
@@ -254,6 +274,12 @@ class PipelineExecutor:
                                "(no PREFETCH_PARAMS before use)")
         self.params.bind(slot, stage.module, stage.layout)
         return stage
+
+    def _forward_instruction(self, instr: Instruction) -> None:
+        self._forward(instr.stage, instr.mb)
+
+    def _backward_instruction(self, instr: Instruction) -> None:
+        self._backward(BackwardStage(instr.stage, instr.sub), instr.mb)
 
     def _forward(self, stage: int, mb: int) -> None:
         batch = self._batches[mb]
@@ -273,50 +299,49 @@ class PipelineExecutor:
         if key in self._kept_ckpts:
             self._ckpts[key] = hidden
 
-    def _backward(self, piece: Piece, mb: int) -> None:
+    def _backward(self, piece: BackwardStage, mb: int) -> None:
         batch = self._batches[mb]
         module = self._bind(piece)
-        state = self.owned[piece]
-        bind_gradients(module.module, module.layout, state.grad)
+        owner = self.owned[piece]
+        bind_gradients(module.module, module.layout, owner.grad)
         if piece == (0, 0):
             hidden_in = None
         else:
             hidden_in = self._ckpts.pop((*piece, mb)).detach().requires_grad_(True)
         with torch.enable_grad():
             out = module(hidden_in, batch)
-            if piece == self.head_piece:
+            if piece == self.schedule.head:
                 scale = self.loss_scale_fn() / self.schedule.micro_batches
                 (out * scale).backward()
             else:
-                nxt = self.schedule.next_piece(piece)
+                nxt = self.schedule.next_backward_stage(piece)
                 out.backward(self._grads.pop((nxt, mb)))
         if hidden_in is not None:
             self._grads[(piece, mb)] = hidden_in.grad
         if self.inject_overflow == (self._iteration, piece):
-            state.grad[0] = float("inf")
+            owner.grad[0] = float("inf")
 
-    # --- gradients and the optimizer -----------------------------------------------------
 
-    def _offload(self, piece: Piece) -> None:
-        state = self.owned[piece]
-        state.offloaded = self.offloader.offload(piece, state.grad)
-
-    def _submit(self, piece: Piece) -> None:
-        state = self.owned[piece]
-        ready = state.offloaded
-        assert ready is not None, f"OPTIMIZER_START of {piece} before its OFFLOAD_GRAD"
-        out = self.store.get(piece).params
-        bounds = ((0, state.split), (state.split, out.numel()))
-        for group, (lo, hi) in zip(state.groups, bounds):
-            if hi > lo:
-                self.optimizer.submit(group, ready.host[lo:hi], ready=ready, out=out[lo:hi])
-
-    def _publish(self, iteration: int) -> None:
-        for piece, state in self.owned.items():
-            if state.offloaded is not None:
-                state.offloaded.release()
-                state.offloaded = None
-            self.store.get(piece).publish(iteration)
+# The PipelineExecutor method that carries out each op (see OP_SPECS[op].action).
+OP_HANDLERS: dict[Op, str] = {
+    Op.PREFETCH_PARAMS: "_prefetch",
+    Op.RELEASE_PARAMS: "_release",
+    Op.FORWARD: "_forward_instruction",
+    Op.BACKWARD: "_backward_instruction",
+    Op.SEND_ACT: "_send_activation",
+    Op.RECV_ACT: "_recv_activation",
+    Op.SEND_GRAD: "_send_gradient",
+    Op.RECV_GRAD: "_recv_gradient",
+    Op.ISEND_CKPT: "_isend_checkpoint",
+    Op.IRECV_CKPT: "_irecv_checkpoint",
+    Op.WAIT_CKPT: "_wait_checkpoint",
+    Op.OFFLOAD_GRAD: "_offload",
+    Op.OPTIMIZER_START: "_optimizer_start",
+    Op.OPTIMIZER_WAIT_ALL: "_optimizer_wait_all",
+    Op.OVERFLOW_SYNC: "_overflow_sync",
+    Op.POST_STEP_SYNC: "_post_step_sync",
+    Op.ROLLBACK_IF_OVERFLOW: "_rollback_if_overflow",
+}
 
 
 def _checkpoints_kept_locally(program: Sequence[Instruction]) -> frozenset:

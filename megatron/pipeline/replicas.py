@@ -17,25 +17,25 @@ import torch.distributed as dist
 from megatron.offload.multinode import push_parameters, receive_parameters
 from megatron.offload.naming import node_of
 from megatron.offload.param_store import ParameterStore
-from megatron.schedules.instructions import Op, Piece, Schedule
+from megatron.schedules.instructions import BackwardStage, Op, Schedule
 
 
 @dataclass(frozen=True)
 class Replica:
-    piece: Piece
+    piece: BackwardStage
     owner: int
     holders: tuple[int, ...]  # one rank per other node that reads the piece
 
 
 def plan_replicas(schedule: Schedule, procs_per_node: int) -> list[Replica]:
-    readers: dict[Piece, set[int]] = {}
+    readers: dict[BackwardStage, set[int]] = {}
     for rank, program in enumerate(schedule.programs):
         for instr in program:
             if instr.op == Op.PREFETCH_PARAMS:
-                for piece in schedule.stage_pieces(instr.stage, instr.sub):
+                for piece in schedule.params_of(instr.stage, instr.sub):
                     readers.setdefault(piece, set()).add(rank)
     plan = []
-    for piece in schedule.pieces():
+    for piece in schedule.backward_stages():
         owner = schedule.backward_rank[piece]
         by_node: dict[int, int] = {}
         for rank in sorted(readers.get(piece, ())):
@@ -47,7 +47,7 @@ def plan_replicas(schedule: Schedule, procs_per_node: int) -> list[Replica]:
     return plan
 
 
-def holds_segment(plan: list[Replica], rank: int) -> set[Piece]:
+def holds_segment(plan: list[Replica], rank: int) -> set[BackwardStage]:
     """The replica segments this rank creates (beside the segments of what it owns)."""
     return {r.piece for r in plan if rank in r.holders}
 

@@ -18,15 +18,15 @@ from torch import nn
 
 from megatron.models.llama import LlamaConfig, build_pieces, run_pieces, uses_weight_decay
 from megatron.offload.layout import FlatLayout, ParamSlice
-from megatron.schedules.instructions import Piece
+from megatron.schedules.instructions import BackwardStage
 from megatron.schedules.partition import sub_stage_layers
 
 
 def model_piece_indices(
     partition: tuple[int, ...], backward_split: int, num_layers: int
-) -> dict[Piece, list[int]]:
+) -> dict[BackwardStage, list[int]]:
     """{(i, k): indices into the model's piece list (0 = embedding, L+1 = head)}."""
-    out: dict[Piece, list[int]] = {}
+    out: dict[BackwardStage, list[int]] = {}
     for key, r in sub_stage_layers(partition, backward_split).items():
         indices = [0] if r.has_embedding else []
         indices += [1 + layer for layer in range(r.first, r.stop)]
@@ -36,25 +36,11 @@ def model_piece_indices(
     return out
 
 
-def piece_numels(cfg: LlamaConfig, partition: tuple[int, ...],
-                 backward_split: int) -> dict[Piece, int]:
-    """Parameters of every backward stage, from the closed-form count (nothing is built)."""
-    from megatron.models.presets import count_parameters
-
-    c = count_parameters(cfg.num_layers, cfg.hidden_size, cfg.ffn_hidden_size,
-                         cfg.num_attention_heads, cfg.num_query_groups, cfg.vocab_size)
-    out = {}
-    for key, r in sub_stage_layers(partition, backward_split).items():
-        out[key] = (r.count * c.per_layer + (c.embedding if r.has_embedding else 0)
-                    + (c.head if r.has_head else 0))
-    return out
-
-
 @dataclass
 class StageModule:
     """One backward stage's pieces, its layout and how many elements take weight decay."""
 
-    key: Piece
+    key: BackwardStage
     module: nn.ModuleList
     layout: FlatLayout
     decay_numel: int  # layout elements [0, decay_numel) take weight decay, the rest not
@@ -89,9 +75,9 @@ def build_stage_modules(
     cfg: LlamaConfig,
     partition: tuple[int, ...],
     backward_split: int,
-    keys: Iterable[Piece],
+    keys: Iterable[BackwardStage],
     dtype: torch.dtype,
-) -> dict[Piece, StageModule]:
+) -> dict[BackwardStage, StageModule]:
     """Modules of the backward stages `keys`, initialized in fp32 (the masters' values),
     with layouts in the training dtype `dtype`."""
     indices = model_piece_indices(partition, backward_split, cfg.num_layers)

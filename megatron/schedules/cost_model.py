@@ -8,11 +8,13 @@ the abstract model, and its share of the layers in the derived one.
 
 from __future__ import annotations
 
+import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from megatron.models.presets import ModelPreset, count_parameters, get_preset
 
-from .instructions import Piece, Schedule
+from .instructions import BackwardStage, Schedule
 from .partition import balanced_partition, sub_stage_layers
 
 
@@ -21,13 +23,14 @@ class CostModel:
     """Per-stage and per-backward-stage costs for one schedule's shape."""
 
     forward: tuple[float, ...]  # per forward stage, per micro-batch
-    backward: dict[Piece, float]  # per backward stage, per micro-batch, without recompute
-    recompute: dict[Piece, float]  # per backward stage, per micro-batch
-    optimizer: dict[Piece, float]  # CPU optimizer step of a backward stage
-    param_transfer: dict[Piece, float]  # host -> device copy of a backward stage's parameters
-    grad_transfer: dict[Piece, float]  # device -> host copy of its gradients
+    backward: dict[BackwardStage, float]  # per backward stage, per micro-batch, without recompute
+    recompute: dict[BackwardStage, float]  # per backward stage, per micro-batch
+    optimizer: dict[BackwardStage, float]  # CPU optimizer step of a backward stage
+    param_transfer: dict[BackwardStage, float]  # host -> device copy of a backward stage's parameters
+    grad_transfer: dict[BackwardStage, float]  # device -> host copy of its gradients
     p2p_activation: float = 0.0  # one activation or gradient between ranks
     p2p_checkpoint: float = 0.0  # one activation checkpoint between ranks
+    rollback: float = 0.0  # expected corrections per iteration and rank (0: no overflow)
 
 
 def uniform_costs(
@@ -53,9 +56,9 @@ def uniform_costs(
     if forward_time <= 0:
         raise ValueError(f"forward_time is {forward_time!r}, expected a number > 0")
     d = schedule.backward_split
-    pieces = schedule.pieces()
+    pieces = schedule.backward_stages()
 
-    def share(value: float) -> dict[Piece, float]:
+    def share(value: float) -> dict[BackwardStage, float]:
         return {piece: value / d for piece in pieces}
 
     return CostModel(
@@ -143,9 +146,6 @@ def derived_costs(
             f"{preset.num_layers}"
         )
     seq = seq_length or preset.seq_length
-    vocab = preset.vocab_size or 32000
-    counts = count_parameters(preset.num_layers, preset.hidden_size, preset.ffn_hidden_size,
-                              preset.num_attention_heads, preset.num_query_groups, vocab)
     tokens = micro_batch_size * seq
     efficiency = hardware.gpu_max_efficiency * tokens / (tokens + hardware.efficiency_half_tokens)
     flops_per_s = hardware.gpu_peak_flops * efficiency
@@ -153,12 +153,11 @@ def derived_costs(
     head_time = head_forward_flops_per_token(preset) * tokens / flops_per_s
     optimizer_rate = hardware.cpu_optimizer_params_per_s / hardware.gpus_per_node
 
-    forward_piece, params = {}, {}
-    for piece, layers in sub_stage_layers(schedule.partition, schedule.backward_split).items():
-        forward_piece[piece] = layers.count * layer_time + (head_time if layers.has_head else 0.0)
-        params[piece] = (layers.count * counts.per_layer
-                         + (counts.embedding if layers.has_embedding else 0)
-                         + (counts.head if layers.has_head else 0))
+    params = backward_stage_params(preset, schedule.partition, schedule.backward_split)
+    forward_piece = {
+        BackwardStage(*b): layers.count * layer_time + (head_time if layers.has_head else 0.0)
+        for b, layers in sub_stage_layers(schedule.partition, schedule.backward_split).items()
+    }
     forward = tuple(
         sum(forward_piece[(stage, sub)] for sub in range(schedule.backward_split))
         for stage in range(schedule.forward_stages)
@@ -177,15 +176,73 @@ def derived_costs(
 
 
 def preset_partition(
-    preset: ModelPreset | str, forward_stages: int, seq_length: int | None = None
+    preset: ModelPreset | str, forward_stages: int, seq_length: int | None = None,
+    min_layers: int = 1,
 ) -> list[int]:
-    """Layers per forward stage balanced by forward flops, the head's output layer included."""
+    """Layers per forward stage balanced by forward flops, the head's output layer included,
+    with at least `min_layers` per stage (a backward split d needs d layers per stage)."""
     preset = get_preset(preset) if isinstance(preset, str) else preset
     seq = seq_length or preset.seq_length
-    return balanced_partition(
-        preset.num_layers,
+    if preset.num_layers < min_layers * forward_stages:
+        raise ValueError(f"needs {min_layers} layers in each of {forward_stages} forward "
+                         f"stages, the model has {preset.num_layers}")
+    # Every stage gets (min_layers - 1) layers up front and the rest is balanced: the fixed
+    # part is the same for all stages, so the balance is kept.
+    fixed = min_layers - 1
+    rest = balanced_partition(
+        preset.num_layers - fixed * forward_stages,
         forward_stages,
         layer_cost=layer_forward_flops_per_token(preset, seq),
         embedding_cost=0.0,  # a table lookup
         head_cost=head_forward_flops_per_token(preset),
+    )
+    return [fixed + n for n in rest]
+
+
+def backward_stage_params(preset: ModelPreset, partition: Sequence[int],
+                          backward_split: int) -> dict[BackwardStage, int]:
+    """Parameters of every backward stage, from the closed-form count (nothing is built)."""
+    vocab = preset.vocab_size or 32000
+    counts = count_parameters(preset.num_layers, preset.hidden_size, preset.ffn_hidden_size,
+                              preset.num_attention_heads, preset.num_query_groups, vocab)
+    return {
+        BackwardStage(*b): (layers.count * counts.per_layer
+                            + (counts.embedding if layers.has_embedding else 0)
+                            + (counts.head if layers.has_head else 0))
+        for b, layers in sub_stage_layers(tuple(partition), backward_split).items()
+    }
+
+
+def calibrated_costs(
+    schedule: Schedule,
+    events: Sequence,
+    params: dict[BackwardStage, int],
+    itemsize: int,
+    optimizer_s_per_param: float,
+    copy_s_per_byte: float,
+) -> CostModel:
+    """A cost model from a measured iteration: mean compute time per forward stage and per
+    backward stage (`events` from the executor's timeline, recompute included in the
+    backward), optimizer and copy times from measured rates and each stage's size."""
+    forward: dict[int, list[float]] = {}
+    backward: dict[BackwardStage, list[float]] = {}
+    for e in events:
+        if e.resource != "compute":
+            continue
+        if e.kind == "forward":
+            forward.setdefault(e.stage, []).append(e.end - e.start)
+        else:
+            backward.setdefault(BackwardStage(e.stage, e.sub), []).append(e.end - e.start)
+    stages = schedule.backward_stages()
+    missing = [i for i in range(schedule.forward_stages) if i not in forward]
+    missing += [b for b in stages if b not in backward]
+    if missing:
+        raise ValueError(f"the measured events have no compute for {missing}")
+    return CostModel(
+        forward=tuple(statistics.mean(forward[i]) for i in range(schedule.forward_stages)),
+        backward={b: statistics.mean(backward[b]) for b in stages},
+        recompute={b: 0.0 for b in stages},  # measured backward times include it
+        optimizer={b: params[b] * optimizer_s_per_param for b in stages},
+        param_transfer={b: params[b] * itemsize * copy_s_per_byte for b in stages},
+        grad_transfer={b: params[b] * itemsize * copy_s_per_byte for b in stages},
     )

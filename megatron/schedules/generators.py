@@ -1,7 +1,7 @@
 """Schedule generators: gpipe, 1f1b, interleaved-1f1b, mobius and decoupled (SysX).
 
 Each generator decides the stage-to-rank assignment and every rank's order of FORWARD and
-BACKWARD instructions; `program_builder.build_programs` adds communication, parameter
+BACKWARD instructions; `lowering.build_programs` adds communication, parameter
 movement and the optimizer in the same way for all of them.
 """
 
@@ -9,11 +9,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .instructions import Instruction, Op, Piece, Schedule
+from .instructions import BackwardStage, Instruction, Op, Schedule
 from .lowering import POST_STEP_OPTIMIZER, SYNCHRONOUS_OPTIMIZER, build_programs
 from .partition import check_partition, sub_stage_layers
 
 Orders = list[list[Instruction]]
+
+ONE_STAGE_PER_RANK: tuple[str, ...] = ("gpipe", "1f1b")  # the others take S = v x ranks
+
+# Expected (backward + recompute) / forward time of a stage, used to place blocking
+# transfers: 2 in SysX's figures (the recompute not drawn); a real run recomputes the
+# whole forward, so its backward is about three forwards.
+PAPER_BACKWARD_RATIO = 2.0
+RECOMPUTE_BACKWARD_RATIO = 3.0
 
 
 def _f(stage: int, mb: int) -> Instruction:
@@ -24,7 +32,7 @@ def _b(stage: int, sub: int, mb: int) -> Instruction:
     return Instruction(Op.BACKWARD, stage=stage, sub=sub, mb=mb)
 
 
-def _coupled_backward(forward_rank: tuple[int, ...]) -> dict[Piece, int]:
+def _coupled_backward(forward_rank: tuple[int, ...]) -> dict[BackwardStage, int]:
     return {(stage, 0): rank for stage, rank in enumerate(forward_rank)}
 
 
@@ -90,14 +98,14 @@ def _mobius_orders(ranks: int, stages: int, micro_batches: int) -> Orders:
     ]
 
 
-def decoupled_assignment(ranks: int, forward_stages: int, backward_split: int) -> dict[Piece, int]:
+def decoupled_assignment(ranks: int, forward_stages: int, backward_split: int) -> dict[BackwardStage, int]:
     """Backward stages in reverse model order go round-robin to ranks 0, 1, 2, ... (SysX 3.1)."""
     reverse = [(i, k) for i in reversed(range(forward_stages)) for k in reversed(range(backward_split))]
     return {piece: index % ranks for index, piece in enumerate(reverse)}
 
 
 def _decoupled_orders(
-    ranks: int, stages: int, micro_batches: int, backward_rank: dict[Piece, int]
+    ranks: int, stages: int, micro_batches: int, backward_rank: dict[BackwardStage, int]
 ) -> Orders:
     """Interleaved AFAB forward, then each rank's backward stages in reverse model order."""
     orders = []
@@ -122,7 +130,7 @@ def _check_common(name: str, ranks: int, stages: int, split: int, micro_batches:
                  f"{flag} is {value!r}, expected an integer >= 1")
     _require(name in SCHEDULE_NAMES,
              f"schedule {name!r} is unknown, expected one of {', '.join(SCHEDULE_NAMES)}")
-    if name in ("gpipe", "1f1b"):
+    if name in ONE_STAGE_PER_RANK:
         _require(stages == ranks,
                  f"forward_stages is {stages}, {name} expects one stage per rank ({ranks})")
     else:
@@ -143,7 +151,7 @@ def build_schedule(
     backward_split: int,
     micro_batches: int,
     partition: list[int] | tuple[int, ...] | None = None,
-    backward_ratio: float = 2.0,
+    backward_ratio: float = PAPER_BACKWARD_RATIO,
 ) -> Schedule:
     """One training iteration of schedule `name` for every rank.
 

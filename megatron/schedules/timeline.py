@@ -117,3 +117,19 @@ def write_timeline_png(
 
 def events_to_dicts(events: Iterable[TimedEvent]) -> list[dict]:
     return [asdict(event) for event in events]
+
+
+def read_chrome_trace(path: str, time_scale: float = 1e6) -> list[TimedEvent]:
+    """The events `write_chrome_trace` wrote (times divided by `time_scale` again)."""
+    with open(path, encoding="utf-8") as stream:
+        records = json.load(stream)["traceEvents"]
+    return [
+        TimedEvent(
+            rank=record["pid"],
+            resource=RESOURCES[record["tid"]] if record["tid"] < len(RESOURCES) else "other",
+            start=record["ts"] / time_scale,
+            end=(record["ts"] + record["dur"]) / time_scale,
+            label=record["name"], kind=record["cat"], **record["args"],
+        )
+        for record in records if record["ph"] == "X"
+    ]

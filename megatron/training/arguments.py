@@ -13,8 +13,9 @@ import sys
 from collections.abc import Sequence
 
 from megatron.models.presets import PRESETS, get_preset
+from megatron.schedules.generators import SCHEDULE_NAMES
 
-SCHEDULES = ("single", "decoupled", "mobius", "interleaved-1f1b", "1f1b", "gpipe")
+SCHEDULES = ("single", *SCHEDULE_NAMES)
 
 # Built-in defaults for flags that a preset may set (None in argparse so we can tell
 # "given explicitly" from "defaulted").
@@ -132,6 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--procs-per-node", type=int, default=None,
                    help="processes per node (default: torchrun's LOCAL_WORLD_SIZE); smaller "
                         "values simulate several nodes on one host")
+    g.add_argument("--schedule-file", default=None, metavar="FILE.csv",
+                   help="run this schedule (from tools/simulate_pipeline.py --schedule-file, "
+                        "maybe edited by hand) instead of generating one; it is validated "
+                        "and must match the run's ranks, micro-batches and layers")
     g.add_argument("--cpu-optimizer-threads", type=int, default=None,
                    help="threads of each process's CPU optimizer (default: cores / processes)")
     g.add_argument("--timeline", default=None, metavar="FILE.png",
@@ -271,5 +276,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def exit_bad_input(exc: Exception) -> None:
     """One line on stderr (from rank 0 only, when several processes run), exit status 2."""
     if os.environ.get("RANK", "0") == "0":
+        details = getattr(exc, "details", "")  # e.g. the programs around a schedule's fault
+        if details:
+            print(details, file=sys.stderr)
         print(f"pretrain_llama.py: error: {exc}", file=sys.stderr)
     raise SystemExit(2)

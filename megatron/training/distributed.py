@@ -14,6 +14,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from megatron.pipeline.host_group import forget_host_group
+
 
 @dataclass(frozen=True)
 class DistInfo:
@@ -49,24 +51,8 @@ def initialize_distributed(timeout_s: float = 600.0) -> DistInfo:
     )
 
 
-_cpu_group: dist.ProcessGroup | None = None
-
-
-def cpu_process_group() -> dist.ProcessGroup | None:
-    """A group for collectives on host tensors (overflow flags, timings, parameter pushes):
-    the default group under gloo; under NCCL, which only moves device tensors, a gloo group
-    over the same ranks, created once."""
-    global _cpu_group
-    if dist.get_backend() == "gloo":
-        return None
-    if _cpu_group is None:
-        _cpu_group = dist.new_group(backend="gloo")
-    return _cpu_group
-
-
 def shutdown_distributed() -> None:
-    global _cpu_group
-    _cpu_group = None
+    forget_host_group()
     from megatron.core import parallel_state
 
     if parallel_state.model_parallel_is_initialized():

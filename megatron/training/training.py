@@ -1,25 +1,27 @@
 """The training loop: data, model, optimizer step, LR schedule, logging, metrics, checkpoints.
 
 The loop is the same for one process and for a pipeline: what differs is the `TrainStep`
-that runs one iteration over its micro-batches. `LocalTrainStep` (this file) trains the whole
-model in one process with torch's AdamW on fp32 master weights; it is also the reference the
-pipeline executor is checked against.
+that runs one iteration over its micro-batches (`LocalTrainStep`, the one-process reference,
+or `PipelineTrainStep`).
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
+import torch.distributed as dist
 
-from megatron.models.llama import Batch, LlamaConfig, LlamaModel, uses_weight_decay
-from megatron.optimizer.loss_scaler import DynamicLossScaler
+from megatron.models.llama import Batch, LlamaConfig
+from megatron.models.presets import (
+    MODEL_STATE_BYTES_PER_PARAM,
+    count_parameters,
+    count_parameters_full_mha,
+)
+from megatron.training import data as data_mod
 from megatron.training.arguments import (
     ArgumentError,
     check_writable_dir,
@@ -27,121 +29,23 @@ from megatron.training.arguments import (
     parse_args,
 )
 from megatron.training.checkpointing import CheckpointError, load_checkpoint, save_checkpoint
+from megatron.training.demo_corpus import ensure_demo_corpus
+from megatron.training.distributed import initialize_distributed, shutdown_distributed
+from megatron.training.local_step import LocalTrainStep
 from megatron.training.lr_schedule import LRSchedule
 from megatron.training.metrics import MetricsWriter, format_log_line
-
-
-def training_dtype(args: argparse.Namespace) -> torch.dtype:
-    return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
-
-
-@dataclass
-class StepResult:
-    loss: float
-    skipped: bool = False
-    grad_norm: float | None = None
-    loss_scale: float | None = None
-    extra: dict = field(default_factory=dict)  # e.g. the pipeline's time breakdown
-
-
-class TrainStep(Protocol):
-    def step(self, iteration: int, micro_batches: Sequence[Batch], lr: float,
-             weight_decay: float) -> StepResult: ...
-
-    def state_dict(self) -> dict: ...
-
-    def load_state_dict(self, state: dict) -> None: ...
-
-
-def make_loss_scaler(args: argparse.Namespace) -> DynamicLossScaler:
-    return DynamicLossScaler(args.initial_loss_scale, growth_interval=args.loss_scale_window,
-                             min_scale=args.min_loss_scale)
-
-
-class LocalTrainStep:
-    """Whole model in one process: working params in the training dtype, fp32 masters."""
-
-    def __init__(self, model_cfg: LlamaConfig, args: argparse.Namespace) -> None:
-        self.dtype = training_dtype(args)
-        # Initialize in fp32 so every precision starts from the same master weights.
-        self.model = LlamaModel(model_cfg.with_dtype(torch.float32))
-        named = [(n, p) for n, p in self.model.named_parameters()]
-        self.masters = [p.detach().clone().float() for _, p in named]
-        if self.dtype != torch.float32:
-            self.model.to(self.dtype)
-        self.params = [p for _, p in named]
-        decay = [m for (n, p), m in zip(named, self.masters) if uses_weight_decay(n, p)]
-        no_decay = [m for (n, p), m in zip(named, self.masters) if not uses_weight_decay(n, p)]
-        self.optimizer = torch.optim.AdamW(
-            [{"params": decay, "wd_mult": 1.0}, {"params": no_decay, "wd_mult": 0.0}],
-            lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
-        )
-        self.clip_grad = args.clip_grad
-        self.inject_overflow_at = args.inject_overflow[0] if args.inject_overflow else None
-        self.scaler = make_loss_scaler(args) if self.dtype == torch.float16 else None
-
-    def step(self, iteration: int, micro_batches: Sequence[Batch], lr: float,
-             weight_decay: float) -> StepResult:
-        for p in self.params:
-            p.grad = None
-        scale = self.scaler.scale if self.scaler else 1.0
-        total = 0.0
-        for batch in micro_batches:
-            loss = self.model(batch) / len(micro_batches)
-            (loss * scale).backward()
-            total += float(loss.detach())
-        if self.inject_overflow_at == iteration:
-            self.params[0].grad.view(-1)[0] = float("inf")
-        for master, p in zip(self.masters, self.params):
-            master.grad = p.grad.detach().float().div_(scale)
-        grads = [m.grad for m in self.masters]
-        norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
-        overflow = not math.isfinite(norm)
-        if self.scaler:
-            self.scaler.update(overflow)
-        if overflow:
-            return StepResult(total, skipped=True, grad_norm=norm, loss_scale=scale)
-        if self.clip_grad > 0 and norm > self.clip_grad:
-            for g in grads:
-                g.mul_(self.clip_grad / (norm + 1e-6))
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-            group["weight_decay"] = weight_decay * group["wd_mult"]
-        self.optimizer.step()
-        with torch.no_grad():
-            for master, p in zip(self.masters, self.params):
-                p.copy_(master)
-        return StepResult(total, grad_norm=norm, loss_scale=scale if self.scaler else None)
-
-    def master_state(self) -> dict[str, torch.Tensor]:
-        names = [n for n, _ in self.model.named_parameters()]
-        return dict(zip(names, self.masters))
-
-    def state_dict(self) -> dict:
-        return {
-            "model": self.master_state(),
-            "optimizer": self.optimizer.state_dict(),
-            "loss_scaler": self.scaler.state_dict() if self.scaler else None,
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        with torch.no_grad():
-            for (name, master), p in zip(self.master_state().items(), self.params):
-                master.copy_(state["model"][name])
-                p.copy_(master)
-        self.optimizer.load_state_dict(state["optimizer"])
-        if self.scaler and state.get("loss_scaler"):
-            self.scaler.load_state_dict(state["loss_scaler"])
+from megatron.training.pipeline_args import check_pipeline_args
+from megatron.training.pipeline_step import PipelineTrainStep
+from megatron.training.tokenizer import TokenizerError, load_tokenizer
+from megatron.training.train_step import TrainStep
 
 
 def iteration_micro_batches(dataset, iteration: int, args: argparse.Namespace) -> list[Batch]:
     """Micro-batches of `iteration` (1-based): a fixed slice of the sample order, so every
     process of a pipeline and every resumed run sees the same data."""
-    from megatron.training.data import micro_batch_at
-
     count = args.global_batch_size // args.micro_batch_size
     first = (iteration - 1) * count
-    return [micro_batch_at(dataset, args.micro_batch_size, first + j) for j in range(count)]
+    return [data_mod.micro_batch_at(dataset, args.micro_batch_size, first + j) for j in range(count)]
 
 
 def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> LlamaConfig:
@@ -158,12 +62,6 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> LlamaCo
 
 
 def print_model_size(args: argparse.Namespace) -> None:
-    from megatron.models.presets import (
-        MODEL_STATE_BYTES_PER_PARAM,
-        count_parameters,
-        count_parameters_full_mha,
-    )
-
     vocab = args.vocab_size or 32000
     c = count_parameters(args.num_layers, args.hidden_size, args.ffn_hidden_size,
                          args.num_attention_heads, args.num_query_groups, vocab)
@@ -181,10 +79,6 @@ def print_model_size(args: argparse.Namespace) -> None:
 
 def prepare_data(args: argparse.Namespace, log=print):
     """The tokenizer and the training dataset; the demo corpus when no --data-path."""
-    from megatron.training import data as data_mod
-    from megatron.training.demo_corpus import ensure_demo_corpus
-    from megatron.training.tokenizer import TokenizerError, load_tokenizer
-
     if args.data_path is None:
         corpus = ensure_demo_corpus(cache_dir=args.data_cache_dir, log=log)
         data_path, tokenizer_path = corpus.data_prefix, corpus.tokenizer_path
@@ -215,11 +109,15 @@ def prepare_data(args: argparse.Namespace, log=print):
     return tokenizer, dataset, vocab
 
 
-def make_train_step(args: argparse.Namespace, model_cfg: LlamaConfig, dist_info) -> TrainStep:
-    if dist_info.world_size == 1 and args.pipeline_schedule in (None, "single"):
-        return LocalTrainStep(model_cfg, args)
-    from megatron.pipeline.train_step import PipelineTrainStep
+def runs_pipeline(args: argparse.Namespace, world_size: int) -> bool:
+    """One process without a pipeline flag trains the whole model locally."""
+    return (world_size > 1 or args.pipeline_schedule not in (None, "single")
+            or args.schedule_file is not None)
 
+
+def make_train_step(args: argparse.Namespace, model_cfg: LlamaConfig, dist_info) -> TrainStep:
+    if not runs_pipeline(args, dist_info.world_size):
+        return LocalTrainStep(model_cfg, args)
     return PipelineTrainStep(model_cfg, args, dist_info)
 
 
@@ -227,12 +125,10 @@ def train(args: argparse.Namespace, dist_info, on_step=None) -> list[dict]:
     """Train with `args` in an initialized process group; returns the per-iteration
     metrics. Callable several times in one job (bench/schedules.py runs each schedule);
     `on_step(train_step)` is called once the train step is built."""
+    if runs_pipeline(args, dist_info.world_size):
+        check_pipeline_args(args, dist_info.world_size)
     if args.save:
         check_writable_dir("--save", args.save)
-    if dist_info.world_size > 1 or args.pipeline_schedule not in (None, "single"):
-        from megatron.pipeline.train_step import check_pipeline_args
-
-        check_pipeline_args(args, dist_info.world_size)
     is_logger = dist_info.rank == dist_info.world_size - 1 or dist_info.world_size == 1
     log = print if dist_info.rank == 0 else (lambda *_: None)
     metrics, step, records = None, None, []
@@ -294,8 +190,6 @@ def train(args: argparse.Namespace, dist_info, on_step=None) -> list[dict]:
             if save_now:
                 state = {"train_step": step.state_dict(), "lr_schedule": schedule.state_dict(),
                          "skipped_total": skipped_total, "args": vars(args)}
-                import torch.distributed as dist
-
                 path = save_checkpoint(args.save, iteration, state, rank=dist_info.rank,
                                        barrier=dist.barrier)
                 log(f"saved checkpoint to {path}")
@@ -317,8 +211,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.print_model_size:
         print_model_size(args)
         return 0
-    from megatron.training.distributed import initialize_distributed, shutdown_distributed
-
     try:
         dist_info = initialize_distributed()
         try:

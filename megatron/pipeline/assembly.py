@@ -1,0 +1,238 @@
+"""One rank's pipeline, assembled from a `PipelineConfig`, and one training step with it.
+
+Each process builds only the modules of the backward stages it runs, creates the
+shared-memory segments of the backward stages it owns (fp32 masters and Adam state stay in
+its host memory, in the CPU optimizer), maps the others, and runs its program through the
+`PipelineExecutor` every iteration.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+import torch
+import torch.distributed as dist
+
+from megatron.models.llama import Batch, LlamaConfig
+from megatron.offload.device import get_device
+from megatron.offload.grad_offload import GradientOffloader
+from megatron.offload.host_memory import HostBufferPool
+from megatron.offload.layout import copy_parameters_into
+from megatron.offload.param_store import ParameterStore
+from megatron.offload.prefetch import ParamDoubleBuffer
+from megatron.optimizer.async_optimizer import AsyncStageOptimizer, IterationResult
+from megatron.optimizer.cpu_adam import CPUAdamW
+from megatron.optimizer.loss_scaler import ConstantLossScaler, DynamicLossScaler, LossScaler
+from megatron.pipeline.config import PipelineConfig
+from megatron.pipeline.executor import IterationStats, PipelineExecutor
+from megatron.pipeline.host_group import host_group
+from megatron.pipeline.owner import BackwardStageOwner
+from megatron.pipeline.p2p import MessageShape, PointToPoint
+from megatron.pipeline.replicas import holds_segment, plan_replicas, push_replicas
+from megatron.pipeline.stage_modules import StageModule, build_stage_modules
+from megatron.schedules.instructions import BackwardStage
+from megatron.schedules.timeline import TimedEvent
+from megatron.schedules.validator import validate
+
+
+@dataclass
+class StepReport:
+    """One iteration of the whole pipeline, as every rank sees it."""
+
+    loss: float  # mean over micro-batches, from the rank of the last forward stage
+    result: IterationResult
+    breakdown: dict  # mean and per-rank times (the metrics' pipeline fields)
+    events: list[TimedEvent] = field(default_factory=list)  # every rank's, when recorded
+
+
+class Pipeline:
+    def __init__(self, config: PipelineConfig, model_cfg: LlamaConfig, rank: int) -> None:
+        self.config = config
+        self.rank = rank
+        self.schedule = config.schedule
+        self.dtype = config.dtype
+        self.device = get_device()
+        self.host_group = host_group()
+        needed = {b for i in range(self.schedule.forward_stages)
+                  if self.schedule.forward_rank[i] == rank
+                  for b in self.schedule.params_of(i, -1)}
+        needed.update(self.schedule.owned_by(rank))
+        self.modules = build_stage_modules(model_cfg, self.schedule.partition,
+                                           self.schedule.backward_split, needed, self.dtype)
+        self.store = ParameterStore(rank=rank, procs_per_node=config.procs_per_node)
+        self.replicas = plan_replicas(self.schedule, self.store.procs_per_node)
+        masters = self._map_segments()
+        self.cpu_adam, self.owners = self._optimizer_groups(masters)
+        self.scaler: LossScaler = ConstantLossScaler()
+        if config.loss_scaling is not None:
+            s = config.loss_scaling
+            self.scaler = DynamicLossScaler(s.initial_scale, growth_interval=s.growth_interval,
+                                            min_scale=s.min_scale)
+        self.optimizer = AsyncStageOptimizer(
+            self.cpu_adam, self.scaler, clip_grad=config.optimizer.clip_grad,
+            max_workers=max(1, min(4, self.cpu_adam.num_stages)), process_group=self.host_group)
+        self.executor = self._executor(model_cfg)
+        self.last_iteration = 0
+
+    # --- assembly ----------------------------------------------------------------------
+
+    def _map_segments(self) -> dict[BackwardStage, torch.Tensor]:
+        """Create the owned stages' segments (filled, version 0) and the replicas held for
+        other nodes, map the rest; return the owned stages' fp32 masters."""
+        owned = self.schedule.owned_by(self.rank)
+        held = holds_segment(self.replicas, self.rank)
+        created = [*owned, *held]
+        self.store.check_capacity({b: (self.modules[b].layout.numel, self.dtype) for b in created})
+        masters = {}
+        for b in owned:
+            module = self.modules[b]
+            master = torch.empty(module.layout.numel, dtype=torch.float32)
+            copy_parameters_into(module.module, replace(module.layout, dtype=torch.float32),
+                                 master)
+            self.store.create(b, module.layout.numel, self.dtype).write(master, version=0)
+            masters[b] = master
+        for b in held:  # replicas of stages owned on another node
+            self.store.create(b, self.modules[b].layout.numel, self.dtype)
+        dist.barrier()  # every segment exists before anyone maps it
+        push_replicas(self.replicas, self.store, self.rank, self.host_group)
+        for b in self.modules:
+            if b not in created:
+                self.store.attach(b, self.modules[b].layout.numel, self.dtype)
+        # Parameters live in the device slots from now on: drop the construction copies.
+        for module in self.modules.values():
+            for param in module.module.parameters():
+                param.data = torch.empty(0, dtype=self.dtype, device=self.device.torch_device)
+        return masters
+
+    def _optimizer_groups(self, masters: dict[BackwardStage, torch.Tensor]
+                          ) -> tuple[CPUAdamW, dict[BackwardStage, BackwardStageOwner]]:
+        """Two CPU AdamW groups per owned stage: decayed elements, then the others."""
+        groups, mults, owners = [], [], {}
+        for b, master in masters.items():
+            module = self.modules[b]
+            ids = []
+            for lo, hi, mult in ((0, module.decay_numel, 1.0),
+                                 (module.decay_numel, module.layout.numel, 0.0)):
+                ids.append(len(groups))
+                groups.append(master[lo:hi] if hi > lo else torch.zeros(1))
+                mults.append(mult)
+            grad = self.device.zeros(module.layout.numel, self.dtype)
+            owners[b] = BackwardStageOwner(b, grad, (ids[0], ids[1]), module.decay_numel,
+                                           self.store.get(b))
+        o = self.config.optimizer
+        adam = CPUAdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
+                        threads=o.threads, weight_decay_mults=mults)
+        return adam, owners
+
+    def _executor(self, model_cfg: LlamaConfig) -> PipelineExecutor:
+        s = self.schedule
+        slot_numel = max(m.layout.numel for m in self.modules.values())
+        slots = max(2, validate(s).peak_params[self.rank])
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        self.param_slots = ParamDoubleBuffer(self.device, slots * slot_numel * itemsize, self.dtype,
+                                      slots=slots)
+        self.host_pool = HostBufferPool(  # every owned stage's gradients, fp32 at most
+            self.device, sum(4 * owner.numel for owner in self.owners.values()) or 1)
+        offloader = GradientOffloader(self.device, self.host_pool, training_dtype=self.dtype)
+        shape = MessageShape((model_cfg.seq_length, self.config.micro_batch_size,
+                              model_cfg.hidden_size), self.dtype)
+        p2p = PointToPoint(shape, s.forward_stages, s.backward_split, s.micro_batches,
+                           self.device.torch_device)
+        return PipelineExecutor(s, self.rank, self.modules, self.store, self.device,
+                                self.param_slots, offloader, self.optimizer, self.owners, p2p,
+                                lambda: self.scaler.scale, self.config.inject_overflow)
+
+    # --- one iteration -----------------------------------------------------------------
+
+    def step(self, iteration: int, micro_batches: Sequence[Batch], lr: float,
+             weight_decay: float) -> StepReport:
+        self.cpu_adam.lr, self.cpu_adam.weight_decay = lr, weight_decay
+        batches = [{k: v.to(self.device.torch_device) for k, v in b.items()} for b in micro_batches]
+        stats = self.executor.run_iteration(
+            iteration, batches, record_timeline=iteration == self.config.record_timeline_at)
+        push_replicas(self.replicas, self.store, self.rank, self.host_group)
+        self.last_iteration = iteration
+        loss, breakdown = self._breakdown(stats)
+        events = self._gather_events(stats) if stats.events else []
+        return StepReport(loss, stats.result, breakdown, events)
+
+    def _breakdown(self, stats: IterationStats) -> tuple[float, dict]:
+        """All-reduce the loss (from the last forward stage's rank) and per-rank times."""
+        world = self.schedule.ranks
+        has_loss = self.schedule.forward_rank[-1] == self.rank
+        table = torch.zeros(world + 1, 4, dtype=torch.float64)
+        table[self.rank] = torch.tensor([stats.compute_s, stats.bubble_s,
+                                         stats.exposed_optimizer_s, stats.iteration_s])
+        table[world, 0] = stats.loss if has_loss else 0.0
+        dist.all_reduce(table, group=self.host_group)
+        per_rank = [{"rank": r, "gpu_time_s": float(table[r, 0]),
+                     "bubble_time_s": float(table[r, 1]),
+                     "exposed_optimizer_time_s": float(table[r, 2])} for r in range(world)]
+        means = table[:world].mean(dim=0)
+        return float(table[world, 0]), {
+            "gpu_time_s": float(means[0]),
+            "bubble_time_s": float(means[1]),
+            "exposed_optimizer_time_s": float(means[2]),
+            # S Eq. 1-3 (as the simulator): the share of the iteration a GPU is not computing.
+            "bubble_ratio": float((1 - table[:world, 0] / table[:world, 3]).mean()),
+            "per_rank": per_rank,
+            "schedule": self.schedule.name,
+        }
+
+    def _gather_events(self, stats: IterationStats) -> list[TimedEvent]:
+        gathered: list = [None] * self.schedule.ranks
+        dist.all_gather_object(gathered, stats.events, group=self.host_group)
+        return [e for rank_events in gathered for e in rank_events]
+
+    # --- state -------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """fp32 masters by whole-model parameter name (the one-process checkpoint's names),
+        plus the owned stages' Adam moments."""
+        model = {}
+        for b, owner in self.owners.items():
+            module = self.modules[b]
+            for name, view in zip(module.model_names(), _views(module, owner.master(self.cpu_adam))):
+                model[name] = view.clone()
+        optimizer = self.cpu_adam.state_dict()
+        return {
+            "pipeline": self.schedule.shape(),
+            "iteration": self.last_iteration,
+            "model": model,
+            "optimizer": [{"exp_avg": s["exp_avg"].clone(), "exp_avg_sq": s["exp_avg_sq"].clone(),
+                           "step": s["step"]} for s in optimizer["stages"]],
+            "loss_scaler": self.scaler.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Raises ValueError when the state was saved with another pipeline shape."""
+        if state.get("pipeline") != self.schedule.shape():
+            raise ValueError(f"checkpoint was saved with pipeline {state.get('pipeline')}, "
+                             f"this run uses {self.schedule.shape()}")
+        loaded = []
+        for b, owner in self.owners.items():
+            module = self.modules[b]
+            flat = torch.empty(owner.numel, dtype=torch.float32)
+            for name, view in zip(module.model_names(), _views(module, flat)):
+                view.copy_(state["model"][name])
+            for group, (lo, hi) in zip(owner.groups, owner.bounds()):
+                moments = state["optimizer"][group]
+                loaded.append((group, {"master": flat[lo:hi] if hi > lo else torch.zeros(1),
+                                       **moments}))
+        self.cpu_adam.load_state_dict({"stages": [s for _, s in sorted(loaded, key=lambda x: x[0])]})
+        self.scaler.load_state_dict(state["loss_scaler"])
+        self.last_iteration = int(state["iteration"])
+        for owner in self.owners.values():
+            owner.segment.write(owner.master(self.cpu_adam), version=self.last_iteration)
+        push_replicas(self.replicas, self.store, self.rank, self.host_group)
+
+    def close(self) -> None:
+        self.optimizer.close()
+        self.store.close()
+        self.device.close()
+
+
+def _views(module: StageModule, flat: torch.Tensor) -> list[torch.Tensor]:
+    """Per-parameter views of an fp32 flat buffer laid out like the stage."""
+    return replace(module.layout, dtype=flat.dtype).views(flat)

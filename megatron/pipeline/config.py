@@ -1,0 +1,67 @@
+"""The typed description of one pipeline run: everything the runtime needs, nothing else.
+
+`megatron.training` builds it from the command-line flags and validates it; nothing below
+training sees argparse. The schedule is the program every rank runs (generated, or read
+from a schedule file), already validated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatron.schedules.instructions import BackwardStage, Schedule
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    """CPU AdamW hyper-parameters at start (lr and weight decay follow the LR schedule)."""
+
+    lr: float
+    betas: tuple[float, float]
+    eps: float
+    weight_decay: float
+    clip_grad: float  # 0 disables clipping by the global norm
+    threads: int  # kernel threads of this process's CPU AdamW
+
+
+@dataclass(frozen=True)
+class LossScaling:
+    """Dynamic loss scaling (fp16 only)."""
+
+    initial_scale: float
+    growth_interval: int
+    min_scale: float
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    schedule: Schedule
+    dtype: torch.dtype  # working parameters, gradients and messages
+    micro_batch_size: int
+    optimizer: OptimizerSettings
+    loss_scaling: LossScaling | None = None  # fp16: dynamic; otherwise a constant 1
+    procs_per_node: int | None = None  # None: the launcher's LOCAL_WORLD_SIZE
+    inject_overflow: tuple[int, BackwardStage] | None = None  # testing: (iteration, stage)
+    record_timeline_at: int | None = None  # the iteration whose events are gathered
+
+    @property
+    def ranks(self) -> int:
+        return self.schedule.ranks
+
+    @property
+    def forward_stages(self) -> int:
+        return self.schedule.forward_stages
+
+    @property
+    def backward_split(self) -> int:
+        return self.schedule.backward_split
+
+    @property
+    def micro_batches(self) -> int:
+        return self.schedule.micro_batches
+
+    @property
+    def partition(self) -> tuple[int, ...]:
+        return self.schedule.partition

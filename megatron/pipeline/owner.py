@@ -1,0 +1,79 @@
+"""What the rank that owns a backward stage keeps for it, and the optimizer calls on it.
+
+The owner of backward stage (i, k) runs its backward, accumulates its parameter gradients
+in one flat device buffer, offloads them, and steps its two CPU AdamW groups (elements
+that take weight decay, then those that do not) into the stage's shared-memory segment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatron.offload.grad_offload import GradientOffloader, GradientsReady
+from megatron.offload.shm import SharedSegment
+from megatron.optimizer.async_optimizer import AsyncStageOptimizer
+from megatron.optimizer.cpu_adam import CPUAdamW
+from megatron.schedules.instructions import BackwardStage
+
+
+@dataclass
+class BackwardStageOwner:
+    """One owned backward stage: gradient buffer, optimizer groups and segment."""
+
+    backward_stage: BackwardStage
+    grad: torch.Tensor  # flat, on the device, in the training dtype
+    groups: tuple[int, int]  # CPU AdamW group of the decayed / the non-decayed elements
+    split: int  # elements [0, split) are in the first group, the rest in the second
+    segment: SharedSegment
+    offloaded: GradientsReady | None = None
+    submitted: bool = False
+
+    @property
+    def numel(self) -> int:
+        return self.grad.numel()
+
+    def bounds(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        return (0, self.split), (self.split, self.numel)
+
+    def start_iteration(self) -> None:
+        self.grad.zero_()
+        self.offloaded = None
+        self.submitted = False
+
+    def offload(self, offloader: GradientOffloader) -> None:
+        self.offloaded = offloader.offload(self.backward_stage, self.grad)
+
+    def _landed(self, what: str) -> GradientsReady:
+        if self.offloaded is None:
+            raise RuntimeError(f"{what} of backward stage {self.backward_stage} before its "
+                               "OFFLOAD_GRAD")
+        return self.offloaded
+
+    def step(self, optimizer: AsyncStageOptimizer) -> None:
+        """Submit both groups' steps; each starts when the gradients have landed."""
+        ready = self._landed("OPTIMIZER_START")
+        out = self.segment.params
+        for group, (lo, hi) in zip(self.groups, self.bounds()):
+            if hi > lo:
+                optimizer.submit(group, ready.host[lo:hi], ready=ready, out=out[lo:hi])
+        self.submitted = True
+
+    def check(self, optimizer: AsyncStageOptimizer) -> None:
+        """Submit the overflow check of both groups' gradients (no update)."""
+        ready = self._landed("the overflow check")
+        for group, (lo, hi) in zip(self.groups, self.bounds()):
+            if hi > lo:
+                optimizer.check(group, ready.host[lo:hi], ready=ready)
+
+    def master(self, adam: CPUAdamW) -> torch.Tensor:
+        """The stage's fp32 masters in layout order (its two groups, joined)."""
+        return torch.cat([adam.master(g) for g in self.groups])[:self.numel]
+
+    def publish(self, iteration: int) -> None:
+        """Give the host gradient buffer back and publish the segment's new version."""
+        if self.offloaded is not None:
+            self.offloaded.release()
+            self.offloaded = None
+        self.segment.publish(iteration)

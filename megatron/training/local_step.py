@@ -1,0 +1,92 @@
+"""The whole model in one process: the reference every pipeline is checked against.
+
+Working parameters in the training dtype, fp32 masters, torch's AdamW; the same loss
+scaling, clipping and no-decay rule as the pipeline's CPU optimizer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Sequence
+
+import torch
+
+from megatron.models.llama import Batch, LlamaConfig, LlamaModel, uses_weight_decay
+from megatron.training.train_step import StepResult, make_loss_scaler, training_dtype
+
+
+class LocalTrainStep:
+    """Whole model in one process: working params in the training dtype, fp32 masters."""
+
+    def __init__(self, model_cfg: LlamaConfig, args: argparse.Namespace) -> None:
+        self.dtype = training_dtype(args)
+        # Initialize in fp32 so every precision starts from the same master weights.
+        self.model = LlamaModel(model_cfg.with_dtype(torch.float32))
+        named = [(n, p) for n, p in self.model.named_parameters()]
+        self.masters = [p.detach().clone().float() for _, p in named]
+        if self.dtype != torch.float32:
+            self.model.to(self.dtype)
+        self.params = [p for _, p in named]
+        decay = [m for (n, p), m in zip(named, self.masters) if uses_weight_decay(n, p)]
+        no_decay = [m for (n, p), m in zip(named, self.masters) if not uses_weight_decay(n, p)]
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "wd_mult": 1.0}, {"params": no_decay, "wd_mult": 0.0}],
+            lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
+        )
+        self.clip_grad = args.clip_grad
+        self.inject_overflow_at = args.inject_overflow[0] if args.inject_overflow else None
+        self.scaler = make_loss_scaler(args) if self.dtype == torch.float16 else None
+
+    def step(self, iteration: int, micro_batches: Sequence[Batch], lr: float,
+             weight_decay: float) -> StepResult:
+        for p in self.params:
+            p.grad = None
+        scale = self.scaler.scale if self.scaler else 1.0
+        total = 0.0
+        for batch in micro_batches:
+            loss = self.model(batch) / len(micro_batches)
+            (loss * scale).backward()
+            total += float(loss.detach())
+        if self.inject_overflow_at == iteration:
+            self.params[0].grad.view(-1)[0] = float("inf")
+        for master, p in zip(self.masters, self.params):
+            master.grad = p.grad.detach().float().div_(scale)
+        grads = [m.grad for m in self.masters]
+        norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+        overflow = not math.isfinite(norm)
+        if self.scaler:
+            self.scaler.update(overflow)
+        if overflow:
+            return StepResult(total, skipped=True, grad_norm=norm, loss_scale=scale)
+        if self.clip_grad > 0 and norm > self.clip_grad:
+            for g in grads:
+                g.mul_(self.clip_grad / (norm + 1e-6))
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+            group["weight_decay"] = weight_decay * group["wd_mult"]
+        self.optimizer.step()
+        with torch.no_grad():
+            for master, p in zip(self.masters, self.params):
+                p.copy_(master)
+        return StepResult(total, grad_norm=norm, loss_scale=scale if self.scaler else None)
+
+    def master_state(self) -> dict[str, torch.Tensor]:
+        names = [n for n, _ in self.model.named_parameters()]
+        return dict(zip(names, self.masters))
+
+    def state_dict(self) -> dict:
+        return {
+            "model": self.master_state(),
+            "optimizer": self.optimizer.state_dict(),
+            "loss_scaler": self.scaler.state_dict() if self.scaler else None,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        with torch.no_grad():
+            for (name, master), p in zip(self.master_state().items(), self.params):
+                master.copy_(state["model"][name])
+                p.copy_(master)
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scaler and state.get("loss_scaler"):
+            self.scaler.load_state_dict(state["loss_scaler"])

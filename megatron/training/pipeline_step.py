@@ -1,0 +1,82 @@
+"""The pipeline as the training loop's `TrainStep`: flags -> config -> `Pipeline`.
+
+Everything the runtime needs comes from `pipeline_config(args)`; this adapter turns each
+iteration's report into the loop's StepResult and writes the measured timeline files.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+import torch
+
+from megatron.models.llama import Batch, LlamaConfig
+from megatron.models.presets import ModelPreset
+from megatron.pipeline.assembly import Pipeline
+from megatron.schedules.cost_model import backward_stage_params, calibrated_costs
+from megatron.schedules.simulator import SimResult, simulate
+from megatron.schedules.timeline import read_chrome_trace, write_chrome_trace, write_timeline_png
+from megatron.training.checkpointing import CheckpointError
+from megatron.training.pipeline_args import pipeline_config
+from megatron.training.train_step import StepResult
+
+
+class PipelineTrainStep:
+    def __init__(self, model_cfg: LlamaConfig, args: argparse.Namespace, dist_info) -> None:
+        self.rank = dist_info.rank
+        self.model_cfg = model_cfg
+        self.config = pipeline_config(args, dist_info.world_size, model_cfg.vocab_size)
+        self.timeline_paths = (args.timeline, args.trace)
+        self.pipeline = Pipeline(self.config, model_cfg, self.rank)
+
+    @property
+    def schedule(self):
+        return self.config.schedule
+
+    def step(self, iteration: int, micro_batches: Sequence[Batch], lr: float,
+             weight_decay: float) -> StepResult:
+        report = self.pipeline.step(iteration, micro_batches, lr, weight_decay)
+        if report.events and self.rank == 0:
+            self._write_timeline(report.events)
+        r = report.result
+        fp16 = self.config.dtype == torch.float16
+        return StepResult(report.loss, skipped=r.skipped, grad_norm=r.grad_norm,
+                          loss_scale=r.loss_scale if fp16 else None, extra=report.breakdown)
+
+    def _write_timeline(self, events: list) -> None:
+        s = self.config.schedule
+        title = (f"measured: {s.name}, {s.ranks} ranks, {s.forward_stages} forward stages, "
+                 f"d={s.backward_split}, {s.micro_batches} micro-batches")
+        png, trace = self.timeline_paths
+        if png:
+            write_timeline_png(events, png, title=title)
+        if trace:
+            write_chrome_trace(events, trace)
+
+    def state_dict(self) -> dict:
+        return self.pipeline.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        try:
+            self.pipeline.load_state_dict(state)
+        except ValueError as exc:
+            raise CheckpointError(str(exc)) from None
+
+    def close(self) -> None:
+        self.pipeline.close()
+
+
+def simulate_measured(step: PipelineTrainStep, trace_path: str, optimizer_s_per_param: float,
+                      copy_s_per_byte: float) -> SimResult:
+    """The simulator's prediction for `step`'s run, with a cost model calibrated from the
+    iteration it traced (`--trace`) and the measured optimizer and copy rates."""
+    cfg, schedule = step.model_cfg, step.config.schedule
+    model = ModelPreset("run", cfg.num_layers, cfg.hidden_size, cfg.ffn_hidden_size,
+                        cfg.num_attention_heads, cfg.num_query_groups, cfg.seq_length,
+                        cfg.vocab_size)
+    params = backward_stage_params(model, schedule.partition, schedule.backward_split)
+    itemsize = torch.empty((), dtype=step.config.dtype).element_size()
+    costs = calibrated_costs(schedule, read_chrome_trace(trace_path), params, itemsize,
+                             optimizer_s_per_param, copy_s_per_byte)
+    return simulate(schedule, costs)

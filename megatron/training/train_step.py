@@ -1,0 +1,43 @@
+"""What the training loop asks of one iteration, whoever runs it: `TrainStep` and its result.
+
+`LocalTrainStep` (one process) and `PipelineTrainStep` (the pipeline runtime) implement it.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from megatron.models.llama import Batch
+from megatron.optimizer.loss_scaler import DynamicLossScaler
+
+
+def training_dtype(args: argparse.Namespace) -> torch.dtype:
+    return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+
+
+@dataclass
+class StepResult:
+    loss: float
+    skipped: bool = False
+    grad_norm: float | None = None
+    loss_scale: float | None = None
+    extra: dict = field(default_factory=dict)  # e.g. the pipeline's time breakdown
+
+
+class TrainStep(Protocol):
+    def step(self, iteration: int, micro_batches: Sequence[Batch], lr: float,
+             weight_decay: float) -> StepResult: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+def make_loss_scaler(args: argparse.Namespace) -> DynamicLossScaler:
+    return DynamicLossScaler(args.initial_loss_scale, growth_interval=args.loss_scale_window,
+                             min_scale=args.min_loss_scale)

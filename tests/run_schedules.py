@@ -1,0 +1,45 @@
+"""Test harness: several schedules in one torchrun job, so the suite pays the start-up once.
+
+    torchrun --nproc-per-node N tests/run_schedules.py --out-dir DIR --schedules a,b \
+        [pretrain_llama.py flags]
+
+Each schedule trains from the same initial weights through the library's `train()`; its
+metrics, final checkpoint and the last iteration's trace go to DIR/<schedule>/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron.training.arguments import parse_args  # noqa: E402
+from megatron.training.distributed import initialize_distributed, shutdown_distributed  # noqa: E402
+from megatron.training.pipeline_args import args_for_schedule  # noqa: E402
+from megatron.training.training import train  # noqa: E402
+
+
+def main() -> int:
+    own = argparse.ArgumentParser(add_help=False)
+    own.add_argument("--out-dir", required=True)
+    own.add_argument("--schedules", required=True)
+    harness, rest = own.parse_known_args()
+    base = parse_args(rest)
+    dist_info = initialize_distributed()
+    try:
+        for name in harness.schedules.split(","):
+            args = args_for_schedule(base, name)
+            out = os.path.join(harness.out_dir, name)
+            args.metrics_file = os.path.join(out, "metrics.jsonl")
+            args.save = os.path.join(out, "ckpt")
+            args.trace = os.path.join(out, "trace.json")
+            train(args, dist_info)
+    finally:
+        shutdown_distributed()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
