@@ -67,11 +67,11 @@ def ours_step(
     out = torch.empty(n, dtype=dtype)
 
     def step() -> None:
-        opt.step_stage(0, grad, inv_scale=INV_SCALE, out=out)
+        opt.step_group(0, grad, inv_scale=INV_SCALE, out=out)
         if rollback:
-            opt.rollback_stage(0)
+            opt.rollback_group(0)
         else:
-            opt.commit_stage(0)
+            opt.commit_group(0)
 
     return step
 

@@ -29,19 +29,19 @@ def opt():
 )
 def test_bad_gradient(opt, grad, match):
     with pytest.raises((ValueError, TypeError), match=match):
-        opt.step_stage(0, grad)
+        opt.step_group(0, grad)
 
 
-def test_bad_working_copy_scale_and_stage(opt):
+def test_bad_working_copy_scale_and_group(opt):
     with pytest.raises(ValueError, match="out has dtype torch.int8"):
-        opt.step_stage(0, torch.zeros(10), out=torch.zeros(10, dtype=torch.int8))
+        opt.step_group(0, torch.zeros(10), out=torch.zeros(10, dtype=torch.int8))
     with pytest.raises(ValueError, match="inv_scale=0.0 must be > 0"):
-        opt.step_stage(0, torch.zeros(10), inv_scale=0.0)
-    with pytest.raises(IndexError, match="stage=3 out of range"):
-        opt.step_stage(3, torch.zeros(10))
+        opt.step_group(0, torch.zeros(10), inv_scale=0.0)
+    with pytest.raises(IndexError, match="group=3 out of range"):
+        opt.step_group(3, torch.zeros(10))
     opt.weight_decay, opt.lr = 2.0, 0.5
-    with pytest.raises(ValueError, match=r"lr\*weight_decay=1.0 for stage 0 must lie in \[0, 1\)"):
-        opt.step_stage(0, torch.zeros(10))
+    with pytest.raises(ValueError, match=r"lr\*weight_decay=1.0 for group 0 must lie in \[0, 1\)"):
+        opt.step_group(0, torch.zeros(10))
     assert opt.step_count(0) == 0
 
 
@@ -69,16 +69,16 @@ def test_pinned_threads_give_the_same_result_and_leave_the_caller_unpinned():
     affinity_before = os.sched_getaffinity(0)
     pinned = CPUAdamW([p0], threads=2, cores=cores[:1])
     free = CPUAdamW([p0], threads=2)
-    pinned.step_stage(0, g)
-    free.step_stage(0, g)
+    pinned.step_group(0, g)
+    free.step_group(0, g)
     assert torch.equal(pinned.master(0), free.master(0))
     assert os.sched_getaffinity(0) == affinity_before
 
 
-def test_empty_stage_is_a_valid_no_op():
+def test_empty_group_is_a_valid_no_op():
     opt = CPUAdamW([torch.zeros(0)], threads=2, cores=usable_cores()[:1])
-    assert opt.step_stage(0, torch.zeros(0)).updated
-    opt.rollback_stage(0)
+    assert opt.step_group(0, torch.zeros(0)).updated
+    opt.rollback_group(0)
 
 
 def test_check_gradient_rejects_other_dtypes():

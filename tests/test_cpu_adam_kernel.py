@@ -39,7 +39,7 @@ def test_twenty_steps_match_torch_adamw(isa, n, grad_dtype, weight_decay):
     opt = CPUAdamW([p0], lr=1e-3, weight_decay=weight_decay, threads=2, isa=isa)
     out = torch.empty(n, dtype=out_dtype)
     for g in grads:
-        assert opt.step_stage(0, g, out=out).updated
+        assert opt.step_group(0, g, out=out).updated
     p, m, v = torch_adamw_run(p0, grads, 1e-3, weight_decay)
     assert rel_err(opt.master(0), p) < 1e-6
     assert rel_err(opt.exp_avg(0), m) < 1e-6
@@ -56,7 +56,7 @@ def test_working_copy_is_torch_rounding_of_master(out_dtype):
     p0 = torch.randn(n, generator=gen) * torch.logspace(-7, 4, n)
     opt = CPUAdamW([p0], lr=1e-2, threads=1)
     out = torch.empty(n, dtype=out_dtype)
-    opt.step_stage(0, torch.randn(n, generator=gen), out=out)
+    opt.step_group(0, torch.randn(n, generator=gen), out=out)
     assert torch.equal(out, opt.master(0).to(out_dtype))
 
 
@@ -71,7 +71,7 @@ def test_every_isa_and_thread_count_gives_identical_bits():
             opt = CPUAdamW([p0], lr=1e-3, weight_decay=0.1, threads=threads, isa=isa)
             out = torch.empty(n, dtype=torch.float16)
             for g in grads:
-                opt.step_stage(0, g, inv_scale=0.5, out=out)
+                opt.step_group(0, g, inv_scale=0.5, out=out)
             finals.append((isa, threads, opt.master(0), opt.exp_avg(0), opt.exp_avg_sq(0), out))
     for isa, threads, *tensors in finals[1:]:
         for a, b in zip(tensors, finals[0][2:]):
@@ -84,7 +84,7 @@ def test_unscaling_and_sum_of_squares():
     g = (torch.randn(n, generator=gen) * 1024).to(torch.bfloat16)
     p0 = torch.randn(n, generator=gen)
     opt = CPUAdamW([p0], lr=1e-3, threads=2)
-    result = opt.step_stage(0, g, inv_scale=1 / 1024)
+    result = opt.step_group(0, g, inv_scale=1 / 1024)
     expected_sq = (g.double() / 1024).pow(2).sum().item()
     assert result.grad_sq_sum == pytest.approx(expected_sq, rel=1e-5)
     p, m, v = torch_adamw_run(p0, [g.float() / 1024], 1e-3, 0.0)
@@ -102,11 +102,11 @@ def test_non_finite_gradient_leaves_state_unchanged(isa, bad, where):
     p0 = torch.randn(n, generator=gen)
     opt = CPUAdamW([p0], lr=1e-3, weight_decay=0.1, threads=2, exact_rollback=True, isa=isa)
     out = torch.empty(n, dtype=torch.bfloat16)
-    opt.step_stage(0, torch.randn(n, generator=gen).to(torch.bfloat16), out=out)
+    opt.step_group(0, torch.randn(n, generator=gen).to(torch.bfloat16), out=out)
     before = [t.clone() for t in (opt.master(0), opt.exp_avg(0), opt.exp_avg_sq(0), out)]
     g = torch.randn(n, generator=gen).to(torch.bfloat16)
     g[where] = bad
-    result = opt.step_stage(0, g, out=out)
+    result = opt.step_group(0, g, out=out)
     assert not result.updated and result.grad_sq_sum == float("inf")
     for a, b in zip((opt.master(0), opt.exp_avg(0), opt.exp_avg_sq(0), out), before):
         assert torch.equal(a, b)
@@ -129,9 +129,9 @@ def test_per_group_weight_decay_factor_matches_torch_param_groups():
     ref = torch.optim.AdamW([{"params": [params[0]], "weight_decay": 0.1},
                              {"params": [params[1]], "weight_decay": 0.0}], lr=1e-2)
     for step_grads in grads:
-        for stage, g in enumerate(step_grads):
-            opt.step_stage(stage, g)
-            params[stage].grad = g
+        for group, g in enumerate(step_grads):
+            opt.step_group(group, g)
+            params[group].grad = g
         ref.step()
-    for stage, p in enumerate(params):
-        assert rel_err(opt.master(stage), p.detach()) < 1e-6
+    for group, p in enumerate(params):
+        assert rel_err(opt.master(group), p.detach()) < 1e-6

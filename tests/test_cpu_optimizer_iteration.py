@@ -1,4 +1,4 @@
-"""One optimizer step per iteration over several stages: post-step validation, rollback,
+"""One optimizer step per iteration over several groups: post-step validation, rollback,
 loss-scale backoff, the synchronous baseline, clipping, failures, several ranks."""
 
 import os
@@ -11,11 +11,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from megatron.optimizer import (
-    AsyncStageOptimizer,
+    AsyncGroupOptimizer,
     ConstantLossScaler,
     CPUAdamW,
     DynamicLossScaler,
-    StageTaskError,
+    GroupTaskError,
 )
 
 SIZES = (5000, 7001, 3000)
@@ -26,22 +26,22 @@ def make(exact=True, mode="async", scale=2.0**10, **kwargs):
     adam = CPUAdamW([torch.randn(n, generator=gen) for n in SIZES], lr=1e-2, weight_decay=0.1,
                     threads=2, exact_rollback=exact)
     scaler = DynamicLossScaler(scale, growth_interval=1000)
-    return AsyncStageOptimizer(adam, scaler, mode=mode, **kwargs)
+    return AsyncGroupOptimizer(adam, scaler, mode=mode, **kwargs)
 
 
-def grads_for(iteration, scale, bad_stage=None):
+def grads_for(iteration, scale, bad_group=None):
     gen = torch.Generator().manual_seed(100 + iteration)
     grads = [(torch.randn(n, generator=gen) * scale).half() for n in SIZES]
-    if bad_stage is not None:
-        grads[bad_stage][17] = float("inf")
+    if bad_group is not None:
+        grads[bad_group][17] = float("inf")
     return grads
 
 
 def run_iteration(opt, grads, outs):
-    """Submit stages in backward order; each gradient 'lands' from another thread."""
+    """Submit groups in backward order; each gradient 'lands' from another thread."""
     landed = [threading.Event() for _ in grads]
-    for stage in reversed(range(len(grads))):
-        opt.submit(stage, grads[stage], ready=landed[stage], out=outs[stage])
+    for group in reversed(range(len(grads))):
+        opt.submit(group, grads[group], ready=landed[group], out=outs[group])
     lander = threading.Thread(target=lambda: [e.set() for e in reversed(landed)])
     lander.start()
     lander.join()
@@ -50,7 +50,7 @@ def run_iteration(opt, grads, outs):
 
 def snapshot(opt, outs):
     a = opt.optimizer
-    return [t.clone() for s in range(a.num_stages)
+    return [t.clone() for s in range(a.num_groups)
             for t in (a.master(s), a.exp_avg(s), a.exp_avg_sq(s))] + [o.clone() for o in outs]
 
 
@@ -61,16 +61,16 @@ def same(xs, ys, exact):
 
 
 @pytest.mark.parametrize("exact", [True, False])
-def test_injected_overflow_rolls_back_every_stage_and_backs_off(exact):
+def test_injected_overflow_rolls_back_every_group_and_backs_off(exact):
     opt = make(exact)
     outs = [torch.empty(n, dtype=torch.float16) for n in SIZES]
     with opt:
         assert not run_iteration(opt, grads_for(1, 2.0**10), outs).skipped
         before = snapshot(opt, outs)
-        result = run_iteration(opt, grads_for(2, 2.0**10, bad_stage=1), outs)
+        result = run_iteration(opt, grads_for(2, 2.0**10, bad_group=1), outs)
         assert result.skipped and result.mode == "async"
-        assert result.overflow_stages == (1,)
-        assert result.rolled_back_stages == (0, 2)
+        assert result.overflow_groups == (1,)
+        assert result.rolled_back_groups == (0, 2)
         assert opt.scaler.scale == 2.0**9
         assert same(snapshot(opt, outs), before, exact)
         assert [opt.optimizer.step_count(s) for s in range(3)] == [1, 1, 1]
@@ -138,7 +138,7 @@ def test_bf16_and_fp32_training_without_scaling():
     for grad_dtype in (torch.bfloat16, torch.float32):
         adam = CPUAdamW([torch.ones(100)], lr=0.1, threads=1)
         out = torch.zeros(100, dtype=grad_dtype)
-        with AsyncStageOptimizer(adam, ConstantLossScaler()) as opt:
+        with AsyncGroupOptimizer(adam, ConstantLossScaler()) as opt:
             opt.submit(0, torch.full((100,), 2.0, dtype=grad_dtype), out=out)
             result = opt.finish_iteration()
         assert result.loss_scale == 1.0 and result.grad_norm == pytest.approx(20.0)
@@ -147,7 +147,7 @@ def test_bf16_and_fp32_training_without_scaling():
         assert torch.equal(out, adam.master(0).to(grad_dtype))
 
 
-def test_a_failed_stage_task_changes_nothing_and_names_the_stage():
+def test_a_failed_group_task_changes_nothing_and_names_the_group():
     opt = make()
     outs = [torch.empty(n, dtype=torch.float16) for n in SIZES]
     with opt:
@@ -161,7 +161,7 @@ def test_a_failed_stage_task_changes_nothing_and_names_the_stage():
         opt.submit(0, grads[0], out=outs[0])
         opt.submit(1, grads[1], ready=lost_gradient, out=outs[1])
         opt.submit(2, grads[2], out=outs[2])
-        with pytest.raises(StageTaskError, match="stage 1.*gradient copy failed"):
+        with pytest.raises(GroupTaskError, match="group 1.*gradient copy failed"):
             opt.finish_iteration()
         assert same(snapshot(opt, outs), before, exact=True)
         assert not run_iteration(opt, grads, outs).skipped  # still usable
@@ -171,13 +171,13 @@ def test_bad_submission_fails_in_the_caller():
     with make() as opt:
         with pytest.raises(ValueError, match="grad has 4 elements; expected 5000"):
             opt.submit(0, torch.zeros(4))
-        with pytest.raises(IndexError, match="stage=7 out of range"):
+        with pytest.raises(IndexError, match="group=7 out of range"):
             opt.submit(7, torch.zeros(4))
         opt.submit(0, torch.zeros(5000))
-        with pytest.raises(ValueError, match="stage 0 was already submitted"):
+        with pytest.raises(ValueError, match="group 0 was already submitted"):
             opt.submit(0, torch.zeros(5000))
         with pytest.raises(ValueError, match="mode='eager'"):
-            AsyncStageOptimizer(opt.optimizer, opt.scaler, mode="eager")
+            AsyncGroupOptimizer(opt.optimizer, opt.scaler, mode="eager")
 
 
 def _rank_main(rank, port, results):
@@ -188,14 +188,14 @@ def _rank_main(rank, port, results):
         adam = CPUAdamW([torch.randn(1000, generator=gen) for _ in range(2)], threads=1,
                         exact_rollback=True)
         before = [adam.master(s).clone() for s in range(2)]
-        with AsyncStageOptimizer(adam, DynamicLossScaler(2.0**8)) as opt:
-            for stage in (1, 0):
+        with AsyncGroupOptimizer(adam, DynamicLossScaler(2.0**8)) as opt:
+            for group in (1, 0):
                 g = torch.randn(1000, generator=gen).half()
-                if rank == 1 and stage == 0:
+                if rank == 1 and group == 0:
                     g[3] = float("nan")
-                opt.submit(stage, g)
+                opt.submit(group, g)
             result = opt.finish_iteration()
-        results[rank] = (result.skipped, result.rolled_back_stages, opt.scaler.scale,
+        results[rank] = (result.skipped, result.rolled_back_groups, opt.scaler.scale,
                          all(torch.equal(adam.master(s), before[s]) for s in range(2)))
     finally:
         dist.destroy_process_group()

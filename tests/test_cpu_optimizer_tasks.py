@@ -1,77 +1,77 @@
-"""The per-stage task runner: real overlap, wait_all semantics, errors, shutdown."""
+"""The per-group task runner: real overlap, wait_all semantics, errors, shutdown."""
 
 import threading
 import time
 
 import pytest
 
-from megatron.optimizer import StageTaskError, StageTaskRunner
+from megatron.optimizer import GroupTaskError, GroupTaskRunner
 
 
 def runner_threads():
     return [t for t in threading.enumerate() if t.name.startswith("cpu-optimizer")]
 
 
-def test_caller_keeps_working_while_stage_tasks_wait_and_run():
+def test_caller_keeps_working_while_group_tasks_wait_and_run():
     landed = [threading.Event() for _ in range(3)]
     started = [threading.Event() for _ in range(3)]
     release = [threading.Event() for _ in range(3)]
 
-    def task(stage):
-        started[stage].set()
-        assert release[stage].wait(10)
-        return stage
+    def task(group):
+        started[group].set()
+        assert release[group].wait(10)
+        return group
 
-    with StageTaskRunner(max_workers=3) as runner:
-        for stage in range(3):
-            runner.submit(stage, lambda s=stage: task(s), landed[stage])
-        for stage in (2, 0, 1):  # gradients land in any order
-            assert not started[stage].is_set()  # a task waits for its own gradient
-            landed[stage].set()
-            assert started[stage].wait(10)
-            # the caller is running here while the stage's task is in the middle of its step
-            assert runner.pending_stages == [0, 1, 2]
-            release[stage].set()
+    with GroupTaskRunner(max_workers=3) as runner:
+        for group in range(3):
+            runner.submit(group, lambda s=group: task(s), landed[group])
+        for group in (2, 0, 1):  # gradients land in any order
+            assert not started[group].is_set()  # a task waits for its own gradient
+            landed[group].set()
+            assert started[group].wait(10)
+            # the caller is running here while the group's task is in the middle of its step
+            assert runner.pending_groups == [0, 1, 2]
+            release[group].set()
         assert runner.wait_all() == {0: 0, 1: 1, 2: 2}
 
 
 def test_wait_all_returns_only_after_every_task():
     done = []
-    with StageTaskRunner(max_workers=2) as runner:
-        for stage, delay in enumerate((0.05, 0.0, 0.1, 0.02)):
-            runner.submit(stage, lambda s=stage, d=delay: time.sleep(d) or done.append(s))
+    with GroupTaskRunner(max_workers=2) as runner:
+        for group, delay in enumerate((0.05, 0.0, 0.1, 0.02)):
+            runner.submit(group, lambda s=group, d=delay: time.sleep(d) or done.append(s))
         runner.wait_all()
         assert sorted(done) == [0, 1, 2, 3]
-        assert runner.pending_stages == []
+        assert runner.pending_groups == []
 
 
-def test_exception_in_a_task_names_the_stage_and_keeps_the_others_results():
-    with StageTaskRunner(max_workers=2) as runner:
+def test_exception_in_a_task_names_the_group_and_keeps_the_others_results():
+    with GroupTaskRunner(max_workers=2) as runner:
         runner.submit(0, lambda: "fine")
         runner.submit(3, lambda: 1 / 0)
-        with pytest.raises(StageTaskError, match="stage 3.*ZeroDivisionError") as info:
+        with pytest.raises(GroupTaskError, match="group 3.*ZeroDivisionError") as info:
             runner.wait_all()
-    assert info.value.stage == 3
+    assert info.value.group == 3
     assert isinstance(info.value.__cause__, ZeroDivisionError)
     assert info.value.results == {0: "fine"}
 
 
-def test_failing_ready_signal_surfaces_as_the_stage_error():
+def test_failing_ready_signal_surfaces_as_the_group_error():
     def landing_failed():
         raise OSError("copy engine died")
 
-    with StageTaskRunner() as runner:
+    with GroupTaskRunner() as runner:
         runner.submit(5, lambda: None, landing_failed)
-        with pytest.raises(StageTaskError, match="stage 5.*copy engine died"):
+        with pytest.raises(GroupTaskError, match="group 5.*copy engine died"):
             runner.wait_all()
 
 
 def test_no_thread_survives_close():
     before = len(runner_threads())
-    runner = StageTaskRunner(max_workers=3)
+    runner = GroupTaskRunner(max_workers=3)
     gate = threading.Event()
-    for stage in range(3):
-        runner.submit(stage, lambda: time.sleep(0.01), gate)
+    for group in range(3):
+        runner.submit(group, lambda: time.sleep(0.01), gate)
     assert len(runner_threads()) > before
     gate.set()
     runner.close()
@@ -80,9 +80,9 @@ def test_no_thread_survives_close():
         runner.submit(0, lambda: None)
 
 
-def test_one_task_per_stage_per_round():
-    with StageTaskRunner() as runner:
+def test_one_task_per_group_per_round():
+    with GroupTaskRunner() as runner:
         runner.submit(1, lambda: None)
-        with pytest.raises(ValueError, match="stage 1 already has a task"):
+        with pytest.raises(ValueError, match="group 1 already has a task"):
             runner.submit(1, lambda: None)
         runner.wait_all()

@@ -1,21 +1,22 @@
-"""CPU optimizer of the GPU-CPU pipeline (S 3.2): the C++ AdamW kernel's Python layer,
-per-stage asynchronous tasks, loss scaling, post-step validation and rollback."""
+"""CPU optimizer of the GPU-CPU pipeline (S 3.2): the C++ AdamW kernel's Python layer over
+optimizer groups, per-group asynchronous tasks, loss scaling, post-step validation and
+rollback."""
 
-from megatron.optimizer.async_optimizer import AsyncStageOptimizer, IterationResult
-from megatron.optimizer.cpu_adam import CPUAdamW, StageStepResult, available_isas, check_gradient
+from megatron.optimizer.cpu_adam import CPUAdamW, GroupStepResult, available_isas, check_gradient
+from megatron.optimizer.group_optimizer import AsyncGroupOptimizer, IterationResult
+from megatron.optimizer.group_tasks import GroupTaskError, GroupTaskRunner
 from megatron.optimizer.loss_scaler import ConstantLossScaler, DynamicLossScaler, LossScaler
-from megatron.optimizer.stage_tasks import StageTaskError, StageTaskRunner
 
 __all__ = [
-    "AsyncStageOptimizer",
+    "AsyncGroupOptimizer",
     "CPUAdamW",
     "ConstantLossScaler",
     "DynamicLossScaler",
+    "GroupStepResult",
+    "GroupTaskError",
+    "GroupTaskRunner",
     "IterationResult",
     "LossScaler",
-    "StageStepResult",
-    "StageTaskError",
-    "StageTaskRunner",
     "available_isas",
     "check_gradient",
 ]

@@ -1,7 +1,7 @@
 """CPUAdamW: fp32 master weights and Adam moments for flat parameter groups, stepped by
 the C++ kernel (csrc/, bound as megatron.optimizer._cpu_adam).
 
-One group per backward stage. A step reads the stage's gradient (fp32, fp16 or bf16),
+A group is a flat run of parameters with its own fp32 master, m and v (the pipeline gives each backward stage two: weight-decayed elements, then the others). A step reads the group's gradient (fp32, fp16 or bf16),
 unscales it, checks it, applies AdamW and writes the working copy (bf16, fp16 or fp32)
 in one pass over memory. A group whose gradient holds a non-finite value is left as it
 was. A group that was updated can be rolled back: by the arithmetic inverse of AdamW
@@ -30,10 +30,10 @@ _DTYPE_CODES = {torch.float32: _kernel.F32, torch.float16: _kernel.F16, torch.bf
 
 
 @dataclass(frozen=True)
-class StageStepResult:
-    """What one stage's step did: `updated` is False when its gradient was not finite."""
+class GroupStepResult:
+    """What one group's step did: `updated` is False when its gradient was not finite."""
 
-    stage: int
+    group: int
     updated: bool
     grad_sq_sum: float  # sum of squares of the unscaled gradient (inf when not finite)
 
@@ -96,7 +96,7 @@ class CPUAdamW:
     """AdamW (decoupled weight decay, bias correction; torch.optim.AdamW's arithmetic)
     over flat fp32 groups held in host memory.
 
-    params: one flat tensor per group (backward stage), copied into fp32 masters.
+    params: one flat tensor per group, copied into fp32 masters.
     threads: kernel threads per step (default: all usable cores).
     cores: pin the kernel threads to these cores (thread i -> cores[i % len]).
     exact_rollback: snapshot the state each step changes so rollback is bit-exact.
@@ -171,40 +171,40 @@ class CPUAdamW:
     # --- state -------------------------------------------------------------------------
 
     @property
-    def num_stages(self) -> int:
+    def num_groups(self) -> int:
         return len(self._master)
 
-    def master(self, stage: int) -> torch.Tensor:
-        return self._master[self._index(stage)]
+    def master(self, group: int) -> torch.Tensor:
+        return self._master[self._index(group)]
 
-    def exp_avg(self, stage: int) -> torch.Tensor:
-        return self._exp_avg[self._index(stage)]
+    def exp_avg(self, group: int) -> torch.Tensor:
+        return self._exp_avg[self._index(group)]
 
-    def exp_avg_sq(self, stage: int) -> torch.Tensor:
-        return self._exp_avg_sq[self._index(stage)]
+    def exp_avg_sq(self, group: int) -> torch.Tensor:
+        return self._exp_avg_sq[self._index(group)]
 
-    def step_count(self, stage: int) -> int:
-        return self._steps[self._index(stage)]
+    def step_count(self, group: int) -> int:
+        return self._steps[self._index(group)]
 
     def state_dict(self) -> dict:
         """Checkpointable state (tensors are the live buffers: copy before mutating)."""
         return {
             "hyper": {"lr": self.lr, "betas": self.betas, "eps": self.eps,
                       "weight_decay": self.weight_decay},
-            "stages": [
+            "groups": [
                 {"master": p, "exp_avg": m, "exp_avg_sq": v, "step": t}
                 for p, m, v, t in zip(self._master, self._exp_avg, self._exp_avg_sq, self._steps)
             ],
         }
 
     def load_state_dict(self, state: dict) -> None:
-        stages = state["stages"]
-        if len(stages) != self.num_stages:
-            raise ValueError(f"state has {len(stages)} stages; this optimizer has {self.num_stages}")
-        for i, s in enumerate(stages):
+        groups = state["groups"]
+        if len(groups) != self.num_groups:
+            raise ValueError(f"state has {len(groups)} groups; this optimizer has {self.num_groups}")
+        for i, s in enumerate(groups):
             for key, own in (("master", self._master[i]), ("exp_avg", self._exp_avg[i]),
                              ("exp_avg_sq", self._exp_avg_sq[i])):
-                _check_flat(f"stages[{i}][{key!r}]", s[key], own.numel(), [torch.float32])
+                _check_flat(f"groups[{i}][{key!r}]", s[key], own.numel(), [torch.float32])
             self._master[i].copy_(s["master"])
             self._exp_avg[i].copy_(s["exp_avg"])
             self._exp_avg_sq[i].copy_(s["exp_avg_sq"])
@@ -216,24 +216,24 @@ class CPUAdamW:
 
     # --- steps -------------------------------------------------------------------------
 
-    def step_stage(
+    def step_group(
         self,
-        stage: int,
+        group: int,
         grad: torch.Tensor,
         *,
         inv_scale: float = 1.0,
         out: torch.Tensor | None = None,
-    ) -> StageStepResult:
-        """One AdamW step of `stage` with grad * inv_scale; writes the updated parameters
-        into `out` (bf16, fp16 or fp32) when given. Leaves the stage unchanged when the
+    ) -> GroupStepResult:
+        """One AdamW step of `group` with grad * inv_scale; writes the updated parameters
+        into `out` (bf16, fp16 or fp32) when given. Leaves the group unchanged when the
         unscaled gradient is not finite. Keep `grad` and `out` untouched until the step is
         committed or rolled back."""
-        i = self.check_inputs(stage, grad, out)
+        i = self.check_inputs(group, grad, out)
         if not inv_scale > 0.0:
             raise ValueError(f"inv_scale={inv_scale} must be > 0")
         weight_decay = self.weight_decay * self.weight_decay_mults[i]
         if not 0.0 <= self.lr * weight_decay < 1.0:  # 1 - lr*wd divides in the inverse
-            raise ValueError(f"lr*weight_decay={self.lr * weight_decay} for stage {i} must lie in [0, 1)")
+            raise ValueError(f"lr*weight_decay={self.lr * weight_decay} for group {i} must lie in [0, 1)")
         record = _StepRecord(grad, out, float(inv_scale), self.lr, weight_decay, self._steps[i] + 1)
         finite, sq = _kernel.step(**self._kernel_args(i, record))
         if finite:
@@ -241,33 +241,33 @@ class CPUAdamW:
             self._last[i] = record
         else:
             self._last[i] = None
-        return StageStepResult(stage=i, updated=bool(finite), grad_sq_sum=float(sq))
+        return GroupStepResult(group=i, updated=bool(finite), grad_sq_sum=float(sq))
 
-    def check_inputs(self, stage: int, grad: torch.Tensor, out: torch.Tensor | None = None) -> int:
-        """Raises a one-line error unless grad (and out) fit the stage; returns its index."""
-        i = self._index(stage)
+    def check_inputs(self, group: int, grad: torch.Tensor, out: torch.Tensor | None = None) -> int:
+        """Raises a one-line error unless grad (and out) fit the group; returns its index."""
+        i = self._index(group)
         n = self._master[i].numel()
         _check_flat("grad", grad, n, list(_DTYPE_CODES))
         if out is not None:
             _check_flat("out", out, n, list(_DTYPE_CODES))
         return i
 
-    def rollback_stage(self, stage: int) -> None:
-        """Undo the stage's last update (p, m, v, the step count and the working copy)."""
-        i = self._index(stage)
+    def rollback_group(self, group: int) -> None:
+        """Undo the group's last update (p, m, v, the step count and the working copy)."""
+        i = self._index(group)
         record = self._last[i]
         if record is None:
-            raise RuntimeError(f"stage {i} has no update to roll back")
+            raise RuntimeError(f"group {i} has no update to roll back")
         _kernel.undo(**self._kernel_args(i, record))
         self._steps[i] = record.step - 1
         self._last[i] = None
 
-    def commit_stage(self, stage: int) -> None:
-        """Forget the stage's last update (its gradient may be reused from now on)."""
-        self._last[self._index(stage)] = None
+    def commit_group(self, group: int) -> None:
+        """Forget the group's last update (its gradient may be reused from now on)."""
+        self._last[self._index(group)] = None
 
-    def has_update(self, stage: int) -> bool:
-        return self._last[self._index(stage)] is not None
+    def has_update(self, group: int) -> bool:
+        return self._last[self._index(group)] is not None
 
     def _kernel_args(self, i: int, r: _StepRecord) -> dict:
         snap = self._snapshot[i]
@@ -283,7 +283,7 @@ class CPUAdamW:
             threads=self.threads, cores=self.cores, isa=self.isa,
         )
 
-    def _index(self, stage: int) -> int:
-        if not 0 <= stage < len(self._master):
-            raise IndexError(f"stage={stage} out of range; this optimizer has {len(self._master)} stages")
-        return stage
+    def _index(self, group: int) -> int:
+        if not 0 <= group < len(self._master):
+            raise IndexError(f"group={group} out of range; this optimizer has {len(self._master)} groups")
+        return group

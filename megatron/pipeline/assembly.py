@@ -21,8 +21,8 @@ from megatron.offload.host_memory import HostBufferPool
 from megatron.offload.layout import copy_parameters_into
 from megatron.offload.param_store import ParameterStore
 from megatron.offload.prefetch import ParamDoubleBuffer
-from megatron.optimizer.async_optimizer import AsyncStageOptimizer, IterationResult
 from megatron.optimizer.cpu_adam import CPUAdamW
+from megatron.optimizer.group_optimizer import AsyncGroupOptimizer, IterationResult
 from megatron.optimizer.loss_scaler import ConstantLossScaler, DynamicLossScaler, LossScaler
 from megatron.pipeline.config import PipelineConfig
 from megatron.pipeline.executor import IterationStats, PipelineExecutor
@@ -69,9 +69,9 @@ class Pipeline:
             s = config.loss_scaling
             self.scaler = DynamicLossScaler(s.initial_scale, growth_interval=s.growth_interval,
                                             min_scale=s.min_scale)
-        self.optimizer = AsyncStageOptimizer(
+        self.optimizer = AsyncGroupOptimizer(
             self.cpu_adam, self.scaler, clip_grad=config.optimizer.clip_grad,
-            max_workers=max(1, min(4, self.cpu_adam.num_stages)), process_group=self.host_group)
+            max_workers=max(1, min(4, self.cpu_adam.num_groups)), process_group=self.host_group)
         self.executor = self._executor(model_cfg)
         self.last_iteration = 0
 
@@ -201,7 +201,7 @@ class Pipeline:
             "iteration": self.last_iteration,
             "model": model,
             "optimizer": [{"exp_avg": s["exp_avg"].clone(), "exp_avg_sq": s["exp_avg_sq"].clone(),
-                           "step": s["step"]} for s in optimizer["stages"]],
+                           "step": s["step"]} for s in optimizer["groups"]],
             "loss_scaler": self.scaler.state_dict(),
         }
 
@@ -220,7 +220,7 @@ class Pipeline:
                 moments = state["optimizer"][group]
                 loaded.append((group, {"master": flat[lo:hi] if hi > lo else torch.zeros(1),
                                        **moments}))
-        self.cpu_adam.load_state_dict({"stages": [s for _, s in sorted(loaded, key=lambda x: x[0])]})
+        self.cpu_adam.load_state_dict({"groups": [s for _, s in sorted(loaded, key=lambda x: x[0])]})
         self.scaler.load_state_dict(state["loss_scaler"])
         self.last_iteration = int(state["iteration"])
         for owner in self.owners.values():

@@ -13,10 +13,10 @@ def optimizer_seconds_per_param(threads: int, numel: int = 1 << 20, repeats: int
     """Time of one CPU AdamW step per parameter (after one warm-up step)."""
     opt = CPUAdamW([torch.zeros(numel)], threads=threads)
     grad, out = torch.full((numel,), 1e-3), torch.empty(numel)
-    opt.step_stage(0, grad, out=out)
+    opt.step_group(0, grad, out=out)
     start = time.perf_counter()
     for _ in range(repeats):
-        opt.step_stage(0, grad, out=out)
+        opt.step_group(0, grad, out=out)
     return (time.perf_counter() - start) / repeats / numel
 
 

@@ -49,7 +49,7 @@ from megatron.offload.grad_offload import GradientOffloader
 from megatron.offload.layout import bind_gradients
 from megatron.offload.param_store import ParameterStore
 from megatron.offload.prefetch import ParamDoubleBuffer, Slot
-from megatron.optimizer.async_optimizer import AsyncStageOptimizer, IterationResult
+from megatron.optimizer.group_optimizer import AsyncGroupOptimizer, IterationResult
 from megatron.pipeline.owner import BackwardStageOwner
 from megatron.pipeline.p2p import PointToPoint
 from megatron.pipeline.stage_modules import StageModule
@@ -97,7 +97,7 @@ class PipelineExecutor:
         device: DeviceLayer,
         param_buffer: ParamDoubleBuffer,
         offloader: GradientOffloader,
-        optimizer: AsyncStageOptimizer,
+        optimizer: AsyncGroupOptimizer,
         owned: dict[BackwardStage, BackwardStageOwner],
         p2p: PointToPoint,
         loss_scale_fn: Callable[[], float],

@@ -13,8 +13,8 @@ import torch
 
 from megatron.offload.grad_offload import GradientOffloader, GradientsReady
 from megatron.offload.shm import SharedSegment
-from megatron.optimizer.async_optimizer import AsyncStageOptimizer
 from megatron.optimizer.cpu_adam import CPUAdamW
+from megatron.optimizer.group_optimizer import AsyncGroupOptimizer
 from megatron.schedules.instructions import BackwardStage
 
 
@@ -51,7 +51,7 @@ class BackwardStageOwner:
                                "OFFLOAD_GRAD")
         return self.offloaded
 
-    def step(self, optimizer: AsyncStageOptimizer) -> None:
+    def step(self, optimizer: AsyncGroupOptimizer) -> None:
         """Submit both groups' steps; each starts when the gradients have landed."""
         ready = self._landed("OPTIMIZER_START")
         out = self.segment.params
@@ -60,7 +60,7 @@ class BackwardStageOwner:
                 optimizer.submit(group, ready.host[lo:hi], ready=ready, out=out[lo:hi])
         self.submitted = True
 
-    def check(self, optimizer: AsyncStageOptimizer) -> None:
+    def check(self, optimizer: AsyncGroupOptimizer) -> None:
         """Submit the overflow check of both groups' gradients (no update)."""
         ready = self._landed("the overflow check")
         for group, (lo, hi) in zip(self.groups, self.bounds()):

@@ -1,19 +1,23 @@
-"""One optimizer step per iteration over all backward stages, in one of two schedules:
+"""One optimizer step per iteration over all optimizer groups (the pipeline gives each
+backward stage two), in phases a program calls one by one: check / submit as gradients
+land, wait_all, synchronize (the overflow and norm all-reduce: the verdict), correct
+(rollback or clipped redo of speculative steps), end_iteration. finish_iteration() runs
+them all, in one of two schedules:
 
-- "async" (SysX, S 3.2 and Fig. 7b): each stage's step starts as soon as its gradient
-  has landed, validates that stage's gradient locally and updates if it is finite; after
-  all stages, one all-reduce of the overflow flags; if any stage on any rank overflowed,
-  every stage that updated rolls back and the iteration counts as skipped.
-- "sync" (Mobius, Megatron; Fig. 7a): every stage's gradient is checked as it lands;
-  after all stages, one all-reduce decides; then all stages update (or none).
+- "async" (SysX, S 3.2 and Fig. 7b): each group's step starts as soon as its gradient
+  has landed, validates that group's gradient locally and updates if it is finite; after
+  all groups, one all-reduce of the overflow flags; if any group on any rank overflowed,
+  every group that updated rolls back and the iteration counts as skipped.
+- "sync" (Mobius, Megatron; Fig. 7a): every group's gradient is checked as it lands;
+  after all groups, one all-reduce decides; then all groups update (or none).
 
 `post_validation_after=N` runs "sync" until N clean iterations in a row, then "async"
 (the SysX paper saw all its rollbacks in the first iterations, with a high initial scale).
 
 Gradient clipping by the global norm (`clip_grad > 0`): the norm comes from the sum of
 squares computed in the same pass as the check. In "sync" the clip factor is folded into
-the unscaling of the update. In "async" the stages have already updated when the norm is
-known: if it exceeds `clip_grad`, every stage rolls back and steps again with the clip
+the unscaling of the update. In "async" the groups have already updated when the norm is
+known: if it exceeds `clip_grad`, every group rolls back and steps again with the clip
 factor, which costs a second pass only in the iterations that clip.
 """
 
@@ -26,20 +30,20 @@ import torch
 import torch.distributed as dist
 
 from megatron.optimizer.cpu_adam import CPUAdamW, check_gradient
+from megatron.optimizer.group_tasks import GroupTaskError, GroupTaskRunner, ReadySignal
 from megatron.optimizer.loss_scaler import LossScaler
-from megatron.optimizer.stage_tasks import ReadySignal, StageTaskError, StageTaskRunner
 
 MODES = ("async", "sync")
 
 
 @dataclass(frozen=True)
 class IterationResult:
-    skipped: bool  # an overflow somewhere: no stage changed this iteration
+    skipped: bool  # an overflow somewhere: no group changed this iteration
     mode: str  # the schedule this iteration ran with
     loss_scale: float  # the scale the gradients were computed with
     grad_norm: float  # global norm of the unscaled gradient (inf on overflow)
-    overflow_stages: tuple[int, ...]  # local stages whose gradient was not finite
-    rolled_back_stages: tuple[int, ...]  # local stages that updated, then rolled back
+    overflow_groups: tuple[int, ...]  # local groups whose gradient was not finite
+    rolled_back_groups: tuple[int, ...]  # local groups that updated, then rolled back
     clipped: bool  # the update used a clip factor < 1
 
 
@@ -50,7 +54,7 @@ class _Verdict:
     overflow: bool
     grad_norm: float
     clip: float  # the clip factor (1.0: no clipping)
-    overflow_stages: tuple[int, ...]  # local stages whose gradient was not finite
+    overflow_groups: tuple[int, ...]  # local groups whose gradient was not finite
 
 
 @dataclass
@@ -59,8 +63,8 @@ class _Submission:
     out: torch.Tensor | None
 
 
-class AsyncStageOptimizer:
-    """Drives CPUAdamW once per iteration: submit() each stage as its backward finishes,
+class AsyncGroupOptimizer:
+    """Drives CPUAdamW once per iteration: submit() each group as its backward finishes,
     then finish_iteration() after the last one."""
 
     def __init__(
@@ -86,10 +90,10 @@ class AsyncStageOptimizer:
         self.post_validation_after = int(post_validation_after)
         self.clip_grad = float(clip_grad)
         self.process_group = process_group
-        self.runner = StageTaskRunner(max_workers=max_workers)
+        self.runner = GroupTaskRunner(max_workers=max_workers)
         self._clean_in_a_row = 0
         self._submitted: dict[int, _Submission] = {}
-        self._speculated: set[int] = set()  # stages stepped before the verdict
+        self._speculated: set[int] = set()  # groups stepped before the verdict
         self._checks: dict[int, tuple[bool, float]] = {}  # finite, sum of squares
         self._verdict: _Verdict | None = None
         self._rolled_back: tuple[int, ...] = ()
@@ -106,55 +110,55 @@ class AsyncStageOptimizer:
 
     def submit(
         self,
-        stage: int,
+        group: int,
         grad: torch.Tensor,
         ready: ReadySignal = None,
         out: torch.Tensor | None = None,
     ) -> None:
-        """Schedule stage's step: it starts once `ready` says the gradient has landed.
+        """Schedule group's step: it starts once `ready` says the gradient has landed.
         `grad` and `out` must stay untouched until end_iteration() returns.
 
         Before the overflow verdict (synchronize()) this is a speculative step that checks
         its own gradient ("async"), or only the check when the optimizer runs "sync" through
         finish_iteration(); after the verdict it is the deferred update, skipped on overflow
         and scaled by the clip factor."""
-        if stage in self._submitted:
-            raise ValueError(f"stage {stage} was already submitted in this iteration")
-        self.optimizer.check_inputs(stage, grad, out)  # fail here, not in a task
+        if group in self._submitted:
+            raise ValueError(f"group {group} was already submitted in this iteration")
+        self.optimizer.check_inputs(group, grad, out)  # fail here, not in a task
         self._begin()
-        self._submitted[stage] = _Submission(grad, out)
+        self._submitted[group] = _Submission(grad, out)
         if self._verdict is not None:
             if not self._verdict.overflow:
-                self._update(stage, self._submitted[stage], self._verdict.clip / self._scale, ready)
+                self._update(group, self._submitted[group], self._verdict.clip / self._scale, ready)
         elif self._iteration_mode == "async":
-            self._speculated.add(stage)
-            self.runner.submit(stage, self._speculative_task(stage, grad, out), ready)
+            self._speculated.add(group)
+            self.runner.submit(group, self._speculative_task(group, grad, out), ready)
         else:
-            self.runner.submit(stage, self._check_task(grad), ready)
+            self.runner.submit(group, self._check_task(grad), ready)
 
-    def check(self, stage: int, grad: torch.Tensor, ready: ReadySignal = None) -> None:
+    def check(self, group: int, grad: torch.Tensor, ready: ReadySignal = None) -> None:
         """Start the overflow check and sum of squares of a gradient that is not stepped
         before the verdict (the synchronous schedules' check as gradients land)."""
-        self.optimizer.check_inputs(stage, grad)
+        self.optimizer.check_inputs(group, grad)
         self._begin()
-        self.runner.submit(stage, self._check_task(grad), ready)
+        self.runner.submit(group, self._check_task(grad), ready)
 
     def wait_all(self) -> None:
         """Wait for every started task; a failed task undoes the updates of this round."""
-        for stage, (ok, sq) in self._wait_all_or_undo().items():
+        for group, (ok, sq) in self._wait_all_or_undo().items():
             if ok is not None:  # a check or a speculative step: its verdict counts
-                self._checks[stage] = (ok, sq)
+                self._checks[group] = (ok, sq)
 
     def synchronize(self) -> float:
         """One all-reduce of the overflow flags and squared norms over the process group:
         the verdict every later submit() and correct() follows. Returns the global norm."""
         self._begin()
-        overflow_stages = tuple(s for s, (finite, _) in sorted(self._checks.items()) if not finite)
+        overflow_groups = tuple(s for s, (finite, _) in sorted(self._checks.items()) if not finite)
         local_sq = sum(sq for finite, sq in self._checks.values() if finite)
-        overflow, global_sq = self._all_reduce(len(overflow_stages) > 0, local_sq)
+        overflow, global_sq = self._all_reduce(len(overflow_groups) > 0, local_sq)
         grad_norm = math.inf if overflow else math.sqrt(global_sq)
         self._verdict = _Verdict(overflow, grad_norm, self._clip_factor(grad_norm),
-                                 overflow_stages)
+                                 overflow_groups)
         return grad_norm
 
     def correct(self) -> None:
@@ -166,13 +170,13 @@ class AsyncStageOptimizer:
         if not (verdict.overflow or verdict.clip < 1.0):
             return
         updated = tuple(s for s in sorted(self._speculated) if self.optimizer.has_update(s))
-        for stage in updated:
-            self.runner.submit(stage, lambda s=stage: self.optimizer.rollback_stage(s))
+        for group in updated:
+            self.runner.submit(group, lambda s=group: self.optimizer.rollback_group(s))
         self.runner.wait_all()
         self._rolled_back = updated
         if not verdict.overflow:
-            for stage in updated:
-                self._update(stage, self._submitted[stage], verdict.clip / self._scale)
+            for group in updated:
+                self._update(group, self._submitted[group], verdict.clip / self._scale)
             self.runner.wait_all()
 
     def end_iteration(self) -> IterationResult:
@@ -180,25 +184,25 @@ class AsyncStageOptimizer:
         verdict = self._verdict
         if verdict is None:
             raise RuntimeError("end_iteration() before synchronize()")
-        if self.runner.pending_stages:
-            raise RuntimeError(f"optimizer tasks of stages {self.runner.pending_stages} "
+        if self.runner.pending_groups:
+            raise RuntimeError(f"optimizer tasks of groups {self.runner.pending_groups} "
                                "were never waited for")
         mode = "async" if self._speculated else "sync"
         result = IterationResult(
             skipped=verdict.overflow, mode=mode, loss_scale=self._scale,
-            grad_norm=verdict.grad_norm, overflow_stages=verdict.overflow_stages,
-            rolled_back_stages=self._rolled_back if verdict.overflow else (),
+            grad_norm=verdict.grad_norm, overflow_groups=verdict.overflow_groups,
+            rolled_back_groups=self._rolled_back if verdict.overflow else (),
             clipped=not verdict.overflow and verdict.clip < 1.0,
         )
-        for stage in self._submitted:
-            self.optimizer.commit_stage(stage)
+        for group in self._submitted:
+            self.optimizer.commit_group(group)
         self._reset()
         self.scaler.update(verdict.overflow)
         self._clean_in_a_row = 0 if verdict.overflow else self._clean_in_a_row + 1
         return result
 
     def finish_iteration(self) -> IterationResult:
-        """Waits for every stage, synchronizes the flags across ranks, rolls back or
+        """Waits for every group, synchronizes the flags across ranks, rolls back or
         updates, and adjusts the loss scale (the whole optimizer phase in one call)."""
         try:
             self.wait_all()
@@ -206,8 +210,8 @@ class AsyncStageOptimizer:
             if self._speculated:
                 self.correct()
             elif not self._verdict.overflow:
-                for stage, sub in self._submitted.items():
-                    self._update(stage, sub, self._verdict.clip / self._scale)
+                for group, sub in self._submitted.items():
+                    self._update(group, sub, self._verdict.clip / self._scale)
                 self.runner.wait_all()
         except BaseException:
             self._reset()
@@ -217,7 +221,7 @@ class AsyncStageOptimizer:
     def close(self) -> None:
         self.runner.close()
 
-    def __enter__(self) -> AsyncStageOptimizer:
+    def __enter__(self) -> AsyncGroupOptimizer:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -239,11 +243,11 @@ class AsyncStageOptimizer:
         self._iteration_mode = None
         self._scale = 1.0
 
-    def _speculative_task(self, stage: int, grad: torch.Tensor, out: torch.Tensor | None):
+    def _speculative_task(self, group: int, grad: torch.Tensor, out: torch.Tensor | None):
         inv_scale = 1.0 / self._scale
 
         def task() -> tuple[bool, float]:
-            result = self.optimizer.step_stage(stage, grad, inv_scale=inv_scale, out=out)
+            result = self.optimizer.step_group(group, grad, inv_scale=inv_scale, out=out)
             return result.updated, result.grad_sq_sum
         return task
 
@@ -254,24 +258,24 @@ class AsyncStageOptimizer:
             return check_gradient(grad, inv_scale, adam.threads, adam.isa, adam.cores)
         return task
 
-    def _update(self, stage: int, sub: _Submission, inv_scale: float,
+    def _update(self, group: int, sub: _Submission, inv_scale: float,
                 ready: ReadySignal = None) -> None:
         def task() -> tuple[None, float]:
-            result = self.optimizer.step_stage(stage, sub.grad, inv_scale=inv_scale, out=sub.out)
+            result = self.optimizer.step_group(group, sub.grad, inv_scale=inv_scale, out=sub.out)
             if not result.updated:  # the check passed: only a changed buffer gets here
-                raise RuntimeError(f"stage {stage}: gradient became non-finite after its check")
+                raise RuntimeError(f"group {group}: gradient became non-finite after its check")
             return None, 0.0
-        self.runner.submit(stage, task, ready)
+        self.runner.submit(group, task, ready)
 
     def _wait_all_or_undo(self) -> dict[int, tuple[bool | None, float]]:
-        """On a failed task, the stages that did update roll back before the error
+        """On a failed task, the groups that did update roll back before the error
         propagates, so that a failed iteration changes nothing."""
         try:
             return self.runner.wait_all()
-        except StageTaskError as error:
-            for stage in error.results:
-                if self.optimizer.has_update(stage):
-                    self.optimizer.rollback_stage(stage)
+        except GroupTaskError as error:
+            for group in error.results:
+                if self.optimizer.has_update(group):
+                    self.optimizer.rollback_group(group)
             self._reset()
             raise
 

@@ -1,4 +1,4 @@
-"""Per-stage asynchronous tasks: each waits for its stage's "gradient landed" signal,
+"""Per-group asynchronous tasks: each waits for its group's "gradient landed" signal,
 then runs on a worker thread while the caller goes on (S 3.2, Fig. 7b)."""
 
 from __future__ import annotations
@@ -10,19 +10,19 @@ from typing import Any
 
 import torch
 
-# A signal that the stage's gradient is in host memory: None (already there), an object
+# A signal that the group's gradient is in host memory: None (already there), an object
 # with wait() (threading.Event, the offload device layer's events), a Future, a
 # torch.cuda.Event, or a callable that blocks until then.
 ReadySignal = Any
 
 
-class StageTaskError(RuntimeError):
-    """A stage's task failed; the original exception is the __cause__. `results` holds
-    what the other stages' tasks returned (so that a caller can undo their work)."""
+class GroupTaskError(RuntimeError):
+    """A group's task failed; the original exception is the __cause__. `results` holds
+    what the other groups' tasks returned (so that a caller can undo their work)."""
 
-    def __init__(self, stage: int, error: BaseException, results: dict[int, Any]) -> None:
-        super().__init__(f"optimizer task of stage {stage} failed: {type(error).__name__}: {error}")
-        self.stage = stage
+    def __init__(self, group: int, error: BaseException, results: dict[int, Any]) -> None:
+        super().__init__(f"optimizer task of group {group} failed: {type(error).__name__}: {error}")
+        self.group = group
         self.results = results
 
 
@@ -43,10 +43,10 @@ def wait_ready(ready: ReadySignal) -> None:
         raise TypeError(f"ready={ready!r}: expected None, an event with wait(), a Future or a callable")
 
 
-class StageTaskRunner:
-    """Runs stage tasks on `max_workers` threads (each task's kernel uses its own
+class GroupTaskRunner:
+    """Runs group tasks on `max_workers` threads (each task's kernel uses its own
     threads too). submit() returns at once; wait_all() returns when every submitted task
-    has finished and raises StageTaskError for the lowest failed stage."""
+    has finished and raises GroupTaskError for the lowest failed group."""
 
     def __init__(self, max_workers: int = 2, name: str = "cpu-optimizer") -> None:
         if max_workers < 1:
@@ -55,37 +55,37 @@ class StageTaskRunner:
         self._pending: dict[int, Future] = {}
         self._closed = False
 
-    def submit(self, stage: int, task: Callable[[], Any], ready: ReadySignal = None) -> Future:
+    def submit(self, group: int, task: Callable[[], Any], ready: ReadySignal = None) -> Future:
         if self._closed:
-            raise RuntimeError("StageTaskRunner is closed")
-        if stage in self._pending:
-            raise ValueError(f"stage {stage} already has a task in this round; call wait_all() first")
+            raise RuntimeError("GroupTaskRunner is closed")
+        if group in self._pending:
+            raise ValueError(f"group {group} already has a task in this round; call wait_all() first")
 
         def run() -> Any:
             wait_ready(ready)
             return task()
 
         future = self._pool.submit(run)
-        self._pending[stage] = future
+        self._pending[group] = future
         return future
 
     def wait_all(self) -> dict[int, Any]:
-        """Results by stage, once all tasks of the round are done; starts a new round."""
+        """Results by group, once all tasks of the round are done; starts a new round."""
         pending, self._pending = self._pending, {}
         results: dict[int, Any] = {}
         errors: dict[int, BaseException] = {}
-        for stage, future in pending.items():
+        for group, future in pending.items():
             try:
-                results[stage] = future.result()
-            except BaseException as error:  # noqa: BLE001 - reported below, naming the stage
-                errors[stage] = error
+                results[group] = future.result()
+            except BaseException as error:  # noqa: BLE001 - reported below, naming the group
+                errors[group] = error
         if errors:
-            stage = min(errors)
-            raise StageTaskError(stage, errors[stage], results) from errors[stage]
+            group = min(errors)
+            raise GroupTaskError(group, errors[group], results) from errors[group]
         return results
 
     @property
-    def pending_stages(self) -> list[int]:
+    def pending_groups(self) -> list[int]:
         return sorted(self._pending)
 
     def close(self) -> None:
@@ -93,7 +93,7 @@ class StageTaskRunner:
         self._closed = True
         self._pool.shutdown(wait=True, cancel_futures=False)
 
-    def __enter__(self) -> StageTaskRunner:
+    def __enter__(self) -> GroupTaskRunner:
         return self
 
     def __exit__(self, *exc: object) -> None:
