@@ -255,16 +255,16 @@ def test_replica_plan_covers_every_remote_reader():
     from megatron.schedules.instructions import Op
 
     schedule = build_schedule("decoupled", 4, 4, 2, 4, partition=(2, 2, 2, 2))
-    plan = {r.piece: r for r in plan_replicas(schedule, procs_per_node=2)}
+    plan = {r.backward_stage: r for r in plan_replicas(schedule, procs_per_node=2)}
     assert plan  # the four-process run above really reads stages across nodes
     for rank, program in enumerate(schedule.programs):
         for instr in program:
             if instr.op != Op.PREFETCH_PARAMS:
                 continue
-            for piece in schedule.params_of(instr.stage, instr.sub):
-                owner = schedule.backward_rank[piece]
+            for b in schedule.params_of(instr.stage, instr.sub):
+                owner = schedule.backward_rank[b]
                 if node_of(rank, 2) != node_of(owner, 2):
-                    holders = plan[piece].holders
+                    holders = plan[b].holders
                     assert [h for h in holders if node_of(h, 2) == node_of(rank, 2)]
     assert plan_replicas(schedule, procs_per_node=4) == []  # one node: nothing to push
 

@@ -9,7 +9,7 @@ interpreter, so they are compared on equal terms. What each instruction does:
 - FORWARD (stage, mb): without autograd, through the stage's backward stages in order,
   keeping the activation checkpoint at the input of each one; the last stage's forward
   yields the micro-batch's loss.
-- BACKWARD (stage, sub, mb): recompute from the checkpoint at the backward stage's input,
+- BACKWARD (stage, sub, mb): recompute from the activation checkpoint at the backward stage's input,
   then back-propagate the gradient from the next backward stage (or the loss); parameter
   gradients accumulate in the owner's flat device gradient buffer over micro-batches.
 - SEND/RECV_ACT, SEND/RECV_GRAD: blocking; ISEND/IRECV_CKPT: asynchronous, WAIT_CKPT just
@@ -29,7 +29,7 @@ What an instruction does is chosen from its op (OP_HANDLERS), never from the sch
 name. After the program, the optimizer commits the iteration and updates the loss scale.
 
 The time on the compute stream, the exposed optimizer time (the main thread waiting for
-optimizer work) and the rest (bubbles: waiting for peers, parameters, checkpoints) are
+optimizer work) and the rest (bubbles: waiting for peers, parameters, activation checkpoints) are
 measured with the device layer's events per iteration.
 """
 
@@ -116,7 +116,7 @@ class PipelineExecutor:
         self.p2p = p2p
         self.loss_scale_fn = loss_scale_fn
         self.inject_overflow = inject_overflow
-        self._kept_ckpts = _checkpoints_kept_locally(self.program)
+        self._kept_act_ckpts = _act_ckpts_kept_locally(self.program)
         self._fail_at = _failure_to_inject(rank)
         self.last_stage = schedule.forward_stages - 1
 
@@ -131,8 +131,8 @@ class PipelineExecutor:
         self._batches = micro_batches
         self._slots: dict[BackwardStage, Slot] = {}
         self._acts: dict[tuple[int, int], torch.Tensor] = {}
-        self._ckpts: dict[tuple[int, int, int], torch.Tensor] = {}
-        self._pending_ckpts: dict[tuple[int, int, int], tuple[dist.Work, torch.Tensor]] = {}
+        self._act_ckpts: dict[tuple[int, int, int], torch.Tensor] = {}
+        self._pending_act_ckpts: dict[tuple[int, int, int], tuple[dist.Work, torch.Tensor]] = {}
         self._isends: list[tuple[dist.Work, torch.Tensor]] = []
         self._grads: dict[tuple[BackwardStage, int], torch.Tensor] = {}
         self._losses: list[float] = []
@@ -162,8 +162,8 @@ class PipelineExecutor:
                 waited.append((instr, t0, time.perf_counter()))
         for work, _ in self._isends:
             work.wait()
-        for piece in list(self._slots):
-            self.params.release(self._slots.pop(piece))
+        for b in list(self._slots):
+            self.params.release(self._slots.pop(b))
         result = self.optimizer.end_iteration()
         for owner in self.owned.values():
             owner.publish(iteration)
@@ -227,18 +227,18 @@ class PipelineExecutor:
     def _recv_gradient(self, instr: Instruction) -> None:
         self._grads[(BackwardStage(instr.stage, instr.sub), instr.mb)] = self.p2p.recv(instr)
 
-    def _isend_checkpoint(self, instr: Instruction) -> None:
-        tensor = self._ckpts.pop((instr.stage, instr.sub, instr.mb))
+    def _isend_act_ckpt(self, instr: Instruction) -> None:
+        tensor = self._act_ckpts.pop((instr.stage, instr.sub, instr.mb))
         self._isends.append((self.p2p.isend(instr, tensor), tensor))
 
-    def _irecv_checkpoint(self, instr: Instruction) -> None:
-        self._pending_ckpts[(instr.stage, instr.sub, instr.mb)] = self.p2p.irecv(instr)
+    def _irecv_act_ckpt(self, instr: Instruction) -> None:
+        self._pending_act_ckpts[(instr.stage, instr.sub, instr.mb)] = self.p2p.irecv(instr)
 
-    def _wait_checkpoint(self, instr: Instruction) -> None:
+    def _wait_act_ckpt(self, instr: Instruction) -> None:
         key = (instr.stage, instr.sub, instr.mb)
-        work, buffer = self._pending_ckpts.pop(key)
+        work, buffer = self._pending_act_ckpts.pop(key)
         work.wait()
-        self._ckpts[key] = buffer
+        self._act_ckpts[key] = buffer
 
     # --- gradients and the optimizer -------------------------------------------------------
 
@@ -266,11 +266,11 @@ class PipelineExecutor:
 
     # --- compute -------------------------------------------------------------------------
 
-    def _bind(self, piece: BackwardStage) -> StageModule:
-        stage = self.modules[piece]
-        slot = self._slots.get(piece)
+    def _bind(self, b: BackwardStage) -> StageModule:
+        stage = self.modules[b]
+        slot = self._slots.get(b)
         if slot is None:
-            raise RuntimeError(f"parameters of backward stage {piece} are not resident "
+            raise RuntimeError(f"parameters of backward stage {b} are not resident "
                                "(no PREFETCH_PARAMS before use)")
         self.params.bind(slot, stage.module, stage.layout)
         return stage
@@ -287,38 +287,38 @@ class PipelineExecutor:
         with torch.no_grad():
             for sub in range(self.schedule.backward_split):
                 if (stage, sub) != (0, 0):
-                    self._keep_checkpoint((stage, sub, mb), hidden)
+                    self._keep_act_ckpt((stage, sub, mb), hidden)
                 hidden = self._bind((stage, sub))(hidden, batch)
         if stage == self.last_stage:
             self._losses.append(float(hidden))
         else:
             self._acts[(stage, mb)] = hidden
 
-    def _keep_checkpoint(self, key: tuple[int, int, int], hidden: torch.Tensor) -> None:
+    def _keep_act_ckpt(self, key: tuple[int, int, int], hidden: torch.Tensor) -> None:
         """Only for a local backward or for the ISEND_CKPT that follows."""
-        if key in self._kept_ckpts:
-            self._ckpts[key] = hidden
+        if key in self._kept_act_ckpts:
+            self._act_ckpts[key] = hidden
 
-    def _backward(self, piece: BackwardStage, mb: int) -> None:
+    def _backward(self, b: BackwardStage, mb: int) -> None:
         batch = self._batches[mb]
-        module = self._bind(piece)
-        owner = self.owned[piece]
+        module = self._bind(b)
+        owner = self.owned[b]
         bind_gradients(module.module, module.layout, owner.grad)
-        if piece == (0, 0):
+        if b == (0, 0):
             hidden_in = None
         else:
-            hidden_in = self._ckpts.pop((*piece, mb)).detach().requires_grad_(True)
+            hidden_in = self._act_ckpts.pop((*b, mb)).detach().requires_grad_(True)
         with torch.enable_grad():
             out = module(hidden_in, batch)
-            if piece == self.schedule.head:
+            if b == self.schedule.head:
                 scale = self.loss_scale_fn() / self.schedule.micro_batches
                 (out * scale).backward()
             else:
-                nxt = self.schedule.next_backward_stage(piece)
+                nxt = self.schedule.next_backward_stage(b)
                 out.backward(self._grads.pop((nxt, mb)))
         if hidden_in is not None:
-            self._grads[(piece, mb)] = hidden_in.grad
-        if self.inject_overflow == (self._iteration, piece):
+            self._grads[(b, mb)] = hidden_in.grad
+        if self.inject_overflow == (self._iteration, b):
             owner.grad[0] = float("inf")
 
 
@@ -332,9 +332,9 @@ OP_HANDLERS: dict[Op, str] = {
     Op.RECV_ACT: "_recv_activation",
     Op.SEND_GRAD: "_send_gradient",
     Op.RECV_GRAD: "_recv_gradient",
-    Op.ISEND_CKPT: "_isend_checkpoint",
-    Op.IRECV_CKPT: "_irecv_checkpoint",
-    Op.WAIT_CKPT: "_wait_checkpoint",
+    Op.ISEND_CKPT: "_isend_act_ckpt",
+    Op.IRECV_CKPT: "_irecv_act_ckpt",
+    Op.WAIT_CKPT: "_wait_act_ckpt",
     Op.OFFLOAD_GRAD: "_offload",
     Op.OPTIMIZER_START: "_optimizer_start",
     Op.OPTIMIZER_WAIT_ALL: "_optimizer_wait_all",
@@ -344,8 +344,8 @@ OP_HANDLERS: dict[Op, str] = {
 }
 
 
-def _checkpoints_kept_locally(program: Sequence[Instruction]) -> frozenset:
-    """(stage, sub, mb) of the checkpoints a forward on this rank must keep: those sent
+def _act_ckpts_kept_locally(program: Sequence[Instruction]) -> frozenset:
+    """(stage, sub, mb) of the activation checkpoints a forward on this rank must keep: those sent
     with ISEND_CKPT and those of local backwards that do not receive theirs."""
     received = {(i.stage, i.sub, i.mb) for i in program if i.op == Op.IRECV_CKPT}
     sent = {(i.stage, i.sub, i.mb) for i in program if i.op == Op.ISEND_CKPT}

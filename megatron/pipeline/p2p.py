@@ -32,9 +32,9 @@ def message_tag(instr: Instruction, forward_stages: int, backward_split: int,
                 micro_batches: int) -> int:
     """A tag unique within an iteration for the tensor `instr` moves (equal on both sides)."""
     role = _ROLE_CODES[instr.role]
-    piece = instr.stage * (backward_split + 1) + (instr.sub + 1)
-    pieces = forward_stages * (backward_split + 1)
-    return (role * pieces + piece) * micro_batches + instr.mb
+    position = instr.stage * (backward_split + 1) + (instr.sub + 1)
+    slots = forward_stages * (backward_split + 1)
+    return (role * slots + position) * micro_batches + instr.mb
 
 
 class PointToPoint:

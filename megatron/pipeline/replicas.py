@@ -4,7 +4,7 @@ A backward stage's segment lives on its owner's node. A node where another rank 
 stage's forward (or, in general, reads the segment) holds a replica: its lowest such rank
 creates a segment of the same key in its node's store and receives every published
 version from the owner (S section 4 fetches over RDMA; we push over torch.distributed after
-each optimizer step). Every rank walks the pieces in the same order, so the blocking
+each optimizer step). Every rank walks the backward stages in the same order, so the blocking
 transfers cannot deadlock.
 """
 
@@ -22,9 +22,9 @@ from megatron.schedules.instructions import BackwardStage, Op, Schedule
 
 @dataclass(frozen=True)
 class Replica:
-    piece: BackwardStage
+    backward_stage: BackwardStage
     owner: int
-    holders: tuple[int, ...]  # one rank per other node that reads the piece
+    holders: tuple[int, ...]  # one rank per other node that reads the backward stage
 
 
 def plan_replicas(schedule: Schedule, procs_per_node: int) -> list[Replica]:
@@ -32,32 +32,32 @@ def plan_replicas(schedule: Schedule, procs_per_node: int) -> list[Replica]:
     for rank, program in enumerate(schedule.programs):
         for instr in program:
             if instr.op == Op.PREFETCH_PARAMS:
-                for piece in schedule.params_of(instr.stage, instr.sub):
-                    readers.setdefault(piece, set()).add(rank)
+                for backward_stage in schedule.params_of(instr.stage, instr.sub):
+                    readers.setdefault(backward_stage, set()).add(rank)
     plan = []
-    for piece in schedule.backward_stages():
-        owner = schedule.backward_rank[piece]
+    for backward_stage in schedule.backward_stages():
+        owner = schedule.backward_rank[backward_stage]
         by_node: dict[int, int] = {}
-        for rank in sorted(readers.get(piece, ())):
+        for rank in sorted(readers.get(backward_stage, ())):
             node = node_of(rank, procs_per_node)
             if node != node_of(owner, procs_per_node):
                 by_node.setdefault(node, rank)
         if by_node:
-            plan.append(Replica(piece, owner, tuple(sorted(by_node.values()))))
+            plan.append(Replica(backward_stage, owner, tuple(sorted(by_node.values()))))
     return plan
 
 
 def holds_segment(plan: list[Replica], rank: int) -> set[BackwardStage]:
     """The replica segments this rank creates (beside the segments of what it owns)."""
-    return {r.piece for r in plan if rank in r.holders}
+    return {r.backward_stage for r in plan if rank in r.holders}
 
 
 def push_replicas(plan: list[Replica], store: ParameterStore, rank: int,
                   group: dist.ProcessGroup | None = None) -> None:
-    """Owners send the published version of each piece to its holders, who publish it.
+    """Owners send the published version of each backward stage to its holders, who publish it.
     `group` must move host tensors (gloo)."""
     for replica in plan:
         if rank == replica.owner:
-            push_parameters(store.get(replica.piece), list(replica.holders), group=group)
+            push_parameters(store.get(replica.backward_stage), list(replica.holders), group=group)
         elif rank in replica.holders:
-            receive_parameters(store.get(replica.piece), replica.owner, group=group)
+            receive_parameters(store.get(replica.backward_stage), replica.owner, group=group)
