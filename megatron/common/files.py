@@ -1,25 +1,75 @@
-"""Writing output files so that an error or a kill never leaves a half-written one."""
+"""Writing output files so that an error or a kill never leaves a half-written one.
+
+Everything is written under a temporary name in the target's own folder (the same file
+system, so the final rename is atomic) and renamed onto the target only when complete; on an
+error the temporaries are removed. A kill can leave a temporary behind, never a half-written
+target; leftover_temporaries() finds such leftovers for whoever may safely remove them.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import os
+import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import BinaryIO
+
+# Temporaries are hidden files named .tmp-<random><target name>.
+_PREFIX = ".tmp-"
 
 
 def atomic_write(path: str, write: Callable[[BinaryIO], object]) -> None:
     """Call write(stream) on a temporary file in the target folder, then rename it."""
-    folder = os.path.dirname(os.path.abspath(path))
-    handle, temporary = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=os.path.basename(path))
-    try:
-        os.chmod(temporary, 0o666 & ~_current_umask())  # mkstemp makes it private
-        with os.fdopen(handle, "wb") as stream:
+    with staged_paths(path) as (temporary,):
+        with open(temporary, "wb") as stream:
             write(stream)
-        os.replace(temporary, path)
+
+
+@contextlib.contextmanager
+def staged_paths(*targets: str, directories: bool = False) -> Iterator[tuple[str, ...]]:
+    """Yield one new, empty temporary file (or directory) per target, beside that target.
+
+    For writers that open their outputs by path rather than take a stream: the body fills the
+    temporaries; when it returns they are renamed onto the targets in the order given (so the
+    last target appearing means all are complete), and if anything raises, the temporaries
+    still present are removed. Their permissions follow the umask, as if made with open() or
+    os.makedirs().
+    """
+    temporaries: list[str] = []
+    try:
+        for target in targets:
+            folder = os.path.dirname(os.path.abspath(target))
+            name = os.path.basename(target)
+            if directories:
+                temporaries.append(tempfile.mkdtemp(dir=folder, prefix=_PREFIX, suffix=name))
+                mode = 0o777
+            else:
+                handle, temporary = tempfile.mkstemp(dir=folder, prefix=_PREFIX, suffix=name)
+                os.close(handle)
+                temporaries.append(temporary)
+                mode = 0o666
+            os.chmod(temporaries[-1], mode & ~_current_umask())  # mkstemp/mkdtemp: private
+        yield tuple(temporaries)
+        for temporary, target in zip(temporaries, targets):
+            os.replace(temporary, target)
     except BaseException:
-        os.unlink(temporary)
+        for temporary in temporaries:  # those already renamed are gone: nothing to remove
+            if directories:
+                shutil.rmtree(temporary, ignore_errors=True)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(temporary)
         raise
+
+
+def leftover_temporaries(target: str) -> list[str]:
+    """Temporaries of `target` that a killed writer left behind (only safe to remove while no
+    one else can be writing `target`, e.g. under a lock)."""
+    folder = os.path.dirname(os.path.abspath(target))
+    pattern = glob.escape(folder + os.sep) + _PREFIX + "*" + glob.escape(os.path.basename(target))
+    return sorted(glob.glob(pattern))
 
 
 def _current_umask() -> int:

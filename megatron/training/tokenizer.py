@@ -14,6 +14,8 @@ from collections.abc import Iterable
 from megatron.core.tokenizers import MegatronTokenizerBase
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from megatron.common.files import atomic_write
+
 EOD_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
 # Names other tokenizer.json files use for the end of a document / padding, so that a
@@ -142,18 +144,7 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, output_path: str)
         show_progress=False,
     )
     tokenizer.train_from_iterator(texts, trainer=trainer)
-    write_text_atomically(output_path, tokenizer.to_str())
+    text = tokenizer.to_str()
+    atomic_write(output_path, lambda stream: stream.write(text.encode("utf-8")))
     return HFTokenizer(output_path, tokenizer)
 
-
-def write_text_atomically(path: str, text: str) -> None:
-    """Write to a temporary name beside `path`, then rename: readers never see half a file."""
-    tmp_path = f"{path}.tmp-{os.getpid()}"
-    try:
-        with open(tmp_path, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp_path, path)
-    except BaseException:
-        if os.path.exists(tmp_path):
-            os.unlink(tmp_path)
-        raise
