@@ -13,14 +13,10 @@ import torch
 
 from megatron.offload.naming import resolve_job_id, segment_name
 from megatron.offload.param_store import ParameterStore, job_segments
-from megatron.offload.shm import (
-    MAGIC,
-    REAPER,
-    SegmentInUseError,
-    SharedSegment,
-    ShmSpaceError,
-    free_bytes,
-)
+from megatron.offload.reaper_client import REAPER, REAPER_SCRIPT
+from megatron.offload.shm import SegmentInUseError, SharedSegment
+from megatron.offload.shm_header import MAGIC
+from megatron.offload.shm_space import ShmSpaceError, free_bytes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -159,7 +155,7 @@ CHILD = textwrap.dedent(
     """
     import sys, time, torch
     from megatron.offload.param_store import ParameterStore
-    from megatron.offload.shm import REAPER
+    from megatron.offload.reaper_client import REAPER
     store = ParameterStore(job_id=sys.argv[1], rank=0)
     for key in ((0, 0), (0, 1)):
         store.create(key, 4096, torch.bfloat16).write(torch.ones(4096), 1)
@@ -227,3 +223,20 @@ def test_a_killed_reaper_is_restarted_and_still_covers_earlier_segments(job_id):
         assert REAPER.running and REAPER._proc.pid != first_reaper.pid
         REAPER.stop()  # what the reaper sees when this process dies: EOF
         assert job_segments(job_id) == []
+
+
+def test_the_reaper_runs_alone_on_the_stdlib(tmp_path):
+    """As launched (-I), without site-packages (-S: no torch) and from another directory."""
+    mine, recreated = tmp_path / "mine", tmp_path / "recreated"
+    fake_stale_segment(str(mine), 4242)
+    fake_stale_segment(str(recreated), 4343)  # tracked by 4242, re-created by another run
+    reaper = subprocess.run(
+        [sys.executable, "-I", "-S", REAPER_SCRIPT],
+        input=f"+4242 {mine}\n+4242 {recreated}\n",
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert reaper.returncode == 0, reaper.stderr
+    assert not mine.exists() and recreated.exists()

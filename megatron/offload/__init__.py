@@ -16,7 +16,8 @@ from megatron.offload.layout import (
 from megatron.offload.naming import resolve_job_id
 from megatron.offload.param_store import ParameterStore
 from megatron.offload.prefetch import ParamDoubleBuffer, Slot
-from megatron.offload.shm import SegmentInUseError, SharedSegment, ShmSpaceError
+from megatron.offload.shm import SegmentInUseError, SharedSegment
+from megatron.offload.shm_space import ShmSpaceError
 
 __all__ = [
     "DeviceLayer",

@@ -32,13 +32,9 @@ from megatron.offload.naming import (
     resolve_procs_per_node,
     segment_name,
 )
-from megatron.offload.shm import (
-    DEFAULT_SHM_DIR,
-    SharedSegment,
-    check_space,
-    remove_if_stale,
-    segment_bytes,
-)
+from megatron.offload.shm import SharedSegment
+from megatron.offload.shm_owner import remove_if_stale
+from megatron.offload.shm_space import DEFAULT_SHM_DIR, check_space, segment_bytes
 
 StageKey = tuple[int, int]
 

@@ -4,33 +4,25 @@ Run as a separate process (`python -I reaper.py`) in its own session, started by
 first segment a process creates. It reads lines on stdin: "+PID PATH" tracks a segment,
 "-PID PATH" forgets it. The pipe reaches EOF when its parent exits for any reason,
 SIGKILL included; then every tracked file still owned by PID (read from its header, so
-a segment re-created by a new run is left alone) is unlinked. Imports only the stdlib.
+a segment re-created by a new run is left alone) is unlinked. Imports only the stdlib
+and its sibling shm_header.py (stdlib only too), which it finds next to itself.
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import struct
 import sys
 
-# Header layout shared with megatron/offload/shm.py: magic, then int64 fields.
-MAGIC = b"MLMSHM01"
-OWNER_PID_OFFSET = 24
-
-
-def owner_pid(path: str) -> int | None:
-    try:
-        with open(path, "rb") as f:
-            head = f.read(OWNER_PID_OFFSET + 8)
-    except OSError:
-        return None
-    if len(head) < OWNER_PID_OFFSET + 8 or head[:8] != MAGIC:
-        return None
-    return struct.unpack_from("<q", head, OWNER_PID_OFFSET)[0]
+if __package__:  # imported as megatron.offload.reaper
+    from megatron.offload.shm_header import owner_pid
+else:  # run as a script with -I, which leaves the script's own directory off sys.path
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from shm_header import owner_pid
 
 
 def reap(tracked: dict[str, int]) -> None:
+    """Unlink each tracked segment still owned by the pid that tracked it."""
     for path, pid in tracked.items():
         if owner_pid(path) == pid:
             try:
@@ -40,6 +32,7 @@ def reap(tracked: dict[str, int]) -> None:
 
 
 def main() -> None:
+    """Track segments from stdin until EOF (the parent is gone), then reap them."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C ends the parent; we clean after it
     tracked: dict[str, int] = {}
     for line in sys.stdin:

@@ -2,193 +2,52 @@
 
 A segment is a file in /dev/shm (what shm_open creates on Linux) mapped into every
 local process that runs the stage: tensors are views of the mapping, never copies.
-Layout: a 4 KiB header, then the flat buffer (page-aligned, so it can be registered for
-DMA). Header (little-endian int64 after an 8-byte magic):
-
-    0 magic | 8 version | 16 writing | 24 owner pid | 32 owner start time
-    40 numel | 48 dtype code
+Layout: a 4 KiB header (shm_header.py), then the flat buffer (page-aligned, so it can be
+registered for DMA).
 
 Protocol: the writer sets `writing`, writes the parameters, then stores the new
 `version` and clears `writing`; a reader waits for `version >= v` with `writing == 0`.
 x86 keeps stores in order, so a reader that sees the version sees the data.
 Ownership: the creator's pid and start time are in the header, so a segment whose
-creator is dead is recognised as stale (and removed) by anyone, and a reaper process
-removes it if its creator is killed (see reaper.py).
+creator is dead is recognised as stale (and removed) by anyone (shm_owner.py), and a
+reaper process removes it if its creator is killed (reaper_client.py, reaper.py).
 """
 
 from __future__ import annotations
 
-import atexit
 import mmap
 import os
-import struct
-import subprocess
-import sys
-import threading
 import time
 import warnings
-from pathlib import Path
 
 import torch
 
-from megatron.offload import reaper
+from megatron.offload import shm_header
+from megatron.offload.reaper_client import REAPER
+from megatron.offload.shm_header import HEADER_BYTES, read_header
+from megatron.offload.shm_owner import owner_alive, process_start_time
+from megatron.offload.shm_space import (
+    DEFAULT_SHM_DIR,
+    ShmSpaceError,
+    check_space,
+    free_bytes,
+    segment_bytes,
+)
 
-HEADER_BYTES = 4096
-MAGIC = reaper.MAGIC
-_VERSION, _WRITING, _PID, _START, _NUMEL, _DTYPE = 8, 16, 24, 32, 40, 48
-NO_VERSION = -1
-DEFAULT_SHM_DIR = "/dev/shm"
-
-DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.uint8: 4}
+DTYPE_CODES = {getattr(torch, name): code for name, code in shm_header.DTYPE_CODES.items()}
 CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
-
-
-class ShmSpaceError(MemoryError):
-    """Not enough free space in the shared-memory file system."""
 
 
 class SegmentInUseError(RuntimeError):
     """A segment with this name belongs to a live process (another job with the same id?)."""
 
 
-# processes --------------------------------------------------------------------------
-def process_start_time(pid: int) -> int | None:
-    """Start time (clock ticks since boot) of a live, non-zombie process; None if gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return None
-    fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) "
-    if fields[0] in ("Z", "X"):  # killed but not yet reaped by its parent: dead
-        return None
-    return int(fields[19])
-
-
-def owner_alive(pid: int, start_time: int) -> bool:
-    """True when the process that created a segment still runs (pid reuse excluded)."""
-    return process_start_time(pid) == start_time
-
-
-# free space -------------------------------------------------------------------------
-def free_bytes(shm_dir: str = DEFAULT_SHM_DIR) -> int:
-    st = os.statvfs(shm_dir)
-    return st.f_bavail * st.f_frsize
-
-
-def check_space(required_bytes: int, shm_dir: str = DEFAULT_SHM_DIR, what: str = "") -> None:
-    """Fail before creating anything when `shm_dir` cannot hold `required_bytes`."""
-    available = free_bytes(shm_dir)
-    if required_bytes > available:
-        raise ShmSpaceError(
-            f"{shm_dir} has {available} bytes free but {what or 'the parameter store'} needs "
-            f"{required_bytes} bytes; enlarge it (Docker: --shm-size, e.g. --shm-size="
-            f"{-(-required_bytes // 2**30) + 1}g; a host: mount -o remount,size=... {shm_dir})"
-        )
-
-
-def segment_bytes(numel: int, dtype: torch.dtype) -> int:
-    return HEADER_BYTES + numel * torch.empty((), dtype=dtype).element_size()
-
-
-# the reaper client ------------------------------------------------------------------
-class _ReaperClient:
-    """One reaper process per creating process, started with its first segment."""
-
-    def __init__(self) -> None:
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._pid = -1
-        self._tracked: set[str] = set()
-        self._lock = threading.Lock()
-
-    def _start(self) -> None:
-        self._proc = subprocess.Popen(
-            [sys.executable, "-I", reaper.__file__],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,  # survives a kill of our process group
-        )
-        self._pid = os.getpid()
-
-    def _write(self, text: str) -> None:
-        assert self._proc is not None and self._proc.stdin is not None
-        self._proc.stdin.write(text.encode())
-        self._proc.stdin.flush()
-
-    def _send(self, line: str) -> None:
-        with self._lock:
-            if self._pid != os.getpid():  # none yet, or we are a forked child
-                self._tracked = set()
-                self._start()
-            try:
-                self._write(line)
-            except BrokenPipeError:  # the reaper was killed: start another, re-track all
-                self._start()
-                self._write("".join(f"+{self._pid} {path}\n" for path in self._tracked))
-
-    def track(self, path: str) -> None:
-        if self._pid == os.getpid():
-            self._tracked.add(path)  # first, so that a restarted reaper gets it too
-        self._send(f"+{os.getpid()} {path}\n")
-        self._tracked.add(path)
-
-    def untrack(self, path: str) -> None:
-        if self._proc is not None and self._pid == os.getpid():
-            self._tracked.discard(path)
-            self._send(f"-{os.getpid()} {path}\n")
-
-    def stop(self) -> None:
-        with self._lock:
-            proc, self._proc = self._proc, None
-            if proc is not None and self._pid == os.getpid():
-                assert proc.stdin is not None
-                try:
-                    proc.stdin.close()
-                except BrokenPipeError:
-                    pass
-                proc.wait(timeout=10)
-            self._pid = -1
-            self._tracked = set()
-
-    @property
-    def running(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
-
-
-REAPER = _ReaperClient()
-atexit.register(REAPER.stop)
-
-
-# segments ---------------------------------------------------------------------------
-def read_header(path: str) -> dict[str, int] | None:
-    """Header fields of a segment file, or None when it is not (yet) a complete segment."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(56)
-    except OSError:
-        return None
-    if len(head) < 56 or head[:8] != MAGIC:
-        return None
-    keys = ("version", "writing", "pid", "start_time", "numel", "dtype")
-    return dict(zip(keys, struct.unpack_from("<6q", head, 8)))
-
-
-def remove_if_stale(path: str) -> bool:
-    """Unlink a segment whose creator is dead; True if it was removed."""
-    header = read_header(path)
-    if header is None or owner_alive(header["pid"], header["start_time"]):
-        return False
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        return False
-    return True
-
-
 class SharedSegment:
     """A mapped segment: `params` is a zero-copy flat tensor view of its buffer."""
 
-    def __init__(self, path: str, mm: mmap.mmap, numel: int, dtype: torch.dtype, owner: bool):
+    def __init__(
+        self, path: str, mm: mmap.mmap, numel: int, dtype: torch.dtype, owner: bool
+    ) -> None:
         self.path = path
         self.name = os.path.basename(path)
         self.numel = numel
@@ -227,8 +86,9 @@ class SharedSegment:
         pid = os.getpid()
         start = process_start_time(pid)
         assert start is not None
-        struct.pack_into("<6q", mm, 8, NO_VERSION, 0, pid, start, numel, DTYPE_CODES[dtype])
-        mm[0:8] = MAGIC  # last: readers treat the header as valid from here on
+        shm_header.write_header(
+            mm, pid=pid, start_time=start, numel=numel, dtype_code=DTYPE_CODES[dtype]
+        )
         REAPER.track(path)
         return cls(path, mm, numel, dtype, owner=True)
 
@@ -289,30 +149,30 @@ class SharedSegment:
         return cls(path, mm, header["numel"], found_dtype, owner=False)
 
     # version protocol ---------------------------------------------------------------
-    def _field(self, offset: int) -> int:
+    def _field(self, name: str) -> int:
         assert self._mm is not None, f"segment {self.name} is released"
-        return struct.unpack_from("<q", self._mm, offset)[0]
+        return shm_header.get_field(self._mm, name)
 
-    def _set(self, offset: int, value: int) -> None:
+    def _set(self, name: str, value: int) -> None:
         assert self._mm is not None, f"segment {self.name} is released"
-        struct.pack_into("<q", self._mm, offset, value)
+        shm_header.set_field(self._mm, name, value)
 
     @property
     def version(self) -> int:
         """The last published version, NO_VERSION (-1) before the first publish."""
-        return self._field(_VERSION)
+        return self._field("version")
 
     def begin_write(self) -> None:
         """Mark the parameters as being rewritten (readers wait until `publish`)."""
-        self._set(_WRITING, 1)
+        self._set("writing", 1)
 
     def publish(self, version: int) -> None:
         """Make the written parameters visible as `version` (must increase)."""
         current = self.version
         if version <= current:
             raise ValueError(f"publish(version={version}) on {self.name}: already at {current}")
-        self._set(_VERSION, version)
-        self._set(_WRITING, 0)
+        self._set("version", version)
+        self._set("writing", 0)
 
     def write(self, flat: torch.Tensor, version: int) -> None:
         """Copy `flat` into the segment and publish it as `version`."""
@@ -325,8 +185,8 @@ class SharedSegment:
         deadline = time.monotonic() + timeout_s
         delay = 1e-5
         while True:
-            version = self._field(_VERSION)
-            if version >= min_version and self._field(_WRITING) == 0:
+            version = self._field("version")
+            if version >= min_version and self._field("writing") == 0:
                 return version
             if time.monotonic() > deadline:
                 raise TimeoutError(
