@@ -2,8 +2,8 @@
 `DIR/latest_checkpointed_iteration.txt`.
 
 Every rank writes its own file into `iter_NNNNNNN.tmp`; after a barrier rank 0 renames the
-directory and then updates the tracker, so a crash mid-save never leaves a checkpoint that
-`--load` would pick up half-written.
+directory and then replaces the tracker atomically, so a crash mid-save never leaves a
+checkpoint that `--load` would pick up half-written.
 """
 
 from __future__ import annotations
@@ -14,11 +14,13 @@ from collections.abc import Callable
 
 import torch
 
+from megatron.common.files import atomic_write, leftover_temporaries
+
 TRACKER = "latest_checkpointed_iteration.txt"
 
 
 class CheckpointError(ValueError):
-    pass
+    """A checkpoint or its tracker is missing, unreadable or does not fit this run."""
 
 
 def _iter_dir(root: str, iteration: int) -> str:
@@ -36,26 +38,34 @@ def save_checkpoint(
     rank: int = 0,
     barrier: Callable[[], None] = lambda: None,
 ) -> str:
+    """Save this rank's `state` as iteration `iteration` under `root`; a collective call:
+    every rank calls it with the same `barrier`. Returns the checkpoint directory."""
     final = _iter_dir(root, iteration)
     tmp = final + ".tmp"
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     barrier()
+    # Straight into the .tmp directory: it only becomes iter_N once every rank's file is
+    # complete (the barrier below), so a rank file of its own needs no write-then-rename.
     torch.save(state, _rank_file(tmp, rank))
     barrier()
     if rank == 0:
+        # A multi-rank commit (one name agreed on by all ranks, a barrier before the rename),
+        # so not megatron.common.files.staged_paths, which is for a single writer.
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-        tracker_tmp = os.path.join(root, TRACKER + ".tmp")
-        with open(tracker_tmp, "w") as f:
-            f.write(str(iteration))
-        os.replace(tracker_tmp, os.path.join(root, TRACKER))
+        tracker = os.path.join(root, TRACKER)
+        for stale in leftover_temporaries(tracker):  # of a save killed mid-write
+            os.unlink(stale)
+        payload = str(iteration).encode()
+        atomic_write(tracker, lambda stream: stream.write(payload))
     barrier()
     return final
 
 
 def latest_iteration(root: str) -> int | None:
+    """The iteration the tracker under `root` names, or None when there is no tracker."""
     tracker = os.path.join(root, TRACKER)
     if not os.path.exists(tracker):
         return None
