@@ -225,6 +225,7 @@ def test_a_killed_reaper_is_restarted_and_still_covers_earlier_segments(job_id):
         assert job_segments(job_id) == []
 
 
+@pytest.mark.multiproc  # starts a (short) reaper process
 def test_the_reaper_runs_alone_on_the_stdlib(tmp_path):
     """As launched (-I), without site-packages (-S: no torch) and from another directory."""
     mine, recreated = tmp_path / "mine", tmp_path / "recreated"
