@@ -26,6 +26,7 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.datasets.indexed_dataset import DType, IndexedDataset, IndexedDatasetBuilder
 
+from megatron.common.files import staged_paths
 from megatron.training.tokenizer import HFTokenizer
 
 Log = Callable[[str], None]
@@ -131,34 +132,30 @@ def write_indexed_dataset(
     renamed at the end; on any error or interrupt the temporary files are removed.
     """
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
-    tmp_prefix = f"{output_prefix}.tmp-{os.getpid()}"
-    bin_tmp, idx_tmp = tmp_prefix + ".bin", tmp_prefix + ".idx"
     docs = tokens = nbytes = 0
     start = last_report = time.monotonic()
-    builder = IndexedDatasetBuilder(bin_tmp, dtype=dtype)  # opens the temporary .bin
-    try:
-        for chunk in _chunks(texts, _ENCODE_CHUNK):
-            for ids in tokenizer.tokenize_batch(chunk):
-                ids.append(tokenizer.eod)
-                builder.add_document(numpy.asarray(ids, dtype=dtype), [len(ids)])
-                tokens += len(ids)
-            docs += len(chunk)
-            nbytes += sum(len(t.encode("utf-8")) for t in chunk)
-            now = time.monotonic()
-            if now - last_report >= _PROGRESS_EVERY_S:
-                log(_progress_line(docs, nbytes, tokens, now - start))
-                last_report = now
-        if docs == 0:
-            raise DataError("no documents in the input (expected at least one)")
-        builder.finalize(idx_tmp)
-        os.replace(bin_tmp, output_prefix + ".bin")
-        os.replace(idx_tmp, output_prefix + ".idx")
-    except BaseException:
-        builder.data_file.close()
-        for path in (bin_tmp, idx_tmp):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-        raise
+    # The builder opens its outputs by path, hence staged paths rather than atomic_write.
+    # The .bin is renamed first: once the new .idx is there, so is its .bin.
+    with staged_paths(output_prefix + ".bin", output_prefix + ".idx") as (bin_tmp, idx_tmp):
+        builder = IndexedDatasetBuilder(bin_tmp, dtype=dtype)  # opens the temporary .bin
+        try:
+            for chunk in _chunks(texts, _ENCODE_CHUNK):
+                for ids in tokenizer.tokenize_batch(chunk):
+                    ids.append(tokenizer.eod)
+                    builder.add_document(numpy.asarray(ids, dtype=dtype), [len(ids)])
+                    tokens += len(ids)
+                docs += len(chunk)
+                nbytes += sum(len(t.encode("utf-8")) for t in chunk)
+                now = time.monotonic()
+                if now - last_report >= _PROGRESS_EVERY_S:
+                    log(_progress_line(docs, nbytes, tokens, now - start))
+                    last_report = now
+            if docs == 0:
+                raise DataError("no documents in the input (expected at least one)")
+            builder.finalize(idx_tmp)  # closes the .bin
+        except BaseException:
+            builder.data_file.close()
+            raise
     seconds = time.monotonic() - start
     log(_progress_line(docs, nbytes, tokens, seconds))
     return PreprocessStats(docs, tokens, nbytes, seconds, numpy.dtype(dtype).name)

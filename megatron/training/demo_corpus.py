@@ -11,7 +11,6 @@ and the others wait and reuse it.
 from __future__ import annotations
 
 import ast
-import glob
 import hashlib
 import json
 import os
@@ -24,6 +23,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron.common.files import leftover_temporaries, staged_paths
 from megatron.training.data import (
     Log,
     default_cache_dir,
@@ -74,14 +74,10 @@ def ensure_demo_corpus(
         if os.path.isdir(final_dir):  # another process built it while we waited
             return corpus
         # Leftovers of a killed build: safe to remove, no one else builds while we hold the lock.
-        for stale in glob.glob(os.path.join(cache, name + ".tmp-*")):
+        for stale in leftover_temporaries(final_dir):
             shutil.rmtree(stale, ignore_errors=True)
-        tmp_dir = os.path.join(cache, f"{name}.tmp-{os.getpid()}")
-        try:
+        with staged_paths(final_dir, directories=True) as (tmp_dir,):
             _build(root, vocab_size, tmp_dir, log)
-            os.rename(tmp_dir, final_dir)
-        finally:
-            shutil.rmtree(tmp_dir, ignore_errors=True)
     log(f"demo corpus ready: {final_dir}")
     return corpus
 
@@ -102,7 +98,6 @@ def _cache_key(source_root: str, vocab_size: int) -> str:
 
 def _build(source_root: str, vocab_size: int, out_dir: str, log: Log) -> None:
     start = time.monotonic()
-    os.makedirs(out_dir)
     files = _source_files(source_root)
     log(f"demo corpus: building once in {out_dir} from docstrings of {len(files)} files "
         f"under {source_root}")
