@@ -6,7 +6,7 @@ For one stage-sized buffer it measures, in the same run:
   * plain_copy: a synchronous copy on the caller's thread (on CUDA: pageable .to(device))
     -- the baseline;
   * prefetch: the store's shared-memory segment -> a device double-buffer half on the
-    H2D stream (ParamDoubleBuffer.prefetch, timed until its ready event);
+    H2D stream (ParamSlots.prefetch, timed until its ready event);
   * offload_fp32 / offload_bf16: accumulated bf16 gradients -> fp32 gradients on the host,
     either upcast on the device then a 4-byte transfer, or a 2-byte transfer then the
     upcast on the host (Deep Optimizer States 4.1); reported as GB/s of fp32 gradients;
@@ -35,7 +35,7 @@ from megatron.offload.device import DeviceLayer, get_device  # noqa: E402
 from megatron.offload.grad_offload import GradientOffloader  # noqa: E402
 from megatron.offload.host_memory import HostBufferPool  # noqa: E402
 from megatron.offload.param_store import ParameterStore  # noqa: E402
-from megatron.offload.prefetch import ParamDoubleBuffer  # noqa: E402
+from megatron.offload.prefetch import ParamSlots  # noqa: E402
 
 
 def median_seconds(runs: dict[str, Callable[[], None]], repeats: int) -> dict[str, float]:
@@ -66,7 +66,7 @@ def measure(dev: DeviceLayer, stage_bytes: int, repeats: int, compute_steps: int
     try:
         segment = store.create((0, 0), numel, torch.bfloat16)
         segment.write(torch.randn(numel).to(torch.bfloat16), version=1)
-        buf = ParamDoubleBuffer(dev, budget_bytes=2 * numel * 2, dtype=torch.bfloat16)
+        buf = ParamSlots(dev, budget_bytes=2 * numel * 2, dtype=torch.bfloat16)
         plain_dst = dev.empty(numel, torch.bfloat16)
 
         def plain_copy() -> None:

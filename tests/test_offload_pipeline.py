@@ -11,7 +11,7 @@ from megatron.offload.grad_offload import GradientOffloader
 from megatron.offload.host_memory import HostBufferPool
 from megatron.offload.layout import FlatLayout, bind_gradients, copy_parameters_into
 from megatron.offload.param_store import ParameterStore, job_segments
-from megatron.offload.prefetch import ParamDoubleBuffer
+from megatron.offload.prefetch import ParamSlots
 
 LR, ITERATIONS, MICRO_BATCHES = 0.1, 3, 4
 
@@ -45,7 +45,7 @@ def test_offloaded_training_matches_torch_sgd_on_a_resident_model():
             segment.publish(0)
             masters.append(segment.params.clone())
         budget = 2 * max(lay.nbytes for lay in layouts)
-        buf = ParamDoubleBuffer(dev, budget_bytes=budget, dtype=torch.float32)
+        buf = ParamSlots(dev, budget_bytes=budget, dtype=torch.float32)
         offloader = GradientOffloader(dev, HostBufferPool(dev, 4 * budget), torch.float32)
         grads = [dev.zeros(lay.numel, torch.float32) for lay in layouts]
         for module, layout, flat_grad in zip(stages, layouts, grads):

@@ -184,6 +184,7 @@ def pid_gone(pid: int) -> bool:
     return False
 
 
+@pytest.mark.multiproc  # starts ranks and kills them
 def test_killed_rank_and_crashed_rank_leave_dev_shm_clean(job_id):
     env = {**os.environ, "PYTHONPATH": REPO}
     jobs = {mode: f"{job_id}-{mode}" for mode in ("kill", "raise")}
@@ -213,6 +214,7 @@ def test_killed_rank_and_crashed_rank_leave_dev_shm_clean(job_id):
             child.stdout.close()
 
 
+@pytest.mark.multiproc  # kills and restarts the reaper process
 def test_a_killed_reaper_is_restarted_and_still_covers_earlier_segments(job_id):
     with ParameterStore(job_id=job_id, rank=0) as store:
         store.create((0, 0), 64, torch.bfloat16)

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from megatron.offload.device import get_device
 from megatron.offload.multinode import push_parameters, receive_parameters
 from megatron.offload.param_store import ParameterStore, job_segments
-from megatron.offload.prefetch import ParamDoubleBuffer
+from megatron.offload.prefetch import ParamSlots
 
 NUMEL = 1 << 20  # 2 MiB of bf16 per stage
 STAGE = (2, 1)
@@ -49,7 +49,7 @@ def local_rank_worker(rank: int, job_id: str, barrier, results) -> None:
     # the same tensor (a view of the mapping, never re-read) now holds version 2
     second = same_bytes(view, pattern(2)) and view.data_ptr() == segment.params.data_ptr()
     with get_device("cpu") as dev:  # the one copy: into the device double buffer
-        buf = ParamDoubleBuffer(dev, budget_bytes=4 * NUMEL, dtype=torch.bfloat16)
+        buf = ParamSlots(dev, budget_bytes=4 * NUMEL, dtype=torch.bfloat16)
         slot = buf.prefetch(STAGE, segment.params)
         buf.wait_ready(slot)
         on_device = same_bytes(slot.params, pattern(2))

@@ -6,7 +6,7 @@ from torch import nn
 
 from megatron.offload.device import get_device
 from megatron.offload.layout import FlatLayout, copy_parameters_into
-from megatron.offload.prefetch import ParamDoubleBuffer
+from megatron.offload.prefetch import ParamSlots
 
 
 def stage_modules(n: int) -> list[nn.Module]:
@@ -22,7 +22,7 @@ def test_stages_stream_through_two_halves_and_compute_like_the_resident_model():
         copy_parameters_into(module, layout, flat)
     x = torch.randn(4, 16)
     with get_device("cpu") as dev:
-        buf = ParamDoubleBuffer(dev, budget_bytes=2 * layouts[0].nbytes, dtype=torch.float32)
+        buf = ParamSlots(dev, budget_bytes=2 * layouts[0].nbytes, dtype=torch.float32)
         halves = [slot.flat.data_ptr() for slot in buf.slots]
         current = buf.prefetch((0, 0), host[0])
         y = x
@@ -42,7 +42,7 @@ def test_stages_stream_through_two_halves_and_compute_like_the_resident_model():
 
 def test_a_stage_larger_than_a_half_and_a_third_prefetch_are_refused():
     with get_device("cpu") as dev:
-        buf = ParamDoubleBuffer(dev, budget_bytes=2 * 100 * 4, dtype=torch.float32)
+        buf = ParamSlots(dev, budget_bytes=2 * 100 * 4, dtype=torch.float32)
         with pytest.raises(ValueError, match=r"stage \(7, 1\) needs 404 bytes .* holds 400"):
             buf.prefetch((7, 1), torch.zeros(101))
         buf.prefetch((0, 0), torch.zeros(100))
@@ -50,7 +50,7 @@ def test_a_stage_larger_than_a_half_and_a_third_prefetch_are_refused():
         with pytest.raises(RuntimeError, match=r"all 2 slots hold stages \[\(0, 0\), \(1, 0\)\]"):
             buf.prefetch((2, 0), torch.zeros(100))
         with pytest.raises(ValueError, match="budget_bytes=2"):
-            ParamDoubleBuffer(dev, budget_bytes=2, dtype=torch.float32)
+            ParamSlots(dev, budget_bytes=2, dtype=torch.float32)
 
 
 @pytest.mark.parametrize("kind", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
@@ -61,7 +61,7 @@ def test_prefetch_of_the_next_stage_overlaps_compute_of_the_current(kind):
     with get_device(kind) as dev:
         pin = dev.pins_memory
         sources = [torch.full((numel,), float(i), pin_memory=pin) for i in range(2)]
-        buf = ParamDoubleBuffer(dev, budget_bytes=2 * numel * 4, dtype=torch.float32)
+        buf = ParamSlots(dev, budget_bytes=2 * numel * 4, dtype=torch.float32)
         current = buf.prefetch((0, 0), sources[0])
         buf.wait_ready(current)
         copy_started = dev.h2d_stream.record_event()

@@ -15,7 +15,7 @@ from megatron.offload.layout import (
 )
 from megatron.offload.naming import resolve_job_id
 from megatron.offload.param_store import ParameterStore
-from megatron.offload.prefetch import ParamDoubleBuffer, Slot
+from megatron.offload.prefetch import ParamSlots, Slot
 from megatron.offload.shm import SegmentInUseError, SharedSegment
 from megatron.offload.shm_space import ShmSpaceError
 
@@ -26,7 +26,7 @@ __all__ = [
     "GradientOffloader",
     "GradientsReady",
     "HostBufferPool",
-    "ParamDoubleBuffer",
+    "ParamSlots",
     "ParameterStore",
     "SegmentInUseError",
     "SharedSegment",

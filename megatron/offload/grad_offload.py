@@ -21,15 +21,14 @@ import torch
 
 from megatron.offload.device import DeviceLayer, Event
 from megatron.offload.host_memory import HostBufferPool
-
-StageKey = tuple[int, int]
+from megatron.schedules.instructions import BackwardStage
 
 
 @dataclass
 class GradientsReady:
     """Host gradients of one stage and the event of their D2H copy."""
 
-    key: StageKey
+    key: BackwardStage
     host: torch.Tensor
     event: Event
     _pool: HostBufferPool
@@ -89,7 +88,7 @@ class GradientOffloader:
             scratch.copy_(grads)
         return scratch
 
-    def offload(self, key: StageKey, grads: torch.Tensor) -> GradientsReady:
+    def offload(self, key: BackwardStage, grads: torch.Tensor) -> GradientsReady:
         """Queue the D2H copy of a stage's accumulated flat gradients (after compute)."""
         if grads.dim() != 1:
             raise ValueError(

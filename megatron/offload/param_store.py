@@ -35,8 +35,7 @@ from megatron.offload.naming import (
 from megatron.offload.shm import SharedSegment
 from megatron.offload.shm_owner import remove_if_stale
 from megatron.offload.shm_space import DEFAULT_SHM_DIR, check_space, segment_bytes
-
-StageKey = tuple[int, int]
+from megatron.schedules.instructions import BackwardStage
 
 _open_stores: weakref.WeakSet[ParameterStore] = weakref.WeakSet()
 
@@ -65,11 +64,11 @@ class ParameterStore:
         self.node = node_of(self.rank, self.procs_per_node)
         self.shm_dir = shm_dir
         self.namespace = namespace(self.job_id, self.node)
-        self._segments: dict[StageKey, SharedSegment] = {}
+        self._segments: dict[BackwardStage, SharedSegment] = {}
         self.swept = self.sweep_stale()
         _open_stores.add(self)
 
-    def path(self, key: StageKey) -> str:
+    def path(self, key: BackwardStage) -> str:
         return os.path.join(self.shm_dir, segment_name(self.job_id, self.node, *key))
 
     def sweep_stale(self) -> list[str]:
@@ -82,13 +81,13 @@ class ParameterStore:
                     removed.append(name)
         return removed
 
-    def check_capacity(self, sizes: dict[StageKey, tuple[int, torch.dtype]]) -> int:
+    def check_capacity(self, sizes: dict[BackwardStage, tuple[int, torch.dtype]]) -> int:
         """Fail before anything is created when /dev/shm cannot hold all these segments."""
         required = sum(segment_bytes(numel, dtype) for numel, dtype in sizes.values())
         check_space(required, self.shm_dir, what=f"{len(sizes)} stage segments of node {self.node}")
         return required
 
-    def create(self, key: StageKey, numel: int, dtype: torch.dtype) -> SharedSegment:
+    def create(self, key: BackwardStage, numel: int, dtype: torch.dtype) -> SharedSegment:
         """Create the segment of backward stage `key`; this process owns it."""
         if key in self._segments:
             raise ValueError(f"stage {key}: this process already holds its segment")
@@ -98,7 +97,7 @@ class ParameterStore:
 
     def attach(
         self,
-        key: StageKey,
+        key: BackwardStage,
         numel: int | None = None,
         dtype: torch.dtype | None = None,
         timeout_s: float = 60.0,
@@ -110,13 +109,13 @@ class ParameterStore:
         self._segments[key] = segment
         return segment
 
-    def get(self, key: StageKey) -> SharedSegment:
+    def get(self, key: BackwardStage) -> SharedSegment:
         try:
             return self._segments[key]
         except KeyError:
             raise KeyError(f"stage {key}: not created or attached in this process") from None
 
-    def release(self, key: StageKey) -> None:
+    def release(self, key: BackwardStage) -> None:
         """Unmap `key`; if this process created it, remove it from /dev/shm."""
         segment = self._segments.pop(key, None)
         if segment is not None:

@@ -1,6 +1,6 @@
 """A device double buffer for stage parameters: one half computes, the other is prefetched.
 
-    buf = ParamDoubleBuffer(device, budget_bytes=2 * stage_bytes, dtype=torch.bfloat16)
+    buf = ParamSlots(device, budget_bytes=2 * stage_bytes, dtype=torch.bfloat16)
     nxt = buf.prefetch((3, 1), segment.params)    # H2D copy on the h2d stream
     ... compute with the current slot ...
     buf.release(cur)                              # the half is free once compute passes here
@@ -21,8 +21,7 @@ from torch import nn
 
 from megatron.offload.device import DeviceLayer, Event
 from megatron.offload.layout import FlatLayout, bind_parameters
-
-StageKey = tuple[int, int]
+from megatron.schedules.instructions import BackwardStage
 
 
 @dataclass
@@ -31,7 +30,7 @@ class Slot:
 
     index: int
     flat: torch.Tensor
-    key: StageKey | None = None
+    key: BackwardStage | None = None
     numel: int = 0
     ready: Event | None = None  # the H2D copy of `key` has finished
     freed: Event | None = None  # compute no longer uses the previous contents
@@ -43,7 +42,7 @@ class Slot:
         return self.flat[: self.numel]
 
 
-class ParamDoubleBuffer:
+class ParamSlots:
     """Two device halves of `budget_bytes // 2` each, reused for every stage."""
 
     def __init__(
@@ -65,11 +64,11 @@ class ParamDoubleBuffer:
         self.half_numel = half_numel
         self.slots = [Slot(i, device.empty(half_numel, dtype)) for i in range(slots)]
 
-    def resident(self, key: StageKey) -> Slot | None:
+    def resident(self, key: BackwardStage) -> Slot | None:
         """The slot already holding (or receiving) `key`, if any."""
         return next((s for s in self.slots if s.in_use and s.key == key), None)
 
-    def prefetch(self, key: StageKey, source: torch.Tensor) -> Slot:
+    def prefetch(self, key: BackwardStage, source: torch.Tensor) -> Slot:
         """Start copying `source` (a stage's flat parameters) into a free half."""
         if (slot := self.resident(key)) is not None:
             return slot

@@ -20,7 +20,7 @@ from megatron.offload.grad_offload import GradientOffloader
 from megatron.offload.host_memory import HostBufferPool
 from megatron.offload.layout import copy_parameters_into
 from megatron.offload.param_store import ParameterStore
-from megatron.offload.prefetch import ParamDoubleBuffer
+from megatron.offload.prefetch import ParamSlots
 from megatron.optimizer.cpu_adam import CPUAdamW
 from megatron.optimizer.group_optimizer import AsyncGroupOptimizer, IterationResult
 from megatron.optimizer.loss_scaler import ConstantLossScaler, DynamicLossScaler, LossScaler
@@ -130,7 +130,7 @@ class Pipeline:
         slot_numel = max(m.layout.numel for m in self.modules.values())
         slots = max(2, validate(s).peak_params[self.rank])
         itemsize = torch.empty((), dtype=self.dtype).element_size()
-        self.param_slots = ParamDoubleBuffer(self.device, slots * slot_numel * itemsize, self.dtype,
+        self.param_slots = ParamSlots(self.device, slots * slot_numel * itemsize, self.dtype,
                                       slots=slots)
         self.host_pool = HostBufferPool(  # every owned stage's gradients, fp32 at most
             self.device, sum(4 * owner.numel for owner in self.owners.values()) or 1)

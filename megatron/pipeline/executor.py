@@ -48,7 +48,7 @@ from megatron.offload.device import DeviceLayer, Event
 from megatron.offload.grad_offload import GradientOffloader
 from megatron.offload.layout import bind_gradients
 from megatron.offload.param_store import ParameterStore
-from megatron.offload.prefetch import ParamDoubleBuffer, Slot
+from megatron.offload.prefetch import ParamSlots, Slot
 from megatron.optimizer.group_optimizer import AsyncGroupOptimizer, IterationResult
 from megatron.pipeline.owner import BackwardStageOwner
 from megatron.pipeline.p2p import PointToPoint
@@ -95,7 +95,7 @@ class PipelineExecutor:
         modules: dict[BackwardStage, StageModule],
         store: ParameterStore,
         device: DeviceLayer,
-        param_buffer: ParamDoubleBuffer,
+        param_slots: ParamSlots,
         offloader: GradientOffloader,
         optimizer: AsyncGroupOptimizer,
         owned: dict[BackwardStage, BackwardStageOwner],
@@ -109,7 +109,7 @@ class PipelineExecutor:
         self.modules = modules
         self.store = store
         self.device = device
-        self.params = param_buffer
+        self.param_slots = param_slots
         self.offloader = offloader
         self.optimizer = optimizer
         self.owned = owned
@@ -163,7 +163,7 @@ class PipelineExecutor:
         for work, _ in self._isends:
             work.wait()
         for b in list(self._slots):
-            self.params.release(self._slots.pop(b))
+            self.param_slots.release(self._slots.pop(b))
         result = self.optimizer.end_iteration()
         for owner in self.owned.values():
             owner.publish(iteration)
@@ -205,13 +205,13 @@ class PipelineExecutor:
             if b not in self._slots:
                 segment = self.store.get(b)
                 segment.wait_version(self._iteration - 1)
-                self._slots[b] = self.params.prefetch(b, segment.params)
+                self._slots[b] = self.param_slots.prefetch(b, segment.params)
 
     def _release(self, instr: Instruction) -> None:
         for b in self.schedule.params_of(instr.stage, instr.sub):
             slot = self._slots.pop(b, None)
             if slot is not None:
-                self.params.release(slot)
+                self.param_slots.release(slot)
 
     # --- communication ---------------------------------------------------------------------
 
@@ -272,7 +272,7 @@ class PipelineExecutor:
         if slot is None:
             raise RuntimeError(f"parameters of backward stage {b} are not resident "
                                "(no PREFETCH_PARAMS before use)")
-        self.params.bind(slot, stage.module, stage.layout)
+        self.param_slots.bind(slot, stage.module, stage.layout)
         return stage
 
     def _forward_instruction(self, instr: Instruction) -> None:
