@@ -86,6 +86,7 @@ def test_check_gradient_rejects_other_dtypes():
         check_gradient(torch.zeros(3, dtype=torch.int32))
 
 
+@pytest.mark.multiproc  # runs the bench script in its own process
 def test_bench_cli_exits_2_on_bad_input():
     proc = subprocess.run([sys.executable, "bench/cpu_adam.py", "--params", "0"], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
