@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-from megatron.training.data import check_data_prefix, ensure_demo_corpus
+from megatron.training.data_checks import check_data_prefix
+from megatron.training.demo_corpus import ensure_demo_corpus
 from megatron.training.tokenizer import load_tokenizer
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-from megatron.training.data import write_indexed_dataset
+from megatron.training.indexed_dataset_writer import write_indexed_dataset
 from megatron.training.tokenizer import load_tokenizer
 
 REPO = Path(__file__).resolve().parent.parent

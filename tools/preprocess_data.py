@@ -21,12 +21,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # megatron.core warns on import that the GPU-only Apex/Transformer Engine are missing.
 warnings.filterwarnings("ignore", message="Transformer Engine and Apex")
 
-from megatron.training.data import (  # noqa: E402
-    DataError,
-    check_writable_prefix,
-    iter_jsonl_texts,
-    write_indexed_dataset,
-)
+from megatron.training.data_checks import DataError, check_writable_prefix  # noqa: E402
+from megatron.training.indexed_dataset_writer import write_indexed_dataset  # noqa: E402
+from megatron.training.jsonl import iter_jsonl_texts  # noqa: E402
 from megatron.training.tokenizer import TokenizerError, load_tokenizer  # noqa: E402
 
 PROG = "preprocess_data.py"
