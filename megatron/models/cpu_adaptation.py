@@ -1,8 +1,14 @@
 """Lets megatron-core's model code run on a host without CUDA.
 
-megatron-core 0.16.1 assumes CUDA in a few places on the model path (see
-../shared/notes/megatron-core-on-cpu.md). Every adaptation lives here, one comment each.
-On a machine with CUDA nothing is patched.
+megatron-core 0.16.1 assumes CUDA in a few places on the model path that this project
+uses (embedding, transformer layers with the local spec, rotary embedding, dot-product
+attention, output layer): `torch.cuda.current_device()` in rotary_pos_embedding.py and in
+core/utils.py (the global memory buffer attention uses), and the CUDA RNG tracker's fork()
+around attention and embedding dropout. The rest of what we use (indexed datasets,
+GPTDataset, OptimizerParamScheduler, parallel_state with gloo) needs no change, and the
+project replaces megatron-core's pipeline schedules and offloading optimizer instead of
+adapting them. Every adaptation lives here, one comment each. On a machine with CUDA
+nothing is patched.
 """
 
 from __future__ import annotations
