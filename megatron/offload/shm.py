@@ -22,7 +22,7 @@ import warnings
 
 import torch
 
-from megatron.offload import shm_header
+import megatron.offload.shm_header as shm_header
 from megatron.offload.reaper_client import REAPER
 from megatron.offload.shm_header import HEADER_BYTES, read_header
 from megatron.offload.shm_owner import owner_alive, process_start_time
