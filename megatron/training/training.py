@@ -21,7 +21,6 @@ from megatron.models.presets import (
     count_parameters,
     count_parameters_full_mha,
 )
-from megatron.training import data as data_mod
 from megatron.training.arguments import (
     ArgumentError,
     check_writable_dir,
@@ -29,6 +28,7 @@ from megatron.training.arguments import (
     parse_args,
 )
 from megatron.training.checkpointing import CheckpointError, load_checkpoint, save_checkpoint
+from megatron.training.data_checks import DataError, check_data_prefix
 from megatron.training.demo_corpus import ensure_demo_corpus
 from megatron.training.distributed import initialize_distributed, shutdown_distributed
 from megatron.training.local_step import LocalTrainStep
@@ -37,6 +37,7 @@ from megatron.training.metrics import MetricsWriter, format_log_line
 from megatron.training.pipeline_args import check_pipeline_args
 from megatron.training.pipeline_step import PipelineTrainStep
 from megatron.training.tokenizer import TokenizerError, load_tokenizer
+from megatron.training.train_dataset import build_train_dataset, micro_batch_at
 from megatron.training.train_step import TrainStep
 
 
@@ -45,7 +46,7 @@ def iteration_micro_batches(dataset, iteration: int, args: argparse.Namespace) -
     process of a pipeline and every resumed run sees the same data."""
     count = args.global_batch_size // args.micro_batch_size
     first = (iteration - 1) * count
-    return [data_mod.micro_batch_at(dataset, args.micro_batch_size, first + j) for j in range(count)]
+    return [micro_batch_at(dataset, args.micro_batch_size, first + j) for j in range(count)]
 
 
 def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> LlamaConfig:
@@ -87,8 +88,8 @@ def prepare_data(args: argparse.Namespace, log=print):
     else:
         data_path, tokenizer_path = args.data_path, args.tokenizer_model
         try:
-            data_mod.check_data_prefix(data_path)
-        except data_mod.DataError as exc:
+            check_data_prefix(data_path)
+        except DataError as exc:
             raise ArgumentError("--data-path", data_path, str(exc)) from None
     try:
         tokenizer = load_tokenizer(tokenizer_path)
@@ -100,11 +101,11 @@ def prepare_data(args: argparse.Namespace, log=print):
                             f"must be >= the tokenizer's vocabulary ({tokenizer.vocab_size})")
     num_samples = args.train_iters * args.global_batch_size
     try:
-        dataset = data_mod.build_train_dataset(
+        dataset = build_train_dataset(
             data_path, tokenizer, args.seq_length, num_samples, args.seed,
             cache_dir=args.data_cache_dir,
         )
-    except data_mod.DataError as exc:
+    except DataError as exc:
         raise ArgumentError("--data-path", data_path, str(exc)) from None
     return tokenizer, dataset, vocab
 
