@@ -19,9 +19,9 @@ PACKAGE = os.path.join(ROOT, "megatron")
 FORBIDDEN = {
     "common": ("schedules", "offload", "optimizer", "models", "pipeline", "training"),
     "schedules": ("offload", "optimizer", "pipeline", "training"),
-    "offload": ("pipeline", "training"),
-    "optimizer": ("pipeline", "training"),
-    "models": ("pipeline", "training"),
+    "offload": ("optimizer", "models", "pipeline", "training"),  # the three are siblings
+    "optimizer": ("offload", "models", "pipeline", "training"),
+    "models": ("offload", "optimizer", "pipeline", "training"),
     "pipeline": ("training",),
 }
 
