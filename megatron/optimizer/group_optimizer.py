@@ -64,8 +64,9 @@ class _Submission:
 
 
 class AsyncGroupOptimizer:
-    """Drives CPUAdamW once per iteration: submit() each group as its backward finishes,
-    then finish_iteration() after the last one."""
+    """Drives CPUAdamW once per iteration: submit() (or check()) each group as its
+    gradient lands, then either the phases one by one (wait_all, synchronize, correct,
+    end_iteration: what the pipeline's program does) or finish_iteration()."""
 
     def __init__(
         self,

@@ -31,7 +31,7 @@ from megatron.pipeline.owner import BackwardStageOwner
 from megatron.pipeline.p2p import MessageShape, PointToPoint
 from megatron.pipeline.replicas import holds_segment, plan_replicas, push_replicas
 from megatron.pipeline.stage_modules import StageModule, build_stage_modules
-from megatron.schedules.instructions import BackwardStage
+from megatron.schedules.instructions import WHOLE_STAGE, BackwardStage
 from megatron.schedules.timeline import TimedEvent
 from megatron.schedules.validator import validate
 
@@ -56,7 +56,7 @@ class Pipeline:
         self.host_group = host_group()
         needed = {b for i in range(self.schedule.forward_stages)
                   if self.schedule.forward_rank[i] == rank
-                  for b in self.schedule.params_of(i, -1)}
+                  for b in self.schedule.params_of(i, WHOLE_STAGE)}
         needed.update(self.schedule.owned_by(rank))
         self.modules = build_stage_modules(model_cfg, self.schedule.partition,
                                            self.schedule.backward_split, needed, self.dtype)

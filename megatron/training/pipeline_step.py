@@ -30,10 +30,6 @@ class PipelineTrainStep:
         self.timeline_paths = (args.timeline, args.trace)
         self.pipeline = Pipeline(self.config, model_cfg, self.rank)
 
-    @property
-    def schedule(self):
-        return self.config.schedule
-
     def step(self, iteration: int, micro_batches: Sequence[Batch], lr: float,
              weight_decay: float) -> StepResult:
         report = self.pipeline.step(iteration, micro_batches, lr, weight_decay)
