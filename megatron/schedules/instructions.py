@@ -113,6 +113,9 @@ OP_SPECS: dict[Op, OpSpec] = {
 
 BLOCKING_SENDS = frozenset(op for op, spec in OP_SPECS.items() if spec.stepping == Stepping.SEND)
 BLOCKING_RECVS = frozenset(op for op, spec in OP_SPECS.items() if spec.stepping == Stepping.RECV)
+# Everything that posts a send or a receive between two ranks (NCCL matches them in order).
+POSTED_SENDS = BLOCKING_SENDS | {Op.ISEND_CKPT}
+POSTED_RECEIVES = BLOCKING_RECVS | {Op.IRECV_CKPT}
 COLLECTIVES = frozenset(op for op, spec in OP_SPECS.items()
                         if spec.stepping == Stepping.COLLECTIVE)
 COMPUTE = frozenset(op for op, spec in OP_SPECS.items() if spec.resource == "compute")

@@ -9,8 +9,12 @@ instructions. This module adds everything else the same way for every schedule:
   blocking communications in increasing (time, sender parity, tensor) order. One global
   order that every rank follows cannot deadlock under rendezvous semantics: the earliest
   pending pair always has both sides ready. Even senders first makes the pairs of a chain
-  r -> r+1 -> ... that meet at the same time run in two rounds instead of one by one. Checkpoints go asynchronously: ISEND right after the forward, IRECV at
-  the same step on the receiver, WAIT right before the backward that recomputes from it.
+  r -> r+1 -> ... that meet at the same time run in two rounds instead of one by one.
+  Activation checkpoints go asynchronously: ISEND right after the forward, IRECV at the
+  same step on the receiver, WAIT right before the backward that recomputes from it.
+  Every transfer of an ordered pair of ranks, blocking or not, is sorted by the same
+  (time, sender parity, tensor) key on both sides, so the sender posts its sends in the
+  order the receiver posts its receives (NCCL matches them by that order, not by tag).
 - parameters: consecutive compute on the same parameters forms a segment; the next
   segment is prefetched when a segment starts and a segment is released when it ends, so
   at most two segments are resident (a double buffer).
@@ -30,7 +34,7 @@ SYNCHRONOUS_OPTIMIZER = "synchronous"  # overflow check + all-reduce, then every
 POST_STEP_OPTIMIZER = "post-step"  # step as soon as gradients are home; check after
 
 # Priorities of instructions that share a gap between two compute instructions.
-_AFTER_COMPUTE, _ISEND, _PREFETCH, _COMM, _WAIT, _COMPUTE = range(6)
+_AFTER_COMPUTE, _PREFETCH, _COMM, _WAIT, _COMPUTE = range(5)
 
 
 def _forward(stage: int, mb: int) -> Instruction:
@@ -179,7 +183,9 @@ def _place_transfers(shape: Schedule, orders: list[list[Instruction]], times: di
         produced = times[producer][1]
         if role == "ckpt":
             key = (produced, src % 2, role, stage, sub, mb)
-            placement.put(src, index_of[producer] + 1, _ISEND, key,
+            # Same priority and key as every other transfer of the pair, on both sides:
+            # NCCL matches sends and receives between two ranks by posting order.
+            placement.put(src, index_of[producer] + 1, _COMM, key,
                           Instruction(Op.ISEND_CKPT, stage=stage, sub=sub, mb=mb, peer=dst))
             placement.put(dst, timelines[dst].gap(produced), _COMM, key,
                           Instruction(Op.IRECV_CKPT, stage=stage, sub=sub, mb=mb, peer=src))

@@ -9,7 +9,10 @@ and the rule, at the first violation of:
 - gradients complete before their offload, offload before the optimizer, and either a
   synchronized overflow check before every optimizer step or a post-step sync + rollback;
 - every send matched by a receive, no deadlock, every produced tensor used, every
-  prefetched parameter released by the end.
+  prefetched parameter released by the end;
+- for every ordered pair of ranks, the sender posts its sends (blocking or not) in the
+  order the receiver posts the matching receives: NCCL ignores tags and matches by that
+  order, so any other order would swap tensors of the same shape without an error.
 """
 
 from __future__ import annotations
@@ -17,7 +20,14 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from .instructions import BackwardStage, Instruction, Op, Schedule
+from .instructions import (
+    POSTED_RECEIVES,
+    POSTED_SENDS,
+    BackwardStage,
+    Instruction,
+    Op,
+    Schedule,
+)
 from .interpreter import RULE_MATCHED, Interpreter, ScheduleError
 
 RULE_ONCE = "every forward and backward exactly once"
@@ -29,6 +39,7 @@ RULE_GRADIENTS = "gradients complete before offload"
 RULE_OPTIMIZER = "optimizer step after offload and overflow check"
 RULE_RESIDENCY = "parameters prefetched when absent, released when resident and by the end"
 RULE_DANGLING = "every produced tensor used"
+RULE_PAIR_ORDER = "sends and receives between two ranks posted in the same order"
 
 # The _Checker method that checks each op; the rules it enforces are in its body.
 OP_HANDLERS: dict[Op, str] = {
@@ -267,10 +278,37 @@ class _Checker(Interpreter):
                                     "the POST_STEP_SYNC")
 
 
+def _by_peer(program: tuple[Instruction, ...], ops: frozenset) -> dict[int, list]:
+    """{peer: [(index, instruction), ...]} of the program's `ops`, in program order."""
+    by_peer: dict[int, list] = {}
+    for index, ins in enumerate(program):
+        if ins.op in ops:
+            by_peer.setdefault(ins.peer, []).append((index, ins))
+    return by_peer
+
+
+def check_pair_order(schedule: Schedule) -> None:
+    """RULE_PAIR_ORDER: the k-th send from rank a to rank b moves the tensor that b's k-th
+    receive from a expects (ISEND/IRECV_CKPT included)."""
+    sends = [_by_peer(program, POSTED_SENDS) for program in schedule.programs]
+    for receiver, program in enumerate(schedule.programs):
+        for sender, expected in sorted(_by_peer(program, POSTED_RECEIVES).items()):
+            if not 0 <= sender < schedule.ranks:
+                continue  # reported by the matching rule
+            sent = sends[sender].get(receiver, [])
+            for k, ((index, ins), (send_index, send)) in enumerate(zip(expected, sent)):
+                if ins.tensor_key != send.tensor_key:
+                    raise ScheduleError(
+                        receiver, index, ins, RULE_PAIR_ORDER,
+                        f"it is receive #{k} from rank {sender}, whose send #{k} to this rank "
+                        f"is #{send_index} ({send}): NCCL would match the two")
+
+
 def validate(schedule: Schedule) -> ValidationReport:
     """Check every rule (module docstring); raise ScheduleError at the first violation."""
     checker = _Checker(schedule)
     checker.run()
+    check_pair_order(schedule)  # every send is matched by now: compare the orders
     return ValidationReport(
         instructions=tuple(len(program) for program in schedule.programs),
         peak_params=tuple(checker.peak_params),
