@@ -201,6 +201,7 @@ def _rank_main(rank, port, results):
         dist.destroy_process_group()
 
 
+@pytest.mark.multiproc  # two processes over gloo
 def test_overflow_on_one_rank_skips_the_iteration_on_all_ranks():
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -26,7 +26,8 @@ TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 MODEL = ["--num-layers", "8", "--hidden-size", "64", "--ffn-hidden-size", "160",
          "--num-attention-heads", "4", "--num-query-groups", "2", "--seq-length", "32",
          "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "5",
-         "--lr", "1e-3", "--lr-warmup-iters", "1", "--clip-grad", "0", "--log-interval", "1"]
+         "--lr", "1e-3", "--lr-warmup-iters", "1", "--clip-grad", "0", "--log-interval", "1",
+         "--p2p-check"]  # every transfer checked: the tensor that arrives is the one expected
 SCHEDULES = ["decoupled", "mobius", "interleaved-1f1b", "1f1b", "gpipe"]
 
 

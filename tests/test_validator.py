@@ -221,3 +221,61 @@ def test_receive_posted_but_never_used_is_dangling():
     s = build_schedule("decoupled", 2, 4, 2, 2)
     p = list(s.programs[0]) + [Instruction(Op.IRECV_CKPT, stage=3, sub=0, mb=9, peer=1)]
     expect(with_program(s, 0, p), 0, "every produced tensor used")
+
+
+def pair_orders(schedule):
+    """{(sender, receiver): (tensors in the sender's send order, in the receiver's order)}."""
+    from megatron.schedules.instructions import POSTED_RECEIVES, POSTED_SENDS
+
+    orders = {}
+    for rank, program in enumerate(schedule.programs):
+        for ins in program:
+            if ins.op in POSTED_SENDS:
+                orders.setdefault((rank, ins.peer), ([], []))[0].append(ins.tensor_key)
+            elif ins.op in POSTED_RECEIVES:
+                orders.setdefault((ins.peer, rank), ([], []))[1].append(ins.tensor_key)
+    return orders
+
+
+@pytest.mark.parametrize("config", sweep_configurations(60, seed=11), ids=str)
+def test_every_generated_schedule_posts_each_pairs_transfers_in_one_order(config, tmp_path):
+    """NCCL matches sends and receives between two ranks by posting order, not by tag."""
+    from megatron.schedules.schedule_file import read_schedule, write_schedule
+
+    name, ranks, stages, split, micro_batches = config
+    generated = build_schedule(name, ranks, stages, split, micro_batches, [split + 1] * stages)
+    write_schedule(generated, str(tmp_path / "s.csv"))
+    for schedule in (generated, read_schedule(str(tmp_path / "s.csv"))):
+        for pair, (sent, received) in pair_orders(schedule).items():
+            assert sent == received, pair
+
+
+def test_the_papers_fig8_setting_posts_checkpoints_and_activations_in_one_order():
+    schedule = build_schedule("decoupled", 4, 8, 2, 4)
+    orders = pair_orders(schedule)
+    assert any(any(key[0] == "ckpt" for key in sent) and any(key[0] == "act" for key in sent)
+               for sent, _ in orders.values())  # both kinds share pairs: order matters
+    assert all(sent == received for sent, received in orders.values())
+
+
+def test_receives_posted_out_of_the_senders_order_are_rejected():
+    s = build_schedule("decoupled", 2, 4, 2, 4)
+    # On a receiver, put a checkpoint receive right after the next activation receive from
+    # the same sender: every tensor still arrives, but under NCCL the two would be swapped.
+    for rank, program in enumerate(s.programs):
+        for i, ins in enumerate(program):
+            if ins.op != Op.IRECV_CKPT:
+                continue
+            later = next((j for j in range(i + 1, len(program))
+                          if program[j].op == Op.RECV_ACT and program[j].peer == ins.peer), None)
+            if later is None:
+                continue
+            broken = with_program(s, rank, moved(program, i, later))
+            with pytest.raises(ScheduleError) as error:
+                validate(broken)
+            assert error.value.rule == "sends and receives between two ranks posted in the same order"
+            assert error.value.rank == rank
+            assert error.value.instruction.op in (Op.IRECV_CKPT, Op.RECV_ACT)
+            assert f"from rank {ins.peer}" in str(error.value)
+            return
+    raise AssertionError("no checkpoint receive followed by an activation receive")

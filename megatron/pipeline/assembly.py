@@ -137,8 +137,8 @@ class Pipeline:
         offloader = GradientOffloader(self.device, self.host_pool, training_dtype=self.dtype)
         shape = MessageShape((model_cfg.seq_length, self.config.micro_batch_size,
                               model_cfg.hidden_size), self.dtype)
-        p2p = PointToPoint(shape, s.forward_stages, s.backward_split, s.micro_batches,
-                           self.device.torch_device)
+        p2p = PointToPoint(shape, self.device.torch_device, self.rank,
+                           checked=self.config.p2p_check)
         return PipelineExecutor(s, self.rank, self.modules, self.store, self.device,
                                 self.param_slots, offloader, self.optimizer, self.owners, p2p,
                                 lambda: self.scaler.scale, self.config.inject_overflow)

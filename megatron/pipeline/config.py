@@ -45,6 +45,7 @@ class PipelineConfig:
     procs_per_node: int | None = None  # None: the launcher's LOCAL_WORLD_SIZE
     inject_overflow: tuple[int, BackwardStage] | None = None  # testing: (iteration, stage)
     record_timeline_at: int | None = None  # the iteration whose events are gathered
+    p2p_check: bool = False  # testing: a header with each tensor, checked on receipt
 
     @property
     def ranks(self) -> int:

@@ -1,25 +1,32 @@
-"""Point-to-point communication of activations, gradients and checkpoints.
+"""Point-to-point communication of activations, gradients and activation checkpoints.
 
 Blocking send/recv for activations and gradients (they are on the critical path anyway);
 isend/irecv for activation checkpoints, posted at the same step on both sides and waited
 on only before the recompute that needs them (S section 4).
 
-Every message carries a tag derived from what it moves, so that a checkpoint and an
-activation between the same two ranks can never be matched with each other, whatever
-order gloo delivers them in. NCCL ignores tags and matches in posting order, which the
-schedule keeps identical on both sides.
+Matching is by posting order only, as NCCL does it (NCCL ignores tags): every message
+between two ranks carries the same tag, so gloo, too, pairs the k-th send with the k-th
+receive. The programs post each pair's transfers in one order on both sides (the
+validator checks it). With `checked`, each tensor is preceded by a 4-integer header
+naming it (role, stage, sub, micro-batch) and the receiver fails, naming what arrived
+instead, when it is not the tensor its instruction expects: a testing aid that costs one
+host synchronisation per message.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
 from megatron.schedules.instructions import Instruction
 
+TAG = 0  # one tag for everything: matching by order, as under NCCL
 _ROLE_CODES = {"act": 0, "grad": 1, "ckpt": 2}
+_ROLES = {code: role for role, code in _ROLE_CODES.items()}
 
 
 @dataclass(frozen=True)
@@ -28,47 +35,103 @@ class MessageShape:
     dtype: torch.dtype
 
 
-def message_tag(instr: Instruction, forward_stages: int, backward_split: int,
-                micro_batches: int) -> int:
-    """A tag unique within an iteration for the tensor `instr` moves (equal on both sides)."""
-    role = _ROLE_CODES[instr.role]
-    position = instr.stage * (backward_split + 1) + (instr.sub + 1)
-    slots = forward_stages * (backward_split + 1)
-    return (role * slots + position) * micro_batches + instr.mb
+class WrongMessageError(RuntimeError):
+    """A received tensor is not the one the receiving instruction expects."""
+
+
+def _identity(instr: Instruction) -> tuple[int, int, int, int]:
+    return (_ROLE_CODES[instr.role], instr.stage, instr.sub, instr.mb)
+
+
+def _describe(identity: tuple[int, ...]) -> str:
+    role, stage, sub, mb = identity
+    return f"{_ROLES.get(role, f'role {role}')} stage={stage} sub={sub} mb={mb}"
+
+
+class Waitable(Protocol):
+    def wait(self) -> bool: ...
+
+
+class _CheckedWork:
+    """A header and its tensor in flight: wait() waits for both, then checks. It holds the
+    tensors so that they live until the transfer is done."""
+
+    def __init__(self, works: list[dist.Work], check: Callable[[], None],
+                 tensors: tuple[torch.Tensor, ...]) -> None:
+        self._works, self._check, self._tensors = works, check, tensors
+
+    def wait(self) -> bool:
+        for work in self._works:
+            work.wait()
+        self._check()
+        return True
 
 
 class PointToPoint:
     """Sends and receives [s, b, h] tensors between pipeline ranks."""
 
-    def __init__(self, shape: MessageShape, forward_stages: int, backward_split: int,
-                 micro_batches: int, device: torch.device) -> None:
+    def __init__(self, shape: MessageShape, device: torch.device, rank: int,
+                 checked: bool = False) -> None:
         self.shape = shape
         self.device = device
-        self._dims = (forward_stages, backward_split, micro_batches)
-        # Receive buffers for checkpoints, reused every iteration: the communication plan
-        # of a schedule is the same in every iteration.
+        self.rank = rank
+        self.checked = checked
+        # Receive buffers for activation checkpoints, reused every iteration: the
+        # communication plan of a schedule is the same in every iteration.
         self._ckpt_buffers: dict[tuple, torch.Tensor] = {}
-
-    def tag(self, instr: Instruction) -> int:
-        return message_tag(instr, *self._dims)
+        self._headers: dict[tuple, torch.Tensor] = {}
 
     def empty(self) -> torch.Tensor:
         return torch.empty(self.shape.shape, dtype=self.shape.dtype, device=self.device)
 
+    def _header(self, instr: Instruction) -> torch.Tensor:
+        return torch.tensor(_identity(instr), dtype=torch.int64, device=self.device)
+
+    def _header_buffer(self, instr: Instruction) -> torch.Tensor:
+        key = (instr.op, instr.tensor_key)
+        if key not in self._headers:
+            self._headers[key] = torch.empty(4, dtype=torch.int64, device=self.device)
+        return self._headers[key]
+
+    def _verify(self, instr: Instruction, header: torch.Tensor) -> None:
+        arrived = tuple(header.tolist())  # a host sync: checked mode only
+        if arrived != _identity(instr):
+            raise WrongMessageError(
+                f"rank {self.rank}, {instr}: expected {_describe(_identity(instr))} from rank "
+                f"{instr.peer}, but {_describe(arrived)} arrived (sends and receives between "
+                "the two ranks are posted in different orders)")
+
     def send(self, instr: Instruction, tensor: torch.Tensor) -> None:
-        dist.send(tensor.contiguous(), dst=instr.peer, tag=self.tag(instr))
+        if self.checked:
+            dist.send(self._header(instr), dst=instr.peer, tag=TAG)
+        dist.send(tensor.contiguous(), dst=instr.peer, tag=TAG)
 
     def recv(self, instr: Instruction) -> torch.Tensor:
+        if self.checked:
+            header = self._header_buffer(instr)
+            dist.recv(header, src=instr.peer, tag=TAG)
+            self._verify(instr, header)
         buffer = self.empty()
-        dist.recv(buffer, src=instr.peer, tag=self.tag(instr))
+        dist.recv(buffer, src=instr.peer, tag=TAG)
         return buffer
 
-    def isend(self, instr: Instruction, tensor: torch.Tensor) -> dist.Work:
-        return dist.isend(tensor.contiguous(), dst=instr.peer, tag=self.tag(instr))
+    def isend(self, instr: Instruction, tensor: torch.Tensor) -> Waitable:
+        tensor = tensor.contiguous()
+        if not self.checked:
+            return dist.isend(tensor, dst=instr.peer, tag=TAG)
+        header = self._header(instr)
+        works = [dist.isend(header, dst=instr.peer, tag=TAG),
+                 dist.isend(tensor, dst=instr.peer, tag=TAG)]
+        return _CheckedWork(works, lambda: None, (header, tensor))
 
-    def irecv(self, instr: Instruction) -> tuple[dist.Work, torch.Tensor]:
+    def irecv(self, instr: Instruction) -> tuple[Waitable, torch.Tensor]:
         key = instr.tensor_key
         buffer = self._ckpt_buffers.get(key)
         if buffer is None:
             buffer = self._ckpt_buffers[key] = self.empty()
-        return dist.irecv(buffer, src=instr.peer, tag=self.tag(instr)), buffer
+        if not self.checked:
+            return dist.irecv(buffer, src=instr.peer, tag=TAG), buffer
+        header = self._header_buffer(instr)
+        works = [dist.irecv(header, src=instr.peer, tag=TAG),
+                 dist.irecv(buffer, src=instr.peer, tag=TAG)]
+        return _CheckedWork(works, lambda: self._verify(instr, header), (header, buffer)), buffer

@@ -143,6 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="draw the measured last iteration, one row per rank (like the simulator)")
     g.add_argument("--trace", default=None, metavar="FILE.json",
                    help="Chrome-trace JSON of the measured last iteration")
+    g.add_argument("--p2p-check", action="store_true",
+                   help="testing aid: send a small header with every point-to-point tensor "
+                        "and fail, naming what arrived, when it is not the tensor the "
+                        "receiving instruction expects (one host sync per message)")
     g.add_argument("--inject-overflow", type=_int_list, default=None, metavar="ITER,STAGE,SUB",
                    help="testing aid: make backward stage (STAGE, SUB)'s gradient non-finite at "
                         "iteration ITER (one process: any stage)")

@@ -169,6 +169,7 @@ def pipeline_config(args: argparse.Namespace, world_size: int, vocab_size: int) 
         procs_per_node=args.procs_per_node,
         inject_overflow=inject,
         record_timeline_at=record,
+        p2p_check=args.p2p_check,
     )
 
 

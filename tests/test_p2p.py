@@ -1,0 +1,79 @@
+"""Point-to-point transfers match by posting order only (as NCCL), and the checked mode
+names the tensor that arrived when it is not the one the instruction expects."""
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from megatron.pipeline.p2p import MessageShape, PointToPoint, WrongMessageError
+from megatron.schedules.instructions import Instruction, Op
+
+pytestmark = pytest.mark.multiproc  # two processes over gloo
+
+SHAPE = MessageShape((3, 2, 4), torch.float32)
+
+
+def _send(op, stage, sub, mb, peer):
+    return Instruction(op, stage=stage, sub=sub, mb=mb, peer=peer)
+
+
+def _rank_main(rank, port, receive_order, results):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        p2p = PointToPoint(SHAPE, torch.device("cpu"), rank, checked=True)
+        # Same shape, different tensors: an activation and a checkpoint of one forward.
+        act = torch.full(SHAPE.shape, 1.0)
+        ckpt = torch.full(SHAPE.shape, 2.0)
+        if rank == 0:
+            work = p2p.isend(_send(Op.ISEND_CKPT, 1, 1, 0, 1), ckpt)
+            p2p.send(_send(Op.SEND_ACT, 1, -1, 0, 1), act)
+            work.wait()
+            results[0] = "sent"
+            return
+        posted = {}
+        for kind in receive_order:
+            if kind == "ckpt":
+                posted["ckpt"] = p2p.irecv(_send(Op.IRECV_CKPT, 1, 1, 0, 0))
+            else:
+                try:
+                    posted["act"] = p2p.recv(_send(Op.RECV_ACT, 1, -1, 0, 0))
+                except WrongMessageError as error:
+                    results[1] = str(error)
+                    # Drain what rank 0 still sends (the checkpoint, the activation's
+                    # header and the activation) so that it finishes cleanly.
+                    for drained in (p2p.empty(), torch.empty(4, dtype=torch.int64), p2p.empty()):
+                        dist.recv(drained, src=0)
+                    return
+        work, buffer = posted["ckpt"]
+        work.wait()
+        results[1] = (float(posted["act"][0, 0, 0]), float(buffer[0, 0, 0]))
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(receive_order):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.start_processes(_rank_main, args=(port, receive_order, results), nprocs=2,
+                           start_method="fork")
+        return dict(results)
+
+
+def test_receives_in_the_senders_order_get_the_right_tensors():
+    assert _run(["ckpt", "act"])[1] == (1.0, 2.0)
+
+
+def test_receives_out_of_order_fail_naming_what_arrived():
+    message = _run(["act", "ckpt"])[1]
+    assert isinstance(message, str), message
+    assert "rank 1, RECV_ACT stage=1 mb=0 peer=0" in message
+    assert "expected act stage=1 sub=-1 mb=0 from rank 0" in message
+    assert "but ckpt stage=1 sub=1 mb=0 arrived" in message
