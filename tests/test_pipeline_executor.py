@@ -336,3 +336,18 @@ def test_a_schedule_file_for_another_run_exits_2(reference, tmp_path):
     run = launch(tmp_path, "mismatch", 1, "--schedule-file", str(path), timeout=120)
     assert run.returncode == 2
     assert "the file has ranks=2, this run has 1" in run.stderr
+
+
+def test_host_syncs_per_iteration_do_not_grow_with_micro_batches(two_processes, tmp_path):
+    """On a GPU every read of a device value and every wait for the device stalls the
+    pipeline: the loss is read once per iteration, not per micro-batch."""
+    four = metrics(ScheduleRun(two_processes, "decoupled"))  # 4 micro-batches
+    run = launch(tmp_path, "eight", 2, "--pipeline-schedule", "decoupled",
+                 "--global-batch-size", "16")  # 8 micro-batches
+    assert run.returncode == 0, run.stderr[-3000:]
+    eight = metrics(run)
+    for rows in (four, eight):
+        for row in rows:
+            # the end-of-iteration wait for the compute stream, and the loss on its rank
+            assert row["host_syncs"] == 2
+            assert [r["host_syncs"] for r in row["per_rank"]] == [1, 2]

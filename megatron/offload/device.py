@@ -12,6 +12,11 @@ Everything above this module (prefetch, gradient offload, the executor) talks on
 
 Events carry completion times (`time_s()`, seconds since the device layer was created)
 so that the executor can measure compute, copy and idle times per rank.
+
+Host synchronisations: on a GPU, reading a device value on the host or waiting for the
+device stalls the thread that feeds the GPU. Such reads and waits on the main thread go
+through `read_scalar` and `wait_for`, which count them (`host_syncs`) on both layers, so a
+CPU test can bound what a GPU run would stall on.
 """
 
 from __future__ import annotations
@@ -202,6 +207,7 @@ class DeviceLayer:
             self.compute_stream = CpuStream("compute", origin_s, synchronous=True)
             self.h2d_stream = CpuStream("h2d", origin_s, synchronous=False)
             self.d2h_stream = CpuStream("d2h", origin_s, synchronous=False)
+        self.host_syncs = 0  # reads and waits that block the host on the device
 
     # memory -------------------------------------------------------------------------
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -239,8 +245,20 @@ class DeviceLayer:
             yield
 
     def synchronize(self) -> None:
+        self.host_syncs += 1
         for stream in (self.compute_stream, self.h2d_stream, self.d2h_stream):
             stream.synchronize()
+
+    # host synchronisation ---------------------------------------------------------------
+    def read_scalar(self, tensor: torch.Tensor) -> float:
+        """A one-element device tensor's value on the host: one host synchronisation."""
+        self.host_syncs += 1
+        return float(tensor)
+
+    def wait_for(self, stream: Stream) -> None:
+        """Block the calling (main) thread until `stream`'s work is done: one host sync."""
+        self.host_syncs += 1
+        stream.synchronize()
 
     def close(self) -> None:
         """Finish queued work and stop the copy threads."""

@@ -158,17 +158,19 @@ class Pipeline:
         return StepReport(loss, stats.result, breakdown, events)
 
     def _breakdown(self, stats: IterationStats) -> tuple[float, dict]:
-        """All-reduce the loss (from the last forward stage's rank) and per-rank times."""
+        """All-reduce the loss (from the last forward stage's rank) and per-rank figures."""
         world = self.schedule.ranks
         has_loss = self.schedule.forward_rank[-1] == self.rank
-        table = torch.zeros(world + 1, 4, dtype=torch.float64)
+        table = torch.zeros(world + 1, 5, dtype=torch.float64)
         table[self.rank] = torch.tensor([stats.compute_s, stats.bubble_s,
-                                         stats.exposed_optimizer_s, stats.iteration_s])
+                                         stats.exposed_optimizer_s, stats.iteration_s,
+                                         stats.host_syncs])
         table[world, 0] = stats.loss if has_loss else 0.0
         dist.all_reduce(table, group=self.host_group)
         per_rank = [{"rank": r, "gpu_time_s": float(table[r, 0]),
                      "bubble_time_s": float(table[r, 1]),
-                     "exposed_optimizer_time_s": float(table[r, 2])} for r in range(world)]
+                     "exposed_optimizer_time_s": float(table[r, 2]),
+                     "host_syncs": int(table[r, 4])} for r in range(world)]
         means = table[:world].mean(dim=0)
         return float(table[world, 0]), {
             "gpu_time_s": float(means[0]),
@@ -176,6 +178,7 @@ class Pipeline:
             "exposed_optimizer_time_s": float(means[2]),
             # S Eq. 1-3 (as the simulator): the share of the iteration a GPU is not computing.
             "bubble_ratio": float((1 - table[:world, 0] / table[:world, 3]).mean()),
+            "host_syncs": int(table[:world, 4].max()),  # the worst rank's
             "per_rank": per_rank,
             "schedule": self.schedule.name,
         }

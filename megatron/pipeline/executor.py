@@ -80,6 +80,7 @@ class IterationStats:
     iteration_s: float
     compute_s: float
     exposed_optimizer_s: float
+    host_syncs: int  # reads and waits of the main thread on the device this iteration
     events: list[TimedEvent] = field(default_factory=list)  # when recorded
 
     @property
@@ -135,7 +136,8 @@ class PipelineExecutor:
         self._pending_act_ckpts: dict[tuple[int, int, int], tuple[dist.Work, torch.Tensor]] = {}
         self._isends: list[tuple[dist.Work, torch.Tensor]] = []
         self._grads: dict[tuple[BackwardStage, int], torch.Tensor] = {}
-        self._losses: list[float] = []
+        self._loss_sum: torch.Tensor | None = None  # on the device: read once at the end
+        syncs_before = self.device.host_syncs
         for owner in self.owned.values():
             owner.start_iteration()
         # (instruction, start event, end event) on the compute stream; (instruction, start,
@@ -167,13 +169,17 @@ class PipelineExecutor:
         result = self.optimizer.end_iteration()
         for owner in self.owned.values():
             owner.publish(iteration)
-        self.device.compute_stream.synchronize()
+        self.device.wait_for(self.device.compute_stream)
         iteration_s = time.perf_counter() - start
         compute_s = sum(end.time_s() - begin.time_s() for _, begin, end in computed)
         optimizer_s = sum(end - begin for _, begin, end in waited)
         events = self._timeline(start_event.time_s(), start, computed, waited) if record_timeline else []
-        loss = sum(self._losses) / len(self._losses) if self._losses else 0.0
-        return IterationStats(loss, result, iteration_s, compute_s, optimizer_s, events)
+        loss = 0.0
+        if self._loss_sum is not None:
+            loss = self.device.read_scalar(self._loss_sum) / self.schedule.micro_batches
+        host_syncs = self.device.host_syncs - syncs_before
+        return IterationStats(loss, result, iteration_s, compute_s, optimizer_s, host_syncs,
+                              events)
 
     def _timeline(self, origin_event_s: float, origin_host_s: float, computed, waited) -> list[TimedEvent]:
         """The iteration as timed events from its start (seconds), in the simulator's format."""
@@ -289,8 +295,9 @@ class PipelineExecutor:
                 if (stage, sub) != (0, 0):
                     self._keep_act_ckpt((stage, sub, mb), hidden)
                 hidden = self._bind((stage, sub))(hidden, batch)
-        if stage == self.last_stage:
-            self._losses.append(float(hidden))
+        if stage == self.last_stage:  # accumulated on the device: no host sync per micro-batch
+            loss = hidden.detach().to(torch.float64)
+            self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
         else:
             self._acts[(stage, mb)] = hidden
 
