@@ -351,3 +351,29 @@ def test_host_syncs_per_iteration_do_not_grow_with_micro_batches(two_processes, 
             # the end-of-iteration wait for the compute stream, and the loss on its rank
             assert row["host_syncs"] == 2
             assert [r["host_syncs"] for r in row["per_rank"]] == [1, 2]
+
+
+def test_device_memory_does_not_grow_with_the_backward_stages_a_rank_owns(tmp_path):
+    """Doubling the layers at two layers per stage doubles the stages every rank runs and
+    owns; the device peak may grow only by the extra activation checkpoints (gradient
+    buffers are lent per running backward stage, parameters live in a fixed set of slots)."""
+    seq, micro_batch, hidden, d, micro_batches, ranks = 32, 2, 64, 2, 4, 2
+    peaks = {}
+    for layers in (8, 16):
+        stages = layers // 2
+        run = launch(tmp_path, f"layers{layers}", ranks, "--num-layers", str(layers),
+                     "--forward-stages", str(stages), "--backward-split", str(d),
+                     "--stage-layers", ",".join(["2"] * stages), "--train-iters", "2",
+                     "--pipeline-schedule", "decoupled")
+        assert run.returncode == 0, run.stderr[-3000:]
+        peaks[layers] = metrics(run)[-1]["per_rank"]
+    ckpt_bytes = seq * micro_batch * hidden * 4  # one fp32 activation checkpoint
+    # Per rank and iteration: d checkpoints per micro-batch of every forward stage it runs,
+    # one per micro-batch of every backward stage it owns (received or kept).
+    extra_forward_stages, extra_owned = (16 - 8) // 2 // ranks, (16 - 8) // 2 * d // ranks
+    bound = (extra_forward_stages * d + extra_owned) * micro_batches * ckpt_bytes
+    for small, large in zip(peaks[8], peaks[16]):
+        growth = large["device_memory_peak_bytes"] - small["device_memory_peak_bytes"]
+        assert 0 < growth <= bound, (growth, bound)
+        for fixed in ("parameter_slots", "gradient_buffers", "activations"):
+            assert large["device_memory_at_peak"][fixed] == small["device_memory_at_peak"][fixed]

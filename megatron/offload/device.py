@@ -184,6 +184,32 @@ class CudaStream:
 Stream = CpuStream | CudaStream
 
 
+MEMORY_CATEGORIES = ("parameter_slots", "gradient_buffers", "activation_checkpoints",
+                     "activations")
+
+
+class MemoryBook:
+    """What the runtime holds in device memory, by category, and the peak of the total.
+
+    The executor reports its holdings at every instruction boundary and inside each
+    backward (its working activations), on CUDA and on the CPU alike, so the figures mean
+    the same on both layers; on CUDA the caching allocator's own peak is read beside them.
+    """
+
+    def __init__(self) -> None:
+        self.peak_bytes = 0
+        self.peak_breakdown: dict[str, int] = dict.fromkeys(MEMORY_CATEGORIES, 0)
+
+    def observe(self, held: dict[str, int]) -> None:
+        total = sum(held.values())
+        if total > self.peak_bytes:
+            self.peak_bytes = total
+            self.peak_breakdown = {name: held.get(name, 0) for name in MEMORY_CATEGORIES}
+
+    def reset_peak(self) -> None:
+        self.__init__()
+
+
 class DeviceLayer:
     """Device memory, three streams (compute, h2d, d2h) and events, on CUDA or the CPU."""
 
@@ -208,6 +234,7 @@ class DeviceLayer:
             self.h2d_stream = CpuStream("h2d", origin_s, synchronous=False)
             self.d2h_stream = CpuStream("d2h", origin_s, synchronous=False)
         self.host_syncs = 0  # reads and waits that block the host on the device
+        self.memory = MemoryBook()
 
     # memory -------------------------------------------------------------------------
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -222,6 +249,17 @@ class DeviceLayer:
         if self.kind == "cuda":
             return torch.empty(numel, dtype=dtype, pin_memory=True)
         return torch.empty(numel, dtype=dtype)
+
+    def allocator_peak_bytes(self) -> int | None:
+        """CUDA's caching-allocator peak since the last reset (None on the CPU layer)."""
+        if self.kind != "cuda":
+            return None
+        return torch.cuda.max_memory_allocated(self.torch_device)
+
+    def reset_peak_memory(self) -> None:
+        self.memory.reset_peak()
+        if self.kind == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.torch_device)
 
     @property
     def pins_memory(self) -> bool:

@@ -74,6 +74,11 @@ class GradientOffloader:
         self._upcast: torch.Tensor | None = None  # device scratch for the fp32 upcast
         self._upcast_free: Event | None = None  # the last D2H copy out of the scratch is done
 
+    @property
+    def scratch_nbytes(self) -> int:
+        """Device memory of the upcast scratch (0 when gradients go to the host as they are)."""
+        return 0 if self._upcast is None else self._upcast.nbytes
+
     def _device_source(self, grads: torch.Tensor) -> torch.Tensor:
         """The device tensor to copy: `grads`, or its upcast in a reused scratch buffer."""
         if grads.dtype == self.host_dtype:

@@ -63,6 +63,7 @@ class ParamSlots:
         self.budget_bytes = budget_bytes
         self.half_numel = half_numel
         self.slots = [Slot(i, device.empty(half_numel, dtype)) for i in range(slots)]
+        self.nbytes = sum(slot.flat.nbytes for slot in self.slots)
 
     def resident(self, key: BackwardStage) -> Slot | None:
         """The slot already holding (or receiving) `key`, if any."""

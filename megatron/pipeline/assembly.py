@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 
 from megatron.models.llama import Batch, LlamaConfig
-from megatron.offload.device import get_device
+from megatron.offload.device import MEMORY_CATEGORIES, get_device
+from megatron.offload.grad_buffers import GradientBuffers
 from megatron.offload.grad_offload import GradientOffloader
 from megatron.offload.host_memory import HostBufferPool
 from megatron.offload.layout import copy_parameters_into
@@ -117,9 +118,8 @@ class Pipeline:
                 ids.append(len(groups))
                 groups.append(master[lo:hi] if hi > lo else torch.zeros(1))
                 mults.append(mult)
-            grad = self.device.zeros(module.layout.numel, self.dtype)
-            owners[b] = BackwardStageOwner(b, grad, (ids[0], ids[1]), module.decay_numel,
-                                           self.store.get(b))
+            owners[b] = BackwardStageOwner(b, module.layout.numel, (ids[0], ids[1]),
+                                           module.decay_numel, self.store.get(b))
         o = self.config.optimizer
         adam = CPUAdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
                         threads=o.threads, weight_decay_mults=mults)
@@ -128,19 +128,27 @@ class Pipeline:
     def _executor(self, model_cfg: LlamaConfig) -> PipelineExecutor:
         s = self.schedule
         slot_numel = max(m.layout.numel for m in self.modules.values())
-        slots = max(2, validate(s).peak_params[self.rank])
+        report = validate(s)
+        slots = max(2, report.peak_params[self.rank])
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         self.param_slots = ParamSlots(self.device, slots * slot_numel * itemsize, self.dtype,
                                       slots=slots)
         self.host_pool = HostBufferPool(  # every owned stage's gradients, fp32 at most
             self.device, sum(4 * owner.numel for owner in self.owners.values()) or 1)
         offloader = GradientOffloader(self.device, self.host_pool, training_dtype=self.dtype)
+        # Gradient buffers for the backward stages in flight at once, plus one so the next
+        # stage starts while the previous one's offload copy runs.
+        largest = max((owner.numel for owner in self.owners.values()), default=1)
+        in_flight = report.peak_gradients[self.rank]
+        self.grad_buffers = GradientBuffers(self.device, largest, self.dtype,
+                                            min(in_flight + 1, max(1, len(self.owners))))
         shape = MessageShape((model_cfg.seq_length, self.config.micro_batch_size,
                               model_cfg.hidden_size), self.dtype)
         p2p = PointToPoint(shape, self.device.torch_device, self.rank,
                            checked=self.config.p2p_check)
         return PipelineExecutor(s, self.rank, self.modules, self.store, self.device,
-                                self.param_slots, offloader, self.optimizer, self.owners, p2p,
+                                self.param_slots, offloader, self.grad_buffers, self.optimizer,
+                                self.owners, p2p,
                                 lambda: self.scaler.scale, self.config.inject_overflow)
 
     # --- one iteration -----------------------------------------------------------------
@@ -161,16 +169,21 @@ class Pipeline:
         """All-reduce the loss (from the last forward stage's rank) and per-rank figures."""
         world = self.schedule.ranks
         has_loss = self.schedule.forward_rank[-1] == self.rank
-        table = torch.zeros(world + 1, 5, dtype=torch.float64)
-        table[self.rank] = torch.tensor([stats.compute_s, stats.bubble_s,
-                                         stats.exposed_optimizer_s, stats.iteration_s,
-                                         stats.host_syncs])
+        table = torch.zeros(world + 1, 6 + len(MEMORY_CATEGORIES), dtype=torch.float64)
+        table[self.rank] = torch.tensor(
+            [stats.compute_s, stats.bubble_s, stats.exposed_optimizer_s, stats.iteration_s,
+             stats.host_syncs, stats.memory_peak_bytes]
+            + [stats.memory_breakdown[name] for name in MEMORY_CATEGORIES])
         table[world, 0] = stats.loss if has_loss else 0.0
         dist.all_reduce(table, group=self.host_group)
         per_rank = [{"rank": r, "gpu_time_s": float(table[r, 0]),
                      "bubble_time_s": float(table[r, 1]),
                      "exposed_optimizer_time_s": float(table[r, 2]),
-                     "host_syncs": int(table[r, 4])} for r in range(world)]
+                     "host_syncs": int(table[r, 4]),
+                     "device_memory_peak_bytes": int(table[r, 5]),
+                     "device_memory_at_peak": {name: int(table[r, 6 + i])
+                                               for i, name in enumerate(MEMORY_CATEGORIES)}}
+                    for r in range(world)]
         means = table[:world].mean(dim=0)
         return float(table[world, 0]), {
             "gpu_time_s": float(means[0]),
@@ -179,6 +192,7 @@ class Pipeline:
             # S Eq. 1-3 (as the simulator): the share of the iteration a GPU is not computing.
             "bubble_ratio": float((1 - table[:world, 0] / table[:world, 3]).mean()),
             "host_syncs": int(table[:world, 4].max()),  # the worst rank's
+            "device_memory_peak_bytes": int(table[:world, 5].max()),
             "per_rank": per_rank,
             "schedule": self.schedule.name,
         }

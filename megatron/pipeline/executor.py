@@ -35,6 +35,7 @@ measured with the device layer's events per iteration.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -45,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.offload.device import DeviceLayer, Event
+from megatron.offload.grad_buffers import GradientBuffers
 from megatron.offload.grad_offload import GradientOffloader
 from megatron.offload.layout import bind_gradients
 from megatron.offload.param_store import ParameterStore
@@ -81,6 +83,8 @@ class IterationStats:
     compute_s: float
     exposed_optimizer_s: float
     host_syncs: int  # reads and waits of the main thread on the device this iteration
+    memory_peak_bytes: int  # device memory the runtime held at most (MemoryBook)
+    memory_breakdown: dict  # by category, at that peak
     events: list[TimedEvent] = field(default_factory=list)  # when recorded
 
     @property
@@ -98,6 +102,7 @@ class PipelineExecutor:
         device: DeviceLayer,
         param_slots: ParamSlots,
         offloader: GradientOffloader,
+        grad_buffers: GradientBuffers,
         optimizer: AsyncGroupOptimizer,
         owned: dict[BackwardStage, BackwardStageOwner],
         p2p: PointToPoint,
@@ -112,12 +117,15 @@ class PipelineExecutor:
         self.device = device
         self.param_slots = param_slots
         self.offloader = offloader
+        self.grad_buffers = grad_buffers
         self.optimizer = optimizer
         self.owned = owned
         self.p2p = p2p
         self.loss_scale_fn = loss_scale_fn
         self.inject_overflow = inject_overflow
         self._kept_act_ckpts = _act_ckpts_kept_locally(self.program)
+        self._received_act_ckpts = frozenset(
+            (i.stage, i.sub, i.mb) for i in self.program if i.op == Op.IRECV_CKPT)
         self._fail_at = _failure_to_inject(rank)
         self.last_stage = schedule.forward_stages - 1
 
@@ -138,6 +146,7 @@ class PipelineExecutor:
         self._grads: dict[tuple[BackwardStage, int], torch.Tensor] = {}
         self._loss_sum: torch.Tensor | None = None  # on the device: read once at the end
         syncs_before = self.device.host_syncs
+        self.device.reset_peak_memory()
         for owner in self.owned.values():
             owner.start_iteration()
         # (instruction, start event, end event) on the compute stream; (instruction, start,
@@ -158,6 +167,7 @@ class PipelineExecutor:
                     f"rank {self.rank}: instruction {index} ({instr}) of iteration {iteration} "
                     f"failed: {type(exc).__name__}: {exc}"
                 ) from exc
+            self._observe_memory()
             if before is not None:
                 computed.append((instr, before, self.device.compute_stream.record_event()))
             elif instr.op in _OPTIMIZER_OPS:
@@ -178,8 +188,9 @@ class PipelineExecutor:
         if self._loss_sum is not None:
             loss = self.device.read_scalar(self._loss_sum) / self.schedule.micro_batches
         host_syncs = self.device.host_syncs - syncs_before
+        memory = self.device.memory
         return IterationStats(loss, result, iteration_s, compute_s, optimizer_s, host_syncs,
-                              events)
+                              memory.peak_bytes, dict(memory.peak_breakdown), events)
 
     def _timeline(self, origin_event_s: float, origin_host_s: float, computed, waited) -> list[TimedEvent]:
         """The iteration as timed events from its start (seconds), in the simulator's format."""
@@ -249,7 +260,8 @@ class PipelineExecutor:
     # --- gradients and the optimizer -------------------------------------------------------
 
     def _offload(self, instr: Instruction) -> None:
-        self.owned[BackwardStage(instr.stage, instr.sub)].offload(self.offloader)
+        self.owned[BackwardStage(instr.stage, instr.sub)].offload(self.offloader,
+                                                                   self.grad_buffers)
 
     def _optimizer_start(self, instr: Instruction) -> None:
         self.owned[BackwardStage(instr.stage, instr.sub)].step(self.optimizer)
@@ -269,6 +281,26 @@ class PipelineExecutor:
 
     def _rollback_if_overflow(self, instr: Instruction) -> None:
         self.optimizer.correct()
+
+    # --- device memory -------------------------------------------------------------------
+
+    def _observe_memory(self, working: int = 0) -> None:
+        """Report what this rank holds on the device now (see MemoryBook)."""
+        upcast = self.offloader.scratch_nbytes
+        # Received checkpoints live in the p2p layer's kept receive buffers; the others are
+        # held from their forward until their local backward or the end of their isend.
+        checkpoints = self.p2p.buffer_nbytes
+        checkpoints += sum(t.nbytes for key, t in self._act_ckpts.items()
+                           if key not in self._received_act_ckpts)
+        checkpoints += sum(t.nbytes for _, t in self._isends)
+        activations = sum(t.nbytes for t in self._acts.values())
+        activations += sum(t.nbytes for t in self._grads.values() if t is not None)
+        self.device.memory.observe({
+            "parameter_slots": self.param_slots.nbytes,
+            "gradient_buffers": self.grad_buffers.nbytes + upcast,
+            "activation_checkpoints": checkpoints,
+            "activations": activations + working,
+        })
 
     # --- compute -------------------------------------------------------------------------
 
@@ -310,13 +342,16 @@ class PipelineExecutor:
         batch = self._batches[mb]
         module = self._bind(b)
         owner = self.owned[b]
-        bind_gradients(module.module, module.layout, owner.grad)
+        grad = owner.gradient_buffer(self.grad_buffers)
+        bind_gradients(module.module, module.layout, grad)
         if b == (0, 0):
             hidden_in = None
         else:
             hidden_in = self._act_ckpts.pop((*b, mb)).detach().requires_grad_(True)
-        with torch.enable_grad():
+        with torch.enable_grad(), _saved_bytes(module.module) as working:
             out = module(hidden_in, batch)
+        self._observe_memory(working=working.nbytes)
+        with torch.enable_grad():
             if b == self.schedule.head:
                 scale = self.loss_scale_fn() / self.schedule.micro_batches
                 (out * scale).backward()
@@ -326,7 +361,27 @@ class PipelineExecutor:
         if hidden_in is not None:
             self._grads[(b, mb)] = hidden_in.grad
         if self.inject_overflow == (self._iteration, b):
-            owner.grad[0] = float("inf")
+            grad[0] = float("inf")
+
+
+class _SavedBytes:
+    nbytes = 0
+
+
+@contextlib.contextmanager
+def _saved_bytes(module: torch.nn.Module):
+    """Counts the bytes autograd saves for the backward inside the block (the working
+    activations of one backward stage), leaving out the parameters (they are in a slot)."""
+    params = {p.data_ptr() for p in module.parameters()}
+    saved = _SavedBytes()
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.data_ptr() not in params:
+            saved.nbytes += tensor.nbytes
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        yield saved
 
 
 # The PipelineExecutor method that carries out each op (see OP_SPECS[op].action).

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron.offload.grad_buffers import GradientBuffers
 from megatron.offload.grad_offload import GradientOffloader, GradientsReady
 from megatron.offload.shm import SharedSegment
 from megatron.optimizer.cpu_adam import CPUAdamW
@@ -23,27 +24,37 @@ class BackwardStageOwner:
     """One owned backward stage: gradient buffer, optimizer groups and segment."""
 
     backward_stage: BackwardStage
-    grad: torch.Tensor  # flat, on the device, in the training dtype
+    numel: int
     groups: tuple[int, int]  # CPU AdamW group of the decayed / the non-decayed elements
     split: int  # elements [0, split) are in the first group, the rest in the second
     segment: SharedSegment
+    # Flat, on the device, in the training dtype: lent by the pool from the stage's first
+    # backward of the iteration until its offload.
+    grad: torch.Tensor | None = None
     offloaded: GradientsReady | None = None
     submitted: bool = False
-
-    @property
-    def numel(self) -> int:
-        return self.grad.numel()
 
     def bounds(self) -> tuple[tuple[int, int], tuple[int, int]]:
         return (0, self.split), (self.split, self.numel)
 
     def start_iteration(self) -> None:
-        self.grad.zero_()
         self.offloaded = None
         self.submitted = False
 
-    def offload(self, offloader: GradientOffloader) -> None:
+    def gradient_buffer(self, buffers: GradientBuffers) -> torch.Tensor:
+        """The device buffer the backward accumulates into (borrowed at the first use)."""
+        if self.grad is None:
+            self.grad = buffers.acquire(self.numel)
+        return self.grad
+
+    def offload(self, offloader: GradientOffloader, buffers: GradientBuffers) -> None:
+        """Queue the D2H copy; the device buffer returns to the pool behind it."""
+        if self.grad is None:
+            raise RuntimeError(f"OFFLOAD_GRAD of backward stage {self.backward_stage} "
+                               "before any backward")
         self.offloaded = offloader.offload(self.backward_stage, self.grad)
+        buffers.release(self.grad, after=self.offloaded.event)
+        self.grad = None
 
     def _landed(self, what: str) -> GradientsReady:
         if self.offloaded is None:

@@ -81,6 +81,11 @@ class PointToPoint:
         self._ckpt_buffers: dict[tuple, torch.Tensor] = {}
         self._headers: dict[tuple, torch.Tensor] = {}
 
+    @property
+    def buffer_nbytes(self) -> int:
+        """Device memory of the kept checkpoint receive buffers."""
+        return sum(buffer.nbytes for buffer in self._ckpt_buffers.values())
+
     def empty(self) -> torch.Tensor:
         return torch.empty(self.shape.shape, dtype=self.shape.dtype, device=self.device)
 

@@ -75,6 +75,7 @@ class ValidationReport:
     instructions: tuple[int, ...]
     peak_params: tuple[int, ...]
     peak_checkpoints: tuple[int, ...]
+    peak_gradients: tuple[int, ...] = ()  # device gradient buffers in use at once, per rank
 
     def peak_params_in_stages(self, backward_split: int) -> tuple[float, ...]:
         return tuple(count / backward_split for count in self.peak_params)
@@ -89,6 +90,8 @@ class _Checker(Interpreter):
         self.posted_irecvs = [set() for _ in ranks]
         self.peak_params = [0 for _ in ranks]
         self.peak_ckpts = [0 for _ in ranks]
+        self.live_gradients = [0 for _ in ranks]
+        self.peak_gradients = [0 for _ in ranks]
         self.computed: set[Instruction] = set()
         self.backward_counts = [Counter() for _ in ranks]
         self.offloaded: dict = {}
@@ -153,6 +156,9 @@ class _Checker(Interpreter):
             self._take(rank, index, ins, ("grad", *after, ins.mb), "incoming gradient")
         if s.previous_backward_stage(b) is not None:
             self.tensors[rank].add(("grad", *b, ins.mb))
+        if self.backward_counts[rank][b] == 0:
+            self.live_gradients[rank] += 1
+            self.peak_gradients[rank] = max(self.peak_gradients[rank], self.live_gradients[rank])
         self.backward_counts[rank][b] += 1
 
     def local(self, rank: int, index: int, ins: Instruction) -> None:
@@ -196,6 +202,7 @@ class _Checker(Interpreter):
         if b in self.offloaded:
             self._fail(rank, index, ins, RULE_GRADIENTS, "offloaded twice")
         self.offloaded[b] = rank
+        self.live_gradients[rank] -= 1
 
     def _optimizer_start(self, rank: int, index: int, ins: Instruction) -> None:
         b = BackwardStage(ins.stage, ins.sub)
@@ -313,4 +320,5 @@ def validate(schedule: Schedule) -> ValidationReport:
         instructions=tuple(len(program) for program in schedule.programs),
         peak_params=tuple(checker.peak_params),
         peak_checkpoints=tuple(checker.peak_ckpts),
+        peak_gradients=tuple(checker.peak_gradients),
     )
