@@ -8,6 +8,7 @@ its host memory, in the CPU optimizer), maps the others, and runs its program th
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
@@ -61,7 +62,10 @@ class Pipeline:
         needed.update(self.schedule.owned_by(rank))
         self.modules = build_stage_modules(model_cfg, self.schedule.partition,
                                            self.schedule.backward_split, needed, self.dtype)
-        self.store = ParameterStore(rank=rank, procs_per_node=config.procs_per_node)
+        # A one-rank pipeline may run without a launcher: its segments are its own.
+        job_id = f"process:{os.getpid()}" if self.schedule.ranks == 1 else None
+        self.store = ParameterStore(job_id=job_id, rank=rank,
+                                    procs_per_node=config.procs_per_node)
         self.replicas = plan_replicas(self.schedule, self.store.procs_per_node)
         masters = self._map_segments()
         self.cpu_adam, self.owners = self._optimizer_groups(masters)
