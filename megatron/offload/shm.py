@@ -22,6 +22,7 @@ import warnings
 
 import torch
 
+import megatron.offload.host_pinning as host_pinning
 import megatron.offload.shm_header as shm_header
 from megatron.offload.reaper_client import REAPER
 from megatron.offload.shm_header import HEADER_BYTES, read_header
@@ -56,6 +57,9 @@ class SharedSegment:
         self._creator_pid = os.getpid()  # a forked child must not remove its parent's files
         self._mm: mmap.mmap | None = mm
         self.params = torch.frombuffer(mm, dtype=dtype, count=numel, offset=HEADER_BYTES)
+        # On CUDA the whole mapping is page-locked so that prefetches use the copy engine.
+        self._base = self.params.data_ptr() - HEADER_BYTES
+        self.pinned = host_pinning.register(self._base, len(mm))
 
     # creation and attach ------------------------------------------------------------
     @classmethod
@@ -207,6 +211,9 @@ class SharedSegment:
             except FileNotFoundError:
                 pass
             REAPER.untrack(self.path)
+        if self.pinned:
+            host_pinning.unregister(self._base)
+            self.pinned = False
         self.params = torch.empty(0, dtype=self.dtype)
         mm, self._mm = self._mm, None
         try:
