@@ -99,7 +99,7 @@ class Pipeline:
             masters[b] = master
         for b in held:  # replicas of stages owned on another node
             self.store.create(b, self.modules[b].layout.numel, self.dtype)
-        dist.barrier()  # every segment exists before anyone maps it
+        dist.barrier(group=self.host_group)  # every segment exists before anyone maps it
         push_replicas(self.replicas, self.store, self.rank, self.host_group)
         for b in self.modules:
             if b not in created:

@@ -21,6 +21,7 @@ from megatron.models.presets import (
     count_parameters,
     count_parameters_full_mha,
 )
+from megatron.pipeline.host_group import host_group
 from megatron.training.arguments import (
     ArgumentError,
     check_writable_dir,
@@ -192,7 +193,7 @@ def train(args: argparse.Namespace, dist_info, on_step=None) -> list[dict]:
                 state = {"train_step": step.state_dict(), "lr_schedule": schedule.state_dict(),
                          "skipped_total": skipped_total, "args": vars(args)}
                 path = save_checkpoint(args.save, iteration, state, rank=dist_info.rank,
-                                       barrier=dist.barrier)
+                                       barrier=lambda: dist.barrier(group=host_group()))
                 log(f"saved checkpoint to {path}")
     finally:
         close = getattr(step, "close", None)
