@@ -25,7 +25,7 @@ interpreter, so they are compared on equal terms. What each instruction does:
   overflow, redo them with the clip factor when the norm clips.
 - OPTIMIZER_WAIT_ALL: wait for every optimizer task this rank started.
 
-What an instruction does is chosen from its op (OP_HANDLERS), never from the schedule's
+What an instruction does is chosen from its op (`OP_SPECS[op].method`), never from the schedule's
 name. After the program, the optimizer commits the iteration and updates the loss scale.
 
 The time on the compute stream, the exposed optimizer time (the main thread waiting for
@@ -213,7 +213,7 @@ class PipelineExecutor:
         raise RuntimeError("failure injected by MEGATRON_SYSX_TEST_FAIL")
 
     def _execute(self, instr: Instruction) -> None:
-        getattr(self, OP_HANDLERS[instr.op])(instr)
+        getattr(self, OP_SPECS[instr.op].method)(instr)
 
     # --- parameters ------------------------------------------------------------------------
 
@@ -313,13 +313,13 @@ class PipelineExecutor:
         self.param_slots.bind(slot, stage.module, stage.layout)
         return stage
 
-    def _forward_instruction(self, instr: Instruction) -> None:
-        self._forward(instr.stage, instr.mb)
+    def _forward(self, instr: Instruction) -> None:
+        self._run_forward(instr.stage, instr.mb)
 
-    def _backward_instruction(self, instr: Instruction) -> None:
-        self._backward(BackwardStage(instr.stage, instr.sub), instr.mb)
+    def _backward(self, instr: Instruction) -> None:
+        self._run_backward(BackwardStage(instr.stage, instr.sub), instr.mb)
 
-    def _forward(self, stage: int, mb: int) -> None:
+    def _run_forward(self, stage: int, mb: int) -> None:
         batch = self._batches[mb]
         hidden = None if stage == 0 else self._acts.pop((stage - 1, mb))
         with torch.no_grad():
@@ -338,7 +338,7 @@ class PipelineExecutor:
         if key in self._kept_act_ckpts:
             self._act_ckpts[key] = hidden
 
-    def _backward(self, b: BackwardStage, mb: int) -> None:
+    def _run_backward(self, b: BackwardStage, mb: int) -> None:
         batch = self._batches[mb]
         module = self._bind(b)
         owner = self.owned[b]
@@ -382,28 +382,6 @@ def _saved_bytes(module: torch.nn.Module):
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         yield saved
-
-
-# The PipelineExecutor method that carries out each op (see OP_SPECS[op].action).
-OP_HANDLERS: dict[Op, str] = {
-    Op.PREFETCH_PARAMS: "_prefetch",
-    Op.RELEASE_PARAMS: "_release",
-    Op.FORWARD: "_forward_instruction",
-    Op.BACKWARD: "_backward_instruction",
-    Op.SEND_ACT: "_send_activation",
-    Op.RECV_ACT: "_recv_activation",
-    Op.SEND_GRAD: "_send_gradient",
-    Op.RECV_GRAD: "_recv_gradient",
-    Op.ISEND_CKPT: "_isend_act_ckpt",
-    Op.IRECV_CKPT: "_irecv_act_ckpt",
-    Op.WAIT_CKPT: "_wait_act_ckpt",
-    Op.OFFLOAD_GRAD: "_offload",
-    Op.OPTIMIZER_START: "_optimizer_start",
-    Op.OPTIMIZER_WAIT_ALL: "_optimizer_wait_all",
-    Op.OVERFLOW_SYNC: "_overflow_sync",
-    Op.POST_STEP_SYNC: "_post_step_sync",
-    Op.ROLLBACK_IF_OVERFLOW: "_rollback_if_overflow",
-}
 
 
 def _act_ckpts_kept_locally(program: Sequence[Instruction]) -> frozenset:

@@ -60,55 +60,62 @@ class OpSpec:
     resource: the simulated resource it occupies ("compute", "h2d", "d2h", "network",
     "cpu-optimizer", "host": the rank's main thread, "none": bookkeeping only).
     action: what the executor does, in one line.
+    handler: the name every consumer implements for it, as the method `_<handler>` (the
+    validator's rule check, the simulator's cost, the executor's action).
     """
 
     moves: str
     stepping: Stepping
     resource: str
     action: str
+    handler: str
+
+    @property
+    def method(self) -> str:
+        return f"_{self.handler}"
 
 
 OP_SPECS: dict[Op, OpSpec] = {
     Op.PREFETCH_PARAMS: OpSpec("", Stepping.LOCAL, "h2d",
                                "copy the backward stages' parameters from the node's "
-                               "shared-memory store into a device parameter slot"),
+                               "shared-memory store into a device parameter slot", "prefetch"),
     Op.RELEASE_PARAMS: OpSpec("", Stepping.LOCAL, "none",
-                              "give the parameter slots back after their last use"),
+                              "give the parameter slots back after their last use", "release"),
     Op.FORWARD: OpSpec("", Stepping.LOCAL, "compute",
                        "forward through the stage without autograd, keeping the activation "
-                       "checkpoint at each backward stage's input"),
+                       "checkpoint at each backward stage's input", "forward"),
     Op.BACKWARD: OpSpec("", Stepping.LOCAL, "compute",
                         "recompute from the activation checkpoint, back-propagate, "
-                        "accumulate parameter gradients"),
-    Op.SEND_ACT: OpSpec("act", Stepping.SEND, "network", "blocking send of a stage's output"),
-    Op.RECV_ACT: OpSpec("act", Stepping.RECV, "network", "blocking receive of a stage's input"),
+                        "accumulate parameter gradients", "backward"),
+    Op.SEND_ACT: OpSpec("act", Stepping.SEND, "network", "blocking send of a stage's output", "send_activation"),
+    Op.RECV_ACT: OpSpec("act", Stepping.RECV, "network", "blocking receive of a stage's input", "recv_activation"),
     Op.SEND_GRAD: OpSpec("grad", Stepping.SEND, "network",
-                         "blocking send of a backward stage's input gradient"),
+                         "blocking send of a backward stage's input gradient", "send_gradient"),
     Op.RECV_GRAD: OpSpec("grad", Stepping.RECV, "network",
-                         "blocking receive of the gradient a backward stage starts from"),
+                         "blocking receive of the gradient a backward stage starts from", "recv_gradient"),
     Op.ISEND_CKPT: OpSpec("ckpt", Stepping.LOCAL, "network",
-                          "post the asynchronous send of an activation checkpoint"),
+                          "post the asynchronous send of an activation checkpoint", "isend_act_ckpt"),
     Op.IRECV_CKPT: OpSpec("ckpt", Stepping.LOCAL, "network",
-                          "post the asynchronous receive of an activation checkpoint"),
+                          "post the asynchronous receive of an activation checkpoint", "irecv_act_ckpt"),
     Op.WAIT_CKPT: OpSpec("ckpt", Stepping.WAIT_POSTED, "network",
-                         "wait for a posted checkpoint receive, right before its recompute"),
+                         "wait for a posted checkpoint receive, right before its recompute", "wait_act_ckpt"),
     Op.OFFLOAD_GRAD: OpSpec("", Stepping.LOCAL, "d2h",
-                            "copy a backward stage's accumulated gradients to host memory"),
+                            "copy a backward stage's accumulated gradients to host memory", "offload"),
     Op.OPTIMIZER_START: OpSpec("", Stepping.LOCAL, "cpu-optimizer",
                                "start the backward stage's CPU AdamW once its gradients are "
                                "home: speculative (checks itself) before the overflow "
-                               "verdict, the deferred update after it"),
+                               "verdict, the deferred update after it", "optimizer_start"),
     Op.OPTIMIZER_WAIT_ALL: OpSpec("", Stepping.LOCAL, "host",
-                                  "wait for every optimizer task this rank started"),
+                                  "wait for every optimizer task this rank started", "optimizer_wait_all"),
     Op.OVERFLOW_SYNC: OpSpec("", Stepping.COLLECTIVE, "host",
                              "check every offloaded gradient (finite, sum of squares), then "
-                             "all-reduce the overflow flags and the norm: the verdict"),
+                             "all-reduce the overflow flags and the norm: the verdict", "overflow_sync"),
     Op.POST_STEP_SYNC: OpSpec("", Stepping.COLLECTIVE, "host",
                               "all-reduce the speculative steps' overflow flags and norm: "
-                              "the verdict"),
+                              "the verdict", "post_step_sync"),
     Op.ROLLBACK_IF_OVERFLOW: OpSpec("", Stepping.LOCAL, "cpu-optimizer",
                                     "undo the speculative steps when the verdict says "
-                                    "overflow; redo them with the clip factor when it clips"),
+                                    "overflow; redo them with the clip factor when it clips", "rollback_if_overflow"),
 }
 
 BLOCKING_SENDS = frozenset(op for op, spec in OP_SPECS.items() if spec.stepping == Stepping.SEND)

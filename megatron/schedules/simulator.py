@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .cost_model import CostModel
-from .instructions import WHOLE_STAGE, BackwardStage, Instruction, Op, Schedule
+from .instructions import OP_SPECS, WHOLE_STAGE, BackwardStage, Instruction, Op, Schedule
 from .interpreter import Interpreter
 from .timeline import TimedEvent
 from .validator import validate
@@ -96,8 +96,10 @@ class _Simulator(Interpreter):
         self.busy[rank] += duration
         self._event(rank, "compute", start, start + duration, label, kind, ins)
 
+    _forward = _backward = _compute
+
     def local(self, rank: int, index: int, ins: Instruction) -> None:
-        getattr(self, OP_HANDLERS[ins.op])(rank, ins)
+        getattr(self, OP_SPECS[ins.op].method)(rank, ins)
 
     def _prefetch(self, rank: int, ins: Instruction) -> None:
         s, c = self.schedule, self.costs
@@ -114,13 +116,13 @@ class _Simulator(Interpreter):
         for b in self.schedule.params_of(ins.stage, ins.sub):  # the slot is free again
             self.param_ready[rank].pop(b, None)
 
-    def _isend(self, rank: int, ins: Instruction) -> None:
+    def _isend_act_ckpt(self, rank: int, ins: Instruction) -> None:
         self.isend_time[ins.tensor_key] = self.clock[rank]
 
-    def _irecv(self, rank: int, ins: Instruction) -> None:
+    def _irecv_act_ckpt(self, rank: int, ins: Instruction) -> None:
         self.irecv_time[ins.tensor_key] = self.clock[rank]
 
-    def _wait_checkpoint(self, rank: int, ins: Instruction) -> None:
+    def _wait_act_ckpt(self, rank: int, ins: Instruction) -> None:
         start = max(self.isend_time[ins.tensor_key], self.irecv_time[ins.tensor_key])
         arrival = start + self.costs.p2p_checkpoint
         self._event(ins.peer, "network", start, arrival,
@@ -143,10 +145,10 @@ class _Simulator(Interpreter):
         self._event(rank, "cpu-optimizer", start, end,
                     f"o{_label(*b, self.schedule.backward_split)}", "optimizer", ins)
 
-    def _wait_all(self, rank: int, ins: Instruction) -> None:
+    def _optimizer_wait_all(self, rank: int, ins: Instruction) -> None:
         self.clock[rank] = max(self.clock[rank], self.cpu_free[rank])
 
-    def _rollback(self, rank: int, ins: Instruction) -> None:
+    def _rollback_if_overflow(self, rank: int, ins: Instruction) -> None:
         """The expected cost of corrections (cost model's `rollback`, 0: no overflow)."""
         start = max(self.clock[rank], self.cpu_free[rank])
         end = start + self.costs.rollback
@@ -155,7 +157,7 @@ class _Simulator(Interpreter):
 
     def rendezvous(self, sender: int, send_index: int, receiver: int, recv_index: int) -> None:
         ins = self.schedule.programs[sender][send_index]
-        getattr(self, OP_HANDLERS[ins.op])(sender, receiver, ins)
+        getattr(self, OP_SPECS[ins.op].method)(sender, receiver, ins)
 
     def _transfer(self, sender: int, receiver: int, ins: Instruction) -> None:
         start = max(self.clock[sender], self.clock[receiver])
@@ -164,8 +166,11 @@ class _Simulator(Interpreter):
         label = "a" if ins.role == "act" else "g"
         self._event(sender, "network", start, end, f"{label}{ins.stage}", "p2p", ins)
 
+    # A receive is timed together with its send, in the rendezvous.
+    _send_activation = _send_gradient = _recv_activation = _recv_gradient = _transfer
+
     def collective(self, op: Op, indices: list[int]) -> None:
-        meet = getattr(self, OP_HANDLERS[op])()
+        meet = getattr(self, OP_SPECS[op].method)()
         for rank in range(self.schedule.ranks):
             self.clock[rank] = meet
 
@@ -176,27 +181,6 @@ class _Simulator(Interpreter):
     def _post_step_sync(self) -> float:
         return max(self.clock)
 
-
-# The _Simulator method that gives each op its time on its resource (OP_SPECS[op].resource).
-OP_HANDLERS: dict[Op, str] = {
-    Op.PREFETCH_PARAMS: "_prefetch",
-    Op.RELEASE_PARAMS: "_release",
-    Op.FORWARD: "_compute",
-    Op.BACKWARD: "_compute",
-    Op.SEND_ACT: "_transfer",
-    Op.SEND_GRAD: "_transfer",
-    Op.RECV_ACT: "_transfer",  # timed with its send, in the rendezvous
-    Op.RECV_GRAD: "_transfer",
-    Op.ISEND_CKPT: "_isend",
-    Op.IRECV_CKPT: "_irecv",
-    Op.WAIT_CKPT: "_wait_checkpoint",
-    Op.OFFLOAD_GRAD: "_offload",
-    Op.OPTIMIZER_START: "_optimizer_start",
-    Op.OPTIMIZER_WAIT_ALL: "_wait_all",
-    Op.OVERFLOW_SYNC: "_overflow_sync",
-    Op.POST_STEP_SYNC: "_post_step_sync",
-    Op.ROLLBACK_IF_OVERFLOW: "_rollback",
-}
 
 
 def _union_length_after(intervals: list[tuple[float, float]], after: float) -> float:

@@ -21,6 +21,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from .instructions import (
+    OP_SPECS,
     POSTED_RECEIVES,
     POSTED_SENDS,
     BackwardStage,
@@ -40,27 +41,6 @@ RULE_OPTIMIZER = "optimizer step after offload and overflow check"
 RULE_RESIDENCY = "parameters prefetched when absent, released when resident and by the end"
 RULE_DANGLING = "every produced tensor used"
 RULE_PAIR_ORDER = "sends and receives between two ranks posted in the same order"
-
-# The _Checker method that checks each op; the rules it enforces are in its body.
-OP_HANDLERS: dict[Op, str] = {
-    Op.PREFETCH_PARAMS: "_prefetch",
-    Op.RELEASE_PARAMS: "_release",
-    Op.FORWARD: "_compute",
-    Op.BACKWARD: "_compute",
-    Op.SEND_ACT: "_transfer",
-    Op.SEND_GRAD: "_transfer",
-    Op.RECV_ACT: "_transfer",  # checked with its send, in the rendezvous
-    Op.RECV_GRAD: "_transfer",
-    Op.ISEND_CKPT: "_isend",
-    Op.IRECV_CKPT: "_irecv",
-    Op.WAIT_CKPT: "_wait_checkpoint",
-    Op.OFFLOAD_GRAD: "_offload",
-    Op.OPTIMIZER_START: "_optimizer_start",
-    Op.OPTIMIZER_WAIT_ALL: "_wait_all",
-    Op.OVERFLOW_SYNC: "_overflow_sync",
-    Op.POST_STEP_SYNC: "_post_step_sync",
-    Op.ROLLBACK_IF_OVERFLOW: "_rollback",
-}
 
 
 @dataclass(frozen=True)
@@ -162,8 +142,10 @@ class _Checker(Interpreter):
         self.backward_counts[rank][b] += 1
 
     def local(self, rank: int, index: int, ins: Instruction) -> None:
-        getattr(self, OP_HANDLERS[ins.op])(rank, index, ins)
+        getattr(self, OP_SPECS[ins.op].method)(rank, index, ins)
         self._measure(rank)
+
+    _forward = _backward = _compute
 
     def _prefetch(self, rank: int, index: int, ins: Instruction) -> None:
         covered = self.schedule.params_of(ins.stage, ins.sub)
@@ -177,13 +159,13 @@ class _Checker(Interpreter):
             self._fail(rank, index, ins, RULE_RESIDENCY, "parameters are not resident")
         self.resident[rank].difference_update(covered)
 
-    def _isend(self, rank: int, index: int, ins: Instruction) -> None:
+    def _isend_act_ckpt(self, rank: int, index: int, ins: Instruction) -> None:
         self._take(rank, index, ins, ins.tensor_key, "checkpoint")
 
-    def _irecv(self, rank: int, index: int, ins: Instruction) -> None:
+    def _irecv_act_ckpt(self, rank: int, index: int, ins: Instruction) -> None:
         self.posted_irecvs[rank].add(ins.tensor_key)
 
-    def _wait_checkpoint(self, rank: int, index: int, ins: Instruction) -> None:
+    def _wait_act_ckpt(self, rank: int, index: int, ins: Instruction) -> None:
         if ins.tensor_key not in self.posted_irecvs[rank]:
             self._fail(rank, index, ins, RULE_POSTED, "no IRECV_CKPT posted before the wait")
         if self.posted_isends[ins.tensor_key] != ins.peer:
@@ -215,16 +197,16 @@ class _Checker(Interpreter):
                        "no OVERFLOW_SYNC before it and no POST_STEP_SYNC after")
         self.stepped[b] = rank
 
-    def _wait_all(self, rank: int, index: int, ins: Instruction) -> None:
+    def _optimizer_wait_all(self, rank: int, index: int, ins: Instruction) -> None:
         self.waited_all[rank] = True
 
-    def _rollback(self, rank: int, index: int, ins: Instruction) -> None:
+    def _rollback_if_overflow(self, rank: int, index: int, ins: Instruction) -> None:
         if not self.post_synced[rank]:
             self._fail(rank, index, ins, RULE_OPTIMIZER, "rollback before POST_STEP_SYNC")
         self.rolled_back[rank] = True
 
     def rendezvous(self, sender: int, send_index: int, receiver: int, recv_index: int) -> None:
-        getattr(self, OP_HANDLERS[self.schedule.programs[sender][send_index].op])(
+        getattr(self, OP_SPECS[self.schedule.programs[sender][send_index].op].method)(
             sender, send_index, receiver)
 
     def _transfer(self, sender: int, send_index: int, receiver: int) -> None:
@@ -233,9 +215,12 @@ class _Checker(Interpreter):
         self.tensors[receiver].add(ins.tensor_key)
         self._measure(receiver)
 
+    # A receive is checked together with its send, in the rendezvous.
+    _send_activation = _send_gradient = _recv_activation = _recv_gradient = _transfer
+
     def collective(self, op: Op, indices: list[int]) -> None:
         for rank, index in enumerate(indices):
-            getattr(self, OP_HANDLERS[op])(rank, index, self.schedule.programs[rank][index])
+            getattr(self, OP_SPECS[op].method)(rank, index, self.schedule.programs[rank][index])
 
     def _overflow_sync(self, rank: int, index: int, ins: Instruction) -> None:
         self.synced[rank] = True
