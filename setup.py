@@ -17,12 +17,14 @@ ext_modules = [
         "megatron.optimizer._cpu_adam",
         [
             "csrc/cpu_adam.cpp",
+            "csrc/worker_pool.cpp",
             "csrc/isa_portable.cpp",
             "csrc/isa_avx2.cpp",
             "csrc/isa_avx512.cpp",
         ],
         depends=[
             "csrc/kernel_api.h",
+            "csrc/worker_pool.h",
             "csrc/adam_kernel.h",
             "csrc/scalar_policy.h",
         ],

@@ -1,26 +1,16 @@
-// pybind11 entry points of megatron.optimizer._cpu_adam: ISA dispatch, threads, pinning.
+// pybind11 entry points of megatron.optimizer._cpu_adam: ISA dispatch and the worker pool.
 // Buffers arrive as raw addresses + sizes + dtype codes; the Python layer
 // (megatron/optimizer/cpu_adam.py) owns the tensors and validates them.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
-#if defined(__linux__)
-#include <pthread.h>
-#include <sched.h>
-#endif
-
-#include <atomic>
-#include <cerrno>
 #include <cmath>
-#include <cstring>
-#include <exception>
-#include <mutex>
 #include <stdexcept>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "kernel_api.h"
+#include "worker_pool.h"
 
 namespace py = pybind11;
 
@@ -68,22 +58,6 @@ RangeFn resolve(const std::string& isa) {
   throw std::invalid_argument("isa='" + isa + "' is not available on this CPU; expected auto or one of: " + names);
 }
 
-void pin_current_thread(int core) {
-#if defined(__linux__)
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  CPU_SET(core, &set);
-  const int rc = pthread_setaffinity_np(pthread_self(), sizeof set, &set);
-  if (rc != 0) {
-    throw std::runtime_error("cannot pin an optimizer thread to core " + std::to_string(core) +
-                             ": " + std::strerror(rc));
-  }
-#else
-  (void)core;
-  throw std::runtime_error("pinning optimizer threads to cores is only supported on Linux");
-#endif
-}
-
 struct Blocks {
   int64_t n;
   int64_t count;
@@ -92,37 +66,6 @@ struct Blocks {
 };
 
 Blocks blocks_of(int64_t n) { return {n, (n + kBlock - 1) / kBlock}; }
-
-// Runs body(k) for every block k on min(threads, blocks) threads that take blocks in
-// order from a shared counter. The calling thread only waits, so pinning never changes
-// the caller's own affinity; with one thread and no pinning it runs inline.
-template <class Body>
-void run_blocks(const Blocks& blocks, int threads, const std::vector<int>& cores, Body body) {
-  const int64_t count = blocks.count;
-  const int workers_wanted = static_cast<int>(threads < count ? threads : count);
-  if (workers_wanted <= 1 && cores.empty()) {
-    for (int64_t k = 0; k < count; ++k) body(k);
-    return;
-  }
-  std::atomic<int64_t> next{0};
-  std::exception_ptr error;
-  std::mutex error_mutex;
-  std::vector<std::thread> workers;
-  workers.reserve(workers_wanted);
-  for (int t = 0; t < (workers_wanted < 1 ? 1 : workers_wanted); ++t) {
-    workers.emplace_back([&, t] {
-      try {
-        if (!cores.empty()) pin_current_thread(cores[t % cores.size()]);
-        for (int64_t k = next++; k < count; k = next++) body(k);
-      } catch (...) {
-        std::lock_guard<std::mutex> lock(error_mutex);
-        if (!error) error = std::current_exception();
-      }
-    });
-  }
-  for (auto& w : workers) w.join();
-  if (error) std::rethrow_exception(error);
-}
 
 Hyper make_hyper(double lr, double beta1, double beta2, double eps, double weight_decay,
                  int64_t step, double inv_scale) {
@@ -163,8 +106,7 @@ Buffers make_buffers(uintptr_t p, uintptr_t m, uintptr_t v, uintptr_t grad, int 
 py::tuple step(uintptr_t p, uintptr_t m, uintptr_t v, uintptr_t grad, int grad_dtype,
                uintptr_t out, int out_dtype, uintptr_t snapshot, int64_t n, double lr,
                double beta1, double beta2, double eps, double weight_decay, int64_t step_count,
-               double inv_scale, int threads, const std::vector<int>& cores,
-               const std::string& isa) {
+               double inv_scale, WorkerPool& pool, const std::string& isa) {
   const RangeFn fn = resolve(isa);
   const Buffers b = make_buffers(p, m, v, grad, grad_dtype, out, out_dtype, snapshot, n);
   const Hyper h = make_hyper(lr, beta1, beta2, eps, weight_decay, step_count, inv_scale);
@@ -176,7 +118,7 @@ py::tuple step(uintptr_t p, uintptr_t m, uintptr_t v, uintptr_t grad, int grad_d
   {
     py::gil_scoped_release release;
     int abort = 0;
-    run_blocks(blocks, threads, cores, [&](int64_t k) {
+    pool.run(blocks.count, [&](int64_t k) {
       results[k] = fn(Op::kStep, b, h, blocks.begin(k), blocks.end(k), &abort);
     });
     for (const auto& r : results) {
@@ -186,7 +128,7 @@ py::tuple step(uintptr_t p, uintptr_t m, uintptr_t v, uintptr_t grad, int grad_d
     if (!finite || abort) {  // blocks not reached after the abort kept stop == begin
       finite = false;
       const Op undo = b.snap ? Op::kRestore : Op::kInverse;
-      run_blocks(blocks, threads, cores, [&](int64_t k) {
+      pool.run(blocks.count, [&](int64_t k) {
         fn(undo, b, h, blocks.begin(k), results[k].stop, nullptr);
       });
     }
@@ -197,8 +139,8 @@ py::tuple step(uintptr_t p, uintptr_t m, uintptr_t v, uintptr_t grad, int grad_d
 // Undoes a step that was applied with the same arguments.
 void undo(uintptr_t p, uintptr_t m, uintptr_t v, uintptr_t grad, int grad_dtype, uintptr_t out,
           int out_dtype, uintptr_t snapshot, int64_t n, double lr, double beta1, double beta2,
-          double eps, double weight_decay, int64_t step_count, double inv_scale, int threads,
-          const std::vector<int>& cores, const std::string& isa) {
+          double eps, double weight_decay, int64_t step_count, double inv_scale, WorkerPool& pool,
+          const std::string& isa) {
   const RangeFn fn = resolve(isa);
   const Buffers b = make_buffers(p, m, v, grad, grad_dtype, out, out_dtype, snapshot, n);
   const Hyper h = make_hyper(lr, beta1, beta2, eps, weight_decay, step_count, inv_scale);
@@ -207,7 +149,7 @@ void undo(uintptr_t p, uintptr_t m, uintptr_t v, uintptr_t grad, int grad_dtype,
   {
     py::gil_scoped_release release;
     const Op op = b.snap ? Op::kRestore : Op::kInverse;
-    run_blocks(blocks, threads, cores, [&](int64_t k) {
+    pool.run(blocks.count, [&](int64_t k) {
       results[k] = fn(op, b, h, blocks.begin(k), blocks.end(k), nullptr);
     });
   }
@@ -220,8 +162,8 @@ void undo(uintptr_t p, uintptr_t m, uintptr_t v, uintptr_t grad, int grad_dtype,
 }
 
 // Unscale and check only (the synchronous schedule's first pass).
-py::tuple check(uintptr_t grad, int grad_dtype, int64_t n, double inv_scale, int threads,
-                const std::vector<int>& cores, const std::string& isa) {
+py::tuple check(uintptr_t grad, int grad_dtype, int64_t n, double inv_scale, WorkerPool& pool,
+                const std::string& isa) {
   const RangeFn fn = resolve(isa);
   const Buffers b = make_buffers(0, 0, 0, grad, grad_dtype, 0, kNone, 0, n);
   Hyper h{};
@@ -233,7 +175,7 @@ py::tuple check(uintptr_t grad, int grad_dtype, int64_t n, double inv_scale, int
   {
     py::gil_scoped_release release;
     int abort = 0;
-    run_blocks(blocks, threads, cores, [&](int64_t k) {
+    pool.run(blocks.count, [&](int64_t k) {
       results[k] = fn(Op::kCheck, b, h, blocks.begin(k), blocks.end(k), &abort);
     });
     for (const auto& r : results) {
@@ -255,6 +197,16 @@ PYBIND11_MODULE(_cpu_adam, mod) {
   mod.attr("F16") = static_cast<int>(kF16);
   mod.attr("BF16") = static_cast<int>(kBF16);
   mod.attr("NONE") = static_cast<int>(kNone);
+  py::class_<WorkerPool>(mod, "WorkerPool",
+                         "Persistent kernel threads, pinned to cores when given; shared by steps.")
+      .def(py::init<int, std::vector<int>>(), py::arg("threads"), py::arg("cores"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("close", &WorkerPool::close, py::call_guard<py::gil_scoped_release>(),
+           "Join the worker threads; the pool cannot run steps afterwards.")
+      .def_property_readonly("threads", &WorkerPool::threads)
+      .def_property_readonly("cores", &WorkerPool::cores)
+      .def_property_readonly("worker_count", &WorkerPool::worker_count,
+                             "Threads the pool started (0 when the caller runs every block).");
   mod.def("available_isas", &available_names,
           "Kernels this CPU can run, from least to most capable ('auto' picks the last).");
   const auto step_args = [](auto... extra) {
@@ -262,8 +214,8 @@ PYBIND11_MODULE(_cpu_adam, mod) {
                            py::arg("grad_dtype"), py::arg("out"), py::arg("out_dtype"),
                            py::arg("snapshot"), py::arg("n"), py::arg("lr"), py::arg("beta1"),
                            py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
-                           py::arg("step"), py::arg("inv_scale"), py::arg("threads"),
-                           py::arg("cores"), py::arg("isa"), extra...);
+                           py::arg("step"), py::arg("inv_scale"), py::arg("pool"),
+                           py::arg("isa"), extra...);
   };
   std::apply([&](auto... a) {
     mod.def("step", &step, a...,
@@ -273,6 +225,6 @@ PYBIND11_MODULE(_cpu_adam, mod) {
     mod.def("undo", &undo, a..., "Undo a step made with the same arguments.");
   }, step_args());
   mod.def("check", &check, py::arg("grad"), py::arg("grad_dtype"), py::arg("n"),
-          py::arg("inv_scale"), py::arg("threads"), py::arg("cores"), py::arg("isa"),
+          py::arg("inv_scale"), py::arg("pool"), py::arg("isa"),
           "Unscale and check; returns (finite, sum of squares of the unscaled gradient).");
 }

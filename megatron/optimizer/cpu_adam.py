@@ -20,6 +20,7 @@ import torch
 
 try:
     from megatron.optimizer import _cpu_adam as _kernel
+    from megatron.optimizer.worker_pool import shared_pool
 except ImportError as error:  # the extension is built in place by `make setup`
     raise ImportError(
         "megatron.optimizer._cpu_adam is not built: run `python setup.py build_ext --inplace` "
@@ -88,7 +89,7 @@ def check_gradient(
     _check_flat("grad", grad, grad.numel(), list(_DTYPE_CODES))
     return _kernel.check(
         grad=grad.data_ptr(), grad_dtype=_DTYPE_CODES[grad.dtype], n=grad.numel(),
-        inv_scale=float(inv_scale), threads=int(threads), cores=list(cores), isa=isa,
+        inv_scale=float(inv_scale), pool=shared_pool(int(threads), cores), isa=isa,
     )
 
 
@@ -97,7 +98,8 @@ class CPUAdamW:
     over flat fp32 groups held in host memory.
 
     params: one flat tensor per group, copied into fp32 masters.
-    threads: kernel threads per step (default: all usable cores).
+    threads: kernel threads per step (default: all usable cores), from the process's
+        persistent pool for (threads, cores), shared with every optimizer so configured.
     cores: pin the kernel threads to these cores (thread i -> cores[i % len]).
     exact_rollback: snapshot the state each step changes so rollback is bit-exact.
     weight_decay_mults: per group, a factor on weight_decay (0 for a no-decay group).
@@ -151,6 +153,7 @@ class CPUAdamW:
         self.weight_decay = float(weight_decay)
         self.exact_rollback = bool(exact_rollback)
         self.isa = isa
+        self._pool = shared_pool(self.threads, self.cores)
         self._master: list[torch.Tensor] = []
         self._exp_avg: list[torch.Tensor] = []
         self._exp_avg_sq: list[torch.Tensor] = []
@@ -280,7 +283,7 @@ class CPUAdamW:
             snapshot=0 if snap is None else snap.data_ptr(), n=self._master[i].numel(),
             lr=r.lr, beta1=self.betas[0], beta2=self.betas[1], eps=self.eps,
             weight_decay=r.weight_decay, step=r.step, inv_scale=r.inv_scale,
-            threads=self.threads, cores=self.cores, isa=self.isa,
+            pool=self._pool, isa=self.isa,
         )
 
     def _index(self, group: int) -> int:
