@@ -86,3 +86,23 @@ def test_one_task_per_group_per_round():
         with pytest.raises(ValueError, match="group 1 already has a task"):
             runner.submit(1, lambda: None)
         runner.wait_all()
+
+
+def test_thread_setup_runs_once_in_every_worker_before_its_tasks():
+    """On CUDA the setup sets each worker's device before it waits on an event."""
+    set_up: list[str] = []
+
+    def setup() -> None:
+        set_up.append(threading.current_thread().name)
+
+    def task() -> str:
+        assert threading.current_thread().name in set_up
+        time.sleep(0.01)
+        return threading.current_thread().name
+
+    with GroupTaskRunner(max_workers=2, thread_setup=setup) as runner:
+        for group in range(6):
+            runner.submit(group, task)
+        ran_on = set(runner.wait_all().values())
+    assert ran_on <= set(set_up)
+    assert len(set_up) == len(set(set_up)) <= 2

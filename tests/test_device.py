@@ -79,3 +79,19 @@ def test_bad_kind_is_rejected():
 def test_cuda_without_cuda_is_a_clear_error():
     with pytest.raises(RuntimeError, match="CUDA is not available"):
         get_device("cuda")
+
+
+@pytest.mark.cuda
+def test_bind_current_thread_gives_a_new_thread_the_layers_device():
+    index = torch.cuda.device_count() - 1  # not the default device 0 where there are several
+    layer = DeviceLayer("cuda", index)
+    seen = []
+
+    def worker() -> None:
+        layer.bind_current_thread()
+        seen.append(torch.cuda.current_device())
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    assert seen == [index]

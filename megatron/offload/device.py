@@ -236,6 +236,12 @@ class DeviceLayer:
         self.host_syncs = 0  # reads and waits that block the host on the device
         self.memory = MemoryBook()
 
+    def bind_current_thread(self) -> None:
+        """Make this layer's device the calling thread's current one (CUDA keeps it per
+        thread; every thread that touches CUDA, event waits included, needs it)."""
+        if self.kind == "cuda":
+            torch.cuda.set_device(self.torch_device)
+
     # memory -------------------------------------------------------------------------
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A flat buffer in device memory."""

@@ -24,6 +24,7 @@ factor, which costs a second pass only in the iterations that clip.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -78,6 +79,7 @@ class AsyncGroupOptimizer:
         clip_grad: float = 0.0,
         max_workers: int = 2,
         process_group: dist.ProcessGroup | None = None,
+        thread_setup: Callable[[], None] | None = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode={mode!r}; expected one of {MODES}")
@@ -91,7 +93,7 @@ class AsyncGroupOptimizer:
         self.post_validation_after = int(post_validation_after)
         self.clip_grad = float(clip_grad)
         self.process_group = process_group
-        self.runner = GroupTaskRunner(max_workers=max_workers)
+        self.runner = GroupTaskRunner(max_workers=max_workers, thread_setup=thread_setup)
         self._clean_in_a_row = 0
         self._submitted: dict[int, _Submission] = {}
         self._speculated: set[int] = set()  # groups stepped before the verdict

@@ -44,14 +44,20 @@ def wait_ready(ready: ReadySignal) -> None:
 
 
 class GroupTaskRunner:
-    """Runs group tasks on `max_workers` threads (each task's kernel uses its own
-    threads too). submit() returns at once; wait_all() returns when every submitted task
-    has finished and raises GroupTaskError for the lowest failed group."""
+    """Runs group tasks on `max_workers` threads (each task's kernel runs on the
+    process's kernel pool). submit() returns at once; wait_all() returns when every
+    submitted task has finished and raises GroupTaskError for the lowest failed group.
 
-    def __init__(self, max_workers: int = 2, name: str = "cpu-optimizer") -> None:
+    thread_setup runs once in each worker thread before its first task: on CUDA it sets the
+    thread's device, since a worker waits on CUDA events and a thread left on device 0 would
+    open a context there on every rank of the node."""
+
+    def __init__(self, max_workers: int = 2, name: str = "cpu-optimizer",
+                 thread_setup: Callable[[], None] | None = None) -> None:
         if max_workers < 1:
             raise ValueError(f"max_workers={max_workers} must be >= 1")
-        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=name)
+        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=name,
+                                        initializer=thread_setup)
         self._pending: dict[int, Future] = {}
         self._closed = False
 

@@ -76,7 +76,8 @@ class Pipeline:
                                             min_scale=s.min_scale)
         self.optimizer = AsyncGroupOptimizer(
             self.cpu_adam, self.scaler, clip_grad=config.optimizer.clip_grad,
-            max_workers=max(1, min(4, self.cpu_adam.num_groups)), process_group=self.host_group)
+            max_workers=max(1, min(4, self.cpu_adam.num_groups)), process_group=self.host_group,
+            thread_setup=self.device.bind_current_thread)
         self.executor = self._executor(model_cfg)
         self.last_iteration = 0
 
