@@ -1,7 +1,13 @@
-"""Every schedule in turn on the same model, data and machine, measured and simulated.
+"""Every schedule on the same model, data and machine, interleaved over rounds, measured
+and simulated.
 
     torchrun --standalone --nproc-per-node 2 bench/schedules.py --model-preset tiny \
-        --train-iters 6 --json [--schedules decoupled,mobius] [--out-dir DIR]
+        --train-iters 6 --json [--schedules decoupled,mobius] [--rounds 3] \
+        [--baseline mobius] [--out-dir DIR]
+
+Each round runs every schedule once, the order rotated from round to round; a schedule's
+figures are medians over the rounds, with min and max, and its speed-up over --baseline is
+the median of the per-round ratios (the two ran back to back in each round).
 
 Any pretrain_llama.py flag applies to every schedule, except --backward-split, which only
 the decoupled schedule uses (the baselines are coupled, d = 1). Each schedule trains from
@@ -29,6 +35,7 @@ import warnings
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.core")
 
+import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from megatron.pipeline.calibration import (  # noqa: E402
@@ -39,7 +46,10 @@ from megatron.schedules.generators import SCHEDULE_NAMES  # noqa: E402
 from megatron.training.arguments import ArgumentError, exit_bad_input, parse_args  # noqa: E402
 from megatron.training.distributed import initialize_distributed, shutdown_distributed  # noqa: E402
 from megatron.training.pipeline_args import args_for_schedule  # noqa: E402
-from megatron.training.pipeline_step import simulate_measured  # noqa: E402
+from megatron.training.pipeline_step import (  # noqa: E402
+    simulate_measured,
+    step_backward_stage_params,
+)
 from megatron.training.training import train  # noqa: E402
 
 ORDER = ("decoupled", "mobius", "interleaved-1f1b", "1f1b", "gpipe")
@@ -53,6 +63,10 @@ def bench_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-final", action="store_true",
                    help="save each schedule's final checkpoint under --out-dir")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="rounds of every schedule, interleaved (order rotated each round)")
+    p.add_argument("--baseline", default="mobius",
+                   help="the schedule each one's speed-up is measured against, per round")
     return p
 
 
@@ -63,6 +77,11 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, argparse.Namespace]:
     if unknown or not names:
         exit_bad_input(ArgumentError("--schedules", bench.schedules,
                                      f"expected names from {', '.join(ORDER)}"))
+    if bench.rounds < 1:
+        exit_bad_input(ArgumentError("--rounds", bench.rounds, "expected at least 1"))
+    if bench.baseline not in SCHEDULE_NAMES:
+        exit_bad_input(ArgumentError("--baseline", bench.baseline,
+                                     f"expected a name from {', '.join(ORDER)}"))
     if bench.save_final and not bench.out_dir:
         exit_bad_input(ArgumentError("--save-final", "set", "needs --out-dir"))
     bench.names = names
@@ -81,51 +100,96 @@ def schedule_args(base: argparse.Namespace, name: str, bench: argparse.Namespace
     return args
 
 
+def measure(name: str, base: argparse.Namespace, bench: argparse.Namespace, trace: str,
+            opt_s: float, copy_s: float) -> dict:
+    """One training run of `name`: its iteration times (the first, a warm-up, left out),
+    breakdown means, device memory and the calibrated simulation of the same run."""
+    args = schedule_args(base, name, bench, trace)
+    built: list = []
+    with contextlib.redirect_stdout(sys.stderr):  # stdout carries only the result
+        records = train(args, dist_info=bench.dist_info, on_step=built.append)
+    step = built[0]
+    measured = records[1:] or records
+    row = {
+        "forward_stages": step.config.forward_stages,
+        "backward_split": step.config.backward_split,
+        "micro_batches": step.config.micro_batches,
+        "iteration_time_s": statistics.median(r["iter_time_s"] for r in measured),
+        "gpu_time_s": statistics.mean(r["gpu_time_s"] for r in measured),
+        "bubble_time_s": statistics.mean(r["bubble_time_s"] for r in measured),
+        "exposed_optimizer_time_s": statistics.mean(
+            r["exposed_optimizer_time_s"] for r in measured),
+        "bubble_ratio": statistics.mean(r["bubble_ratio"] for r in measured),
+        "device_memory_peak_bytes": max(r["device_memory_peak_bytes"] for r in measured),
+        "device_memory_peak_per_rank": [
+            {"rank": r["rank"], "peak_bytes": r["device_memory_peak_bytes"],
+             "at_peak": r["device_memory_at_peak"]} for r in records[-1]["per_rank"]],
+        "largest_backward_stage_bytes": largest_backward_stage_bytes(step),
+        "final_loss": records[-1]["loss"],
+    }
+    dist.barrier()  # rank 0 has written the trace
+    if os.path.exists(trace):
+        sim = simulate_measured(step, trace, opt_s, copy_s)
+        row["simulated_iteration_time_s"] = sim.iteration_time
+        row["simulated_bubble_ratio"] = sim.mean_bubble_ratio
+        row["simulated_exposed_optimizer_time_s"] = sim.exposed_optimizer_time
+    dist.barrier()
+    return row
+
+
+def largest_backward_stage_bytes(step) -> int:
+    """Bytes of the largest backward stage's parameters in the training dtype."""
+    itemsize = torch.empty((), dtype=step.config.dtype).element_size()
+    return max(step_backward_stage_params(step).values()) * itemsize
+
+
+def spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def summarize(name: str, rows: list[dict], baseline_rows: list[dict] | None) -> dict:
+    """Median over rounds (and min/max) of each measure; the ratio to the baseline is taken
+    per round (the two ran back to back) and its median reported."""
+    out = {"schedule": name, **{k: rows[0][k] for k in
+                                ("forward_stages", "backward_split", "micro_batches",
+                                 "device_memory_peak_per_rank")}}
+    for key in rows[0]:
+        if key not in out and isinstance(rows[0][key], (int, float)):
+            out[key] = statistics.median(r[key] for r in rows)
+    out["iteration_time_s_spread"] = spread([r["iteration_time_s"] for r in rows])
+    if baseline_rows:
+        ratios = [b["iteration_time_s"] / r["iteration_time_s"]
+                  for r, b in zip(rows, baseline_rows)]
+        out["speedup_over_baseline"] = spread(ratios)
+    return out
+
+
 def run(bench: argparse.Namespace, base: argparse.Namespace) -> dict:
-    dist_info = initialize_distributed()
-    results = []
+    """Rounds of every schedule, the order rotated each round so that no schedule always
+    runs first (on a noisy machine, position in the job changes the timing)."""
+    bench.dist_info = initialize_distributed()
+    rows: dict[str, list[dict]] = {name: [] for name in bench.names}
     traces = tempfile.mkdtemp(prefix="bench-schedules-")  # rank 0 writes each one
     try:
         threads = base.cpu_optimizer_threads or 1
         opt_s, copy_s = optimizer_seconds_per_param(threads), copy_seconds_per_byte()
-        for name in bench.names:
-            trace = os.path.join(traces, f"{name}.json")
-            args = schedule_args(base, name, bench, trace)
-            built: list = []
-            with contextlib.redirect_stdout(sys.stderr):  # stdout carries only the result
-                records = train(args, dist_info, on_step=built.append)
-            step = built[0]
-            measured = records[1:] or records
-            row = {
-                "schedule": name,
-                "forward_stages": step.config.forward_stages,
-                "backward_split": step.config.backward_split,
-                "micro_batches": step.config.micro_batches,
-                "iteration_time_s": statistics.median(r["iter_time_s"] for r in measured),
-                "gpu_time_s": statistics.mean(r["gpu_time_s"] for r in measured),
-                "bubble_time_s": statistics.mean(r["bubble_time_s"] for r in measured),
-                "exposed_optimizer_time_s": statistics.mean(
-                    r["exposed_optimizer_time_s"] for r in measured),
-                "bubble_ratio": statistics.mean(r["bubble_ratio"] for r in measured),
-                "final_loss": records[-1]["loss"],
-            }
-            dist.barrier()  # rank 0 has written the trace
-            if os.path.exists(trace):
-                sim = simulate_measured(step, trace, opt_s, copy_s)
-                row["simulated_iteration_time_s"] = sim.iteration_time
-                row["simulated_bubble_ratio"] = sim.mean_bubble_ratio
-                row["simulated_exposed_optimizer_time_s"] = sim.exposed_optimizer_time
-            results.append(row)
-            dist.barrier()
+        for round_index in range(bench.rounds):
+            shift = round_index % len(bench.names)
+            for name in bench.names[shift:] + bench.names[:shift]:
+                trace = os.path.join(traces, f"{name}.json")
+                rows[name].append(measure(name, base, bench, trace, opt_s, copy_s))
     finally:
         shutil.rmtree(traces, ignore_errors=True)
         shutdown_distributed()
+    baseline = rows.get(bench.baseline)
     return {
-        "ranks": dist_info.world_size,
+        "ranks": bench.dist_info.world_size,
         "model": base.model_preset or "custom",
         "iterations": base.train_iters,
+        "rounds": bench.rounds,
+        "baseline": bench.baseline if baseline else None,
         "optimizer_s_per_param": opt_s,
-        "schedules": results,
+        "schedules": [summarize(name, rows[name], baseline) for name in bench.names],
     }
 
 
@@ -141,10 +205,11 @@ def main(argv: list[str] | None = None) -> int:
     if bench.json:
         print(json.dumps(summary, indent=2))
     else:
-        print(f"{'schedule':>18} {'iter (s)':>9} {'sim (s)':>9} {'gpu (s)':>8} "
+        print(f"{'schedule':>18} {'iter (s)':>9} {'min-max':>13} {'sim (s)':>9} {'gpu (s)':>8} "
               f"{'bubble':>7} {'sim bubble':>10} {'exposed opt (s)':>15}")
         for r in summary["schedules"]:
-            print(f"{r['schedule']:>18} {r['iteration_time_s']:9.3f} "
+            lo, hi = r["iteration_time_s_spread"]["min"], r["iteration_time_s_spread"]["max"]
+            print(f"{r['schedule']:>18} {r['iteration_time_s']:9.3f} {lo:6.2f}-{hi:<6.2f} "
                   f"{r.get('simulated_iteration_time_s', float('nan')):9.3f} "
                   f"{r['gpu_time_s']:8.3f} {r['bubble_ratio']:7.1%} "
                   f"{r.get('simulated_bubble_ratio', float('nan')):10.1%} "

@@ -63,15 +63,21 @@ class PipelineTrainStep:
         self.pipeline.close()
 
 
-def simulate_measured(step: PipelineTrainStep, trace_path: str, optimizer_s_per_param: float,
-                      copy_s_per_byte: float) -> SimResult:
-    """The simulator's prediction for `step`'s run, with a cost model calibrated from the
-    iteration it traced (`--trace`) and the measured optimizer and copy rates."""
+def step_backward_stage_params(step: PipelineTrainStep) -> dict:
+    """Parameters per backward stage of `step`'s model and schedule."""
     cfg, schedule = step.model_cfg, step.config.schedule
     model = ModelPreset("run", cfg.num_layers, cfg.hidden_size, cfg.ffn_hidden_size,
                         cfg.num_attention_heads, cfg.num_query_groups, cfg.seq_length,
                         cfg.vocab_size)
-    params = backward_stage_params(model, schedule.partition, schedule.backward_split)
+    return backward_stage_params(model, schedule.partition, schedule.backward_split)
+
+
+def simulate_measured(step: PipelineTrainStep, trace_path: str, optimizer_s_per_param: float,
+                      copy_s_per_byte: float) -> SimResult:
+    """The simulator's prediction for `step`'s run, with a cost model calibrated from the
+    iteration it traced (`--trace`) and the measured optimizer and copy rates."""
+    schedule = step.config.schedule
+    params = step_backward_stage_params(step)
     itemsize = torch.empty((), dtype=step.config.dtype).element_size()
     costs = calibrated_costs(schedule, read_chrome_trace(trace_path), params, itemsize,
                              optimizer_s_per_param, copy_s_per_byte)
