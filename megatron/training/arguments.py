@@ -274,16 +274,15 @@ def _resolve_evaluation(args: argparse.Namespace) -> None:
     no evaluation, and asking for it is an error."""
     has_valid = args.valid_data_path is not None or (
         args.split is not None and parse_split(args.split)[1] > 0)
+    interval_given, iters_given = args.eval_interval is not None, args.eval_iters is not None
     if args.eval_iters is None:
         args.eval_iters = 10 if has_valid else 0
     if args.eval_interval is None:
         args.eval_interval = 1000
-    elif args.eval_iters > 0 and not has_valid:
-        raise ArgumentError("--eval-interval", args.eval_interval,
-                            "needs a validation set: --split with a validation share "
-                            "(e.g. 969,30,1) or --valid-data-path")
-    if args.eval_iters > 0 and not has_valid:
-        raise ArgumentError("--eval-iters", args.eval_iters,
+    wanted = args.eval_iters > 0 or (interval_given and not iters_given)
+    if wanted and not has_valid:
+        flag = "--eval-interval" if interval_given else "--eval-iters"
+        raise ArgumentError(flag, getattr(args, flag[2:].replace("-", "_")),
                             "needs a validation set: --split with a validation share "
                             "(e.g. 969,30,1) or --valid-data-path")
 
@@ -308,17 +307,20 @@ def parse_data_path(flag: str, values: Sequence[str]) -> tuple[list[str], list[f
     """Megatron's data path: one PREFIX, several PREFIXes (equal weights) or
     'WEIGHT PREFIX WEIGHT PREFIX ...'; returns (prefixes, weights or None)."""
     values = list(values)
-    if len(values) == 1:
-        return values, None
     try:
-        weights = [float(w) for w in values[0::2]]
+        float(values[0])
     except ValueError:
         return values, None  # prefixes only: megatron-core weighs them by their sizes
-    prefixes = values[1::2]
+    weights = []
+    for text in values[0::2]:
+        try:
+            weights.append(float(text))
+        except ValueError:
+            weights.append(math.nan)
     if len(values) % 2 or not all(math.isfinite(w) and w > 0 for w in weights):
         raise ArgumentError(flag, " ".join(values),
                             "expected PREFIX or pairs 'WEIGHT PREFIX' with weights > 0")
-    return prefixes, weights
+    return values[1::2], weights
 
 
 def validate_args(args: argparse.Namespace) -> None:
