@@ -144,9 +144,9 @@ def train(args: argparse.Namespace, dist_info, on_step=None) -> list[dict]:
     start_time = time.time()
     if runs_pipeline(args, dist_info.world_size):
         check_pipeline_args(args, dist_info.world_size)
-    check_output_paths(args)
-    check_load_dir(args)
+    check_load_dir(args)  # the checks that create nothing first
     check_scalar_sinks(args)
+    check_output_paths(args)
     is_logger = dist_info.rank == dist_info.world_size - 1 or dist_info.world_size == 1
     log = print if dist_info.rank == 0 else (lambda *_: None)
     metrics, step, sinks, exits, records = None, None, None, None, []
@@ -227,6 +227,8 @@ def train(args: argparse.Namespace, dist_info, on_step=None) -> list[dict]:
                                iteration, f"iteration {iteration}", "validation", args,
                                metrics, sinks, is_logger)
             stopped = exits.reason(iteration)
+            if iteration == args.train_iters:
+                stopped = None  # the normal end: its evaluations still run
             save_now = args.save and (
                 iteration == args.train_iters or stopped is not None
                 or (args.save_interval and iteration % args.save_interval == 0)
