@@ -19,6 +19,7 @@ from megatron.schedules.lowering import forward_only_schedule
 from megatron.schedules.simulator import simulate
 from megatron.schedules.validator import RULE_FORWARD_ONLY, validate
 from megatron.training.arguments import ArgumentError, parse_args
+from megatron.training.checkpointing import save_checkpoint
 from megatron.training.data_blend import data_blend_from_args, split_sizes
 from megatron.training.distributed import DistInfo
 from megatron.training.evaluation import format_evaluation, perplexity
@@ -115,6 +116,13 @@ def test_wandb_without_the_package_is_a_clear_error(tmp_path, monkeypatch):
                         lambda name, *a: None if name == "wandb" else real(name, *a))
     error = _train_rejects(tmp_path, "--wandb-project", "p")
     assert error.flag == "--wandb-project" and "not installed" in error.expected
+
+
+def test_loading_a_checkpoint_of_another_model_names_both_values(tmp_path):
+    saved = vars(parse_args([*TINY, "--num-layers", "6"]))
+    save_checkpoint(str(tmp_path / "ckpt"), 3, {"args": saved})
+    error = _train_rejects(tmp_path, "--load", str(tmp_path / "ckpt"))
+    assert str(error) == f"--num-layers 4: the checkpoint in {tmp_path / 'ckpt'} was saved with 6"
 
 
 def test_model_flags_must_match_the_checkpoint():
