@@ -450,6 +450,7 @@ def test_logs_and_tensorboard_carry_megatrons_names(reference, two_processes):
 def test_sigterm_saves_the_last_iteration_and_the_resumed_run_continues(tmp_path, two_processes):
     """SIGTERM to both training processes of a running job: each finishes its iteration,
     they agree, save, and exit 0 together; the resumed run gives the uninterrupted losses."""
+    before = set(_job_segments())
     out = tmp_path / "stopped"
     out.mkdir()
     flags = [*MODEL, "--data-cache-dir", os.environ["MEGATRON_TEST_CACHE"],
@@ -476,6 +477,7 @@ def test_sigterm_saves_the_last_iteration_and_the_resumed_run_continues(tmp_path
             proc.kill()
             proc.wait()
     assert proc.returncode == 0, stderr[-3000:]
+    assert not set(_job_segments()) - before  # every segment released on the way out
     done = [row["iteration"] for row in metrics(SimpleNamespace(out=out))]
     assert 1 <= done[-1] < 5 and "SIGTERM received" in stdout
     tracker = out / "ckpt" / "latest_checkpointed_iteration.txt"
