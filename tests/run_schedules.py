@@ -35,6 +35,7 @@ def main() -> int:
             args.metrics_file = os.path.join(out, "metrics.jsonl")
             args.save = os.path.join(out, "ckpt")
             args.trace = os.path.join(out, "trace.json")
+            args.tensorboard_dir = os.path.join(out, "tb")
             train(args, dist_info)
     finally:
         shutdown_distributed()

@@ -6,20 +6,29 @@ iteration everywhere, and a failing rank must bring the job down with /dev/shm c
 """
 
 import json
+import math
 import os
+import signal
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from megatron.models.llama import LlamaModel
 from megatron.models.presets import ModelPreset
 from megatron.schedules.cost_model import backward_stage_params, calibrated_costs
 from megatron.schedules.simulator import simulate
 from megatron.schedules.timeline import read_chrome_trace
 from megatron.training.arguments import parse_args
+from megatron.training.data_blend import evaluations
+from megatron.training.distributed import initialize_distributed, shutdown_distributed
+from megatron.training.evaluation import evaluation_batches
 from megatron.training.pipeline_args import generate_schedule
+from megatron.training.training import model_config_from_args, prepare_data
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
@@ -27,7 +36,8 @@ MODEL = ["--num-layers", "8", "--hidden-size", "64", "--ffn-hidden-size", "160",
          "--num-attention-heads", "4", "--num-query-groups", "2", "--seq-length", "32",
          "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "5",
          "--lr", "1e-3", "--lr-warmup-iters", "1", "--clip-grad", "0", "--log-interval", "1",
-         "--p2p-check"]  # every transfer checked: the tensor that arrives is the one expected
+         "--p2p-check",  # every transfer checked: the tensor that arrives is the one expected
+         "--eval-interval", "5", "--eval-iters", "2", "--split", "90,8,2"]
 SCHEDULES = ["decoupled", "mobius", "interleaved-1f1b", "1f1b", "gpipe"]
 
 
@@ -38,7 +48,8 @@ def launch(tmp_path, name, nproc, *extra, env=None, timeout=300, script="pretrai
     out.mkdir()
     args = [*MODEL, "--data-cache-dir", os.environ["MEGATRON_TEST_CACHE"], *extra]
     if script == "pretrain_llama.py":
-        args += ["--metrics-file", str(out / "metrics.jsonl"), "--save", str(out / "ckpt")]
+        args += ["--metrics-file", str(out / "metrics.jsonl"), "--save", str(out / "ckpt"),
+                 "--tensorboard-dir", str(out / "tb")]
     else:
         args += ["--out-dir", str(out)]
         if "--schedules" not in extra:
@@ -73,9 +84,11 @@ def run_all_schedules(tmp_path_factory, nproc, *extra):
     return run
 
 
-def metrics(run):
+def metrics(run, evaluations=False):
+    """The iteration lines of the run's metrics file (or its evaluation lines)."""
     with open(run.out / "metrics.jsonl") as f:
-        return [json.loads(line) for line in f]
+        rows = [json.loads(line) for line in f]
+    return [row for row in rows if ("evaluation" in row) == evaluations]
 
 
 def final_masters(run):
@@ -377,3 +390,105 @@ def test_device_memory_does_not_grow_with_the_backward_stages_a_rank_owns(tmp_pa
         assert 0 < growth <= bound, (growth, bound)
         for fixed in ("parameter_slots", "gradient_buffers", "activations"):
             assert large["device_memory_at_peak"][fixed] == small["device_memory_at_peak"][fixed]
+
+
+@pytest.fixture(scope="module")
+def forward_only_reference(reference):
+    """Independent of the pipeline: the whole model in this process, loaded with a run's
+    final weights, forward only over the samples of an end-of-training evaluation."""
+    args = parse_args([*MODEL, "--data-cache-dir", os.environ["MEGATRON_TEST_CACHE"]])
+    initialize_distributed()  # one process: megatron-core's model and dataset builder need it
+    _, datasets, vocab = prepare_data(args, log=lambda *_: None)
+    model = LlamaModel(model_config_from_args(args, vocab))
+    samples = {"validation": evaluation_batches(datasets.valid, evaluations(args) - 1, args),
+               "test": evaluation_batches(datasets.test, 0, args)}
+
+    def evaluate(run, split):
+        missing, unexpected = model.load_state_dict(final_masters(run), strict=False)
+        assert not unexpected and not [n for n, _ in model.named_parameters() if n in missing]
+        with torch.no_grad():
+            losses = [float(model(b)) for mbs in samples[split] for b in mbs]
+        return sum(losses) / len(losses)
+
+    yield evaluate
+    shutdown_distributed()
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_validation_loss_is_a_forward_only_evaluation_of_the_final_weights(
+        schedule, two_processes, forward_only_reference):
+    run = ScheduleRun(two_processes, schedule)
+    evals = metrics(run, evaluations=True)
+    # --eval-interval 5 over 5 iterations: at iteration 5, then at the end (validation, test).
+    assert [(e["iteration"], e["evaluation"], e["end_of_training"]) for e in evals] == [
+        (5, "validation", False), (5, "validation", True), (5, "test", True)]
+    for record in evals[1:]:
+        expected = forward_only_reference(run, record["evaluation"])
+        assert record["lm_loss"] == pytest.approx(expected, rel=1e-5), record
+        assert record["lm_loss_ppl"] == pytest.approx(math.exp(expected), rel=1e-5)
+    assert evals[0]["lm_loss"] != evals[1]["lm_loss"]  # the next evaluation reads new batches
+
+
+def test_logs_and_tensorboard_carry_megatrons_names(reference, two_processes):
+    assert " validation loss at iteration 5 | lm loss value: " in reference.stdout
+    assert " validation loss at the end of training for test data | " in reference.stdout
+    assert "setup: data done in" in reference.stdout and "eta: " in reference.stdout
+    for out, pipeline in ((reference.out, False), (ScheduleRun(two_processes, "decoupled").out, True)):
+        events = EventAccumulator(str(out / "tb"))
+        events.Reload()
+        tags = set(events.Tags()["scalars"])
+        for tag in ("lm loss", "learning-rate", "grad-norm", "iteration-time", "batch-size",
+                    "tokens-per-second"):
+            assert [e.step for e in events.Scalars(tag)] == [1, 2, 3, 4, 5], tag
+        assert [e.step for e in events.Scalars("lm loss validation")] == [5, 5]
+        assert [e.step for e in events.Scalars("lm loss test")] == [5]
+        breakdown = {"pipeline/bubble-time", "pipeline/exposed-optimizer-time",
+                     "pipeline/device-memory-peak-bytes"}
+        assert (breakdown <= tags) == pipeline
+
+
+def test_sigterm_saves_the_last_iteration_and_the_resumed_run_continues(tmp_path, two_processes):
+    """SIGTERM to both training processes of a running job: each finishes its iteration,
+    they agree, save, and exit 0 together; the resumed run gives the uninterrupted losses."""
+    before = set(_job_segments())
+    out = tmp_path / "stopped"
+    out.mkdir()
+    flags = [*MODEL, "--data-cache-dir", os.environ["MEGATRON_TEST_CACHE"],
+             "--pipeline-schedule", "decoupled", "--exit-signal-handler",
+             "--save", str(out / "ckpt")]
+    cmd = [TORCHRUN, "--standalone", "--nproc-per-node", "2", os.path.join(ROOT, "pretrain_llama.py"),
+           *flags, "--metrics-file", str(out / "metrics.jsonl")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
+            time.sleep(0.02)
+        with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
+            workers = [int(pid) for pid in f.read().split()]
+        assert len(workers) == 2
+        for pid in workers:
+            os.kill(pid, signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, stderr[-3000:]
+    assert not set(_job_segments()) - before  # every segment released on the way out
+    done = [row["iteration"] for row in metrics(SimpleNamespace(out=out))]
+    assert 1 <= done[-1] < 5 and "SIGTERM received" in stdout
+    tracker = out / "ckpt" / "latest_checkpointed_iteration.txt"
+    assert int(tracker.read_text()) == done[-1]
+
+    resumed = launch(tmp_path, "resumed", 2, "--pipeline-schedule", "decoupled",
+                     "--load", str(out / "ckpt"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    rest = metrics(resumed)
+    assert [row["iteration"] for row in rest] == list(range(done[-1] + 1, 6))
+    uninterrupted = {row["iteration"]: row["loss"]
+                     for row in metrics(ScheduleRun(two_processes, "decoupled"))}
+    for row in rest:
+        assert row["loss"] == pytest.approx(uninterrupted[row["iteration"]], rel=1e-6)

@@ -34,6 +34,7 @@ from megatron.pipeline.p2p import MessageShape, PointToPoint
 from megatron.pipeline.replicas import holds_segment, plan_replicas, push_replicas
 from megatron.pipeline.stage_modules import StageModule, build_stage_modules
 from megatron.schedules.instructions import WHOLE_STAGE, BackwardStage
+from megatron.schedules.lowering import forward_only_schedule
 from megatron.schedules.timeline import TimedEvent
 from megatron.schedules.validator import validate
 
@@ -53,6 +54,7 @@ class Pipeline:
         self.config = config
         self.rank = rank
         self.schedule = config.schedule
+        self.eval_schedule = forward_only_schedule(self.schedule)  # for evaluation
         self.dtype = config.dtype
         self.device = get_device()
         self.host_group = host_group()
@@ -134,7 +136,8 @@ class Pipeline:
         s = self.schedule
         slot_numel = max(m.layout.numel for m in self.modules.values())
         report = validate(s)
-        slots = max(2, report.peak_params[self.rank])
+        slots = max(2, report.peak_params[self.rank],
+                    validate(self.eval_schedule).peak_params[self.rank])
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         self.param_slots = ParamSlots(self.device, slots * slot_numel * itemsize, self.dtype,
                                       slots=slots)
@@ -169,6 +172,23 @@ class Pipeline:
         loss, breakdown = self._breakdown(stats)
         events = self._gather_events(stats) if stats.events else []
         return StepReport(loss, stats.result, breakdown, events)
+
+    def evaluate(self, batches: Sequence[Sequence[Batch]]) -> float:
+        """Mean loss over every micro-batch of `batches` (one list per evaluation iteration)
+        through the forward-only program, on the parameters of the last finished iteration;
+        one host read and one all-reduce for the whole evaluation."""
+        total = None
+        for micro_batches in batches:
+            moved = [{k: v.to(self.device.torch_device) for k, v in b.items()}
+                     for b in micro_batches]
+            loss_sum = self.executor.run_forward_only(self.eval_schedule, self.last_iteration,
+                                                      moved)
+            if loss_sum is not None:
+                total = loss_sum if total is None else total + loss_sum
+        reduced = torch.tensor([self.device.read_scalar(total) if total is not None else 0.0],
+                               dtype=torch.float64)
+        dist.all_reduce(reduced, group=self.host_group)
+        return float(reduced[0]) / (len(batches) * self.schedule.micro_batches)
 
     def _breakdown(self, stats: IterationStats) -> tuple[float, dict]:
         """All-reduce the loss (from the last forward stage's rank) and per-rank figures."""

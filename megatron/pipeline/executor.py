@@ -137,14 +137,7 @@ class PipelineExecutor:
             raise ValueError(f"{len(micro_batches)} micro-batches, the schedule has "
                              f"{self.schedule.micro_batches}")
         self._iteration = iteration
-        self._batches = micro_batches
-        self._slots: dict[BackwardStage, Slot] = {}
-        self._acts: dict[tuple[int, int], torch.Tensor] = {}
-        self._act_ckpts: dict[tuple[int, int, int], torch.Tensor] = {}
-        self._pending_act_ckpts: dict[tuple[int, int, int], tuple[dist.Work, torch.Tensor]] = {}
-        self._isends: list[tuple[dist.Work, torch.Tensor]] = []
-        self._grads: dict[tuple[BackwardStage, int], torch.Tensor] = {}
-        self._loss_sum: torch.Tensor | None = None  # on the device: read once at the end
+        self._begin(iteration - 1, micro_batches)
         syncs_before = self.device.host_syncs
         self.device.reset_peak_memory()
         for owner in self.owned.values():
@@ -192,6 +185,47 @@ class PipelineExecutor:
         return IterationStats(loss, result, iteration_s, compute_s, optimizer_s, host_syncs,
                               memory.peak_bytes, dict(memory.peak_breakdown), events)
 
+    def _begin(self, params_version: int, micro_batches: Sequence[Batch]) -> None:
+        self._params_version = params_version  # what PREFETCH_PARAMS waits for
+        self._batches = micro_batches
+        self._slots: dict[BackwardStage, Slot] = {}
+        self._acts: dict[tuple[int, int], torch.Tensor] = {}
+        self._act_ckpts: dict[tuple[int, int, int], torch.Tensor] = {}
+        self._pending_act_ckpts: dict[tuple[int, int, int], tuple[dist.Work, torch.Tensor]] = {}
+        self._isends: list[tuple[dist.Work, torch.Tensor]] = []
+        self._grads: dict[tuple[BackwardStage, int], torch.Tensor] = {}
+        self._loss_sum: torch.Tensor | None = None  # on the device: read once at the end
+
+    def run_forward_only(self, schedule: Schedule, params_version: int,
+                         micro_batches: Sequence[Batch]) -> torch.Tensor | None:
+        """Run this rank's program of a forward-only `schedule` (evaluation: the training
+        schedule's forwards, see lowering.forward_only_schedule) on the parameters of
+        version `params_version`. No activation checkpoint is kept, no gradient, no
+        optimizer work. Returns the micro-batches' summed loss on the device on the rank of
+        the last forward stage (no host sync here), None elsewhere."""
+        if not schedule.forward_only or schedule.shape() != self.schedule.shape():
+            raise ValueError("run_forward_only needs the forward-only schedule of the "
+                             "training schedule's shape")
+        if len(micro_batches) != schedule.micro_batches:
+            raise ValueError(f"{len(micro_batches)} micro-batches, the schedule has "
+                             f"{schedule.micro_batches}")
+        self._begin(params_version, micro_batches)
+        training_kept, self._kept_act_ckpts = self._kept_act_ckpts, frozenset()
+        try:
+            for index, instr in enumerate(schedule.programs[self.rank]):
+                try:
+                    self._execute(instr)
+                except Exception as exc:
+                    raise InstructionError(
+                        f"rank {self.rank}: instruction {index} ({instr}) of the forward-only "
+                        f"program failed: {type(exc).__name__}: {exc}") from exc
+                self._observe_memory()
+            for b in list(self._slots):
+                self.param_slots.release(self._slots.pop(b))
+        finally:
+            self._kept_act_ckpts = training_kept
+        return self._loss_sum
+
     def _timeline(self, origin_event_s: float, origin_host_s: float, computed, waited) -> list[TimedEvent]:
         """The iteration as timed events from its start (seconds), in the simulator's format."""
         events = []
@@ -221,7 +255,7 @@ class PipelineExecutor:
         for b in self.schedule.params_of(instr.stage, instr.sub):
             if b not in self._slots:
                 segment = self.store.get(b)
-                segment.wait_version(self._iteration - 1)
+                segment.wait_version(self._params_version)
                 self._slots[b] = self.param_slots.prefetch(b, segment.params)
 
     def _release(self, instr: Instruction) -> None:

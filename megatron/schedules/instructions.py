@@ -186,6 +186,9 @@ class Schedule:
     forward_rank: tuple[int, ...]
     backward_rank: dict[BackwardStage, int]
     programs: tuple[tuple[Instruction, ...], ...]
+    # An evaluation program: forwards and their transfers only, no activation checkpoints
+    # kept, no backward, no optimizer phase (lowering.forward_only_schedule).
+    forward_only: bool = False
 
     def backward_stages(self) -> list[BackwardStage]:
         """All backward stages in model order."""

@@ -32,6 +32,7 @@ from .instructions import WHOLE_STAGE, Instruction, Op, Schedule
 
 SYNCHRONOUS_OPTIMIZER = "synchronous"  # overflow check + all-reduce, then every step
 POST_STEP_OPTIMIZER = "post-step"  # step as soon as gradients are home; check after
+NO_OPTIMIZER = "none"  # forward-only (evaluation) programs
 
 # Priorities of instructions that share a gap between two compute instructions.
 _AFTER_COMPUTE, _PREFETCH, _COMM, _WAIT, _COMPUTE = range(5)
@@ -46,8 +47,9 @@ def _backward(stage: int, sub: int, mb: int) -> Instruction:
 
 
 def transfers(shape: Schedule):
-    """Yield (role, key, producer, producer_rank, consumer, consumer_rank) of every tensor."""
-    d = shape.backward_split
+    """Yield (role, key, producer, producer_rank, consumer, consumer_rank) of every tensor
+    (of a forward-only schedule: the activations only)."""
+    d = 0 if shape.forward_only else shape.backward_split
     for mb in range(shape.micro_batches):
         for stage in range(shape.forward_stages):
             forward = _forward(stage, mb)
@@ -234,6 +236,10 @@ def _place_optimizer(rank: int, order: list[Instruction], mode: str,
             placement.put(rank, index + 1, _AFTER_COMPUTE, (1,),
                           Instruction(Op.OPTIMIZER_START, stage=stage, sub=sub))
     end = len(order) + 1
+    if mode == NO_OPTIMIZER:
+        if offloads:
+            raise ValueError("a program with backwards needs an optimizer phase")
+        return
     if mode == SYNCHRONOUS_OPTIMIZER:
         tail = [Instruction(Op.OVERFLOW_SYNC)]
         tail += [Instruction(Op.OPTIMIZER_START, stage=stage, sub=sub)
@@ -266,3 +272,13 @@ def build_programs(
         _place_parameters(shape, rank, order, placement)
         _place_optimizer(rank, order, optimizer_mode, placement)
     return placement.programs()
+
+
+def forward_only_schedule(schedule: Schedule) -> Schedule:
+    """The evaluation counterpart of `schedule` (generated or read from a file): each rank's
+    forwards in the same order, on the same ranks, lowered like every program (activation
+    transfers, parameter double buffer) but with no backward, no activation checkpoint and
+    no optimizer phase."""
+    orders = [[ins for ins in program if ins.op == Op.FORWARD] for program in schedule.programs]
+    shape = Schedule(**{**vars(schedule), "programs": (), "forward_only": True})
+    return Schedule(**{**vars(shape), "programs": build_programs(shape, orders, NO_OPTIMIZER, 1.0)})

@@ -41,6 +41,7 @@ RULE_OPTIMIZER = "optimizer step after offload and overflow check"
 RULE_RESIDENCY = "parameters prefetched when absent, released when resident and by the end"
 RULE_DANGLING = "every produced tensor used"
 RULE_PAIR_ORDER = "sends and receives between two ranks posted in the same order"
+RULE_FORWARD_ONLY = "a forward-only program has no backward, checkpoint or optimizer work"
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,8 @@ class _Checker(Interpreter):
             if ins.stage > 0:
                 self._take(rank, index, ins, ("act", ins.stage - 1, -1, ins.mb), "input activation")
         else:
+            if s.forward_only:
+                self._fail(rank, index, ins, RULE_FORWARD_ONLY, "a backward")
             if s.backward_rank.get(b) != rank:
                 self._fail(rank, index, ins, RULE_ASSIGNMENT,
                            f"backward stage {b} belongs to rank {s.backward_rank.get(b)}")
@@ -125,7 +128,7 @@ class _Checker(Interpreter):
         if ins.op == Op.FORWARD:
             if ins.stage + 1 < s.forward_stages:
                 self.tensors[rank].add(("act", ins.stage, -1, ins.mb))
-            for sub in range(s.backward_split):
+            for sub in range(0 if s.forward_only else s.backward_split):
                 if (ins.stage, sub) != (0, 0):
                     self.tensors[rank].add(("ckpt", ins.stage, sub, ins.mb))
             return
@@ -142,6 +145,8 @@ class _Checker(Interpreter):
         self.backward_counts[rank][b] += 1
 
     def local(self, rank: int, index: int, ins: Instruction) -> None:
+        if self.schedule.forward_only and ins.op in _TRAINING_ONLY:
+            self._fail(rank, index, ins, RULE_FORWARD_ONLY, f"{ins.op.value} in it")
         getattr(self, OP_SPECS[ins.op].method)(rank, index, ins)
         self._measure(rank)
 
@@ -219,6 +224,9 @@ class _Checker(Interpreter):
     _send_activation = _send_gradient = _recv_activation = _recv_gradient = _transfer
 
     def collective(self, op: Op, indices: list[int]) -> None:
+        if self.schedule.forward_only:
+            self._fail(0, indices[0], self.schedule.programs[0][indices[0]], RULE_FORWARD_ONLY,
+                       f"{op.value} in it")
         for rank, index in enumerate(indices):
             getattr(self, OP_SPECS[op].method)(rank, index, self.schedule.programs[rank][index])
 
@@ -238,13 +246,13 @@ class _Checker(Interpreter):
                 expected += [
                     (Instruction(Op.BACKWARD, stage=stage, sub=sub, mb=mb),
                      s.backward_rank[(stage, sub)])
-                    for sub in range(s.backward_split)
+                    for sub in range(0 if s.forward_only else s.backward_split)
                 ]
                 for ins, rank in expected:
                     if ins not in self.computed:
                         raise ScheduleError(rank, len(s.programs[rank]), None, RULE_ONCE,
                                             f"{ins} never runs")
-        for b in s.backward_stages():
+        for b in [] if s.forward_only else s.backward_stages():
             owner = s.backward_rank[b]
             if b not in self.stepped:
                 raise ScheduleError(owner, len(s.programs[owner]), None, RULE_OPTIMIZER,
@@ -268,6 +276,12 @@ class _Checker(Interpreter):
                 raise ScheduleError(rank, end, None, RULE_OPTIMIZER,
                                     "speculative steps without a ROLLBACK_IF_OVERFLOW after "
                                     "the POST_STEP_SYNC")
+
+
+# Ops a forward-only program must not hold (its transfers are checked by their tensors).
+_TRAINING_ONLY = frozenset({Op.BACKWARD, Op.ISEND_CKPT, Op.IRECV_CKPT, Op.WAIT_CKPT,
+                            Op.OFFLOAD_GRAD, Op.OPTIMIZER_START, Op.OPTIMIZER_WAIT_ALL,
+                            Op.OVERFLOW_SYNC, Op.POST_STEP_SYNC, Op.ROLLBACK_IF_OVERFLOW})
 
 
 def _by_peer(program: tuple[Instruction, ...], ops: frozenset) -> dict[int, list]:

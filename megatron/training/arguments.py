@@ -8,6 +8,7 @@ expected, with exit status 2, before anything is allocated or written.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -104,8 +105,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--loss-scale-window", type=int)
 
     g = p.add_argument_group("data")
-    g.add_argument("--data-path", default=None, metavar="PREFIX",
-                   help="prefix of a .bin/.idx indexed dataset; default: the built-in demo corpus")
+    g.add_argument("--data-path", default=None, nargs="+", metavar="[WEIGHT] PREFIX",
+                   help="prefix of a .bin/.idx indexed dataset, or Megatron's weighted list "
+                        "'0.7 PREFIX_A 0.3 PREFIX_B' (a blend); default: the built-in demo corpus")
+    g.add_argument("--split", default=None, metavar="TRAIN,VALID,TEST",
+                   help="Megatron's split of the documents of --data-path into train, "
+                        "validation and test (default: 969,30,1 with --eval-iters > 0, else 1,0,0)")
+    for split_name in ("train", "valid", "test"):
+        g.add_argument(f"--{split_name}-data-path", default=None, nargs="+",
+                       metavar="[WEIGHT] PREFIX",
+                       help=f"the {split_name} dataset (or weighted blend) on its own, instead "
+                            "of a split of --data-path")
     g.add_argument("--tokenizer-model", default=None, metavar="PATH",
                    help="tokenizer JSON from tools/train_tokenizer.py (required with --data-path)")
     g.add_argument("--data-cache-dir", default=None, metavar="DIR",
@@ -119,6 +129,24 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save", default=None, metavar="DIR")
     g.add_argument("--save-interval", type=int)
     g.add_argument("--load", default=None, metavar="DIR")
+    g.add_argument("--load-optional", action="store_true",
+                   help="Megatron's behaviour: a --load directory that does not exist means "
+                        "start from scratch (default: an error)")
+    g.add_argument("--eval-interval", type=int, default=None,
+                   help="validation loss every N iterations and at the end (default 1000)")
+    g.add_argument("--eval-iters", type=int, default=None,
+                   help="iterations (global batches) per evaluation; 0 disables "
+                        "(default: 10 with a validation set, else 0)")
+    g.add_argument("--tensorboard-dir", default=None, metavar="DIR",
+                   help="TensorBoard event files with Megatron's scalar names")
+    g.add_argument("--wandb-project", default=None, help="log the same scalars to W&B")
+    g.add_argument("--wandb-exp-name", default=None, help="W&B run name")
+    g.add_argument("--exit-interval", type=int, default=None,
+                   help="save and exit 0 after the iteration that is a multiple of N")
+    g.add_argument("--exit-duration-in-mins", type=float, default=None,
+                   help="save and exit 0 once the job has run this long (Slurm time limits)")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="on SIGTERM or SIGUSR1: finish the iteration, save, exit 0 on every rank")
 
     g = p.add_argument_group("pipeline")
     g.add_argument("--pipeline-schedule", default=None, choices=SCHEDULES,
@@ -195,6 +223,106 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+FLOAT_FLAGS = ("lr", "min_lr", "weight_decay", "clip_grad", "adam_beta1", "adam_beta2",
+               "adam_eps", "initial_loss_scale", "min_loss_scale")
+
+
+def _validate_values(args: argparse.Namespace) -> None:
+    """Values argparse accepts but training cannot use: non-finite numbers, eps <= 0, and
+    the evaluation, data-split and exit flags."""
+    for name in FLOAT_FLAGS:
+        if not math.isfinite(getattr(args, name)):
+            raise ArgumentError(_flag(name), getattr(args, name), "expected a finite number")
+    if args.adam_eps <= 0:
+        raise ArgumentError("--adam-eps", args.adam_eps, "expected a value > 0")
+    for name in ("initial_loss_scale", "min_loss_scale", "loss_scale_window"):
+        if getattr(args, name) <= 0:
+            raise ArgumentError(_flag(name), getattr(args, name), "expected a value > 0")
+    for name in ("eval_interval", "exit_interval"):
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            raise ArgumentError(_flag(name), value, "expected a positive integer")
+    if args.eval_iters is not None and args.eval_iters < 0:
+        raise ArgumentError("--eval-iters", args.eval_iters, "expected an integer >= 0")
+    minutes = args.exit_duration_in_mins
+    if minutes is not None and not (math.isfinite(minutes) and minutes > 0):
+        raise ArgumentError("--exit-duration-in-mins", minutes, "expected a number > 0")
+    if args.split is not None:
+        parse_split(args.split)
+    per_split = [args.train_data_path, args.valid_data_path, args.test_data_path]
+    if any(path is not None for path in per_split):
+        if args.data_path is not None:
+            raise ArgumentError("--train-data-path", " ".join(args.train_data_path or []),
+                                "give either --data-path (with --split) or the per-split "
+                                "paths, not both")
+        if args.train_data_path is None:
+            raise ArgumentError("--train-data-path", "missing",
+                                "required with --valid-data-path or --test-data-path")
+        if args.split is not None:
+            raise ArgumentError("--split", args.split, "only with --data-path")
+    for flag in ("data_path", *(f"{n}_data_path" for n in ("train", "valid", "test"))):
+        if getattr(args, flag) is not None:
+            parse_data_path(_flag(flag), getattr(args, flag))
+    _resolve_evaluation(args)
+    if args.wandb_exp_name is not None and args.wandb_project is None:
+        raise ArgumentError("--wandb-exp-name", args.wandb_exp_name, "needs --wandb-project")
+
+
+def _resolve_evaluation(args: argparse.Namespace) -> None:
+    """Megatron's defaults where there is a validation set (--split with a validation share,
+    or --valid-data-path): evaluate every 1000 iterations, 10 batches each. Without one,
+    no evaluation, and asking for it is an error."""
+    has_valid = args.valid_data_path is not None or (
+        args.split is not None and parse_split(args.split)[1] > 0)
+    interval_given, iters_given = args.eval_interval is not None, args.eval_iters is not None
+    if args.eval_iters is None:
+        args.eval_iters = 10 if has_valid else 0
+    if args.eval_interval is None:
+        args.eval_interval = 1000
+    wanted = args.eval_iters > 0 or (interval_given and not iters_given)
+    if wanted and not has_valid:
+        flag = "--eval-interval" if interval_given else "--eval-iters"
+        raise ArgumentError(flag, getattr(args, flag[2:].replace("-", "_")),
+                            "needs a validation set: --split with a validation share "
+                            "(e.g. 969,30,1) or --valid-data-path")
+
+
+def parse_split(text: str) -> tuple[float, float, float]:
+    """Megatron's --split: up to three non-negative weights (missing ones are 0), not all 0;
+    commas or slashes between them."""
+    parts = text.replace("/", ",").split(",")
+    try:
+        weights = [float(x) for x in parts]
+    except ValueError:
+        weights = []
+    if not 1 <= len(weights) <= 3 or not all(math.isfinite(w) and w >= 0 for w in weights) \
+            or sum(weights) <= 0:
+        raise ArgumentError("--split", text, "expected up to three non-negative weights "
+                            "TRAIN,VALID,TEST, not all 0 (e.g. 969,30,1)")
+    weights += [0.0] * (3 - len(weights))
+    return weights[0], weights[1], weights[2]
+
+
+def parse_data_path(flag: str, values: Sequence[str]) -> tuple[list[str], list[float] | None]:
+    """Megatron's data path: one PREFIX, several PREFIXes (equal weights) or
+    'WEIGHT PREFIX WEIGHT PREFIX ...'; returns (prefixes, weights or None)."""
+    values = list(values)
+    try:
+        float(values[0])
+    except ValueError:
+        return values, None  # prefixes only: megatron-core weighs them by their sizes
+    weights = []
+    for text in values[0::2]:
+        try:
+            weights.append(float(text))
+        except ValueError:
+            weights.append(math.nan)
+    if len(values) % 2 or not all(math.isfinite(w) and w > 0 for w in weights):
+        raise ArgumentError(flag, " ".join(values),
+                            "expected PREFIX or pairs 'WEIGHT PREFIX' with weights > 0")
+    return values[1::2], weights
+
+
 def validate_args(args: argparse.Namespace) -> None:
     """Raise ArgumentError for the first inconsistency found."""
     for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
@@ -208,6 +336,7 @@ def validate_args(args: argparse.Namespace) -> None:
         value = getattr(args, name)
         if value is not None and value <= 0:
             raise ArgumentError(_flag(name), value, "expected a positive integer")
+    _validate_values(args)
     if args.hidden_size % args.num_attention_heads:
         raise ArgumentError("--hidden-size", args.hidden_size,
                             f"must be divisible by --num-attention-heads ({args.num_attention_heads})")

@@ -71,6 +71,13 @@ class LocalTrainStep:
                 p.copy_(master)
         return StepResult(total, grad_norm=norm, loss_scale=scale if self.scaler else None)
 
+    def evaluate(self, batches: Sequence[Sequence[Batch]]) -> float:
+        """Mean loss over every micro-batch of `batches`, forward only."""
+        with torch.no_grad():
+            losses = [float(self.model(batch)) for micro_batches in batches
+                      for batch in micro_batches]
+        return sum(losses) / len(losses)
+
     def master_state(self) -> dict[str, torch.Tensor]:
         names = [n for n, _ in self.model.named_parameters()]
         return dict(zip(names, self.masters))

@@ -24,11 +24,19 @@ def format_log_line(m: dict[str, Any], train_iters: int) -> str:
     if m.get("grad_norm") is not None and math.isfinite(m["grad_norm"]):
         parts.append(f"grad norm: {m['grad_norm']:.3f}")
     parts.append(f"number of skipped iterations: {m.get('skipped_total', 0):>3d}")
+    if m.get("eta_s") is not None:
+        parts.append(f"eta: {format_duration(m['eta_s'])}")
     for key, label in (("gpu_time_s", "gpu time (ms)"), ("bubble_time_s", "bubble time (ms)"),
                        ("exposed_optimizer_time_s", "exposed optimizer time (ms)")):
         if m.get(key) is not None:
             parts.append(f"{label}: {m[key] * 1000:.1f}")
     return " | ".join(parts) + " |"
+
+
+def format_duration(seconds: float) -> str:
+    """H:MM:SS (days as hours)."""
+    whole = max(0, int(round(seconds)))
+    return f"{whole // 3600}:{whole // 60 % 60:02d}:{whole % 60:02d}"
 
 
 class MetricsWriter:

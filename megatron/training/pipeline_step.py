@@ -40,6 +40,9 @@ class PipelineTrainStep:
         return StepResult(report.loss, skipped=r.skipped, grad_norm=r.grad_norm,
                           loss_scale=r.loss_scale if fp16 else None, extra=report.breakdown)
 
+    def evaluate(self, batches: Sequence[Sequence[Batch]]) -> float:
+        return self.pipeline.evaluate(batches)
+
     def _write_timeline(self, events: list) -> None:
         s = self.config.schedule
         title = (f"measured: {s.name}, {s.ranks} ranks, {s.forward_stages} forward stages, "

@@ -1,5 +1,5 @@
-"""The training samples: megatron.core's GPTDataset over an indexed dataset, and micro-batches
-of it by index. The sample index is cached outside the data, built once under a file lock."""
+"""The samples: megatron.core's GPTDatasets (or a weighted blend of them) over indexed
+datasets, split into train, validation and test, and micro-batches of them by index. The sample index is cached outside the data, built once under a file lock."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import hashlib
 import os
 import shutil
 from collections.abc import Iterator
+from dataclasses import dataclass
+from dataclasses import field as dc_field
 
 import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
@@ -27,9 +29,41 @@ def build_train_dataset(
     seed: int,
     cache_dir: str | None = None,
 ) -> GPTDataset:
-    """megatron.core's GPTDataset over `data_prefix` with at least `num_samples` samples of
-    `seq_length` tokens; items are dicts of tokens, labels (int64), loss_mask (float) and
-    position_ids, each of shape [seq_length].
+    """The training split alone of one indexed dataset (see build_datasets)."""
+    return build_datasets(DataBlend([data_prefix]), tokenizer, seq_length, [num_samples, 0, 0],
+                          seed, cache_dir)[0]
+
+
+@dataclass(frozen=True)
+class DataBlend:
+    """What to sample from, in megatron-core's terms: one blend (prefixes, weights or None
+    for weights by size) split into train/validation/test by `split` ("969,30,1"), or one
+    blend per split (`per_split`, each None or (prefixes, weights))."""
+
+    prefixes: list[str] = dc_field(default_factory=list)
+    weights: list[float] | None = None
+    split: str = "1,0,0"
+    per_split: list[tuple[list[str], list[float] | None] | None] | None = None
+
+    def all_prefixes(self) -> list[str]:
+        if self.per_split is None:
+            return list(self.prefixes)
+        return [p for blend in self.per_split if blend is not None for p in blend[0]]
+
+
+def build_datasets(
+    blend: DataBlend,
+    tokenizer: HFTokenizer,
+    seq_length: int,
+    sizes: list[int],
+    seed: int,
+    cache_dir: str | None = None,
+) -> list:
+    """megatron.core's train, validation and test datasets (GPTDataset, or BlendedDataset
+    for a blend; None for a split with no share or no size) through
+    BlendedMegatronDatasetBuilder, with at least sizes[i] samples of `seq_length` tokens each;
+    items are dicts of tokens, labels (int64), loss_mask (float) and position_ids, each of
+    shape [seq_length].
 
     The shuffle/sample index is cached under `cache_dir` (default: default_cache_dir()),
     never next to the data. Without torch.distributed any number of processes may call this
@@ -37,13 +71,16 @@ def build_train_dataset(
     a collective call like megatron's builder: every rank calls it, rank 0 builds, the others
     read after megatron's barrier.
     """
-    check_data_prefix(data_prefix, tokenizer.vocab_size)
-    index_dir = _index_cache_dir(data_prefix, cache_dir)
+    for prefix in blend.all_prefixes():
+        check_data_prefix(prefix, tokenizer.vocab_size)
+    index_dir = _index_cache_dir("\n".join(blend.all_prefixes()), cache_dir)
+    per_split = blend.per_split is not None
     config = GPTDatasetConfig(
         random_seed=seed,
         sequence_length=seq_length,
-        blend=([data_prefix], None),
-        split="1,0,0",
+        blend=None if per_split else (blend.prefixes, blend.weights),
+        blend_per_split=blend.per_split,
+        split=None if per_split else blend.split,
         tokenizer=tokenizer,
         reset_position_ids=False,
         reset_attention_mask=False,
@@ -52,9 +89,8 @@ def build_train_dataset(
         path_to_cache=index_dir,
     )
 
-    def build() -> GPTDataset:
-        builder = BlendedMegatronDatasetBuilder(GPTDataset, [num_samples, 0, 0], lambda: True, config)
-        return builder.build()[0]
+    def build() -> list:
+        return BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
 
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     if distributed and torch.distributed.get_rank() != 0:
@@ -70,9 +106,10 @@ def build_train_dataset(
             return build()
 
 
-def _index_cache_dir(data_prefix: str, cache_dir: str | None) -> str:
+def _index_cache_dir(data_prefixes: str, cache_dir: str | None) -> str:
     root = cache_dir or default_cache_dir()
-    key = hashlib.sha256(os.path.realpath(data_prefix).encode()).hexdigest()[:16]
+    real = "\n".join(os.path.realpath(p) for p in data_prefixes.split("\n"))
+    key = hashlib.sha256(real.encode()).hexdigest()[:16]
     return os.path.join(root, "gpt-index", key)
 
 

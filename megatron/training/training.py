@@ -8,6 +8,8 @@ or `PipelineTrainStep`).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -24,21 +26,29 @@ from megatron.models.presets import (
 from megatron.pipeline.host_group import host_group
 from megatron.training.arguments import (
     ArgumentError,
-    check_writable_dir,
     exit_bad_input,
     parse_args,
 )
 from megatron.training.checkpointing import CheckpointError, load_checkpoint, save_checkpoint
-from megatron.training.data_checks import DataError, check_data_prefix
+from megatron.training.data_blend import Datasets, data_blend_from_args, evaluations, split_sizes
+from megatron.training.data_checks import DataError
 from megatron.training.demo_corpus import ensure_demo_corpus
 from megatron.training.distributed import initialize_distributed, shutdown_distributed
+from megatron.training.evaluation import due, evaluate, evaluation_record, format_evaluation
 from megatron.training.local_step import LocalTrainStep
 from megatron.training.lr_schedule import LRSchedule
 from megatron.training.metrics import MetricsWriter, format_log_line
 from megatron.training.pipeline_args import check_pipeline_args
 from megatron.training.pipeline_step import PipelineTrainStep
+from megatron.training.run_checks import (
+    check_checkpoint_args,
+    check_load_dir,
+    check_output_paths,
+)
+from megatron.training.scalar_logging import ScalarSinks, check_scalar_sinks
+from megatron.training.signals import ExitConditions
 from megatron.training.tokenizer import TokenizerError, load_tokenizer
-from megatron.training.train_dataset import build_train_dataset, micro_batch_at
+from megatron.training.train_dataset import build_datasets, micro_batch_at
 from megatron.training.train_step import TrainStep
 
 
@@ -80,18 +90,15 @@ def print_model_size(args: argparse.Namespace) -> None:
 
 
 def prepare_data(args: argparse.Namespace, log=print):
-    """The tokenizer and the training dataset; the demo corpus when no --data-path."""
-    if args.data_path is None:
+    """The tokenizer and the train/validation/test datasets (Datasets); the demo corpus
+    when no data path is given."""
+    default_prefix, tokenizer_path = None, args.tokenizer_model
+    if args.data_path is None and args.train_data_path is None:
         corpus = ensure_demo_corpus(cache_dir=args.data_cache_dir, log=log)
-        data_path, tokenizer_path = corpus.data_prefix, corpus.tokenizer_path
-        if args.tokenizer_model is not None:
-            tokenizer_path = args.tokenizer_model
-    else:
-        data_path, tokenizer_path = args.data_path, args.tokenizer_model
-        try:
-            check_data_prefix(data_path)
-        except DataError as exc:
-            raise ArgumentError("--data-path", data_path, str(exc)) from None
+        default_prefix = corpus.data_prefix
+        if args.tokenizer_model is None:
+            tokenizer_path = corpus.tokenizer_path
+    blend = data_blend_from_args(args, default_prefix)
     try:
         tokenizer = load_tokenizer(tokenizer_path)
     except (TokenizerError, OSError) as exc:
@@ -100,15 +107,22 @@ def prepare_data(args: argparse.Namespace, log=print):
     if vocab < tokenizer.vocab_size:
         raise ArgumentError("--vocab-size", vocab,
                             f"must be >= the tokenizer's vocabulary ({tokenizer.vocab_size})")
-    num_samples = args.train_iters * args.global_batch_size
+    flag = "--data-path" if args.train_data_path is None else "--train-data-path"
     try:
-        dataset = build_train_dataset(
-            data_path, tokenizer, args.seq_length, num_samples, args.seed,
+        train_ds, valid_ds, test_ds = build_datasets(
+            blend, tokenizer, args.seq_length, split_sizes(args), args.seed,
             cache_dir=args.data_cache_dir,
         )
     except DataError as exc:
-        raise ArgumentError("--data-path", data_path, str(exc)) from None
-    return tokenizer, dataset, vocab
+        raise ArgumentError(flag, " ".join(blend.all_prefixes()), str(exc)) from None
+    if train_ds is None:
+        raise ArgumentError("--split" if args.split else flag, args.split or "missing",
+                            "expected a training share (the first weight) above 0")
+    if args.eval_iters > 0 and valid_ds is None:
+        raise ArgumentError("--eval-iters", args.eval_iters,
+                            "the validation split is empty: give --split a validation share "
+                            "or --valid-data-path")
+    return tokenizer, Datasets(train_ds, valid_ds, test_ds), vocab
 
 
 def runs_pipeline(args: argparse.Namespace, world_size: int) -> bool:
@@ -127,40 +141,61 @@ def train(args: argparse.Namespace, dist_info, on_step=None) -> list[dict]:
     """Train with `args` in an initialized process group; returns the per-iteration
     metrics. Callable several times in one job (bench/schedules.py runs each schedule);
     `on_step(train_step)` is called once the train step is built."""
+    start_time = time.time()
     if runs_pipeline(args, dist_info.world_size):
         check_pipeline_args(args, dist_info.world_size)
-    if args.save:
-        check_writable_dir("--save", args.save)
+    check_load_dir(args)  # the checks that create nothing first
+    check_scalar_sinks(args)
+    check_output_paths(args)
     is_logger = dist_info.rank == dist_info.world_size - 1 or dist_info.world_size == 1
     log = print if dist_info.rank == 0 else (lambda *_: None)
-    metrics, step, records = None, None, []
+    metrics, step, sinks, exits, records = None, None, None, None, []
     try:
-        _, dataset, vocab = prepare_data(args, log=log)
+        with setup_phase("checkpoint read", log, enabled=bool(args.load)):
+            loaded = None
+            if args.load and os.path.isdir(args.load):
+                loaded = load_checkpoint(args.load, rank=dist_info.rank)
+                if loaded is None:
+                    log(f"no checkpoint in {args.load}: starting from scratch")
+            elif args.load:
+                log(f"{args.load} does not exist (--load-optional): starting from scratch")
+            if loaded is not None:
+                check_checkpoint_args(args, loaded[1].get("args"), args.load)
+        with setup_phase("data", log):
+            _, datasets, vocab = prepare_data(args, log=log)
         model_cfg = model_config_from_args(args, vocab)
         torch.manual_seed(args.seed)
-        step = make_train_step(args, model_cfg, dist_info)
+        with setup_phase("model, optimizer and pipeline", log):
+            step = make_train_step(args, model_cfg, dist_info)
         if on_step is not None:
             on_step(step)
         schedule = LRSchedule(args.lr, args.min_lr, args.lr_warmup_iters, args.lr_decay_iters,
                               args.lr_decay_style, args.weight_decay)
         start_iteration, skipped_total = 0, 0
-        if args.load:
-            loaded = load_checkpoint(args.load, rank=dist_info.rank)
-            if loaded is not None:
+        if loaded is not None:
+            with setup_phase("checkpoint load", log):
                 start_iteration, state = loaded
                 step.load_state_dict(state["train_step"])
                 schedule.load_state_dict(state["lr_schedule"])
                 skipped_total = state.get("skipped_total", 0)
-                log(f"loaded checkpoint from {args.load} at iteration {start_iteration}")
+            log(f"loaded checkpoint from {args.load} at iteration {start_iteration}")
+        loaded = None  # the state now lives in the train step
         # The metrics come from the process that sees the loss (the last rank of a pipeline
         # reports it to all, so any one rank would do; keep one writer per job).
         metrics = MetricsWriter(args.metrics_file if is_logger else None)
+        sinks = ScalarSinks(args, enabled=is_logger)
+        agree = None
+        if dist_info.world_size > 1:
+            def agree(flags: torch.Tensor) -> None:
+                dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=host_group())
+        exits = ExitConditions(args, start_time, agree)
         tokens_per_iter = args.global_batch_size * args.seq_length
         log(f"training {args.model_preset or 'custom'} model: {args.train_iters} iterations, "
             f"{args.global_batch_size // args.micro_batch_size} micro-batches of "
             f"{args.micro_batch_size} x {args.seq_length} tokens, {dtype_name(args)}")
+        stopped = None
         for iteration in range(start_iteration + 1, args.train_iters + 1):
-            micro_batches = iteration_micro_batches(dataset, iteration, args)
+            micro_batches = iteration_micro_batches(datasets.train, iteration, args)
             t0 = time.perf_counter()
             result = step.step(iteration, micro_batches, schedule.lr, schedule.weight_decay)
             elapsed = time.perf_counter() - t0
@@ -179,14 +214,23 @@ def train(args: argparse.Namespace, dist_info, on_step=None) -> list[dict]:
                 "skipped_total": skipped_total,
                 "loss_scale": result.loss_scale,
                 "grad_norm": result.grad_norm,
+                "eta_s": eta_seconds(records, elapsed, args.train_iters - iteration),
                 **result.extra,
             }
             metrics.write(record)
+            sinks.training(record)
             records.append(record)
             if is_logger and (iteration % args.log_interval == 0 or iteration == 1):
                 print(format_log_line(record, args.train_iters), flush=True)
+            if due(iteration, args):
+                run_evaluation(step, datasets.valid, iteration // args.eval_interval - 1,
+                               iteration, f"iteration {iteration}", "validation", args,
+                               metrics, sinks, is_logger)
+            stopped = exits.reason(iteration)
+            if iteration == args.train_iters:
+                stopped = None  # the normal end: its evaluations still run
             save_now = args.save and (
-                iteration == args.train_iters
+                iteration == args.train_iters or stopped is not None
                 or (args.save_interval and iteration % args.save_interval == 0)
             )
             if save_now:
@@ -195,13 +239,58 @@ def train(args: argparse.Namespace, dist_info, on_step=None) -> list[dict]:
                 path = save_checkpoint(args.save, iteration, state, rank=dist_info.rank,
                                        barrier=lambda: dist.barrier(group=host_group()))
                 log(f"saved checkpoint to {path}")
+            if stopped is not None:
+                log(f"exiting after iteration {iteration}: {stopped}")
+                break
+        if stopped is None and args.eval_iters > 0:
+            run_evaluation(step, datasets.valid, evaluations(args) - 1, args.train_iters,
+                           "the end of training for val data", "validation", args, metrics,
+                           sinks, is_logger, end_of_training=True)
+            if datasets.test is not None:
+                run_evaluation(step, datasets.test, 0, args.train_iters,
+                               "the end of training for test data", "test", args, metrics,
+                               sinks, is_logger, end_of_training=True)
     finally:
+        if exits is not None:
+            exits.close()
         close = getattr(step, "close", None)
         if close:
             close()
         if metrics is not None:
             metrics.close()
+        if sinks is not None:
+            sinks.close()
     return records
+
+
+def run_evaluation(step: TrainStep, dataset, number: int, iteration: int, where: str,
+                   split: str, args: argparse.Namespace, metrics: MetricsWriter,
+                   sinks: ScalarSinks, is_logger: bool, end_of_training: bool = False) -> dict:
+    """Evaluate on every rank; the logging rank prints Megatron's block and records it."""
+    loss = evaluate(step, dataset, number, args)
+    record = evaluation_record(iteration, split, loss, end_of_training)
+    metrics.write(record)
+    sinks.evaluation(record, iteration * args.global_batch_size)
+    if is_logger:
+        print(format_evaluation(where, loss), flush=True)
+    return record
+
+
+def eta_seconds(records: list[dict], elapsed: float, remaining: int) -> float:
+    """Remaining iterations times the mean iteration time of this run so far, the first
+    (warm-up) iteration left out once there are others."""
+    times = [r["iter_time_s"] for r in records[1:]] + [elapsed] if records else [elapsed]
+    return remaining * sum(times) / len(times)
+
+
+@contextlib.contextmanager
+def setup_phase(name: str, log, enabled: bool = True):
+    """One line per setup phase with its time (the first iteration of a large model waits
+    for segment creation and the pipeline's assembly)."""
+    t0 = time.perf_counter()
+    yield
+    if enabled:
+        log(f"setup: {name} done in {time.perf_counter() - t0:.1f} s")
 
 
 def dtype_name(args: argparse.Namespace) -> str:

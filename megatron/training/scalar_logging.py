@@ -1,0 +1,88 @@
+"""TensorBoard (and W&B when asked for) scalars, under Megatron's names.
+
+Megatron's names: `lm loss`, `learning-rate`, `loss-scale`, `grad-norm`, `iteration-time`,
+`batch-size`, `lm loss validation` (and `lm loss validation ppl`, `lm loss test`, ...),
+each also `... vs samples` against consumed samples; plus `tokens-per-second` and this
+project's pipeline breakdown under `pipeline/` (gpu time, bubble time, exposed optimizer
+time, bubble ratio, device memory peak). Only the logging rank writes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+
+from megatron.training.arguments import ArgumentError
+
+# metrics-record key -> scalar name (Megatron's where it has one)
+TRAINING_SCALARS = {
+    "loss": "lm loss",
+    "lr": "learning-rate",
+    "loss_scale": "loss-scale",
+    "grad_norm": "grad-norm",
+    "iter_time_s": "iteration-time",
+    "global_batch_size": "batch-size",
+    "tokens_per_s": "tokens-per-second",
+    "gpu_time_s": "pipeline/gpu-time",
+    "bubble_time_s": "pipeline/bubble-time",
+    "exposed_optimizer_time_s": "pipeline/exposed-optimizer-time",
+    "bubble_ratio": "pipeline/bubble-ratio",
+    "device_memory_peak_bytes": "pipeline/device-memory-peak-bytes",
+}
+VS_SAMPLES = ("lm loss", "learning-rate", "lm loss validation")
+
+
+def check_scalar_sinks(args: argparse.Namespace) -> None:
+    """Bad input before training: W&B asked for but not installed."""
+    if args.wandb_project and importlib.util.find_spec("wandb") is None:
+        raise ArgumentError("--wandb-project", args.wandb_project,
+                            "needs the wandb package, which is not installed "
+                            "(pip install wandb), or leave the flag out")
+
+
+class ScalarSinks:
+    """Where the scalars go: a SummaryWriter under --tensorboard-dir, a W&B run."""
+
+    def __init__(self, args: argparse.Namespace, enabled: bool) -> None:
+        self._tensorboard = None
+        self._wandb = None
+        if not enabled:
+            return
+        if args.tensorboard_dir:
+            # optional dependency: imported only when asked for
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tensorboard = SummaryWriter(log_dir=args.tensorboard_dir, max_queue=1000)
+        if args.wandb_project:
+            import wandb
+
+            self._wandb = wandb.init(project=args.wandb_project, name=args.wandb_exp_name,
+                                     config=vars(args))
+
+    def training(self, record: dict) -> None:
+        scalars = {name: record[key] for key, name in TRAINING_SCALARS.items()
+                   if isinstance(record.get(key), (int, float)) and not isinstance(record[key], bool)}
+        self._write(scalars, record["iteration"], record.get("consumed_samples"))
+
+    def evaluation(self, record: dict, consumed_samples: int) -> None:
+        split = record["evaluation"]
+        name = f"lm loss {split}"
+        self._write({name: record["lm_loss"], f"{name} ppl": record["lm_loss_ppl"]},
+                    record["iteration"], consumed_samples)
+
+    def _write(self, scalars: dict, iteration: int, samples: int | None) -> None:
+        if self._tensorboard is not None:
+            for name, value in scalars.items():
+                self._tensorboard.add_scalar(name, value, iteration)
+                if samples is not None and name in VS_SAMPLES:
+                    self._tensorboard.add_scalar(f"{name} vs samples", value, samples)
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=iteration)
+
+    def close(self) -> None:
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+            self._tensorboard = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None

@@ -1,0 +1,65 @@
+"""When to stop early and cleanly: `--exit-interval`, `--exit-duration-in-mins` and
+`--exit-signal-handler` (SIGTERM or SIGUSR1 from Slurm before a time limit, or from a
+preemption).
+
+A signal only sets a flag: the iteration in flight finishes, then the loop saves a
+checkpoint and every rank returns 0. A signal may reach the ranks at different times (or
+only some of them), so after each iteration the ranks agree through one small all-reduce
+(MAX) on the host group, never inside the per-micro-batch paths; the exit interval is the
+same on every rank and needs no agreement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import time
+from collections.abc import Callable
+
+import torch
+
+EXIT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class ExitConditions:
+    """Installs the signal handlers (restored by `close`) and decides after each iteration.
+
+    `agree(flags)` all-reduces a small float tensor with MAX over every rank (None: one
+    process)."""
+
+    def __init__(self, args: argparse.Namespace, start_time: float,
+                 agree: Callable[[torch.Tensor], None] | None) -> None:
+        self.exit_interval = args.exit_interval
+        self.deadline = (start_time + 60.0 * args.exit_duration_in_mins
+                         if args.exit_duration_in_mins is not None else None)
+        self.handles_signals = bool(args.exit_signal_handler)
+        self.agree = agree
+        self.received: int | None = None
+        self._previous: dict[int, object] = {}
+        if self.handles_signals:
+            for sig in EXIT_SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum: int, frame) -> None:
+        self.received = signum  # acted on after the iteration in flight
+
+    def reason(self, iteration: int) -> str | None:
+        """Why to stop after `iteration` (the same answer on every rank), or None."""
+        needs_agreement = self.handles_signals or self.deadline is not None
+        flags = torch.tensor([float(self.received is not None),
+                              float(self.deadline is not None and time.time() > self.deadline)])
+        if needs_agreement and self.agree is not None:
+            self.agree(flags)
+        if flags[0] > 0:
+            name = signal.Signals(self.received).name if self.received else "a signal"
+            return f"{name} received (on this or another rank)"
+        if flags[1] > 0:
+            return "--exit-duration-in-mins reached"
+        if self.exit_interval and iteration % self.exit_interval == 0:
+            return f"--exit-interval {self.exit_interval} reached"
+        return None
+
+    def close(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()

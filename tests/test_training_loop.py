@@ -1,0 +1,318 @@
+"""What a Megatron user expects of the loop, checked in one process: bad input rejected
+before training, forward-only evaluation programs, weighted data blends, exit conditions,
+TensorBoard scalars."""
+
+import argparse
+import math
+import os
+import signal
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from megatron.schedules.cost_model import uniform_costs
+from megatron.schedules.generators import build_schedule
+from megatron.schedules.instructions import Instruction, Op, Schedule
+from megatron.schedules.interpreter import ScheduleError
+from megatron.schedules.lowering import forward_only_schedule
+from megatron.schedules.simulator import simulate
+from megatron.schedules.validator import RULE_FORWARD_ONLY, validate
+from megatron.training.arguments import ArgumentError, parse_args
+from megatron.training.checkpointing import save_checkpoint
+from megatron.training.data_blend import data_blend_from_args, split_sizes
+from megatron.training.distributed import DistInfo
+from megatron.training.evaluation import format_evaluation, perplexity
+from megatron.training.indexed_dataset_writer import write_indexed_dataset
+from megatron.training.run_checks import check_checkpoint_args
+from megatron.training.scalar_logging import ScalarSinks
+from megatron.training.signals import ExitConditions
+from megatron.training.tokenizer import train_bpe_tokenizer
+from megatron.training.train_dataset import build_datasets
+from megatron.training.training import train
+
+TINY = ["--model-preset", "tiny", "--train-iters", "4"]
+
+
+# --- bad input -------------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "argv,flag,fragment",
+    [
+        (["--lr", "nan"], "--lr", "finite"),
+        (["--min-lr", "inf"], "--min-lr", "finite"),
+        (["--lr", "1e-3", "--min-lr", "1e-2"], "--min-lr", "must not exceed --lr"),
+        (["--adam-beta1", "1.0"], "--adam-beta1", "[0, 1)"),
+        (["--adam-beta2", "-0.1"], "--adam-beta2", "[0, 1)"),
+        (["--adam-eps", "0"], "--adam-eps", "> 0"),
+        (["--weight-decay", "-0.1"], "--weight-decay", ">= 0"),
+        (["--clip-grad", "-1"], "--clip-grad", ">= 0"),
+        (["--initial-loss-scale", "0"], "--initial-loss-scale", "> 0"),
+        (["--eval-interval", "0", "--split", "90,8,2"], "--eval-interval", "positive"),
+        (["--eval-iters", "-1"], "--eval-iters", ">= 0"),
+        (["--eval-interval", "5"], "--eval-interval", "needs a validation set"),
+        (["--split", "90,x"], "--split", "non-negative weights"),
+        (["--split", "0,0,0"], "--split", "not all 0"),
+        (["--exit-interval", "0"], "--exit-interval", "positive"),
+        (["--exit-duration-in-mins", "nan"], "--exit-duration-in-mins", "> 0"),
+        (["--data-path", "0.7", "a", "b", "--tokenizer-model", "t"], "--data-path", "WEIGHT PREFIX"),
+        (["--data-path", "-1", "a", "1", "b", "--tokenizer-model", "t"], "--data-path", "weights > 0"),
+        (["--valid-data-path", "v"], "--train-data-path", "required"),
+        (["--data-path", "a", "--train-data-path", "b", "--tokenizer-model", "t"],
+         "--train-data-path", "not both"),
+        (["--wandb-exp-name", "x"], "--wandb-exp-name", "--wandb-project"),
+    ],
+)
+def test_bad_values_exit_2_with_one_line_naming_flag_and_value(argv, flag, fragment, capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_args([*TINY, *argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert flag in err and fragment in err, err
+
+
+def _train_rejects(tmp_path, *argv) -> ArgumentError:
+    """train() in this process: the error comes before any data, model or file is made."""
+    args = parse_args([*TINY, "--data-cache-dir", str(tmp_path / "cache"), *argv])
+    with pytest.raises(ArgumentError) as exc:
+        train(args, DistInfo(rank=0, world_size=1, local_rank=0, backend="gloo"))
+    assert not (tmp_path / "cache").exists()  # no corpus built, nothing allocated
+    return exc.value
+
+
+@pytest.mark.parametrize("flag", ["--metrics-file", "--timeline", "--trace"])
+def test_unwritable_output_files_are_rejected_before_training(tmp_path, flag):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    error = _train_rejects(tmp_path, flag, str(blocker / "out"))
+    assert error.flag == flag and error.value == str(blocker / "out")
+    assert os.listdir(tmp_path) == ["a-file"]
+
+
+def test_output_file_that_is_a_directory_is_rejected(tmp_path):
+    error = _train_rejects(tmp_path, "--metrics-file", str(tmp_path))
+    assert error.flag == "--metrics-file" and "directory" in error.expected
+
+
+def test_unwritable_tensorboard_dir_is_rejected_before_training(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    error = _train_rejects(tmp_path, "--tensorboard-dir", str(blocker / "tb"))
+    assert error.flag == "--tensorboard-dir"
+
+
+def test_load_of_a_missing_directory_is_an_error_unless_optional(tmp_path):
+    error = _train_rejects(tmp_path, "--load", str(tmp_path / "typo"))
+    assert error.flag == "--load" and "--load-optional" in error.expected
+    args = parse_args([*TINY, "--load", str(tmp_path / "typo"), "--load-optional"])
+    assert args.load_optional
+
+
+def test_wandb_without_the_package_is_a_clear_error(tmp_path, monkeypatch):
+    import importlib.util
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "wandb" else real(name, *a))
+    error = _train_rejects(tmp_path, "--wandb-project", "p")
+    assert error.flag == "--wandb-project" and "not installed" in error.expected
+
+
+def test_loading_a_checkpoint_of_another_model_names_both_values(tmp_path):
+    saved = vars(parse_args([*TINY, "--num-layers", "6"]))
+    save_checkpoint(str(tmp_path / "ckpt"), 3, {"args": saved})
+    error = _train_rejects(tmp_path, "--load", str(tmp_path / "ckpt"))
+    assert str(error) == f"--num-layers 4: the checkpoint in {tmp_path / 'ckpt'} was saved with 6"
+
+
+def test_model_flags_must_match_the_checkpoint():
+    args = parse_args([*TINY, "--num-layers", "6"])
+    saved = vars(parse_args(TINY))
+    with pytest.raises(ArgumentError) as exc:
+        check_checkpoint_args(args, saved, "/ckpt")
+    assert str(exc.value) == "--num-layers 6: the checkpoint in /ckpt was saved with 4"
+    check_checkpoint_args(parse_args(TINY), saved, "/ckpt")  # same flags: accepted
+
+
+# --- evaluation ------------------------------------------------------------------------
+
+def test_defaults_follow_megatron_where_there_is_a_validation_set():
+    args = parse_args([*TINY, "--split", "969,30,1"])
+    assert (args.eval_interval, args.eval_iters) == (1000, 10)
+    assert parse_args(TINY).eval_iters == 0  # no validation set: no evaluation
+    args = parse_args([*TINY, "--train-iters", "12", "--eval-interval", "5", "--eval-iters", "2",
+                       "--split", "90,8,2"])
+    batch = args.global_batch_size
+    # Megatron's sizes: (12 // 5 + 1) evaluations of 2 batches; one run for the test set.
+    assert split_sizes(args) == [12 * batch, 3 * 2 * batch, 2 * batch]
+
+
+def test_evaluation_block_is_megatrons():
+    block = format_evaluation("iteration 5", 2.0).splitlines()
+    assert block[1] == " validation loss at iteration 5 | lm loss value: 2.000000E+00 | " \
+                       f"lm loss PPL: {math.exp(2.0):.6E} | "
+    assert block[0] == block[2] == "-" * (len(block[1]) + 1)
+    assert perplexity(100.0) == math.exp(20)
+
+
+SHAPES = [("gpipe", 2, 1), ("1f1b", 2, 1), ("interleaved-1f1b", 4, 1), ("mobius", 4, 1),
+          ("decoupled", 4, 2)]
+
+
+@pytest.mark.parametrize("name,stages,split", SHAPES)
+def test_every_schedule_has_a_valid_forward_only_program(name, stages, split):
+    training = build_schedule(name, 2, stages, split, 4)
+    evaluation = forward_only_schedule(training)
+    report = validate(evaluation)
+    for rank, program in enumerate(evaluation.programs):
+        ops = {ins.op for ins in program}
+        assert ops <= {Op.FORWARD, Op.SEND_ACT, Op.RECV_ACT, Op.PREFETCH_PARAMS,
+                       Op.RELEASE_PARAMS}
+        # The same forwards, in the same order, on the same ranks as training.
+        assert [i for i in program if i.op == Op.FORWARD] == \
+               [i for i in training.programs[rank] if i.op == Op.FORWARD]
+    assert report.peak_checkpoints == (0, 0)
+    sim = simulate(evaluation, uniform_costs(evaluation))
+    assert sim.exposed_optimizer_time == 0
+    assert sim.iteration_time < simulate(training, uniform_costs(training)).iteration_time
+
+
+def test_the_validator_rejects_training_work_in_a_forward_only_program():
+    evaluation = forward_only_schedule(build_schedule("gpipe", 2, 2, 1, 2))
+    programs = list(evaluation.programs)
+    programs[1] = programs[1][:-1] + (Instruction(Op.OPTIMIZER_WAIT_ALL), programs[1][-1])
+    broken = Schedule(**{**vars(evaluation), "programs": tuple(programs)})
+    with pytest.raises(ScheduleError, match=RULE_FORWARD_ONLY):
+        validate(broken)
+
+
+# --- data blends -----------------------------------------------------------------------
+
+WORDS_A = "alpha beta gamma delta epsilon zeta".split()
+WORDS_B = "one two three four five six".split()
+
+
+@pytest.fixture(scope="module")
+def two_datasets(tmp_path_factory):
+    # megatron-core's BlendedDataset asks torch.distributed for the rank (training always
+    # has a process group, one process included): a one-process group for these tests.
+    own_group = not torch.distributed.is_initialized()
+    if own_group:
+        torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(),
+                                             rank=0, world_size=1)
+    root = tmp_path_factory.mktemp("blend")
+    docs_a = [" ".join(WORDS_A[(i + j) % 6] for j in range(5 + i % 7)) for i in range(60)]
+    docs_b = [" ".join(WORDS_B[(i + j) % 6] for j in range(5 + i % 7)) for i in range(60)]
+    tokenizer = train_bpe_tokenizer(docs_a + docs_b, 300, str(root / "tokenizer.json"))
+    for name, docs in (("a", docs_a), ("b", docs_b)):
+        write_indexed_dataset(docs, tokenizer, str(root / name), log=lambda _: None)
+    yield str(root / "a"), str(root / "b"), tokenizer, root
+    if own_group:
+        torch.distributed.destroy_process_group()
+
+
+def _source(tokenizer, sample) -> str:
+    text = tokenizer.detokenize(sample["tokens"].tolist())
+    words = set(text.replace("<|endoftext|>", " ").split())
+    assert not (words & set(WORDS_A) and words & set(WORDS_B)), text
+    return "a" if words & set(WORDS_A) else "b"
+
+
+def test_a_weighted_blend_samples_each_dataset_in_its_proportion(two_datasets, tmp_path):
+    a, b, tokenizer, _ = two_datasets
+    args = argparse.Namespace(data_path=["0.7", a, "0.3", b], split="1,0,0",
+                              train_data_path=None)
+    blend = data_blend_from_args(args, None)
+    train_ds = build_datasets(blend, tokenizer, 8, [1000, 0, 0], seed=3,
+                              cache_dir=str(tmp_path))[0]
+    counts = {"a": 0, "b": 0}
+    for i in range(1000):
+        counts[_source(tokenizer, train_ds[i])] += 1
+    assert abs(counts["a"] - 700) <= 2 and abs(counts["b"] - 300) <= 2, counts
+
+
+def test_per_split_paths_give_each_split_its_own_data(two_datasets, tmp_path):
+    a, b, tokenizer, _ = two_datasets
+    args = argparse.Namespace(data_path=None, split=None, train_data_path=[a],
+                              valid_data_path=[b], test_data_path=None)
+    train_ds, valid_ds, test_ds = build_datasets(
+        data_blend_from_args(args, None), tokenizer, 8, [50, 20, 0], seed=3,
+        cache_dir=str(tmp_path))
+    assert test_ds is None
+    assert {_source(tokenizer, train_ds[i]) for i in range(50)} == {"a"}
+    assert {_source(tokenizer, valid_ds[i]) for i in range(20)} == {"b"}
+
+
+def test_a_missing_prefix_of_a_blend_is_named_with_its_flag(two_datasets):
+    a, _, _, root = two_datasets
+    args = argparse.Namespace(data_path=["0.5", a, "0.5", str(root / "none")], split=None,
+                              train_data_path=None)
+    with pytest.raises(ArgumentError) as exc:
+        data_blend_from_args(args, None)
+    assert exc.value.flag == "--data-path" and exc.value.value == str(root / "none")
+
+
+# --- exit conditions -------------------------------------------------------------------
+
+def _exit_args(**values):
+    base = {"exit_interval": None, "exit_duration_in_mins": None, "exit_signal_handler": False}
+    return argparse.Namespace(**{**base, **values})
+
+
+def test_exit_interval_and_duration():
+    exits = ExitConditions(_exit_args(exit_interval=3), start_time=0.0, agree=None)
+    assert [exits.reason(i) for i in (1, 2)] == [None, None]
+    assert "--exit-interval 3" in exits.reason(3)
+    import time
+    late = ExitConditions(_exit_args(exit_duration_in_mins=1.0), time.time() - 61, agree=None)
+    assert "--exit-duration-in-mins" in late.reason(1)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_a_signal_is_acted_on_after_the_iteration_and_agreed(sig):
+    agreed = []
+    exits = ExitConditions(_exit_args(exit_signal_handler=True), 0.0, agree=agreed.append)
+    try:
+        assert exits.reason(1) is None
+        os.kill(os.getpid(), sig)  # the handler only sets a flag
+        assert signal.Signals(sig).name in exits.reason(2)
+        assert len(agreed) == 2 and all(t.numel() == 2 for t in agreed)  # one small tensor
+    finally:
+        exits.close()
+    assert signal.getsignal(sig) is not exits._on_signal  # handlers restored
+
+
+def test_another_ranks_signal_stops_this_rank_too():
+    def another_rank_was_signalled(flags: torch.Tensor) -> None:
+        flags[0] = max(float(flags[0]), 1.0)  # what the MAX all-reduce brings back
+
+    exits = ExitConditions(_exit_args(exit_signal_handler=True), 0.0,
+                           agree=another_rank_was_signalled)
+    try:
+        assert "received" in exits.reason(1)
+    finally:
+        exits.close()
+
+
+# --- TensorBoard -----------------------------------------------------------------------
+
+def test_tensorboard_scalars_read_back_under_megatrons_names(tmp_path):
+    args = argparse.Namespace(tensorboard_dir=str(tmp_path), wandb_project=None)
+    sinks = ScalarSinks(args, enabled=True)
+    for it in (1, 2, 3):
+        sinks.training({"iteration": it, "loss": 5.0 - it, "lr": 1e-3, "loss_scale": None,
+                        "grad_norm": 0.5, "iter_time_s": 0.1, "tokens_per_s": 100.0,
+                        "global_batch_size": 8, "consumed_samples": 8 * it,
+                        "bubble_time_s": 0.01, "skipped": False})
+    sinks.evaluation({"iteration": 3, "evaluation": "validation", "lm_loss": 1.5,
+                      "lm_loss_ppl": math.exp(1.5)}, consumed_samples=24)
+    sinks.close()
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"lm loss", "learning-rate", "grad-norm", "iteration-time", "tokens-per-second",
+            "batch-size", "pipeline/bubble-time", "lm loss validation",
+            "lm loss validation ppl", "lm loss vs samples"} <= tags
+    assert "loss-scale" not in tags  # not reported: no loss scaling in fp32
+    assert [(e.step, e.value) for e in events.Scalars("lm loss")] == [(1, 4.0), (2, 3.0), (3, 2.0)]
+    assert [e.step for e in events.Scalars("lm loss vs samples")] == [8, 16, 24]
