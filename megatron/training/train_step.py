@@ -14,6 +14,7 @@ import torch
 
 from megatron.models.llama import Batch
 from megatron.optimizer.loss_scaler import DynamicLossScaler
+from megatron.training.checkpoint_state import OwnedState
 
 
 def training_dtype(args: argparse.Namespace) -> torch.dtype:
@@ -33,9 +34,9 @@ class TrainStep(Protocol):
     def step(self, iteration: int, micro_batches: Sequence[Batch], lr: float,
              weight_decay: float) -> StepResult: ...
 
-    def state_dict(self) -> dict: ...
+    def owned_state(self) -> OwnedState: ...
 
-    def load_state_dict(self, state: dict) -> None: ...
+    def restored(self, optimizer_step: int, loss_scaler: dict | None, iteration: int) -> None: ...
 
 
 def make_loss_scaler(args: argparse.Namespace) -> DynamicLossScaler:

@@ -13,7 +13,6 @@ import time
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 
 from megatron.models.llama import Batch, LlamaConfig
 from megatron.models.presets import (
@@ -21,14 +20,18 @@ from megatron.models.presets import (
     count_parameters,
     count_parameters_full_mha,
 )
-from megatron.pipeline.host_group import host_group
 from megatron.training.arguments import (
     ArgumentError,
     check_writable_dir,
     exit_bad_input,
     parse_args,
 )
-from megatron.training.checkpointing import CheckpointError, load_checkpoint, save_checkpoint
+from megatron.training.checkpointing import (
+    CheckpointError,
+    CheckpointSaver,
+    load_checkpoint,
+    restore_run,
+)
 from megatron.training.data_checks import DataError, check_data_prefix
 from megatron.training.demo_corpus import ensure_demo_corpus
 from megatron.training.distributed import initialize_distributed, shutdown_distributed
@@ -133,7 +136,7 @@ def train(args: argparse.Namespace, dist_info, on_step=None) -> list[dict]:
         check_writable_dir("--save", args.save)
     is_logger = dist_info.rank == dist_info.world_size - 1 or dist_info.world_size == 1
     log = print if dist_info.rank == 0 else (lambda *_: None)
-    metrics, step, records = None, None, []
+    metrics, step, records, saver = None, None, [], None
     try:
         _, dataset, vocab = prepare_data(args, log=log)
         model_cfg = model_config_from_args(args, vocab)
@@ -145,13 +148,13 @@ def train(args: argparse.Namespace, dist_info, on_step=None) -> list[dict]:
                               args.lr_decay_style, args.weight_decay)
         start_iteration, skipped_total = 0, 0
         if args.load:
-            loaded = load_checkpoint(args.load, rank=dist_info.rank)
-            if loaded is not None:
-                start_iteration, state = loaded
-                step.load_state_dict(state["train_step"])
-                schedule.load_state_dict(state["lr_schedule"])
-                skipped_total = state.get("skipped_total", 0)
-                log(f"loaded checkpoint from {args.load} at iteration {start_iteration}")
+            common = load_checkpoint(args.load, step.owned_state(), finetune=args.finetune)
+            if common is not None:
+                start_iteration, skipped_total = restore_run(common, step, schedule, args)
+                log(f"loaded checkpoint from {args.load} at iteration {common['iteration']}"
+                    + (" (--finetune: weights only, from iteration 0)" if args.finetune else ""))
+        if args.save:
+            saver = CheckpointSaver(args.save, async_save=args.async_save, log=log)
         # The metrics come from the process that sees the loss (the last rank of a pipeline
         # reports it to all, so any one rank would do; keep one writer per job).
         metrics = MetricsWriter(args.metrics_file if is_logger else None)
@@ -190,12 +193,15 @@ def train(args: argparse.Namespace, dist_info, on_step=None) -> list[dict]:
                 or (args.save_interval and iteration % args.save_interval == 0)
             )
             if save_now:
-                state = {"train_step": step.state_dict(), "lr_schedule": schedule.state_dict(),
-                         "skipped_total": skipped_total, "args": vars(args)}
-                path = save_checkpoint(args.save, iteration, state, rank=dist_info.rank,
-                                       barrier=lambda: dist.barrier(group=host_group()))
-                log(f"saved checkpoint to {path}")
+                common = {"lr_schedule": schedule.state_dict(), "skipped_total": skipped_total,
+                          "consumed_samples": iteration * args.global_batch_size,
+                          "args": vars(args)}
+                blocked = saver.save(iteration, step.owned_state(), common)
+                log(f"checkpoint iteration {iteration}: training blocked {blocked:.3f} s"
+                    + (", writing in the background" if args.async_save else ""))
     finally:
+        if saver is not None:
+            saver.close()  # the last save in flight completes
         close = getattr(step, "close", None)
         if close:
             close()
