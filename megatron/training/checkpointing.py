@@ -24,6 +24,7 @@ import os
 import shutil
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -42,6 +43,10 @@ COMMON = "common.pt"
 METADATA = ".metadata"
 FORMAT_VERSION = 1
 MiB = 2**20
+
+# One process without torch.distributed is the tools' and a test's case, not a mistake.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or "
+                        "uninitialized", category=UserWarning)
 
 
 class CheckpointError(ValueError):
