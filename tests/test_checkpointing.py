@@ -195,3 +195,14 @@ def test_a_failed_background_write_is_raised_at_the_next_save(tmp_path, monkeypa
         saver.save(2, owned(2), {})
     saver.close()
     assert latest_iteration(str(tmp_path)) is None
+
+
+def test_without_host_memory_for_the_snapshot_the_save_runs_synchronously(tmp_path,
+                                                                          monkeypatch):
+    monkeypatch.setattr(checkpointing, "available_host_memory", lambda: 1000)
+    lines = []
+    saver = CheckpointSaver(str(tmp_path), async_save=True, log=lines.append)
+    saver.save(1, owned(1), {})
+    assert latest_iteration(str(tmp_path)) == 1  # written before save() returned
+    saver.close()
+    assert any("saving synchronously" in line for line in lines)

@@ -2,10 +2,14 @@
 groups, 2 layers) gives the same logits here, comes back with identical tensors, and
 fine-tunes here into a model transformers loads and scores like this project."""
 
+import contextlib
+import importlib.util
+import io
 import json
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -31,9 +35,22 @@ MODEL_FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", 
                str(SEQ), "--vocab-size", str(VOCAB)]
 
 
+def _load_tool():
+    spec = importlib.util.spec_from_file_location("convert_checkpoint", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+TOOL_MAIN = _load_tool().main
+
+
 def convert(*argv):
-    return subprocess.run([sys.executable, TOOL, *argv], capture_output=True, text=True,
-                          cwd=ROOT, timeout=300)
+    """The tool's main() in this process: its exit status and output."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = TOOL_MAIN(list(argv))
+    return types.SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
 
 
 @pytest.fixture(scope="module")

@@ -95,6 +95,7 @@ class CheckpointSaver:
         # The writer's collectives must not interleave with training's on the host group.
         self._group = dist.new_group(backend="gloo") if dist.is_initialized() else None
         self._thread: threading.Thread | None = None
+        self._buffers: dict[str, torch.Tensor] | None = None  # the async snapshot
         self._error: BaseException | None = None
 
     def save(self, iteration: int, owned: OwnedState, common: dict) -> float:
@@ -108,20 +109,39 @@ class CheckpointSaver:
                 shutil.rmtree(stale, ignore_errors=True)  # of a save killed mid-write
         tensors = dict(owned.tensors)
         tensors[_rng_key(self.rank)] = torch.get_rng_state()
-        _check_free_disk(self.root, sum(t.numel() * t.element_size() for t in tensors.values()))
-        if self.async_save:  # the snapshot: the live buffers change at the next step
-            tensors = {k: v.clone() for k, v in tensors.items()}
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        _check_free_disk(self.root, nbytes)
+        snapshot = self._snapshot(tensors, nbytes) if self.async_save else None
         common = {**common, "iteration": iteration, "format_version": FORMAT_VERSION,
                   "world_size": self.world_size, "optimizer_step": owned.optimizer_step,
                   "loss_scaler": owned.loss_scaler}
-        if self.async_save:
+        if snapshot is not None:
             self._thread = threading.Thread(target=self._write_catching,
-                                            args=(iteration, tensors, common),
+                                            args=(iteration, snapshot, common),
                                             name=f"checkpoint-writer-{iteration}", daemon=True)
             self._thread.start()
         else:
             self._write(iteration, tensors, common)
         return time.perf_counter() - t0
+
+    def _snapshot(self, tensors: dict[str, torch.Tensor], nbytes: int
+                  ) -> dict[str, torch.Tensor] | None:
+        """Copy `tensors` into buffers kept from save to save (allocated once: no page
+        faults on the next saves; the previous write is done, so they are free). None
+        when the host lacks the memory: this save then runs synchronously."""
+        fits = self._buffers is not None and self._buffers.keys() == tensors.keys() and all(
+            self._buffers[k].shape == v.shape for k, v in tensors.items())
+        if not fits:
+            self._buffers = None
+            available = available_host_memory()
+            if available is not None and nbytes > available:
+                self.log(f"checkpoint: the snapshot needs {nbytes / MiB:.0f} MiB of host "
+                         f"memory, {available / MiB:.0f} MiB available: saving synchronously")
+                return None
+            self._buffers = {k: torch.empty_like(v) for k, v in tensors.items()}
+        for key, tensor in tensors.items():
+            self._buffers[key].copy_(tensor)
+        return self._buffers
 
     def wait(self) -> None:
         """Wait for the save in flight; raise its error, if it failed."""
@@ -137,6 +157,7 @@ class CheckpointSaver:
         try:
             self.wait()
         finally:
+            self._buffers = None
             if self._group is not None:
                 dist.destroy_process_group(self._group)
                 self._group = None
@@ -173,6 +194,18 @@ def _commit(root: str, iteration: int, staging: str, common: dict) -> None:
         os.unlink(stale)
     payload = str(iteration).encode()
     atomic_write(tracker, lambda stream: stream.write(payload))
+
+
+def available_host_memory() -> int | None:
+    """MemAvailable from /proc/meminfo in bytes (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def _check_free_disk(root: str, own_bytes: int) -> None:
