@@ -18,6 +18,7 @@ import torch.nn.functional as F
 transformers = pytest.importorskip("transformers")
 
 from megatron.models.llama import LlamaConfig, LlamaModel  # noqa: E402
+from megatron.training.checkpoint_hf import ConversionError, model_config_from_hf  # noqa: E402
 from megatron.training.checkpoint_state import MASTER, checkpoint_name  # noqa: E402
 from megatron.training.checkpointing import (  # noqa: E402
     iteration_dir,
@@ -179,3 +180,16 @@ def test_finetuned_here_then_exported_scores_the_same_in_transformers(
     start = our_model(converted)
     with torch.no_grad():
         assert abs(float(start(batch)) - float(got)) > 1e-4
+
+
+@pytest.mark.parametrize("change,fragment", [
+    ({"rope_theta": 500000.0}, "rope_theta 500000.0"),
+    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling"),
+    ({"model_type": "mistral"}, "model_type 'mistral'"),
+])
+def test_configurations_this_model_cannot_represent_are_refused(change, fragment):
+    config = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 160,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "vocab_size": 300, **change}
+    with pytest.raises(ConversionError, match=fragment.replace("(", r"\(")):
+        model_config_from_hf(config)
