@@ -1,6 +1,7 @@
 """Checkpoints in one process: the layout, lossless round trips, saving in the background,
 a kill mid-write, the old format and a full disk."""
 
+import argparse
 import os
 import signal
 import subprocess
@@ -18,6 +19,7 @@ from megatron.training.checkpointing import (
     TRACKER,
     CheckpointError,
     CheckpointSaver,
+    check_resumable,
     iteration_dir,
     latest_iteration,
     load_checkpoint,
@@ -206,3 +208,16 @@ def test_without_host_memory_for_the_snapshot_the_save_runs_synchronously(tmp_pa
     assert latest_iteration(str(tmp_path)) == 1  # written before save() returned
     saver.close()
     assert any("saving synchronously" in line for line in lines)
+
+
+def test_a_checkpoint_of_another_global_batch_is_refused_before_anything_is_built(tmp_path):
+    saver = CheckpointSaver(str(tmp_path), async_save=False)
+    saver.save(3, owned(3), {"consumed_samples": 3 * 8})
+    saver.close()
+    args = argparse.Namespace(load=str(tmp_path), finetune=False, global_batch_size=8)
+    check_resumable(args)
+    args.global_batch_size = 16
+    with pytest.raises(CheckpointError, match="expected --global-batch-size 8 .not 16."):
+        check_resumable(args)
+    args.finetune = True  # weights only: the data starts over
+    check_resumable(args)

@@ -285,10 +285,9 @@ def read_all_tensors(directory: str, prefix: str = "") -> dict[str, torch.Tensor
     return wanted
 
 
-def load_checkpoint(root: str, owned: OwnedState, *, finetune: bool = False) -> dict | None:
-    """Fill this rank's `owned` tensors in place from the latest checkpoint under `root`
-    and return its common state (None when `root` holds no checkpoint). With `finetune`
-    only the masters are read and the moments are zeroed. Collective."""
+def inspect_checkpoint(root: str, finetune: bool = False) -> tuple[str, dict, dict] | None:
+    """(iteration directory, tensor index, common state) of the latest checkpoint under
+    `root`, or None when there is none; CheckpointError when it cannot be loaded."""
     iteration = latest_iteration(root)
     if iteration is None:
         return None
@@ -298,16 +297,41 @@ def load_checkpoint(root: str, owned: OwnedState, *, finetune: bool = False) -> 
                               f"but {directory} is missing")
     metadata = checkpoint_metadata(directory).state_dict_metadata
     common = read_common(directory)
-    rank, world = _world()
-    wanted = {k: v for k, v in owned.tensors.items() if not finetune or k.startswith(MASTER)}
-    has_moments = any(k.startswith((EXP_AVG, EXP_AVG_SQ)) for k in metadata)
-    if not finetune and not has_moments:
+    if not finetune and not any(k.startswith((EXP_AVG, EXP_AVG_SQ)) for k in metadata):
         raise CheckpointError(f"{directory}: holds weights only (no optimizer state, e.g. a "
                               "converted checkpoint); expected --finetune to start from it")
+    return directory, metadata, common
+
+
+def check_resumable(args: argparse.Namespace) -> None:
+    """--load's checkpoint, checked before anything is built: readable, the right kind for
+    --finetune, and saved with this run's --global-batch-size (the data position)."""
+    found = inspect_checkpoint(args.load, args.finetune)
+    if found is None or args.finetune:
+        return
+    common = found[2]
+    iteration = int(common["iteration"])
+    consumed = int(common.get("consumed_samples", iteration * args.global_batch_size))
+    if consumed != iteration * args.global_batch_size:
+        raise CheckpointError(f"--load {args.load}: saved after {consumed} samples in "
+                              f"{iteration} iterations; expected --global-batch-size "
+                              f"{consumed // max(iteration, 1)} (not {args.global_batch_size}) "
+                              "to continue at the same sample")
+
+
+def load_checkpoint(root: str, owned: OwnedState, *, finetune: bool = False) -> dict | None:
+    """Fill this rank's `owned` tensors in place from the latest checkpoint under `root`
+    and return its common state (None when `root` holds no checkpoint). With `finetune`
+    only the masters are read and the moments are zeroed. Collective."""
+    found = inspect_checkpoint(root, finetune)
+    if found is None:
+        return None
+    directory, metadata, common = found
+    rank, world = _world()
+    wanted = {k: v for k, v in owned.tensors.items() if not finetune or k.startswith(MASTER)}
     rng = _rng_key(rank)
-    same_world = common.get("world_size") == world and rng in metadata
-    if same_world and not finetune:  # per-rank RNG streams mean nothing on another shape
-        wanted[rng] = torch.get_rng_state()
+    if common.get("world_size") == world and rng in metadata and not finetune:
+        wanted[rng] = torch.get_rng_state()  # per-rank streams mean nothing on another shape
     load_tensors(directory, wanted, host_group() if world > 1 else None)
     if rng in wanted:
         torch.set_rng_state(wanted[rng])
@@ -320,18 +344,13 @@ def load_checkpoint(root: str, owned: OwnedState, *, finetune: bool = False) -> 
 
 def restore_run(common: dict, step: TrainStep, schedule: LRSchedule,
                 args: argparse.Namespace) -> tuple[int, int]:
-    """After load_checkpoint(): hand the scalars to the step and the LR schedule. Returns
-    (the iteration to continue after, skipped iterations so far); (0, 0) with --finetune."""
+    """After check_resumable() and load_checkpoint(): hand the scalars to the step and the
+    LR schedule. Returns (the iteration to continue after, skipped iterations so far);
+    (0, 0) with --finetune."""
     if args.finetune:
         step.restored(0, None, 0)
         return 0, 0
     iteration = int(common["iteration"])
-    consumed = int(common.get("consumed_samples", iteration * args.global_batch_size))
-    if consumed != iteration * args.global_batch_size:
-        raise CheckpointError(f"--load {args.load}: saved after {consumed} samples in "
-                              f"{iteration} iterations; expected --global-batch-size "
-                              f"{consumed // max(iteration, 1)} (not {args.global_batch_size}) "
-                              "to continue at the same sample")
     step.restored(int(common["optimizer_step"]), common.get("loss_scaler"), iteration)
     schedule.load_state_dict(common["lr_schedule"])
     return iteration, int(common.get("skipped_total", 0))

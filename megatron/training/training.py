@@ -29,6 +29,7 @@ from megatron.training.arguments import (
 from megatron.training.checkpointing import (
     CheckpointError,
     CheckpointSaver,
+    check_resumable,
     load_checkpoint,
     restore_run,
 )
@@ -134,6 +135,8 @@ def train(args: argparse.Namespace, dist_info, on_step=None) -> list[dict]:
         check_pipeline_args(args, dist_info.world_size)
     if args.save:
         check_writable_dir("--save", args.save)
+    if args.load:
+        check_resumable(args)
     is_logger = dist_info.rank == dist_info.world_size - 1 or dist_info.world_size == 1
     log = print if dist_info.rank == 0 else (lambda *_: None)
     metrics, step, records, saver = None, None, [], None
