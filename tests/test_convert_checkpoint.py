@@ -169,6 +169,9 @@ def test_finetuned_here_then_exported_scores_the_same_in_transformers(
                 str(exported))
     assert r.returncode == 0, r.stderr[-3000:]
     model = transformers.LlamaForCausalLM.from_pretrained(exported).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(exported)  # the run's, shipped
+    assert len(tokenizer) == VOCAB and tokenizer.decode(tokenizer("a checkpoint")["input_ids"]) \
+        == "a checkpoint"
     ours = our_model(trained)
     x, labels = tokens(seed=2), tokens(seed=3)
     batch = {"tokens": x, "labels": labels, "loss_mask": torch.ones(2, SEQ)}

@@ -7,8 +7,8 @@ hf -> megatron reads config.json and the safetensors (one file or sharded with
 model.safetensors.index.json) and writes a weights-only checkpoint at iteration 0: start
 training from it with `pretrain_llama.py --load CKPT_DIR --finetune` and the model's flags.
 megatron -> hf writes the latest iteration's fp32 masters as config.json plus safetensors
-(sharded above --max-shard-size) and the tokenizer (--tokenizer, or the run's
---tokenizer-model). Outputs appear complete or not at all; a line per shard reports its
+(sharded above --max-shard-size) and the tokenizer (--tokenizer, or the one the run
+trained with, which every checkpoint carries). Outputs appear complete or not at all; a line per shard reports its
 size and speed. Exit status 2 on bad input, with one line naming what was wrong.
 """
 
@@ -158,9 +158,12 @@ def megatron_to_hf(args: argparse.Namespace) -> None:
     cfg = _model_config(common, gpt)
     dtype = DTYPES[args.dtype]
     hf = {k: v.to(dtype) for k, v in gpt_to_hf(cfg, gpt).items()}
-    tokenizer = args.tokenizer or (common.get("args") or {}).get("tokenizer_model")
-    if tokenizer and not os.path.isfile(tokenizer):
-        raise ConversionError(f"--tokenizer {tokenizer}: no such file")
+    tokenizer_json = common.get("tokenizer_json")  # what the run trained with
+    if args.tokenizer:
+        if not os.path.isfile(args.tokenizer):
+            raise ConversionError(f"--tokenizer {args.tokenizer}: no such file")
+        with open(args.tokenizer) as f:
+            tokenizer_json = f.read()
     _check_free_disk(args.output, sum(t.nbytes for t in hf.values()))
     shards = _shards(hf, args.max_shard_size * MiB)
     config = {**hf_config_from_model(cfg), "torch_dtype": str(dtype).removeprefix("torch.")}
@@ -180,8 +183,9 @@ def megatron_to_hf(args: argparse.Namespace) -> None:
                      "weight_map": {k: n for n, s in zip(names, shards) for k in s}}
             with open(os.path.join(staging, "model.safetensors.index.json"), "w") as f:
                 json.dump(index, f, indent=2)
-        if tokenizer:
-            shutil.copyfile(tokenizer, os.path.join(staging, "tokenizer.json"))
+        if tokenizer_json:
+            with open(os.path.join(staging, "tokenizer.json"), "w") as f:
+                f.write(tokenizer_json)
             with open(os.path.join(staging, "tokenizer_config.json"), "w") as f:
                 json.dump({"tokenizer_class": "PreTrainedTokenizerFast"}, f)
     print(f"wrote {args.output} (iteration {iteration}, {len(shards)} safetensors file(s))")
@@ -198,8 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-shard-size", type=int, default=5000, metavar="MiB",
                    help="megatron -> hf: split the safetensors above this size")
     p.add_argument("--tokenizer", default=None, metavar="FILE",
-                   help="megatron -> hf: tokenizer JSON to ship (default: the run's "
-                        "--tokenizer-model, when it had one)")
+                   help="megatron -> hf: tokenizer JSON to ship (default: the one the "
+                        "run trained with)")
     return p
 
 

@@ -141,7 +141,7 @@ def train(args: argparse.Namespace, dist_info, on_step=None) -> list[dict]:
     log = print if dist_info.rank == 0 else (lambda *_: None)
     metrics, step, records, saver = None, None, [], None
     try:
-        _, dataset, vocab = prepare_data(args, log=log)
+        tokenizer, dataset, vocab = prepare_data(args, log=log)
         model_cfg = model_config_from_args(args, vocab)
         torch.manual_seed(args.seed)
         step = make_train_step(args, model_cfg, dist_info)
@@ -198,7 +198,7 @@ def train(args: argparse.Namespace, dist_info, on_step=None) -> list[dict]:
             if save_now:
                 common = {"lr_schedule": schedule.state_dict(), "skipped_total": skipped_total,
                           "consumed_samples": iteration * args.global_batch_size,
-                          "args": vars(args)}
+                          "args": vars(args), "tokenizer_json": tokenizer.to_json()}
                 blocked = saver.save(iteration, step.owned_state(), common)
                 log(f"checkpoint iteration {iteration}: training blocked {blocked:.3f} s"
                     + (", writing in the background" if args.async_save else ""))
