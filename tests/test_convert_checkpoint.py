@@ -7,8 +7,6 @@ import importlib.util
 import io
 import json
 import os
-import subprocess
-import sys
 import types
 
 import pytest
@@ -18,6 +16,7 @@ import torch.nn.functional as F
 transformers = pytest.importorskip("transformers")
 
 from megatron.models.llama import LlamaConfig, LlamaModel  # noqa: E402
+from megatron.training.arguments import parse_args  # noqa: E402
 from megatron.training.checkpoint_hf import ConversionError, model_config_from_hf  # noqa: E402
 from megatron.training.checkpoint_state import MASTER, checkpoint_name  # noqa: E402
 from megatron.training.checkpointing import (  # noqa: E402
@@ -26,6 +25,7 @@ from megatron.training.checkpointing import (  # noqa: E402
     read_all_tensors,
 )
 from megatron.training.distributed import initialize_distributed, shutdown_distributed  # noqa: E402
+from megatron.training.training import train  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL = os.path.join(ROOT, "tools", "convert_checkpoint.py")
@@ -84,8 +84,7 @@ def converted(hf_model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def dist_group():
-    initialize_distributed()
-    yield
+    yield initialize_distributed()
     shutdown_distributed()
 
 
@@ -152,18 +151,17 @@ def test_bad_input_exits_2_in_one_line(argv, fragment, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.multiproc
+@pytest.mark.multiproc  # builds the demo corpus
 def test_finetuned_here_then_exported_scores_the_same_in_transformers(
         converted, tmp_path, dist_group):
     trained = tmp_path / "trained"
-    r = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "pretrain_llama.py"), *MODEL_FLAGS,
-         "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "2",
-         "--lr", "1e-3", "--load", str(converted), "--finetune", "--save", str(trained),
-         "--data-cache-dir", os.environ.get("MEGATRON_TEST_CACHE", str(tmp_path / "cache"))],
-        capture_output=True, text=True, cwd=ROOT, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "--finetune" in r.stdout and latest_iteration(str(trained)) == 2
+    args = parse_args([
+        *MODEL_FLAGS, "--micro-batch-size", "2", "--global-batch-size", "4",
+        "--train-iters", "2", "--lr", "1e-3", "--load", str(converted), "--finetune",
+        "--save", str(trained),
+        "--data-cache-dir", os.environ.get("MEGATRON_TEST_CACHE", str(tmp_path / "cache"))])
+    records = train(args, dist_group)  # here: no process to start
+    assert [r["iteration"] for r in records] == [1, 2] and latest_iteration(str(trained)) == 2
     exported = tmp_path / "hf"
     r = convert("--from", "megatron", "--to", "hf", "--input", str(trained), "--output",
                 str(exported))
