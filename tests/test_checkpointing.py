@@ -25,6 +25,7 @@ from megatron.training.checkpointing import (
     load_checkpoint,
     read_all_tensors,
 )
+from megatron.training.training import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -221,3 +222,15 @@ def test_a_checkpoint_of_another_global_batch_is_refused_before_anything_is_buil
         check_resumable(args)
     args.finetune = True  # weights only: the data starts over
     check_resumable(args)
+
+
+def test_pretrain_llama_refuses_the_old_format_in_one_line_with_exit_2(tmp_path, capsys):
+    legacy = iteration_dir(str(tmp_path), 4)
+    os.makedirs(legacy)
+    torch.save({"train_step": {}}, os.path.join(legacy, "rank_000.pt"))
+    (tmp_path / TRACKER).write_text("4")
+    with pytest.raises(SystemExit) as exit_:
+        main(["--model-preset", "tiny", "--load", str(tmp_path)])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "old per-rank format" in err[0] and legacy in err[0]
