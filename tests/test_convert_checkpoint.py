@@ -194,3 +194,28 @@ def test_configurations_this_model_cannot_represent_are_refused(change, fragment
               "vocab_size": 300, **change}
     with pytest.raises(ConversionError, match=fragment.replace("(", r"\(")):
         model_config_from_hf(config)
+
+
+def test_a_megatron_core_gpt_model_loads_the_checkpoint_directly(hf_model, converted,
+                                                                dist_group):
+    """The `model.` tensors are GPTModel's own state dict: no mapping on the reader's side."""
+    from megatron.core.models.gpt import GPTModel
+
+    from megatron.models.llama import layer_spec, transformer_config
+
+    cfg = our_model(converted).cfg
+    gpt = GPTModel(config=transformer_config(cfg), transformer_layer_spec=layer_spec(),
+                   vocab_size=VOCAB, max_sequence_length=SEQ, position_embedding_type="rope",
+                   share_embeddings_and_output_weights=False).eval()
+    root = str(converted)
+    state = {k.removeprefix(MASTER): v for k, v in
+             read_all_tensors(iteration_dir(root, latest_iteration(root)), MASTER).items()}
+    result = gpt.load_state_dict(state, strict=False)
+    assert not result.unexpected_keys
+    assert all("_extra_state" in k for k in result.missing_keys)
+    x = tokens(seed=4)
+    mask = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), diagonal=1)
+    with torch.no_grad():
+        got = gpt(x, torch.arange(SEQ).expand(2, SEQ), mask)
+        want = hf_model[0](x).logits
+    assert (got - want).abs().max() < 1e-4
