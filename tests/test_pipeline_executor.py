@@ -24,6 +24,7 @@ from megatron.schedules.cost_model import backward_stage_params, calibrated_cost
 from megatron.schedules.simulator import simulate
 from megatron.schedules.timeline import read_chrome_trace
 from megatron.training.arguments import parse_args
+from megatron.training.checkpointing import read_all_tensors
 from megatron.training.data_blend import evaluations
 from megatron.training.distributed import initialize_distributed, shutdown_distributed
 from megatron.training.evaluation import evaluation_batches
@@ -92,13 +93,7 @@ def metrics(run, evaluations=False):
 
 
 def final_masters(run):
-    directory = run.out / "ckpt" / "iter_0000005"
-    merged = {}
-    for path in sorted(directory.glob("rank_*.pt")):
-        state = torch.load(path, weights_only=False)["train_step"]["model"]
-        assert not merged.keys() & state.keys(), "a parameter owned by two ranks"
-        merged.update(state)
-    return merged
+    return read_all_tensors(str(run.out / "ckpt" / "iter_0000005"), prefix="model.")
 
 
 def assert_same_training(run, reference, rel=1e-5):

@@ -19,7 +19,8 @@ from megatron.schedules.lowering import forward_only_schedule
 from megatron.schedules.simulator import simulate
 from megatron.schedules.validator import RULE_FORWARD_ONLY, validate
 from megatron.training.arguments import ArgumentError, parse_args
-from megatron.training.checkpointing import save_checkpoint
+from megatron.training.checkpoint_state import EXP_AVG, EXP_AVG_SQ, MASTER, OwnedState
+from megatron.training.checkpointing import CheckpointSaver
 from megatron.training.data_blend import data_blend_from_args, split_sizes
 from megatron.training.distributed import DistInfo
 from megatron.training.evaluation import format_evaluation, perplexity
@@ -119,8 +120,13 @@ def test_wandb_without_the_package_is_a_clear_error(tmp_path, monkeypatch):
 
 
 def test_loading_a_checkpoint_of_another_model_names_both_values(tmp_path):
-    saved = vars(parse_args([*TINY, "--num-layers", "6"]))
-    save_checkpoint(str(tmp_path / "ckpt"), 3, {"args": saved})
+    saved = parse_args([*TINY, "--num-layers", "6"])
+    saver = CheckpointSaver(str(tmp_path / "ckpt"), async_save=False)
+    tensors = {prefix + "decoder.final_layernorm.weight": torch.ones(4)
+               for prefix in (MASTER, EXP_AVG, EXP_AVG_SQ)}
+    saver.save(3, OwnedState(tensors, optimizer_step=3, loss_scaler=None),
+               {"args": vars(saved), "consumed_samples": 3 * saved.global_batch_size})
+    saver.close()
     error = _train_rejects(tmp_path, "--load", str(tmp_path / "ckpt"))
     assert str(error) == f"--num-layers 4: the checkpoint in {tmp_path / 'ckpt'} was saved with 6"
 

@@ -32,7 +32,7 @@ from megatron.pipeline.host_group import host_group
 from megatron.pipeline.owner import BackwardStageOwner
 from megatron.pipeline.p2p import MessageShape, PointToPoint
 from megatron.pipeline.replicas import holds_segment, plan_replicas, push_replicas
-from megatron.pipeline.stage_modules import StageModule, build_stage_modules
+from megatron.pipeline.stage_modules import build_stage_modules
 from megatron.schedules.instructions import WHOLE_STAGE, BackwardStage
 from megatron.schedules.lowering import forward_only_schedule
 from megatron.schedules.timeline import TimedEvent
@@ -229,44 +229,41 @@ class Pipeline:
 
     # --- state -------------------------------------------------------------------------
 
-    def state_dict(self) -> dict:
-        """fp32 masters by whole-model parameter name (the one-process checkpoint's names),
-        plus the owned stages' Adam moments."""
-        model = {}
+    def checkpoint_views(self) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Owned parameters by whole-model name (LlamaModel's): live views of the fp32
+        master, exp_avg and exp_avg_sq inside the CPU optimizer (no copy). A parameter lies
+        in one of its stage's two groups (decayed elements first, then the others)."""
+        adam, out = self.cpu_adam, {}
         for b, owner in self.owners.items():
             module = self.modules[b]
-            for name, view in zip(module.model_names(), _views(module, owner.master(self.cpu_adam))):
-                model[name] = view.clone()
-        optimizer = self.cpu_adam.state_dict()
-        return {
-            "pipeline": self.schedule.shape(),
-            "iteration": self.last_iteration,
-            "model": model,
-            "optimizer": [{"exp_avg": s["exp_avg"].clone(), "exp_avg_sq": s["exp_avg_sq"].clone(),
-                           "step": s["step"]} for s in optimizer["groups"]],
-            "loss_scaler": self.scaler.state_dict(),
-        }
+            for s, name in zip(module.layout.slices, module.model_names()):
+                group, offset = ((owner.groups[0], s.offset) if s.offset < owner.split
+                                 else (owner.groups[1], s.offset - owner.split))
+                out[name] = tuple(buf[offset:offset + s.numel].view(s.shape)
+                                  for buf in (adam.master(group), adam.exp_avg(group),
+                                              adam.exp_avg_sq(group)))
+        return out
 
-    def load_state_dict(self, state: dict) -> None:
-        """Raises ValueError when the state was saved with another pipeline shape."""
-        if state.get("pipeline") != self.schedule.shape():
-            raise ValueError(f"checkpoint was saved with pipeline {state.get('pipeline')}, "
-                             f"this run uses {self.schedule.shape()}")
-        loaded = []
-        for b, owner in self.owners.items():
-            module = self.modules[b]
-            flat = torch.empty(owner.numel, dtype=torch.float32)
-            for name, view in zip(module.model_names(), _views(module, flat)):
-                view.copy_(state["model"][name])
-            for group, (lo, hi) in zip(owner.groups, owner.bounds()):
-                moments = state["optimizer"][group]
-                loaded.append((group, {"master": flat[lo:hi] if hi > lo else torch.zeros(1),
-                                       **moments}))
-        self.cpu_adam.load_state_dict({"groups": [s for _, s in sorted(loaded, key=lambda x: x[0])]})
-        self.scaler.load_state_dict(state["loss_scaler"])
-        self.last_iteration = int(state["iteration"])
+    def _stepped_groups(self) -> list[int]:
+        """Groups that hold elements (an empty group is a placeholder that never steps)."""
+        return [g for owner in self.owners.values()
+                for g, (lo, hi) in zip(owner.groups, owner.bounds()) if hi > lo]
+
+    def optimizer_step(self) -> int:
+        """Adam's step count (every group steps together; skipped iterations do not count)."""
+        return max((self.cpu_adam.step_count(g) for g in self._stepped_groups()), default=0)
+
+    def restored(self, optimizer_step: int, iteration: int) -> None:
+        """After a checkpoint load overwrote `checkpoint_views()` in place: set the step
+        count and publish the new masters to the segments (and replicas)."""
+        adam, stepped = self.cpu_adam, set(self._stepped_groups())
+        adam.load_state_dict({"groups": [
+            {"master": adam.master(g), "exp_avg": adam.exp_avg(g),
+             "exp_avg_sq": adam.exp_avg_sq(g), "step": optimizer_step if g in stepped else 0}
+            for g in range(adam.num_groups)]})
+        self.last_iteration = iteration
         for owner in self.owners.values():
-            owner.segment.write(owner.master(self.cpu_adam), version=self.last_iteration)
+            owner.segment.write(owner.master(adam), version=iteration)
         push_replicas(self.replicas, self.store, self.rank, self.host_group)
 
     def close(self) -> None:
@@ -274,7 +271,3 @@ class Pipeline:
         self.store.close()
         self.device.close()
 
-
-def _views(module: StageModule, flat: torch.Tensor) -> list[torch.Tensor]:
-    """Per-parameter views of an fp32 flat buffer laid out like the stage."""
-    return replace(module.layout, dtype=flat.dtype).views(flat)

@@ -147,6 +147,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="save and exit 0 once the job has run this long (Slurm time limits)")
     g.add_argument("--exit-signal-handler", action="store_true",
                    help="on SIGTERM or SIGUSR1: finish the iteration, save, exit 0 on every rank")
+    g.add_argument("--finetune", action="store_true",
+                   help="with --load: read the weights only and start at iteration 0 with a "
+                        "fresh optimizer (e.g. a checkpoint from tools/convert_checkpoint.py)")
+    g.add_argument("--async-save", action=argparse.BooleanOptionalAction, default=True,
+                   help="write checkpoints in a background thread after a host-memory "
+                        "snapshot (default on; --no-async-save blocks until written)")
 
     g = p.add_argument_group("pipeline")
     g.add_argument("--pipeline-schedule", default=None, choices=SCHEDULES,
@@ -366,6 +372,8 @@ def validate_args(args: argparse.Namespace) -> None:
         raise ArgumentError("--save-interval", args.save_interval, "expected a positive integer")
     if args.save_interval is not None and args.save is None:
         raise ArgumentError("--save-interval", args.save_interval, "needs --save DIR")
+    if args.finetune and args.load is None:
+        raise ArgumentError("--finetune", True, "needs --load DIR")
     if args.data_path is not None and args.tokenizer_model is None:
         raise ArgumentError("--tokenizer-model", "missing", "required with --data-path")
     if args.inject_overflow is not None and len(args.inject_overflow) != 3:

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from megatron.models.llama import Batch, LlamaConfig, LlamaModel, uses_weight_decay
+from megatron.training.checkpoint_state import OwnedState, named_tensors
 from megatron.training.train_step import StepResult, make_loss_scaler, training_dtype
 
 
@@ -21,6 +22,7 @@ class LocalTrainStep:
 
     def __init__(self, model_cfg: LlamaConfig, args: argparse.Namespace) -> None:
         self.dtype = training_dtype(args)
+        self.model_cfg = model_cfg
         # Initialize in fp32 so every precision starts from the same master weights.
         self.model = LlamaModel(model_cfg.with_dtype(torch.float32))
         named = [(n, p) for n, p in self.model.named_parameters()]
@@ -78,22 +80,25 @@ class LocalTrainStep:
                       for batch in micro_batches]
         return sum(losses) / len(losses)
 
-    def master_state(self) -> dict[str, torch.Tensor]:
-        names = [n for n, _ in self.model.named_parameters()]
-        return dict(zip(names, self.masters))
+    def owned_state(self) -> OwnedState:
+        """Every parameter: the master and torch AdamW's moments (created as zeros before
+        the first step, as AdamW itself would)."""
+        views = {}
+        for (name, _), master in zip(self.model.named_parameters(), self.masters):
+            state = self.optimizer.state[master]
+            if not state:
+                state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(master),
+                             exp_avg_sq=torch.zeros_like(master))
+            views[name] = (master, state["exp_avg"], state["exp_avg_sq"])
+        step = int(self.optimizer.state[self.masters[0]]["step"])
+        return OwnedState(named_tensors(self.model_cfg, views), step,
+                          self.scaler.state_dict() if self.scaler else None)
 
-    def state_dict(self) -> dict:
-        return {
-            "model": self.master_state(),
-            "optimizer": self.optimizer.state_dict(),
-            "loss_scaler": self.scaler.state_dict() if self.scaler else None,
-        }
-
-    def load_state_dict(self, state: dict) -> None:
+    def restored(self, optimizer_step: int, loss_scaler: dict | None, iteration: int) -> None:
+        """After a checkpoint load filled `owned_state()`'s tensors in place."""
         with torch.no_grad():
-            for (name, master), p in zip(self.master_state().items(), self.params):
-                master.copy_(state["model"][name])
+            for master, p in zip(self.masters, self.params):
+                self.optimizer.state[master]["step"] = torch.tensor(float(optimizer_step))
                 p.copy_(master)
-        self.optimizer.load_state_dict(state["optimizer"])
-        if self.scaler and state.get("loss_scaler"):
-            self.scaler.load_state_dict(state["loss_scaler"])
+        if self.scaler and loss_scaler is not None:
+            self.scaler.load_state_dict(loss_scaler)

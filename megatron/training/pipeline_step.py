@@ -17,7 +17,7 @@ from megatron.pipeline.assembly import Pipeline
 from megatron.schedules.cost_model import backward_stage_params, calibrated_costs
 from megatron.schedules.simulator import SimResult, simulate
 from megatron.schedules.timeline import read_chrome_trace, write_chrome_trace, write_timeline_png
-from megatron.training.checkpointing import CheckpointError
+from megatron.training.checkpoint_state import OwnedState, named_tensors
 from megatron.training.pipeline_args import pipeline_config
 from megatron.training.train_step import StepResult
 
@@ -53,14 +53,16 @@ class PipelineTrainStep:
         if trace:
             write_chrome_trace(events, trace)
 
-    def state_dict(self) -> dict:
-        return self.pipeline.state_dict()
+    def owned_state(self) -> OwnedState:
+        fp16 = self.config.dtype == torch.float16
+        return OwnedState(named_tensors(self.model_cfg, self.pipeline.checkpoint_views()),
+                          self.pipeline.optimizer_step(),
+                          self.pipeline.scaler.state_dict() if fp16 else None)
 
-    def load_state_dict(self, state: dict) -> None:
-        try:
-            self.pipeline.load_state_dict(state)
-        except ValueError as exc:
-            raise CheckpointError(str(exc)) from None
+    def restored(self, optimizer_step: int, loss_scaler: dict | None, iteration: int) -> None:
+        if loss_scaler is not None and self.config.dtype == torch.float16:
+            self.pipeline.scaler.load_state_dict(loss_scaler)
+        self.pipeline.restored(optimizer_step, iteration)
 
     def close(self) -> None:
         self.pipeline.close()

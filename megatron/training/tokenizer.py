@@ -63,6 +63,10 @@ class HFTokenizer(MegatronTokenizerBase):
             "tokenizer_sha256": self._content_hash,
         }
 
+    def to_json(self) -> str:
+        """The tokenizer file's content (a checkpoint carries it for exports)."""
+        return self._tokenizer.to_str()
+
     @property
     def vocab_size(self) -> int:
         return self._vocab_size

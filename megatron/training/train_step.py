@@ -14,6 +14,7 @@ import torch
 
 from megatron.models.llama import Batch
 from megatron.optimizer.loss_scaler import DynamicLossScaler
+from megatron.training.checkpoint_state import OwnedState
 
 
 def training_dtype(args: argparse.Namespace) -> torch.dtype:
@@ -38,9 +39,9 @@ class TrainStep(Protocol):
         only, on the parameters of the last finished iteration."""
         ...
 
-    def state_dict(self) -> dict: ...
+    def owned_state(self) -> OwnedState: ...
 
-    def load_state_dict(self, state: dict) -> None: ...
+    def restored(self, optimizer_step: int, loss_scaler: dict | None, iteration: int) -> None: ...
 
 
 def make_loss_scaler(args: argparse.Namespace) -> DynamicLossScaler:

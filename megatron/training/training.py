@@ -29,7 +29,13 @@ from megatron.training.arguments import (
     exit_bad_input,
     parse_args,
 )
-from megatron.training.checkpointing import CheckpointError, load_checkpoint, save_checkpoint
+from megatron.training.checkpointing import (
+    CheckpointError,
+    CheckpointSaver,
+    check_resumable,
+    load_checkpoint,
+    restore_run,
+)
 from megatron.training.data_blend import Datasets, data_blend_from_args, evaluations, split_sizes
 from megatron.training.data_checks import DataError
 from megatron.training.demo_corpus import ensure_demo_corpus
@@ -149,20 +155,19 @@ def train(args: argparse.Namespace, dist_info, on_step=None) -> list[dict]:
     check_output_paths(args)
     is_logger = dist_info.rank == dist_info.world_size - 1 or dist_info.world_size == 1
     log = print if dist_info.rank == 0 else (lambda *_: None)
-    metrics, step, sinks, exits, records = None, None, None, None, []
+    metrics, step, sinks, exits, records, saver = None, None, None, None, [], None
     try:
         with setup_phase("checkpoint read", log, enabled=bool(args.load)):
-            loaded = None
             if args.load and os.path.isdir(args.load):
-                loaded = load_checkpoint(args.load, rank=dist_info.rank)
-                if loaded is None:
+                saved = check_resumable(args)
+                if saved is None:
                     log(f"no checkpoint in {args.load}: starting from scratch")
+                else:
+                    check_checkpoint_args(args, saved.get("args"), args.load)
             elif args.load:
                 log(f"{args.load} does not exist (--load-optional): starting from scratch")
-            if loaded is not None:
-                check_checkpoint_args(args, loaded[1].get("args"), args.load)
         with setup_phase("data", log):
-            _, datasets, vocab = prepare_data(args, log=log)
+            tokenizer, datasets, vocab = prepare_data(args, log=log)
         model_cfg = model_config_from_args(args, vocab)
         torch.manual_seed(args.seed)
         with setup_phase("model, optimizer and pipeline", log):
@@ -172,14 +177,16 @@ def train(args: argparse.Namespace, dist_info, on_step=None) -> list[dict]:
         schedule = LRSchedule(args.lr, args.min_lr, args.lr_warmup_iters, args.lr_decay_iters,
                               args.lr_decay_style, args.weight_decay)
         start_iteration, skipped_total = 0, 0
-        if loaded is not None:
+        if args.load and os.path.isdir(args.load):
             with setup_phase("checkpoint load", log):
-                start_iteration, state = loaded
-                step.load_state_dict(state["train_step"])
-                schedule.load_state_dict(state["lr_schedule"])
-                skipped_total = state.get("skipped_total", 0)
-            log(f"loaded checkpoint from {args.load} at iteration {start_iteration}")
-        loaded = None  # the state now lives in the train step
+                common = load_checkpoint(args.load, step.owned_state(), finetune=args.finetune)
+                if common is not None:
+                    start_iteration, skipped_total = restore_run(common, step, schedule, args)
+            if common is not None:
+                log(f"loaded checkpoint from {args.load} at iteration {common['iteration']}"
+                    + (" (--finetune: weights only, from iteration 0)" if args.finetune else ""))
+        if args.save:
+            saver = CheckpointSaver(args.save, async_save=args.async_save, log=log)
         # The metrics come from the process that sees the loss (the last rank of a pipeline
         # reports it to all, so any one rank would do; keep one writer per job).
         metrics = MetricsWriter(args.metrics_file if is_logger else None)
@@ -234,11 +241,12 @@ def train(args: argparse.Namespace, dist_info, on_step=None) -> list[dict]:
                 or (args.save_interval and iteration % args.save_interval == 0)
             )
             if save_now:
-                state = {"train_step": step.state_dict(), "lr_schedule": schedule.state_dict(),
-                         "skipped_total": skipped_total, "args": vars(args)}
-                path = save_checkpoint(args.save, iteration, state, rank=dist_info.rank,
-                                       barrier=lambda: dist.barrier(group=host_group()))
-                log(f"saved checkpoint to {path}")
+                common = {"lr_schedule": schedule.state_dict(), "skipped_total": skipped_total,
+                          "consumed_samples": iteration * args.global_batch_size,
+                          "args": vars(args), "tokenizer_json": tokenizer.to_json()}
+                blocked = saver.save(iteration, step.owned_state(), common)
+                log(f"checkpoint iteration {iteration}: training blocked {blocked:.3f} s"
+                    + (", writing in the background" if args.async_save else ""))
             if stopped is not None:
                 log(f"exiting after iteration {iteration}: {stopped}")
                 break
@@ -251,6 +259,8 @@ def train(args: argparse.Namespace, dist_info, on_step=None) -> list[dict]:
                                "the end of training for test data", "test", args, metrics,
                                sinks, is_logger, end_of_training=True)
     finally:
+        if saver is not None:
+            saver.close()  # the last save in flight completes
         if exits is not None:
             exits.close()
         close = getattr(step, "close", None)

@@ -1,0 +1,139 @@
+"""Hugging Face LLaMA <-> megatron-core GPTModel: names, fused layouts and configuration.
+
+Where conversions go wrong, and what this does about it:
+- Fused QKV: megatron-core keeps one `linear_qkv` weight laid out per query group: the
+  group's query heads, then its key head, then its value head ([ng * (np/ng + 2) * d, h]);
+  Hugging Face keeps q_proj [np * d, h], k_proj and v_proj [ng * d, h].
+- Fused SwiGLU: `linear_fc1` is [gate; up] stacked on the output dimension
+  (megatron-core's gated linear unit takes the first half through SiLU).
+- RoPE: both use the rotate-half convention (Hugging Face's LLaMA weights were permuted
+  from Meta's interleaved layout at publication; megatron-core's default is
+  rotary_interleaved=False), so q and k rows are copied unpermuted.
+- Untied embeddings (LLaMA-2): a tied Hugging Face model gets its embedding copied into
+  the output layer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron.models.llama import LlamaConfig
+
+# Values this project's model fixes (LlamaConfig defaults); another value is refused.
+FIXED = {"rope_theta": 10000.0, "rms_norm_eps": 1e-5, "hidden_act": "silu"}
+
+
+class ConversionError(ValueError):
+    """An input this conversion cannot represent faithfully."""
+
+
+def model_config_from_hf(hf: dict, seq_length: int | None = None) -> LlamaConfig:
+    """This project's model configuration from a Hugging Face LLaMA config.json."""
+    if hf.get("model_type") != "llama":
+        raise ConversionError(f"config.json model_type {hf.get('model_type')!r}: expected 'llama'")
+    for key, value in FIXED.items():
+        found = hf.get(key, value)
+        if found != value:
+            raise ConversionError(f"config.json {key} {found!r}: expected {value!r} (the "
+                                  "only value this model supports)")
+    for key in ("rope_scaling", "attention_bias", "mlp_bias"):
+        if hf.get(key):
+            raise ConversionError(f"config.json {key} {hf[key]!r}: not supported")
+    heads = hf["num_attention_heads"]
+    if hf.get("head_dim", hf["hidden_size"] // heads) != hf["hidden_size"] // heads:
+        raise ConversionError(f"config.json head_dim {hf['head_dim']}: expected "
+                              f"hidden_size / num_attention_heads")
+    return LlamaConfig(
+        num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
+        ffn_hidden_size=hf["intermediate_size"], num_attention_heads=heads,
+        num_query_groups=hf.get("num_key_value_heads", heads), vocab_size=hf["vocab_size"],
+        seq_length=seq_length or hf.get("max_position_embeddings", 4096),
+    )
+
+
+def hf_config_from_model(cfg: LlamaConfig) -> dict:
+    """A Hugging Face LLaMA config.json for this project's model."""
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_hidden_size,
+        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_query_groups, "vocab_size": cfg.vocab_size,
+        "max_position_embeddings": cfg.seq_length, "rms_norm_eps": cfg.norm_epsilon,
+        "rope_theta": cfg.rope_base, "hidden_act": "silu", "tie_word_embeddings": False,
+        "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32",
+    }
+
+
+def _head_dim(cfg: LlamaConfig) -> int:
+    return cfg.hidden_size // cfg.num_attention_heads
+
+
+def fuse_qkv(cfg: LlamaConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    d, ng, h = _head_dim(cfg), cfg.num_query_groups, cfg.hidden_size
+    per_group = cfg.num_attention_heads // ng
+    return torch.cat([q.reshape(ng, per_group * d, h), k.reshape(ng, d, h),
+                      v.reshape(ng, d, h)], dim=1).reshape(-1, h)
+
+
+def split_qkv(cfg: LlamaConfig, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    d, ng, h = _head_dim(cfg), cfg.num_query_groups, cfg.hidden_size
+    per_group = cfg.num_attention_heads // ng
+    grouped = qkv.reshape(ng, (per_group + 2) * d, h)
+    q, k, v = grouped.split([per_group * d, d, d], dim=1)
+    return q.reshape(-1, h), k.reshape(-1, h), v.reshape(-1, h)
+
+
+_LAYER_NAMES = {  # one-to-one per layer: Hugging Face -> GPTModel
+    "input_layernorm.weight": "input_layernorm.weight",
+    "self_attn.o_proj.weight": "self_attention.linear_proj.weight",
+    "post_attention_layernorm.weight": "pre_mlp_layernorm.weight",
+    "mlp.down_proj.weight": "mlp.linear_fc2.weight",
+}
+_TOP_NAMES = {
+    "model.embed_tokens.weight": "embedding.word_embeddings.weight",
+    "model.norm.weight": "decoder.final_layernorm.weight",
+    "lm_head.weight": "output_layer.weight",
+}
+
+
+def hf_to_gpt(cfg: LlamaConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Hugging Face LlamaForCausalLM state -> GPTModel state (fp32)."""
+    def take(name: str) -> torch.Tensor:
+        if name not in hf:
+            raise ConversionError(f"the safetensors hold no tensor {name!r}")
+        return hf[name].float()
+
+    out = {}
+    for hf_name, name in _TOP_NAMES.items():
+        if hf_name == "lm_head.weight" and hf_name not in hf:  # tied embeddings
+            hf_name = "model.embed_tokens.weight"
+        out[name] = take(hf_name).clone()
+    for i in range(cfg.num_layers):
+        src, dst = f"model.layers.{i}.", f"decoder.layers.{i}."
+        for hf_name, name in _LAYER_NAMES.items():
+            out[dst + name] = take(src + hf_name).clone()
+        out[dst + "self_attention.linear_qkv.weight"] = fuse_qkv(
+            cfg, *(take(f"{src}self_attn.{p}_proj.weight") for p in "qkv"))
+        out[dst + "mlp.linear_fc1.weight"] = torch.cat(
+            [take(src + "mlp.gate_proj.weight"), take(src + "mlp.up_proj.weight")])
+    return out
+
+
+def gpt_to_hf(cfg: LlamaConfig, gpt: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """GPTModel state -> Hugging Face LlamaForCausalLM state (contiguous copies)."""
+    def take(name: str) -> torch.Tensor:
+        if name not in gpt:
+            raise ConversionError(f"the checkpoint holds no tensor {name!r}")
+        return gpt[name]
+
+    out = {hf_name: take(name) for hf_name, name in _TOP_NAMES.items()}
+    for i in range(cfg.num_layers):
+        src, dst = f"decoder.layers.{i}.", f"model.layers.{i}."
+        for hf_name, name in _LAYER_NAMES.items():
+            out[dst + hf_name] = take(src + name)
+        q, k, v = split_qkv(cfg, take(src + "self_attention.linear_qkv.weight"))
+        out.update({dst + "self_attn.q_proj.weight": q, dst + "self_attn.k_proj.weight": k,
+                    dst + "self_attn.v_proj.weight": v})
+        gate, up = take(src + "mlp.linear_fc1.weight").chunk(2)
+        out.update({dst + "mlp.gate_proj.weight": gate, dst + "mlp.up_proj.weight": up})
+    return {k: v.contiguous().clone() for k, v in out.items()}

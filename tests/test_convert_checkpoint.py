@@ -1,0 +1,221 @@
+"""Hugging Face LLaMA in and out, against transformers itself: a random GQA model (2 KV
+groups, 2 layers) gives the same logits here, comes back with identical tensors, and
+fine-tunes here into a model transformers loads and scores like this project."""
+
+import contextlib
+import importlib.util
+import io
+import json
+import os
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+transformers = pytest.importorskip("transformers")
+
+from megatron.models.llama import LlamaConfig, LlamaModel  # noqa: E402
+from megatron.training.arguments import parse_args  # noqa: E402
+from megatron.training.checkpoint_hf import ConversionError, model_config_from_hf  # noqa: E402
+from megatron.training.checkpoint_state import MASTER, checkpoint_name  # noqa: E402
+from megatron.training.checkpointing import (  # noqa: E402
+    iteration_dir,
+    latest_iteration,
+    read_all_tensors,
+)
+from megatron.training.distributed import initialize_distributed, shutdown_distributed  # noqa: E402
+from megatron.training.training import train  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOOL = os.path.join(ROOT, "tools", "convert_checkpoint.py")
+VOCAB = 4096  # the demo corpus tokenizer's, so the fine-tuning run can use it
+SEQ = 32
+MODEL_FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "160",
+               "--num-attention-heads", "4", "--num-query-groups", "2", "--seq-length",
+               str(SEQ), "--vocab-size", str(VOCAB)]
+
+
+def _load_tool():
+    spec = importlib.util.spec_from_file_location("convert_checkpoint", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+TOOL_MAIN = _load_tool().main
+
+
+def convert(*argv):
+    """The tool's main() in this process: its exit status and output."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = TOOL_MAIN(list(argv))
+    return types.SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
+
+
+@pytest.fixture(scope="module")
+def hf_model(tmp_path_factory):
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+        rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False)
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # norms away from 1 so a swapped norm weight shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    directory = tmp_path_factory.mktemp("hf") / "llama"
+    model.save_pretrained(directory, safe_serialization=True, max_shard_size="1MB")
+    assert os.path.exists(directory / "model.safetensors.index.json")  # sharded input
+    return model, directory
+
+
+@pytest.fixture(scope="module")
+def converted(hf_model, tmp_path_factory):
+    out = tmp_path_factory.mktemp("conv") / "ckpt"
+    r = convert("--from", "hf", "--to", "megatron", "--input", str(hf_model[1]),
+                "--output", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "MiB/s" in r.stdout
+    return out
+
+
+@pytest.fixture(scope="module")
+def dist_group():
+    yield initialize_distributed()
+    shutdown_distributed()
+
+
+def our_model(checkpoint_dir) -> LlamaModel:
+    """This project's model with the checkpoint's masters."""
+    root = str(checkpoint_dir)
+    tensors = read_all_tensors(iteration_dir(root, latest_iteration(root)), MASTER)
+    cfg = LlamaConfig(num_layers=2, hidden_size=64, ffn_hidden_size=160, num_attention_heads=4,
+                      num_query_groups=2, vocab_size=VOCAB, seq_length=SEQ)
+    model = LlamaModel(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(tensors[MASTER + checkpoint_name(cfg, name)])
+    return model
+
+
+def our_logits(model: LlamaModel, tokens: torch.Tensor) -> torch.Tensor:
+    batch = {"tokens": tokens}
+    hidden = None
+    for piece in model.pieces[:-1]:
+        hidden = piece(hidden, batch)
+    head = model.pieces[-1]
+    logits, _ = head.output_layer(head.final_layernorm(hidden))  # [s, b, V]
+    return logits.transpose(0, 1)
+
+
+def tokens(seed=1, batch=2):
+    return torch.randint(0, VOCAB, (batch, SEQ), generator=torch.Generator().manual_seed(seed))
+
+
+def test_converted_model_gives_transformers_logits(hf_model, converted, dist_group):
+    model, _ = hf_model
+    x = tokens()
+    with torch.no_grad():
+        want = model(x).logits
+        got = our_logits(our_model(converted), x)
+    assert (got - want).abs().max() < 1e-4
+
+
+def test_export_back_loads_in_transformers_with_identical_tensors(hf_model, converted, tmp_path):
+    out = tmp_path / "back"
+    r = convert("--from", "megatron", "--to", "hf", "--input", str(converted), "--output",
+                str(out), "--max-shard-size", "1")
+    assert r.returncode == 0, r.stderr[-3000:]
+    files = set(json.load(open(out / "model.safetensors.index.json"))["weight_map"].values())
+    assert len(files) > 1 and r.stdout.count("MiB/s") == len(files)  # a line per shard
+    back = transformers.LlamaForCausalLM.from_pretrained(out).eval()
+    want = hf_model[0].state_dict()
+    got = back.state_dict()
+    assert got.keys() == want.keys()
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), name
+
+
+@pytest.mark.parametrize("argv,fragment", [
+    (["--from", "hf", "--to", "megatron", "--input", "/nonexistent"], "no config.json"),
+    (["--from", "megatron", "--to", "hf", "--input", "/nonexistent"],
+     "no latest_checkpointed_iteration.txt"),
+])
+def test_bad_input_exits_2_in_one_line(argv, fragment, tmp_path):
+    r = convert(*argv, "--output", str(tmp_path / "out"))
+    assert r.returncode == 2
+    assert len(r.stderr.strip().splitlines()) == 1 and fragment in r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.multiproc  # builds the demo corpus
+def test_finetuned_here_then_exported_scores_the_same_in_transformers(
+        converted, tmp_path, dist_group):
+    trained = tmp_path / "trained"
+    args = parse_args([
+        *MODEL_FLAGS, "--micro-batch-size", "2", "--global-batch-size", "4",
+        "--train-iters", "2", "--lr", "1e-3", "--load", str(converted), "--finetune",
+        "--save", str(trained),
+        "--data-cache-dir", os.environ.get("MEGATRON_TEST_CACHE", str(tmp_path / "cache"))])
+    records = train(args, dist_group)  # here: no process to start
+    assert [r["iteration"] for r in records] == [1, 2] and latest_iteration(str(trained)) == 2
+    exported = tmp_path / "hf"
+    r = convert("--from", "megatron", "--to", "hf", "--input", str(trained), "--output",
+                str(exported))
+    assert r.returncode == 0, r.stderr[-3000:]
+    model = transformers.LlamaForCausalLM.from_pretrained(exported).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(exported)  # the run's, shipped
+    assert len(tokenizer) == VOCAB and tokenizer.decode(tokenizer("a checkpoint")["input_ids"]) \
+        == "a checkpoint"
+    ours = our_model(trained)
+    x, labels = tokens(seed=2), tokens(seed=3)
+    batch = {"tokens": x, "labels": labels, "loss_mask": torch.ones(2, SEQ)}
+    with torch.no_grad():
+        want = F.cross_entropy(model(x).logits.reshape(-1, VOCAB), labels.reshape(-1))
+        got = ours(batch)
+    assert float(got) == pytest.approx(float(want), abs=1e-5)
+    # Training moved the weights: the comparison is not the converted model's.
+    start = our_model(converted)
+    with torch.no_grad():
+        assert abs(float(start(batch)) - float(got)) > 1e-4
+
+
+@pytest.mark.parametrize("change,fragment", [
+    ({"rope_theta": 500000.0}, "rope_theta 500000.0"),
+    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling"),
+    ({"model_type": "mistral"}, "model_type 'mistral'"),
+])
+def test_configurations_this_model_cannot_represent_are_refused(change, fragment):
+    config = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 160,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "vocab_size": 300, **change}
+    with pytest.raises(ConversionError, match=fragment.replace("(", r"\(")):
+        model_config_from_hf(config)
+
+
+def test_a_megatron_core_gpt_model_loads_the_checkpoint_directly(hf_model, converted,
+                                                                dist_group):
+    """The `model.` tensors are GPTModel's own state dict: no mapping on the reader's side."""
+    from megatron.core.models.gpt import GPTModel
+
+    from megatron.models.llama import layer_spec, transformer_config
+
+    cfg = our_model(converted).cfg
+    gpt = GPTModel(config=transformer_config(cfg), transformer_layer_spec=layer_spec(),
+                   vocab_size=VOCAB, max_sequence_length=SEQ, position_embedding_type="rope",
+                   share_embeddings_and_output_weights=False).eval()
+    root = str(converted)
+    state = {k.removeprefix(MASTER): v for k, v in
+             read_all_tensors(iteration_dir(root, latest_iteration(root)), MASTER).items()}
+    result = gpt.load_state_dict(state, strict=False)
+    assert not result.unexpected_keys
+    assert all("_extra_state" in k for k in result.missing_keys)
+    x = tokens(seed=4)
+    mask = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), diagonal=1)
+    with torch.no_grad():
+        got = gpt(x, torch.arange(SEQ).expand(2, SEQ), mask)
+        want = hf_model[0](x).logits
+    assert (got - want).abs().max() < 1e-4

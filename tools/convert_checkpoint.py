@@ -1,0 +1,229 @@
+"""Convert LLaMA checkpoints between Hugging Face's layout and this project's.
+
+    python tools/convert_checkpoint.py --from hf --to megatron --input HF_DIR --output CKPT_DIR
+    python tools/convert_checkpoint.py --from megatron --to hf --input CKPT_DIR --output HF_DIR
+
+hf -> megatron reads config.json and the safetensors (one file or sharded with
+model.safetensors.index.json) and writes a weights-only checkpoint at iteration 0: start
+training from it with `pretrain_llama.py --load CKPT_DIR --finetune` and the model's flags.
+megatron -> hf writes the latest iteration's fp32 masters as config.json plus safetensors
+(sharded above --max-shard-size) and the tokenizer (--tokenizer, or the one the run
+trained with, which every checkpoint carries). Outputs appear complete or not at all; a line per shard reports its
+size and speed. Exit status 2 on bad input, with one line naming what was wrong.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+warnings.filterwarnings("ignore", message="Transformer Engine and Apex")
+
+import torch  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+from megatron.common.files import staged_paths  # noqa: E402
+from megatron.models.llama import LlamaConfig  # noqa: E402
+from megatron.training.checkpoint_hf import (  # noqa: E402
+    ConversionError,
+    gpt_to_hf,
+    hf_config_from_model,
+    hf_to_gpt,
+    model_config_from_hf,
+)
+from megatron.training.checkpoint_state import MASTER, OwnedState  # noqa: E402
+from megatron.training.checkpointing import (  # noqa: E402
+    CheckpointError,
+    CheckpointSaver,
+    iteration_dir,
+    latest_iteration,
+    read_all_tensors,
+    read_common,
+)
+
+MiB = 2**20
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _progress(verb: str, path: str, nbytes: int, seconds: float) -> None:
+    print(f"{verb} {path}: {nbytes / MiB:.1f} MiB in {seconds:.2f} s "
+          f"({nbytes / MiB / max(seconds, 1e-9):.1f} MiB/s)", flush=True)
+
+
+def _check_empty_output(path: str) -> None:
+    if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
+        raise ConversionError(f"--output {path}: exists and is not empty; expected a new "
+                              "directory (nothing is overwritten)")
+
+
+def _check_free_disk(path: str, nbytes: int) -> None:
+    parent = os.path.dirname(os.path.abspath(path))
+    free = shutil.disk_usage(parent).free
+    if nbytes > free:
+        raise ConversionError(f"--output {path}: needs {nbytes / MiB:.1f} MiB, "
+                              f"{free / MiB:.1f} MiB free")
+
+
+def read_hf(directory: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    config_path = os.path.join(directory, "config.json")
+    if not os.path.isfile(config_path):
+        raise ConversionError(f"--input {directory}: no config.json; expected a Hugging Face "
+                              "model directory")
+    with open(config_path) as f:
+        config = json.load(f)
+    index = os.path.join(directory, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    elif os.path.isfile(os.path.join(directory, "model.safetensors")):
+        files = ["model.safetensors"]
+    else:
+        raise ConversionError(f"--input {directory}: no model.safetensors or "
+                              "model.safetensors.index.json")
+    tensors: dict[str, torch.Tensor] = {}
+    for name in files:
+        path = os.path.join(directory, name)
+        t0 = time.perf_counter()
+        shard = load_file(path)
+        _progress("read", path, sum(t.nbytes for t in shard.values()), time.perf_counter() - t0)
+        tensors.update(shard)
+    return config, tensors
+
+
+def hf_to_megatron(args: argparse.Namespace) -> None:
+    _check_empty_output(args.output)
+    config, hf = read_hf(args.input)
+    cfg = model_config_from_hf(config)
+    gpt = hf_to_gpt(cfg, hf)
+    model_args = {"num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
+                  "ffn_hidden_size": cfg.ffn_hidden_size,
+                  "num_attention_heads": cfg.num_attention_heads,
+                  "num_query_groups": cfg.num_query_groups, "vocab_size": cfg.vocab_size,
+                  "seq_length": cfg.seq_length}
+    created = not os.path.exists(args.output)
+    try:
+        saver = CheckpointSaver(args.output, async_save=False)
+        saver.save(0, OwnedState({MASTER + k: v for k, v in gpt.items()}, 0, None),
+                   {"args": model_args, "hf_config": config, "consumed_samples": 0})
+        saver.close()
+    except BaseException:
+        if created:
+            shutil.rmtree(args.output, ignore_errors=True)
+        raise
+    flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in model_args.items())
+    print(f"wrote {args.output}; train from it with: pretrain_llama.py --load {args.output} "
+          f"--finetune {flags}")
+
+
+def _model_config(common: dict, tensors: dict[str, torch.Tensor]) -> LlamaConfig:
+    a = common.get("args") or {}
+    try:
+        return LlamaConfig(
+            num_layers=a["num_layers"], hidden_size=a["hidden_size"],
+            ffn_hidden_size=a["ffn_hidden_size"], num_attention_heads=a["num_attention_heads"],
+            num_query_groups=a["num_query_groups"] or a["num_attention_heads"],
+            vocab_size=tensors["embedding.word_embeddings.weight"].shape[0],
+            seq_length=a["seq_length"])
+    except KeyError as exc:
+        raise ConversionError(f"the checkpoint's common.pt names no {exc.args[0]}") from None
+
+
+def _shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in tensors.items():
+        if shards[-1] and size + tensor.nbytes > max_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += tensor.nbytes
+    return shards
+
+
+def megatron_to_hf(args: argparse.Namespace) -> None:
+    _check_empty_output(args.output)
+    iteration = latest_iteration(args.input)
+    if iteration is None:
+        raise ConversionError(f"--input {args.input}: no latest_checkpointed_iteration.txt; "
+                              "expected a checkpoint directory")
+    directory = iteration_dir(args.input, iteration)
+    common = read_common(directory)
+    gpt = {k.removeprefix(MASTER): v for k, v in read_all_tensors(directory, MASTER).items()}
+    cfg = _model_config(common, gpt)
+    dtype = DTYPES[args.dtype]
+    hf = {k: v.to(dtype) for k, v in gpt_to_hf(cfg, gpt).items()}
+    tokenizer_json = common.get("tokenizer_json")  # what the run trained with
+    if args.tokenizer:
+        if not os.path.isfile(args.tokenizer):
+            raise ConversionError(f"--tokenizer {args.tokenizer}: no such file")
+        with open(args.tokenizer) as f:
+            tokenizer_json = f.read()
+    _check_free_disk(args.output, sum(t.nbytes for t in hf.values()))
+    shards = _shards(hf, args.max_shard_size * MiB)
+    config = {**hf_config_from_model(cfg), "torch_dtype": str(dtype).removeprefix("torch.")}
+    with staged_paths(args.output, directories=True) as (staging,):
+        with open(os.path.join(staging, "config.json"), "w") as f:
+            json.dump(config, f, indent=2)
+        names = (["model.safetensors"] if len(shards) == 1 else
+                 [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                  for i in range(len(shards))])
+        for name, shard in zip(names, shards):
+            t0 = time.perf_counter()
+            save_file(shard, os.path.join(staging, name), metadata={"format": "pt"})
+            _progress("wrote", os.path.join(args.output, name),
+                      sum(t.nbytes for t in shard.values()), time.perf_counter() - t0)
+        if len(shards) > 1:
+            index = {"metadata": {"total_size": sum(t.nbytes for t in hf.values())},
+                     "weight_map": {k: n for n, s in zip(names, shards) for k in s}}
+            with open(os.path.join(staging, "model.safetensors.index.json"), "w") as f:
+                json.dump(index, f, indent=2)
+        if tokenizer_json:
+            with open(os.path.join(staging, "tokenizer.json"), "w") as f:
+                f.write(tokenizer_json)
+            with open(os.path.join(staging, "tokenizer_config.json"), "w") as f:
+                json.dump({"tokenizer_class": "PreTrainedTokenizerFast"}, f)
+    print(f"wrote {args.output} (iteration {iteration}, {len(shards)} safetensors file(s))")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--from", dest="source", required=True, choices=("hf", "megatron"))
+    p.add_argument("--to", dest="target", required=True, choices=("hf", "megatron"))
+    p.add_argument("--input", required=True, metavar="DIR")
+    p.add_argument("--output", required=True, metavar="DIR")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
+                   help="megatron -> hf: the dtype of the written weights (default fp32)")
+    p.add_argument("--max-shard-size", type=int, default=5000, metavar="MiB",
+                   help="megatron -> hf: split the safetensors above this size")
+    p.add_argument("--tokenizer", default=None, metavar="FILE",
+                   help="megatron -> hf: tokenizer JSON to ship (default: the one the "
+                        "run trained with)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.source == args.target:
+        print(f"convert_checkpoint.py: error: --to {args.target}: expected the other format "
+              f"than --from {args.source}", file=sys.stderr)
+        return 2
+    if args.max_shard_size < 1:
+        print(f"convert_checkpoint.py: error: --max-shard-size {args.max_shard_size}: "
+              "expected a positive number of MiB", file=sys.stderr)
+        return 2
+    try:
+        (hf_to_megatron if args.source == "hf" else megatron_to_hf)(args)
+    except (ConversionError, CheckpointError, OSError, KeyError) as exc:
+        print(f"convert_checkpoint.py: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
