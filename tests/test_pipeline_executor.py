@@ -18,12 +18,13 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from megatron.models.llama import LlamaModel
+from megatron.models.llama import LlamaModel, gpt_model_name
 from megatron.models.presets import ModelPreset
 from megatron.schedules.cost_model import backward_stage_params, calibrated_costs
 from megatron.schedules.simulator import simulate
 from megatron.schedules.timeline import read_chrome_trace
 from megatron.training.arguments import parse_args
+from megatron.training.checkpoint_state import MASTER
 from megatron.training.checkpointing import read_all_tensors
 from megatron.training.data_blend import evaluations
 from megatron.training.distributed import initialize_distributed, shutdown_distributed
@@ -398,9 +399,15 @@ def forward_only_reference(reference):
     samples = {"validation": evaluation_batches(datasets.valid, evaluations(args) - 1, args),
                "test": evaluation_batches(datasets.test, 0, args)}
 
+    # checkpoints hold GPTModel names; the reference model is the chain of pieces
+    piece_names = {MASTER + gpt_model_name(model.cfg, index, name): f"pieces.{index}.{name}"
+                   for index, piece in enumerate(model.pieces)
+                   for name, _ in piece.named_parameters()}
+
     def evaluate(run, split):
-        missing, unexpected = model.load_state_dict(final_masters(run), strict=False)
-        assert not unexpected and not [n for n, _ in model.named_parameters() if n in missing]
+        masters = final_masters(run)
+        assert masters.keys() == piece_names.keys()
+        model.load_state_dict({piece_names[k]: v for k, v in masters.items()}, strict=False)
         with torch.no_grad():
             losses = [float(model(b)) for mbs in samples[split] for b in mbs]
         return sum(losses) / len(losses)
