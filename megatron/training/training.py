@@ -37,6 +37,7 @@ from megatron.training.lr_schedule import LRSchedule
 from megatron.training.metrics import MetricsWriter, format_log_line
 from megatron.training.pipeline_args import check_pipeline_args
 from megatron.training.pipeline_step import PipelineTrainStep
+from megatron.training.plan import run_plan
 from megatron.training.tokenizer import TokenizerError, load_tokenizer
 from megatron.training.train_dataset import build_train_dataset, micro_batch_at
 from megatron.training.train_step import TrainStep
@@ -213,6 +214,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.print_model_size:
         print_model_size(args)
         return 0
+    if args.plan:
+        try:
+            return run_plan(args)
+        except ArgumentError as exc:
+            exit_bad_input(exc)
     try:
         dist_info = initialize_distributed()
         try:
