@@ -231,8 +231,12 @@ class Shortfall:
         return self.needed - self.available
 
 
+RESOURCE_ORDER = ("host memory", "/dev/shm", "memlock", "gpu memory")  # per node first
+
+
 def shortfalls(plan: MemoryPlan, hardware: HardwareProfile) -> list[Shortfall]:
-    """Every resource of `hardware` that `plan` exceeds, worst first within each kind."""
+    """Every resource of `hardware` that `plan` exceeds: the per-node ones first (only more
+    nodes help), then GPU memory; the worst first within each kind."""
     found = []
     gpu_free = hardware.gpu_memory_bytes - hardware.gpu_reserved_bytes
     for rank in range(len(plan.per_gpu)):
@@ -249,4 +253,4 @@ def shortfalls(plan: MemoryPlan, hardware: HardwareProfile) -> list[Shortfall]:
         for rank, pinned in enumerate(plan.pinned_per_process):
             if pinned > hardware.memlock_bytes:
                 found.append(Shortfall("memlock", f"rank {rank}", pinned, hardware.memlock_bytes))
-    return sorted(found, key=lambda s: (s.resource, -s.missing))
+    return sorted(found, key=lambda s: (RESOURCE_ORDER.index(s.resource), -s.missing))

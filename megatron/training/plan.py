@@ -143,28 +143,35 @@ def _try(args, config, hardware, simulate_it=False) -> Evaluation | None:
         return None
 
 
-def nearest_fit(args: argparse.Namespace, base: Evaluation, hardware: HardwareProfile
-                ) -> Evaluation | None:
-    """The closest configuration that fits: one knob at a time, the cheapest first. Host
-    memory, /dev/shm and memlock are per node: only more nodes help; GPU memory: a smaller
-    micro-batch, then more forward stages, a finer backward split, then more nodes."""
+def nearest_fit(args: argparse.Namespace, base: Evaluation, hardware: HardwareProfile,
+                max_tries: int = 12) -> Evaluation | None:
+    """The closest configuration that fits, one knob at a time, the cheapest first. Host
+    memory, /dev/shm and memlock are per node: only more nodes help, from the count the
+    shortfall implies. GPU memory: a smaller micro-batch, more forward stages (one more per
+    rank, d = 1), another backward split, then one or two more nodes. At most `max_tries`
+    configurations are built (a schedule of many ranks takes seconds)."""
     c = base.config
-    resources = {s.resource for s in base.missing}
+    per_node = [s for s in base.missing if s.resource != "gpu memory"]
     tries: list[Configuration] = []
-    if "gpu memory" in resources:
+    if per_node:
+        worst = max(s.needed / s.available for s in per_node)
+        first = max(c.nodes + 1, -(-int(c.nodes * worst * 1000) // 1000))
+        tries += [replace(c, nodes=n) for n in range(first, first + 3)]
+    else:
         mbs = c.micro_batch_size // 2
         while mbs >= 1:
             tries.append(replace(c, micro_batch_size=mbs))
             mbs //= 2
         ranks = c.nodes * gpus_per_node(args, hardware)
         stages = base.schedule.forward_stages
-        for more in range(stages + ranks, args.num_layers + 1, ranks):
-            tries.append(replace(c, forward_stages=more, backward_split=1))
+        tries += [replace(c, forward_stages=more, backward_split=1)
+                  for more in range(stages + ranks, min(args.num_layers, stages + 3 * ranks) + 1,
+                                    ranks)]
         if c.schedule == "decoupled":
-            tries += [replace(c, backward_split=d) for d in (2, 3, 4)
-                      if d > base.schedule.backward_split]
-    tries += [replace(c, nodes=n) for n in range(c.nodes + 1, 4 * c.nodes + 2)]
-    for config in tries:
+            tries += [replace(c, backward_split=d) for d in (1, 3)
+                      if d != base.schedule.backward_split]
+        tries += [replace(c, nodes=n) for n in (c.nodes + 1, 2 * c.nodes) if n > c.nodes]
+    for config in tries[:max_tries]:
         found = _try(args, config, hardware)
         if found is not None and found.fits:
             found.simulation = evaluate(args, config, hardware).simulation
@@ -310,5 +317,5 @@ def run_plan(args: argparse.Namespace) -> int:
         print(describe(args, evaluation, hardware))
         if not evaluation.fits:
             print("nearest configuration that fits: "
-                  + (f"{nearest.config.flags()}" if nearest else "none within 4x the nodes"))
+                  + (f"{nearest.config.flags()}" if nearest else "none one knob away"))
     return EXIT_FITS if evaluation.fits else EXIT_DOES_NOT_FIT
