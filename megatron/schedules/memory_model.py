@@ -221,7 +221,7 @@ def plan_memory(schedule: Schedule, model: ModelPreset, micro_batch_size: int,
 class Shortfall:
     """A resource that does not fit: what is needed and what there is, in bytes."""
 
-    resource: str  # "gpu memory", "host memory", "/dev/shm", "memlock"
+    resource: str  # "gpu memory", "host memory", "/dev/shm"
     where: str  # "rank 3", "node 1"
     needed: int
     available: int
@@ -231,7 +231,25 @@ class Shortfall:
         return self.needed - self.available
 
 
-RESOURCE_ORDER = ("host memory", "/dev/shm", "memlock", "gpu memory")  # per node first
+def host_need(plan: MemoryPlan, node: int, hardware: HardwareProfile) -> int:
+    """The node's host memory; on the CPU device layer its ranks' "GPU" memory is host too."""
+    need = plan.node_total(node)
+    if hardware.device_kind == "cpu":
+        first = node * plan.procs_per_node
+        need += sum(plan.gpu_total(r) for r in range(first, min(first + plan.procs_per_node,
+                                                                  len(plan.per_gpu))))
+    return need
+
+
+def pinning_shortfall(plan: MemoryPlan, hardware: HardwareProfile) -> int:
+    """Bytes by which the largest process's pinned gradient buffers exceed ulimit -l (0: none).
+    Not a failure: the pool then falls back to pageable memory, slower copies."""
+    if hardware.device_kind != "cuda" or hardware.memlock_bytes is None:
+        return 0
+    return max(0, max(plan.pinned_per_process, default=0) - hardware.memlock_bytes)
+
+
+RESOURCE_ORDER = ("host memory", "/dev/shm", "gpu memory")  # per node first
 
 
 def shortfalls(plan: MemoryPlan, hardware: HardwareProfile) -> list[Shortfall]:
@@ -243,14 +261,11 @@ def shortfalls(plan: MemoryPlan, hardware: HardwareProfile) -> list[Shortfall]:
         if hardware.gpu_memory_bytes and plan.gpu_total(rank) > gpu_free:
             found.append(Shortfall("gpu memory", f"rank {rank}", plan.gpu_total(rank), gpu_free))
     for node, terms in enumerate(plan.per_node):
-        if hardware.host_memory_bytes and plan.node_total(node) > hardware.host_memory_bytes:
-            found.append(Shortfall("host memory", f"node {node}", plan.node_total(node),
+        host = host_need(plan, node, hardware)
+        if hardware.host_memory_bytes and host > hardware.host_memory_bytes:
+            found.append(Shortfall("host memory", f"node {node}", host,
                                    hardware.host_memory_bytes))
         if hardware.shm_bytes and terms["shm_parameters"] > hardware.shm_bytes:
             found.append(Shortfall("/dev/shm", f"node {node}", terms["shm_parameters"],
                                    hardware.shm_bytes))
-    if hardware.memlock_bytes is not None:
-        for rank, pinned in enumerate(plan.pinned_per_process):
-            if pinned > hardware.memlock_bytes:
-                found.append(Shortfall("memlock", f"rank {rank}", pinned, hardware.memlock_bytes))
     return sorted(found, key=lambda s: (RESOURCE_ORDER.index(s.resource), -s.missing))

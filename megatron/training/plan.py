@@ -23,6 +23,7 @@ from megatron.schedules.memory_model import (
     NODE_TERMS,
     MemoryPlan,
     Shortfall,
+    pinning_shortfall,
     plan_memory,
     shortfalls,
 )
@@ -221,7 +222,8 @@ def _table(title: str, names: tuple[str, ...], rows: list[tuple[str, dict, int]]
     for label, terms, capacity in rows:
         total = sum(terms.values())
         lines.append(f"{label:<10}" + "".join(f"{_gib(terms[n]):>17}" for n in names)
-                     + f"{_gib(total):>10}{_gib(capacity):>10}")
+                     + f"{_gib(total):>10}" + (f"{_gib(capacity):>10}" if capacity else
+                                               f"{'-':>10}"))
     return lines
 
 
@@ -233,7 +235,9 @@ def describe(args: argparse.Namespace, evaluation: Evaluation, hardware: Hardwar
              f"({hardware.name}), {s.name}, {s.forward_stages} forward stages, "
              f"d={s.backward_split}, {s.micro_batches} micro-batches of {c.micro_batch_size} x "
              f"{args.seq_length} tokens, {dtype}",
-             "memory in GiB"]
+             "memory in GiB" + ("" if args.vocab_size else
+                                f" (vocabulary {plan_model(args).vocab_size} assumed: give "
+                                "--vocab-size)")]
     gpu_free = hardware.gpu_memory_bytes - hardware.gpu_reserved_bytes
     lines += _table("per GPU", GPU_TERMS, [(f"rank {r}", t, gpu_free)
                                            for r, t in enumerate(m.per_gpu)], "free")
@@ -242,6 +246,10 @@ def describe(args: argparse.Namespace, evaluation: Evaluation, hardware: Hardwar
     shm = max(t["shm_parameters"] for t in m.per_node)
     lines.append(f"/dev/shm: {shm / GIB:.2f} GiB of {hardware.shm_bytes / GIB:.2f} GiB "
                  "on the fullest node")
+    over = pinning_shortfall(m, hardware)
+    if over:
+        lines.append(f"memlock: the pinned gradient buffers exceed ulimit -l by {over / GIB:.2f} "
+                     "GiB; they fall back to pageable memory (slower copies): raise ulimit -l")
     if evaluation.fits:
         lines.append("fits: yes")
     else:
