@@ -8,7 +8,8 @@ One progress line per measurement on stderr; well under a minute. Measured: host
 and device -> host copies from pinned and from shared-memory buffers, the C++ CPU AdamW
 update rate at the thread count training would use (cores / GPUs per node, all GPUs'
 processes together), host memory bandwidth, the device's matmul throughput at the model's
-shapes (on CUDA the GPU's; on the CPU device layer the CPU's), the bandwidth between two
+shapes: one decoder layer's forward at two micro-batch sizes, fitted to the cost model's
+efficiency curve (on CUDA the GPU's; on the CPU device layer the CPU's), the bandwidth between two
 devices (two GPUs when there are; on the CPU layer the loopback socket gloo would use);
 free /dev/shm, host memory and `ulimit -l`. The fields are those of the built-in profiles
 (megatron/schedules/hardware_profiles/).
@@ -32,11 +33,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from megatron.common.files import atomic_write  # noqa: E402
+from megatron.models.llama import LlamaConfig, build_piece  # noqa: E402
 from megatron.models.presets import get_preset  # noqa: E402
 from megatron.offload.device import get_device  # noqa: E402
 from megatron.offload.shm_space import DEFAULT_SHM_DIR, free_bytes  # noqa: E402
 from megatron.optimizer.cpu_adam import CPUAdamW, usable_cores  # noqa: E402
+from megatron.schedules.cost_model import layer_forward_flops_per_token  # noqa: E402
 from megatron.schedules.hardware import HardwareProfile  # noqa: E402
+from megatron.training.distributed import initialize_distributed, shutdown_distributed  # noqa: E402
 
 MIB = 2**20
 
@@ -127,6 +131,27 @@ def matmul_flops(device, hidden: int, ffn: int, tokens: int, dtype: torch.dtype)
     return best_rate(run, 2.0 * tokens * hidden * ffn)
 
 
+def layer_flops(device, preset, dtype: torch.dtype, micro_batch: int) -> float:
+    """Flops/s of one decoder layer's forward at the preset's shapes, as the cost model counts
+    its flops: the real per-micro-batch cost, small-batch overheads included."""
+    cfg = LlamaConfig(num_layers=1, hidden_size=preset.hidden_size,
+                      ffn_hidden_size=preset.ffn_hidden_size,
+                      num_attention_heads=preset.num_attention_heads,
+                      num_query_groups=preset.num_query_groups, vocab_size=preset.vocab_size or 32000,
+                      seq_length=preset.seq_length, seed=1)
+    layer = build_piece(cfg, 1).to(device.torch_device, dtype)  # piece 1: decoder layer 0
+    hidden = torch.randn(preset.seq_length, micro_batch, preset.hidden_size,
+                         device=device.torch_device).to(dtype)
+
+    def run():
+        with torch.no_grad():
+            layer(hidden, {})
+        if device.kind == "cuda":
+            torch.cuda.synchronize()
+    tokens = micro_batch * preset.seq_length
+    return best_rate(run, layer_forward_flops_per_token(preset, preset.seq_length) * tokens)
+
+
 def loopback_rate(nbytes: int) -> float:
     """Bytes/s through a local TCP connection (what gloo moves between CPU ranks)."""
     server = socket.create_server(("127.0.0.1", 0))
@@ -201,17 +226,20 @@ def profile(args: argparse.Namespace) -> HardwareProfile:
              f"threads; x {gpus} processes per node")
     host_bw = memory_bandwidth(copy_bytes)
     progress(f"host memory {host_bw / 1e9:.1f} GB/s (read + write)")
-    tokens_small, tokens_large = 256, 2048 if on_cuda else 1024
-    f_small = matmul_flops(device, preset.hidden_size, preset.ffn_hidden_size, tokens_small, dtype)
-    f_large = matmul_flops(device, preset.hidden_size, preset.ffn_hidden_size, tokens_large, dtype)
+    tokens = preset.seq_length * 4
+    matmul = matmul_flops(device, preset.hidden_size, preset.ffn_hidden_size, tokens, dtype)
+    progress(f"matmul {preset.hidden_size}x{preset.ffn_hidden_size} ({str(dtype)[6:]}) at "
+             f"{tokens} tokens: {matmul / 1e9:.1f} GFLOP/s")
+    batches = (1, 4)
+    f_small, f_large = (layer_flops(device, preset, dtype, b) for b in batches)
     # Fit f(t) = peak * t / (t + k), the cost model's efficiency curve, to the two points.
-    denominator = f_small * tokens_large - f_large * tokens_small
-    half = tokens_small * tokens_large * (f_large - f_small) / denominator if denominator else 0
-    half = max(0.0, half)
-    peak = f_large * (tokens_large + half) / tokens_large
-    progress(f"matmul {preset.hidden_size}x{preset.ffn_hidden_size} ({str(dtype)[6:]}): "
-             f"{f_small / 1e9:.1f} GFLOP/s at {tokens_small} tokens, {f_large / 1e9:.1f} at "
-             f"{tokens_large}")
+    t_small, t_large = (b * preset.seq_length for b in batches)
+    denominator = f_small * t_large - f_large * t_small
+    half = max(0.0, t_small * t_large * (f_large - f_small) / denominator if denominator else 0)
+    peak = f_large * (t_large + half) / t_large
+    progress(f"{preset.name} decoder layer forward: {f_small / 1e9:.1f} GFLOP/s at micro-batch "
+             f"{batches[0]}, {f_large / 1e9:.1f} at {batches[1]}: peak {peak / 1e9:.1f}, half "
+             f"of it at {half:.0f} tokens")
     if on_cuda and torch.cuda.device_count() > 1:
         p2p = gpu_p2p_rate(copy_bytes)
         progress(f"GPU 0 -> GPU 1 {p2p / 1e9:.1f} GB/s")
@@ -250,8 +278,8 @@ def profile(args: argparse.Namespace) -> HardwareProfile:
         process_baseline_bytes=rss_anon(),
         device_kind=device.kind,
         source=f"measured on {time.strftime('%Y-%m-%d')} in "
-               f"{time.perf_counter() - started:.0f} s (matmul at the {preset.name} preset's "
-               "shapes; the C++ AdamW rate is one process's times the GPUs per node, which "
+               f"{time.perf_counter() - started:.0f} s (compute: a decoder layer of the {preset.name} "
+               "preset; the C++ AdamW rate is one process's times the GPUs per node, which "
                "assumes they do not contend for memory bandwidth)",
     )
     device.close()
@@ -278,7 +306,11 @@ def main(argv: list[str] | None = None) -> int:
         get_preset(args.model_preset)
     except KeyError as exc:
         parser.exit(2, f"{parser.prog}: error: --model-preset {args.model_preset}: {exc}\n")
-    text = profile(args).to_json()
+    initialize_distributed()  # megatron-core's layers need its (one-process) groups
+    try:
+        text = profile(args).to_json()
+    finally:
+        shutdown_distributed()
     if args.out:
         atomic_write(args.out, lambda stream: stream.write(text.encode()))
         progress(f"wrote {args.out}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 from dataclasses import dataclass, replace
 
 from megatron.models.presets import ModelPreset
@@ -137,6 +138,17 @@ def evaluate(args: argparse.Namespace, config: Configuration, hardware: Hardware
     return evaluation
 
 
+def simulated(args: argparse.Namespace, evaluation: Evaluation, hardware: HardwareProfile
+              ) -> Evaluation:
+    """`evaluation` with its simulated iteration (the schedule is reused)."""
+    if evaluation.simulation is None:
+        model = plan_model(args)
+        costs = derived_costs(evaluation.schedule, model, hardware,
+                              evaluation.config.micro_batch_size, args.seq_length)
+        evaluation.simulation = simulate(evaluation.schedule, costs)
+    return evaluation
+
+
 def _try(args, config, hardware, simulate_it=False) -> Evaluation | None:
     try:
         return evaluate(args, config, hardware, simulate_it)
@@ -175,8 +187,7 @@ def nearest_fit(args: argparse.Namespace, base: Evaluation, hardware: HardwarePr
     for config in tries[:max_tries]:
         found = _try(args, config, hardware)
         if found is not None and found.fits:
-            found.simulation = evaluate(args, config, hardware).simulation
-            return found
+            return simulated(args, found, hardware)
     return None
 
 
@@ -203,9 +214,8 @@ def search(args: argparse.Namespace, hardware: HardwareProfile) -> list[Evaluati
                 for mbs in sizes:
                     config = Configuration(name, stages, d, mbs, nodes)
                     memory_only = _try(args, config, hardware)
-                    if memory_only is None or not memory_only.fits:
-                        continue
-                    found.append(evaluate(args, config, hardware))
+                    if memory_only is not None and memory_only.fits:
+                        found.append(simulated(args, memory_only, hardware))
     return sorted(found, key=lambda e: e.simulation.iteration_time)
 
 
@@ -277,20 +287,37 @@ def _candidates_text(found: list[Evaluation], top: int = 5) -> str:
     return "\n".join(lines)
 
 
-def auto_configure(args: argparse.Namespace, log=print) -> argparse.Namespace:
+def auto_configure(args: argparse.Namespace, log=print,
+                   found: list[Evaluation] | None = None) -> argparse.Namespace:
     """`args` with the fastest fitting configuration (printed with the runners-up)."""
     hardware = plan_hardware(args)
-    found = search(args, hardware)
+    found = search(args, hardware) if found is None else found
     if not found:
         raise ArgumentError("--auto-config", "", "no configuration of this model fits "
                             f"{args.nodes or 1} node(s) of {hardware.name}; see --plan")
     log(_candidates_text(found))
     best = found[0].config
+    return with_configuration(args, best)
+
+
+def with_configuration(args: argparse.Namespace, config: Configuration) -> argparse.Namespace:
     chosen = copy.copy(args)
-    chosen.pipeline_schedule, chosen.forward_stages = best.schedule, best.forward_stages
-    chosen.backward_split, chosen.micro_batch_size = best.backward_split, best.micro_batch_size
+    chosen.pipeline_schedule, chosen.forward_stages = config.schedule, config.forward_stages
+    chosen.backward_split, chosen.micro_batch_size = config.backward_split, config.micro_batch_size
     chosen.stage_layers = None
     return chosen
+
+
+def configure_automatically(args: argparse.Namespace) -> argparse.Namespace:
+    """--auto-config for a training run: the launcher's processes are the GPUs (rank 0
+    prints the candidates)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    searched = copy.copy(args)
+    searched.gpus_per_node = args.procs_per_node or local
+    searched.nodes = max(1, world // searched.gpus_per_node)
+    quiet = os.environ.get("RANK", "0") != "0"
+    return auto_configure(searched, log=(lambda *_: None) if quiet else print)
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -300,7 +327,7 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.auto_config:
         candidates = search(args, hardware)
         if candidates:
-            args = auto_configure(args, log=lambda *_: None)
+            args = auto_configure(args, log=lambda *_: None, found=candidates)
     evaluation = evaluate(args, base_configuration(args), hardware)
     nearest = None if evaluation.fits else nearest_fit(args, evaluation, hardware)
     if args.json:

@@ -37,7 +37,7 @@ from megatron.training.lr_schedule import LRSchedule
 from megatron.training.metrics import MetricsWriter, format_log_line
 from megatron.training.pipeline_args import check_pipeline_args
 from megatron.training.pipeline_step import PipelineTrainStep
-from megatron.training.plan import run_plan
+from megatron.training.plan import configure_automatically, run_plan
 from megatron.training.tokenizer import TokenizerError, load_tokenizer
 from megatron.training.train_dataset import build_train_dataset, micro_batch_at
 from megatron.training.train_step import TrainStep
@@ -220,6 +220,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ArgumentError as exc:
             exit_bad_input(exc)
     try:
+        if args.auto_config:
+            args = configure_automatically(args)
         dist_info = initialize_distributed()
         try:
             train(args, dist_info)
