@@ -52,7 +52,8 @@ def candidates(args: argparse.Namespace, world: int) -> list[dict]:
     rows = [dict(e.summary(), label=f"candidate {i + 1}", config=e.config)
             for i, e in enumerate(found[:5])]
     default = simulated(args, evaluate(args, base_configuration(args), hardware, False), hardware)
-    if all(r["config"] != default.config for r in rows):
+    shape = ("schedule", "forward_stages", "backward_split", "micro_batch_size")
+    if all(any(r[k] != default.summary()[k] for k in shape) for r in rows):
         rows.append(dict(default.summary(), label="default", config=default.config))
     return rows
 
