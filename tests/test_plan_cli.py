@@ -2,17 +2,12 @@
 
 import json
 import os
-import subprocess
-import sys
-import time
 
 import pytest
 
 from megatron.offload.naming import namespace
 from megatron.schedules.hardware import HARDWARE_PROFILES, get_hardware
 from megatron.training.training import main
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def plan(capsys, *argv):
@@ -63,26 +58,32 @@ def test_builtin_profiles_name_their_sources():
     assert all(p.source for p in HARDWARE_PROFILES.values())
 
 
-@pytest.mark.multiproc
-def test_a_run_that_cannot_fit_shared_memory_exits_2_before_any_segment(tmp_path):
-    """A one-process pipeline whose fp32 parameters (~225 GB) exceed /dev/shm."""
+def test_plan_auto_config_prints_the_fastest_fitting_candidates(capsys):
+    code, out = plan(capsys, "--auto-config", "--model-preset", "tiny", "--gpus-per-node", "2")
+    assert code == 0 and out["fits"]
+    found = out["candidates"]
+    times = [c["predicted_iteration_s"] for c in found]
+    assert len(found) == 5 and times == sorted(times) and all(c["fits"] for c in found)
+    assert out["configuration"]["flags"] == found[0]["flags"]
+    _, default = plan(capsys, "--model-preset", "tiny", "--gpus-per-node", "2")
+    assert times[0] <= default["configuration"]["predicted_iteration_s"]
+
+
+@pytest.mark.multiproc  # builds the demo corpus when the cache has none
+def test_a_run_that_cannot_fit_shared_memory_exits_2_before_any_segment(tmp_path, capsys):
+    """A one-process pipeline whose fp32 parameters (~225 GB) exceed /dev/shm: refused in one
+    line before a segment of this process (named after its pid) exists."""
     cache = os.environ.get("MEGATRON_TEST_CACHE", str(tmp_path / "cache"))
-    cmd = [sys.executable, os.path.join(ROOT, "pretrain_llama.py"),
-           "--pipeline-schedule", "decoupled", "--forward-stages", "2", "--num-layers", "64",
-           "--hidden-size", "8192", "--ffn-hidden-size", "22016", "--num-attention-heads", "64",
-           "--num-query-groups", "8", "--seq-length", "32", "--train-iters", "1",
-           "--data-cache-dir", cache]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    created = namespace(f"process:{proc.pid}", 0)
-    seen = set()
-    while proc.poll() is None:
-        seen |= {n for n in os.listdir("/dev/shm") if n.startswith(created)}
-        time.sleep(0.05)
-    _, err = proc.communicate()
-    assert proc.returncode == 2, err[-2000:]
-    line = err.strip().splitlines()[-1]
-    assert line.startswith("pretrain_llama.py: error: /dev/shm: the parameters (fp32) of this "
-                           "node's stages need"), line
-    assert "GiB free" in line
-    assert not seen and not [n for n in os.listdir("/dev/shm") if n.startswith(created)]
+    prefix = namespace(f"process:{os.getpid()}", 0)
+    with pytest.raises(SystemExit) as stop:
+        main(["--pipeline-schedule", "decoupled", "--forward-stages", "2", "--num-layers", "64",
+              "--hidden-size", "8192", "--ffn-hidden-size", "22016",
+              "--num-attention-heads", "64", "--num-query-groups", "8", "--seq-length", "32",
+              "--train-iters", "1", "--data-cache-dir", cache])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith("pretrain_llama.py: error: /dev/shm: the parameters (fp32) of "
+                             "this node's stages need"), err[0]
+    assert "GiB free" in err[0]
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
