@@ -91,7 +91,14 @@ def test_paper_node_fits_10b_but_not_110b_on_two_nodes():
 
 @pytest.mark.multiproc
 def test_memory_model_matches_the_runtime_on_two_processes(tmp_path):
+    from megatron.training.arguments import parse_args
+    from megatron.training.demo_corpus import ensure_demo_corpus
+    from megatron.training.pipeline_args import generate_schedule
+    from megatron.training.tokenizer import load_tokenizer
+
     cache = os.environ.setdefault("MEGATRON_TEST_CACHE", str(tmp_path / "cache"))
+    # Built here first, so that the ranks' host memory is the run's, not the corpus build's.
+    vocab = load_tokenizer(ensure_demo_corpus(cache_dir=cache).tokenizer_path).vocab_size
     flags = ["--model-preset", "small", "--train-iters", "2", "--global-batch-size", "8",
              "--data-cache-dir", cache]
     # glibc keeps freed heap pages of transient tensors resident; with a fixed mmap
@@ -106,12 +113,6 @@ def test_memory_model_matches_the_runtime_on_two_processes(tmp_path):
         measured = [json.loads(line) for line in f][-1]["per_rank"]
     probes = [json.load(open(tmp_path / f"rank_{r}.json")) for r in range(2)]
 
-    from megatron.training.arguments import parse_args
-    from megatron.training.demo_corpus import ensure_demo_corpus
-    from megatron.training.pipeline_args import generate_schedule
-    from megatron.training.tokenizer import load_tokenizer
-
-    vocab = load_tokenizer(ensure_demo_corpus(cache_dir=cache).tokenizer_path).vocab_size
     args = parse_args(flags)
     schedule = generate_schedule(args, 2, vocab)
     plan = plan_memory(schedule, replace(get_preset("small"), vocab_size=vocab),

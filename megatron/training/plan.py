@@ -311,6 +311,9 @@ def with_configuration(args: argparse.Namespace, config: Configuration) -> argpa
 def configure_automatically(args: argparse.Namespace) -> argparse.Namespace:
     """--auto-config for a training run: the launcher's processes are the GPUs (rank 0
     prints the candidates)."""
+    if args.hardware is None:
+        raise ArgumentError("--hardware", "missing", "--auto-config trains on this machine: give "
+                            "its profile (tools/profile_hardware.py --out hw.json)")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     searched = copy.copy(args)
