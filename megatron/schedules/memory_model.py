@@ -38,7 +38,7 @@ from .cost_model import backward_stage_params
 from .hardware import HardwareProfile
 from .instructions import WHOLE_STAGE, BackwardStage, Op, Schedule
 from .partition import sub_stage_layers
-from .validator import validate
+from .validator import ValidationReport, validate
 
 GPU_TERMS = ("parameter_slots", "gradient_buffers", "activation_checkpoints", "activations",
              "operator_working")
@@ -160,16 +160,18 @@ def checkpoint_buffers(schedule: Schedule, rank: int) -> int:
 def plan_memory(schedule: Schedule, model: ModelPreset, micro_batch_size: int,
                 seq_length: int | None = None, param_bytes: int = 2, grad_host_bytes: int = 4,
                 procs_per_node: int | None = None,
-                hardware: HardwareProfile | None = None) -> MemoryPlan:
+                hardware: HardwareProfile | None = None,
+                report: ValidationReport | None = None) -> MemoryPlan:
     """The memory `schedule` needs for `model` (see the module docstring).
 
     `param_bytes`: the working dtype's size (2 for bf16/fp16, 4 for fp32);
     `grad_host_bytes`: the offloaded gradients' (4 on CUDA, the working dtype's on the CPU
-    device layer); `procs_per_node`: default all ranks on one node.
+    device layer); `procs_per_node`: default all ranks on one node; `report`: the
+    schedule's validation, when already done.
     """
     seq = seq_length or model.seq_length
     per_node_procs = procs_per_node or schedule.ranks
-    report = validate(schedule)
+    report = report if report is not None else validate(schedule)
     params = backward_stage_params(model, schedule.partition, schedule.backward_split)
     saved = backward_stage_saved_bytes(model, schedule.partition, schedule.backward_split,
                                        micro_batch_size, seq, param_bytes)

@@ -29,6 +29,7 @@ from megatron.schedules.memory_model import (
     shortfalls,
 )
 from megatron.schedules.simulator import SimResult, simulate
+from megatron.schedules.validator import ValidationReport, validate
 from megatron.training.arguments import ArgumentError
 from megatron.training.pipeline_args import generate_schedule
 
@@ -61,6 +62,7 @@ class Evaluation:
     schedule: Schedule
     memory: MemoryPlan
     missing: list[Shortfall]
+    report: ValidationReport | None = None  # the schedule's validation, done once
     simulation: SimResult | None = None
 
     @property
@@ -110,7 +112,7 @@ def base_configuration(args: argparse.Namespace) -> Configuration:
 
 
 def evaluate(args: argparse.Namespace, config: Configuration, hardware: HardwareProfile,
-             simulate_it: bool = True, vocab_size: int | None = None) -> Evaluation:
+             simulate_it: bool = True) -> Evaluation:
     """Memory (and, when asked, the simulated iteration) of `config` under `args`' model.
     Raises ArgumentError when the configuration cannot be built (shapes that do not divide)."""
     gpus = gpus_per_node(args, hardware)
@@ -124,18 +126,14 @@ def evaluate(args: argparse.Namespace, config: Configuration, hardware: Hardware
         raise ArgumentError("--micro-batch-size", run.micro_batch_size,
                             f"must divide --global-batch-size ({run.global_batch_size})")
     model = plan_model(run)
-    if vocab_size is not None:
-        model = replace(model, vocab_size=vocab_size)
     schedule = generate_schedule(run, ranks, model.vocab_size)
     itemsize = working_bytes(args)
     grad_host = 4 if hardware.device_kind == "cuda" else itemsize
+    report = validate(schedule)
     memory = plan_memory(schedule, model, config.micro_batch_size, run.seq_length, itemsize,
-                         grad_host, procs_per_node=gpus, hardware=hardware)
-    evaluation = Evaluation(config, schedule, memory, shortfalls(memory, hardware))
-    if simulate_it:
-        costs = derived_costs(schedule, model, hardware, config.micro_batch_size, run.seq_length)
-        evaluation.simulation = simulate(schedule, costs)
-    return evaluation
+                         grad_host, procs_per_node=gpus, hardware=hardware, report=report)
+    evaluation = Evaluation(config, schedule, memory, shortfalls(memory, hardware), report)
+    return simulated(args, evaluation, hardware) if simulate_it else evaluation
 
 
 def simulated(args: argparse.Namespace, evaluation: Evaluation, hardware: HardwareProfile
@@ -145,7 +143,7 @@ def simulated(args: argparse.Namespace, evaluation: Evaluation, hardware: Hardwa
         model = plan_model(args)
         costs = derived_costs(evaluation.schedule, model, hardware,
                               evaluation.config.micro_batch_size, args.seq_length)
-        evaluation.simulation = simulate(evaluation.schedule, costs)
+        evaluation.simulation = simulate(evaluation.schedule, costs, evaluation.report)
     return evaluation
 
 
