@@ -24,7 +24,6 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.schedules.cost_model import (  # noqa: E402
-    HARDWARE_PROFILES,
     derived_costs,
     preset_partition,
     uniform_costs,
@@ -35,6 +34,7 @@ from megatron.schedules.generators import (  # noqa: E402
     SCHEDULE_NAMES,
     build_schedule,
 )
+from megatron.schedules.hardware import HARDWARE_PROFILES  # noqa: E402
 from megatron.schedules.interpreter import ScheduleError  # noqa: E402
 from megatron.schedules.schedule_file import read_schedule, write_schedule  # noqa: E402
 from megatron.schedules.simulator import simulate  # noqa: E402

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from megatron.models.presets import ModelPreset, count_parameters, get_preset
 
+from .hardware import HardwareProfile, get_hardware
 from .instructions import BackwardStage, Schedule
 from .partition import balanced_partition, sub_stage_layers
 
@@ -71,44 +72,6 @@ def uniform_costs(
         p2p_activation=p2p_time,
         p2p_checkpoint=p2p_time,
     )
-
-
-@dataclass(frozen=True)
-class HardwareProfile:
-    name: str
-    description: str
-    gpu_peak_flops: float  # dense half-precision tensor throughput
-    gpu_max_efficiency: float  # fraction of peak reached by large matmuls
-    efficiency_half_tokens: int  # tokens per micro-batch at which half of that is reached
-    pcie_bytes_per_s: float  # effective host <-> device bandwidth per GPU
-    p2p_bytes_per_s: float  # GPU <-> GPU bandwidth
-    cpu_optimizer_params_per_s: float  # mixed-precision Adam steps per second, whole node
-    gpus_per_node: int
-
-
-HARDWARE_PROFILES: dict[str, HardwareProfile] = {
-    # SysX Table 1. V100 PCIe: 112 TFLOPS fp16 tensor peak. PCIe Gen3 x16: ~12 GB/s
-    # effective. AMD EPYC 7452 (32 cores, 8 x DDR4-2666): Adam is memory bound at ~30
-    # bytes per parameter plus the fp16->fp32 gradient copy and unscale passes (S Fig. 3):
-    # we assume 1.5e9 parameters/s for the node.
-    "paper-v100": HardwareProfile(
-        name="paper-v100",
-        description="4 x V100 32 GB PCIe Gen3 x16 (~12 GB/s), 1 x AMD EPYC 7452 32-core",
-        gpu_peak_flops=112e12,
-        gpu_max_efficiency=0.45,
-        efficiency_half_tokens=256,
-        pcie_bytes_per_s=12e9,
-        p2p_bytes_per_s=10e9,
-        cpu_optimizer_params_per_s=1.5e9,
-        gpus_per_node=4,
-    ),
-}
-
-
-def get_hardware(name: str) -> HardwareProfile:
-    if name not in HARDWARE_PROFILES:
-        raise KeyError(f"unknown hardware {name!r}; expected one of {', '.join(HARDWARE_PROFILES)}")
-    return HARDWARE_PROFILES[name]
 
 
 def layer_forward_flops_per_token(preset: ModelPreset, seq_length: int) -> float:

@@ -21,7 +21,7 @@ from .cost_model import CostModel
 from .instructions import OP_SPECS, WHOLE_STAGE, BackwardStage, Instruction, Op, Schedule
 from .interpreter import Interpreter
 from .timeline import TimedEvent
-from .validator import validate
+from .validator import ValidationReport, validate
 
 
 @dataclass(frozen=True)
@@ -193,9 +193,11 @@ def _union_length_after(intervals: list[tuple[float, float]], after: float) -> f
     return total
 
 
-def simulate(schedule: Schedule, cost_model: CostModel) -> SimResult:
-    """Validate `schedule`, then run it on `cost_model` (see module docstring)."""
-    report = validate(schedule)
+def simulate(schedule: Schedule, cost_model: CostModel,
+             report: ValidationReport | None = None) -> SimResult:
+    """Validate `schedule` (unless its `report` is given), then run it on `cost_model` (see
+    module docstring)."""
+    report = report if report is not None else validate(schedule)
     simulator = _Simulator(schedule, cost_model)
     simulator.run()
     events = simulator.events

@@ -184,6 +184,22 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--inject-overflow", type=_int_list, default=None, metavar="ITER,STAGE,SUB",
                    help="testing aid: make backward stage (STAGE, SUB)'s gradient non-finite at "
                         "iteration ITER (one process: any stage)")
+    g = p.add_argument_group("planning")
+    g.add_argument("--plan", action="store_true",
+                   help="print the memory needed per GPU and per node, whether it fits the "
+                        "--hardware profile and the predicted iteration time, then exit "
+                        "(0: fits, 3: does not)")
+    g.add_argument("--auto-config", action="store_true",
+                   help="search schedule, forward stages, backward split and micro-batch size "
+                        "for the fastest simulated iteration that fits; print the top 5 and "
+                        "train the best (with --plan: only print)")
+    g.add_argument("--json", action="store_true", help="--plan prints one JSON object")
+    g.add_argument("--nodes", type=int, default=None, help="nodes to plan for (default 1)")
+    g.add_argument("--gpus-per-node", type=int, default=None,
+                   help="GPUs per node to plan for (default: the hardware profile's)")
+    g.add_argument("--hardware", default=None, metavar="PROFILE",
+                   help="a built-in hardware profile (paper-v100, h100-sxm) or a JSON file "
+                        "from tools/profile_hardware.py (default: paper-v100)")
     return p
 
 
@@ -380,6 +396,9 @@ def validate_args(args: argparse.Namespace) -> None:
         raise ArgumentError("--inject-overflow", args.inject_overflow, "expected ITER,STAGE,SUB")
     if args.procs_per_node is not None and args.procs_per_node <= 0:
         raise ArgumentError("--procs-per-node", args.procs_per_node, "expected a positive integer")
+    for name in ("nodes", "gpus_per_node"):
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
+            raise ArgumentError(_flag(name), getattr(args, name), "expected a positive integer")
     if args.cpu_optimizer_threads is not None and args.cpu_optimizer_threads <= 0:
         raise ArgumentError("--cpu-optimizer-threads", args.cpu_optimizer_threads,
                             "expected a positive integer")

@@ -14,10 +14,12 @@ import torch
 from megatron.models.llama import Batch, LlamaConfig
 from megatron.models.presets import ModelPreset
 from megatron.pipeline.assembly import Pipeline
+from megatron.pipeline.host_group import host_group
 from megatron.schedules.cost_model import backward_stage_params, calibrated_costs
 from megatron.schedules.simulator import SimResult, simulate
 from megatron.schedules.timeline import read_chrome_trace, write_chrome_trace, write_timeline_png
 from megatron.training.checkpoint_state import OwnedState, named_tensors
+from megatron.training.fit_check import refuse_what_does_not_fit
 from megatron.training.pipeline_args import pipeline_config
 from megatron.training.train_step import StepResult
 
@@ -28,6 +30,7 @@ class PipelineTrainStep:
         self.model_cfg = model_cfg
         self.config = pipeline_config(args, dist_info.world_size, model_cfg.vocab_size)
         self.timeline_paths = (args.timeline, args.trace)
+        refuse_what_does_not_fit(self.config, model_cfg, self.rank, host_group())
         self.pipeline = Pipeline(self.config, model_cfg, self.rank)
 
     def step(self, iteration: int, micro_batches: Sequence[Batch], lr: float,

@@ -46,6 +46,7 @@ from megatron.training.lr_schedule import LRSchedule
 from megatron.training.metrics import MetricsWriter, format_log_line
 from megatron.training.pipeline_args import check_pipeline_args
 from megatron.training.pipeline_step import PipelineTrainStep
+from megatron.training.plan import configure_automatically, run_plan
 from megatron.training.run_checks import (
     check_checkpoint_args,
     check_load_dir,
@@ -312,7 +313,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.print_model_size:
         print_model_size(args)
         return 0
+    if args.plan:
+        try:
+            return run_plan(args)
+        except ArgumentError as exc:
+            exit_bad_input(exc)
     try:
+        if args.auto_config:
+            args = configure_automatically(args)
         dist_info = initialize_distributed()
         try:
             train(args, dist_info)

@@ -1,0 +1,89 @@
+"""Hardware profiles: what one node offers (memory capacities and throughputs), as JSON data.
+
+The built-in profiles live in `hardware_profiles/*.json` beside this module (the SysX
+testbed and an H100 SXM node); `tools/profile_hardware.py` writes the same format for the
+machine it runs on. The cost model prices compute and transfers from a profile, the memory
+model compares its needs with the capacities.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+
+PROFILE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hardware_profiles")
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    name: str
+    description: str
+    gpu_peak_flops: float  # dense half-precision tensor throughput
+    gpu_max_efficiency: float  # fraction of peak reached by large matmuls
+    efficiency_half_tokens: int  # tokens per micro-batch at which half of that is reached
+    pcie_bytes_per_s: float  # effective host -> device bandwidth per GPU, pinned memory
+    p2p_bytes_per_s: float  # GPU <-> GPU bandwidth
+    cpu_optimizer_params_per_s: float  # mixed-precision Adam steps per second, whole node
+    gpus_per_node: int
+    gpu_memory_bytes: int = 0  # per GPU
+    gpu_reserved_bytes: int = 0  # per GPU: CUDA context and allocator slack, not ours to use
+    d2h_bytes_per_s: float = 0.0  # device -> host, pinned (0: as pcie_bytes_per_s)
+    h2d_shm_bytes_per_s: float = 0.0  # host -> device from the shared-memory store
+    host_memory_bytes_per_s: float = 0.0  # one-core-group copy/convert rate of host memory
+    cpu_cores: int = 0
+    host_memory_bytes: int = 0  # per node
+    shm_bytes: int = 0  # /dev/shm capacity per node
+    memlock_bytes: int | None = None  # ulimit -l per process; None: unlimited
+    process_baseline_bytes: int = 0  # host memory of one training process before the model
+    device_kind: str = "cuda"  # "cpu": the CPU device layer plays the GPUs (tests, CI)
+    source: str = ""  # where the figures come from
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2) + "\n"
+
+
+def profile_from_dict(values: dict, origin: str = "profile") -> HardwareProfile:
+    """A profile from parsed JSON; ValueError naming the field on a missing or unknown key."""
+    fields = {f.name: f for f in dataclasses.fields(HardwareProfile)}
+    unknown = sorted(set(values) - set(fields))
+    if unknown:
+        raise ValueError(f"{origin}: unknown field {unknown[0]!r}; expected {', '.join(fields)}")
+    missing = [name for name, f in fields.items()
+               if f.default is dataclasses.MISSING and name not in values]
+    if missing:
+        raise ValueError(f"{origin}: missing field {missing[0]!r}")
+    return HardwareProfile(**values)
+
+
+def _builtin_profiles() -> dict[str, HardwareProfile]:
+    profiles = {}
+    for name in sorted(os.listdir(PROFILE_DIR)):
+        if name.endswith(".json"):
+            path = os.path.join(PROFILE_DIR, name)
+            with open(path, encoding="utf-8") as f:
+                profile = profile_from_dict(json.load(f), path)
+            profiles[profile.name] = profile
+    return profiles
+
+
+HARDWARE_PROFILES: dict[str, HardwareProfile] = _builtin_profiles()
+
+
+def get_hardware(name: str) -> HardwareProfile:
+    """A built-in profile by name, or a JSON profile file by path."""
+    if name in HARDWARE_PROFILES:
+        return HARDWARE_PROFILES[name]
+    if name.endswith(".json") or os.sep in name:
+        try:
+            with open(name, encoding="utf-8") as f:
+                values = json.load(f)
+        except (OSError, json.JSONDecodeError) as exc:
+            raise KeyError(f"hardware profile {name!r} cannot be read: {exc}") from None
+        try:
+            return profile_from_dict(values, name)
+        except (TypeError, ValueError) as exc:
+            raise KeyError(str(exc)) from None
+    raise KeyError(f"unknown hardware {name!r}; expected one of {', '.join(HARDWARE_PROFILES)} "
+                   "or a profile file (tools/profile_hardware.py)")

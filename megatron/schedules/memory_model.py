@@ -1,0 +1,273 @@
+"""How much memory a run needs, per GPU and per node, before anything is allocated.
+
+The terms follow ZeRO-Infinity's section 3 (model states, residual states, and the GPU
+working memory: activation working memory AWM and model-state working memory MSWM),
+sized the way this runtime allocates them:
+
+Per GPU (the device layer's categories, `MEMORY_CATEGORIES`):
+- parameter_slots: max(2, the validator's peak of resident backward stages) slots, each as
+  large as the largest backward stage the rank computes, in the working dtype;
+- gradient_buffers: one buffer per backward stage whose gradients are in flight at once
+  (the validator's peak) plus one, as large as the largest owned stage; on a GPU also the
+  fp32 upcast scratch of the gradient offload;
+- activation_checkpoints: checkpoints held at once (AFAB keeps every micro-batch's until
+  its backward): the validator's residency bound, or the runtime's policy of kept receive
+  buffers when larger (`checkpoint_buffers`), each micro-batch x sequence x hidden;
+- activations: AWM, what autograd saves while one backward stage is recomputed (the
+  largest the rank runs), plus the activation and gradient messages in flight;
+- operator_working: MSWM beyond the slots and buffers: the largest operator's transient
+  output gradient (the logits' at the head). Not in the device layer's book.
+
+Per node (host memory):
+- shm_parameters: one segment per backward stage read or owned on the node (the working
+  dtype, a header each): owned stages, and replicas of stages owned elsewhere;
+- optimizer_states: fp32 master, m and v of every stage its ranks own (12 bytes/param);
+- host_gradients: the offloaded gradients of the owned stages (pooled, pinned on CUDA);
+- process_baseline: the interpreter, torch and the CUDA context of each process.
+
+No data parallelism exists yet, so nothing is divided by a data-parallel degree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron.models.presets import ModelPreset
+
+from .cost_model import backward_stage_params
+from .hardware import HardwareProfile
+from .instructions import WHOLE_STAGE, BackwardStage, Op, Schedule
+from .partition import sub_stage_layers
+from .validator import ValidationReport, validate
+
+GPU_TERMS = ("parameter_slots", "gradient_buffers", "activation_checkpoints", "activations",
+             "operator_working")
+NODE_TERMS = ("shm_parameters", "optimizer_states", "host_gradients", "process_baseline")
+SEGMENT_HEADER_BYTES = 4096  # megatron/offload/shm_header.py HEADER_BYTES
+OPTIMIZER_BYTES_PER_PARAM = 12  # fp32 master, exp_avg, exp_avg_sq
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes per term: `per_gpu[rank][term]`, `per_node[node][term]`."""
+
+    per_gpu: tuple[dict[str, int], ...]
+    per_node: tuple[dict[str, int], ...]
+    per_process: tuple[dict[str, int], ...]  # each rank's share of the node's host terms
+    procs_per_node: int
+    kept_checkpoint_bytes: tuple[int, ...] = ()  # receive buffers each rank keeps for the run
+
+    @property
+    def pinned_per_process(self) -> tuple[int, ...]:
+        """Host bytes each process page-locks on CUDA: its pooled gradient buffers."""
+        return tuple(p["host_gradients"] for p in self.per_process)
+
+    def gpu_total(self, rank: int, measured_only: bool = False) -> int:
+        terms = GPU_TERMS[:4] if measured_only else GPU_TERMS
+        return sum(self.per_gpu[rank][t] for t in terms)
+
+    def node_total(self, node: int) -> int:
+        return sum(self.per_node[node].values())
+
+
+def layer_saved_bytes(model: ModelPreset, tokens: int, seq_length: int, itemsize: int) -> int:
+    """What autograd saves for one decoder layer over `tokens` (micro-batch x sequence).
+
+    Per token: each RMSNorm keeps its input, normalized output and two per-token scalars in
+    fp32 and its output in the working dtype; attention keeps Q, K and V (K and V expanded
+    to all heads), its output, the scores and the probabilities (heads x sequence each);
+    SwiGLU keeps gate, up, their product's input and fc2's input (4 x FFN). Per sequence:
+    the rotary tables (4 x sequence x head dim) and the causal mask (sequence^2 bytes).
+    """
+    h, ffn, heads = model.hidden_size, model.ffn_hidden_size, model.num_attention_heads
+    fp32_per_token = 2 * (3 * h + 2)
+    working_per_token = 2 * h + 4 * h + 2 * heads * seq_length + 4 * ffn
+    per_sequence = 4 * seq_length * (h // heads) * itemsize + seq_length * seq_length
+    return tokens * (fp32_per_token * FP32 + working_per_token * itemsize) + per_sequence
+
+
+def head_saved_bytes(model: ModelPreset, tokens: int, itemsize: int) -> int:
+    """Final norm (as in a layer), the output layer's input, fp32 logits, labels (int64),
+    loss mask (bool) and per-token losses (fp32)."""
+    vocab = model.vocab_size or 32000
+    return tokens * ((3 * model.hidden_size + 2) * FP32 + model.hidden_size * itemsize
+                     + vocab * FP32 + 8 + 1 + FP32) + FP32
+
+
+def embedding_saved_bytes(tokens: int) -> int:
+    return tokens * 8  # the token ids (int64)
+
+
+def backward_stage_saved_bytes(model: ModelPreset, partition: tuple[int, ...], backward_split: int,
+                               micro_batch_size: int, seq_length: int, itemsize: int
+                               ) -> dict[BackwardStage, int]:
+    """AWM of every backward stage: what its recompute saves for one micro-batch."""
+    tokens = micro_batch_size * seq_length
+    layer = layer_saved_bytes(model, tokens, seq_length, itemsize)
+    return {
+        BackwardStage(*b): (r.count * layer
+                            + (embedding_saved_bytes(tokens) if r.has_embedding else 0)
+                            + (head_saved_bytes(model, tokens, itemsize) if r.has_head else 0))
+        for b, r in sub_stage_layers(partition, backward_split).items()
+    }
+
+
+def _stages_used(schedule: Schedule, rank: int) -> set[BackwardStage]:
+    used = {b for i in range(schedule.forward_stages) if schedule.forward_rank[i] == rank
+            for b in schedule.params_of(i, WHOLE_STAGE)}
+    return used | set(schedule.owned_by(rank))
+
+
+def _stages_read(schedule: Schedule, rank: int) -> set[BackwardStage]:
+    return {b for ins in schedule.programs[rank] if ins.op == Op.PREFETCH_PARAMS
+            for b in schedule.params_of(ins.stage, ins.sub)}
+
+
+def received_checkpoints(schedule: Schedule, rank: int) -> int:
+    """Receive buffers the runtime keeps for the whole run: one per IRECV_CKPT (the
+    transfer plan is the same every iteration)."""
+    return len({ins.tensor_key for ins in schedule.programs[rank] if ins.op == Op.IRECV_CKPT})
+
+
+def checkpoint_buffers(schedule: Schedule, rank: int) -> int:
+    """Activation checkpoints the runtime holds at most on `rank`, in checkpoints.
+
+    Received checkpoints land in receive buffers kept for the whole run (the transfer plan
+    is the same every iteration), one per IRECV_CKPT of the program; a checkpoint a forward
+    produces is kept when a local backward or an ISEND_CKPT needs it, until that backward
+    consumes it or, when sent, until the end of the iteration (the isend's tensor lives
+    until its wait). The validator's residency bound counts the same checkpoints but frees
+    received ones after use; this is the runtime's policy on top of the same program.
+    """
+    program = schedule.programs[rank]
+    received = {ins.tensor_key for ins in program if ins.op == Op.IRECV_CKPT}
+    needed = {ins.tensor_key for ins in program if ins.op == Op.ISEND_CKPT}
+    needed |= {("ckpt", ins.stage, ins.sub, ins.mb) for ins in program
+               if ins.op == Op.BACKWARD and (ins.stage, ins.sub) != (0, 0)}
+    needed -= received
+    held = peak = 0
+    for ins in program:
+        if ins.op == Op.FORWARD:
+            held += sum(1 for sub in range(schedule.backward_split)
+                        if ("ckpt", ins.stage, sub, ins.mb) in needed)
+        elif ins.op == Op.BACKWARD and ("ckpt", ins.stage, ins.sub, ins.mb) in needed:
+            held -= 1  # consumed here (a sent one stays held by its isend)
+        peak = max(peak, held)
+    return received_checkpoints(schedule, rank) + peak
+
+
+def plan_memory(schedule: Schedule, model: ModelPreset, micro_batch_size: int,
+                seq_length: int | None = None, param_bytes: int = 2, grad_host_bytes: int = 4,
+                procs_per_node: int | None = None,
+                hardware: HardwareProfile | None = None,
+                report: ValidationReport | None = None) -> MemoryPlan:
+    """The memory `schedule` needs for `model` (see the module docstring).
+
+    `param_bytes`: the working dtype's size (2 for bf16/fp16, 4 for fp32);
+    `grad_host_bytes`: the offloaded gradients' (4 on CUDA, the working dtype's on the CPU
+    device layer); `procs_per_node`: default all ranks on one node; `report`: the
+    schedule's validation, when already done.
+    """
+    seq = seq_length or model.seq_length
+    per_node_procs = procs_per_node or schedule.ranks
+    report = report if report is not None else validate(schedule)
+    params = backward_stage_params(model, schedule.partition, schedule.backward_split)
+    saved = backward_stage_saved_bytes(model, schedule.partition, schedule.backward_split,
+                                       micro_batch_size, seq, param_bytes)
+    tokens = micro_batch_size * seq
+    message = tokens * model.hidden_size * param_bytes  # one activation, gradient or checkpoint
+    vocab = model.vocab_size or 32000
+    per_gpu, per_process = [], []
+    for rank in range(schedule.ranks):
+        used = _stages_used(schedule, rank)
+        owned = schedule.owned_by(rank)
+        largest_owned = max((params[b] for b in owned), default=0)
+        slots = max(2, report.peak_params[rank])
+        buffers = min(report.peak_gradients[rank] + 1, max(1, len(owned))) if owned else 0
+        upcast = largest_owned * grad_host_bytes if grad_host_bytes != param_bytes else 0
+        head = schedule.head in owned
+        largest_operator = max(tokens * vocab * FP32 if head else 0,
+                               tokens * 2 * model.ffn_hidden_size * param_bytes)
+        per_gpu.append({
+            "parameter_slots": slots * max(params[b] for b in used) * param_bytes,
+            "gradient_buffers": buffers * largest_owned * param_bytes + upcast,
+            "activation_checkpoints": max(report.peak_checkpoints[rank],
+                                          checkpoint_buffers(schedule, rank)) * message,
+            "activations": max((saved[b] for b in owned), default=0) + 2 * message,
+            "operator_working": largest_operator if owned else 0,
+        })
+        owned_params = sum(params[b] for b in owned)
+        per_process.append({"optimizer_states": OPTIMIZER_BYTES_PER_PARAM * owned_params,
+                            "host_gradients": grad_host_bytes * owned_params})
+    nodes = -(-schedule.ranks // per_node_procs)
+    baseline = hardware.process_baseline_bytes if hardware is not None else 0
+    per_node = []
+    for node in range(nodes):
+        ranks = range(node * per_node_procs, min(schedule.ranks, (node + 1) * per_node_procs))
+        segments = set()
+        for rank in ranks:
+            segments |= _stages_read(schedule, rank) | set(schedule.owned_by(rank))
+        per_node.append({
+            "shm_parameters": sum(SEGMENT_HEADER_BYTES + params[b] * param_bytes
+                                  for b in segments),
+            **{term: sum(per_process[rank][term] for rank in ranks)
+               for term in ("optimizer_states", "host_gradients")},
+            "process_baseline": baseline * len(ranks),
+        })
+    kept = tuple(received_checkpoints(schedule, rank) * message for rank in range(schedule.ranks))
+    return MemoryPlan(tuple(per_gpu), tuple(per_node), tuple(per_process), per_node_procs, kept)
+
+
+@dataclass(frozen=True)
+class Shortfall:
+    """A resource that does not fit: what is needed and what there is, in bytes."""
+
+    resource: str  # "gpu memory", "host memory", "/dev/shm"
+    where: str  # "rank 3", "node 1"
+    needed: int
+    available: int
+
+    @property
+    def missing(self) -> int:
+        return self.needed - self.available
+
+
+def host_need(plan: MemoryPlan, node: int, hardware: HardwareProfile) -> int:
+    """The node's host memory; on the CPU device layer its ranks' "GPU" memory is host too."""
+    need = plan.node_total(node)
+    if hardware.device_kind == "cpu":
+        first = node * plan.procs_per_node
+        need += sum(plan.gpu_total(r) for r in range(first, min(first + plan.procs_per_node,
+                                                                  len(plan.per_gpu))))
+    return need
+
+
+def pinning_shortfall(plan: MemoryPlan, hardware: HardwareProfile) -> int:
+    """Bytes by which the largest process's pinned gradient buffers exceed ulimit -l (0: none).
+    Not a failure: the pool then falls back to pageable memory, slower copies."""
+    if hardware.device_kind != "cuda" or hardware.memlock_bytes is None:
+        return 0
+    return max(0, max(plan.pinned_per_process, default=0) - hardware.memlock_bytes)
+
+
+RESOURCE_ORDER = ("host memory", "/dev/shm", "gpu memory")  # per node first
+
+
+def shortfalls(plan: MemoryPlan, hardware: HardwareProfile) -> list[Shortfall]:
+    """Every resource of `hardware` that `plan` exceeds: the per-node ones first (only more
+    nodes help), then GPU memory; the worst first within each kind."""
+    found = []
+    gpu_free = hardware.gpu_memory_bytes - hardware.gpu_reserved_bytes
+    for rank in range(len(plan.per_gpu)):
+        if hardware.gpu_memory_bytes and plan.gpu_total(rank) > gpu_free:
+            found.append(Shortfall("gpu memory", f"rank {rank}", plan.gpu_total(rank), gpu_free))
+    for node, terms in enumerate(plan.per_node):
+        host = host_need(plan, node, hardware)
+        if hardware.host_memory_bytes and host > hardware.host_memory_bytes:
+            found.append(Shortfall("host memory", f"node {node}", host,
+                                   hardware.host_memory_bytes))
+        if hardware.shm_bytes and terms["shm_parameters"] > hardware.shm_bytes:
+            found.append(Shortfall("/dev/shm", f"node {node}", terms["shm_parameters"],
+                                   hardware.shm_bytes))
+    return sorted(found, key=lambda s: (RESOURCE_ORDER.index(s.resource), -s.missing))

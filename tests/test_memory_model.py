@@ -1,0 +1,139 @@
+"""The memory model against what the runtime holds, and against autograd's own count.
+
+One 2-process run of the small preset (2 iterations) gives, per rank, the device layer's
+accounted peak by category, the shared-memory segments created on the node and the
+process's private host memory; every term of the model must be within 15 % of it.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+import torch
+
+from megatron.models.presets import ModelPreset, get_preset
+from megatron.schedules.cost_model import backward_stage_params
+from megatron.schedules.generators import build_schedule
+from megatron.schedules.hardware import get_hardware
+from megatron.schedules.memory_model import (
+    layer_saved_bytes,
+    plan_memory,
+    received_checkpoints,
+    shortfalls,
+)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
+TOLERANCE = 0.15
+
+
+def test_layer_working_memory_is_what_autograd_saves():
+    """AWM of one decoder layer (and the head) from the formula vs the saved-tensor hook the
+    executor uses, for a few shapes and both working dtypes."""
+    from megatron.models.llama import LlamaConfig
+    from megatron.pipeline.executor import _saved_bytes
+    from megatron.pipeline.stage_modules import build_stage_modules
+    from megatron.schedules.memory_model import backward_stage_saved_bytes
+    from megatron.training.distributed import initialize_distributed, shutdown_distributed
+
+    initialize_distributed()
+    try:
+        for h, ffn, heads, kv, seq, b, dtype in [(64, 160, 4, 2, 32, 2, torch.float32),
+                                                 (128, 352, 8, 2, 64, 1, torch.bfloat16)]:
+            vocab = 300
+            cfg = LlamaConfig(num_layers=2, hidden_size=h, ffn_hidden_size=ffn,
+                              num_attention_heads=heads, num_query_groups=kv, vocab_size=vocab,
+                              seq_length=seq, seed=1)
+            modules = build_stage_modules(cfg, (1, 1), 1, [(0, 0), (1, 0)], dtype)
+            for m in modules.values():
+                for p in m.module.parameters():
+                    p.data = p.data.to(dtype)
+            batch = {"tokens": torch.randint(0, vocab, (b, seq)),
+                     "labels": torch.randint(0, vocab, (b, seq)),
+                     "loss_mask": torch.ones(b, seq)}
+            measured = {}
+            with torch.no_grad():
+                hidden = modules[(0, 0)](None, batch)
+            for key, x in (((0, 0), None), ((1, 0), hidden.requires_grad_(True))):
+                with torch.enable_grad(), _saved_bytes(modules[key].module) as saved:
+                    modules[key](x, batch)
+                measured[key] = saved.nbytes
+            model = ModelPreset("t", 2, h, ffn, heads, kv, seq, vocab)
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            predicted = backward_stage_saved_bytes(model, (1, 1), 1, b, seq, itemsize)
+            assert predicted == measured
+            assert layer_saved_bytes(model, b * seq, seq, itemsize) < measured[(0, 0)]
+    finally:
+        shutdown_distributed()
+
+
+def test_paper_node_fits_10b_but_not_110b_on_two_nodes():
+    """The shape of the docs table: 110B on a quarter of the paper's nodes lacks host memory."""
+    hardware = get_hardware("paper-v100")
+    for name, nodes, fits in (("10b", 1, True), ("110b", 2, False)):
+        preset = get_preset(name)
+        ranks = 4 * nodes
+        from megatron.schedules.cost_model import preset_partition
+        partition = preset_partition(preset, 2 * ranks, min_layers=2)
+        schedule = build_schedule("decoupled", ranks, 2 * ranks, 2, 8 * nodes, partition)
+        plan = plan_memory(schedule, preset, 2, 1024, 2, 4, procs_per_node=4, hardware=hardware)
+        missing = shortfalls(plan, hardware)
+        assert (not missing) == fits, missing
+        if not fits:
+            assert "host memory" in {s.resource for s in missing}
+            params = sum(backward_stage_params(preset, partition, 2).values())
+            # fp32 master, m and v alone of half the model exceed a node's 512 GB
+            assert 12 * params / nodes > hardware.host_memory_bytes
+
+
+@pytest.mark.multiproc
+def test_memory_model_matches_the_runtime_on_two_processes(tmp_path):
+    from megatron.training.arguments import parse_args
+    from megatron.training.demo_corpus import ensure_demo_corpus
+    from megatron.training.pipeline_args import generate_schedule
+    from megatron.training.tokenizer import load_tokenizer
+
+    cache = os.environ.setdefault("MEGATRON_TEST_CACHE", str(tmp_path / "cache"))
+    # Built here first, so that the ranks' host memory is the run's, not the corpus build's.
+    vocab = load_tokenizer(ensure_demo_corpus(cache_dir=cache).tokenizer_path).vocab_size
+    flags = ["--model-preset", "small", "--train-iters", "2", "--global-batch-size", "8",
+             "--data-cache-dir", cache]
+    # glibc keeps freed heap pages of transient tensors resident; with a fixed mmap
+    # threshold they go back to the system, so RssAnon shows what the process holds.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}
+    proc = subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node", "2",
+                           os.path.join(ROOT, "tests", "run_memory_probe.py"),
+                           "--out-dir", str(tmp_path), *flags],
+                          capture_output=True, text=True, timeout=400, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(tmp_path / "metrics.jsonl") as f:
+        measured = [json.loads(line) for line in f][-1]["per_rank"]
+    probes = [json.load(open(tmp_path / f"rank_{r}.json")) for r in range(2)]
+
+    args = parse_args(flags)
+    schedule = generate_schedule(args, 2, vocab)
+    plan = plan_memory(schedule, replace(get_preset("small"), vocab_size=vocab),
+                       args.micro_batch_size, args.seq_length, param_bytes=4,
+                       grad_host_bytes=4, procs_per_node=2)
+
+    def close(predicted, actual, what):
+        assert abs(predicted - actual) <= TOLERANCE * actual, (what, predicted, actual)
+
+    for rank, row in enumerate(measured):
+        gpu = plan.per_gpu[rank]
+        for term, actual in row["device_memory_at_peak"].items():
+            close(gpu[term], actual, (rank, term))
+        close(plan.gpu_total(rank, measured_only=True), row["device_memory_peak_bytes"],
+              (rank, "device total"))
+        # Host: the optimizer states and offloaded gradients of its stages, plus (the CPU
+        # device layer lives in host memory) the device buffers that persist after the step.
+        held = (sum(plan.per_process[rank].values()) + gpu["parameter_slots"]
+                + gpu["gradient_buffers"] + plan.kept_checkpoint_bytes[rank])
+        probe = probes[rank]
+        close(held, probe["rss_anon_after"] - probe["rss_anon_before"], (rank, "host"))
+    created = sum(p["created_segment_bytes"] for p in probes)  # one node
+    close(plan.per_node[0]["shm_parameters"], created, "shm")
+    assert received_checkpoints(schedule, 0) > 0

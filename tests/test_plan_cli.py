@@ -1,0 +1,89 @@
+"""`pretrain_llama.py --plan` and `--auto-config`, and the trainer refusing what cannot fit."""
+
+import json
+import os
+
+import pytest
+
+from megatron.offload.naming import namespace
+from megatron.schedules.hardware import HARDWARE_PROFILES, get_hardware
+from megatron.training.training import main
+
+
+def plan(capsys, *argv):
+    code = main(["--plan", "--json", *argv])
+    return code, json.loads(capsys.readouterr().out)
+
+
+def test_10b_fits_one_paper_node(capsys):
+    code, out = plan(capsys, "--model-preset", "10b", "--bf16", "--nodes", "1",
+                     "--micro-batch-size", "2", "--global-batch-size", "16")
+    assert code == 0 and out["fits"] is True
+    assert len(out["per_gpu"]) == 4 and len(out["per_node"]) == 1
+    assert out["configuration"]["predicted_iteration_s"] > 0
+    for row in out["per_gpu"]:
+        assert sum(v for k, v in row.items() if k != "rank") <= out["capacity"]["gpu_free"]
+    # 8.39 B parameters: 12 bytes of optimizer state each on the one node
+    assert out["per_node"][0]["optimizer_states"] == pytest.approx(12 * 8.39e9, rel=0.01)
+
+
+def test_too_little_host_memory_exits_3_naming_it_and_the_nodes_that_fit(capsys, tmp_path):
+    small_host = dict(vars(get_hardware("paper-v100")), name="small-host",
+                      host_memory_bytes=16 * 2**30)
+    path = tmp_path / "small-host.json"
+    path.write_text(json.dumps(small_host))
+    code, out = plan(capsys, "--model-preset", "10b", "--num-layers", "8", "--bf16",
+                     "--hardware", str(path), "--gpus-per-node", "2",
+                     "--micro-batch-size", "2", "--global-batch-size", "8", "--seq-length", "256")
+    assert code == 3 and out["fits"] is False
+    assert out["resource"] == "host memory"
+    assert out["short_by"] == out["needed"] - out["available"] > 0
+    nearest = out["nearest_fit"]
+    assert nearest["fits"] and nearest["nodes"] > 1
+
+
+def test_bad_hardware_exits_2_with_one_line(capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["--plan", "--model-preset", "tiny", "--hardware", "a100-nope"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--hardware a100-nope" in err[0] and "paper-v100" in err[0]
+
+
+def test_builtin_profiles_name_their_sources():
+    assert {"paper-v100", "h100-sxm"} <= set(HARDWARE_PROFILES)
+    v100 = HARDWARE_PROFILES["paper-v100"]
+    assert v100.gpus_per_node == 4 and v100.gpu_memory_bytes == 32 * 2**30
+    assert v100.host_memory_bytes == 512 * 2**30 and v100.cpu_cores == 32
+    assert all(p.source for p in HARDWARE_PROFILES.values())
+
+
+def test_plan_auto_config_prints_the_fastest_fitting_candidates(capsys):
+    code, out = plan(capsys, "--auto-config", "--model-preset", "tiny", "--gpus-per-node", "2")
+    assert code == 0 and out["fits"]
+    found = out["candidates"]
+    times = [c["predicted_iteration_s"] for c in found]
+    assert len(found) == 5 and times == sorted(times) and all(c["fits"] for c in found)
+    assert out["configuration"]["flags"] == found[0]["flags"]
+    _, default = plan(capsys, "--model-preset", "tiny", "--gpus-per-node", "2")
+    assert times[0] <= default["configuration"]["predicted_iteration_s"]
+
+
+@pytest.mark.multiproc  # builds the demo corpus when the cache has none
+def test_a_run_that_cannot_fit_shared_memory_exits_2_before_any_segment(tmp_path, capsys):
+    """A one-process pipeline whose fp32 parameters (~225 GB) exceed /dev/shm: refused in one
+    line before a segment of this process (named after its pid) exists."""
+    cache = os.environ.get("MEGATRON_TEST_CACHE", str(tmp_path / "cache"))
+    prefix = namespace(f"process:{os.getpid()}", 0)
+    with pytest.raises(SystemExit) as stop:
+        main(["--pipeline-schedule", "decoupled", "--forward-stages", "2", "--num-layers", "64",
+              "--hidden-size", "8192", "--ffn-hidden-size", "22016",
+              "--num-attention-heads", "64", "--num-query-groups", "8", "--seq-length", "32",
+              "--train-iters", "1", "--data-cache-dir", cache])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith("pretrain_llama.py: error: /dev/shm: the parameters (fp32) of "
+                             "this node's stages need"), err[0]
+    assert "GiB free" in err[0]
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]

@@ -1,0 +1,323 @@
+#!/usr/bin/env python3
+"""Measure this machine and write a hardware profile (JSON) for --plan and --auto-config.
+
+    tools/profile_hardware.py --out hw.json [--gpus-per-node N] [--model-preset small] [--bf16]
+    pretrain_llama.py --plan --hardware hw.json ...
+
+One progress line per measurement on stderr; well under a minute. Measured: host -> device
+and device -> host copies from pinned and from shared-memory buffers, the C++ CPU AdamW
+update rate at the thread count training would use (cores / GPUs per node, all GPUs'
+processes together), host memory bandwidth, the device's matmul throughput at the model's
+shapes: one decoder layer's forward at two micro-batch sizes, fitted to the cost model's
+efficiency curve (on CUDA the GPU's; on the CPU device layer the CPU's), the bandwidth between two
+devices (two GPUs when there are; on the CPU layer the loopback socket gloo would use);
+free /dev/shm, host memory and `ulimit -l`. The fields are those of the built-in profiles
+(megatron/schedules/hardware_profiles/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import mmap
+import os
+import platform
+import resource
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from megatron.common.files import atomic_write  # noqa: E402
+from megatron.models.llama import LlamaConfig, build_piece  # noqa: E402
+from megatron.models.presets import get_preset  # noqa: E402
+from megatron.offload.device import get_device  # noqa: E402
+from megatron.offload.shm_space import DEFAULT_SHM_DIR, free_bytes  # noqa: E402
+from megatron.optimizer.cpu_adam import CPUAdamW, usable_cores  # noqa: E402
+from megatron.schedules.cost_model import layer_forward_flops_per_token  # noqa: E402
+from megatron.schedules.hardware import HardwareProfile  # noqa: E402
+from megatron.training.distributed import initialize_distributed, shutdown_distributed  # noqa: E402
+
+MIB = 2**20
+
+
+def progress(text: str) -> None:
+    print(f"profile_hardware: {text}", file=sys.stderr, flush=True)
+
+
+def best_rate(work: Callable[[], None], amount: float, repeats: int = 3) -> float:
+    """`amount` per second of the fastest of `repeats` runs after one warm-up."""
+    work()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        work()
+        best = min(best, time.perf_counter() - t0)
+    return amount / best
+
+
+def copy_rates(device, nbytes: int) -> tuple[float, float, float]:
+    """H2D and D2H from pinned host memory, H2D from a /dev/shm mapping (bytes/s)."""
+    numel = nbytes // 2
+    on_device = device.empty(numel, torch.float16)
+    pinned = device.pin_host(numel, torch.float16)
+    pinned.fill_(1.0)
+
+    def copy(dst, src, stream):
+        def run():
+            device.copy_async(dst, src, stream).wait()
+        return run
+
+    h2d = best_rate(copy(on_device, pinned, device.h2d_stream), nbytes)
+    d2h = best_rate(copy(pinned, on_device, device.d2h_stream), nbytes)
+    path = os.path.join(DEFAULT_SHM_DIR, f"profile-hardware-{os.getpid()}")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, nbytes)
+        with mmap.mmap(fd, nbytes) as mm:
+            shared = torch.frombuffer(mm, dtype=torch.float16, count=numel)
+            shared.fill_(1.0)
+            registered = device.kind == "cuda" and _register(shared)
+            try:
+                h2d_shm = best_rate(copy(on_device, shared, device.h2d_stream), nbytes)
+            finally:
+                if registered:
+                    torch.cuda.cudart().cudaHostUnregister(shared.data_ptr())
+            del shared
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    return h2d, d2h, h2d_shm
+
+
+def _register(tensor: torch.Tensor) -> bool:
+    """Page-lock a shared mapping as the parameter store does on CUDA."""
+    return torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.nbytes, 0) == 0
+
+
+def adam_rate(threads: int, numel: int) -> float:
+    """Parameters per second of one process's C++ AdamW (bf16 gradients and output)."""
+    master = torch.randn(numel)
+    adam = CPUAdamW([master], lr=1e-4, threads=threads, weight_decay=0.1)
+    grad = torch.randn(numel).to(torch.bfloat16)
+    out = torch.empty(numel, dtype=torch.bfloat16)
+
+    def step():
+        adam.step_group(0, grad, out=out)
+        adam.commit_group(0)
+    return best_rate(step, numel)
+
+
+def memory_bandwidth(nbytes: int) -> float:
+    """Bytes read + written per second by a large copy."""
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    return best_rate(lambda: dst.copy_(src), 2 * nbytes)
+
+
+def matmul_flops(device, hidden: int, ffn: int, tokens: int, dtype: torch.dtype) -> float:
+    """Flops/s of the model's largest matmul (tokens x hidden @ hidden x ffn)."""
+    a = torch.randn(tokens, hidden, device=device.torch_device).to(dtype)
+    b = torch.randn(hidden, ffn, device=device.torch_device).to(dtype)
+
+    def run():
+        torch.matmul(a, b)
+        if device.kind == "cuda":
+            torch.cuda.synchronize()
+    return best_rate(run, 2.0 * tokens * hidden * ffn)
+
+
+def layer_flops(device, preset, dtype: torch.dtype, micro_batch: int) -> float:
+    """Flops/s of one decoder layer's forward at the preset's shapes, as the cost model counts
+    its flops: the real per-micro-batch cost, small-batch overheads included."""
+    cfg = LlamaConfig(num_layers=1, hidden_size=preset.hidden_size,
+                      ffn_hidden_size=preset.ffn_hidden_size,
+                      num_attention_heads=preset.num_attention_heads,
+                      num_query_groups=preset.num_query_groups, vocab_size=preset.vocab_size or 32000,
+                      seq_length=preset.seq_length, seed=1)
+    layer = build_piece(cfg, 1).to(device.torch_device, dtype)  # piece 1: decoder layer 0
+    hidden = torch.randn(preset.seq_length, micro_batch, preset.hidden_size,
+                         device=device.torch_device).to(dtype)
+
+    def run():
+        with torch.no_grad():
+            layer(hidden, {})
+        if device.kind == "cuda":
+            torch.cuda.synchronize()
+    tokens = micro_batch * preset.seq_length
+    return best_rate(run, layer_forward_flops_per_token(preset, preset.seq_length) * tokens)
+
+
+def loopback_rate(nbytes: int) -> float:
+    """Bytes/s through a local TCP connection (what gloo moves between CPU ranks)."""
+    server = socket.create_server(("127.0.0.1", 0))
+    payload = bytes(MIB)
+    received = []
+
+    def sink():
+        conn, _ = server.accept()
+        with conn:
+            total = 0
+            while total < nbytes:
+                chunk = conn.recv(4 * MIB)
+                if not chunk:
+                    break
+                total += len(chunk)
+            received.append(total)
+    thread = threading.Thread(target=sink)
+    thread.start()
+    try:
+        with socket.create_connection(server.getsockname()) as client:
+            t0 = time.perf_counter()
+            for _ in range(nbytes // MIB):
+                client.sendall(payload)
+        thread.join()
+        return nbytes / (time.perf_counter() - t0)
+    finally:
+        server.close()
+
+
+def gpu_p2p_rate(nbytes: int) -> float:
+    src = torch.empty(nbytes // 2, dtype=torch.float16, device="cuda:0")
+    dst = torch.empty(nbytes // 2, dtype=torch.float16, device="cuda:1")
+
+    def run():
+        dst.copy_(src)
+        torch.cuda.synchronize("cuda:1")
+    return best_rate(run, nbytes)
+
+
+def meminfo(key: str) -> int:
+    with open("/proc/meminfo", encoding="ascii") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def rss_anon() -> int:
+    with open("/proc/self/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def profile(args: argparse.Namespace) -> HardwareProfile:
+    started = time.perf_counter()
+    device = get_device()
+    on_cuda = device.kind == "cuda"
+    gpus = args.gpus_per_node or (torch.cuda.device_count() if on_cuda else 2)
+    preset = get_preset(args.model_preset)
+    dtype = torch.bfloat16 if (args.bf16 or on_cuda) else torch.float32
+    copy_bytes = (256 if on_cuda else 64) * MIB
+
+    h2d, d2h, h2d_shm = copy_rates(device, copy_bytes)
+    progress(f"host -> device {h2d / 1e9:.1f} GB/s pinned, {h2d_shm / 1e9:.1f} GB/s from "
+             f"/dev/shm; device -> host {d2h / 1e9:.1f} GB/s")
+    cores = len(usable_cores())
+    threads = max(1, cores // gpus)
+    per_process = adam_rate(threads, 4 * MIB)
+    progress(f"C++ AdamW {per_process / 1e9:.2f} G parameters/s per process at {threads} "
+             f"threads; x {gpus} processes per node")
+    host_bw = memory_bandwidth(copy_bytes)
+    progress(f"host memory {host_bw / 1e9:.1f} GB/s (read + write)")
+    tokens = preset.seq_length * 4
+    matmul = matmul_flops(device, preset.hidden_size, preset.ffn_hidden_size, tokens, dtype)
+    progress(f"matmul {preset.hidden_size}x{preset.ffn_hidden_size} ({str(dtype)[6:]}) at "
+             f"{tokens} tokens: {matmul / 1e9:.1f} GFLOP/s")
+    batches = (1, 4)
+    f_small, f_large = (layer_flops(device, preset, dtype, b) for b in batches)
+    # Fit f(t) = peak * t / (t + k), the cost model's efficiency curve, to the two points.
+    t_small, t_large = (b * preset.seq_length for b in batches)
+    denominator = f_small * t_large - f_large * t_small
+    half = max(0.0, t_small * t_large * (f_large - f_small) / denominator if denominator else 0)
+    peak = f_large * (t_large + half) / t_large
+    progress(f"{preset.name} decoder layer forward: {f_small / 1e9:.1f} GFLOP/s at micro-batch "
+             f"{batches[0]}, {f_large / 1e9:.1f} at {batches[1]}: peak {peak / 1e9:.1f}, half "
+             f"of it at {half:.0f} tokens")
+    if on_cuda and torch.cuda.device_count() > 1:
+        p2p = gpu_p2p_rate(copy_bytes)
+        progress(f"GPU 0 -> GPU 1 {p2p / 1e9:.1f} GB/s")
+    else:
+        p2p = loopback_rate(copy_bytes)
+        progress(f"loopback socket (gloo between CPU ranks) {p2p / 1e9:.1f} GB/s")
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    memlock = None if soft == resource.RLIM_INFINITY else soft
+    host_total, shm_free = meminfo("MemTotal"), free_bytes(DEFAULT_SHM_DIR)
+    gpu_memory = torch.cuda.get_device_properties(0).total_memory if on_cuda else 0
+    progress(f"host memory {host_total / 2**30:.1f} GiB, /dev/shm free {shm_free / 2**30:.1f} "
+             f"GiB, ulimit -l {'unlimited' if memlock is None else memlock}"
+             + (f", GPU memory {gpu_memory / 2**30:.1f} GiB" if on_cuda else ""))
+    name = args.name or f"{platform.node()}-{device.kind}"
+    what = (torch.cuda.get_device_name(0) if on_cuda else f"CPU device layer on {platform.processor() or platform.machine()}")
+    profile = HardwareProfile(
+        name=name,
+        description=f"{gpus} x {what}, {cores} usable cores, measured by tools/profile_hardware.py",
+        gpu_peak_flops=peak,
+        gpu_max_efficiency=1.0,
+        efficiency_half_tokens=int(half),
+        pcie_bytes_per_s=h2d,
+        p2p_bytes_per_s=p2p,
+        cpu_optimizer_params_per_s=per_process * gpus,
+        gpus_per_node=gpus,
+        gpu_memory_bytes=gpu_memory,
+        gpu_reserved_bytes=(torch.cuda.mem_get_info()[1] - torch.cuda.mem_get_info()[0])
+        if on_cuda else 0,
+        d2h_bytes_per_s=d2h,
+        h2d_shm_bytes_per_s=h2d_shm,
+        host_memory_bytes_per_s=host_bw,
+        cpu_cores=cores,
+        host_memory_bytes=host_total,
+        shm_bytes=shm_free,
+        memlock_bytes=memlock,
+        process_baseline_bytes=rss_anon(),
+        device_kind=device.kind,
+        source=f"measured on {time.strftime('%Y-%m-%d')} in "
+               f"{time.perf_counter() - started:.0f} s (compute: a decoder layer of the {preset.name} "
+               "preset; the C++ AdamW rate is one process's times the GPUs per node, which "
+               "assumes they do not contend for memory bandwidth)",
+    )
+    device.close()
+    return profile
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=None, metavar="FILE.json",
+                        help="write the profile here (default: print it)")
+    parser.add_argument("--name", default=None, help="the profile's name (default: host-device)")
+    parser.add_argument("--gpus-per-node", type=int, default=None,
+                        help="processes (GPUs) per node training would run (default: the GPUs "
+                             "visible, or 2 on the CPU device layer)")
+    parser.add_argument("--model-preset", default="small",
+                        help="whose layer shapes the matmul uses (default: small)")
+    parser.add_argument("--bf16", action="store_true",
+                        help="measure the matmul in bf16 on the CPU layer (CUDA: always)")
+    args = parser.parse_args(argv)
+    if args.gpus_per_node is not None and args.gpus_per_node < 1:
+        parser.exit(2, f"{parser.prog}: error: --gpus-per-node {args.gpus_per_node}: "
+                       "expected a positive integer\n")
+    try:
+        get_preset(args.model_preset)
+    except KeyError as exc:
+        parser.exit(2, f"{parser.prog}: error: --model-preset {args.model_preset}: {exc}\n")
+    initialize_distributed()  # megatron-core's layers need its (one-process) groups
+    try:
+        text = profile(args).to_json()
+    finally:
+        shutdown_distributed()
+    if args.out:
+        atomic_write(args.out, lambda stream: stream.write(text.encode()))
+        progress(f"wrote {args.out}")
+    else:
+        print(text, end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
