@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -49,6 +49,7 @@ class _StepRecord:
     lr: float
     weight_decay: float
     step: int
+    clip: float = 1.0  # gradient clip factor the step used (after the unscaling)
 
 
 def available_isas() -> list[str]:
@@ -91,6 +92,11 @@ def check_gradient(
         grad=grad.data_ptr(), grad_dtype=_DTYPE_CODES[grad.dtype], n=grad.numel(),
         inv_scale=float(inv_scale), pool=shared_pool(int(threads), cores), isa=isa,
     )
+
+
+def _check_clip(clip: float) -> None:
+    if not 0.0 < clip <= 1.0:
+        raise ValueError(f"clip={clip} must lie in (0, 1]")
 
 
 class CPUAdamW:
@@ -226,18 +232,22 @@ class CPUAdamW:
         *,
         inv_scale: float = 1.0,
         out: torch.Tensor | None = None,
+        clip: float = 1.0,
     ) -> GroupStepResult:
-        """One AdamW step of `group` with grad * inv_scale; writes the updated parameters
-        into `out` (bf16, fp16 or fp32) when given. Leaves the group unchanged when the
-        unscaled gradient is not finite. Keep `grad` and `out` untouched until the step is
+        """One AdamW step of `group` with (grad * inv_scale) * clip; writes the updated
+        parameters into `out` (bf16, fp16 or fp32) when given. Leaves the group unchanged
+        when the unscaled gradient is not finite. The returned sum of squares is of the
+        unscaled, unclipped gradient. Keep `grad` and `out` untouched until the step is
         committed or rolled back."""
         i = self.check_inputs(group, grad, out)
         if not inv_scale > 0.0:
             raise ValueError(f"inv_scale={inv_scale} must be > 0")
+        _check_clip(clip)
         weight_decay = self.weight_decay * self.weight_decay_mults[i]
         if not 0.0 <= self.lr * weight_decay < 1.0:  # 1 - lr*wd divides in the inverse
             raise ValueError(f"lr*weight_decay={self.lr * weight_decay} for group {i} must lie in [0, 1)")
-        record = _StepRecord(grad, out, float(inv_scale), self.lr, weight_decay, self._steps[i] + 1)
+        record = _StepRecord(grad, out, float(inv_scale), self.lr, weight_decay,
+                             self._steps[i] + 1, float(clip))
         finite, sq = _kernel.step(**self._kernel_args(i, record))
         if finite:
             self._steps[i] = record.step
@@ -265,6 +275,20 @@ class CPUAdamW:
         self._steps[i] = record.step - 1
         self._last[i] = None
 
+    def correct_group(self, group: int, clip: float) -> None:
+        """Replace the group's last update by the same step with clip factor `clip`, in one
+        pass over p, m, v and the gradient (the pre-step state comes from the snapshot in
+        exact mode, bit-exact; otherwise from the arithmetic inverse, within the bound of
+        docs/cpu_optimizer.md, "Clipping corrections"). The working copy is rewritten."""
+        i = self._index(group)
+        record = self._last[i]
+        if record is None:
+            raise RuntimeError(f"group {i} has no update to correct")
+        _check_clip(clip)
+        corrected = replace(record, clip=float(clip))
+        _kernel.correct(**self._kernel_args(i, corrected), undo_clip=record.clip)
+        self._last[i] = corrected
+
     def commit_group(self, group: int) -> None:
         """Forget the group's last update (its gradient may be reused from now on)."""
         self._last[self._index(group)] = None
@@ -283,7 +307,7 @@ class CPUAdamW:
             snapshot=0 if snap is None else snap.data_ptr(), n=self._master[i].numel(),
             lr=r.lr, beta1=self.betas[0], beta2=self.betas[1], eps=self.eps,
             weight_decay=r.weight_decay, step=r.step, inv_scale=r.inv_scale,
-            pool=self._pool, isa=self.isa,
+            pool=self._pool, isa=self.isa, clip=r.clip,
         )
 
     def _index(self, group: int) -> int:

@@ -15,15 +15,18 @@ them all, in one of two schedules:
 (the SysX paper saw all its rollbacks in the first iterations, with a high initial scale).
 
 Gradient clipping by the global norm (`clip_grad > 0`): the norm comes from the sum of
-squares computed in the same pass as the check. In "sync" the clip factor is folded into
-the unscaling of the update. In "async" the groups have already updated when the norm is
-known: if it exceeds `clip_grad`, every group rolls back and steps again with the clip
-factor, which costs a second pass only in the iterations that clip.
+squares computed in the same pass as the check. In "sync" the clip factor is applied in
+the update. In "async" the groups have already updated when the norm is known, so the
+speculative step uses the clip factor predicted from the previous iteration's norm; when
+the true factor differs, one fused pass per group (`CPUAdamW.correct_group`) replaces the
+speculative step by the clipped one. Speculating with a factor close to the true one keeps
+that correction small, hence well-conditioned (docs/cpu_optimizer.md, "Clipping").
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +48,7 @@ class IterationResult:
     overflow_groups: tuple[int, ...]  # local groups whose gradient was not finite
     rolled_back_groups: tuple[int, ...]  # local groups that updated, then rolled back
     clipped: bool  # the update used a clip factor < 1
+    corrected_groups: tuple[int, ...] = ()  # local groups whose speculative step was re-clipped
 
 
 @dataclass(frozen=True)
@@ -100,6 +104,11 @@ class AsyncGroupOptimizer:
         self._rolled_back: tuple[int, ...] = ()
         self._iteration_mode: str | None = None
         self._scale = 1.0
+        # The clip factor of the last iteration that did not overflow: what a speculative
+        # step assumes, so that its correction is small (1.0 until a norm is known).
+        self.predicted_clip = 1.0
+        self._spec_clip = 1.0  # the factor this iteration's speculative steps use
+        self._corrected: tuple[int, ...] = ()
 
     def current_mode(self) -> str:
         """The schedule the next (or current) iteration runs with."""
@@ -130,7 +139,7 @@ class AsyncGroupOptimizer:
         self._submitted[group] = _Submission(grad, out)
         if self._verdict is not None:
             if not self._verdict.overflow:
-                self._update(group, self._submitted[group], self._verdict.clip / self._scale, ready)
+                self._update(group, self._submitted[group], self._verdict.clip, ready)
         elif self._iteration_mode == "async":
             self._speculated.add(group)
             self.runner.submit(group, self._speculative_task(group, grad, out), ready)
@@ -162,23 +171,30 @@ class AsyncGroupOptimizer:
                                  overflow_groups)
         return grad_norm
 
-    def correct(self) -> None:
+    def correct(self, order: Sequence[int] | None = None) -> None:
         """After the verdict: undo every speculative update when it says overflow, and
-        redo them with the clip factor when it clips."""
+        re-clip them in one fused pass each when the true clip factor differs from the
+        predicted one. `order`: the groups in the order they are needed next (the next
+        iteration's forward order); the others follow in group order."""
         verdict = self._verdict
         if verdict is None:
             raise RuntimeError("correct() before synchronize()")
-        if not (verdict.overflow or verdict.clip < 1.0):
+        if not verdict.overflow and verdict.clip == self._spec_clip:
             return
-        updated = tuple(s for s in sorted(self._speculated) if self.optimizer.has_update(s))
+        updated = [s for s in sorted(self._speculated) if self.optimizer.has_update(s)]
+        first = [s for s in (order or ()) if s in updated]
+        updated = tuple(dict.fromkeys(first + updated))
         for group in updated:
-            self.runner.submit(group, lambda s=group: self.optimizer.rollback_group(s))
+            if verdict.overflow:
+                task = (lambda s=group: self.optimizer.rollback_group(s))
+            else:
+                task = (lambda s=group: self.optimizer.correct_group(s, verdict.clip))
+            self.runner.submit(group, task)
         self.runner.wait_all()
-        self._rolled_back = updated
-        if not verdict.overflow:
-            for group in updated:
-                self._update(group, self._submitted[group], verdict.clip / self._scale)
-            self.runner.wait_all()
+        if verdict.overflow:
+            self._rolled_back = updated
+        else:
+            self._corrected = updated
 
     def end_iteration(self) -> IterationResult:
         """Commit this iteration's updates, adjust the loss scale, report."""
@@ -194,7 +210,10 @@ class AsyncGroupOptimizer:
             grad_norm=verdict.grad_norm, overflow_groups=verdict.overflow_groups,
             rolled_back_groups=self._rolled_back if verdict.overflow else (),
             clipped=not verdict.overflow and verdict.clip < 1.0,
+            corrected_groups=self._corrected,
         )
+        if not verdict.overflow:
+            self.predicted_clip = verdict.clip
         for group in self._submitted:
             self.optimizer.commit_group(group)
         self._reset()
@@ -212,7 +231,7 @@ class AsyncGroupOptimizer:
                 self.correct()
             elif not self._verdict.overflow:
                 for group, sub in self._submitted.items():
-                    self._update(group, sub, self._verdict.clip / self._scale)
+                    self._update(group, sub, self._verdict.clip)
                 self.runner.wait_all()
         except BaseException:
             self._reset()
@@ -234,6 +253,7 @@ class AsyncGroupOptimizer:
         if self._iteration_mode is None:
             self._iteration_mode = self.current_mode()
             self._scale = self.scaler.scale
+            self._spec_clip = self.predicted_clip if self.clip_grad > 0.0 else 1.0
 
     def _reset(self) -> None:
         self._submitted = {}
@@ -241,14 +261,16 @@ class AsyncGroupOptimizer:
         self._checks = {}
         self._verdict = None
         self._rolled_back = ()
+        self._corrected = ()
         self._iteration_mode = None
         self._scale = 1.0
 
     def _speculative_task(self, group: int, grad: torch.Tensor, out: torch.Tensor | None):
-        inv_scale = 1.0 / self._scale
+        inv_scale, clip = 1.0 / self._scale, self._spec_clip
 
         def task() -> tuple[bool, float]:
-            result = self.optimizer.step_group(group, grad, inv_scale=inv_scale, out=out)
+            result = self.optimizer.step_group(group, grad, inv_scale=inv_scale, out=out,
+                                               clip=clip)
             return result.updated, result.grad_sq_sum
         return task
 
@@ -259,10 +281,13 @@ class AsyncGroupOptimizer:
             return check_gradient(grad, inv_scale, adam.threads, adam.isa, adam.cores)
         return task
 
-    def _update(self, group: int, sub: _Submission, inv_scale: float,
+    def _update(self, group: int, sub: _Submission, clip: float,
                 ready: ReadySignal = None) -> None:
+        inv_scale = 1.0 / self._scale
+
         def task() -> tuple[None, float]:
-            result = self.optimizer.step_group(group, sub.grad, inv_scale=inv_scale, out=sub.out)
+            result = self.optimizer.step_group(group, sub.grad, inv_scale=inv_scale,
+                                               out=sub.out, clip=clip)
             if not result.updated:  # the check passed: only a changed buffer gets here
                 raise RuntimeError(f"group {group}: gradient became non-finite after its check")
             return None, 0.0
