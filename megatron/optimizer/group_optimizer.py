@@ -26,14 +26,20 @@ that correction small, hence well-conditioned (docs/cpu_optimizer.md, "Clipping"
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from megatron.optimizer.cpu_adam import CPUAdamW, check_gradient
-from megatron.optimizer.group_tasks import GroupTaskError, GroupTaskRunner, ReadySignal
+from megatron.optimizer.group_tasks import (
+    GroupTaskError,
+    GroupTaskRunner,
+    ReadySignal,
+    wait_ready,
+)
 from megatron.optimizer.loss_scaler import LossScaler
 
 MODES = ("async", "sync")
@@ -109,6 +115,9 @@ class AsyncGroupOptimizer:
         self.predicted_clip = 1.0
         self._spec_clip = 1.0  # the factor this iteration's speculative steps use
         self._corrected: tuple[int, ...] = ()
+        # Corrections still running past the end of their iteration, by group: the group's
+        # next task waits for its own (see correct_deferred).
+        self._trailing: dict[int, Future] = {}
 
     def current_mode(self) -> str:
         """The schedule the next (or current) iteration runs with."""
@@ -136,6 +145,7 @@ class AsyncGroupOptimizer:
             raise ValueError(f"group {group} was already submitted in this iteration")
         self.optimizer.check_inputs(group, grad, out)  # fail here, not in a task
         self._begin()
+        ready = self._after_trailing(group, ready)
         self._submitted[group] = _Submission(grad, out)
         if self._verdict is not None:
             if not self._verdict.overflow:
@@ -151,7 +161,7 @@ class AsyncGroupOptimizer:
         before the verdict (the synchronous schedules' check as gradients land)."""
         self.optimizer.check_inputs(group, grad)
         self._begin()
-        self.runner.submit(group, self._check_task(grad), ready)
+        self.runner.submit(group, self._check_task(grad), self._after_trailing(group, ready))
 
     def wait_all(self) -> None:
         """Wait for every started task; a failed task undoes the updates of this round."""
@@ -174,27 +184,82 @@ class AsyncGroupOptimizer:
     def correct(self, order: Sequence[int] | None = None) -> None:
         """After the verdict: undo every speculative update when it says overflow, and
         re-clip them in one fused pass each when the true clip factor differs from the
-        predicted one. `order`: the groups in the order they are needed next (the next
-        iteration's forward order); the others follow in group order."""
+        predicted one; returns when all are done. `order`: the groups in the order they are
+        needed next; the others follow in group order."""
+        needed = self._needing_correction()
+        first = [s for s in (order or ()) if s in needed]
+        for group in dict.fromkeys(first + needed):
+            self.runner.submit(group, lambda s=group, v=self._verdict: self._correct_group(s, v))
+        self.runner.wait_all()
+
+    def correct_deferred(
+        self, batches: Sequence[tuple[Sequence[int], Callable[[], None]]],
+    ) -> list[Future | None]:
+        """correct() without waiting: one task per batch of groups, in the order given (the
+        next iteration's forward order), that corrects those of its groups that need it,
+        commits them, then calls the batch's `then` (e.g. publish the stage's parameters).
+        A batch with nothing to correct gets None: its caller runs `then` itself. The
+        next submit() or check() of a group waits for its correction; drain() waits for
+        all (before anything reads the state)."""
+        needed = set(self._needing_correction())
+        futures: list[Future | None] = []
+        for groups, then in batches:
+            mine = tuple(g for g in groups if g in needed)
+            if not mine:
+                futures.append(None)
+                continue
+
+            def task(mine: tuple[int, ...] = mine, then: Callable[[], None] = then,
+                     verdict: _Verdict = self._verdict) -> None:
+                for group in mine:
+                    self._correct_group(group, verdict)
+                    self.optimizer.commit_group(group)
+                then()
+            future = self.runner.submit_detached(task)
+            for group in mine:
+                self._trailing[group] = future
+            futures.append(future)
+        return futures
+
+    def drain(self) -> None:
+        """Wait for every deferred correction; raises GroupTaskError for a failed one."""
+        trailing, self._trailing = self._trailing, {}
+        for group, future in sorted(trailing.items()):
+            try:
+                future.result()
+            except BaseException as error:
+                raise GroupTaskError(group, error, {}) from error
+
+    def _needing_correction(self) -> list[int]:
+        """The speculative updates the verdict changes (recorded for the result)."""
         verdict = self._verdict
         if verdict is None:
             raise RuntimeError("correct() before synchronize()")
         if not verdict.overflow and verdict.clip == self._spec_clip:
-            return
-        updated = [s for s in sorted(self._speculated) if self.optimizer.has_update(s)]
-        first = [s for s in (order or ()) if s in updated]
-        updated = tuple(dict.fromkeys(first + updated))
-        for group in updated:
-            if verdict.overflow:
-                task = (lambda s=group: self.optimizer.rollback_group(s))
-            else:
-                task = (lambda s=group: self.optimizer.correct_group(s, verdict.clip))
-            self.runner.submit(group, task)
-        self.runner.wait_all()
+            return []
+        updated = tuple(s for s in sorted(self._speculated) if self.optimizer.has_update(s))
         if verdict.overflow:
             self._rolled_back = updated
         else:
             self._corrected = updated
+        return list(updated)
+
+    def _correct_group(self, group: int, verdict: _Verdict) -> None:
+        if verdict.overflow:
+            self.optimizer.rollback_group(group)
+        else:
+            self.optimizer.correct_group(group, verdict.clip)
+
+    def _after_trailing(self, group: int, ready: ReadySignal) -> ReadySignal:
+        """`ready`, preceded by the group's deferred correction if one is running."""
+        future = self._trailing.pop(group, None)
+        if future is None:
+            return ready
+
+        def wait() -> None:
+            future.result()
+            wait_ready(ready)
+        return wait
 
     def end_iteration(self) -> IterationResult:
         """Commit this iteration's updates, adjust the loss scale, report."""
@@ -215,7 +280,8 @@ class AsyncGroupOptimizer:
         if not verdict.overflow:
             self.predicted_clip = verdict.clip
         for group in self._submitted:
-            self.optimizer.commit_group(group)
+            if group not in self._trailing:  # a deferred correction commits its own
+                self.optimizer.commit_group(group)
         self._reset()
         self.scaler.update(verdict.overflow)
         self._clean_in_a_row = 0 if verdict.overflow else self._clean_in_a_row + 1
@@ -239,7 +305,10 @@ class AsyncGroupOptimizer:
         return self.end_iteration()
 
     def close(self) -> None:
-        self.runner.close()
+        try:
+            self.drain()
+        finally:
+            self.runner.close()
 
     def __enter__(self) -> AsyncGroupOptimizer:
         return self

@@ -163,6 +163,8 @@ class Pipeline:
         batches = [{k: v.to(self.device.torch_device) for k, v in b.items()} for b in micro_batches]
         stats = self.executor.run_iteration(
             iteration, batches, record_timeline=iteration == self.config.record_timeline_at)
+        if self.replicas:  # pushed from the segments: their corrections must be done
+            self.optimizer.drain()
         push_replicas(self.replicas, self.store, self.rank, self.host_group)
         self.last_iteration = iteration
         loss, breakdown = self._breakdown(stats)
@@ -173,11 +175,13 @@ class Pipeline:
         """All-reduce the loss (from the last forward stage's rank) and per-rank figures."""
         world = self.schedule.ranks
         has_loss = self.schedule.forward_rank[-1] == self.rank
-        table = torch.zeros(world + 1, 6 + len(MEMORY_CATEGORIES), dtype=torch.float64)
+        extra = 6 + len(MEMORY_CATEGORIES)  # columns after the memory categories
+        table = torch.zeros(world + 1, extra + 1, dtype=torch.float64)
         table[self.rank] = torch.tensor(
             [stats.compute_s, stats.bubble_s, stats.exposed_optimizer_s, stats.iteration_s,
              stats.host_syncs, stats.memory_peak_bytes]
-            + [stats.memory_breakdown[name] for name in MEMORY_CATEGORIES])
+            + [stats.memory_breakdown[name] for name in MEMORY_CATEGORIES]
+            + [stats.clip_corrections_exposed_s])
         table[world, 0] = stats.loss if has_loss else 0.0
         dist.all_reduce(table, group=self.host_group)
         per_rank = [{"rank": r, "gpu_time_s": float(table[r, 0]),
@@ -199,6 +203,8 @@ class Pipeline:
             "device_memory_peak_bytes": int(table[:world, 5].max()),
             "per_rank": per_rank,
             "schedule": self.schedule.name,
+            # of exposed_optimizer_time_s: waits for clipping corrections / rollbacks
+            "clip_corrections_exposed_s": float(means[extra]),
         }
 
     def _gather_events(self, stats: IterationStats) -> list[TimedEvent]:
@@ -211,6 +217,7 @@ class Pipeline:
     def state_dict(self) -> dict:
         """fp32 masters by whole-model parameter name (the one-process checkpoint's names),
         plus the owned stages' Adam moments."""
+        self.optimizer.drain()
         model = {}
         for b, owner in self.owners.items():
             module = self.modules[b]
@@ -231,6 +238,7 @@ class Pipeline:
         if state.get("pipeline") != self.schedule.shape():
             raise ValueError(f"checkpoint was saved with pipeline {state.get('pipeline')}, "
                              f"this run uses {self.schedule.shape()}")
+        self.optimizer.drain()
         loaded = []
         for b, owner in self.owners.items():
             module = self.modules[b]

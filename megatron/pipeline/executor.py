@@ -40,6 +40,7 @@ import os
 import signal
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -86,6 +87,9 @@ class IterationStats:
     memory_peak_bytes: int  # device memory the runtime held at most (MemoryBook)
     memory_breakdown: dict  # by category, at that peak
     events: list[TimedEvent] = field(default_factory=list)  # when recorded
+    # Of exposed_optimizer_s: the main thread waiting for the previous iteration's deferred
+    # clipping corrections / rollbacks (before a forward of a stage not yet corrected).
+    clip_corrections_exposed_s: float = 0.0
 
     @property
     def bubble_s(self) -> float:
@@ -128,6 +132,10 @@ class PipelineExecutor:
             (i.stage, i.sub, i.mb) for i in self.program if i.op == Op.IRECV_CKPT)
         self._fail_at = _failure_to_inject(rank)
         self.last_stage = schedule.forward_stages - 1
+        # Deferred corrections of the previous iteration, by owned stage (see _rollback_if_overflow).
+        self._trailing: dict[BackwardStage, Future] = {}
+        self._publishers: dict[BackwardStage, Callable[[], None]] = {}
+        self._correction_wait_s = 0.0
 
     # --- one iteration -----------------------------------------------------------------
 
@@ -145,6 +153,8 @@ class PipelineExecutor:
         self._isends: list[tuple[dist.Work, torch.Tensor]] = []
         self._grads: dict[tuple[BackwardStage, int], torch.Tensor] = {}
         self._loss_sum: torch.Tensor | None = None  # on the device: read once at the end
+        self._correction_wait_s = 0.0
+        self._publishers = {}
         syncs_before = self.device.host_syncs
         self.device.reset_peak_memory()
         for owner in self.owned.values():
@@ -177,20 +187,26 @@ class PipelineExecutor:
         for b in list(self._slots):
             self.param_slots.release(self._slots.pop(b))
         result = self.optimizer.end_iteration()
-        for owner in self.owned.values():
-            owner.publish(iteration)
+        for b, owner in self.owned.items():
+            if b in self._publishers:
+                self._publishers.pop(b)()
+            elif b not in self._trailing:  # the others publish when their correction is done
+                owner.publish(iteration)
         self.device.wait_for(self.device.compute_stream)
         iteration_s = time.perf_counter() - start
         compute_s = sum(end.time_s() - begin.time_s() for _, begin, end in computed)
-        optimizer_s = sum(end - begin for _, begin, end in waited)
+        optimizer_s = sum(end - begin for _, begin, end in waited) + self._correction_wait_s
         events = self._timeline(start_event.time_s(), start, computed, waited) if record_timeline else []
         loss = 0.0
         if self._loss_sum is not None:
             loss = self.device.read_scalar(self._loss_sum) / self.schedule.micro_batches
         host_syncs = self.device.host_syncs - syncs_before
         memory = self.device.memory
+        correction_s = self._correction_wait_s + sum(
+            end - begin for instr, begin, end in waited if instr.op == Op.ROLLBACK_IF_OVERFLOW)
         return IterationStats(loss, result, iteration_s, compute_s, optimizer_s, host_syncs,
-                              memory.peak_bytes, dict(memory.peak_breakdown), events)
+                              memory.peak_bytes, dict(memory.peak_breakdown), events,
+                              clip_corrections_exposed_s=correction_s)
 
     def _timeline(self, origin_event_s: float, origin_host_s: float, computed, waited) -> list[TimedEvent]:
         """The iteration as timed events from its start (seconds), in the simulator's format."""
@@ -220,6 +236,7 @@ class PipelineExecutor:
     def _prefetch(self, instr: Instruction) -> None:
         for b in self.schedule.params_of(instr.stage, instr.sub):
             if b not in self._slots:
+                self._wait_for_correction(b)
                 segment = self.store.get(b)
                 segment.wait_version(self._iteration - 1)
                 self._slots[b] = self.param_slots.prefetch(b, segment.params)
@@ -280,7 +297,24 @@ class PipelineExecutor:
         self.optimizer.synchronize()
 
     def _rollback_if_overflow(self, instr: Instruction) -> None:
-        self.optimizer.correct()
+        """Corrections (overflow rollbacks, clipping corrections) go on past the end of the
+        iteration, one task per owned stage in the next iteration's forward order; each
+        publishes its stage when done, so a forward waits only for its own stage's."""
+        owners = sorted(self.owned.items())  # forward order: stage, then sub
+        publishers = {b: owner.publisher(self._iteration) for b, owner in owners}
+        futures = self.optimizer.correct_deferred(
+            [(owner.groups, publishers[b]) for b, owner in owners])
+        self._trailing = {b: f for (b, _), f in zip(owners, futures) if f is not None}
+        self._publishers = {b: p for b, p in publishers.items() if b not in self._trailing}
+
+    def _wait_for_correction(self, b: BackwardStage) -> None:
+        """Before using an owned stage's parameters: its deferred correction must be done
+        (other ranks wait for the segment's version instead)."""
+        future = self._trailing.pop(b, None)
+        if future is not None and not future.done():
+            t0 = time.perf_counter()
+            future.result()
+            self._correction_wait_s += time.perf_counter() - t0
 
     # --- device memory -------------------------------------------------------------------
 
