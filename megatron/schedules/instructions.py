@@ -115,7 +115,8 @@ OP_SPECS: dict[Op, OpSpec] = {
                               "the verdict", "post_step_sync"),
     Op.ROLLBACK_IF_OVERFLOW: OpSpec("", Stepping.LOCAL, "cpu-optimizer",
                                     "undo the speculative steps when the verdict says "
-                                    "overflow; redo them with the clip factor when it clips", "rollback_if_overflow"),
+                                    "overflow, re-clip them in one pass when the clip factor "
+                                    "differs; per stage, behind the next forward wave", "rollback_if_overflow"),
 }
 
 BLOCKING_SENDS = frozenset(op for op, spec in OP_SPECS.items() if spec.stepping == Stepping.SEND)
