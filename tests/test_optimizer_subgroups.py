@@ -1,0 +1,88 @@
+"""Optimizer subgroups: every k-th subgroup of a group updated through the device layer
+(copies in, torch AdamW, flush out) while the C++ kernel updates the others; checked
+against the same group stepped in one piece by the kernel."""
+
+import pytest
+import torch
+
+from megatron.offload.device import DeviceLayer
+from megatron.optimizer import CPUAdamW
+from megatron.optimizer.subgroups import plan_resident, plan_subgroups
+from megatron.pipeline.subgroup_device import DeviceSubgroupUpdater
+
+pytestmark = pytest.mark.unit
+
+
+def test_plan_marks_every_kth_subgroup_and_tiles_the_group():
+    plan = plan_subgroups(10, 3, 2)
+    assert [(s.lo, s.hi, s.on_device) for s in plan] == [
+        (0, 3, False), (3, 6, True), (6, 9, False), (9, 10, True)]
+    assert not any(s.on_device for s in plan_subgroups(10, 3, 0))
+    resident = plan_resident(10, 4, 0.5)
+    assert [(s.lo, s.hi, s.on_device) for s in resident] == [
+        (0, 4, True), (4, 5, True), (5, 9, False), (9, 10, False)]
+
+
+def _pair(n, exact, wd=0.1, seed=0):
+    init = torch.randn(n, generator=torch.Generator().manual_seed(seed))
+    return [CPUAdamW([init], lr=1e-2, weight_decay=wd, threads=1, exact_rollback=exact)
+            for _ in range(2)]
+
+
+def _state(opt):
+    return [t.clone() for t in (opt.master(0), opt.exp_avg(0), opt.exp_avg_sq(0))]
+
+
+@pytest.mark.parametrize("exact", [False, True])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_device_subgroups_match_the_kernel_step_rollback_and_correction(exact, out_dtype):
+    n, size = 5000, 700
+    reference, split = _pair(n, exact)
+    with DeviceLayer("cpu") as device:
+        updater = DeviceSubgroupUpdater(device, size)
+        split.set_subgroups(0, plan_subgroups(n, size, 2), updater)
+        gen = torch.Generator().manual_seed(1)
+        outs = [torch.empty(n, dtype=out_dtype) for _ in range(2)]
+        for step in range(4):
+            grad = torch.randn(n, generator=gen) * 4096.0  # unscaled by inv_scale below
+            results = [opt.step_group(0, grad, inv_scale=1 / 4096.0, out=o, clip=0.5)
+                       for opt, o in zip((reference, split), outs)]
+            assert all(r.updated for r in results)
+            assert results[1].grad_sq_sum == pytest.approx(results[0].grad_sq_sum, rel=1e-6)
+            if step == 2:  # a clipping correction, then a rollback of another step
+                for opt in (reference, split):
+                    opt.correct_group(0, 0.125)
+            if step == 3:
+                for opt in (reference, split):
+                    opt.rollback_group(0)
+            for opt in (reference, split):
+                if opt.has_update(0):
+                    opt.commit_group(0)
+            for got, want in zip(_state(split), _state(reference)):
+                torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+            torch.testing.assert_close(outs[1], outs[0], rtol=1e-2 if out_dtype != torch.float32
+                                       else 1e-6, atol=1e-7)
+        assert updater.launched == 4 * 4  # 8 subgroups, every 2nd on the device, 4 steps
+        assert updater.nbytes > 0
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_a_non_finite_gradient_in_any_subgroup_leaves_the_group_unchanged(exact):
+    """As the kernel: bit-exact with the snapshot, else within the inverse's bound."""
+    n, size = 3000, 500
+    _, split = _pair(n, exact=exact)
+    with DeviceLayer("cpu") as device:
+        split.set_subgroups(0, plan_subgroups(n, size, 2), DeviceSubgroupUpdater(device, size))
+        split.step_group(0, torch.randn(n))
+        split.commit_group(0)
+        before = _state(split)
+        for bad in (600, 2600, 10):  # a device subgroup, another, a CPU subgroup
+            grad = torch.randn(n)
+            grad[bad] = float("inf")
+            result = split.step_group(0, grad)
+            assert not result.updated and not split.has_update(0)
+            for got, want in zip(_state(split), before):
+                if exact:
+                    assert torch.equal(got, want)
+                else:
+                    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-9)
