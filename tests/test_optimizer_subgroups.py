@@ -85,4 +85,4 @@ def test_a_non_finite_gradient_in_any_subgroup_leaves_the_group_unchanged(exact)
                 if exact:
                     assert torch.equal(got, want)
                 else:
-                    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-9)
+                    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -182,6 +183,9 @@ class CPUAdamW:
         # Per group: its subgroups when some are updated on the device (set_subgroups).
         self._subgroups: list[tuple[Subgroup, ...] | None] = [None] * len(self._master)
         self._device: DeviceUpdater | None = None
+        # perf_counter() when the latest step's CPU part / device part finished (metrics)
+        self.cpu_done_s = 0.0
+        self.device_done_s = 0.0
 
     # --- state -------------------------------------------------------------------------
 
@@ -258,6 +262,7 @@ class CPUAdamW:
             finite, sq = self._step_subgroups(i, record)
         else:
             finite, sq = _kernel.step(**self._kernel_args(i, record))
+            self.cpu_done_s = max(self.cpu_done_s, time.perf_counter())
         if finite:
             self._steps[i] = record.step
             self._last[i] = record
@@ -361,7 +366,10 @@ class CPUAdamW:
         for s, args in zip([s for s in subgroups if not s.on_device],
                            self._range_args(i, r, on_device=False)):
             results.append((s, *_kernel.step(**args)))
+        self.cpu_done_s = max(self.cpu_done_s, time.perf_counter())
         results += [(s, *update.result()) for s, update in launched]
+        if launched:
+            self.device_done_s = max(self.device_done_s, time.perf_counter())
         if all(finite for _, finite, _ in results):
             return True, sum(sq for _, _, sq in results)
         updated = {s for s, finite, _ in results if finite}

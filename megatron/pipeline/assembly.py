@@ -26,14 +26,18 @@ from megatron.offload.prefetch import ParamSlots
 from megatron.optimizer.cpu_adam import CPUAdamW
 from megatron.optimizer.group_optimizer import AsyncGroupOptimizer, IterationResult
 from megatron.optimizer.loss_scaler import ConstantLossScaler, DynamicLossScaler, LossScaler
+from megatron.optimizer.subgroups import plan_subgroups
 from megatron.pipeline.config import PipelineConfig
 from megatron.pipeline.executor import IterationStats, PipelineExecutor
 from megatron.pipeline.host_group import host_group
+from megatron.pipeline.optimizer_calibration import calibrated_update_rates
 from megatron.pipeline.owner import BackwardStageOwner
 from megatron.pipeline.p2p import MessageShape, PointToPoint
 from megatron.pipeline.replicas import holds_segment, plan_replicas, push_replicas
 from megatron.pipeline.stage_modules import StageModule, build_stage_modules
-from megatron.schedules.instructions import WHOLE_STAGE, BackwardStage
+from megatron.pipeline.subgroup_device import DeviceSubgroupUpdater, default_subgroup_size
+from megatron.schedules.instructions import WHOLE_STAGE, BackwardStage, Op
+from megatron.schedules.optimizer_stride import gpu_update_stride
 from megatron.schedules.timeline import TimedEvent
 from megatron.schedules.validator import validate
 
@@ -78,6 +82,8 @@ class Pipeline:
             self.cpu_adam, self.scaler, clip_grad=config.optimizer.clip_grad,
             max_workers=max(1, min(4, self.cpu_adam.num_groups)), process_group=self.host_group)
         self.executor = self._executor(model_cfg)
+        self.gpu_stride, self.subgroup_updater = self._plan_subgroups()
+        self.executor.subgroup_updater = self.subgroup_updater
         self.last_iteration = 0
 
     # --- assembly ----------------------------------------------------------------------
@@ -129,6 +135,37 @@ class Pipeline:
                         threads=o.threads, weight_decay_mults=mults)
         return adam, owners
 
+    def _plan_subgroups(self) -> tuple[int, DeviceSubgroupUpdater | None]:
+        """Split the groups of the stages this rank's program starts with
+        OPTIMIZER_START_SUBGROUPS into subgroups, every k-th updated on the device (k from
+        the flag, or Eq. 1 over the calibrated rates). Returns (k, the device updater)."""
+        settings = self.config.subgroups
+        stages = sorted({BackwardStage(i.stage, i.sub) for i in self.schedule.programs[self.rank]
+                         if i.op == Op.OPTIMIZER_START_SUBGROUPS})
+        if settings is None or not stages:
+            return 0, None
+        stride = settings.stride
+        if stride is None:
+            rates = calibrated_update_rates(
+                self.device, self.cpu_adam.threads, settings.cache_dir,
+                log=lambda line: print(f"rank {self.rank}: {line}", flush=True))
+            model = gpu_update_stride(rates)
+            stride = model.k
+            print(f"rank {self.rank}: optimizer GPU stride k = {stride} (Eq. 1: "
+                  f"{model.k_real:.3g}) for stages {[tuple(b) for b in stages]}", flush=True)
+        if stride == 0:
+            return 0, None
+        sizes = [hi - lo for b in stages for lo, hi in self.owners[b].bounds()]
+        size = settings.size or default_subgroup_size(max(sizes))
+        updater = DeviceSubgroupUpdater(self.device, min(size, max(sizes)))
+        for b in stages:
+            owner = self.owners[b]
+            for group, (lo, hi) in zip(owner.groups, owner.bounds()):
+                if hi > lo:
+                    self.cpu_adam.set_subgroups(group, plan_subgroups(hi - lo, size, stride),
+                                                updater)
+        return stride, updater
+
     def _executor(self, model_cfg: LlamaConfig) -> PipelineExecutor:
         s = self.schedule
         slot_numel = max(m.layout.numel for m in self.modules.values())
@@ -176,12 +213,13 @@ class Pipeline:
         world = self.schedule.ranks
         has_loss = self.schedule.forward_rank[-1] == self.rank
         extra = 6 + len(MEMORY_CATEGORIES)  # columns after the memory categories
-        table = torch.zeros(world + 1, extra + 1, dtype=torch.float64)
+        table = torch.zeros(world + 1, extra + 3, dtype=torch.float64)
         table[self.rank] = torch.tensor(
             [stats.compute_s, stats.bubble_s, stats.exposed_optimizer_s, stats.iteration_s,
              stats.host_syncs, stats.memory_peak_bytes]
             + [stats.memory_breakdown[name] for name in MEMORY_CATEGORIES]
-            + [stats.clip_corrections_exposed_s])
+            + [stats.clip_corrections_exposed_s, stats.exposed_optimizer_device_s,
+               self.gpu_stride])
         table[world, 0] = stats.loss if has_loss else 0.0
         dist.all_reduce(table, group=self.host_group)
         per_rank = [{"rank": r, "gpu_time_s": float(table[r, 0]),
@@ -205,6 +243,11 @@ class Pipeline:
             "schedule": self.schedule.name,
             # of exposed_optimizer_time_s: waits for clipping corrections / rollbacks
             "clip_corrections_exposed_s": float(means[extra]),
+            # of exposed_optimizer_time_s: on the device (subgroups still flushing after the
+            # CPU's part was done) and the rest, on the CPU
+            "exposed_optimizer_device_time_s": float(means[extra + 1]),
+            "exposed_optimizer_cpu_time_s": float(means[2] - means[extra + 1]),
+            "optimizer_gpu_stride": int(table[:world, extra + 2].max()),
         }
 
     def _gather_events(self, stats: IterationStats) -> list[TimedEvent]:

@@ -27,6 +27,16 @@ class OptimizerSettings:
 
 
 @dataclass(frozen=True)
+class SubgroupSettings:
+    """Optimizer subgroups updated on the device (Deep Optimizer States) for the stages
+    whose program says OPTIMIZER_START_SUBGROUPS."""
+
+    stride: int | None  # every stride-th subgroup on the device; None: Eq. 1 (calibrated)
+    size: int | None = None  # parameters per subgroup; None: from the largest such stage
+    cache_dir: str = ""  # where the calibrated rates are cached (stride None)
+
+
+@dataclass(frozen=True)
 class LossScaling:
     """Dynamic loss scaling (fp16 only)."""
 
@@ -46,6 +56,7 @@ class PipelineConfig:
     inject_overflow: tuple[int, BackwardStage] | None = None  # testing: (iteration, stage)
     record_timeline_at: int | None = None  # the iteration whose events are gathered
     p2p_check: bool = False  # testing: a header with each tensor, checked on receipt
+    subgroups: SubgroupSettings | None = None  # None: every update on the CPU
 
     @property
     def ranks(self) -> int:

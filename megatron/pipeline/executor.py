@@ -24,6 +24,8 @@ interpreter, so they are compared on equal terms. What each instruction does:
   the speculative steps' own checks. ROLLBACK_IF_OVERFLOW: undo the speculative steps on
   overflow, redo them with the clip factor when the norm clips.
 - OPTIMIZER_WAIT_ALL: wait for every optimizer task this rank started.
+- OPTIMIZER_START_SUBGROUPS: OPTIMIZER_START for a stage whose groups the assembly split
+  into subgroups, every k-th stepped on the device (megatron/pipeline/subgroup_device.py).
 
 What an instruction does is chosen from its op (`OP_SPECS[op].method`), never from the schedule's
 name. After the program, the optimizer commits the iteration and updates the loss scale.
@@ -56,6 +58,7 @@ from megatron.optimizer.group_optimizer import AsyncGroupOptimizer, IterationRes
 from megatron.pipeline.owner import BackwardStageOwner
 from megatron.pipeline.p2p import PointToPoint
 from megatron.pipeline.stage_modules import StageModule
+from megatron.pipeline.subgroup_device import DeviceSubgroupUpdater
 from megatron.schedules.instructions import (
     COMPUTE,
     OP_SPECS,
@@ -90,6 +93,8 @@ class IterationStats:
     # Of exposed_optimizer_s: the main thread waiting for the previous iteration's deferred
     # clipping corrections / rollbacks (before a forward of a stage not yet corrected).
     clip_corrections_exposed_s: float = 0.0
+    # Of exposed_optimizer_s: waiting after the CPU's part was done, for device subgroups.
+    exposed_optimizer_device_s: float = 0.0
 
     @property
     def bubble_s(self) -> float:
@@ -136,6 +141,7 @@ class PipelineExecutor:
         self._trailing: dict[BackwardStage, Future] = {}
         self._publishers: dict[BackwardStage, Callable[[], None]] = {}
         self._correction_wait_s = 0.0
+        self.subgroup_updater: DeviceSubgroupUpdater | None = None  # set by the assembly
 
     # --- one iteration -----------------------------------------------------------------
 
@@ -206,7 +212,18 @@ class PipelineExecutor:
             end - begin for instr, begin, end in waited if instr.op == Op.ROLLBACK_IF_OVERFLOW)
         return IterationStats(loss, result, iteration_s, compute_s, optimizer_s, host_syncs,
                               memory.peak_bytes, dict(memory.peak_breakdown), events,
-                              clip_corrections_exposed_s=correction_s)
+                              clip_corrections_exposed_s=correction_s,
+                              exposed_optimizer_device_s=self._device_wait_s(waited))
+
+    def _device_wait_s(self, waited: list[tuple[Instruction, float, float]]) -> float:
+        """The part of the waits for optimizer tasks that came after every CPU subgroup
+        and CPU group of this rank was done, while device subgroups were still flushing."""
+        if self.subgroup_updater is None:
+            return 0.0
+        adam = self.optimizer.optimizer
+        cpu_done, device_done = adam.cpu_done_s, adam.device_done_s
+        return sum(max(0.0, min(end, device_done) - max(begin, cpu_done))
+                   for instr, begin, end in waited if instr.op == Op.OPTIMIZER_WAIT_ALL)
 
     def _timeline(self, origin_event_s: float, origin_host_s: float, computed, waited) -> list[TimedEvent]:
         """The iteration as timed events from its start (seconds), in the simulator's format."""
@@ -283,6 +300,14 @@ class PipelineExecutor:
     def _optimizer_start(self, instr: Instruction) -> None:
         self.owned[BackwardStage(instr.stage, instr.sub)].step(self.optimizer)
 
+    def _optimizer_start_subgroups(self, instr: Instruction) -> None:
+        b = BackwardStage(instr.stage, instr.sub)
+        owner = self.owned[b]
+        if self.subgroup_updater is not None and not any(
+                self.optimizer.optimizer.subgroups(g) for g in owner.groups):
+            raise RuntimeError(f"backward stage {b} has no subgroups planned")
+        owner.step(self.optimizer)  # the groups' subgroup plans route the device part
+
     def _optimizer_wait_all(self, instr: Instruction) -> None:
         self.optimizer.wait_all()
 
@@ -334,6 +359,7 @@ class PipelineExecutor:
             "gradient_buffers": self.grad_buffers.nbytes + upcast,
             "activation_checkpoints": checkpoints,
             "activations": activations + working,
+            "optimizer_subgroups": 0 if self.subgroup_updater is None else self.subgroup_updater.nbytes,
         })
 
     # --- compute -------------------------------------------------------------------------

@@ -16,6 +16,12 @@ from megatron.offload.device import DeviceLayer, Event
 from megatron.optimizer.subgroups import AdamHyper, adam_step_torch
 
 
+def default_subgroup_size(largest_group: int) -> int:
+    """An eighth of the largest group split, at least 4096 parameters: enough subgroups
+    for the stride to interleave, each large enough to keep the copies efficient."""
+    return max(4096, -(-largest_group // 8))
+
+
 class _Slot:
     def __init__(self, device: DeviceLayer, numel: int) -> None:
         self.p, self.m, self.v, self.g = (device.empty(numel, torch.float32) for _ in range(4))
