@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatron.offload.device import DeviceLayer
-from megatron.optimizer import CPUAdamW
+from megatron.optimizer import AsyncGroupOptimizer, CPUAdamW, DynamicLossScaler
 from megatron.optimizer.subgroups import plan_resident, plan_subgroups
 from megatron.pipeline.subgroup_device import DeviceSubgroupUpdater
 
@@ -86,3 +86,48 @@ def test_a_non_finite_gradient_in_any_subgroup_leaves_the_group_unchanged(exact)
                     assert torch.equal(got, want)
                 else:
                     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("clip_grad", [0.0, 1e-3])
+def test_speculative_iterations_with_fp16_overflow_and_clipping_match_the_cpu_only_run(clip_grad):
+    """The decoupled optimizer's path (speculative steps, verdict, deferred corrections or
+    rollback on an injected overflow) with device subgroups equals the CPU-only run."""
+    n, size = 4000, 600
+    gen = torch.Generator().manual_seed(3)
+    init = [torch.randn(n, generator=gen) for _ in range(2)]
+    grads = [[(torch.randn(n, generator=gen) * 64).half() for _ in range(2)] for _ in range(4)]
+    grads[2][1][1234] = float("inf")  # iteration 2 overflows in a device subgroup of group 1
+    runs = []
+    with DeviceLayer("cpu") as device:
+        for subgroups in (False, True):
+            adam = CPUAdamW([t.clone() for t in init], lr=1e-2, weight_decay=0.1, threads=1)
+            if subgroups:
+                updater = DeviceSubgroupUpdater(device, size)
+                for group in range(2):
+                    adam.set_subgroups(group, plan_subgroups(n, size, 2), updater)
+            outs = [torch.empty(n, dtype=torch.float16) for _ in range(2)]
+            results = []
+            with AsyncGroupOptimizer(adam, DynamicLossScaler(64.0), clip_grad=clip_grad,
+                                     max_workers=2) as opt:
+                for step_grads in grads:
+                    for group, grad in enumerate(step_grads):
+                        opt.submit(group, grad, out=outs[group])
+                    opt.wait_all()
+                    opt.synchronize()
+                    opt.correct_deferred([((0, 1), lambda: None)])
+                    results.append(opt.end_iteration())
+                opt.drain()
+            runs.append((results, [_state_of(adam, g) for g in range(2)], outs))
+    (ref_results, ref_state, ref_outs), (results, state, outs) = runs
+    assert [r.skipped for r in results] == [r.skipped for r in ref_results] == [
+        False, False, True, False]
+    assert [r.clipped for r in results] == [r.clipped for r in ref_results]
+    for group_got, group_want in zip(state, ref_state):
+        for got, want in zip(group_got, group_want):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for got, want in zip(outs, ref_outs):
+        torch.testing.assert_close(got, want, rtol=2e-3, atol=1e-4)
+
+
+def _state_of(adam, group):
+    return [t.clone() for t in (adam.master(group), adam.exp_avg(group), adam.exp_avg_sq(group))]

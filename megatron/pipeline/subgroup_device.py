@@ -10,6 +10,8 @@ no host wait). Device memory: the two slots, fixed at construction, accounted un
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from megatron.offload.device import DeviceLayer, Event
@@ -57,6 +59,9 @@ class DeviceSubgroupUpdater:
         self.d2h = device.side_stream("optimizer-d2h")
         self._slots = [_Slot(device, self.max_numel) for _ in range(self.SLOTS)]
         self._next = 0
+        # Groups step concurrently (one optimizer thread each): a slot's reuse and the
+        # order of the streams' work are decided under this lock.
+        self._lock = threading.Lock()
         self.launched = 0  # subgroups updated on the device so far
 
     @property
@@ -71,6 +76,11 @@ class DeviceSubgroupUpdater:
 
     def launch(self, p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, grad: torch.Tensor,
                out: torch.Tensor | None, hyper: AdamHyper) -> _Launched:
+        with self._lock:
+            return self._launch(p, m, v, grad, out, hyper)
+
+    def _launch(self, p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, grad: torch.Tensor,
+                out: torch.Tensor | None, hyper: AdamHyper) -> _Launched:
         n = p.numel()
         if n > self.max_numel:
             raise ValueError(f"subgroup of {n} elements; the device slots hold {self.max_numel}")
