@@ -131,3 +131,57 @@ def test_speculative_iterations_with_fp16_overflow_and_clipping_match_the_cpu_on
 
 def _state_of(adam, group):
     return [t.clone() for t in (adam.master(group), adam.exp_avg(group), adam.exp_avg_sq(group))]
+
+
+@pytest.mark.multiproc
+def test_every_schedule_with_device_subgroups_matches_one_process(tmp_path):
+    """2 processes, every schedule in one job, --optimizer-gpu-stride auto with the rates
+    of the paper's worked example cached (Eq. 1: k = 2), clipping in every iteration (the
+    corrections of device-updated subgroups included): training equals one process."""
+    import json
+    import os
+
+    from test_pipeline_executor import (
+        SCHEDULES,
+        ScheduleRun,
+        assert_same_training,
+        launch,
+        metrics,
+    )
+
+    from megatron.pipeline.optimizer_calibration import CACHE_VERSION, machine_key
+
+    cache = tmp_path / "cache"
+    os.environ.setdefault("MEGATRON_TEST_CACHE", str(cache))
+    cache_dir = os.environ["MEGATRON_TEST_CACHE"]
+    os.makedirs(cache_dir, exist_ok=True)
+    with DeviceLayer("cpu") as device:
+        key = machine_key(device, 1)
+    with open(os.path.join(cache_dir, f"optimizer-rates-{key}.json"), "w") as f:
+        json.dump({"version": CACHE_VERSION, "rates": PAPER_RATES}, f)
+    clip = ["--clip-grad", "1e-3", "--cpu-optimizer-threads", "1"]
+    reference = launch(tmp_path, "single", 1, *clip)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    run = launch(tmp_path, "subgroups", 2, *clip, "--optimizer-gpu-stride", "auto",
+                 "--optimizer-subgroup-size", "2048", "--schedules", ",".join(SCHEDULES),
+                 script="tests/run_schedules.py", timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert "optimizer GPU stride k = 2" in run.stdout + run.stderr
+    for name in SCHEDULES:
+        one = ScheduleRun(run, name)
+        assert_same_training(one, reference)
+        rows = metrics(one)
+        assert all(r["optimizer_gpu_stride"] == 2 for r in rows), name
+        assert all(r["grad_norm"] > 1e-3 for r in rows)  # clipped in every iteration
+        for r in rows:
+            assert 0 <= r["exposed_optimizer_device_time_s"] <= r["exposed_optimizer_time_s"] + 1e-9
+            assert r["exposed_optimizer_cpu_time_s"] == pytest.approx(
+                r["exposed_optimizer_time_s"] - r["exposed_optimizer_device_time_s"])
+        peak = max(rank["device_memory_at_peak"]["optimizer_subgroups"]
+                   for r in rows for rank in r["per_rank"])
+        assert peak > 0, name  # device subgroups held their slots
+
+
+# The paper's worked example (4 x V100, as in test_optimizer_stride.py): Eq. 1 gives k = 2.
+PAPER_RATES = {"h2d_params_per_s": 3e9, "gpu_update_params_per_s": 35e9,
+               "cpu_update_params_per_s": 2e9, "downscale_params_per_s": 8.7e9}
