@@ -8,7 +8,7 @@ import torch
 from megatron.offload.device import DeviceLayer
 from megatron.optimizer import AsyncGroupOptimizer, CPUAdamW, DynamicLossScaler
 from megatron.optimizer.subgroups import plan_resident, plan_subgroups
-from megatron.pipeline.subgroup_device import DeviceSubgroupUpdater
+from megatron.pipeline.subgroup_device import DeviceSubgroupUpdater, ResidentSubgroupUpdater
 
 pytestmark = pytest.mark.unit
 
@@ -33,14 +33,23 @@ def _state(opt):
     return [t.clone() for t in (opt.master(0), opt.exp_avg(0), opt.exp_avg_sq(0))]
 
 
+def _updater(kind, device, n, size):
+    """Interleaved (every 2nd subgroup streamed through the device) or Twin-Flow (the
+    first 40% resident on the device)."""
+    if kind == "interleaved":
+        return DeviceSubgroupUpdater(device, size), plan_subgroups(n, size, 2)
+    return ResidentSubgroupUpdater(device), plan_resident(n, size, 0.4)
+
+
+@pytest.mark.parametrize("kind", ["interleaved", "resident"])
 @pytest.mark.parametrize("exact", [False, True])
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
-def test_device_subgroups_match_the_kernel_step_rollback_and_correction(exact, out_dtype):
+def test_device_subgroups_match_the_kernel_step_rollback_and_correction(kind, exact, out_dtype):
     n, size = 5000, 700
     reference, split = _pair(n, exact)
     with DeviceLayer("cpu") as device:
-        updater = DeviceSubgroupUpdater(device, size)
-        split.set_subgroups(0, plan_subgroups(n, size, 2), updater)
+        updater, plan = _updater(kind, device, n, size)
+        split.set_subgroups(0, plan, updater)
         gen = torch.Generator().manual_seed(1)
         outs = [torch.empty(n, dtype=out_dtype) for _ in range(2)]
         for step in range(4):
@@ -62,8 +71,11 @@ def test_device_subgroups_match_the_kernel_step_rollback_and_correction(exact, o
                 torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
             torch.testing.assert_close(outs[1], outs[0], rtol=1e-2 if out_dtype != torch.float32
                                        else 1e-6, atol=1e-7)
-        assert updater.launched == 4 * 4  # 8 subgroups, every 2nd on the device, 4 steps
-        assert updater.nbytes > 0
+        on_device = sum(sub.on_device for sub in plan)  # 4 of 8 / 3 of 6
+        assert on_device == (4 if kind == "interleaved" else 3)
+        assert updater.launched == 4 * on_device
+        split.step_group(0, torch.randn(n, generator=gen))  # after the rollback: state back in
+        assert updater.nbytes >= (1 if kind == "interleaved" else 16 * 2000)
 
 
 @pytest.mark.parametrize("exact", [False, True])
@@ -88,8 +100,10 @@ def test_a_non_finite_gradient_in_any_subgroup_leaves_the_group_unchanged(exact)
                     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("kind", ["interleaved", "resident"])
 @pytest.mark.parametrize("clip_grad", [0.0, 1e-3])
-def test_speculative_iterations_with_fp16_overflow_and_clipping_match_the_cpu_only_run(clip_grad):
+def test_speculative_iterations_with_fp16_overflow_and_clipping_match_the_cpu_only_run(
+        clip_grad, kind):
     """The decoupled optimizer's path (speculative steps, verdict, deferred corrections or
     rollback on an injected overflow) with device subgroups equals the CPU-only run."""
     n, size = 4000, 600
@@ -102,9 +116,9 @@ def test_speculative_iterations_with_fp16_overflow_and_clipping_match_the_cpu_on
         for subgroups in (False, True):
             adam = CPUAdamW([t.clone() for t in init], lr=1e-2, weight_decay=0.1, threads=1)
             if subgroups:
-                updater = DeviceSubgroupUpdater(device, size)
+                updater, plan = _updater(kind, device, n, size)
                 for group in range(2):
-                    adam.set_subgroups(group, plan_subgroups(n, size, 2), updater)
+                    adam.set_subgroups(group, plan, updater)
             outs = [torch.empty(n, dtype=torch.float16) for _ in range(2)]
             results = []
             with AsyncGroupOptimizer(adam, DynamicLossScaler(64.0), clip_grad=clip_grad,

@@ -194,19 +194,21 @@ class CPUAdamW:
         return len(self._master)
 
     def master(self, group: int) -> torch.Tensor:
-        return self._master[self._index(group)]
+        return self._master[self._host_state(self._index(group))]
 
     def exp_avg(self, group: int) -> torch.Tensor:
-        return self._exp_avg[self._index(group)]
+        return self._exp_avg[self._host_state(self._index(group))]
 
     def exp_avg_sq(self, group: int) -> torch.Tensor:
-        return self._exp_avg_sq[self._index(group)]
+        return self._exp_avg_sq[self._host_state(self._index(group))]
 
     def step_count(self, group: int) -> int:
         return self._steps[self._index(group)]
 
     def state_dict(self) -> dict:
         """Checkpointable state (tensors are the live buffers: copy before mutating)."""
+        for i in range(self.num_groups):
+            self._host_state(i)
         return {
             "hyper": {"lr": self.lr, "betas": self.betas, "eps": self.eps,
                       "weight_decay": self.weight_decay},
@@ -229,6 +231,7 @@ class CPUAdamW:
             self._exp_avg_sq[i].copy_(s["exp_avg_sq"])
             self._steps[i] = int(s["step"])
             self._last[i] = None
+            self._host_changed(i)
         hyper = state.get("hyper", {})
         self.lr = float(hyper.get("lr", self.lr))
         self.weight_decay = float(hyper.get("weight_decay", self.weight_decay))
@@ -285,8 +288,10 @@ class CPUAdamW:
         record = self._last[i]
         if record is None:
             raise RuntimeError(f"group {i} has no update to roll back")
+        self._host_state(i)
         for args in self._range_args(i, record):
             _kernel.undo(**args)
+        self._host_changed(i)
         self._steps[i] = record.step - 1
         self._last[i] = None
 
@@ -301,8 +306,10 @@ class CPUAdamW:
             raise RuntimeError(f"group {i} has no update to correct")
         _check_clip(clip)
         corrected = replace(record, clip=float(clip))
+        self._host_state(i)
         for args in self._range_args(i, corrected):
             _kernel.correct(**args, undo_clip=record.clip)
+        self._host_changed(i)
         self._last[i] = corrected
 
     def commit_group(self, group: int) -> None:
@@ -353,6 +360,8 @@ class CPUAdamW:
         for s in subgroups:
             if s.on_device:
                 if snap is not None:  # exact mode: the pre-step state, as the kernel keeps it
+                    self._device.to_host(self._master[i][s.lo:s.hi], self._exp_avg[i][s.lo:s.hi],
+                                         self._exp_avg_sq[i][s.lo:s.hi])
                     block = snap[3 * s.lo:3 * s.hi]
                     width = s.hi - s.lo
                     for k, state in enumerate((self._master[i], self._exp_avg[i],
@@ -372,11 +381,27 @@ class CPUAdamW:
             self.device_done_s = max(self.device_done_s, time.perf_counter())
         if all(finite for _, finite, _ in results):
             return True, sum(sq for _, _, sq in results)
+        self._host_state(i)
         updated = {s for s, finite, _ in results if finite}
         for s, args in zip(subgroups, self._range_args(i, r)):
             if s in updated:
                 _kernel.undo(**args)
+        self._host_changed(i)
         return False, math.inf
+
+    def _device_ranges(self, i: int) -> list[Subgroup]:
+        return [s for s in self._subgroups[i] or () if s.on_device]
+
+    def _host_state(self, i: int) -> int:
+        """Make the host's p, m, v of group i current (a resident updater keeps them)."""
+        for s in self._device_ranges(i):
+            self._device.to_host(self._master[i][s.lo:s.hi], self._exp_avg[i][s.lo:s.hi],
+                                 self._exp_avg_sq[i][s.lo:s.hi])
+        return i
+
+    def _host_changed(self, i: int) -> None:
+        for s in self._device_ranges(i):
+            self._device.forget(self._master[i][s.lo:s.hi])
 
     def _range_args(self, i: int, r: _StepRecord, on_device: bool | None = None) -> list[dict]:
         """Kernel arguments per subgroup (each with its own snapshot block), or the whole

@@ -110,3 +110,10 @@ class DeviceUpdater(Protocol):
 
     def launch(self, p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, grad: torch.Tensor,
                out: torch.Tensor | None, hyper: AdamHyper) -> SubgroupUpdate: ...
+
+    def to_host(self, p: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> None:
+        """Before the host reads p, m, v: write back state the device keeps (a resident
+        updater); a streaming updater has flushed already."""
+
+    def forget(self, p: torch.Tensor) -> None:
+        """After the host changed p, m, v: drop any device copy (reloaded on next use)."""

@@ -26,8 +26,8 @@ from megatron.offload.prefetch import ParamSlots
 from megatron.optimizer.cpu_adam import CPUAdamW
 from megatron.optimizer.group_optimizer import AsyncGroupOptimizer, IterationResult
 from megatron.optimizer.loss_scaler import ConstantLossScaler, DynamicLossScaler, LossScaler
-from megatron.optimizer.subgroups import plan_subgroups
-from megatron.pipeline.config import PipelineConfig
+from megatron.optimizer.subgroups import plan_resident, plan_subgroups
+from megatron.pipeline.config import PipelineConfig, SubgroupSettings
 from megatron.pipeline.executor import IterationStats, PipelineExecutor
 from megatron.pipeline.host_group import host_group
 from megatron.pipeline.optimizer_calibration import calibrated_update_rates
@@ -35,7 +35,11 @@ from megatron.pipeline.owner import BackwardStageOwner
 from megatron.pipeline.p2p import MessageShape, PointToPoint
 from megatron.pipeline.replicas import holds_segment, plan_replicas, push_replicas
 from megatron.pipeline.stage_modules import StageModule, build_stage_modules
-from megatron.pipeline.subgroup_device import DeviceSubgroupUpdater, default_subgroup_size
+from megatron.pipeline.subgroup_device import (
+    DeviceSubgroupUpdater,
+    ResidentSubgroupUpdater,
+    default_subgroup_size,
+)
 from megatron.schedules.instructions import WHOLE_STAGE, BackwardStage, Op
 from megatron.schedules.optimizer_stride import gpu_update_stride
 from megatron.schedules.timeline import TimedEvent
@@ -135,11 +139,13 @@ class Pipeline:
                         threads=o.threads, weight_decay_mults=mults)
         return adam, owners
 
-    def _plan_subgroups(self) -> tuple[int, DeviceSubgroupUpdater | None]:
+    def _plan_subgroups(self) -> tuple[int, DeviceSubgroupUpdater | ResidentSubgroupUpdater | None]:
         """Split the groups of the stages this rank's program starts with
         OPTIMIZER_START_SUBGROUPS into subgroups, every k-th updated on the device (k from
         the flag, or Eq. 1 over the calibrated rates). Returns (k, the device updater)."""
         settings = self.config.subgroups
+        if settings is not None and settings.resident_fraction > 0:
+            return 0, self._plan_resident(settings)
         stages = sorted({BackwardStage(i.stage, i.sub) for i in self.schedule.programs[self.rank]
                          if i.op == Op.OPTIMIZER_START_SUBGROUPS})
         if settings is None or not stages:
@@ -165,6 +171,18 @@ class Pipeline:
                     self.cpu_adam.set_subgroups(group, plan_subgroups(hi - lo, size, stride),
                                                 updater)
         return stride, updater
+
+    def _plan_resident(self, settings: SubgroupSettings) -> ResidentSubgroupUpdater:
+        """Twin-Flow: the first `resident_fraction` of every owned group on the device."""
+        updater = ResidentSubgroupUpdater(self.device)
+        sizes = [hi - lo for owner in self.owners.values() for lo, hi in owner.bounds()]
+        size = settings.size or default_subgroup_size(max(sizes))
+        for owner in self.owners.values():
+            for group, (lo, hi) in zip(owner.groups, owner.bounds()):
+                if hi > lo:
+                    self.cpu_adam.set_subgroups(
+                        group, plan_resident(hi - lo, size, settings.resident_fraction), updater)
+        return updater
 
     def _executor(self, model_cfg: LlamaConfig) -> PipelineExecutor:
         s = self.schedule

@@ -34,6 +34,9 @@ class SubgroupSettings:
     stride: int | None  # every stride-th subgroup on the device; None: Eq. 1 (calibrated)
     size: int | None = None  # parameters per subgroup; None: from the largest such stage
     cache_dir: str = ""  # where the calibrated rates are cached (stride None)
+    # > 0: the static baseline instead: this fraction of every owned stage's optimizer
+    # state lives on the device and is always updated there (stride is then ignored)
+    resident_fraction: float = 0.0
 
 
 @dataclass(frozen=True)

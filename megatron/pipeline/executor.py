@@ -58,7 +58,7 @@ from megatron.optimizer.group_optimizer import AsyncGroupOptimizer, IterationRes
 from megatron.pipeline.owner import BackwardStageOwner
 from megatron.pipeline.p2p import PointToPoint
 from megatron.pipeline.stage_modules import StageModule
-from megatron.pipeline.subgroup_device import DeviceSubgroupUpdater
+from megatron.pipeline.subgroup_device import DeviceSubgroupUpdater, ResidentSubgroupUpdater
 from megatron.schedules.instructions import (
     COMPUTE,
     OP_SPECS,
@@ -141,7 +141,8 @@ class PipelineExecutor:
         self._trailing: dict[BackwardStage, Future] = {}
         self._publishers: dict[BackwardStage, Callable[[], None]] = {}
         self._correction_wait_s = 0.0
-        self.subgroup_updater: DeviceSubgroupUpdater | None = None  # set by the assembly
+        # set by the assembly when some optimizer subgroups are updated on the device
+        self.subgroup_updater: DeviceSubgroupUpdater | ResidentSubgroupUpdater | None = None
 
     # --- one iteration -----------------------------------------------------------------
 

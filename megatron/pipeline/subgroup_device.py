@@ -123,3 +123,89 @@ class DeviceSubgroupUpdater:
         slot.free = self.d2h.record_event()
         self.launched += 1
         return _Launched(slot.free, flags)
+
+    def to_host(self, p: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> None:
+        """Nothing to do: every update flushed p, m, v before it counted as done."""
+        return None
+
+    def forget(self, p: torch.Tensor) -> None:
+        """Nothing to do: no device copy outlives an update."""
+        return None
+
+
+class ResidentSubgroupUpdater:
+    """The static baseline (Twin-Flow, megatron-core's HybridDeviceOptimizer
+    offload_fraction): the subgroups it is given keep fp32 p, m, v in device memory for
+    good. A step moves only the gradient in and the 16-bit copy out. The host copy is
+    brought up to date only when the host needs it (to_host: a rollback, a correction, a
+    checkpoint), and reloaded after the host changed it (forget). Device memory: 12 bytes
+    per resident parameter plus the gradient and 16-bit staging of the largest subgroup."""
+
+    def __init__(self, device: DeviceLayer) -> None:
+        self.device = device
+        self.h2d = device.side_stream("resident-h2d")
+        self.update = device.side_stream("resident-update")
+        self.d2h = device.side_stream("resident-d2h")
+        self._state: dict[int, tuple[torch.Tensor, ...]] = {}  # host p address -> p, m, v, g
+        self._host_stale: set[int] = set()
+        self._lock = threading.Lock()
+        self.launched = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for tensors in self._state.values() for t in tensors)
+
+    def launch(self, p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, grad: torch.Tensor,
+               out: torch.Tensor | None, hyper: AdamHyper) -> _Launched:
+        with self._lock:
+            key = p.data_ptr()
+            loads: list[tuple[torch.Tensor, torch.Tensor]] = []
+            if key not in self._state:
+                n = p.numel()
+                self._state[key] = tuple(self.device.empty(n, torch.float32) for _ in range(4))
+                loads += list(zip(self._state[key][:3], (p, m, v)))
+            dp, dm, dv, dg = self._state[key]
+            loads.append((dg, grad))
+            dout = None if out is None else self.device.empty(out.numel(), out.dtype)
+            flags = self.device.zeros(2, torch.float64)
+
+            def load() -> None:
+                for dst, src in loads:
+                    dst.copy_(src, non_blocking=True)
+            self.h2d.submit(load)
+            self.update.wait_event(self.h2d.record_event())
+
+            def step() -> None:
+                with self.device.on(self.update):
+                    finite, sq = adam_step_torch(dp, dm, dv, dg, hyper)
+                    flags[0], flags[1] = finite, sq
+                    if dout is not None:
+                        dout.copy_(dp)
+            self.update.submit(step)
+            self.d2h.wait_event(self.update.record_event())
+            host_flags = self.device.pin_host(2, torch.float64)
+
+            def flush() -> None:
+                with self.device.on(self.d2h):
+                    if dout is not None:
+                        out.copy_(dout, non_blocking=True)
+                    host_flags.copy_(flags, non_blocking=True)
+            self.d2h.submit(flush)
+            self._host_stale.add(key)
+            self.launched += 1
+            return _Launched(self.d2h.record_event(), host_flags)
+
+    def to_host(self, p: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> None:
+        with self._lock:
+            key = p.data_ptr()
+            if key not in self._host_stale:
+                return
+            self.d2h.synchronize()  # the last update of this subgroup is done
+            for dst, src in zip((p, m, v), self._state[key][:3]):
+                dst.copy_(src)
+            self._host_stale.discard(key)
+
+    def forget(self, p: torch.Tensor) -> None:
+        with self._lock:
+            self._state.pop(p.data_ptr(), None)
+            self._host_stale.discard(p.data_ptr())

@@ -144,6 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--optimizer-subgroup-size", type=int, default=None, metavar="N",
                    help="parameters per optimizer subgroup (default: an eighth of the "
                         "largest owned stage, at least 4096)")
+    g.add_argument("--optimizer-gpu-resident-fraction", type=float, default=0.0, metavar="F",
+                   help="the static baseline (Twin-Flow): this fraction of every stage's "
+                        "optimizer state lives on the GPU and is always updated there")
     g.add_argument("--cpu-optimizer-threads", type=int, default=None,
                    help="threads of each process's CPU optimizer (default: cores / processes)")
     g.add_argument("--timeline", default=None, metavar="FILE.png",
@@ -253,6 +256,13 @@ def validate_args(args: argparse.Namespace) -> None:
     if args.optimizer_subgroup_size is not None and args.optimizer_subgroup_size <= 0:
         raise ArgumentError("--optimizer-subgroup-size", args.optimizer_subgroup_size,
                             "expected a positive integer")
+    if not 0.0 <= args.optimizer_gpu_resident_fraction <= 1.0:
+        raise ArgumentError("--optimizer-gpu-resident-fraction",
+                            args.optimizer_gpu_resident_fraction, "expected a value in [0, 1]")
+    if args.optimizer_gpu_resident_fraction > 0 and args.optimizer_gpu_stride != 0:
+        raise ArgumentError("--optimizer-gpu-resident-fraction",
+                            args.optimizer_gpu_resident_fraction,
+                            "the static split excludes --optimizer-gpu-stride (give one of them)")
     if args.cpu_optimizer_threads is not None and args.cpu_optimizer_threads <= 0:
         raise ArgumentError("--cpu-optimizer-threads", args.cpu_optimizer_threads,
                             "expected a positive integer")

@@ -184,11 +184,14 @@ def pipeline_config(args: argparse.Namespace, world_size: int, vocab_size: int) 
 
 
 def subgroup_settings(args: argparse.Namespace) -> SubgroupSettings | None:
-    """--optimizer-gpu-stride / --optimizer-subgroup-size (None: all on the CPU)."""
-    if args.optimizer_gpu_stride == 0:
+    """--optimizer-gpu-stride / --optimizer-subgroup-size / --optimizer-gpu-resident-fraction
+    (None: every update on the CPU)."""
+    resident = args.optimizer_gpu_resident_fraction
+    if args.optimizer_gpu_stride == 0 and resident == 0:
         return None
     return SubgroupSettings(stride=args.optimizer_gpu_stride, size=args.optimizer_subgroup_size,
-                            cache_dir=args.data_cache_dir or default_cache_dir())
+                            cache_dir=args.data_cache_dir or default_cache_dir(),
+                            resident_fraction=resident)
 
 
 def args_for_schedule(base: argparse.Namespace, name: str) -> argparse.Namespace:
