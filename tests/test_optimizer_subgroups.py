@@ -199,3 +199,42 @@ def test_every_schedule_with_device_subgroups_matches_one_process(tmp_path):
 # The paper's worked example (4 x V100, as in test_optimizer_stride.py): Eq. 1 gives k = 2.
 PAPER_RATES = {"h2d_params_per_s": 3e9, "gpu_update_params_per_s": 35e9,
                "cpu_update_params_per_s": 2e9, "downscale_params_per_s": 8.7e9}
+
+
+def test_placement_gives_device_subgroups_to_the_exposed_updates_and_the_simulator_prices_them():
+    """Decoupled, 2 ranks: the stages whose backward ends the iteration are exposed; with
+    their subgroups on the device the simulated exposed optimizer time drops, and the
+    device part's copies occupy both copy streams."""
+    from dataclasses import replace
+
+    from megatron.schedules.cost_model import DeviceUpdateCosts, uniform_costs
+    from megatron.schedules.generators import build_schedule
+    from megatron.schedules.instructions import BackwardStage, Op
+    from megatron.schedules.optimizer_placement import (
+        exposed_update_stages,
+        startup_costs,
+        with_device_subgroups,
+    )
+    from megatron.schedules.optimizer_stride import UpdateRates
+    from megatron.schedules.simulator import simulate
+
+    schedule = build_schedule("decoupled", 2, 4, 2, 4)
+    exposed = exposed_update_stages(schedule, startup_costs(schedule))
+    assert exposed == {BackwardStage(0, 0), BackwardStage(0, 1)}
+    placed = with_device_subgroups(schedule, exposed)
+    ops = [(ins.stage, ins.sub) for p in placed.programs for ins in p
+           if ins.op == Op.OPTIMIZER_START_SUBGROUPS]
+    assert sorted(ops) == [(0, 0), (0, 1)]
+    # 1e6 parameters per stage, CPU update 1 s per stage; device: B = 1e7, Ug = 1e8 /s.
+    params = {b: 1_000_000 for b in schedule.backward_stages()}
+    costs = replace(uniform_costs(schedule, forward_time=0.5, backward_time=1.0,
+                                  optimizer_time=2.0),
+                    device_update=DeviceUpdateCosts(2, params,
+                                                    UpdateRates(1e7, 1e8, 1e6, 1e9)))
+    before, after = simulate(schedule, costs), simulate(placed, costs)
+    assert after.exposed_optimizer_time < before.exposed_optimizer_time
+    lanes = {(e.resource, e.kind) for e in after.events}
+    assert {("h2d", "optimizer"), ("d2h", "optimizer"), ("device-optimizer", "optimizer")} <= lanes
+    no_device = replace(costs, device_update=None)  # the op then costs what OPTIMIZER_START does
+    assert simulate(placed, no_device).exposed_optimizer_time == pytest.approx(
+        simulate(schedule, no_device).exposed_optimizer_time)

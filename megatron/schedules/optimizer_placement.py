@@ -5,7 +5,9 @@ OPTIMIZER_START_SUBGROUPS (validator, simulator and executor read it like any op
 A stage's update is exposed when, simulated under the cost model, its CPU optimizer task
 ends after the last compute of its rank: nothing is left to hide it. Typically that is
 the stage whose backward ends the iteration (the first layers) and those queued behind a
-CPU lane that is slower than the compute it overlaps.
+CPU lane that is slower than the compute it overlaps. The tasks that run back to back
+before an exposed one on the same CPU lane (one busy period) are selected too: each of
+them delays the exposed one as much as its own length.
 """
 
 from __future__ import annotations
@@ -25,10 +27,18 @@ def exposed_update_stages(schedule: Schedule, costs: CostModel) -> frozenset[Bac
         if e.resource == "compute":
             last_compute[e.rank] = max(last_compute.get(e.rank, 0.0), e.end)
     margin = 1e-9 * max(result.iteration_time, 1.0)
-    return frozenset(
-        BackwardStage(e.stage, e.sub) for e in result.events
-        if e.resource == "cpu-optimizer" and e.kind == "optimizer" and e.stage >= 0
-        and e.end > last_compute.get(e.rank, 0.0) + margin)
+    tasks = sorted((e for e in result.events if e.resource == "cpu-optimizer"
+                    and e.kind == "optimizer" and e.stage >= 0), key=lambda e: (e.rank, e.start))
+    selected: set[BackwardStage] = set()
+    busy: list = []  # the current busy period of one rank's CPU lane
+    for e in [*tasks, None]:
+        if busy and (e is None or e.rank != busy[-1].rank or e.start > busy[-1].end + margin):
+            if any(t.end > last_compute.get(t.rank, 0.0) + margin for t in busy):
+                selected.update(BackwardStage(t.stage, t.sub) for t in busy)
+            busy = []
+        if e is not None:
+            busy.append(e)
+    return frozenset(selected)
 
 
 def with_device_subgroups(schedule: Schedule, stages: frozenset[BackwardStage]) -> Schedule:
