@@ -89,6 +89,8 @@ def simulated_10b() -> dict:
     priced = replace(costs, device_update=DeviceUpdateCosts(stride, params, rates))
     exposed = exposed_update_stages(schedule, costs)
     runs = {"cpu_only": schedule,
+            "subgroups_on_exposed_tasks_only": with_device_subgroups(
+                schedule, exposed_update_stages(schedule, costs, busy_period=False)),
             "subgroups_where_exposed": with_device_subgroups(schedule, exposed),
             "subgroups_everywhere": with_device_subgroups(
                 schedule, frozenset(schedule.backward_stages()))}

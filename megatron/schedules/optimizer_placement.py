@@ -19,8 +19,10 @@ from .instructions import BackwardStage, Instruction, Op, Schedule
 from .simulator import simulate
 
 
-def exposed_update_stages(schedule: Schedule, costs: CostModel) -> frozenset[BackwardStage]:
-    """The backward stages whose OPTIMIZER_START task ends after their rank's last compute."""
+def exposed_update_stages(schedule: Schedule, costs: CostModel,
+                          busy_period: bool = True) -> frozenset[BackwardStage]:
+    """The backward stages whose OPTIMIZER_START task ends after their rank's last compute,
+    and (busy_period) those running back to back before such a task on its CPU lane."""
     result = simulate(schedule, costs)
     last_compute: dict[int, float] = {}
     for e in result.events:
@@ -33,8 +35,10 @@ def exposed_update_stages(schedule: Schedule, costs: CostModel) -> frozenset[Bac
     busy: list = []  # the current busy period of one rank's CPU lane
     for e in [*tasks, None]:
         if busy and (e is None or e.rank != busy[-1].rank or e.start > busy[-1].end + margin):
-            if any(t.end > last_compute.get(t.rank, 0.0) + margin for t in busy):
-                selected.update(BackwardStage(t.stage, t.sub) for t in busy)
+            late = [t for t in busy if t.end > last_compute.get(t.rank, 0.0) + margin]
+            if late:
+                selected.update(BackwardStage(t.stage, t.sub) for t in (busy if busy_period
+                                                                         else late))
             busy = []
         if e is not None:
             busy.append(e)
