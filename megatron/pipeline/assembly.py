@@ -39,6 +39,7 @@ from megatron.pipeline.subgroup_device import (
     DeviceSubgroupUpdater,
     ResidentSubgroupUpdater,
     default_subgroup_size,
+    subgroup_size_within,
 )
 from megatron.schedules.instructions import WHOLE_STAGE, BackwardStage, Op
 from megatron.schedules.optimizer_stride import gpu_update_stride
@@ -162,8 +163,16 @@ class Pipeline:
         if stride == 0:
             return 0, None
         sizes = [hi - lo for b in stages for lo, hi in self.owners[b].bounds()]
-        size = settings.size or default_subgroup_size(max(sizes))
-        updater = DeviceSubgroupUpdater(self.device, min(size, max(sizes)))
+        size = min(settings.size or default_subgroup_size(max(sizes)), max(sizes))
+        # The budget: what the gradient buffers hold, free once the backward has ended.
+        budget = self.grad_buffers.nbytes
+        fitting = subgroup_size_within(budget)
+        if size > fitting:
+            print(f"rank {self.rank}: optimizer subgroups of {size} parameters would need "
+                  f"{DeviceSubgroupUpdater.bytes_needed(size)} bytes of device memory, more "
+                  f"than the gradient buffers' {budget}: using {fitting}", flush=True)
+            size = fitting
+        updater = DeviceSubgroupUpdater(self.device, size)
         for b in stages:
             owner = self.owners[b]
             for group, (lo, hi) in zip(owner.groups, owner.bounds()):

@@ -5,7 +5,8 @@ arithmetic), and p, m, v and the 16-bit copy are flushed back on a dedicated D2H
 Two buffer slots alternate, so one subgroup's flush (D2H) and the next one's load (H2D)
 are in flight at once (full duplex); a slot is reloaded only after its flush (an event,
 no host wait). Device memory: the two slots, fixed at construction, accounted under
-"optimizer_subgroups".
+"optimizer_subgroups"; the assembly sizes them to fit in what the gradient buffers hold
+(free once the backward has ended), so the update's device memory stays within that.
 """
 
 from __future__ import annotations
@@ -22,6 +23,11 @@ def default_subgroup_size(largest_group: int) -> int:
     """An eighth of the largest group split, at least 4096 parameters: enough subgroups
     for the stride to interleave, each large enough to keep the copies efficient."""
     return max(4096, -(-largest_group // 8))
+
+
+def subgroup_size_within(budget_bytes: int, out_itemsize: int = 4) -> int:
+    """The largest subgroup whose two device slots fit in `budget_bytes` (at least 1)."""
+    return max(1, budget_bytes // DeviceSubgroupUpdater.bytes_needed(1, out_itemsize))
 
 
 class _Slot:
