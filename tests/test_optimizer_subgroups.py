@@ -10,8 +10,6 @@ from megatron.optimizer import AsyncGroupOptimizer, CPUAdamW, DynamicLossScaler
 from megatron.optimizer.subgroups import plan_resident, plan_subgroups
 from megatron.pipeline.subgroup_device import DeviceSubgroupUpdater, ResidentSubgroupUpdater
 
-pytestmark = pytest.mark.unit
-
 
 def test_plan_marks_every_kth_subgroup_and_tiles_the_group():
     plan = plan_subgroups(10, 3, 2)
