@@ -47,12 +47,14 @@ template <class P>
 struct Consts {
   using F = typename P::F;
   F inv_scale, decay, one_minus_b1, beta1, beta2, one_minus_b2, inv_bc2_sqrt, eps, neg_step;
+  F clip, undo_clip;
   explicit Consts(const Hyper& h)
       : inv_scale(P::set1(h.inv_scale)), decay(P::set1(h.decay)),
         one_minus_b1(P::set1(h.one_minus_b1)), beta1(P::set1(h.beta1)),
         beta2(P::set1(h.beta2)), one_minus_b2(P::set1(h.one_minus_b2)),
         inv_bc2_sqrt(P::set1(h.inv_bc2_sqrt)), eps(P::set1(h.eps)),
-        neg_step(P::set1(h.neg_step_size)) {}
+        neg_step(P::set1(h.neg_step_size)), clip(P::set1(h.clip)),
+        undo_clip(P::set1(h.undo_clip)) {}
 };
 
 template <class P>
@@ -93,10 +95,10 @@ static inline void check_part(const void* grad, int64_t base, int64_t lo, int64_
   sumsq += P::hsum(sq);
 }
 
-// Step or inverse over tile elements [lo, hi), one vector at a time: the gradient is
-// read, unscaled and checked in registers right before the update that uses it. Stops
-// before the first vector holding a non-finite value and returns its index (hi when
-// all were finite); [lo, returned index) was updated.
+// Step, inverse or correction over tile elements [lo, hi), one vector at a time: the
+// gradient is read, unscaled and checked in registers right before the update that uses
+// it. Stops before the first vector holding a non-finite value and returns its index (hi
+// when all were finite); [lo, returned index) was updated.
 template <class P, int GD, int OD>
 static inline int64_t update_part(Op op, const Buffers& b, const Hyper& h, int64_t base,
                                   int64_t lo, int64_t hi, double& sumsq) {
@@ -125,18 +127,28 @@ static inline int64_t update_part(Op op, const Buffers& b, const Hyper& h, int64
     const auto g = P::mul(load_as_f32<P, GD>(grad, k), c.inv_scale);
     if (P::any(P::nonfinite_or(P::mask_zero(), g))) break;
     sq = P::add(sq, P::mul(g, g));
-    auto p = P::load(pp + k);
-    auto m = P::load(mp + k);
-    auto v = P::load(vp + k);
+    typename P::F p, m, v;
+    if (op == Op::kCorrect && snap_p) {  // the pre-step state, bit-exact
+      p = P::load(snap_p + k);
+      m = P::load(snap_m + k);
+      v = P::load(snap_v + k);
+    } else {
+      p = P::load(pp + k);
+      m = P::load(mp + k);
+      v = P::load(vp + k);
+    }
     if (op == Op::kStep) {
       if (snap_p) {
         P::store(snap_p + k, p);
         P::store(snap_m + k, m);
         P::store(snap_v + k, v);
       }
-      adam_forward<P>(p, m, v, g, c);
+      adam_forward<P>(p, m, v, P::mul(g, c.clip), c);
+    } else if (op == Op::kCorrect) {
+      if (!snap_p) adam_inverse<P>(p, m, v, P::mul(g, c.undo_clip), c);
+      adam_forward<P>(p, m, v, P::mul(g, c.clip), c);
     } else {
-      adam_inverse<P>(p, m, v, g, c);
+      adam_inverse<P>(p, m, v, P::mul(g, c.clip), c);
     }
     P::store(pp + k, p);
     P::store(mp + k, m);

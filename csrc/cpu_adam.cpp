@@ -68,7 +68,7 @@ struct Blocks {
 Blocks blocks_of(int64_t n) { return {n, (n + kBlock - 1) / kBlock}; }
 
 Hyper make_hyper(double lr, double beta1, double beta2, double eps, double weight_decay,
-                 int64_t step, double inv_scale) {
+                 int64_t step, double inv_scale, double clip, double undo_clip = 1.0) {
   // Same double-precision scalars as torch.optim.AdamW computes in Python.
   const double bc1 = 1.0 - std::pow(beta1, static_cast<double>(step));
   const double bc2 = 1.0 - std::pow(beta2, static_cast<double>(step));
@@ -82,6 +82,8 @@ Hyper make_hyper(double lr, double beta1, double beta2, double eps, double weigh
   h.inv_bc2_sqrt = static_cast<float>(1.0 / std::sqrt(bc2));
   h.eps = static_cast<float>(eps);
   h.neg_step_size = static_cast<float>(-(lr / bc1));
+  h.clip = static_cast<float>(clip);
+  h.undo_clip = static_cast<float>(undo_clip);
   return h;
 }
 
@@ -106,10 +108,10 @@ Buffers make_buffers(uintptr_t p, uintptr_t m, uintptr_t v, uintptr_t grad, int 
 py::tuple step(uintptr_t p, uintptr_t m, uintptr_t v, uintptr_t grad, int grad_dtype,
                uintptr_t out, int out_dtype, uintptr_t snapshot, int64_t n, double lr,
                double beta1, double beta2, double eps, double weight_decay, int64_t step_count,
-               double inv_scale, WorkerPool& pool, const std::string& isa) {
+               double inv_scale, WorkerPool& pool, const std::string& isa, double clip) {
   const RangeFn fn = resolve(isa);
   const Buffers b = make_buffers(p, m, v, grad, grad_dtype, out, out_dtype, snapshot, n);
-  const Hyper h = make_hyper(lr, beta1, beta2, eps, weight_decay, step_count, inv_scale);
+  const Hyper h = make_hyper(lr, beta1, beta2, eps, weight_decay, step_count, inv_scale, clip);
   const Blocks blocks = blocks_of(n);
   std::vector<RangeResult> results(blocks.count);
   for (int64_t k = 0; k < blocks.count; ++k) results[k] = {blocks.begin(k), true, 0.0};
@@ -136,19 +138,13 @@ py::tuple step(uintptr_t p, uintptr_t m, uintptr_t v, uintptr_t grad, int grad_d
   return py::make_tuple(finite, finite ? sumsq : INFINITY);
 }
 
-// Undoes a step that was applied with the same arguments.
-void undo(uintptr_t p, uintptr_t m, uintptr_t v, uintptr_t grad, int grad_dtype, uintptr_t out,
-          int out_dtype, uintptr_t snapshot, int64_t n, double lr, double beta1, double beta2,
-          double eps, double weight_decay, int64_t step_count, double inv_scale, WorkerPool& pool,
-          const std::string& isa) {
-  const RangeFn fn = resolve(isa);
-  const Buffers b = make_buffers(p, m, v, grad, grad_dtype, out, out_dtype, snapshot, n);
-  const Hyper h = make_hyper(lr, beta1, beta2, eps, weight_decay, step_count, inv_scale);
-  const Blocks blocks = blocks_of(n);
+// Runs `op` over every block; each must get through its whole range (the gradient was
+// checked by the step these ops undo or correct).
+void run_all(Op op, RangeFn fn, const Buffers& b, const Hyper& h, WorkerPool& pool) {
+  const Blocks blocks = blocks_of(b.n);
   std::vector<RangeResult> results(blocks.count);
   {
     py::gil_scoped_release release;
-    const Op op = b.snap ? Op::kRestore : Op::kInverse;
     pool.run(blocks.count, [&](int64_t k) {
       results[k] = fn(op, b, h, blocks.begin(k), blocks.end(k), nullptr);
     });
@@ -159,6 +155,29 @@ void undo(uintptr_t p, uintptr_t m, uintptr_t v, uintptr_t grad, int grad_dtype,
           "rollback met a non-finite gradient: the gradient buffer changed after the step");
     }
   }
+}
+
+// Undoes a step that was applied with the same arguments.
+void undo(uintptr_t p, uintptr_t m, uintptr_t v, uintptr_t grad, int grad_dtype, uintptr_t out,
+          int out_dtype, uintptr_t snapshot, int64_t n, double lr, double beta1, double beta2,
+          double eps, double weight_decay, int64_t step_count, double inv_scale, WorkerPool& pool,
+          const std::string& isa, double clip) {
+  const Buffers b = make_buffers(p, m, v, grad, grad_dtype, out, out_dtype, snapshot, n);
+  const Hyper h = make_hyper(lr, beta1, beta2, eps, weight_decay, step_count, inv_scale, clip);
+  run_all(b.snap ? Op::kRestore : Op::kInverse, resolve(isa), b, h, pool);
+}
+
+// Replaces a step applied with clip factor `undo_clip` by the same step with `clip`, in
+// one pass (the clipping correction of a speculative step).
+void correct(uintptr_t p, uintptr_t m, uintptr_t v, uintptr_t grad, int grad_dtype,
+             uintptr_t out, int out_dtype, uintptr_t snapshot, int64_t n, double lr,
+             double beta1, double beta2, double eps, double weight_decay, int64_t step_count,
+             double inv_scale, WorkerPool& pool, const std::string& isa, double clip,
+             double undo_clip) {
+  const Buffers b = make_buffers(p, m, v, grad, grad_dtype, out, out_dtype, snapshot, n);
+  const Hyper h = make_hyper(lr, beta1, beta2, eps, weight_decay, step_count, inv_scale, clip,
+                             undo_clip);
+  run_all(Op::kCorrect, resolve(isa), b, h, pool);
 }
 
 // Unscale and check only (the synchronous schedule's first pass).
@@ -215,7 +234,7 @@ PYBIND11_MODULE(_cpu_adam, mod) {
                            py::arg("snapshot"), py::arg("n"), py::arg("lr"), py::arg("beta1"),
                            py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
                            py::arg("step"), py::arg("inv_scale"), py::arg("pool"),
-                           py::arg("isa"), extra...);
+                           py::arg("isa"), py::arg("clip") = 1.0, extra...);
   };
   std::apply([&](auto... a) {
     mod.def("step", &step, a...,
@@ -224,6 +243,10 @@ PYBIND11_MODULE(_cpu_adam, mod) {
   std::apply([&](auto... a) {
     mod.def("undo", &undo, a..., "Undo a step made with the same arguments.");
   }, step_args());
+  std::apply([&](auto... a) {
+    mod.def("correct", &correct, a...,
+            "Replace a step made with clip factor undo_clip by the step with clip, in one pass.");
+  }, step_args(py::arg("undo_clip")));
   mod.def("check", &check, py::arg("grad"), py::arg("grad_dtype"), py::arg("n"),
           py::arg("inv_scale"), py::arg("pool"), py::arg("isa"),
           "Unscale and check; returns (finite, sum of squares of the unscaled gradient).");

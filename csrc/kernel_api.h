@@ -22,6 +22,10 @@ enum class Op : int {
   kInverse = 1,  // arithmetic inverse of kStep with the same gradient and hyper-parameters
   kRestore = 2,  // copy p, m, v back from the snapshot, rewrite the working copy
   kCheck = 3,    // unscale and check only (the synchronous baseline's first pass)
+  // Recover the state before a step made with clip factor `undo_clip` (snapshot when
+  // there is one, else the inverse) and apply the step with `clip` instead, in one pass:
+  // reads p, m, v, grad once, writes p, m, v and the working copy once.
+  kCorrect = 4,
 };
 
 struct Buffers {
@@ -47,6 +51,10 @@ struct Hyper {
   float inv_bc2_sqrt;   // 1 / sqrt(1 - beta2^t): a multiply, not a divide, per element
   float eps;
   float neg_step_size;  // -lr / (1 - beta1^t)
+  // Gradient clip factor, applied after the unscaling (the sum of squares is taken
+  // before it, so it is the unclipped norm's): g_step = (g * inv_scale) * clip.
+  float clip;
+  float undo_clip;      // kCorrect: the clip factor of the step being corrected
 };
 
 struct RangeResult {

@@ -185,7 +185,7 @@ Stream = CpuStream | CudaStream
 
 
 MEMORY_CATEGORIES = ("parameter_slots", "gradient_buffers", "activation_checkpoints",
-                     "activations")
+                     "activations", "optimizer_subgroups")
 
 
 class MemoryBook:
@@ -235,6 +235,7 @@ class DeviceLayer:
             self.d2h_stream = CpuStream("d2h", origin_s, synchronous=False)
         self.host_syncs = 0  # reads and waits that block the host on the device
         self.memory = MemoryBook()
+        self._side_streams: list[Stream] = []
 
     def bind_current_thread(self) -> None:
         """Make this layer's device the calling thread's current one (CUDA keeps it per
@@ -279,6 +280,18 @@ class DeviceLayer:
         stream.submit(lambda: dst.copy_(src.view(dst.shape), non_blocking=True))
         return stream.record_event()
 
+    def side_stream(self, name: str) -> Stream:
+        """Another stream, e.g. for optimizer subgroups' copies and updates so they do not
+        queue behind parameter prefetch (CPU: one more worker thread); closed with the
+        layer."""
+        if self.kind == "cuda":
+            origin = self.compute_stream._origin  # type: ignore[union-attr]
+            stream: Stream = CudaStream(name, origin, torch.cuda.Stream(self.torch_device))
+        else:
+            stream = CpuStream(name, self.compute_stream._origin, synchronous=False)  # type: ignore[union-attr]
+        self._side_streams.append(stream)
+        return stream
+
     @contextlib.contextmanager
     def on(self, stream: Stream) -> Iterator[None]:
         """Make `stream` current for the kernels launched inside (CUDA); CPU: no-op."""
@@ -306,7 +319,8 @@ class DeviceLayer:
 
     def close(self) -> None:
         """Finish queued work and stop the copy threads."""
-        for stream in (self.h2d_stream, self.d2h_stream, self.compute_stream):
+        for stream in (self.h2d_stream, self.d2h_stream, self.compute_stream,
+                       *self._side_streams):
             stream.close()
 
     def __enter__(self) -> DeviceLayer:

@@ -12,9 +12,11 @@ was. A group that was updated can be rolled back: by the arithmetic inverse of A
 
 from __future__ import annotations
 
+import math
 import os
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -26,6 +28,8 @@ except ImportError as error:  # the extension is built in place by `make setup`
         "megatron.optimizer._cpu_adam is not built: run `python setup.py build_ext --inplace` "
         f"(or `make setup`) in the repository root ({error})"
     ) from error
+
+from megatron.optimizer.subgroups import AdamHyper, DeviceUpdater, Subgroup  # noqa: E402
 
 _DTYPE_CODES = {torch.float32: _kernel.F32, torch.float16: _kernel.F16, torch.bfloat16: _kernel.BF16}
 
@@ -49,6 +53,7 @@ class _StepRecord:
     lr: float
     weight_decay: float
     step: int
+    clip: float = 1.0  # gradient clip factor the step used (after the unscaling)
 
 
 def available_isas() -> list[str]:
@@ -91,6 +96,11 @@ def check_gradient(
         grad=grad.data_ptr(), grad_dtype=_DTYPE_CODES[grad.dtype], n=grad.numel(),
         inv_scale=float(inv_scale), pool=shared_pool(int(threads), cores), isa=isa,
     )
+
+
+def _check_clip(clip: float) -> None:
+    if not 0.0 < clip <= 1.0:
+        raise ValueError(f"clip={clip} must lie in (0, 1]")
 
 
 class CPUAdamW:
@@ -170,6 +180,12 @@ class CPUAdamW:
             self._snapshot.append(torch.empty(3 * n, dtype=torch.float32) if exact_rollback else None)
             self._steps.append(0)
             self._last.append(None)
+        # Per group: its subgroups when some are updated on the device (set_subgroups).
+        self._subgroups: list[tuple[Subgroup, ...] | None] = [None] * len(self._master)
+        self._device: DeviceUpdater | None = None
+        # perf_counter() when the latest step's CPU part / device part finished (metrics)
+        self.cpu_done_s = 0.0
+        self.device_done_s = 0.0
 
     # --- state -------------------------------------------------------------------------
 
@@ -178,19 +194,21 @@ class CPUAdamW:
         return len(self._master)
 
     def master(self, group: int) -> torch.Tensor:
-        return self._master[self._index(group)]
+        return self._master[self._host_state(self._index(group))]
 
     def exp_avg(self, group: int) -> torch.Tensor:
-        return self._exp_avg[self._index(group)]
+        return self._exp_avg[self._host_state(self._index(group))]
 
     def exp_avg_sq(self, group: int) -> torch.Tensor:
-        return self._exp_avg_sq[self._index(group)]
+        return self._exp_avg_sq[self._host_state(self._index(group))]
 
     def step_count(self, group: int) -> int:
         return self._steps[self._index(group)]
 
     def state_dict(self) -> dict:
         """Checkpointable state (tensors are the live buffers: copy before mutating)."""
+        for i in range(self.num_groups):
+            self._host_state(i)
         return {
             "hyper": {"lr": self.lr, "betas": self.betas, "eps": self.eps,
                       "weight_decay": self.weight_decay},
@@ -213,6 +231,7 @@ class CPUAdamW:
             self._exp_avg_sq[i].copy_(s["exp_avg_sq"])
             self._steps[i] = int(s["step"])
             self._last[i] = None
+            self._host_changed(i)
         hyper = state.get("hyper", {})
         self.lr = float(hyper.get("lr", self.lr))
         self.weight_decay = float(hyper.get("weight_decay", self.weight_decay))
@@ -226,19 +245,27 @@ class CPUAdamW:
         *,
         inv_scale: float = 1.0,
         out: torch.Tensor | None = None,
+        clip: float = 1.0,
     ) -> GroupStepResult:
-        """One AdamW step of `group` with grad * inv_scale; writes the updated parameters
-        into `out` (bf16, fp16 or fp32) when given. Leaves the group unchanged when the
-        unscaled gradient is not finite. Keep `grad` and `out` untouched until the step is
+        """One AdamW step of `group` with (grad * inv_scale) * clip; writes the updated
+        parameters into `out` (bf16, fp16 or fp32) when given. Leaves the group unchanged
+        when the unscaled gradient is not finite. The returned sum of squares is of the
+        unscaled, unclipped gradient. Keep `grad` and `out` untouched until the step is
         committed or rolled back."""
         i = self.check_inputs(group, grad, out)
         if not inv_scale > 0.0:
             raise ValueError(f"inv_scale={inv_scale} must be > 0")
+        _check_clip(clip)
         weight_decay = self.weight_decay * self.weight_decay_mults[i]
         if not 0.0 <= self.lr * weight_decay < 1.0:  # 1 - lr*wd divides in the inverse
             raise ValueError(f"lr*weight_decay={self.lr * weight_decay} for group {i} must lie in [0, 1)")
-        record = _StepRecord(grad, out, float(inv_scale), self.lr, weight_decay, self._steps[i] + 1)
-        finite, sq = _kernel.step(**self._kernel_args(i, record))
+        record = _StepRecord(grad, out, float(inv_scale), self.lr, weight_decay,
+                             self._steps[i] + 1, float(clip))
+        if self._subgroups[i] is not None:
+            finite, sq = self._step_subgroups(i, record)
+        else:
+            finite, sq = _kernel.step(**self._kernel_args(i, record))
+            self.cpu_done_s = max(self.cpu_done_s, time.perf_counter())
         if finite:
             self._steps[i] = record.step
             self._last[i] = record
@@ -261,9 +288,29 @@ class CPUAdamW:
         record = self._last[i]
         if record is None:
             raise RuntimeError(f"group {i} has no update to roll back")
-        _kernel.undo(**self._kernel_args(i, record))
+        self._host_state(i)
+        for args in self._range_args(i, record):
+            _kernel.undo(**args)
+        self._host_changed(i)
         self._steps[i] = record.step - 1
         self._last[i] = None
+
+    def correct_group(self, group: int, clip: float) -> None:
+        """Replace the group's last update by the same step with clip factor `clip`, in one
+        pass over p, m, v and the gradient (the pre-step state comes from the snapshot in
+        exact mode, bit-exact; otherwise from the arithmetic inverse, within the bound of
+        docs/cpu_optimizer.md, "Clipping corrections"). The working copy is rewritten."""
+        i = self._index(group)
+        record = self._last[i]
+        if record is None:
+            raise RuntimeError(f"group {i} has no update to correct")
+        _check_clip(clip)
+        corrected = replace(record, clip=float(clip))
+        self._host_state(i)
+        for args in self._range_args(i, corrected):
+            _kernel.correct(**args, undo_clip=record.clip)
+        self._host_changed(i)
+        self._last[i] = corrected
 
     def commit_group(self, group: int) -> None:
         """Forget the group's last update (its gradient may be reused from now on)."""
@@ -272,18 +319,123 @@ class CPUAdamW:
     def has_update(self, group: int) -> bool:
         return self._last[self._index(group)] is not None
 
-    def _kernel_args(self, i: int, r: _StepRecord) -> dict:
+    # --- subgroups (Deep Optimizer States) ----------------------------------------------
+
+    def set_subgroups(self, group: int, subgroups: Sequence[Subgroup] | None,
+                      device: DeviceUpdater | None = None) -> None:
+        """Step `group` in these subgroups from now on (None: in one piece): those marked
+        on_device through `device`, the others with the kernel, concurrently. Rollbacks
+        and corrections run on the kernel over the host state, per subgroup (the device
+        flushes p, m, v back before its step counts as done). The group must have no
+        pending update."""
+        i = self._index(group)
+        if self._last[i] is not None:
+            raise RuntimeError(f"group {i} has an update pending; commit it first")
+        if subgroups is not None:
+            n = self._master[i].numel()
+            ends = [(s.lo, s.hi) for s in subgroups]
+            if not ends or ends[0][0] != 0 or ends[-1][1] != n or any(
+                    a[1] != b[0] or a[0] >= a[1] for a, b in zip(ends, ends[1:])):
+                raise ValueError(f"subgroups {ends} do not tile group {i} of {n} elements")
+            if any(s.on_device for s in subgroups):
+                if device is None and self._device is None:
+                    raise ValueError("device subgroups need a device updater")
+        if device is not None:
+            self._device = device
+        self._subgroups[i] = tuple(subgroups) if subgroups is not None else None
+
+    def subgroups(self, group: int) -> tuple[Subgroup, ...] | None:
+        return self._subgroups[self._index(group)]
+
+    def _step_subgroups(self, i: int, r: _StepRecord) -> tuple[bool, float]:
+        """Algorithm 1: the device subgroups are launched first (their copies and updates
+        queue on the device's streams), the CPU steps the others meanwhile; then the
+        device's flushes are awaited. A non-finite gradient anywhere leaves the whole group
+        as it was (the subgroups that did update are undone)."""
+        subgroups = self._subgroups[i] or ()
+        hyper = AdamHyper.of(r.lr, self.betas, self.eps, r.weight_decay, r.step,
+                             r.inv_scale, r.clip)
         snap = self._snapshot[i]
+        launched = []
+        for s in subgroups:
+            if s.on_device:
+                if snap is not None:  # exact mode: the pre-step state, as the kernel keeps it
+                    self._device.to_host(self._master[i][s.lo:s.hi], self._exp_avg[i][s.lo:s.hi],
+                                         self._exp_avg_sq[i][s.lo:s.hi])
+                    block = snap[3 * s.lo:3 * s.hi]
+                    width = s.hi - s.lo
+                    for k, state in enumerate((self._master[i], self._exp_avg[i],
+                                               self._exp_avg_sq[i])):
+                        block[k * width:(k + 1) * width].copy_(state[s.lo:s.hi])
+                out = None if r.out is None else r.out[s.lo:s.hi]
+                launched.append((s, self._device.launch(
+                    self._master[i][s.lo:s.hi], self._exp_avg[i][s.lo:s.hi],
+                    self._exp_avg_sq[i][s.lo:s.hi], r.grad[s.lo:s.hi], out, hyper)))
+        results = []
+        for s, args in zip([s for s in subgroups if not s.on_device],
+                           self._range_args(i, r, on_device=False)):
+            results.append((s, *_kernel.step(**args)))
+        self.cpu_done_s = max(self.cpu_done_s, time.perf_counter())
+        results += [(s, *update.result()) for s, update in launched]
+        if launched:
+            self.device_done_s = max(self.device_done_s, time.perf_counter())
+        if all(finite for _, finite, _ in results):
+            return True, sum(sq for _, _, sq in results)
+        self._host_state(i)
+        updated = {s for s, finite, _ in results if finite}
+        for s, args in zip(subgroups, self._range_args(i, r)):
+            if s in updated:
+                _kernel.undo(**args)
+        self._host_changed(i)
+        return False, math.inf
+
+    def _device_ranges(self, i: int) -> list[Subgroup]:
+        return [s for s in self._subgroups[i] or () if s.on_device]
+
+    def _host_state(self, i: int) -> int:
+        """Make the host's p, m, v of group i current (a resident updater keeps them)."""
+        for s in self._device_ranges(i):
+            self._device.to_host(self._master[i][s.lo:s.hi], self._exp_avg[i][s.lo:s.hi],
+                                 self._exp_avg_sq[i][s.lo:s.hi])
+        return i
+
+    def _host_changed(self, i: int) -> None:
+        for s in self._device_ranges(i):
+            self._device.forget(self._master[i][s.lo:s.hi])
+
+    def _range_args(self, i: int, r: _StepRecord, on_device: bool | None = None) -> list[dict]:
+        """Kernel arguments per subgroup (each with its own snapshot block), or the whole
+        group's when it is not split; on_device=False: only the CPU subgroups."""
+        whole = self._kernel_args(i, r)
+        subgroups = self._subgroups[i]
+        if subgroups is None:
+            return [whole]
+        snap = self._snapshot[i]
+        args = []
+        for s in subgroups:
+            if on_device is not None and s.on_device != on_device:
+                continue
+            args.append(self._kernel_args(i, r, s.lo, s.hi,
+                                          None if snap is None else snap[3 * s.lo:3 * s.hi]))
+        return args
+
+    def _kernel_args(self, i: int, r: _StepRecord, lo: int = 0, hi: int | None = None,
+                     snap: torch.Tensor | None = None) -> dict:
+        if hi is None:
+            hi, snap = self._master[i].numel(), self._snapshot[i]
+
+        def at(t: torch.Tensor) -> int:
+            return t.data_ptr() + lo * t.element_size()
         return dict(
-            p=self._master[i].data_ptr(), m=self._exp_avg[i].data_ptr(),
-            v=self._exp_avg_sq[i].data_ptr(), grad=r.grad.data_ptr(),
+            p=at(self._master[i]), m=at(self._exp_avg[i]),
+            v=at(self._exp_avg_sq[i]), grad=at(r.grad),
             grad_dtype=_DTYPE_CODES[r.grad.dtype],
-            out=0 if r.out is None else r.out.data_ptr(),
+            out=0 if r.out is None else at(r.out),
             out_dtype=_kernel.NONE if r.out is None else _DTYPE_CODES[r.out.dtype],
-            snapshot=0 if snap is None else snap.data_ptr(), n=self._master[i].numel(),
+            snapshot=0 if snap is None else snap.data_ptr(), n=hi - lo,
             lr=r.lr, beta1=self.betas[0], beta2=self.betas[1], eps=self.eps,
             weight_decay=r.weight_decay, step=r.step, inv_scale=r.inv_scale,
-            pool=self._pool, isa=self.isa,
+            pool=self._pool, isa=self.isa, clip=r.clip,
         )
 
     def _index(self, group: int) -> int:

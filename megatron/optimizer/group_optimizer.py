@@ -15,23 +15,31 @@ them all, in one of two schedules:
 (the SysX paper saw all its rollbacks in the first iterations, with a high initial scale).
 
 Gradient clipping by the global norm (`clip_grad > 0`): the norm comes from the sum of
-squares computed in the same pass as the check. In "sync" the clip factor is folded into
-the unscaling of the update. In "async" the groups have already updated when the norm is
-known: if it exceeds `clip_grad`, every group rolls back and steps again with the clip
-factor, which costs a second pass only in the iterations that clip.
+squares computed in the same pass as the check. In "sync" the clip factor is applied in
+the update. In "async" the groups have already updated when the norm is known, so the
+speculative step uses the clip factor predicted from the previous iteration's norm; when
+the true factor differs, one fused pass per group (`CPUAdamW.correct_group`) replaces the
+speculative step by the clipped one. Speculating with a factor close to the true one keeps
+that correction small, hence well-conditioned (docs/cpu_optimizer.md, "Clipping").
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from megatron.optimizer.cpu_adam import CPUAdamW, check_gradient
-from megatron.optimizer.group_tasks import GroupTaskError, GroupTaskRunner, ReadySignal
+from megatron.optimizer.group_tasks import (
+    GroupTaskError,
+    GroupTaskRunner,
+    ReadySignal,
+    wait_ready,
+)
 from megatron.optimizer.loss_scaler import LossScaler
 
 MODES = ("async", "sync")
@@ -46,6 +54,7 @@ class IterationResult:
     overflow_groups: tuple[int, ...]  # local groups whose gradient was not finite
     rolled_back_groups: tuple[int, ...]  # local groups that updated, then rolled back
     clipped: bool  # the update used a clip factor < 1
+    corrected_groups: tuple[int, ...] = ()  # local groups whose speculative step was re-clipped
 
 
 @dataclass(frozen=True)
@@ -102,6 +111,14 @@ class AsyncGroupOptimizer:
         self._rolled_back: tuple[int, ...] = ()
         self._iteration_mode: str | None = None
         self._scale = 1.0
+        # The clip factor of the last iteration that did not overflow: what a speculative
+        # step assumes, so that its correction is small (1.0 until a norm is known).
+        self.predicted_clip = 1.0
+        self._spec_clip = 1.0  # the factor this iteration's speculative steps use
+        self._corrected: tuple[int, ...] = ()
+        # Corrections still running past the end of their iteration, by group: the group's
+        # next task waits for its own (see correct_deferred).
+        self._trailing: dict[int, Future] = {}
 
     def current_mode(self) -> str:
         """The schedule the next (or current) iteration runs with."""
@@ -129,10 +146,11 @@ class AsyncGroupOptimizer:
             raise ValueError(f"group {group} was already submitted in this iteration")
         self.optimizer.check_inputs(group, grad, out)  # fail here, not in a task
         self._begin()
+        ready = self._after_trailing(group, ready)
         self._submitted[group] = _Submission(grad, out)
         if self._verdict is not None:
             if not self._verdict.overflow:
-                self._update(group, self._submitted[group], self._verdict.clip / self._scale, ready)
+                self._update(group, self._submitted[group], self._verdict.clip, ready)
         elif self._iteration_mode == "async":
             self._speculated.add(group)
             self.runner.submit(group, self._speculative_task(group, grad, out), ready)
@@ -144,7 +162,7 @@ class AsyncGroupOptimizer:
         before the verdict (the synchronous schedules' check as gradients land)."""
         self.optimizer.check_inputs(group, grad)
         self._begin()
-        self.runner.submit(group, self._check_task(grad), ready)
+        self.runner.submit(group, self._check_task(grad), self._after_trailing(group, ready))
 
     def wait_all(self) -> None:
         """Wait for every started task; a failed task undoes the updates of this round."""
@@ -164,23 +182,85 @@ class AsyncGroupOptimizer:
                                  overflow_groups)
         return grad_norm
 
-    def correct(self) -> None:
+    def correct(self, order: Sequence[int] | None = None) -> None:
         """After the verdict: undo every speculative update when it says overflow, and
-        redo them with the clip factor when it clips."""
+        re-clip them in one fused pass each when the true clip factor differs from the
+        predicted one; returns when all are done. `order`: the groups in the order they are
+        needed next; the others follow in group order."""
+        needed = self._needing_correction()
+        first = [s for s in (order or ()) if s in needed]
+        for group in dict.fromkeys(first + needed):
+            self.runner.submit(group, lambda s=group, v=self._verdict: self._correct_group(s, v))
+        self.runner.wait_all()
+
+    def correct_deferred(
+        self, batches: Sequence[tuple[Sequence[int], Callable[[], None]]],
+    ) -> list[Future | None]:
+        """correct() without waiting: one task per batch of groups, in the order given (the
+        next iteration's forward order), that corrects those of its groups that need it,
+        commits them, then calls the batch's `then` (e.g. publish the stage's parameters).
+        A batch with nothing to correct gets None: its caller runs `then` itself. The
+        next submit() or check() of a group waits for its correction; drain() waits for
+        all (before anything reads the state)."""
+        needed = set(self._needing_correction())
+        futures: list[Future | None] = []
+        for groups, then in batches:
+            mine = tuple(g for g in groups if g in needed)
+            if not mine:
+                futures.append(None)
+                continue
+
+            def task(mine: tuple[int, ...] = mine, then: Callable[[], None] = then,
+                     verdict: _Verdict = self._verdict) -> None:
+                for group in mine:
+                    self._correct_group(group, verdict)
+                    self.optimizer.commit_group(group)
+                then()
+            future = self.runner.submit_detached(task)
+            for group in mine:
+                self._trailing[group] = future
+            futures.append(future)
+        return futures
+
+    def drain(self) -> None:
+        """Wait for every deferred correction; raises GroupTaskError for a failed one."""
+        trailing, self._trailing = self._trailing, {}
+        for group, future in sorted(trailing.items()):
+            try:
+                future.result()
+            except BaseException as error:
+                raise GroupTaskError(group, error, {}) from error
+
+    def _needing_correction(self) -> list[int]:
+        """The speculative updates the verdict changes (recorded for the result)."""
         verdict = self._verdict
         if verdict is None:
             raise RuntimeError("correct() before synchronize()")
-        if not (verdict.overflow or verdict.clip < 1.0):
-            return
+        if not verdict.overflow and verdict.clip == self._spec_clip:
+            return []
         updated = tuple(s for s in sorted(self._speculated) if self.optimizer.has_update(s))
-        for group in updated:
-            self.runner.submit(group, lambda s=group: self.optimizer.rollback_group(s))
-        self.runner.wait_all()
-        self._rolled_back = updated
-        if not verdict.overflow:
-            for group in updated:
-                self._update(group, self._submitted[group], verdict.clip / self._scale)
-            self.runner.wait_all()
+        if verdict.overflow:
+            self._rolled_back = updated
+        else:
+            self._corrected = updated
+        return list(updated)
+
+    def _correct_group(self, group: int, verdict: _Verdict) -> None:
+        if verdict.overflow:
+            self.optimizer.rollback_group(group)
+        else:
+            self.optimizer.correct_group(group, verdict.clip)
+
+    def _after_trailing(self, group: int, ready: ReadySignal) -> ReadySignal:
+        """`ready`, preceded by the group's deferred correction if one is running."""
+        future = self._trailing.pop(group, None)
+        if future is None:
+            return ready
+
+        def wait() -> None:
+            future.result()
+            wait_ready(ready)
+        return wait
 
     def end_iteration(self) -> IterationResult:
         """Commit this iteration's updates, adjust the loss scale, report."""
@@ -196,9 +276,13 @@ class AsyncGroupOptimizer:
             grad_norm=verdict.grad_norm, overflow_groups=verdict.overflow_groups,
             rolled_back_groups=self._rolled_back if verdict.overflow else (),
             clipped=not verdict.overflow and verdict.clip < 1.0,
+            corrected_groups=self._corrected,
         )
+        if not verdict.overflow:
+            self.predicted_clip = verdict.clip
         for group in self._submitted:
-            self.optimizer.commit_group(group)
+            if group not in self._trailing:  # a deferred correction commits its own
+                self.optimizer.commit_group(group)
         self._reset()
         self.scaler.update(verdict.overflow)
         self._clean_in_a_row = 0 if verdict.overflow else self._clean_in_a_row + 1
@@ -214,7 +298,7 @@ class AsyncGroupOptimizer:
                 self.correct()
             elif not self._verdict.overflow:
                 for group, sub in self._submitted.items():
-                    self._update(group, sub, self._verdict.clip / self._scale)
+                    self._update(group, sub, self._verdict.clip)
                 self.runner.wait_all()
         except BaseException:
             self._reset()
@@ -222,7 +306,10 @@ class AsyncGroupOptimizer:
         return self.end_iteration()
 
     def close(self) -> None:
-        self.runner.close()
+        try:
+            self.drain()
+        finally:
+            self.runner.close()
 
     def __enter__(self) -> AsyncGroupOptimizer:
         return self
@@ -236,6 +323,7 @@ class AsyncGroupOptimizer:
         if self._iteration_mode is None:
             self._iteration_mode = self.current_mode()
             self._scale = self.scaler.scale
+            self._spec_clip = self.predicted_clip if self.clip_grad > 0.0 else 1.0
 
     def _reset(self) -> None:
         self._submitted = {}
@@ -243,14 +331,16 @@ class AsyncGroupOptimizer:
         self._checks = {}
         self._verdict = None
         self._rolled_back = ()
+        self._corrected = ()
         self._iteration_mode = None
         self._scale = 1.0
 
     def _speculative_task(self, group: int, grad: torch.Tensor, out: torch.Tensor | None):
-        inv_scale = 1.0 / self._scale
+        inv_scale, clip = 1.0 / self._scale, self._spec_clip
 
         def task() -> tuple[bool, float]:
-            result = self.optimizer.step_group(group, grad, inv_scale=inv_scale, out=out)
+            result = self.optimizer.step_group(group, grad, inv_scale=inv_scale, out=out,
+                                               clip=clip)
             return result.updated, result.grad_sq_sum
         return task
 
@@ -261,10 +351,13 @@ class AsyncGroupOptimizer:
             return check_gradient(grad, inv_scale, adam.threads, adam.isa, adam.cores)
         return task
 
-    def _update(self, group: int, sub: _Submission, inv_scale: float,
+    def _update(self, group: int, sub: _Submission, clip: float,
                 ready: ReadySignal = None) -> None:
+        inv_scale = 1.0 / self._scale
+
         def task() -> tuple[None, float]:
-            result = self.optimizer.step_group(group, sub.grad, inv_scale=inv_scale, out=sub.out)
+            result = self.optimizer.step_group(group, sub.grad, inv_scale=inv_scale,
+                                               out=sub.out, clip=clip)
             if not result.updated:  # the check passed: only a changed buffer gets here
                 raise RuntimeError(f"group {group}: gradient became non-finite after its check")
             return None, 0.0

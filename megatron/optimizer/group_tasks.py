@@ -75,6 +75,14 @@ class GroupTaskRunner:
         self._pending[group] = future
         return future
 
+    def submit_detached(self, task: Callable[[], Any]) -> Future:
+        """Run `task` on the same threads, outside the rounds that wait_all() closes: work
+        that may go on past the end of the iteration (the caller keeps the Future). The
+        threads take tasks in submission order, so a later task may wait for this one."""
+        if self._closed:
+            raise RuntimeError("GroupTaskRunner is closed")
+        return self._pool.submit(task)
+
     def wait_all(self) -> dict[int, Any]:
         """Results by group, once all tasks of the round are done; starts a new round."""
         pending, self._pending = self._pending, {}

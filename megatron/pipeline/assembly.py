@@ -26,15 +26,24 @@ from megatron.offload.prefetch import ParamSlots
 from megatron.optimizer.cpu_adam import CPUAdamW
 from megatron.optimizer.group_optimizer import AsyncGroupOptimizer, IterationResult
 from megatron.optimizer.loss_scaler import ConstantLossScaler, DynamicLossScaler, LossScaler
-from megatron.pipeline.config import PipelineConfig
+from megatron.optimizer.subgroups import plan_resident, plan_subgroups
+from megatron.pipeline.config import PipelineConfig, SubgroupSettings
 from megatron.pipeline.executor import IterationStats, PipelineExecutor
 from megatron.pipeline.host_group import host_group
+from megatron.pipeline.optimizer_calibration import calibrated_update_rates
 from megatron.pipeline.owner import BackwardStageOwner
 from megatron.pipeline.p2p import MessageShape, PointToPoint
 from megatron.pipeline.replicas import holds_segment, plan_replicas, push_replicas
 from megatron.pipeline.stage_modules import build_stage_modules
-from megatron.schedules.instructions import WHOLE_STAGE, BackwardStage
+from megatron.pipeline.subgroup_device import (
+    DeviceSubgroupUpdater,
+    ResidentSubgroupUpdater,
+    default_subgroup_size,
+    subgroup_size_within,
+)
+from megatron.schedules.instructions import WHOLE_STAGE, BackwardStage, Op
 from megatron.schedules.lowering import forward_only_schedule
+from megatron.schedules.optimizer_stride import gpu_update_stride
 from megatron.schedules.timeline import TimedEvent
 from megatron.schedules.validator import validate
 
@@ -81,6 +90,8 @@ class Pipeline:
             max_workers=max(1, min(4, self.cpu_adam.num_groups)), process_group=self.host_group,
             thread_setup=self.device.bind_current_thread)
         self.executor = self._executor(model_cfg)
+        self.gpu_stride, self.subgroup_updater = self._plan_subgroups()
+        self.executor.subgroup_updater = self.subgroup_updater
         self.last_iteration = 0
 
     # --- assembly ----------------------------------------------------------------------
@@ -132,6 +143,59 @@ class Pipeline:
                         threads=o.threads, weight_decay_mults=mults)
         return adam, owners
 
+    def _plan_subgroups(self) -> tuple[int, DeviceSubgroupUpdater | ResidentSubgroupUpdater | None]:
+        """Split the groups of the stages this rank's program starts with
+        OPTIMIZER_START_SUBGROUPS into subgroups, every k-th updated on the device (k from
+        the flag, or Eq. 1 over the calibrated rates). Returns (k, the device updater)."""
+        settings = self.config.subgroups
+        if settings is not None and settings.resident_fraction > 0:
+            return 0, self._plan_resident(settings)
+        stages = sorted({BackwardStage(i.stage, i.sub) for i in self.schedule.programs[self.rank]
+                         if i.op == Op.OPTIMIZER_START_SUBGROUPS})
+        if settings is None or not stages:
+            return 0, None
+        stride = settings.stride
+        if stride is None:
+            rates = calibrated_update_rates(
+                self.device, self.cpu_adam.threads, settings.cache_dir,
+                log=lambda line: print(f"rank {self.rank}: {line}", flush=True))
+            model = gpu_update_stride(rates)
+            stride = model.k
+            print(f"rank {self.rank}: optimizer GPU stride k = {stride} (Eq. 1: "
+                  f"{model.k_real:.3g}) for stages {[tuple(b) for b in stages]}", flush=True)
+        if stride == 0:
+            return 0, None
+        sizes = [hi - lo for b in stages for lo, hi in self.owners[b].bounds()]
+        size = min(settings.size or default_subgroup_size(max(sizes)), max(sizes))
+        # The budget: what the gradient buffers hold, free once the backward has ended.
+        budget = self.grad_buffers.nbytes
+        fitting = subgroup_size_within(budget)
+        if size > fitting:
+            print(f"rank {self.rank}: optimizer subgroups of {size} parameters would need "
+                  f"{DeviceSubgroupUpdater.bytes_needed(size)} bytes of device memory, more "
+                  f"than the gradient buffers' {budget}: using {fitting}", flush=True)
+            size = fitting
+        updater = DeviceSubgroupUpdater(self.device, size)
+        for b in stages:
+            owner = self.owners[b]
+            for group, (lo, hi) in zip(owner.groups, owner.bounds()):
+                if hi > lo:
+                    self.cpu_adam.set_subgroups(group, plan_subgroups(hi - lo, size, stride),
+                                                updater)
+        return stride, updater
+
+    def _plan_resident(self, settings: SubgroupSettings) -> ResidentSubgroupUpdater:
+        """Twin-Flow: the first `resident_fraction` of every owned group on the device."""
+        updater = ResidentSubgroupUpdater(self.device)
+        sizes = [hi - lo for owner in self.owners.values() for lo, hi in owner.bounds()]
+        size = settings.size or default_subgroup_size(max(sizes))
+        for owner in self.owners.values():
+            for group, (lo, hi) in zip(owner.groups, owner.bounds()):
+                if hi > lo:
+                    self.cpu_adam.set_subgroups(
+                        group, plan_resident(hi - lo, size, settings.resident_fraction), updater)
+        return updater
+
     def _executor(self, model_cfg: LlamaConfig) -> PipelineExecutor:
         s = self.schedule
         slot_numel = max(m.layout.numel for m in self.modules.values())
@@ -167,6 +231,8 @@ class Pipeline:
         batches = [{k: v.to(self.device.torch_device) for k, v in b.items()} for b in micro_batches]
         stats = self.executor.run_iteration(
             iteration, batches, record_timeline=iteration == self.config.record_timeline_at)
+        if self.replicas:  # pushed from the segments: their corrections must be done
+            self.optimizer.drain()
         push_replicas(self.replicas, self.store, self.rank, self.host_group)
         self.last_iteration = iteration
         loss, breakdown = self._breakdown(stats)
@@ -194,11 +260,14 @@ class Pipeline:
         """All-reduce the loss (from the last forward stage's rank) and per-rank figures."""
         world = self.schedule.ranks
         has_loss = self.schedule.forward_rank[-1] == self.rank
-        table = torch.zeros(world + 1, 6 + len(MEMORY_CATEGORIES), dtype=torch.float64)
+        extra = 6 + len(MEMORY_CATEGORIES)  # columns after the memory categories
+        table = torch.zeros(world + 1, extra + 3, dtype=torch.float64)
         table[self.rank] = torch.tensor(
             [stats.compute_s, stats.bubble_s, stats.exposed_optimizer_s, stats.iteration_s,
              stats.host_syncs, stats.memory_peak_bytes]
-            + [stats.memory_breakdown[name] for name in MEMORY_CATEGORIES])
+            + [stats.memory_breakdown[name] for name in MEMORY_CATEGORIES]
+            + [stats.clip_corrections_exposed_s, stats.exposed_optimizer_device_s,
+               self.gpu_stride])
         table[world, 0] = stats.loss if has_loss else 0.0
         dist.all_reduce(table, group=self.host_group)
         per_rank = [{"rank": r, "gpu_time_s": float(table[r, 0]),
@@ -220,6 +289,13 @@ class Pipeline:
             "device_memory_peak_bytes": int(table[:world, 5].max()),
             "per_rank": per_rank,
             "schedule": self.schedule.name,
+            # of exposed_optimizer_time_s: waits for clipping corrections / rollbacks
+            "clip_corrections_exposed_s": float(means[extra]),
+            # of exposed_optimizer_time_s: on the device (subgroups still flushing after the
+            # CPU's part was done) and the rest, on the CPU
+            "exposed_optimizer_device_time_s": float(means[extra + 1]),
+            "exposed_optimizer_cpu_time_s": float(means[2] - means[extra + 1]),
+            "optimizer_gpu_stride": int(table[:world, extra + 2].max()),
         }
 
     def _gather_events(self, stats: IterationStats) -> list[TimedEvent]:
@@ -232,7 +308,10 @@ class Pipeline:
     def checkpoint_views(self) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Owned parameters by whole-model name (LlamaModel's): live views of the fp32
         master, exp_avg and exp_avg_sq inside the CPU optimizer (no copy). A parameter lies
-        in one of its stage's two groups (decayed elements first, then the others)."""
+        in one of its stage's two groups (decayed elements first, then the others).
+        Deferred corrections are finished first, and master()/exp_avg() bring subgroups
+        kept on the device back to the host."""
+        self.optimizer.drain()
         adam, out = self.cpu_adam, {}
         for b, owner in self.owners.items():
             module = self.modules[b]
@@ -256,6 +335,7 @@ class Pipeline:
     def restored(self, optimizer_step: int, iteration: int) -> None:
         """After a checkpoint load overwrote `checkpoint_views()` in place: set the step
         count and publish the new masters to the segments (and replicas)."""
+        self.optimizer.drain()
         adam, stepped = self.cpu_adam, set(self._stepped_groups())
         adam.load_state_dict({"groups": [
             {"master": adam.master(g), "exp_avg": adam.exp_avg(g),

@@ -27,6 +27,19 @@ class OptimizerSettings:
 
 
 @dataclass(frozen=True)
+class SubgroupSettings:
+    """Optimizer subgroups updated on the device (Deep Optimizer States) for the stages
+    whose program says OPTIMIZER_START_SUBGROUPS."""
+
+    stride: int | None  # every stride-th subgroup on the device; None: Eq. 1 (calibrated)
+    size: int | None = None  # parameters per subgroup; None: from the largest such stage
+    cache_dir: str = ""  # where the calibrated rates are cached (stride None)
+    # > 0: the static baseline instead: this fraction of every owned stage's optimizer
+    # state lives on the device and is always updated there (stride is then ignored)
+    resident_fraction: float = 0.0
+
+
+@dataclass(frozen=True)
 class LossScaling:
     """Dynamic loss scaling (fp16 only)."""
 
@@ -46,6 +59,7 @@ class PipelineConfig:
     inject_overflow: tuple[int, BackwardStage] | None = None  # testing: (iteration, stage)
     record_timeline_at: int | None = None  # the iteration whose events are gathered
     p2p_check: bool = False  # testing: a header with each tensor, checked on receipt
+    subgroups: SubgroupSettings | None = None  # None: every update on the CPU
 
     @property
     def ranks(self) -> int:

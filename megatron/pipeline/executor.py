@@ -24,6 +24,8 @@ interpreter, so they are compared on equal terms. What each instruction does:
   the speculative steps' own checks. ROLLBACK_IF_OVERFLOW: undo the speculative steps on
   overflow, redo them with the clip factor when the norm clips.
 - OPTIMIZER_WAIT_ALL: wait for every optimizer task this rank started.
+- OPTIMIZER_START_SUBGROUPS: OPTIMIZER_START for a stage whose groups the assembly split
+  into subgroups, every k-th stepped on the device (megatron/pipeline/subgroup_device.py).
 
 What an instruction does is chosen from its op (`OP_SPECS[op].method`), never from the schedule's
 name. After the program, the optimizer commits the iteration and updates the loss scale.
@@ -40,6 +42,7 @@ import os
 import signal
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -55,6 +58,7 @@ from megatron.optimizer.group_optimizer import AsyncGroupOptimizer, IterationRes
 from megatron.pipeline.owner import BackwardStageOwner
 from megatron.pipeline.p2p import PointToPoint
 from megatron.pipeline.stage_modules import StageModule
+from megatron.pipeline.subgroup_device import DeviceSubgroupUpdater, ResidentSubgroupUpdater
 from megatron.schedules.instructions import (
     COMPUTE,
     OP_SPECS,
@@ -86,6 +90,11 @@ class IterationStats:
     memory_peak_bytes: int  # device memory the runtime held at most (MemoryBook)
     memory_breakdown: dict  # by category, at that peak
     events: list[TimedEvent] = field(default_factory=list)  # when recorded
+    # Of exposed_optimizer_s: the main thread waiting for the previous iteration's deferred
+    # clipping corrections / rollbacks (before a forward of a stage not yet corrected).
+    clip_corrections_exposed_s: float = 0.0
+    # Of exposed_optimizer_s: waiting after the CPU's part was done, for device subgroups.
+    exposed_optimizer_device_s: float = 0.0
 
     @property
     def bubble_s(self) -> float:
@@ -128,6 +137,12 @@ class PipelineExecutor:
             (i.stage, i.sub, i.mb) for i in self.program if i.op == Op.IRECV_CKPT)
         self._fail_at = _failure_to_inject(rank)
         self.last_stage = schedule.forward_stages - 1
+        # Deferred corrections of the previous iteration, by owned stage (see _rollback_if_overflow).
+        self._trailing: dict[BackwardStage, Future] = {}
+        self._publishers: dict[BackwardStage, Callable[[], None]] = {}
+        self._correction_wait_s = 0.0
+        # set by the assembly when some optimizer subgroups are updated on the device
+        self.subgroup_updater: DeviceSubgroupUpdater | ResidentSubgroupUpdater | None = None
 
     # --- one iteration -----------------------------------------------------------------
 
@@ -138,6 +153,8 @@ class PipelineExecutor:
                              f"{self.schedule.micro_batches}")
         self._iteration = iteration
         self._begin(iteration - 1, micro_batches)
+        self._correction_wait_s = 0.0
+        self._publishers = {}
         syncs_before = self.device.host_syncs
         self.device.reset_peak_memory()
         for owner in self.owned.values():
@@ -170,20 +187,37 @@ class PipelineExecutor:
         for b in list(self._slots):
             self.param_slots.release(self._slots.pop(b))
         result = self.optimizer.end_iteration()
-        for owner in self.owned.values():
-            owner.publish(iteration)
+        for b, owner in self.owned.items():
+            if b in self._publishers:
+                self._publishers.pop(b)()
+            elif b not in self._trailing:  # the others publish when their correction is done
+                owner.publish(iteration)
         self.device.wait_for(self.device.compute_stream)
         iteration_s = time.perf_counter() - start
         compute_s = sum(end.time_s() - begin.time_s() for _, begin, end in computed)
-        optimizer_s = sum(end - begin for _, begin, end in waited)
+        optimizer_s = sum(end - begin for _, begin, end in waited) + self._correction_wait_s
         events = self._timeline(start_event.time_s(), start, computed, waited) if record_timeline else []
         loss = 0.0
         if self._loss_sum is not None:
             loss = self.device.read_scalar(self._loss_sum) / self.schedule.micro_batches
         host_syncs = self.device.host_syncs - syncs_before
         memory = self.device.memory
+        correction_s = self._correction_wait_s + sum(
+            end - begin for instr, begin, end in waited if instr.op == Op.ROLLBACK_IF_OVERFLOW)
         return IterationStats(loss, result, iteration_s, compute_s, optimizer_s, host_syncs,
-                              memory.peak_bytes, dict(memory.peak_breakdown), events)
+                              memory.peak_bytes, dict(memory.peak_breakdown), events,
+                              clip_corrections_exposed_s=correction_s,
+                              exposed_optimizer_device_s=self._device_wait_s(waited))
+
+    def _device_wait_s(self, waited: list[tuple[Instruction, float, float]]) -> float:
+        """The part of the waits for optimizer tasks that came after every CPU subgroup
+        and CPU group of this rank was done, while device subgroups were still flushing."""
+        if self.subgroup_updater is None:
+            return 0.0
+        adam = self.optimizer.optimizer
+        cpu_done, device_done = adam.cpu_done_s, adam.device_done_s
+        return sum(max(0.0, min(end, device_done) - max(begin, cpu_done))
+                   for instr, begin, end in waited if instr.op == Op.OPTIMIZER_WAIT_ALL)
 
     def _begin(self, params_version: int, micro_batches: Sequence[Batch]) -> None:
         self._params_version = params_version  # what PREFETCH_PARAMS waits for
@@ -254,6 +288,7 @@ class PipelineExecutor:
     def _prefetch(self, instr: Instruction) -> None:
         for b in self.schedule.params_of(instr.stage, instr.sub):
             if b not in self._slots:
+                self._wait_for_correction(b)
                 segment = self.store.get(b)
                 segment.wait_version(self._params_version)
                 self._slots[b] = self.param_slots.prefetch(b, segment.params)
@@ -300,6 +335,14 @@ class PipelineExecutor:
     def _optimizer_start(self, instr: Instruction) -> None:
         self.owned[BackwardStage(instr.stage, instr.sub)].step(self.optimizer)
 
+    def _optimizer_start_subgroups(self, instr: Instruction) -> None:
+        b = BackwardStage(instr.stage, instr.sub)
+        owner = self.owned[b]
+        if self.subgroup_updater is not None and not any(
+                self.optimizer.optimizer.subgroups(g) for g in owner.groups):
+            raise RuntimeError(f"backward stage {b} has no subgroups planned")
+        owner.step(self.optimizer)  # the groups' subgroup plans route the device part
+
     def _optimizer_wait_all(self, instr: Instruction) -> None:
         self.optimizer.wait_all()
 
@@ -314,7 +357,27 @@ class PipelineExecutor:
         self.optimizer.synchronize()
 
     def _rollback_if_overflow(self, instr: Instruction) -> None:
-        self.optimizer.correct()
+        """Corrections (overflow rollbacks, clipping corrections) go on past the end of the
+        iteration, one task per owned stage in the next iteration's forward order; each
+        publishes its stage when done, so a forward waits only for its own stage's."""
+        owners = sorted(self.owned.items())  # forward order: stage, then sub
+        publishers = {b: owner.publisher(self._iteration) for b, owner in owners}
+        futures = self.optimizer.correct_deferred(
+            [(owner.groups, publishers[b]) for b, owner in owners])
+        self._trailing = {b: f for (b, _), f in zip(owners, futures) if f is not None}
+        self._publishers = {b: p for b, p in publishers.items() if b not in self._trailing}
+
+    def _wait_for_correction(self, b: BackwardStage) -> None:
+        """Before using an owned stage's parameters: its deferred correction must be done
+        (other ranks wait for the segment's version instead)."""
+        future = self._trailing.pop(b, None)
+        if future is None:
+            return
+        t0 = time.perf_counter()
+        waited = not future.done()
+        future.result()  # a failed correction raises here, never silently
+        if waited:
+            self._correction_wait_s += time.perf_counter() - t0
 
     # --- device memory -------------------------------------------------------------------
 
@@ -334,6 +397,7 @@ class PipelineExecutor:
             "gradient_buffers": self.grad_buffers.nbytes + upcast,
             "activation_checkpoints": checkpoints,
             "activations": activations + working,
+            "optimizer_subgroups": 0 if self.subgroup_updater is None else self.subgroup_updater.nbytes,
         })
 
     # --- compute -------------------------------------------------------------------------

@@ -7,6 +7,7 @@ that take weight decay, then those that do not) into the stage's shared-memory s
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -84,7 +85,17 @@ class BackwardStageOwner:
 
     def publish(self, iteration: int) -> None:
         """Give the host gradient buffer back and publish the segment's new version."""
-        if self.offloaded is not None:
-            self.offloaded.release()
-            self.offloaded = None
-        self.segment.publish(iteration)
+        self.publisher(iteration)()
+
+    def publisher(self, iteration: int) -> Callable[[], None]:
+        """publish(iteration), bound now, to run once the stage's last correction of the
+        iteration is done (possibly on an optimizer thread, while the next iteration has
+        started and offloads into a new buffer)."""
+        offloaded, self.offloaded = self.offloaded, None
+        segment = self.segment
+
+        def publish() -> None:
+            if offloaded is not None:
+                offloaded.release()
+            segment.publish(iteration)
+        return publish

@@ -16,6 +16,7 @@ from megatron.models.presets import ModelPreset, count_parameters, get_preset
 
 from .hardware import HardwareProfile, get_hardware
 from .instructions import BackwardStage, Schedule
+from .optimizer_stride import UpdateRates
 from .partition import balanced_partition, sub_stage_layers
 
 
@@ -32,6 +33,20 @@ class CostModel:
     p2p_activation: float = 0.0  # one activation or gradient between ranks
     p2p_checkpoint: float = 0.0  # one activation checkpoint between ranks
     rollback: float = 0.0  # expected corrections per iteration and rank (0: no overflow)
+    # OPTIMIZER_START_SUBGROUPS: how the device part of a stage's update is priced (None:
+    # the instruction costs what OPTIMIZER_START does)
+    device_update: DeviceUpdateCosts | None = None
+
+
+@dataclass(frozen=True)
+class DeviceUpdateCosts:
+    """Every `stride`-th subgroup of a stage on the device (Deep Optimizer States): its
+    fp32 p, m, v move in and out at `rates.h2d_params_per_s` each way and are updated at
+    `rates.gpu_update_params_per_s`; the CPU updates the rest at the CostModel's rate."""
+
+    stride: int
+    params: dict[BackwardStage, int]
+    rates: UpdateRates
 
 
 def uniform_costs(

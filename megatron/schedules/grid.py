@@ -15,6 +15,7 @@ _ABBREVIATIONS = {
     Op.ISEND_CKPT: "IS", Op.IRECV_CKPT: "IR", Op.WAIT_CKPT: "W", Op.OFFLOAD_GRAD: "OG",
     Op.OPTIMIZER_START: "O", Op.OPTIMIZER_WAIT_ALL: "OW", Op.OVERFLOW_SYNC: "OS",
     Op.POST_STEP_SYNC: "PS", Op.ROLLBACK_IF_OVERFLOW: "RB",
+    Op.OPTIMIZER_START_SUBGROUPS: "OD",
 }
 LEGEND = ", ".join(f"{code}={op.value}" for op, code in _ABBREVIATIONS.items())
 

@@ -39,6 +39,7 @@ class Op(str, Enum):
     OVERFLOW_SYNC = "OVERFLOW_SYNC"
     POST_STEP_SYNC = "POST_STEP_SYNC"
     ROLLBACK_IF_OVERFLOW = "ROLLBACK_IF_OVERFLOW"
+    OPTIMIZER_START_SUBGROUPS = "OPTIMIZER_START_SUBGROUPS"
 
 
 class Stepping(str, Enum):
@@ -115,8 +116,17 @@ OP_SPECS: dict[Op, OpSpec] = {
                               "the verdict", "post_step_sync"),
     Op.ROLLBACK_IF_OVERFLOW: OpSpec("", Stepping.LOCAL, "cpu-optimizer",
                                     "undo the speculative steps when the verdict says "
-                                    "overflow; redo them with the clip factor when it clips", "rollback_if_overflow"),
+                                    "overflow, re-clip them in one pass when the clip factor "
+                                    "differs; per stage, behind the next forward wave", "rollback_if_overflow"),
+    Op.OPTIMIZER_START_SUBGROUPS: OpSpec("", Stepping.LOCAL, "cpu-optimizer",
+                                         "OPTIMIZER_START for a stage whose update would be "
+                                         "exposed: every k-th subgroup is updated on the "
+                                         "device (copies in and out on the optimizer's own "
+                                         "streams) while the CPU updates the others",
+                                         "optimizer_start_subgroups"),
 }
+# The ops that start a backward stage's optimizer step (one per owned stage and iteration).
+OPTIMIZER_STARTS = frozenset({Op.OPTIMIZER_START, Op.OPTIMIZER_START_SUBGROUPS})
 
 BLOCKING_SENDS = frozenset(op for op, spec in OP_SPECS.items() if spec.stepping == Stepping.SEND)
 BLOCKING_RECVS = frozenset(op for op, spec in OP_SPECS.items() if spec.stepping == Stepping.RECV)

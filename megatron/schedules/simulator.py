@@ -9,8 +9,9 @@ gradients are home, FIFO; the node's CPU throughput is split among its GPUs). Ch
 transfers start when both ISEND and IRECV are posted; links are not contended.
 
 Bubble ratio of a rank (SysX Eq. 1-3): idle compute time over the iteration time,
-1 - busy / iteration_time. Exposed optimizer time: the part of the CPU optimizer's work
-that lies after the last forward/backward of the iteration (nothing left to hide it).
+1 - busy / iteration_time. Exposed optimizer time: the part of the optimizer's work (the
+CPU lane, and for OPTIMIZER_START_SUBGROUPS the device subgroups' copies and updates) that
+lies after the last forward/backward of the iteration (nothing left to hide it).
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ class _Simulator(Interpreter):
         self.h2d_free = [0.0 for _ in ranks]
         self.d2h_free = [0.0 for _ in ranks]
         self.cpu_free = [0.0 for _ in ranks]
+        self.device_free = [0.0 for _ in ranks]  # device subgroups flushed
         self.param_ready = [{} for _ in ranks]
         self.grad_ready: dict = {}
         self.isend_time: dict = {}
@@ -145,8 +147,37 @@ class _Simulator(Interpreter):
         self._event(rank, "cpu-optimizer", start, end,
                     f"o{_label(*b, self.schedule.backward_split)}", "optimizer", ins)
 
+    def _optimizer_start_subgroups(self, rank: int, ins: Instruction) -> None:
+        """1/k of the stage on the device: the loads back to back on the H2D stream
+        (after any prefetch queued there), each flush right behind its update on the D2H
+        stream (after any offload), full duplex; the CPU lane does the other (k-1)/k."""
+        b = BackwardStage(ins.stage, ins.sub)
+        device = self.costs.device_update
+        if device is None or device.stride == 0:
+            self._optimizer_start(rank, ins)
+            return
+        share = 1.0 / device.stride
+        ready = max(self.clock[rank], self.grad_ready[b])
+        start = max(ready, self.cpu_free[rank])
+        self.cpu_free[rank] = start + self.costs.optimizer[b] * (1.0 - share)
+        label = _label(*b, self.schedule.backward_split)
+        self._event(rank, "cpu-optimizer", start, self.cpu_free[rank], f"o{label}",
+                    "optimizer", ins)
+        on_device = device.params[b] * share
+        moves = 3.0 * on_device / device.rates.h2d_params_per_s
+        update = on_device / device.rates.gpu_update_params_per_s
+        load = max(ready, self.h2d_free[rank])
+        self.h2d_free[rank] = load + moves
+        flush = max(load + update, self.d2h_free[rank])
+        self.d2h_free[rank] = flush + moves
+        self.device_free[rank] = max(self.device_free[rank], self.d2h_free[rank])
+        self._event(rank, "h2d", load, load + moves, f"s{label}", "optimizer", ins)
+        self._event(rank, "device-optimizer", load, load + moves + update, f"u{label}",
+                    "optimizer", ins)
+        self._event(rank, "d2h", flush, flush + moves, f"s{label}", "optimizer", ins)
+
     def _optimizer_wait_all(self, rank: int, ins: Instruction) -> None:
-        self.clock[rank] = max(self.clock[rank], self.cpu_free[rank])
+        self.clock[rank] = max(self.clock[rank], self.cpu_free[rank], self.device_free[rank])
 
     def _rollback_if_overflow(self, rank: int, ins: Instruction) -> None:
         """The expected cost of corrections (cost model's `rollback`, 0: no overflow)."""
@@ -204,7 +235,7 @@ def simulate(schedule: Schedule, cost_model: CostModel,
     iteration = max([*simulator.clock, *(e.end for e in events)])
     compute_end = max((e.end for e in events if e.resource == "compute"), default=0.0)
     ratios = tuple(1.0 - busy / iteration for busy in simulator.busy)
-    optimizer = [(e.start, e.end) for e in events if e.resource == "cpu-optimizer"]
+    optimizer = [(e.start, e.end) for e in events if e.kind == "optimizer"]
     return SimResult(
         schedule=schedule.name,
         iteration_time=iteration,

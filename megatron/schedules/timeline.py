@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from megatron.common.files import atomic_write
 
 # Rows of one rank, top to bottom.
-RESOURCES = ("compute", "h2d", "d2h", "network", "cpu-optimizer")
+RESOURCES = ("compute", "h2d", "d2h", "network", "cpu-optimizer", "device-optimizer")
 
 
 @dataclass(frozen=True)

@@ -202,6 +202,10 @@ class _Checker(Interpreter):
                        "no OVERFLOW_SYNC before it and no POST_STEP_SYNC after")
         self.stepped[b] = rank
 
+    def _optimizer_start_subgroups(self, rank: int, index: int, ins: Instruction) -> None:
+        """OPTIMIZER_START's rules: where the update runs does not change when it may."""
+        self._optimizer_start(rank, index, ins)
+
     def _optimizer_wait_all(self, rank: int, index: int, ins: Instruction) -> None:
         self.waited_all[rank] = True
 

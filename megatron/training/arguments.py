@@ -171,6 +171,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run this schedule (from tools/simulate_pipeline.py --schedule-file, "
                         "maybe edited by hand) instead of generating one; it is validated "
                         "and must match the run's ranks, micro-batches and layers")
+    g.add_argument("--optimizer-gpu-stride", type=_gpu_stride, default=0, metavar="auto|K|0",
+                   help="update every K-th optimizer subgroup of the stages whose update would "
+                        "be exposed on the GPU, the others on the CPU (auto: K from the "
+                        "calibrated performance model; 0: all on the CPU)")
+    g.add_argument("--optimizer-subgroup-size", type=int, default=None, metavar="N",
+                   help="parameters per optimizer subgroup (default: an eighth of the "
+                        "largest owned stage, at least 4096)")
+    g.add_argument("--optimizer-gpu-resident-fraction", type=float, default=0.0, metavar="F",
+                   help="the static baseline (Twin-Flow): this fraction of every stage's "
+                        "optimizer state lives on the GPU and is always updated there")
     g.add_argument("--cpu-optimizer-threads", type=int, default=None,
                    help="threads of each process's CPU optimizer (default: cores / processes)")
     g.add_argument("--timeline", default=None, metavar="FILE.png",
@@ -399,9 +409,32 @@ def validate_args(args: argparse.Namespace) -> None:
     for name in ("nodes", "gpus_per_node"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             raise ArgumentError(_flag(name), getattr(args, name), "expected a positive integer")
+    if args.optimizer_subgroup_size is not None and args.optimizer_subgroup_size <= 0:
+        raise ArgumentError("--optimizer-subgroup-size", args.optimizer_subgroup_size,
+                            "expected a positive integer")
+    if not 0.0 <= args.optimizer_gpu_resident_fraction <= 1.0:
+        raise ArgumentError("--optimizer-gpu-resident-fraction",
+                            args.optimizer_gpu_resident_fraction, "expected a value in [0, 1]")
+    if args.optimizer_gpu_resident_fraction > 0 and args.optimizer_gpu_stride != 0:
+        raise ArgumentError("--optimizer-gpu-resident-fraction",
+                            args.optimizer_gpu_resident_fraction,
+                            "the static split excludes --optimizer-gpu-stride (give one of them)")
     if args.cpu_optimizer_threads is not None and args.cpu_optimizer_threads <= 0:
         raise ArgumentError("--cpu-optimizer-threads", args.cpu_optimizer_threads,
                             "expected a positive integer")
+
+
+def _gpu_stride(text: str) -> int | None:
+    """--optimizer-gpu-stride: 'auto' (None) or an integer >= 0."""
+    if text == "auto":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected auto or an integer >= 0")
+    return value
 
 
 def check_writable_dir(flag: str, path: str) -> None:

@@ -16,7 +16,12 @@ import torch
 
 from megatron.models.presets import ModelPreset
 from megatron.optimizer.cpu_adam import usable_cores
-from megatron.pipeline.config import LossScaling, OptimizerSettings, PipelineConfig
+from megatron.pipeline.config import (
+    LossScaling,
+    OptimizerSettings,
+    PipelineConfig,
+    SubgroupSettings,
+)
 from megatron.schedules.cost_model import preset_partition
 from megatron.schedules.generators import (
     ONE_STAGE_PER_RANK,
@@ -26,9 +31,11 @@ from megatron.schedules.generators import (
 from megatron.schedules.grid import format_programs
 from megatron.schedules.instructions import BackwardStage, Schedule
 from megatron.schedules.interpreter import ScheduleError
+from megatron.schedules.optimizer_placement import place_device_subgroups
 from megatron.schedules.schedule_file import read_schedule
 from megatron.schedules.validator import validate
 from megatron.training.arguments import ArgumentError
+from megatron.training.data_cache import default_cache_dir
 from megatron.training.train_step import training_dtype
 
 
@@ -147,6 +154,8 @@ def pipeline_config(args: argparse.Namespace, world_size: int, vocab_size: int) 
         schedule = load_schedule_file(args, world_size)
     else:
         schedule = generate_schedule(args, world_size, vocab_size)
+        if args.optimizer_gpu_stride != 0:  # device subgroups where updates are exposed
+            schedule = place_device_subgroups(schedule)
         validate(schedule)  # generated schedules are valid by construction: prove it
     dtype = training_dtype(args)
     # Default threads: this process's share of the cores it may run on (affinity respected).
@@ -170,7 +179,19 @@ def pipeline_config(args: argparse.Namespace, world_size: int, vocab_size: int) 
         inject_overflow=inject,
         record_timeline_at=record,
         p2p_check=args.p2p_check,
+        subgroups=subgroup_settings(args),
     )
+
+
+def subgroup_settings(args: argparse.Namespace) -> SubgroupSettings | None:
+    """--optimizer-gpu-stride / --optimizer-subgroup-size / --optimizer-gpu-resident-fraction
+    (None: every update on the CPU)."""
+    resident = args.optimizer_gpu_resident_fraction
+    if args.optimizer_gpu_stride == 0 and resident == 0:
+        return None
+    return SubgroupSettings(stride=args.optimizer_gpu_stride, size=args.optimizer_subgroup_size,
+                            cache_dir=args.data_cache_dir or default_cache_dir(),
+                            resident_fraction=resident)
 
 
 def args_for_schedule(base: argparse.Namespace, name: str) -> argparse.Namespace:

@@ -1,0 +1,217 @@
+"""Device updates of optimizer subgroups on the device layer (Deep Optimizer States,
+Algorithm 1): per subgroup, fp32 p, m, v and the gradient move in on a dedicated H2D
+stream, the AdamW step runs on an update stream (adam_step_torch: the C++ kernel's
+arithmetic), and p, m, v and the 16-bit copy are flushed back on a dedicated D2H stream.
+Two buffer slots alternate, so one subgroup's flush (D2H) and the next one's load (H2D)
+are in flight at once (full duplex); a slot is reloaded only after its flush (an event,
+no host wait). Device memory: the two slots, fixed at construction, accounted under
+"optimizer_subgroups"; the assembly sizes them to fit in what the gradient buffers hold
+(free once the backward has ended), so the update's device memory stays within that.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from megatron.offload.device import DeviceLayer, Event
+from megatron.optimizer.subgroups import AdamHyper, adam_step_torch
+
+
+def default_subgroup_size(largest_group: int) -> int:
+    """An eighth of the largest group split, at least 4096 parameters: enough subgroups
+    for the stride to interleave, each large enough to keep the copies efficient."""
+    return max(4096, -(-largest_group // 8))
+
+
+def subgroup_size_within(budget_bytes: int, out_itemsize: int = 4) -> int:
+    """The largest subgroup whose two device slots fit in `budget_bytes` (at least 1)."""
+    return max(1, budget_bytes // DeviceSubgroupUpdater.bytes_needed(1, out_itemsize))
+
+
+class _Slot:
+    def __init__(self, device: DeviceLayer, numel: int) -> None:
+        self.p, self.m, self.v, self.g = (device.empty(numel, torch.float32) for _ in range(4))
+        self.out: dict[torch.dtype, torch.Tensor] = {}
+        self.flags = device.zeros(2, torch.float64)
+        self.free: Event | None = None  # the last flush out of this slot
+
+
+class _Launched:
+    """One subgroup in flight; result() waits for its flush (on the optimizer's thread)."""
+
+    def __init__(self, flushed: Event, flags: torch.Tensor) -> None:
+        self._flushed = flushed
+        self._flags = flags
+
+    def result(self) -> tuple[bool, float]:
+        self._flushed.wait()
+        finite = bool(self._flags[0] > 0)
+        return finite, float(self._flags[1]) if finite else float("inf")
+
+
+class DeviceSubgroupUpdater:
+    """Implements megatron.optimizer.subgroups.DeviceUpdater on a DeviceLayer for
+    subgroups of at most `max_numel` elements."""
+
+    SLOTS = 2
+
+    def __init__(self, device: DeviceLayer, max_numel: int) -> None:
+        self.device = device
+        self.max_numel = int(max_numel)
+        self.h2d = device.side_stream("optimizer-h2d")
+        self.update = device.side_stream("optimizer-update")
+        self.d2h = device.side_stream("optimizer-d2h")
+        self._slots = [_Slot(device, self.max_numel) for _ in range(self.SLOTS)]
+        self._next = 0
+        # Groups step concurrently (one optimizer thread each): a slot's reuse and the
+        # order of the streams' work are decided under this lock.
+        self._lock = threading.Lock()
+        self.launched = 0  # subgroups updated on the device so far
+
+    @property
+    def nbytes(self) -> int:
+        """Device memory held (the slots: p, m, v, gradient in fp32, the 16-bit copy)."""
+        return sum(4 * s.p.numel() * 4 + sum(o.nbytes for o in s.out.values()) + s.flags.nbytes
+                   for s in self._slots)
+
+    @staticmethod
+    def bytes_needed(max_numel: int, out_itemsize: int = 2) -> int:
+        return DeviceSubgroupUpdater.SLOTS * max_numel * (16 + out_itemsize)
+
+    def launch(self, p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, grad: torch.Tensor,
+               out: torch.Tensor | None, hyper: AdamHyper) -> _Launched:
+        with self._lock:
+            return self._launch(p, m, v, grad, out, hyper)
+
+    def _launch(self, p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, grad: torch.Tensor,
+                out: torch.Tensor | None, hyper: AdamHyper) -> _Launched:
+        n = p.numel()
+        if n > self.max_numel:
+            raise ValueError(f"subgroup of {n} elements; the device slots hold {self.max_numel}")
+        slot = self._slots[self._next]
+        self._next = (self._next + 1) % len(self._slots)
+        bp, bm, bv, bg = slot.p[:n], slot.m[:n], slot.v[:n], slot.g[:n]
+        bout = None
+        if out is not None:
+            if out.dtype not in slot.out:
+                slot.out[out.dtype] = self.device.empty(self.max_numel, out.dtype)
+            bout = slot.out[out.dtype][:n]
+        if slot.free is not None:
+            self.h2d.wait_event(slot.free)
+
+        def load() -> None:
+            for dst, src in ((bp, p), (bm, m), (bv, v), (bg, grad)):
+                dst.copy_(src, non_blocking=True)
+        self.h2d.submit(load)
+        self.update.wait_event(self.h2d.record_event())
+
+        def step() -> None:
+            with self.device.on(self.update):
+                finite, sq = adam_step_torch(bp, bm, bv, bg, hyper)
+                slot.flags[0] = finite
+                slot.flags[1] = sq
+                if bout is not None:
+                    bout.copy_(bp)
+        self.update.submit(step)
+        self.d2h.wait_event(self.update.record_event())
+        flags = self.device.pin_host(2, torch.float64)
+
+        def flush() -> None:
+            with self.device.on(self.d2h):
+                for dst, src in ((p, bp), (m, bm), (v, bv)):
+                    dst.copy_(src, non_blocking=True)
+                if bout is not None:
+                    out.copy_(bout, non_blocking=True)
+                flags.copy_(slot.flags, non_blocking=True)
+        self.d2h.submit(flush)
+        slot.free = self.d2h.record_event()
+        self.launched += 1
+        return _Launched(slot.free, flags)
+
+    def to_host(self, p: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> None:
+        """Nothing to do: every update flushed p, m, v before it counted as done."""
+        return None
+
+    def forget(self, p: torch.Tensor) -> None:
+        """Nothing to do: no device copy outlives an update."""
+        return None
+
+
+class ResidentSubgroupUpdater:
+    """The static baseline (Twin-Flow, megatron-core's HybridDeviceOptimizer
+    offload_fraction): the subgroups it is given keep fp32 p, m, v in device memory for
+    good. A step moves only the gradient in and the 16-bit copy out. The host copy is
+    brought up to date only when the host needs it (to_host: a rollback, a correction, a
+    checkpoint), and reloaded after the host changed it (forget). Device memory: 12 bytes
+    per resident parameter plus the gradient and 16-bit staging of the largest subgroup."""
+
+    def __init__(self, device: DeviceLayer) -> None:
+        self.device = device
+        self.h2d = device.side_stream("resident-h2d")
+        self.update = device.side_stream("resident-update")
+        self.d2h = device.side_stream("resident-d2h")
+        self._state: dict[int, tuple[torch.Tensor, ...]] = {}  # host p address -> p, m, v, g
+        self._host_stale: set[int] = set()
+        self._lock = threading.Lock()
+        self.launched = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for tensors in self._state.values() for t in tensors)
+
+    def launch(self, p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, grad: torch.Tensor,
+               out: torch.Tensor | None, hyper: AdamHyper) -> _Launched:
+        with self._lock:
+            key = p.data_ptr()
+            loads: list[tuple[torch.Tensor, torch.Tensor]] = []
+            if key not in self._state:
+                n = p.numel()
+                self._state[key] = tuple(self.device.empty(n, torch.float32) for _ in range(4))
+                loads += list(zip(self._state[key][:3], (p, m, v)))
+            dp, dm, dv, dg = self._state[key]
+            loads.append((dg, grad))
+            dout = None if out is None else self.device.empty(out.numel(), out.dtype)
+            flags = self.device.zeros(2, torch.float64)
+
+            def load() -> None:
+                for dst, src in loads:
+                    dst.copy_(src, non_blocking=True)
+            self.h2d.submit(load)
+            self.update.wait_event(self.h2d.record_event())
+
+            def step() -> None:
+                with self.device.on(self.update):
+                    finite, sq = adam_step_torch(dp, dm, dv, dg, hyper)
+                    flags[0], flags[1] = finite, sq
+                    if dout is not None:
+                        dout.copy_(dp)
+            self.update.submit(step)
+            self.d2h.wait_event(self.update.record_event())
+            host_flags = self.device.pin_host(2, torch.float64)
+
+            def flush() -> None:
+                with self.device.on(self.d2h):
+                    if dout is not None:
+                        out.copy_(dout, non_blocking=True)
+                    host_flags.copy_(flags, non_blocking=True)
+            self.d2h.submit(flush)
+            self._host_stale.add(key)
+            self.launched += 1
+            return _Launched(self.d2h.record_event(), host_flags)
+
+    def to_host(self, p: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> None:
+        with self._lock:
+            key = p.data_ptr()
+            if key not in self._host_stale:
+                return
+            self.d2h.synchronize()  # the last update of this subgroup is done
+            for dst, src in zip((p, m, v), self._state[key][:3]):
+                dst.copy_(src)
+            self._host_stale.discard(key)
+
+    def forget(self, p: torch.Tensor) -> None:
+        with self._lock:
+            self._state.pop(p.data_ptr(), None)
+            self._host_stale.discard(p.data_ptr())

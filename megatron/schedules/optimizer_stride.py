@@ -1,0 +1,90 @@
+"""How many optimizer subgroups the CPU should update for each one the device updates.
+
+The performance model of Deep Optimizer States (its Eq. 1): with k subgroups of S
+parameters updated on the CPU for every one updated on the device, the CPU's work for
+those k (update at Uc params/s, then the fp32 -> 16-bit downscale at Dc params/s) should
+take as long as the device's: the device subgroup's fp32 p, m, v flushed out (D2H) while
+the next one's come in (H2D) at B params/s each way, the k downscaled 16-bit copies also
+going H2D, and the device update at Ug params/s:
+
+    k (S/Uc + S/Dc) = max(3S/B, 3S/B + kS/(2B)) + S/Ug
+    k = (3/B + 1/Ug) / (1/Uc + 1/Dc - 1/(2B))
+
+S cancels: k does not depend on the subgroup size. A non-positive denominator means the
+CPU path is no slower than moving a subgroup's 16-bit copy: every subgroup stays on the
+CPU (stride 0). Pure arithmetic, no torch: the simulator and the tools use it too.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class UpdateRates:
+    """Throughputs in parameters per second (the paper's B, Ug, Uc, Dc)."""
+
+    h2d_params_per_s: float  # B: fp32 parameters per second over each copy direction
+    gpu_update_params_per_s: float  # Ug
+    cpu_update_params_per_s: float  # Uc
+    downscale_params_per_s: float  # Dc: fp32 -> 16-bit conversion on the CPU
+
+    def __post_init__(self) -> None:
+        for name, value in asdict(self).items():
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"{name}={value!r} must be a finite number > 0")
+
+
+@dataclass(frozen=True)
+class StrideModel:
+    """Eq. 1 solved: `k_real` the exact ratio, `k` the stride to use (0: all on the CPU)."""
+
+    k: int
+    k_real: float
+    numerator: float  # 3/B + 1/Ug: device-side seconds per parameter of one subgroup
+    denominator: float  # 1/Uc + 1/Dc - 1/(2B): CPU-side seconds per parameter, net
+    transfer_s_per_param: float  # 3/B
+    gpu_update_s_per_param: float  # 1/Ug
+    cpu_update_s_per_param: float  # 1/Uc
+    downscale_s_per_param: float  # 1/Dc
+    half_copy_s_per_param: float  # 1/(2B)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def gpu_update_stride(rates: UpdateRates) -> StrideModel:
+    """k from Eq. 1, rounded to the nearest integer and at least 2 (every k-th subgroup
+    on the device; k = 1 would leave the CPU idle); 0 when the CPU path is not slower."""
+    b, ug = rates.h2d_params_per_s, rates.gpu_update_params_per_s
+    uc, dc = rates.cpu_update_params_per_s, rates.downscale_params_per_s
+    numerator = 3.0 / b + 1.0 / ug
+    denominator = 1.0 / uc + 1.0 / dc - 1.0 / (2.0 * b)
+    if denominator <= 0.0:
+        k_real, k = math.inf, 0
+    else:
+        k_real = numerator / denominator
+        k = max(2, int(math.floor(k_real + 0.5)))
+    return StrideModel(k, k_real, numerator, denominator, 3.0 / b, 1.0 / ug, 1.0 / uc, 1.0 / dc,
+                       1.0 / (2.0 * b))
+
+
+def is_device_subgroup(index: int, stride: int) -> bool:
+    """Algorithm 1's test (0-based subgroups, 1-based stride): (i + 1) % k == 0."""
+    return stride > 0 and (index + 1) % stride == 0
+
+
+def interleaved_update_time(numel: int, subgroup: int, stride: int, rates: UpdateRates) -> float:
+    """Seconds to update `numel` parameters in subgroups of `subgroup`, every `stride`-th on
+    the device (0: all on the CPU), the two sides overlapping as in Eq. 1: the slower side's
+    total time, plus the last device subgroup's flush that nothing hides."""
+    count = max(1, math.ceil(numel / subgroup))
+    on_device = sum(1 for i in range(count) if is_device_subgroup(i, stride))
+    cpu_params = numel - on_device * subgroup if on_device else numel
+    cpu_s = cpu_params * (1.0 / rates.cpu_update_params_per_s + 1.0 / rates.downscale_params_per_s)
+    b = rates.h2d_params_per_s
+    device_s = on_device * subgroup * (3.0 / b + 1.0 / rates.gpu_update_params_per_s)
+    device_s += cpu_params / (2.0 * b)  # the CPU-updated 16-bit copies share the H2D link
+    tail = subgroup * 3.0 / b if on_device else 0.0
+    return max(cpu_s, device_s) + tail

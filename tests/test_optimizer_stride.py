@@ -1,0 +1,73 @@
+"""The optimizer-stride model (Eq. 1 of Deep Optimizer States), its tool and the
+start-up calibration of its four throughputs."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron.offload.device import DeviceLayer
+from megatron.pipeline.optimizer_calibration import calibrated_update_rates
+from megatron.schedules.optimizer_stride import (
+    UpdateRates,
+    gpu_update_stride,
+    interleaved_update_time,
+    is_device_subgroup,
+)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+V100 = UpdateRates(3e9, 35e9, 2e9, 8.7e9)  # the paper's 4x V100 machine: k = 2
+
+
+def test_eq1_on_the_papers_worked_example():
+    model = gpu_update_stride(V100)
+    # (3/3 + 1/35) / (1/2 + 1/8.7 - 1/6), in units of 1e-9 s per parameter
+    assert model.k_real == pytest.approx((1 + 1 / 35) / (1 / 2 + 1 / 8.7 - 1 / 6), rel=1e-12)
+    assert model.k == 2
+    # S cancels: the balance of Eq. 1 holds for the exact k and any subgroup size
+    for s in (1e6, 1e8):
+        k = model.k_real
+        cpu = k * (s / 2e9 + s / 8.7e9)
+        device = max(3 * s / 3e9, 3 * s / 3e9 + k * s / (2 * 3e9)) + s / 35e9
+        assert cpu == pytest.approx(device, rel=1e-12)
+    # Algorithm 1: every k-th subgroup (0-based i with (i + 1) % k == 0)
+    assert [i for i in range(8) if is_device_subgroup(i, 2)] == [1, 3, 5, 7]
+    assert not any(is_device_subgroup(i, 0) for i in range(8))
+
+
+def test_the_best_stride_of_the_timing_model_is_next_to_eq1s_k():
+    k_real = gpu_update_stride(V100).k_real
+    times = {k: interleaved_update_time(10**9, 10**7, k, V100) for k in (0, 2, 3, 4, 5, 6)}
+    best = min((k for k in times if k), key=times.get)
+    assert best in (int(k_real), int(k_real) + 1)
+    assert all(times[k] < times[0] for k in times if k)
+    # a CPU as fast as half a copy: nothing goes to the device
+    assert gpu_update_stride(UpdateRates(1e9, 1e12, 1e12, 1e12)).k == 0
+
+
+def test_the_tool_prints_k_and_refuses_a_bad_rate():
+    tool = [sys.executable, os.path.join(ROOT, "tools", "optimizer_stride.py")]
+    rates = ["--h2d-params-per-s", "3e9", "--gpu-update-params-per-s", "35e9",
+             "--cpu-update-params-per-s", "2e9", "--downscale-params-per-s", "8.7e9"]
+    out = subprocess.run([*tool, *rates, "--json"], capture_output=True, text=True, check=True)
+    result = json.loads(out.stdout)
+    assert result["k"] == 2 and result["numerator"] == pytest.approx(1e-9 + 1 / 35e9)
+    bad = subprocess.run([*tool, *rates[:-1], "-1"], capture_output=True, text=True)
+    assert bad.returncode == 2
+    assert bad.stderr.strip().splitlines()[-1].endswith(
+        "--downscale-params-per-s: -1.0 must be a finite number > 0")
+
+
+def test_calibration_is_quick_and_cached_per_machine(tmp_path):
+    lines = []
+    with DeviceLayer("cpu") as device:
+        first = calibrated_update_rates(device, threads=1, cache_dir=str(tmp_path), log=lines.append)
+        second = calibrated_update_rates(device, threads=1, cache_dir=str(tmp_path),
+                                         log=lines.append)
+    assert first == second
+    assert "measured in" in lines[0] and "cached in" in lines[1] and "measured" not in lines[1]
+    assert len(list(tmp_path.iterdir())) == 1
+    for rate in vars(first).values():
+        assert rate > 1e6  # params/s: any machine updates a million parameters a second

@@ -1,0 +1,238 @@
+"""Optimizer subgroups: every k-th subgroup of a group updated through the device layer
+(copies in, torch AdamW, flush out) while the C++ kernel updates the others; checked
+against the same group stepped in one piece by the kernel."""
+
+import pytest
+import torch
+
+from megatron.offload.device import DeviceLayer
+from megatron.optimizer import AsyncGroupOptimizer, CPUAdamW, DynamicLossScaler
+from megatron.optimizer.subgroups import plan_resident, plan_subgroups
+from megatron.pipeline.subgroup_device import DeviceSubgroupUpdater, ResidentSubgroupUpdater
+
+
+def test_plan_marks_every_kth_subgroup_and_tiles_the_group():
+    plan = plan_subgroups(10, 3, 2)
+    assert [(s.lo, s.hi, s.on_device) for s in plan] == [
+        (0, 3, False), (3, 6, True), (6, 9, False), (9, 10, True)]
+    assert not any(s.on_device for s in plan_subgroups(10, 3, 0))
+    resident = plan_resident(10, 4, 0.5)
+    assert [(s.lo, s.hi, s.on_device) for s in resident] == [
+        (0, 4, True), (4, 5, True), (5, 9, False), (9, 10, False)]
+
+
+def _pair(n, exact, wd=0.1, seed=0):
+    init = torch.randn(n, generator=torch.Generator().manual_seed(seed))
+    return [CPUAdamW([init], lr=1e-2, weight_decay=wd, threads=1, exact_rollback=exact)
+            for _ in range(2)]
+
+
+def _state(opt):
+    return [t.clone() for t in (opt.master(0), opt.exp_avg(0), opt.exp_avg_sq(0))]
+
+
+def _updater(kind, device, n, size):
+    """Interleaved (every 2nd subgroup streamed through the device) or Twin-Flow (the
+    first 40% resident on the device)."""
+    if kind == "interleaved":
+        return DeviceSubgroupUpdater(device, size), plan_subgroups(n, size, 2)
+    return ResidentSubgroupUpdater(device), plan_resident(n, size, 0.4)
+
+
+@pytest.mark.parametrize("kind", ["interleaved", "resident"])
+@pytest.mark.parametrize("exact", [False, True])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_device_subgroups_match_the_kernel_step_rollback_and_correction(kind, exact, out_dtype):
+    n, size = 5000, 700
+    reference, split = _pair(n, exact)
+    with DeviceLayer("cpu") as device:
+        updater, plan = _updater(kind, device, n, size)
+        split.set_subgroups(0, plan, updater)
+        gen = torch.Generator().manual_seed(1)
+        outs = [torch.empty(n, dtype=out_dtype) for _ in range(2)]
+        for step in range(4):
+            grad = torch.randn(n, generator=gen) * 4096.0  # unscaled by inv_scale below
+            results = [opt.step_group(0, grad, inv_scale=1 / 4096.0, out=o, clip=0.5)
+                       for opt, o in zip((reference, split), outs)]
+            assert all(r.updated for r in results)
+            assert results[1].grad_sq_sum == pytest.approx(results[0].grad_sq_sum, rel=1e-6)
+            if step == 2:  # a clipping correction, then a rollback of another step
+                for opt in (reference, split):
+                    opt.correct_group(0, 0.125)
+            if step == 3:
+                for opt in (reference, split):
+                    opt.rollback_group(0)
+            for opt in (reference, split):
+                if opt.has_update(0):
+                    opt.commit_group(0)
+            for got, want in zip(_state(split), _state(reference)):
+                torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+            torch.testing.assert_close(outs[1], outs[0], rtol=1e-2 if out_dtype != torch.float32
+                                       else 1e-6, atol=1e-7)
+        on_device = sum(sub.on_device for sub in plan)  # 4 of 8 / 3 of 6
+        assert on_device == (4 if kind == "interleaved" else 3)
+        assert updater.launched == 4 * on_device
+        split.step_group(0, torch.randn(n, generator=gen))  # after the rollback: state back in
+        assert updater.nbytes >= (1 if kind == "interleaved" else 16 * 2000)
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_a_non_finite_gradient_in_any_subgroup_leaves_the_group_unchanged(exact):
+    """As the kernel: bit-exact with the snapshot, else within the inverse's bound."""
+    n, size = 3000, 500
+    _, split = _pair(n, exact=exact)
+    with DeviceLayer("cpu") as device:
+        split.set_subgroups(0, plan_subgroups(n, size, 2), DeviceSubgroupUpdater(device, size))
+        split.step_group(0, torch.randn(n))
+        split.commit_group(0)
+        before = _state(split)
+        for bad in (600, 2600, 10):  # a device subgroup, another, a CPU subgroup
+            grad = torch.randn(n)
+            grad[bad] = float("inf")
+            result = split.step_group(0, grad)
+            assert not result.updated and not split.has_update(0)
+            for got, want in zip(_state(split), before):
+                if exact:
+                    assert torch.equal(got, want)
+                else:
+                    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("kind", ["interleaved", "resident"])
+@pytest.mark.parametrize("clip_grad", [0.0, 1e-3])
+def test_speculative_iterations_with_fp16_overflow_and_clipping_match_the_cpu_only_run(
+        clip_grad, kind):
+    """The decoupled optimizer's path (speculative steps, verdict, deferred corrections or
+    rollback on an injected overflow) with device subgroups equals the CPU-only run."""
+    n, size = 4000, 600
+    gen = torch.Generator().manual_seed(3)
+    init = [torch.randn(n, generator=gen) for _ in range(2)]
+    grads = [[(torch.randn(n, generator=gen) * 64).half() for _ in range(2)] for _ in range(4)]
+    grads[2][1][1234] = float("inf")  # iteration 2 overflows in a device subgroup of group 1
+    runs = []
+    with DeviceLayer("cpu") as device:
+        for subgroups in (False, True):
+            adam = CPUAdamW([t.clone() for t in init], lr=1e-2, weight_decay=0.1, threads=1)
+            if subgroups:
+                updater, plan = _updater(kind, device, n, size)
+                for group in range(2):
+                    adam.set_subgroups(group, plan, updater)
+            outs = [torch.empty(n, dtype=torch.float16) for _ in range(2)]
+            results = []
+            with AsyncGroupOptimizer(adam, DynamicLossScaler(64.0), clip_grad=clip_grad,
+                                     max_workers=2) as opt:
+                for step_grads in grads:
+                    for group, grad in enumerate(step_grads):
+                        opt.submit(group, grad, out=outs[group])
+                    opt.wait_all()
+                    opt.synchronize()
+                    opt.correct_deferred([((0, 1), lambda: None)])
+                    results.append(opt.end_iteration())
+                opt.drain()
+            runs.append((results, [_state_of(adam, g) for g in range(2)], outs))
+    (ref_results, ref_state, ref_outs), (results, state, outs) = runs
+    assert [r.skipped for r in results] == [r.skipped for r in ref_results] == [
+        False, False, True, False]
+    assert [r.clipped for r in results] == [r.clipped for r in ref_results]
+    for group_got, group_want in zip(state, ref_state):
+        for got, want in zip(group_got, group_want):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for got, want in zip(outs, ref_outs):
+        torch.testing.assert_close(got, want, rtol=2e-3, atol=1e-4)
+
+
+def _state_of(adam, group):
+    return [t.clone() for t in (adam.master(group), adam.exp_avg(group), adam.exp_avg_sq(group))]
+
+
+@pytest.mark.multiproc
+def test_every_schedule_with_device_subgroups_matches_one_process(tmp_path):
+    """2 processes, every schedule in one job, --optimizer-gpu-stride auto with the rates
+    of the paper's worked example cached (Eq. 1: k = 2), clipping in every iteration (the
+    corrections of device-updated subgroups included): training equals one process."""
+    import json
+    import os
+
+    from test_pipeline_executor import (
+        SCHEDULES,
+        ScheduleRun,
+        assert_same_training,
+        launch,
+        metrics,
+    )
+
+    from megatron.pipeline.optimizer_calibration import CACHE_VERSION, machine_key
+
+    cache = tmp_path / "cache"
+    os.environ.setdefault("MEGATRON_TEST_CACHE", str(cache))
+    cache_dir = os.environ["MEGATRON_TEST_CACHE"]
+    os.makedirs(cache_dir, exist_ok=True)
+    with DeviceLayer("cpu") as device:
+        key = machine_key(device, 1)
+    with open(os.path.join(cache_dir, f"optimizer-rates-{key}.json"), "w") as f:
+        json.dump({"version": CACHE_VERSION, "rates": PAPER_RATES}, f)
+    clip = ["--clip-grad", "1e-3", "--cpu-optimizer-threads", "1"]
+    reference = launch(tmp_path, "single", 1, *clip)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    run = launch(tmp_path, "subgroups", 2, *clip, "--optimizer-gpu-stride", "auto",
+                 "--optimizer-subgroup-size", "2048", "--schedules", ",".join(SCHEDULES),
+                 script="tests/run_schedules.py", timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert "optimizer GPU stride k = 2" in run.stdout + run.stderr
+    for name in SCHEDULES:
+        one = ScheduleRun(run, name)
+        assert_same_training(one, reference)
+        rows = metrics(one)
+        assert all(r["optimizer_gpu_stride"] == 2 for r in rows), name
+        assert all(r["grad_norm"] > 1e-3 for r in rows)  # clipped in every iteration
+        for r in rows:
+            assert 0 <= r["exposed_optimizer_device_time_s"] <= r["exposed_optimizer_time_s"] + 1e-9
+            assert r["exposed_optimizer_cpu_time_s"] == pytest.approx(
+                r["exposed_optimizer_time_s"] - r["exposed_optimizer_device_time_s"])
+        peak = max(rank["device_memory_at_peak"]["optimizer_subgroups"]
+                   for r in rows for rank in r["per_rank"])
+        assert peak > 0, name  # device subgroups held their slots
+
+
+# The paper's worked example (4 x V100, as in test_optimizer_stride.py): Eq. 1 gives k = 2.
+PAPER_RATES = {"h2d_params_per_s": 3e9, "gpu_update_params_per_s": 35e9,
+               "cpu_update_params_per_s": 2e9, "downscale_params_per_s": 8.7e9}
+
+
+def test_placement_gives_device_subgroups_to_the_exposed_updates_and_the_simulator_prices_them():
+    """Decoupled, 2 ranks: the stages whose backward ends the iteration are exposed; with
+    their subgroups on the device the simulated exposed optimizer time drops, and the
+    device part's copies occupy both copy streams."""
+    from dataclasses import replace
+
+    from megatron.schedules.cost_model import DeviceUpdateCosts, uniform_costs
+    from megatron.schedules.generators import build_schedule
+    from megatron.schedules.instructions import BackwardStage, Op
+    from megatron.schedules.optimizer_placement import (
+        exposed_update_stages,
+        startup_costs,
+        with_device_subgroups,
+    )
+    from megatron.schedules.optimizer_stride import UpdateRates
+    from megatron.schedules.simulator import simulate
+
+    schedule = build_schedule("decoupled", 2, 4, 2, 4)
+    exposed = exposed_update_stages(schedule, startup_costs(schedule))
+    assert exposed == {BackwardStage(0, 0), BackwardStage(0, 1)}
+    placed = with_device_subgroups(schedule, exposed)
+    ops = [(ins.stage, ins.sub) for p in placed.programs for ins in p
+           if ins.op == Op.OPTIMIZER_START_SUBGROUPS]
+    assert sorted(ops) == [(0, 0), (0, 1)]
+    # 1e6 parameters per stage, CPU update 1 s per stage; device: B = 1e7, Ug = 1e8 /s.
+    params = {b: 1_000_000 for b in schedule.backward_stages()}
+    costs = replace(uniform_costs(schedule, forward_time=0.5, backward_time=1.0,
+                                  optimizer_time=2.0),
+                    device_update=DeviceUpdateCosts(2, params,
+                                                    UpdateRates(1e7, 1e8, 1e6, 1e9)))
+    before, after = simulate(schedule, costs), simulate(placed, costs)
+    assert after.exposed_optimizer_time < before.exposed_optimizer_time
+    lanes = {(e.resource, e.kind) for e in after.events}
+    assert {("h2d", "optimizer"), ("d2h", "optimizer"), ("device-optimizer", "optimizer")} <= lanes
+    no_device = replace(costs, device_update=None)  # the op then costs what OPTIMIZER_START does
+    assert simulate(placed, no_device).exposed_optimizer_time == pytest.approx(
+        simulate(schedule, no_device).exposed_optimizer_time)
