@@ -2,6 +2,8 @@
 (copies in, torch AdamW, flush out) while the C++ kernel updates the others; checked
 against the same group stepped in one piece by the kernel."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -154,6 +156,7 @@ def test_every_schedule_with_device_subgroups_matches_one_process(tmp_path):
     import os
 
     from test_pipeline_executor import (
+        MODEL,
         SCHEDULES,
         ScheduleRun,
         assert_same_training,
@@ -162,6 +165,12 @@ def test_every_schedule_with_device_subgroups_matches_one_process(tmp_path):
     )
 
     from megatron.pipeline.optimizer_calibration import CACHE_VERSION, machine_key
+    from megatron.schedules.memory_model import plan_memory
+    from megatron.training.arguments import parse_args
+    from megatron.training.demo_corpus import ensure_demo_corpus
+    from megatron.training.pipeline_args import generate_schedule
+    from megatron.training.plan import plan_model
+    from megatron.training.tokenizer import load_tokenizer
 
     cache = tmp_path / "cache"
     os.environ.setdefault("MEGATRON_TEST_CACHE", str(cache))
@@ -179,6 +188,7 @@ def test_every_schedule_with_device_subgroups_matches_one_process(tmp_path):
                  script="tests/run_schedules.py", timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
     assert "optimizer GPU stride k = 2" in run.stdout + run.stderr
+    vocab = load_tokenizer(ensure_demo_corpus(cache_dir=cache_dir).tokenizer_path).vocab_size
     for name in SCHEDULES:
         one = ScheduleRun(run, name)
         assert_same_training(one, reference)
@@ -192,6 +202,18 @@ def test_every_schedule_with_device_subgroups_matches_one_process(tmp_path):
         peak = max(rank["device_memory_at_peak"]["optimizer_subgroups"]
                    for r in rows for rank in r["per_rank"])
         assert peak > 0, name  # device subgroups held their slots
+        # the memory model (fit check, --plan) plans at least what the slots took
+        args = parse_args([*MODEL, "--data-cache-dir", cache_dir, *clip,
+                           "--pipeline-schedule", name, "--optimizer-gpu-stride", "auto",
+                           "--optimizer-subgroup-size", "2048"])
+        schedule = generate_schedule(args, 2, vocab)
+        plan = plan_memory(schedule, replace(plan_model(args), vocab_size=vocab), 2, 32, 4, 4,
+                           subgroup_stride=None, subgroup_size=2048)
+        for r in rows:
+            for rank in r["per_rank"]:
+                planned = plan.per_gpu[rank["rank"]]["optimizer_subgroups"]
+                measured = rank["device_memory_at_peak"]["optimizer_subgroups"]
+                assert measured <= planned <= 2 * max(measured, peak), (name, rank["rank"])
 
 
 # The paper's worked example (4 x V100, as in test_optimizer_stride.py): Eq. 1 gives k = 2.
@@ -203,8 +225,6 @@ def test_placement_gives_device_subgroups_to_the_exposed_updates_and_the_simulat
     """Decoupled, 2 ranks: the stages whose backward ends the iteration are exposed; with
     their subgroups on the device the simulated exposed optimizer time drops, and the
     device part's copies occupy both copy streams."""
-    from dataclasses import replace
-
     from megatron.schedules.cost_model import DeviceUpdateCosts, uniform_costs
     from megatron.schedules.generators import build_schedule
     from megatron.schedules.instructions import BackwardStage, Op

@@ -35,15 +35,11 @@ from megatron.pipeline.owner import BackwardStageOwner
 from megatron.pipeline.p2p import MessageShape, PointToPoint
 from megatron.pipeline.replicas import holds_segment, plan_replicas, push_replicas
 from megatron.pipeline.stage_modules import build_stage_modules
-from megatron.pipeline.subgroup_device import (
-    DeviceSubgroupUpdater,
-    ResidentSubgroupUpdater,
-    default_subgroup_size,
-    subgroup_size_within,
-)
+from megatron.pipeline.subgroup_device import DeviceSubgroupUpdater, ResidentSubgroupUpdater
 from megatron.schedules.instructions import WHOLE_STAGE, BackwardStage, Op
 from megatron.schedules.lowering import forward_only_schedule
 from megatron.schedules.optimizer_stride import gpu_update_stride
+from megatron.schedules.subgroup_memory import default_subgroup_size, planned_subgroup_size
 from megatron.schedules.timeline import TimedEvent
 from megatron.schedules.validator import validate
 
@@ -166,15 +162,14 @@ class Pipeline:
         if stride == 0:
             return 0, None
         sizes = [hi - lo for b in stages for lo, hi in self.owners[b].bounds()]
-        size = min(settings.size or default_subgroup_size(max(sizes)), max(sizes))
+        wanted = min(settings.size or default_subgroup_size(max(sizes)), max(sizes))
         # The budget: what the gradient buffers hold, free once the backward has ended.
         budget = self.grad_buffers.nbytes
-        fitting = subgroup_size_within(budget)
-        if size > fitting:
-            print(f"rank {self.rank}: optimizer subgroups of {size} parameters would need "
-                  f"{DeviceSubgroupUpdater.bytes_needed(size)} bytes of device memory, more "
-                  f"than the gradient buffers' {budget}: using {fitting}", flush=True)
-            size = fitting
+        size = planned_subgroup_size(settings.size, max(sizes), budget)
+        if size < wanted:
+            print(f"rank {self.rank}: optimizer subgroups of {wanted} parameters would need "
+                  f"{DeviceSubgroupUpdater.bytes_needed(wanted)} bytes of device memory, more "
+                  f"than the gradient buffers' {budget}: using {size}", flush=True)
         updater = DeviceSubgroupUpdater(self.device, size)
         for b in stages:
             owner = self.owners[b]

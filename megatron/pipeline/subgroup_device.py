@@ -17,17 +17,7 @@ import torch
 
 from megatron.offload.device import DeviceLayer, Event
 from megatron.optimizer.subgroups import AdamHyper, adam_step_torch
-
-
-def default_subgroup_size(largest_group: int) -> int:
-    """An eighth of the largest group split, at least 4096 parameters: enough subgroups
-    for the stride to interleave, each large enough to keep the copies efficient."""
-    return max(4096, -(-largest_group // 8))
-
-
-def subgroup_size_within(budget_bytes: int, out_itemsize: int = 4) -> int:
-    """The largest subgroup whose two device slots fit in `budget_bytes` (at least 1)."""
-    return max(1, budget_bytes // DeviceSubgroupUpdater.bytes_needed(1, out_itemsize))
+from megatron.schedules.subgroup_memory import SUBGROUP_SLOTS, subgroup_slots_bytes
 
 
 class _Slot:
@@ -55,7 +45,7 @@ class DeviceSubgroupUpdater:
     """Implements megatron.optimizer.subgroups.DeviceUpdater on a DeviceLayer for
     subgroups of at most `max_numel` elements."""
 
-    SLOTS = 2
+    SLOTS = SUBGROUP_SLOTS
 
     def __init__(self, device: DeviceLayer, max_numel: int) -> None:
         self.device = device
@@ -78,7 +68,7 @@ class DeviceSubgroupUpdater:
 
     @staticmethod
     def bytes_needed(max_numel: int, out_itemsize: int = 2) -> int:
-        return DeviceSubgroupUpdater.SLOTS * max_numel * (16 + out_itemsize)
+        return subgroup_slots_bytes(max_numel, out_itemsize)
 
     def launch(self, p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, grad: torch.Tensor,
                out: torch.Tensor | None, hyper: AdamHyper) -> _Launched:

@@ -15,6 +15,11 @@ Per GPU (the device layer's categories, `MEMORY_CATEGORIES`):
   buffers when larger (`checkpoint_buffers`), each micro-batch x sequence x hidden;
 - activations: AWM, what autograd saves while one backward stage is recomputed (the
   largest the rank runs), plus the activation and gradient messages in flight;
+- optimizer_subgroups: the device's share of the optimizer step: two subgroup slots
+  (fp32 p, m, v, gradient and the 16-bit copy) on ranks whose program updates subgroups on
+  the device, sized as the runtime sizes them (a stage's largest group taken as the whole
+  stage: an upper bound); or, for the static split, fp32 p, m, v and a gradient buffer per
+  resident parameter;
 - operator_working: MSWM beyond the slots and buffers: the largest operator's transient
   output gradient (the logits' at the head). Not in the device layer's book.
 
@@ -38,10 +43,11 @@ from .cost_model import backward_stage_params
 from .hardware import HardwareProfile
 from .instructions import WHOLE_STAGE, BackwardStage, Op, Schedule
 from .partition import sub_stage_layers
+from .subgroup_memory import RESIDENT_BYTES_PER_PARAM, planned_subgroup_size, subgroup_slots_bytes
 from .validator import ValidationReport, validate
 
 GPU_TERMS = ("parameter_slots", "gradient_buffers", "activation_checkpoints", "activations",
-             "operator_working")
+             "optimizer_subgroups", "operator_working")
 NODE_TERMS = ("shm_parameters", "optimizer_states", "host_gradients", "process_baseline")
 SEGMENT_HEADER_BYTES = 4096  # megatron/offload/shm_header.py HEADER_BYTES
 OPTIMIZER_BYTES_PER_PARAM = 12  # fp32 master, exp_avg, exp_avg_sq
@@ -64,7 +70,8 @@ class MemoryPlan:
         return tuple(p["host_gradients"] for p in self.per_process)
 
     def gpu_total(self, rank: int, measured_only: bool = False) -> int:
-        terms = GPU_TERMS[:4] if measured_only else GPU_TERMS
+        # operator_working is transient inside an operator: not in the device layer's book
+        terms = [t for t in GPU_TERMS if t != "operator_working"] if measured_only else GPU_TERMS
         return sum(self.per_gpu[rank][t] for t in terms)
 
     def node_total(self, node: int) -> int:
@@ -124,6 +131,11 @@ def _stages_read(schedule: Schedule, rank: int) -> set[BackwardStage]:
             for b in schedule.params_of(ins.stage, ins.sub)}
 
 
+def _stages_updating_subgroups(schedule: Schedule, rank: int) -> set[BackwardStage]:
+    return {BackwardStage(ins.stage, ins.sub) for ins in schedule.programs[rank]
+            if ins.op == Op.OPTIMIZER_START_SUBGROUPS}
+
+
 def received_checkpoints(schedule: Schedule, rank: int) -> int:
     """Receive buffers the runtime keeps for the whole run: one per IRECV_CKPT (the
     transfer plan is the same every iteration)."""
@@ -161,13 +173,16 @@ def plan_memory(schedule: Schedule, model: ModelPreset, micro_batch_size: int,
                 seq_length: int | None = None, param_bytes: int = 2, grad_host_bytes: int = 4,
                 procs_per_node: int | None = None,
                 hardware: HardwareProfile | None = None,
-                report: ValidationReport | None = None) -> MemoryPlan:
+                report: ValidationReport | None = None, subgroup_stride: int | None = 0,
+                subgroup_size: int | None = None,
+                resident_fraction: float = 0.0) -> MemoryPlan:
     """The memory `schedule` needs for `model` (see the module docstring).
 
     `param_bytes`: the working dtype's size (2 for bf16/fp16, 4 for fp32);
     `grad_host_bytes`: the offloaded gradients' (4 on CUDA, the working dtype's on the CPU
     device layer); `procs_per_node`: default all ranks on one node; `report`: the
-    schedule's validation, when already done.
+    schedule's validation, when already done; `subgroup_stride` (None: chosen at start-up),
+    `subgroup_size`, `resident_fraction`: the optimizer's device share, as the flags give it.
     """
     seq = seq_length or model.seq_length
     per_node_procs = procs_per_node or schedule.ranks
@@ -189,9 +204,19 @@ def plan_memory(schedule: Schedule, model: ModelPreset, micro_batch_size: int,
         head = schedule.head in owned
         largest_operator = max(tokens * vocab * FP32 if head else 0,
                                tokens * 2 * model.ffn_hidden_size * param_bytes)
+        gradient_buffers = buffers * largest_owned * param_bytes
+        if resident_fraction > 0:
+            on_device = RESIDENT_BYTES_PER_PARAM * round(
+                resident_fraction * sum(params[b] for b in owned))
+        else:
+            split = [params[b] for b in _stages_updating_subgroups(schedule, rank)]
+            on_device = (subgroup_slots_bytes(planned_subgroup_size(
+                subgroup_size, max(split), gradient_buffers), param_bytes)
+                if split and subgroup_stride != 0 else 0)
         per_gpu.append({
             "parameter_slots": slots * max(params[b] for b in used) * param_bytes,
-            "gradient_buffers": buffers * largest_owned * param_bytes + upcast,
+            "gradient_buffers": gradient_buffers + upcast,
+            "optimizer_subgroups": on_device,
             "activation_checkpoints": max(report.peak_checkpoints[rank],
                                           checkpoint_buffers(schedule, rank)) * message,
             "activations": max((saved[b] for b in owned), default=0) + 2 * message,

@@ -50,8 +50,12 @@ def run_memory_plan(config: PipelineConfig, model_cfg: LlamaConfig, on_cuda: boo
     # Gradients go to the host in fp32 on CUDA, in the working dtype on the CPU layer.
     grad_host = 4 if on_cuda else itemsize
     procs = resolve_procs_per_node(config.procs_per_node)
+    sub = config.subgroups
     return plan_memory(config.schedule, model, config.micro_batch_size, model_cfg.seq_length,
-                       itemsize, grad_host, procs_per_node=procs)
+                       itemsize, grad_host, procs_per_node=procs,
+                       subgroup_stride=0 if sub is None else sub.stride,
+                       subgroup_size=None if sub is None else sub.size,
+                       resident_fraction=0.0 if sub is None else sub.resident_fraction)
 
 
 def first_shortfall(plan: MemoryPlan, rank: int, on_cuda: bool, shm_dir: str = DEFAULT_SHM_DIR,

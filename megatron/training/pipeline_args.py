@@ -89,7 +89,8 @@ def resolve_partition(args: argparse.Namespace, forward_stages: int, vocab_size:
 
 
 def generate_schedule(args: argparse.Namespace, world_size: int, vocab_size: int) -> Schedule:
-    """The schedule the flags describe (the defaults filled in)."""
+    """The schedule the flags describe (the defaults filled in), with the optimizer's
+    device subgroups placed when --optimizer-gpu-stride asks for them."""
     name = args.pipeline_schedule or "decoupled"
     if name == "single":
         name = "decoupled"
@@ -104,12 +105,15 @@ def generate_schedule(args: argparse.Namespace, world_size: int, vocab_size: int
     partition = resolve_partition(args, stages, vocab_size, min_layers=split)
     micro_batches = args.global_batch_size // args.micro_batch_size
     try:
-        return build_schedule(name, world_size, stages, split, micro_batches, partition,
-                              backward_ratio=RECOMPUTE_BACKWARD_RATIO)
+        schedule = build_schedule(name, world_size, stages, split, micro_batches, partition,
+                                  backward_ratio=RECOMPUTE_BACKWARD_RATIO)
     except ValueError as exc:
         flag = "--backward-split" if "split" in str(exc) else "--forward-stages"
         raise ArgumentError(flag, split if flag == "--backward-split" else stages,
                             str(exc)) from None
+    if args.optimizer_gpu_stride != 0:  # device subgroups where updates are exposed
+        schedule = place_device_subgroups(schedule)
+    return schedule
 
 
 class ScheduleFileError(ArgumentError):
@@ -154,8 +158,6 @@ def pipeline_config(args: argparse.Namespace, world_size: int, vocab_size: int) 
         schedule = load_schedule_file(args, world_size)
     else:
         schedule = generate_schedule(args, world_size, vocab_size)
-        if args.optimizer_gpu_stride != 0:  # device subgroups where updates are exposed
-            schedule = place_device_subgroups(schedule)
         validate(schedule)  # generated schedules are valid by construction: prove it
     dtype = training_dtype(args)
     # Default threads: this process's share of the cores it may run on (affinity respected).

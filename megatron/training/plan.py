@@ -131,7 +131,10 @@ def evaluate(args: argparse.Namespace, config: Configuration, hardware: Hardware
     grad_host = 4 if hardware.device_kind == "cuda" else itemsize
     report = validate(schedule)
     memory = plan_memory(schedule, model, config.micro_batch_size, run.seq_length, itemsize,
-                         grad_host, procs_per_node=gpus, hardware=hardware, report=report)
+                         grad_host, procs_per_node=gpus, hardware=hardware, report=report,
+                         subgroup_stride=args.optimizer_gpu_stride,
+                         subgroup_size=args.optimizer_subgroup_size,
+                         resident_fraction=args.optimizer_gpu_resident_fraction)
     evaluation = Evaluation(config, schedule, memory, shortfalls(memory, hardware), report)
     return simulated(args, evaluation, hardware) if simulate_it else evaluation
 

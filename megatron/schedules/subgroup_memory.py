@@ -1,0 +1,38 @@
+"""Device memory of optimizer subgroups, shared by the runtime (which allocates it) and the
+memory model (which plans it). Pure arithmetic.
+
+Interleaved subgroups (Deep Optimizer States) use two device slots, each holding one
+subgroup's fp32 p, m, v and gradient (16 bytes per parameter) and its 16-bit copy; the
+static split (Twin-Flow) keeps fp32 p, m, v and a gradient buffer on the device for every
+resident parameter.
+"""
+
+from __future__ import annotations
+
+SUBGROUP_SLOTS = 2  # one subgroup flushing (D2H) while the next one loads (H2D)
+FP32_SLOT_BYTES_PER_PARAM = 16  # p, m, v, gradient
+FLAG_BYTES = 16  # per slot: the finite flag and the squared norm, float64
+RESIDENT_BYTES_PER_PARAM = 16  # p, m, v kept, plus the gradient's landing buffer
+
+
+def default_subgroup_size(largest_group: int) -> int:
+    """An eighth of the largest group split, at least 4096 parameters: enough subgroups
+    for the stride to interleave, each large enough to keep the copies efficient."""
+    return max(4096, -(-largest_group // 8))
+
+
+def subgroup_slots_bytes(max_numel: int, out_itemsize: int = 2) -> int:
+    """Device bytes of the slots for subgroups of at most `max_numel` parameters."""
+    return SUBGROUP_SLOTS * (max_numel * (FP32_SLOT_BYTES_PER_PARAM + out_itemsize) + FLAG_BYTES)
+
+
+def subgroup_size_within(budget_bytes: int, out_itemsize: int = 4) -> int:
+    """The largest subgroup whose slots fit in `budget_bytes` (at least 1)."""
+    return max(1, budget_bytes // subgroup_slots_bytes(1, out_itemsize))
+
+
+def planned_subgroup_size(requested: int | None, largest_group: int, budget_bytes: int) -> int:
+    """The subgroup size the runtime uses: the requested one (or the default), no larger
+    than the largest group, shrunk to fit the budget (what the gradient buffers hold)."""
+    size = min(requested or default_subgroup_size(largest_group), largest_group)
+    return min(size, subgroup_size_within(budget_bytes))
