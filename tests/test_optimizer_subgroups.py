@@ -151,7 +151,8 @@ def _state_of(adam, group):
 def test_every_schedule_with_device_subgroups_matches_one_process(tmp_path):
     """2 processes, every schedule in one job, --optimizer-gpu-stride auto with the rates
     of the paper's worked example cached (Eq. 1: k = 2), clipping in every iteration (the
-    corrections of device-updated subgroups included): training equals one process."""
+    corrections of device-updated subgroups and of the stages updated on the CPU alone
+    included): training equals one process."""
     import json
     import os
 
@@ -197,6 +198,7 @@ def test_every_schedule_with_device_subgroups_matches_one_process(tmp_path):
         assert all(r["grad_norm"] > 1e-3 for r in rows)  # clipped in every iteration
         for r in rows:
             assert 0 <= r["exposed_optimizer_device_time_s"] <= r["exposed_optimizer_time_s"] + 1e-9
+            assert 0 <= r["clip_corrections_exposed_s"] <= r["exposed_optimizer_time_s"]
             assert r["exposed_optimizer_cpu_time_s"] == pytest.approx(
                 r["exposed_optimizer_time_s"] - r["exposed_optimizer_device_time_s"])
         peak = max(rank["device_memory_at_peak"]["optimizer_subgroups"]

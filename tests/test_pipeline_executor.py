@@ -250,11 +250,14 @@ def test_bad_pipeline_flags_are_refused_before_anything_is_built(extra, flag, ca
     assert exc.value.flag == flag
 
 
-def test_world_size_mismatch_exits_2_naming_the_flag(reference, tmp_path):
-    run = launch(tmp_path, "bad", 2, "--pipeline-model-parallel-size", "4", timeout=120)
-    assert run.returncode != 0
+@pytest.mark.parametrize("processes,flag", [(2, 4), (1, 2)])
+def test_world_size_mismatch_exits_2_naming_the_flag(reference, tmp_path, processes, flag):
+    # one process included: a launch without torchrun must not train the whole model
+    run = launch(tmp_path, "bad", processes, "--pipeline-model-parallel-size", str(flag),
+                 timeout=120)
+    assert run.returncode == 2 if processes == 1 else run.returncode != 0
     lines = [line for line in run.stderr.splitlines() if "pretrain_llama.py: error" in line]
-    assert len(lines) == 1 and "--pipeline-model-parallel-size 4" in lines[0]
+    assert len(lines) == 1 and f"--pipeline-model-parallel-size {flag}" in lines[0]
     assert not (run.out / "metrics.jsonl").exists()
 
 
@@ -314,9 +317,11 @@ def test_schedule_files_train_like_the_generated_schedule(reference, tmp_path):
     lines = _write_schedule_file(generated, 2)
     edited = tmp_path / "edited.csv"
     edited.write_text("".join(_legal_swap(lines)))
-    for path in (generated, edited):
-        run = launch(tmp_path, path.stem, 2, "--schedule-file", str(path))
-        assert_same_training(run, reference)
+    # The file as written reads back to the generated programs (test_simulate_cli); one
+    # launch of a hand-edited legal variant shows that a file's programs are what runs.
+    assert edited.read_text() != generated.read_text()
+    run = launch(tmp_path, edited.stem, 2, "--schedule-file", str(edited))
+    assert_same_training(run, reference)
 
 
 def test_a_broken_schedule_file_exits_2_naming_rank_index_and_rule(reference, tmp_path):

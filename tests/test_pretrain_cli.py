@@ -96,24 +96,25 @@ def test_print_model_size_reports_count_and_model_state_memory():
 
 def test_tiny_preset_learns_on_the_builtin_corpus(tmp_path, cache):
     metrics = tmp_path / "metrics.jsonl"
-    r = run_cli("--model-preset", "tiny", "--train-iters", "100", "--log-interval", "50",
+    r = run_cli("--model-preset", "tiny", "--train-iters", "60", "--log-interval", "30",
                 "--metrics-file", str(metrics), cache=cache)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "lm loss" in r.stdout and "tokens per second" in r.stdout
     rows = read_metrics(metrics)
-    assert [row["iteration"] for row in rows] == list(range(1, 101))
+    assert [row["iteration"] for row in rows] == list(range(1, 61))
     for key in ("iteration", "loss", "lr", "iter_time_s", "tokens_per_s"):
         assert key in rows[0]
-    assert rows[99]["loss"] < 0.8 * rows[0]["loss"]
+    last = [row["loss"] for row in rows[-5:]]  # a mean: one batch's loss is noisy
+    assert sum(last) / len(last) < 0.8 * rows[0]["loss"]
 
 
 def test_resume_from_checkpoint_continues_the_same_run(tmp_path, cache):
     full, part = tmp_path / "full.jsonl", tmp_path / "part.jsonl"
     common = [*SMALL, "--train-iters", "6", "--lr", "1e-3", "--lr-warmup-iters", "2"]
-    assert run_cli(*common, "--metrics-file", str(full), cache=cache).returncode == 0
     ckpt = tmp_path / "ckpt"
-    first = run_cli(*common, "--train-iters", "6", "--save", str(ckpt), "--save-interval", "3",
-                    "--metrics-file", str(tmp_path / "ignored.jsonl"), cache=cache)
+    # The uninterrupted run is the reference; its saves do not change its training.
+    first = run_cli(*common, "--save", str(ckpt), "--save-interval", "3",
+                    "--metrics-file", str(full), cache=cache)
     assert first.returncode == 0, first.stderr[-2000:]
     # Keep only the iteration-3 checkpoint, as if the first run had died after it.
     (ckpt / "latest_checkpointed_iteration.txt").write_text("3")

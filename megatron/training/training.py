@@ -149,7 +149,9 @@ def train(args: argparse.Namespace, dist_info, on_step=None) -> list[dict]:
     metrics. Callable several times in one job (bench/schedules.py runs each schedule);
     `on_step(train_step)` is called once the train step is built."""
     start_time = time.time()
-    if runs_pipeline(args, dist_info.world_size):
+    # --pipeline-model-parallel-size is checked on one process too: a launch that forgot
+    # torchrun must not train the whole model locally instead
+    if runs_pipeline(args, dist_info.world_size) or args.pipeline_model_parallel_size:
         check_pipeline_args(args, dist_info.world_size)
     check_load_dir(args)  # the checks that create nothing first
     check_scalar_sinks(args)
