@@ -16,6 +16,7 @@ import torch
 
 from megatron.models.presets import ModelPreset
 from megatron.optimizer.cpu_adam import usable_cores
+from megatron.optimizer.rounding import STATE_DTYPES
 from megatron.pipeline.config import (
     LossScaling,
     OptimizerSettings,
@@ -172,7 +173,11 @@ def pipeline_config(args: argparse.Namespace, world_size: int, vocab_size: int) 
         micro_batch_size=args.micro_batch_size,
         optimizer=OptimizerSettings(lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
                                     eps=args.adam_eps, weight_decay=args.weight_decay,
-                                    clip_grad=args.clip_grad, threads=threads),
+                                    clip_grad=args.clip_grad, threads=threads,
+                                    state_dtype=STATE_DTYPES[args.optimizer_state_dtype],
+                                    master_dtype=STATE_DTYPES[args.master_dtype],
+                                    stochastic_rounding=args.master_rounding == "stochastic",
+                                    seed=args.seed),
         loss_scaling=LossScaling(args.initial_loss_scale, args.loss_scale_window,
                                  args.min_loss_scale) if dtype == torch.float16 else None,
         procs_per_node=args.procs_per_node,

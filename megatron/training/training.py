@@ -135,7 +135,8 @@ def prepare_data(args: argparse.Namespace, log=print):
 def runs_pipeline(args: argparse.Namespace, world_size: int) -> bool:
     """One process without a pipeline flag trains the whole model locally."""
     return (world_size > 1 or args.pipeline_schedule not in (None, "single")
-            or args.schedule_file is not None)
+            or args.schedule_file is not None
+            or "bf16" in (args.optimizer_state_dtype, args.master_dtype))  # CPU optimizer only
 
 
 def make_train_step(args: argparse.Namespace, model_cfg: LlamaConfig, dist_info) -> TrainStep:
