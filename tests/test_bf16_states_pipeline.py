@@ -1,7 +1,10 @@
-"""bf16 optimizer states and masters on real processes: every schedule on 2 processes
-equals one-process training with the same flags bit for bit (losses and the final
-master, exp_avg and exp_avg_sq, saved in bf16), and a checkpoint of the one-process run
-resumed on a 2-process pipeline continues it exactly."""
+"""bf16 optimizer states and masters on real processes: schedules on 2 processes equal
+one-process training with the same flags bit for bit (losses and the final master,
+exp_avg and exp_avg_sq, saved in bf16), and a checkpoint of the one-process run resumed
+on a 2-process 1F1B pipeline continues it exactly. Two schedules in the sweep (decoupled
+with d = 2, gpipe) plus 1F1B in the resume keep the test near its time budget; the
+rounding's independence of groups, subgroups and threads is unit-tested in
+test_cpu_adam_bf16.py."""
 
 import os
 import shutil
@@ -11,12 +14,13 @@ import torch
 
 from megatron.training.checkpoint_state import EXP_AVG, EXP_AVG_SQ, MASTER
 from megatron.training.checkpointing import TRACKER, iteration_dir, read_all_tensors
-from tests.test_pipeline_executor import SCHEDULES, ScheduleRun, launch, metrics
+from tests.test_pipeline_executor import ScheduleRun, launch, metrics
 
 pytestmark = pytest.mark.multiproc
 BF16_STATES = ["--optimizer-state-dtype", "bf16", "--master-dtype", "bf16",
                "--cpu-optimizer-threads", "1"]
 STATE_PREFIXES = (MASTER, EXP_AVG, EXP_AVG_SQ)
+SCHEDULES = ["decoupled", "gpipe"]
 
 
 def states(ckpt_root, iteration):

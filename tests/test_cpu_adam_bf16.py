@@ -262,3 +262,47 @@ def test_loading_converts_precision_fp32_rounds_once_bf16_widens():
 def test_bad_state_dtype_is_refused_naming_the_value():
     with pytest.raises(ValueError, match="state_dtype=torch.float16"):
         CPUAdamW([torch.zeros(4)], state_dtype=torch.float16)
+
+
+def test_a_checkpoint_loads_into_either_precision(tmp_path):
+    """What a resume with a changed --master-dtype / --optimizer-state-dtype does: the
+    saved fp32 tensor rounds once to bf16; a saved bf16 tensor widens exactly."""
+    import torch.distributed.checkpoint as dcp
+
+    from megatron.training.checkpointing import load_tensors
+
+    gen = torch.Generator().manual_seed(5)
+    saved = {"model.w": torch.randn(300, generator=gen),
+             "optimizer.exp_avg.w": torch.randn(300, generator=gen).to(BF16)}
+    dcp.save(saved, storage_writer=dcp.FileSystemWriter(str(tmp_path)), no_dist=True)
+    into = {"model.w": torch.empty(300, dtype=BF16),
+            "optimizer.exp_avg.w": torch.empty(300, dtype=torch.float32)}
+    load_tensors(str(tmp_path), into)
+    assert torch.equal(into["model.w"], saved["model.w"].to(BF16))
+    assert torch.equal(into["optimizer.exp_avg.w"], saved["optimizer.exp_avg.w"].float())
+
+
+def test_the_planner_counts_host_bytes_per_parameter_of_the_chosen_precisions():
+    """fp32: 12 bytes per owned parameter; bf16 m and v: 8; all bf16: 6 (what CPUAdamW
+    allocates), and the paper's 110B on two nodes needs less host memory with them."""
+    from megatron.models.presets import get_preset
+    from megatron.schedules.cost_model import backward_stage_params, preset_partition
+    from megatron.schedules.generators import build_schedule
+    from megatron.schedules.hardware import get_hardware
+    from megatron.schedules.memory_model import plan_memory
+
+    preset, hardware = get_preset("110b"), get_hardware("paper-v100")
+    partition = preset_partition(preset, 16, min_layers=2)
+    schedule = build_schedule("decoupled", 8, 16, 2, 16, partition)
+    params = sum(backward_stage_params(preset, partition, 2).values())
+    node_states = []
+    for master, states, expected in ((torch.float32, torch.float32, 12),
+                                     (torch.float32, BF16, 8), (BF16, BF16, 6)):
+        opt = CPUAdamW([torch.zeros(10)], threads=1, master_dtype=master, state_dtype=states)
+        assert opt.bytes_per_param == expected
+        plan = plan_memory(schedule, preset, 2, 1024, 2, 4, procs_per_node=4,
+                           hardware=hardware, optimizer_bytes=opt.bytes_per_param)
+        total = sum(node["optimizer_states"] for node in plan.per_node)
+        assert total == expected * params
+        node_states.append(max(node["optimizer_states"] for node in plan.per_node))
+    assert node_states[0] > hardware.host_memory_bytes > node_states[2]

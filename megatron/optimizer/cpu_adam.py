@@ -455,7 +455,6 @@ class CPUAdamW:
         subgroups = self._subgroups[i]
         if subgroups is None:
             return [whole]
-        snap = self._snapshot[i]
         args = []
         for s in subgroups:
             if on_device is not None and s.on_device != on_device:

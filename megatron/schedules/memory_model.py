@@ -161,13 +161,15 @@ def plan_memory(schedule: Schedule, model: ModelPreset, micro_batch_size: int,
                 seq_length: int | None = None, param_bytes: int = 2, grad_host_bytes: int = 4,
                 procs_per_node: int | None = None,
                 hardware: HardwareProfile | None = None,
-                report: ValidationReport | None = None) -> MemoryPlan:
+                report: ValidationReport | None = None,
+                optimizer_bytes: int = OPTIMIZER_BYTES_PER_PARAM) -> MemoryPlan:
     """The memory `schedule` needs for `model` (see the module docstring).
 
     `param_bytes`: the working dtype's size (2 for bf16/fp16, 4 for fp32);
     `grad_host_bytes`: the offloaded gradients' (4 on CUDA, the working dtype's on the CPU
     device layer); `procs_per_node`: default all ranks on one node; `report`: the
-    schedule's validation, when already done.
+    schedule's validation, when already done; `optimizer_bytes`: host bytes per parameter
+    of the master and Adam's moments (12 in fp32, 8 with bf16 m and v, 6 all in bf16).
     """
     seq = seq_length or model.seq_length
     per_node_procs = procs_per_node or schedule.ranks
@@ -198,7 +200,7 @@ def plan_memory(schedule: Schedule, model: ModelPreset, micro_batch_size: int,
             "operator_working": largest_operator if owned else 0,
         })
         owned_params = sum(params[b] for b in owned)
-        per_process.append({"optimizer_states": OPTIMIZER_BYTES_PER_PARAM * owned_params,
+        per_process.append({"optimizer_states": optimizer_bytes * owned_params,
                             "host_gradients": grad_host_bytes * owned_params})
     nodes = -(-schedule.ranks // per_node_procs)
     baseline = hardware.process_baseline_bytes if hardware is not None else 0

@@ -15,6 +15,7 @@ from megatron.models.llama import LlamaConfig
 from megatron.models.presets import ModelPreset
 from megatron.offload.naming import node_of, resolve_procs_per_node
 from megatron.offload.shm_space import DEFAULT_SHM_DIR, free_bytes
+from megatron.optimizer.rounding import state_bytes_per_param
 from megatron.pipeline.config import PipelineConfig
 from megatron.schedules.memory_model import GPU_TERMS, MemoryPlan, plan_memory
 from megatron.training.arguments import ArgumentError
@@ -51,7 +52,9 @@ def run_memory_plan(config: PipelineConfig, model_cfg: LlamaConfig, on_cuda: boo
     grad_host = 4 if on_cuda else itemsize
     procs = resolve_procs_per_node(config.procs_per_node)
     return plan_memory(config.schedule, model, config.micro_batch_size, model_cfg.seq_length,
-                       itemsize, grad_host, procs_per_node=procs)
+                       itemsize, grad_host, procs_per_node=procs,
+                       optimizer_bytes=state_bytes_per_param(config.optimizer.master_dtype,
+                                                             config.optimizer.state_dtype))
 
 
 def first_shortfall(plan: MemoryPlan, rank: int, on_cuda: bool, shm_dir: str = DEFAULT_SHM_DIR,

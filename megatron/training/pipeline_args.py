@@ -16,7 +16,7 @@ import torch
 
 from megatron.models.presets import ModelPreset
 from megatron.optimizer.cpu_adam import usable_cores
-from megatron.optimizer.rounding import STATE_DTYPES
+from megatron.optimizer.rounding import STATE_DTYPES, state_bytes_per_param
 from megatron.pipeline.config import (
     LossScaling,
     OptimizerSettings,
@@ -186,6 +186,13 @@ def pipeline_config(args: argparse.Namespace, world_size: int, vocab_size: int) 
         p2p_check=args.p2p_check,
         subgroups=subgroup_settings(args),
     )
+
+
+def optimizer_bytes_per_param(args: argparse.Namespace) -> int:
+    """Host bytes per parameter of the master and Adam's moments for the chosen
+    --master-dtype and --optimizer-state-dtype (12, 10, 8 or 6)."""
+    return state_bytes_per_param(STATE_DTYPES[args.master_dtype],
+                                 STATE_DTYPES[args.optimizer_state_dtype])
 
 
 def subgroup_settings(args: argparse.Namespace) -> SubgroupSettings | None:
