@@ -12,8 +12,8 @@ import torch
 from megatron.offload.device import DeviceLayer
 from megatron.optimizer import CPUAdamW, available_isas
 from megatron.optimizer.rounding import ElementRun
-from megatron.optimizer.subgroups import plan_subgroups
-from megatron.pipeline.subgroup_device import DeviceSubgroupUpdater
+from megatron.optimizer.subgroups import plan_resident, plan_subgroups
+from megatron.pipeline.subgroup_device import DeviceSubgroupUpdater, ResidentSubgroupUpdater
 
 BF16 = torch.bfloat16
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.1
@@ -152,21 +152,26 @@ def test_the_result_does_not_depend_on_groups_subgroups_threads_or_device_update
     init = whole(gen)
     grads = [whole(gen) for _ in range(3)]
     results = []
-    for layout, threads, subgroups in ((ONE_GROUP, 1, False), (SPLIT, 2, False), (SPLIT, 1, True)):
+    for layout, threads, subgroups in ((ONE_GROUP, 1, None), (SPLIT, 2, None),
+                                       (SPLIT, 1, "interleaved"), (ONE_GROUP, 2, "resident")):
         opt = build(init, layout, threads=threads)
         with DeviceLayer("cpu") as device:
-            if subgroups:  # every 2nd subgroup of 700 through the device path (torch)
-                updater = DeviceSubgroupUpdater(device, 700)
+            if subgroups:  # subgroups of 700 through the device path (torch): every 2nd
+                # one streamed, or the first 40% resident on the device
+                updater = (DeviceSubgroupUpdater(device, 700) if subgroups == "interleaved"
+                           else ResidentSubgroupUpdater(device))
                 for i in range(len(layout)):
                     n = opt.master(i).numel()
-                    opt.set_subgroups(i, plan_subgroups(n, 700, 2), updater)
+                    plan = (plan_subgroups(n, 700, 2) if subgroups == "interleaved"
+                            else plan_resident(n, 700, 0.4))
+                    opt.set_subgroups(i, plan, updater)
             for g in grads:
                 step_all(opt, layout, g)
                 for i in range(len(layout)):
                     opt.commit_group(i)
             if subgroups:
                 assert updater.launched > 0
-        results.append({w: gathered(opt, layout, w) for w in ("master", "exp_avg", "exp_avg_sq")})
+            results.append({w: gathered(opt, layout, w) for w in ("master", "exp_avg", "exp_avg_sq")})
     for other in results[1:]:
         for which, tensors in results[0].items():
             for name, t in tensors.items():
@@ -306,3 +311,23 @@ def test_the_planner_counts_host_bytes_per_parameter_of_the_chosen_precisions():
         assert total == expected * params
         node_states.append(max(node["optimizer_states"] for node in plan.per_node))
     assert node_states[0] > hardware.host_memory_bytes > node_states[2]
+
+
+@pytest.mark.parametrize("flag", ["--master-dtype", "--optimizer-state-dtype"])
+def test_bf16_flags_with_the_one_process_reference_exit_2_naming_the_flag(flag, capsys):
+    """The one-process reference keeps torch's fp32 AdamW: a bf16 flag with it is refused
+    (one line, exit 2); without a schedule one process runs the one-rank pipeline."""
+    from megatron.training.arguments import parse_args
+    from megatron.training.pipeline_args import pipeline_config
+    from megatron.training.training import runs_pipeline
+
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--model-preset", "tiny", "--pipeline-schedule", "single", flag, "bf16"])
+    assert exc.value.code == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert flag in line and "bf16" in line
+    args = parse_args(["--model-preset", "tiny", flag, "bf16"])
+    assert runs_pipeline(args, world_size=1)
+    config = pipeline_config(args, world_size=1, vocab_size=4096)
+    dtypes = (config.optimizer.master_dtype, config.optimizer.state_dtype)
+    assert dtypes == ((BF16, torch.float32) if flag == "--master-dtype" else (torch.float32, BF16))

@@ -110,6 +110,8 @@ class Pipeline:
             master = torch.empty(module.layout.numel, dtype=torch.float32)
             copy_parameters_into(module.module, replace(module.layout, dtype=torch.float32),
                                  master)
+            # the working copy starts from the master the optimizer will hold (bf16: rounded)
+            master.copy_(master.to(self.config.optimizer.master_dtype))
             self.store.create(b, module.layout.numel, self.dtype).write(master, version=0)
             masters[b] = master
         for b in held:  # replicas of stages owned on another node
