@@ -18,7 +18,7 @@ from tests.test_pipeline_executor import ScheduleRun, launch, metrics
 
 pytestmark = pytest.mark.multiproc
 BF16_STATES = ["--optimizer-state-dtype", "bf16", "--master-dtype", "bf16",
-               "--cpu-optimizer-threads", "1"]
+               "--cpu-optimizer-threads", "1", "--eval-iters", "0"]
 STATE_PREFIXES = (MASTER, EXP_AVG, EXP_AVG_SQ)
 SCHEDULES = ["decoupled", "gpipe"]
 
