@@ -2,15 +2,17 @@
 
     python bench/cpu_adam.py [--params N] [--threads T] [--repeats R] [--json]
 
-Everything runs in one process on the same sizes; each figure is the best of R rounds
+Everything runs in one process on the same sizes; each figure is the median of R rounds
 after one warm-up, every round running each variant once (the machine may be shared:
-the best is the least disturbed, and interleaving spreads disturbances over all
-variants). Prints one JSON object (with --json, only that).
+interleaving spreads disturbances over all variants), with the spread (slowest and
+fastest round) under `spread`. Prints one JSON object (with --json, only that).
 
 The full step: 16-bit gradients in, unscale, check for non-finite values, AdamW on fp32
 master/m/v, 16-bit working copy out.
 - ours: one call of the C++ kernel (megatron.optimizer.CPUAdamW); also in exact-rollback
   mode (snapshots the state it changes) and the arithmetic rollback's own speed.
+- ours_bf16_states: m and v in bf16 (fp32 master): 20 bytes per parameter moved.
+- ours_bf16_all: m, v and the master in bf16, stochastic rounding: 16 bytes moved.
 - torch_composed: the fastest torch ops, all buffers preallocated: copy_ to fp32,
   torch._amp_foreach_non_finite_check_and_unscale_ (unscale + check in one op, what
   torch.amp uses), fused AdamW, copy_ to 16 bits.
@@ -26,6 +28,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -39,18 +42,25 @@ from megatron.optimizer import CPUAdamW, available_isas  # noqa: E402
 LR, INV_SCALE = 1e-4, 1.0 / 1024
 
 
-def best_seconds_interleaved(steps: dict[str, Callable[[], object]], repeats: int) -> dict:
-    """Best time of each step over `repeats` rounds; every round runs each step once, so
+def seconds_interleaved(steps: dict[str, Callable[[], object]], repeats: int
+                        ) -> dict[str, list[float]]:
+    """Every time of each step over `repeats` rounds; every round runs each step once, so
     that load from other processes on a shared machine disturbs all of them alike."""
     for step in steps.values():
         step()  # warm-up: page faults, JIT builds, thread pools
-    best = dict.fromkeys(steps, float("inf"))
+    times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(repeats):
         for name, step in steps.items():
             start = time.perf_counter()
             step()
-            best[name] = min(best[name], time.perf_counter() - start)
-    return best
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+# Bytes each variant reads and writes per parameter: p, m, v read and written in their
+# dtypes, the 16-bit gradient read, the 16-bit working copy written.
+BYTES_PER_PARAM = {"ours_bf16": 28, "ours_fp16": 28, "ours_bf16_states": 20,
+                   "ours_bf16_all": 16, "fused": 28}
 
 
 def fp32_param(n: int, gen: torch.Generator) -> torch.nn.Parameter:
@@ -58,11 +68,12 @@ def fp32_param(n: int, gen: torch.Generator) -> torch.nn.Parameter:
 
 
 def ours_step(
-    n: int, threads: int, dtype: torch.dtype, gen, exact: bool = False, rollback: bool = False
+    n: int, threads: int, dtype: torch.dtype, gen, exact: bool = False, rollback: bool = False,
+    state_dtype: torch.dtype = torch.float32, master_dtype: torch.dtype = torch.float32,
 ) -> Callable[[], None]:
     """Our full step; with rollback=True the step and then its rollback."""
     opt = CPUAdamW([torch.randn(n, generator=gen)], lr=LR, weight_decay=0.1, threads=threads,
-                   exact_rollback=exact)
+                   exact_rollback=exact, state_dtype=state_dtype, master_dtype=master_dtype)
     grad = (torch.randn(n, generator=gen) * 1024).to(dtype)
     out = torch.empty(n, dtype=dtype)
 
@@ -164,6 +175,10 @@ def main(argv: list[str] | None = None) -> int:
     steps = {
         "ours_bf16": ours_step(n, threads, torch.bfloat16, gen),
         "ours_fp16": ours_step(n, threads, torch.float16, gen),
+        "ours_bf16_states": ours_step(n, threads, torch.bfloat16, gen,
+                                      state_dtype=torch.bfloat16),
+        "ours_bf16_all": ours_step(n, threads, torch.bfloat16, gen, state_dtype=torch.bfloat16,
+                                   master_dtype=torch.bfloat16),
         "ours_exact": ours_step(n, threads, torch.bfloat16, gen, exact=True),
         "ours_step_rollback": ours_step(n, threads, torch.bfloat16, gen, rollback=True),
         "composed": composed_step(n, torch.bfloat16, gen, torch_fused),
@@ -174,8 +189,10 @@ def main(argv: list[str] | None = None) -> int:
     deepspeed, deepspeed_error = deepspeed_step(n, torch.bfloat16, gen)
     if deepspeed is not None:
         steps["deepspeed"] = deepspeed
-    seconds = best_seconds_interleaved(steps, repeats)
+    times = seconds_interleaved(steps, repeats)
+    seconds = {name: statistics.median(t) for name, t in times.items()}
     rate = {name: n / s for name, s in seconds.items()}
+    spread = {name: [n / max(t), n / min(t)] for name, t in times.items()}
     ours_bf16, ours_fp16 = rate["ours_bf16"], rate["ours_fp16"]
     composed, composed_isfinite, fused = rate["composed"], rate["composed_isfinite"], rate["fused"]
     bandwidth = 12 * rate["triad"] / 1e9
@@ -189,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
         "ours_params_per_s": ours_bf16,
         "ours_bf16_params_per_s": ours_bf16,
         "ours_fp16_params_per_s": ours_fp16,
+        "ours_bf16_states_params_per_s": rate["ours_bf16_states"],
+        "ours_bf16_all_params_per_s": rate["ours_bf16_all"],
         "ours_exact_rollback_mode_params_per_s": rate["ours_exact"],
         # the rollback alone: the step-then-rollback pair's time minus the step's
         "ours_rollback_params_per_s": n / max(seconds["ours_step_rollback"] - seconds["ours_bf16"], 1e-9),
@@ -204,12 +223,19 @@ def main(argv: list[str] | None = None) -> int:
         "ours_over_torch_composed": ours_bf16 / composed,
         "ours_over_torch_composed_isfinite": ours_bf16 / composed_isfinite,
         "fp16_over_bf16": ours_fp16 / ours_bf16,
+        "bf16_states_over_fp32_states": rate["ours_bf16_states"] / ours_bf16,
+        "bf16_all_over_fp32_states": rate["ours_bf16_all"] / ours_bf16,
+        "bytes_per_param": BYTES_PER_PARAM,
+        "gb_s": {name: rate[name] * b / 1e9 for name, b in BYTES_PER_PARAM.items()},
+        "statistic": f"median of {repeats} interleaved rounds",
+        "spread": spread,  # params/s of the slowest and the fastest round
     }
     if args.json:
         print(json.dumps(result))
     else:
         for key, value in result.items():
-            shown = f"{value / 1e6:,.0f} M" if key.endswith("params_per_s") and value else value
+            shown = (f"{value / 1e6:,.0f} M" if key.endswith("params_per_s") and value
+                     else value)
             print(f"{key:32s} {shown}")
         print(json.dumps(result))
     return 0

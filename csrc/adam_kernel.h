@@ -95,23 +95,43 @@ static inline void check_part(const void* grad, int64_t base, int64_t lo, int64_
   sumsq += P::hsum(sq);
 }
 
+// Bytes of one element of a state (fp32 or bf16) or gradient.
+constexpr int64_t bytes_of(int d) { return d == kF32 ? 4 : 2; }
+
+// The snapshot's three parts (exact mode): [p | m | v], each in its state's dtype.
+struct SnapParts {
+  void* p;
+  void* m;
+  void* v;
+};
+
+template <int MD, int SD>
+static inline SnapParts snap_parts(const Buffers& b) {
+  if (!b.snap) return {nullptr, nullptr, nullptr};
+  char* base = static_cast<char*>(b.snap);
+  return {base, base + b.n * bytes_of(MD), base + b.n * (bytes_of(MD) + bytes_of(SD))};
+}
+
 // Step, inverse or correction over tile elements [lo, hi), one vector at a time: the
 // gradient is read, unscaled and checked in registers right before the update that uses
 // it. Stops before the first vector holding a non-finite value and returns its index (hi
-// when all were finite); [lo, returned index) was updated.
-template <class P, int GD, int OD>
+// when all were finite); [lo, returned index) was updated. p, m, v are read and written
+// in their dtypes (MD for p, SD for m and v) with the arithmetic in fp32; a bf16 m or v
+// rounds to nearest even, a bf16 p stochastically (h.stochastic) or to nearest even.
+template <class P, int GD, int OD, int MD, int SD>
 static inline int64_t update_part(Op op, const Buffers& b, const Hyper& h, int64_t base,
                                   int64_t lo, int64_t hi, double& sumsq) {
   const Consts<P> c(h);
   // local copies of the pointers, for the same aliasing reason as Consts
-  float* const pp = b.p;
-  float* const mp = b.m;
-  float* const vp = b.v;
+  void* const pp = b.p;
+  void* const mp = b.m;
+  void* const vp = b.v;
   const void* const grad = b.grad;
   void* const out = b.out;
-  float* const snap_p = b.snap;
-  float* const snap_m = b.snap ? b.snap + b.n : nullptr;
-  float* const snap_v = b.snap ? b.snap + 2 * b.n : nullptr;
+  const SnapParts snap = snap_parts<MD, SD>(b);
+  const bool stochastic = MD == kBF16 && h.stochastic && op != Op::kInverse;
+  const uint32_t index_base = h.index_base;
+  const uint32_t round_key = h.round_key;
   typename P::F sq = P::set1(0.0f);
   int64_t i = lo;
   for (; i < hi; i += P::W) {
@@ -119,60 +139,66 @@ static inline int64_t update_part(Op op, const Buffers& b, const Hyper& h, int64
     if constexpr (P::W > 1) {
       // keeps more lines in flight than the long dependency chain of the update lets
       // the out-of-order window reach (measured +7-9% at 20M parameters on Zen 3)
-      __builtin_prefetch(pp + k + kPrefetch, 1);
-      __builtin_prefetch(mp + k + kPrefetch, 1);
-      __builtin_prefetch(vp + k + kPrefetch, 1);
+      __builtin_prefetch(static_cast<const char*>(pp) + (k + kPrefetch) * bytes_of(MD), 1);
+      __builtin_prefetch(static_cast<const char*>(mp) + (k + kPrefetch) * bytes_of(SD), 1);
+      __builtin_prefetch(static_cast<const char*>(vp) + (k + kPrefetch) * bytes_of(SD), 1);
       __builtin_prefetch(static_cast<const char*>(grad) + (k + kPrefetch) * kGradBytes<GD>, 0);
     }
     const auto g = P::mul(load_as_f32<P, GD>(grad, k), c.inv_scale);
     if (P::any(P::nonfinite_or(P::mask_zero(), g))) break;
     sq = P::add(sq, P::mul(g, g));
     typename P::F p, m, v;
-    if (op == Op::kCorrect && snap_p) {  // the pre-step state, bit-exact
-      p = P::load(snap_p + k);
-      m = P::load(snap_m + k);
-      v = P::load(snap_v + k);
+    if (op == Op::kCorrect && snap.p) {  // the pre-step state, bit-exact
+      p = load_as_f32<P, MD>(snap.p, k);
+      m = load_as_f32<P, SD>(snap.m, k);
+      v = load_as_f32<P, SD>(snap.v, k);
     } else {
-      p = P::load(pp + k);
-      m = P::load(mp + k);
-      v = P::load(vp + k);
+      p = load_as_f32<P, MD>(pp, k);
+      m = load_as_f32<P, SD>(mp, k);
+      v = load_as_f32<P, SD>(vp, k);
     }
     if (op == Op::kStep) {
-      if (snap_p) {
-        P::store(snap_p + k, p);
-        P::store(snap_m + k, m);
-        P::store(snap_v + k, v);
+      if (snap.p) {  // exact copies: each value is representable in its dtype
+        store_from_f32<P, MD>(snap.p, k, p);
+        store_from_f32<P, SD>(snap.m, k, m);
+        store_from_f32<P, SD>(snap.v, k, v);
       }
       adam_forward<P>(p, m, v, P::mul(g, c.clip), c);
     } else if (op == Op::kCorrect) {
-      if (!snap_p) adam_inverse<P>(p, m, v, P::mul(g, c.undo_clip), c);
+      if (!snap.p) adam_inverse<P>(p, m, v, P::mul(g, c.undo_clip), c);
       adam_forward<P>(p, m, v, P::mul(g, c.clip), c);
     } else {
       adam_inverse<P>(p, m, v, P::mul(g, c.clip), c);
     }
-    P::store(pp + k, p);
-    P::store(mp + k, m);
-    P::store(vp + k, v);
-    store_from_f32<P, OD>(out, k, p);
+    if (stochastic) p = P::round_sr(p, index_base + static_cast<uint32_t>(k), round_key);
+    store_from_f32<P, MD>(pp, k, p);
+    store_from_f32<P, SD>(mp, k, m);
+    store_from_f32<P, SD>(vp, k, v);
+    if constexpr (OD != kNone) {
+      // the working copy is the stored master (a bf16 master is already rounded)
+      if constexpr (MD == kBF16 && OD != kBF16) p = load_as_f32<P, MD>(pp, k);
+      store_from_f32<P, OD>(out, k, p);
+    }
   }
   sumsq += P::hsum(sq);
   return i;
 }
 
 // Copies p, m, v back from the snapshot over tile elements [lo, hi).
-template <class P, int OD>
+template <class P, int OD, int MD, int SD>
 static inline void restore_part(const Buffers& b, int64_t base, int64_t lo, int64_t hi) {
+  const SnapParts snap = snap_parts<MD, SD>(b);
   for (int64_t i = lo; i < hi; i += P::W) {
     const int64_t k = base + i;
-    const auto p = P::load(b.snap + k);
-    P::store(b.p + k, p);
-    P::store(b.m + k, P::load(b.snap + b.n + k));
-    P::store(b.v + k, P::load(b.snap + 2 * b.n + k));
+    const auto p = load_as_f32<P, MD>(snap.p, k);
+    store_from_f32<P, MD>(b.p, k, p);
+    store_from_f32<P, SD>(b.m, k, load_as_f32<P, SD>(snap.m, k));
+    store_from_f32<P, SD>(b.v, k, load_as_f32<P, SD>(snap.v, k));
     store_from_f32<P, OD>(b.out, k, p);
   }
 }
 
-template <int GD, int OD>
+template <int GD, int OD, int MD, int SD>
 static RangeResult range_impl(Op op, const Buffers& b, const Hyper& h, int64_t begin,
                               int64_t end, int* abort) {
   RangeResult r{begin, true, 0.0};
@@ -181,16 +207,16 @@ static RangeResult range_impl(Op op, const Buffers& b, const Hyper& h, int64_t b
     const int64_t len = (end - t < kTile) ? end - t : kTile;
     const int64_t nv = len - len % Vec::W;
     if (op == Op::kRestore) {
-      restore_part<Vec, OD>(b, t, 0, nv);
-      restore_part<Scalar, OD>(b, t, nv, len);
+      restore_part<Vec, OD, MD, SD>(b, t, 0, nv);
+      restore_part<Scalar, OD, MD, SD>(b, t, nv, len);
     } else if (op == Op::kCheck) {
       bool bad = false;
       check_part<Vec, GD>(b.grad, t, 0, nv, h.inv_scale, bad, r.sumsq);
       check_part<Scalar, GD>(b.grad, t, nv, len, h.inv_scale, bad, r.sumsq);
       if (bad) r.finite = false;
     } else {
-      int64_t done = update_part<Vec, GD, OD>(op, b, h, t, 0, nv, r.sumsq);
-      if (done == nv) done = update_part<Scalar, GD, OD>(op, b, h, t, nv, len, r.sumsq);
+      int64_t done = update_part<Vec, GD, OD, MD, SD>(op, b, h, t, 0, nv, r.sumsq);
+      if (done == nv) done = update_part<Scalar, GD, OD, MD, SD>(op, b, h, t, nv, len, r.sumsq);
       if (done != len) {
         r.stop = t + done;
         r.finite = false;
@@ -205,14 +231,25 @@ static RangeResult range_impl(Op op, const Buffers& b, const Hyper& h, int64_t b
   return r;
 }
 
+template <int GD, int OD>
+static RangeResult range_for_states(Op op, const Buffers& b, const Hyper& h, int64_t begin,
+                                    int64_t end, int* abort) {
+  const bool bf16_master = b.master_dtype == kBF16;
+  const bool bf16_states = b.state_dtype == kBF16;
+  if (bf16_master && bf16_states) return range_impl<GD, OD, kBF16, kBF16>(op, b, h, begin, end, abort);
+  if (bf16_master) return range_impl<GD, OD, kBF16, kF32>(op, b, h, begin, end, abort);
+  if (bf16_states) return range_impl<GD, OD, kF32, kBF16>(op, b, h, begin, end, abort);
+  return range_impl<GD, OD, kF32, kF32>(op, b, h, begin, end, abort);
+}
+
 template <int GD>
 static RangeResult range_for_out(Op op, const Buffers& b, const Hyper& h, int64_t begin,
                                  int64_t end, int* abort) {
   switch (b.out_dtype) {
-    case kF32: return range_impl<GD, kF32>(op, b, h, begin, end, abort);
-    case kF16: return range_impl<GD, kF16>(op, b, h, begin, end, abort);
-    case kBF16: return range_impl<GD, kBF16>(op, b, h, begin, end, abort);
-    default: return range_impl<GD, kNone>(op, b, h, begin, end, abort);
+    case kF32: return range_for_states<GD, kF32>(op, b, h, begin, end, abort);
+    case kF16: return range_for_states<GD, kF16>(op, b, h, begin, end, abort);
+    case kBF16: return range_for_states<GD, kBF16>(op, b, h, begin, end, abort);
+    default: return range_for_states<GD, kNone>(op, b, h, begin, end, abort);
   }
 }
 

@@ -4,6 +4,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <array>
 #include <cmath>
 #include <stdexcept>
 #include <string>
@@ -84,11 +85,29 @@ Hyper make_hyper(double lr, double beta1, double beta2, double eps, double weigh
   h.neg_step_size = static_cast<float>(-(lr / bc1));
   h.clip = static_cast<float>(clip);
   h.undo_clip = static_cast<float>(undo_clip);
+  h.stochastic = 0;
+  h.index_base = 0;
+  h.round_key = 0;
   return h;
 }
 
+// The caller's state dtypes and stochastic rounding, passed as one argument.
+struct StateFormat {
+  int master_dtype = kF32;
+  int state_dtype = kF32;
+  // Stochastic rounding of a bf16 master: rows of (begin, end, index_base, round_key) that
+  // tile [0, n) (elements [begin, end) belong to one parameter, see Hyper); empty: none.
+  std::vector<std::array<int64_t, 4>> runs;
+};
+
 Buffers make_buffers(uintptr_t p, uintptr_t m, uintptr_t v, uintptr_t grad, int grad_dtype,
-                     uintptr_t out, int out_dtype, uintptr_t snapshot, int64_t n) {
+                     uintptr_t out, int out_dtype, uintptr_t snapshot, int64_t n,
+                     const StateFormat& format = StateFormat{}) {
+  for (const int d : {format.master_dtype, format.state_dtype}) {
+    if (d != kF32 && d != kBF16) {
+      throw std::invalid_argument("state dtype=" + std::to_string(d) + " is not 0 (fp32) or 2 (bf16)");
+    }
+  }
   if (grad_dtype < kF32 || grad_dtype > kBF16) {
     throw std::invalid_argument("grad_dtype=" + std::to_string(grad_dtype) + " is not 0 (fp32), 1 (fp16) or 2 (bf16)");
   }
@@ -96,10 +115,50 @@ Buffers make_buffers(uintptr_t p, uintptr_t m, uintptr_t v, uintptr_t grad, int 
     throw std::invalid_argument("out_dtype=" + std::to_string(out_dtype) + " is not -1 (none), 0, 1 or 2");
   }
   if (n < 0) throw std::invalid_argument("n=" + std::to_string(n) + " must be >= 0");
-  return {reinterpret_cast<float*>(p), reinterpret_cast<float*>(m), reinterpret_cast<float*>(v),
+  return {reinterpret_cast<void*>(p), reinterpret_cast<void*>(m), reinterpret_cast<void*>(v),
           reinterpret_cast<const void*>(grad), out ? reinterpret_cast<void*>(out) : nullptr,
-          snapshot ? reinterpret_cast<float*>(snapshot) : nullptr, n, grad_dtype,
-          out ? out_dtype : static_cast<int>(kNone)};
+          snapshot ? reinterpret_cast<void*>(snapshot) : nullptr, n, grad_dtype,
+          out ? out_dtype : static_cast<int>(kNone), format.master_dtype, format.state_dtype};
+}
+
+// Runs `fn` over [begin, end) one parameter run at a time when the master is rounded
+// stochastically (each run has its own index base and key), else in one call. The
+// results combine as one call's would: stop at the first non-finite run.
+RangeResult run_pieces(RangeFn fn, Op op, const Buffers& b, const Hyper& h,
+                       const StateFormat& format, int64_t begin, int64_t end, int* abort) {
+  if (format.runs.empty()) return fn(op, b, h, begin, end, abort);
+  RangeResult total{begin, true, 0.0};
+  for (const auto& run : format.runs) {
+    const int64_t lo = run[0] > begin ? run[0] : begin;
+    const int64_t hi = run[1] < end ? run[1] : end;
+    if (lo >= hi) continue;
+    Hyper piece = h;
+    piece.stochastic = 1;
+    piece.index_base = static_cast<uint32_t>(run[2]);
+    piece.round_key = static_cast<uint32_t>(run[3]);
+    const RangeResult r = fn(op, b, piece, lo, hi, abort);
+    total.sumsq += r.sumsq;
+    total.stop = r.stop;
+    if (!r.finite || r.stop != hi) {
+      total.finite = r.finite;
+      return total;
+    }
+  }
+  return total;
+}
+
+void check_runs(const StateFormat& format, int64_t n) {
+  int64_t at = 0;
+  for (const auto& run : format.runs) {
+    if (run[0] != at || run[1] <= run[0]) break;
+    at = run[1];
+  }
+  if (!format.runs.empty() && at != n) {
+    throw std::invalid_argument("rounding runs do not tile [0, " + std::to_string(n) + ")");
+  }
+  if (!format.runs.empty() && format.master_dtype != kBF16) {
+    throw std::invalid_argument("rounding runs given for an fp32 master");
+  }
 }
 
 // One full step. A non-finite gradient anywhere leaves p, m, v and the working copy as
@@ -108,9 +167,11 @@ Buffers make_buffers(uintptr_t p, uintptr_t m, uintptr_t v, uintptr_t grad, int 
 py::tuple step(uintptr_t p, uintptr_t m, uintptr_t v, uintptr_t grad, int grad_dtype,
                uintptr_t out, int out_dtype, uintptr_t snapshot, int64_t n, double lr,
                double beta1, double beta2, double eps, double weight_decay, int64_t step_count,
-               double inv_scale, WorkerPool& pool, const std::string& isa, double clip) {
+               double inv_scale, WorkerPool& pool, const std::string& isa, double clip,
+               const StateFormat& format) {
   const RangeFn fn = resolve(isa);
-  const Buffers b = make_buffers(p, m, v, grad, grad_dtype, out, out_dtype, snapshot, n);
+  const Buffers b = make_buffers(p, m, v, grad, grad_dtype, out, out_dtype, snapshot, n, format);
+  check_runs(format, n);
   const Hyper h = make_hyper(lr, beta1, beta2, eps, weight_decay, step_count, inv_scale, clip);
   const Blocks blocks = blocks_of(n);
   std::vector<RangeResult> results(blocks.count);
@@ -121,7 +182,8 @@ py::tuple step(uintptr_t p, uintptr_t m, uintptr_t v, uintptr_t grad, int grad_d
     py::gil_scoped_release release;
     int abort = 0;
     pool.run(blocks.count, [&](int64_t k) {
-      results[k] = fn(Op::kStep, b, h, blocks.begin(k), blocks.end(k), &abort);
+      results[k] = run_pieces(fn, Op::kStep, b, h, format, blocks.begin(k), blocks.end(k),
+                              &abort);
     });
     for (const auto& r : results) {
       finite = finite && r.finite;
@@ -140,13 +202,15 @@ py::tuple step(uintptr_t p, uintptr_t m, uintptr_t v, uintptr_t grad, int grad_d
 
 // Runs `op` over every block; each must get through its whole range (the gradient was
 // checked by the step these ops undo or correct).
-void run_all(Op op, RangeFn fn, const Buffers& b, const Hyper& h, WorkerPool& pool) {
+void run_all(Op op, RangeFn fn, const Buffers& b, const Hyper& h, const StateFormat& format,
+             WorkerPool& pool) {
+  check_runs(format, b.n);
   const Blocks blocks = blocks_of(b.n);
   std::vector<RangeResult> results(blocks.count);
   {
     py::gil_scoped_release release;
     pool.run(blocks.count, [&](int64_t k) {
-      results[k] = fn(op, b, h, blocks.begin(k), blocks.end(k), nullptr);
+      results[k] = run_pieces(fn, op, b, h, format, blocks.begin(k), blocks.end(k), nullptr);
     });
   }
   for (int64_t k = 0; k < blocks.count; ++k) {
@@ -161,10 +225,11 @@ void run_all(Op op, RangeFn fn, const Buffers& b, const Hyper& h, WorkerPool& po
 void undo(uintptr_t p, uintptr_t m, uintptr_t v, uintptr_t grad, int grad_dtype, uintptr_t out,
           int out_dtype, uintptr_t snapshot, int64_t n, double lr, double beta1, double beta2,
           double eps, double weight_decay, int64_t step_count, double inv_scale, WorkerPool& pool,
-          const std::string& isa, double clip) {
-  const Buffers b = make_buffers(p, m, v, grad, grad_dtype, out, out_dtype, snapshot, n);
+          const std::string& isa, double clip, const StateFormat& format) {
+  const Buffers b = make_buffers(p, m, v, grad, grad_dtype, out, out_dtype, snapshot, n, format);
   const Hyper h = make_hyper(lr, beta1, beta2, eps, weight_decay, step_count, inv_scale, clip);
-  run_all(b.snap ? Op::kRestore : Op::kInverse, resolve(isa), b, h, pool);
+  // restoring and inverting round to nearest: no random bits needed
+  run_all(b.snap ? Op::kRestore : Op::kInverse, resolve(isa), b, h, StateFormat{}, pool);
 }
 
 // Replaces a step applied with clip factor `undo_clip` by the same step with `clip`, in
@@ -173,11 +238,11 @@ void correct(uintptr_t p, uintptr_t m, uintptr_t v, uintptr_t grad, int grad_dty
              uintptr_t out, int out_dtype, uintptr_t snapshot, int64_t n, double lr,
              double beta1, double beta2, double eps, double weight_decay, int64_t step_count,
              double inv_scale, WorkerPool& pool, const std::string& isa, double clip,
-             double undo_clip) {
-  const Buffers b = make_buffers(p, m, v, grad, grad_dtype, out, out_dtype, snapshot, n);
+             const StateFormat& format, double undo_clip) {
+  const Buffers b = make_buffers(p, m, v, grad, grad_dtype, out, out_dtype, snapshot, n, format);
   const Hyper h = make_hyper(lr, beta1, beta2, eps, weight_decay, step_count, inv_scale, clip,
                              undo_clip);
-  run_all(Op::kCorrect, resolve(isa), b, h, pool);
+  run_all(Op::kCorrect, resolve(isa), b, h, format, pool);
 }
 
 // Unscale and check only (the synchronous schedule's first pass).
@@ -226,6 +291,12 @@ PYBIND11_MODULE(_cpu_adam, mod) {
       .def_property_readonly("cores", &WorkerPool::cores)
       .def_property_readonly("worker_count", &WorkerPool::worker_count,
                              "Threads the pool started (0 when the caller runs every block).");
+  py::class_<StateFormat>(mod, "StateFormat",
+                          "Dtypes of the master and of m, v; rounding runs of a bf16 master.")
+      .def(py::init<>())
+      .def_readwrite("master_dtype", &StateFormat::master_dtype)
+      .def_readwrite("state_dtype", &StateFormat::state_dtype)
+      .def_readwrite("runs", &StateFormat::runs);
   mod.def("available_isas", &available_names,
           "Kernels this CPU can run, from least to most capable ('auto' picks the last).");
   const auto step_args = [](auto... extra) {
@@ -234,7 +305,8 @@ PYBIND11_MODULE(_cpu_adam, mod) {
                            py::arg("snapshot"), py::arg("n"), py::arg("lr"), py::arg("beta1"),
                            py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
                            py::arg("step"), py::arg("inv_scale"), py::arg("pool"),
-                           py::arg("isa"), py::arg("clip") = 1.0, extra...);
+                           py::arg("isa"), py::arg("clip") = 1.0,
+                           py::arg("format") = StateFormat{}, extra...);
   };
   std::apply([&](auto... a) {
     mod.def("step", &step, a...,

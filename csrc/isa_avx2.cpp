@@ -39,6 +39,23 @@ struct Vec {
     const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
   }
+  static __m256i fmix(__m256i x) {
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(0x85ebca6bu)));
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 13));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(0xc2b2ae35u)));
+    return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+  }
+  // Scalar::round_sr on every lane (lane j is element index + j)
+  static F round_sr(F x, uint32_t index, uint32_t key) {
+    const __m256i lanes = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(index)),
+                                           _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256i r = _mm256_srli_epi32(
+        fmix(_mm256_xor_si256(lanes, _mm256_set1_epi32(static_cast<int>(key)))), 16);
+    const __m256i u = _mm256_and_si256(_mm256_add_epi32(_mm256_castps_si256(x), r),
+                                       _mm256_set1_epi32(static_cast<int>(0xffff0000u)));
+    return _mm256_blendv_ps(_mm256_castsi256_ps(u), x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+  }
   static F add(F a, F b) { return _mm256_add_ps(a, b); }
   static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
   static F mul(F a, F b) { return _mm256_mul_ps(a, b); }

@@ -41,6 +41,25 @@ struct Vec {
                                 _mm512_set1_epi32(0x7fc0));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
   }
+  static __m512i fmix(__m512i x) {
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+    x = _mm512_mullo_epi32(x, _mm512_set1_epi32(static_cast<int>(0x85ebca6bu)));
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 13));
+    x = _mm512_mullo_epi32(x, _mm512_set1_epi32(static_cast<int>(0xc2b2ae35u)));
+    return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+  }
+  // Scalar::round_sr on every lane (lane j is element index + j)
+  static F round_sr(F x, uint32_t index, uint32_t key) {
+    const __m512i lanes = _mm512_add_epi32(
+        _mm512_set1_epi32(static_cast<int>(index)),
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    const __m512i r = _mm512_srli_epi32(
+        fmix(_mm512_xor_si512(lanes, _mm512_set1_epi32(static_cast<int>(key)))), 16);
+    const __m512i u = _mm512_and_si512(_mm512_add_epi32(_mm512_castps_si512(x), r),
+                                       _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q),
+                                _mm512_castsi512_ps(u), x);
+  }
   static F add(F a, F b) { return _mm512_add_ps(a, b); }
   static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }

@@ -28,16 +28,21 @@ enum class Op : int {
   kCorrect = 4,
 };
 
+// p (the master), m and v are fp32 or bf16: master_dtype for p, state_dtype for m and v.
 struct Buffers {
-  float* p;
-  float* m;
-  float* v;
+  void* p;
+  void* m;
+  void* v;
   const void* grad;
   void* out;      // working copy (may be null when out_dtype == kNone)
-  float* snap;    // exact mode: 3 * n floats laid out as [p | m | v]; null otherwise
+  // exact mode: the pre-step p, m, v in their own dtypes, laid out as [p | m | v]
+  // (n elements each); null otherwise
+  void* snap;
   int64_t n;
   int grad_dtype;
   int out_dtype;
+  int master_dtype;  // kF32 or kBF16
+  int state_dtype;   // kF32 or kBF16
 };
 
 // Hyper-parameters of one step, already folded into the constants the update uses.
@@ -55,6 +60,14 @@ struct Hyper {
   // before it, so it is the unclipped norm's): g_step = (g * inv_scale) * clip.
   float clip;
   float undo_clip;      // kCorrect: the clip factor of the step being corrected
+  // Stochastic rounding of a bf16 master (kStep, kCorrect): element k of the call gets the
+  // random bits fmix32((index_base + k) ^ round_key) (uint32 arithmetic), where
+  // index_base + k is the element's index inside its parameter and round_key mixes the
+  // seed, the parameter and the step (megatron/optimizer/rounding.py). The caller splits
+  // a range where the parameter changes. stochastic == 0: round to nearest even.
+  int stochastic;
+  uint32_t index_base;
+  uint32_t round_key;
 };
 
 struct RangeResult {

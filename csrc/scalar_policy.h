@@ -47,6 +47,24 @@ static inline uint16_t f32_to_bf16(float f) {
   return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
+// murmur3's 32-bit finalizer: the counter-based generator of the stochastic rounding.
+static inline uint32_t fmix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x85ebca6bu;
+  x ^= x >> 13;
+  x *= 0xc2b2ae35u;
+  x ^= x >> 16;
+  return x;
+}
+
+// x rounded stochastically to bf16 (returned widened: its low 16 bits are zero): adds 16
+// random bits below the kept mantissa and truncates, so x rounds away from zero with
+// probability equal to the dropped fraction. nan stays nan (stored as 0x7fc0).
+static inline float round_bf16_stochastic(float x, uint32_t random) {
+  if (x != x) return x;
+  return float_of((bits_of(x) + (random >> 16)) & 0xffff0000u);
+}
+
 struct Scalar {
   using F = float;
   using M = bool;
@@ -57,6 +75,10 @@ struct Scalar {
   static F load_f16(const uint16_t* p) { return f16_to_f32(*p); }
   static void store_f16(uint16_t* p, F x) { *p = f32_to_f16(x); }
   static F load_bf16(const uint16_t* p) { return bf16_to_f32(*p); }
+  // lane j of element k: index_base + k + j (one lane here)
+  static F round_sr(F x, uint32_t index, uint32_t key) {
+    return round_bf16_stochastic(x, fmix32(index ^ key));
+  }
   static void store_bf16(uint16_t* p, F x) { *p = f32_to_bf16(x); }
   static F add(F a, F b) { return a + b; }
   static F sub(F a, F b) { return a - b; }

@@ -1,5 +1,5 @@
-"""CPUAdamW: fp32 master weights and Adam moments for flat parameter groups, stepped by
-the C++ kernel (csrc/, bound as megatron.optimizer._cpu_adam).
+"""CPUAdamW: master weights and Adam moments (fp32, or bf16 with the arithmetic in fp32)
+for flat parameter groups, stepped by the C++ kernel (csrc/, bound as megatron.optimizer._cpu_adam).
 
 A group is a flat run of parameters with its own fp32 master, m and v (the pipeline gives each backward stage two: weight-decayed elements, then the others). A step reads the group's gradient (fp32, fp16 or bf16),
 unscales it, checks it, applies AdamW and writes the working copy (bf16, fp16 or fp32)
@@ -7,7 +7,8 @@ in one pass over memory. A group whose gradient holds a non-finite value is left
 was. A group that was updated can be rolled back: by the arithmetic inverse of AdamW
 (default, no extra memory, error bound in docs/cpu_optimizer.md) or, with
 `exact_rollback=True`, from a snapshot the step takes of the state it changes
-(12 more bytes per parameter, bit-exact).
+(as many bytes per parameter again as p, m and v take: 12 in fp32, 6 all in bf16;
+bit-exact).
 """
 
 from __future__ import annotations
@@ -29,6 +30,12 @@ except ImportError as error:  # the extension is built in place by `make setup`
         f"(or `make setup`) in the repository root ({error})"
     ) from error
 
+from megatron.optimizer.rounding import (  # noqa: E402
+    ElementRun,
+    StateFormat,
+    kernel_runs,
+    state_bytes_per_param,
+)
 from megatron.optimizer.subgroups import AdamHyper, DeviceUpdater, Subgroup  # noqa: E402
 
 _DTYPE_CODES = {torch.float32: _kernel.F32, torch.float16: _kernel.F16, torch.bfloat16: _kernel.BF16}
@@ -105,13 +112,22 @@ def _check_clip(clip: float) -> None:
 
 class CPUAdamW:
     """AdamW (decoupled weight decay, bias correction; torch.optim.AdamW's arithmetic)
-    over flat fp32 groups held in host memory.
+    over flat groups held in host memory.
 
-    params: one flat tensor per group, copied into fp32 masters.
+    params: one flat tensor per group, copied into the masters (master_dtype).
     threads: kernel threads per step (default: all usable cores), from the process's
         persistent pool for (threads, cores), shared with every optimizer so configured.
     cores: pin the kernel threads to these cores (thread i -> cores[i % len]).
-    exact_rollback: snapshot the state each step changes so rollback is bit-exact.
+    exact_rollback: snapshot the state each step changes so rollback is bit-exact
+        (the snapshot holds p, m, v in their own dtypes).
+    state_dtype: float32 or bfloat16 for m and v (bf16 rounds to nearest even).
+    master_dtype: float32 or bfloat16 for the master weights; a bf16 master rounds
+        stochastically when `stochastic_rounding` (megatron/optimizer/rounding.py: the
+        random bits are a function of rounding_seed, the element's parameter and index in
+        it, and the step), else to nearest even.
+    element_runs: per group, ElementRuns tiling it: which parameter (and which index in
+        it) each element is, so that the rounding does not depend on the group layout.
+        Default: group i is parameter i.
     weight_decay_mults: per group, a factor on weight_decay (0 for a no-decay group).
     isa: 'auto' or one of available_isas().
 
@@ -132,7 +148,15 @@ class CPUAdamW:
         exact_rollback: bool = False,
         isa: str = "auto",
         weight_decay_mults: Sequence[float] | None = None,
+        state_dtype: torch.dtype = torch.float32,
+        master_dtype: torch.dtype = torch.float32,
+        stochastic_rounding: bool = True,
+        rounding_seed: int = 0,
+        element_runs: Sequence[Sequence[ElementRun]] | None = None,
     ) -> None:
+        for name, dtype in (("state_dtype", state_dtype), ("master_dtype", master_dtype)):
+            if dtype not in (torch.float32, torch.bfloat16):
+                raise ValueError(f"{name}={dtype}; expected torch.float32 or torch.bfloat16")
         if not 0.0 <= betas[0] < 1.0 or not 0.0 < betas[1] < 1.0:
             raise ValueError(f"betas={betas} must lie in [0, 1) and (0, 1)")
         if betas[0] == 0.0:
@@ -163,6 +187,16 @@ class CPUAdamW:
         self.weight_decay = float(weight_decay)
         self.exact_rollback = bool(exact_rollback)
         self.isa = isa
+        self.state_dtype = state_dtype
+        self.master_dtype = master_dtype
+        self.stochastic_rounding = bool(stochastic_rounding)
+        self.rounding_seed = int(rounding_seed)
+        if element_runs is None:
+            element_runs = [[ElementRun(0, p.numel(), i)] for i, p in enumerate(params)]
+        if len(element_runs) != len(params):
+            raise ValueError(f"element_runs has {len(element_runs)} entries; expected one "
+                             f"per group ({len(params)})")
+        self._runs = [tuple(runs) for runs in element_runs]
         self._pool = shared_pool(self.threads, self.cores)
         self._master: list[torch.Tensor] = []
         self._exp_avg: list[torch.Tensor] = []
@@ -174,10 +208,11 @@ class CPUAdamW:
             if not isinstance(p, torch.Tensor) or p.dim() != 1 or p.device.type != "cpu":
                 raise ValueError(f"params[{i}] must be a flat (1-D) host tensor")
             n = p.numel()
-            self._master.append(p.detach().to(torch.float32, copy=True).contiguous())
-            self._exp_avg.append(torch.zeros(n, dtype=torch.float32))
-            self._exp_avg_sq.append(torch.zeros(n, dtype=torch.float32))
-            self._snapshot.append(torch.empty(3 * n, dtype=torch.float32) if exact_rollback else None)
+            self._master.append(p.detach().to(master_dtype, copy=True).contiguous())
+            self._exp_avg.append(torch.zeros(n, dtype=state_dtype))
+            self._exp_avg_sq.append(torch.zeros(n, dtype=state_dtype))
+            self._snapshot.append(torch.empty(n * self.bytes_per_param, dtype=torch.uint8)
+                                  if exact_rollback else None)
             self._steps.append(0)
             self._last.append(None)
         # Per group: its subgroups when some are updated on the device (set_subgroups).
@@ -188,6 +223,11 @@ class CPUAdamW:
         self.device_done_s = 0.0
 
     # --- state -------------------------------------------------------------------------
+
+    @property
+    def bytes_per_param(self) -> int:
+        """Host bytes per parameter of p, m and v (the snapshot, when kept, as many)."""
+        return state_bytes_per_param(self.master_dtype, self.state_dtype)
 
     @property
     def num_groups(self) -> int:
@@ -219,13 +259,16 @@ class CPUAdamW:
         }
 
     def load_state_dict(self, state: dict) -> None:
+        """Copies the state in; fp32 or bf16 tensors either way: fp32 into a bf16 state
+        rounds to nearest even once, bf16 into fp32 widens exactly."""
         groups = state["groups"]
         if len(groups) != self.num_groups:
             raise ValueError(f"state has {len(groups)} groups; this optimizer has {self.num_groups}")
         for i, s in enumerate(groups):
             for key, own in (("master", self._master[i]), ("exp_avg", self._exp_avg[i]),
                              ("exp_avg_sq", self._exp_avg_sq[i])):
-                _check_flat(f"groups[{i}][{key!r}]", s[key], own.numel(), [torch.float32])
+                _check_flat(f"groups[{i}][{key!r}]", s[key], own.numel(),
+                            [torch.float32, torch.bfloat16])
             self._master[i].copy_(s["master"])
             self._exp_avg[i].copy_(s["exp_avg"])
             self._exp_avg_sq[i].copy_(s["exp_avg_sq"])
@@ -362,15 +405,17 @@ class CPUAdamW:
                 if snap is not None:  # exact mode: the pre-step state, as the kernel keeps it
                     self._device.to_host(self._master[i][s.lo:s.hi], self._exp_avg[i][s.lo:s.hi],
                                          self._exp_avg_sq[i][s.lo:s.hi])
-                    block = snap[3 * s.lo:3 * s.hi]
-                    width = s.hi - s.lo
-                    for k, state in enumerate((self._master[i], self._exp_avg[i],
-                                               self._exp_avg_sq[i])):
-                        block[k * width:(k + 1) * width].copy_(state[s.lo:s.hi])
+                    for part, state in zip(self._snapshot_parts(i, s.lo, s.hi),
+                                           (self._master[i], self._exp_avg[i],
+                                            self._exp_avg_sq[i])):
+                        part.copy_(state[s.lo:s.hi])
                 out = None if r.out is None else r.out[s.lo:s.hi]
+                rows = self._rounding_rows(i, s.lo, s.hi, r.step)
+                fmt = StateFormat(self.master_dtype, self.state_dtype,
+                                  None if rows is None else torch.tensor(rows, dtype=torch.int64))
                 launched.append((s, self._device.launch(
                     self._master[i][s.lo:s.hi], self._exp_avg[i][s.lo:s.hi],
-                    self._exp_avg_sq[i][s.lo:s.hi], r.grad[s.lo:s.hi], out, hyper)))
+                    self._exp_avg_sq[i][s.lo:s.hi], r.grad[s.lo:s.hi], out, hyper, fmt)))
         results = []
         for s, args in zip([s for s in subgroups if not s.on_device],
                            self._range_args(i, r, on_device=False)):
@@ -410,19 +455,41 @@ class CPUAdamW:
         subgroups = self._subgroups[i]
         if subgroups is None:
             return [whole]
-        snap = self._snapshot[i]
         args = []
         for s in subgroups:
             if on_device is not None and s.on_device != on_device:
                 continue
-            args.append(self._kernel_args(i, r, s.lo, s.hi,
-                                          None if snap is None else snap[3 * s.lo:3 * s.hi]))
+            args.append(self._kernel_args(i, r, s.lo, s.hi, self._snapshot_block(i, s.lo, s.hi)))
         return args
+
+    def _snapshot_block(self, i: int, lo: int, hi: int) -> torch.Tensor | None:
+        """The bytes of group i's snapshot that hold elements [lo, hi): [p | m | v]."""
+        snap = self._snapshot[i]
+        return None if snap is None else snap[lo * self.bytes_per_param:hi * self.bytes_per_param]
+
+    def _snapshot_parts(self, i: int, lo: int, hi: int) -> list[torch.Tensor]:
+        """p, m, v of the snapshot block of elements [lo, hi), as typed views."""
+        block, width, parts, at = self._snapshot_block(i, lo, hi), hi - lo, [], 0
+        for dtype in (self.master_dtype, self.state_dtype, self.state_dtype):
+            size = width * dtype.itemsize
+            parts.append(block[at:at + size].view(dtype))
+            at += size
+        return parts
+
+    def _rounding_rows(self, i: int, lo: int, hi: int, step: int) -> list[list[int]] | None:
+        """The kernel's stochastic-rounding rows for elements [lo, hi) of group i."""
+        if self.master_dtype != torch.bfloat16 or not self.stochastic_rounding:
+            return None
+        return kernel_runs(self._runs[i], lo, hi, self.rounding_seed, step)
 
     def _kernel_args(self, i: int, r: _StepRecord, lo: int = 0, hi: int | None = None,
                      snap: torch.Tensor | None = None) -> dict:
         if hi is None:
             hi, snap = self._master[i].numel(), self._snapshot[i]
+        fmt = _kernel.StateFormat()
+        fmt.master_dtype = _DTYPE_CODES[self.master_dtype]
+        fmt.state_dtype = _DTYPE_CODES[self.state_dtype]
+        fmt.runs = self._rounding_rows(i, lo, hi, r.step) or []
 
         def at(t: torch.Tensor) -> int:
             return t.data_ptr() + lo * t.element_size()
@@ -435,7 +502,7 @@ class CPUAdamW:
             snapshot=0 if snap is None else snap.data_ptr(), n=hi - lo,
             lr=r.lr, beta1=self.betas[0], beta2=self.betas[1], eps=self.eps,
             weight_decay=r.weight_decay, step=r.step, inv_scale=r.inv_scale,
-            pool=self._pool, isa=self.isa, clip=r.clip,
+            pool=self._pool, isa=self.isa, clip=r.clip, format=fmt,
         )
 
     def _index(self, group: int) -> int:

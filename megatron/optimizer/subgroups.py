@@ -16,6 +16,8 @@ from typing import Protocol
 
 import torch
 
+from megatron.optimizer.rounding import StateFormat, apply_format
+
 
 @dataclass(frozen=True)
 class Subgroup:
@@ -78,11 +80,13 @@ def _f32(x: float, like: torch.Tensor) -> torch.Tensor:
 
 
 def adam_step_torch(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, grad: torch.Tensor,
-                    h: AdamHyper) -> tuple[torch.Tensor, torch.Tensor]:
+                    h: AdamHyper, fmt: StateFormat | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """One AdamW step of fp32 p, m, v in place, on any torch device, the kernel's
     arithmetic. Leaves p, m, v unchanged when the unscaled gradient is not finite (no host
-    read: the choice is a select on the device). Returns (finite, sum of squares of the
-    unscaled gradient) as one-element device tensors."""
+    read: the choice is a select on the device). With `fmt`, the results are rounded as
+    the kernel stores a bf16 state (kept in fp32: exactly representable). Returns
+    (finite, sum of squares of the unscaled gradient) as one-element device tensors."""
     g = grad.to(torch.float32) * _f32(h.inv_scale, p)
     finite = torch.isfinite(g).all()
     sq = g.double().square().sum()
@@ -92,6 +96,8 @@ def adam_step_torch(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, grad: tor
     new_v = v * _f32(h.beta2, p) + (_f32(h.one_minus_b2, p) * g) * g
     denom = new_v.sqrt() * _f32(h.inv_bc2_sqrt, p) + _f32(h.eps, p)
     new_p = new_p + (_f32(h.neg_step, p) * new_m) / denom
+    if fmt is not None:
+        new_p, new_m, new_v = apply_format(new_p, new_m, new_v, fmt)
     for dst, src in ((p, new_p), (m, new_m), (v, new_v)):
         dst.copy_(torch.where(finite, src, dst))
     return finite, sq
@@ -104,12 +110,14 @@ class SubgroupUpdate(Protocol):
 
 
 class DeviceUpdater(Protocol):
-    """Updates host-resident fp32 state on the device: moves p, m, v and the gradient in,
+    """Updates host-resident state on the device (fp32, or bf16 widened on the device and
+    rounded back as `fmt` says): moves p, m, v and the gradient in,
     steps them with adam_step_torch, flushes p, m, v (and the 16-bit copy into `out`)
     back. launch() returns at once."""
 
     def launch(self, p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, grad: torch.Tensor,
-               out: torch.Tensor | None, hyper: AdamHyper) -> SubgroupUpdate: ...
+               out: torch.Tensor | None, hyper: AdamHyper,
+               fmt: StateFormat | None = None) -> SubgroupUpdate: ...
 
     def to_host(self, p: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> None:
         """Before the host reads p, m, v: write back state the device keeps (a resident

@@ -28,6 +28,7 @@ from megatron.optimizer.group_optimizer import AsyncGroupOptimizer, IterationRes
 from megatron.optimizer.loss_scaler import ConstantLossScaler, DynamicLossScaler, LossScaler
 from megatron.optimizer.subgroups import plan_resident, plan_subgroups
 from megatron.pipeline.config import PipelineConfig, SubgroupSettings
+from megatron.pipeline.element_runs import group_element_runs
 from megatron.pipeline.executor import IterationStats, PipelineExecutor
 from megatron.pipeline.host_group import host_group
 from megatron.pipeline.optimizer_calibration import calibrated_update_rates
@@ -105,6 +106,8 @@ class Pipeline:
             master = torch.empty(module.layout.numel, dtype=torch.float32)
             copy_parameters_into(module.module, replace(module.layout, dtype=torch.float32),
                                  master)
+            # the working copy starts from the master the optimizer will hold (bf16: rounded)
+            master.copy_(master.to(self.config.optimizer.master_dtype))
             self.store.create(b, module.layout.numel, self.dtype).write(master, version=0)
             masters[b] = master
         for b in held:  # replicas of stages owned on another node
@@ -123,7 +126,7 @@ class Pipeline:
     def _optimizer_groups(self, masters: dict[BackwardStage, torch.Tensor]
                           ) -> tuple[CPUAdamW, dict[BackwardStage, BackwardStageOwner]]:
         """Two CPU AdamW groups per owned stage: decayed elements, then the others."""
-        groups, mults, owners = [], [], {}
+        groups, mults, owners, runs = [], [], {}, []
         for b, master in masters.items():
             module = self.modules[b]
             ids = []
@@ -132,11 +135,15 @@ class Pipeline:
                 ids.append(len(groups))
                 groups.append(master[lo:hi] if hi > lo else torch.zeros(1))
                 mults.append(mult)
+                runs.append(group_element_runs(module, lo, hi))
             owners[b] = BackwardStageOwner(b, module.layout.numel, (ids[0], ids[1]),
                                            module.decay_numel, self.store.get(b))
         o = self.config.optimizer
         adam = CPUAdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
-                        threads=o.threads, weight_decay_mults=mults)
+                        threads=o.threads, weight_decay_mults=mults,
+                        state_dtype=o.state_dtype, master_dtype=o.master_dtype,
+                        stochastic_rounding=o.stochastic_rounding, rounding_seed=o.seed,
+                        element_runs=runs)
         return adam, owners
 
     def _plan_subgroups(self) -> tuple[int, DeviceSubgroupUpdater | ResidentSubgroupUpdater | None]:
@@ -301,8 +308,8 @@ class Pipeline:
     # --- state -------------------------------------------------------------------------
 
     def checkpoint_views(self) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """Owned parameters by whole-model name (LlamaModel's): live views of the fp32
-        master, exp_avg and exp_avg_sq inside the CPU optimizer (no copy). A parameter lies
+        """Owned parameters by whole-model name (LlamaModel's): live views of the
+        master, exp_avg and exp_avg_sq (fp32 or bf16, as the optimizer keeps them) inside the CPU optimizer (no copy). A parameter lies
         in one of its stage's two groups (decayed elements first, then the others).
         Deferred corrections are finished first, and master()/exp_avg() bring subgroups
         kept on the device back to the host."""

@@ -24,6 +24,10 @@ class OptimizerSettings:
     weight_decay: float
     clip_grad: float  # 0 disables clipping by the global norm
     threads: int  # kernel threads of this process's CPU AdamW
+    state_dtype: torch.dtype = torch.float32  # m and v: float32 or bfloat16
+    master_dtype: torch.dtype = torch.float32  # master weights: float32 or bfloat16
+    stochastic_rounding: bool = True  # a bf16 master rounds stochastically (else nearest)
+    seed: int = 0  # keys the stochastic rounding's random bits
 
 
 @dataclass(frozen=True)

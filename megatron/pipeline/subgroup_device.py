@@ -16,6 +16,7 @@ import threading
 import torch
 
 from megatron.offload.device import DeviceLayer, Event
+from megatron.optimizer.rounding import StateFormat
 from megatron.optimizer.subgroups import AdamHyper, adam_step_torch
 from megatron.schedules.subgroup_memory import SUBGROUP_SLOTS, subgroup_slots_bytes
 
@@ -71,12 +72,14 @@ class DeviceSubgroupUpdater:
         return subgroup_slots_bytes(max_numel, out_itemsize)
 
     def launch(self, p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, grad: torch.Tensor,
-               out: torch.Tensor | None, hyper: AdamHyper) -> _Launched:
+               out: torch.Tensor | None, hyper: AdamHyper,
+               fmt: StateFormat | None = None) -> _Launched:
         with self._lock:
-            return self._launch(p, m, v, grad, out, hyper)
+            return self._launch(p, m, v, grad, out, hyper, fmt)
 
     def _launch(self, p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, grad: torch.Tensor,
-                out: torch.Tensor | None, hyper: AdamHyper) -> _Launched:
+                out: torch.Tensor | None, hyper: AdamHyper,
+                fmt: StateFormat | None) -> _Launched:
         n = p.numel()
         if n > self.max_numel:
             raise ValueError(f"subgroup of {n} elements; the device slots hold {self.max_numel}")
@@ -99,7 +102,7 @@ class DeviceSubgroupUpdater:
 
         def step() -> None:
             with self.device.on(self.update):
-                finite, sq = adam_step_torch(bp, bm, bv, bg, hyper)
+                finite, sq = adam_step_torch(bp, bm, bv, bg, hyper, fmt)
                 slot.flags[0] = finite
                 slot.flags[1] = sq
                 if bout is not None:
@@ -152,7 +155,8 @@ class ResidentSubgroupUpdater:
         return sum(t.nbytes for tensors in self._state.values() for t in tensors)
 
     def launch(self, p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, grad: torch.Tensor,
-               out: torch.Tensor | None, hyper: AdamHyper) -> _Launched:
+               out: torch.Tensor | None, hyper: AdamHyper,
+               fmt: StateFormat | None = None) -> _Launched:
         with self._lock:
             key = p.data_ptr()
             loads: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -173,7 +177,7 @@ class ResidentSubgroupUpdater:
 
             def step() -> None:
                 with self.device.on(self.update):
-                    finite, sq = adam_step_torch(dp, dm, dv, dg, hyper)
+                    finite, sq = adam_step_torch(dp, dm, dv, dg, hyper, fmt)
                     flags[0], flags[1] = finite, sq
                     if dout is not None:
                         dout.copy_(dp)

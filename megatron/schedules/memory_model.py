@@ -26,7 +26,8 @@ Per GPU (the device layer's categories, `MEMORY_CATEGORIES`):
 Per node (host memory):
 - shm_parameters: one segment per backward stage read or owned on the node (the working
   dtype, a header each): owned stages, and replicas of stages owned elsewhere;
-- optimizer_states: fp32 master, m and v of every stage its ranks own (12 bytes/param);
+- optimizer_states: master, m and v of every stage its ranks own (12 bytes/param in fp32;
+  `optimizer_bytes`: 8 with bf16 m and v, 6 all in bf16);
 - host_gradients: the offloaded gradients of the owned stages (pooled, pinned on CUDA);
 - process_baseline: the interpreter, torch and the CUDA context of each process.
 
@@ -175,14 +176,17 @@ def plan_memory(schedule: Schedule, model: ModelPreset, micro_batch_size: int,
                 hardware: HardwareProfile | None = None,
                 report: ValidationReport | None = None, subgroup_stride: int | None = 0,
                 subgroup_size: int | None = None,
-                resident_fraction: float = 0.0) -> MemoryPlan:
+                resident_fraction: float = 0.0,
+                optimizer_bytes: int = OPTIMIZER_BYTES_PER_PARAM) -> MemoryPlan:
     """The memory `schedule` needs for `model` (see the module docstring).
 
     `param_bytes`: the working dtype's size (2 for bf16/fp16, 4 for fp32);
     `grad_host_bytes`: the offloaded gradients' (4 on CUDA, the working dtype's on the CPU
     device layer); `procs_per_node`: default all ranks on one node; `report`: the
     schedule's validation, when already done; `subgroup_stride` (None: chosen at start-up),
-    `subgroup_size`, `resident_fraction`: the optimizer's device share, as the flags give it.
+    `subgroup_size`, `resident_fraction`: the optimizer's device share, as the flags give it;
+    `optimizer_bytes`: host bytes per parameter of the master and Adam's moments (12 in
+    fp32, 8 with bf16 m and v, 6 all in bf16).
     """
     seq = seq_length or model.seq_length
     per_node_procs = procs_per_node or schedule.ranks
@@ -223,7 +227,7 @@ def plan_memory(schedule: Schedule, model: ModelPreset, micro_batch_size: int,
             "operator_working": largest_operator if owned else 0,
         })
         owned_params = sum(params[b] for b in owned)
-        per_process.append({"optimizer_states": OPTIMIZER_BYTES_PER_PARAM * owned_params,
+        per_process.append({"optimizer_states": optimizer_bytes * owned_params,
                             "host_gradients": grad_host_bytes * owned_params})
     nodes = -(-schedule.ranks // per_node_procs)
     baseline = hardware.process_baseline_bytes if hardware is not None else 0

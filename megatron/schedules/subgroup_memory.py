@@ -4,7 +4,9 @@ memory model (which plans it). Pure arithmetic.
 Interleaved subgroups (Deep Optimizer States) use two device slots, each holding one
 subgroup's fp32 p, m, v and gradient (16 bytes per parameter) and its 16-bit copy; the
 static split (Twin-Flow) keeps fp32 p, m, v and a gradient buffer on the device for every
-resident parameter.
+resident parameter. Both are fp32 on the device whatever the host state's precision
+(a bf16 master, m or v widens on the load; the step rounds it as the host keeps it), so
+their size does not depend on --optimizer-state-dtype or --master-dtype.
 """
 
 from __future__ import annotations

@@ -183,6 +183,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "optimizer state lives on the GPU and is always updated there")
     g.add_argument("--cpu-optimizer-threads", type=int, default=None,
                    help="threads of each process's CPU optimizer (default: cores / processes)")
+    g.add_argument("--optimizer-state-dtype", default="fp32", choices=["fp32", "bf16"],
+                   help="Adam's m and v in host memory (bf16: half the bytes, rounded to "
+                        "nearest; needs the CPU optimizer, i.e. a pipeline)")
+    g.add_argument("--master-dtype", default="fp32", choices=["fp32", "bf16"],
+                   help="the master weights in host memory (bf16: rounded stochastically "
+                        "with bits keyed by --seed, parameter, element and step)")
+    g.add_argument("--master-rounding", default="stochastic", choices=["stochastic", "nearest"],
+                   help="how a bf16 master rounds (nearest: for comparison; small updates "
+                        "are lost)")
     g.add_argument("--timeline", default=None, metavar="FILE.png",
                    help="draw the measured last iteration, one row per rank (like the simulator)")
     g.add_argument("--trace", default=None, metavar="FILE.json",
@@ -422,6 +431,12 @@ def validate_args(args: argparse.Namespace) -> None:
     if args.cpu_optimizer_threads is not None and args.cpu_optimizer_threads <= 0:
         raise ArgumentError("--cpu-optimizer-threads", args.cpu_optimizer_threads,
                             "expected a positive integer")
+    for name in ("optimizer_state_dtype", "master_dtype"):
+        if getattr(args, name) != "fp32" and args.pipeline_schedule == "single":
+            raise ArgumentError(_flag(name), getattr(args, name),
+                                "fp32 with --pipeline-schedule single (the one-process "
+                                "reference keeps torch's fp32 AdamW); bf16 needs the CPU "
+                                "optimizer: give a pipeline schedule")
 
 
 def _gpu_stride(text: str) -> int | None:

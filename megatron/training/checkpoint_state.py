@@ -1,9 +1,10 @@
 """What a checkpoint holds, by name, whatever process and layout holds it now.
 
 Every tensor is keyed by megatron-core GPTModel's parameter name under one of three
-prefixes: the fp32 master (`model.`) and Adam's two moments (`optimizer.exp_avg.`,
-`optimizer.exp_avg_sq.`). A train step hands out the tensors it owns as live fp32 host
-tensors (`OwnedState`): saving copies them, loading fills them in place and then calls
+prefixes: the master (`model.`) and Adam's two moments (`optimizer.exp_avg.`,
+`optimizer.exp_avg_sq.`), each in the precision the run keeps it in (fp32, or bf16 with
+--master-dtype / --optimizer-state-dtype bf16; a load converts). A train step hands out
+the tensors it owns as live host tensors (`OwnedState`): saving copies them, loading fills them in place and then calls
 `restored()` so the step can publish the new masters to its working copies.
 """
 

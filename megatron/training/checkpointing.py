@@ -253,8 +253,8 @@ def read_common(directory: str) -> dict:
 
 def load_tensors(directory: str, wanted: dict[str, torch.Tensor],
                  process_group: dist.ProcessGroup | None = None) -> None:
-    """Fill `wanted` (key -> tensor of the saved shape) in place from `directory`.
-    Collective when torch.distributed is initialized."""
+    """Fill `wanted` (key -> tensor of the saved shape, any float dtype) in place from
+    `directory`. Collective when torch.distributed is initialized."""
     metadata = checkpoint_metadata(directory).state_dict_metadata
     for key, tensor in wanted.items():
         if key not in metadata:
@@ -264,9 +264,18 @@ def load_tensors(directory: str, wanted: dict[str, torch.Tensor],
         if saved != tuple(tensor.shape):
             raise CheckpointError(f"{directory}: {key} has shape {list(saved)}, this run's "
                                   f"model expects {list(tensor.shape)}")
+    # A state saved in another precision (--optimizer-state-dtype / --master-dtype changed
+    # between runs) is read as saved, then converted once: fp32 -> bf16 rounds to nearest
+    # even, bf16 -> fp32 widens exactly.
+    as_saved = {key: torch.empty(tensor.shape, dtype=metadata[key].properties.dtype)
+                if metadata[key].properties.dtype != tensor.dtype else tensor
+                for key, tensor in wanted.items()}
     t0 = time.perf_counter()
-    dcp.load(wanted, storage_reader=dcp.FileSystemReader(directory),
+    dcp.load(as_saved, storage_reader=dcp.FileSystemReader(directory),
              process_group=process_group, no_dist=not dist.is_initialized())
+    for key, tensor in wanted.items():
+        if as_saved[key] is not tensor:
+            tensor.copy_(as_saved[key])
     seconds = time.perf_counter() - t0
     nbytes = sum(t.numel() * t.element_size() for t in wanted.values())
     rank, _ = _world()

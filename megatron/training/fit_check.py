@@ -15,6 +15,7 @@ from megatron.models.llama import LlamaConfig
 from megatron.models.presets import ModelPreset
 from megatron.offload.naming import node_of, resolve_procs_per_node
 from megatron.offload.shm_space import DEFAULT_SHM_DIR, free_bytes
+from megatron.optimizer.rounding import state_bytes_per_param
 from megatron.pipeline.config import PipelineConfig
 from megatron.schedules.memory_model import GPU_TERMS, MemoryPlan, plan_memory
 from megatron.training.arguments import ArgumentError
@@ -55,7 +56,9 @@ def run_memory_plan(config: PipelineConfig, model_cfg: LlamaConfig, on_cuda: boo
                        itemsize, grad_host, procs_per_node=procs,
                        subgroup_stride=0 if sub is None else sub.stride,
                        subgroup_size=None if sub is None else sub.size,
-                       resident_fraction=0.0 if sub is None else sub.resident_fraction)
+                       resident_fraction=0.0 if sub is None else sub.resident_fraction,
+                       optimizer_bytes=state_bytes_per_param(config.optimizer.master_dtype,
+                                                             config.optimizer.state_dtype))
 
 
 def first_shortfall(plan: MemoryPlan, rank: int, on_cuda: bool, shm_dir: str = DEFAULT_SHM_DIR,

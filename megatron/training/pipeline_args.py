@@ -16,6 +16,7 @@ import torch
 
 from megatron.models.presets import ModelPreset
 from megatron.optimizer.cpu_adam import usable_cores
+from megatron.optimizer.rounding import STATE_DTYPES, state_bytes_per_param
 from megatron.pipeline.config import (
     LossScaling,
     OptimizerSettings,
@@ -174,7 +175,11 @@ def pipeline_config(args: argparse.Namespace, world_size: int, vocab_size: int) 
         micro_batch_size=args.micro_batch_size,
         optimizer=OptimizerSettings(lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
                                     eps=args.adam_eps, weight_decay=args.weight_decay,
-                                    clip_grad=args.clip_grad, threads=threads),
+                                    clip_grad=args.clip_grad, threads=threads,
+                                    state_dtype=STATE_DTYPES[args.optimizer_state_dtype],
+                                    master_dtype=STATE_DTYPES[args.master_dtype],
+                                    stochastic_rounding=args.master_rounding == "stochastic",
+                                    seed=args.seed),
         loss_scaling=LossScaling(args.initial_loss_scale, args.loss_scale_window,
                                  args.min_loss_scale) if dtype == torch.float16 else None,
         procs_per_node=args.procs_per_node,
@@ -183,6 +188,13 @@ def pipeline_config(args: argparse.Namespace, world_size: int, vocab_size: int) 
         p2p_check=args.p2p_check,
         subgroups=subgroup_settings(args),
     )
+
+
+def optimizer_bytes_per_param(args: argparse.Namespace) -> int:
+    """Host bytes per parameter of the master and Adam's moments for the chosen
+    --master-dtype and --optimizer-state-dtype (12, 10, 8 or 6)."""
+    return state_bytes_per_param(STATE_DTYPES[args.master_dtype],
+                                 STATE_DTYPES[args.optimizer_state_dtype])
 
 
 def subgroup_settings(args: argparse.Namespace) -> SubgroupSettings | None:

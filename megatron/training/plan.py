@@ -31,7 +31,7 @@ from megatron.schedules.memory_model import (
 from megatron.schedules.simulator import SimResult, simulate
 from megatron.schedules.validator import ValidationReport, validate
 from megatron.training.arguments import ArgumentError
-from megatron.training.pipeline_args import generate_schedule
+from megatron.training.pipeline_args import generate_schedule, optimizer_bytes_per_param
 
 EXIT_FITS, EXIT_DOES_NOT_FIT = 0, 3
 GIB = 2**30
@@ -134,7 +134,8 @@ def evaluate(args: argparse.Namespace, config: Configuration, hardware: Hardware
                          grad_host, procs_per_node=gpus, hardware=hardware, report=report,
                          subgroup_stride=args.optimizer_gpu_stride,
                          subgroup_size=args.optimizer_subgroup_size,
-                         resident_fraction=args.optimizer_gpu_resident_fraction)
+                         resident_fraction=args.optimizer_gpu_resident_fraction,
+                         optimizer_bytes=optimizer_bytes_per_param(args))
     evaluation = Evaluation(config, schedule, memory, shortfalls(memory, hardware), report)
     return simulated(args, evaluation, hardware) if simulate_it else evaluation
 

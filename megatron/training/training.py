@@ -44,7 +44,7 @@ from megatron.training.evaluation import due, evaluate, evaluation_record, forma
 from megatron.training.local_step import LocalTrainStep
 from megatron.training.lr_schedule import LRSchedule
 from megatron.training.metrics import MetricsWriter, format_log_line
-from megatron.training.pipeline_args import check_pipeline_args
+from megatron.training.pipeline_args import check_pipeline_args, optimizer_bytes_per_param
 from megatron.training.pipeline_step import PipelineTrainStep
 from megatron.training.plan import configure_automatically, run_plan
 from megatron.training.run_checks import (
@@ -94,6 +94,10 @@ def print_model_size(args: argparse.Namespace) -> None:
     print(f"model states (mixed-precision Adam, {MODEL_STATE_BYTES_PER_PARAM} bytes/param): "
           f"{gib:,.1f} GiB")
     print(f"with full multi-head attention (the paper's size column): {mha / 1e9:.2f} B")
+    optimizer = optimizer_bytes_per_param(args)
+    print(f"host optimizer state (master {args.master_dtype}, m and v "
+          f"{args.optimizer_state_dtype}): {optimizer} bytes/param, "
+          f"{c.total * optimizer / 2**30:,.1f} GiB")
 
 
 def prepare_data(args: argparse.Namespace, log=print):
@@ -135,7 +139,8 @@ def prepare_data(args: argparse.Namespace, log=print):
 def runs_pipeline(args: argparse.Namespace, world_size: int) -> bool:
     """One process without a pipeline flag trains the whole model locally."""
     return (world_size > 1 or args.pipeline_schedule not in (None, "single")
-            or args.schedule_file is not None)
+            or args.schedule_file is not None
+            or "bf16" in (args.optimizer_state_dtype, args.master_dtype))  # CPU optimizer only
 
 
 def make_train_step(args: argparse.Namespace, model_cfg: LlamaConfig, dist_info) -> TrainStep:

@@ -1,0 +1,64 @@
+"""bf16 optimizer states and masters on real processes: schedules on 2 processes equal
+one-process training with the same flags bit for bit (losses and the final master,
+exp_avg and exp_avg_sq, saved in bf16), and a checkpoint of the one-process run resumed
+on a 2-process 1F1B pipeline continues it exactly. Two schedules in the sweep (decoupled
+with d = 2, gpipe) plus 1F1B in the resume keep the test near its time budget; the
+rounding's independence of groups, subgroups and threads is unit-tested in
+test_cpu_adam_bf16.py."""
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from megatron.training.checkpoint_state import EXP_AVG, EXP_AVG_SQ, MASTER
+from megatron.training.checkpointing import TRACKER, iteration_dir, read_all_tensors
+from tests.test_pipeline_executor import ScheduleRun, launch, metrics
+
+pytestmark = pytest.mark.multiproc
+BF16_STATES = ["--optimizer-state-dtype", "bf16", "--master-dtype", "bf16",
+               "--cpu-optimizer-threads", "1", "--eval-iters", "0"]
+STATE_PREFIXES = (MASTER, EXP_AVG, EXP_AVG_SQ)
+SCHEDULES = ["decoupled", "gpipe"]
+
+
+def states(ckpt_root, iteration):
+    tensors = read_all_tensors(iteration_dir(str(ckpt_root), iteration))
+    return {k: t for k, t in tensors.items() if k.startswith(STATE_PREFIXES)}
+
+
+def assert_identical(got_run_metrics, want_metrics, got_states, want_states):
+    assert [m["iteration"] for m in got_run_metrics] == [m["iteration"] for m in want_metrics]
+    for a, b in zip(got_run_metrics, want_metrics):
+        assert a["loss"] == b["loss"], (a["iteration"], a["loss"], b["loss"])
+    assert got_states.keys() == want_states.keys()
+    for key, tensor in want_states.items():
+        assert tensor.dtype == torch.bfloat16, key  # stored in the run's precision
+        assert torch.equal(got_states[key], tensor), key
+
+
+def test_bf16_states_every_schedule_and_a_resume_on_another_shape_equal_one_process(tmp_path):
+    os.environ.setdefault("MEGATRON_TEST_CACHE", str(tmp_path / "cache"))
+    one = launch(tmp_path, "one", 1, *BF16_STATES, "--save-interval", "3")
+    assert one.returncode == 0, one.stderr[-4000:]
+    reference = metrics(one)
+    assert [m["iteration"] for m in reference] == [1, 2, 3, 4, 5]
+
+    two = launch(tmp_path, "two", 2, *BF16_STATES, "--schedules", ",".join(SCHEDULES),
+                 script="tests/run_schedules.py", timeout=600)
+    assert two.returncode == 0, two.stderr[-4000:]
+    for name in SCHEDULES:
+        run = ScheduleRun(two, name)
+        assert_identical(metrics(run), reference, states(run.out / "ckpt", 5),
+                         states(one.out / "ckpt", 5))
+
+    saved = tmp_path / "saved"  # the one-process run's iteration 3, as if it died there
+    saved.mkdir()
+    shutil.copytree(iteration_dir(str(one.out / "ckpt"), 3), saved / "iter_0000003")
+    (saved / TRACKER).write_text("3")
+    resumed = launch(tmp_path, "resumed", 2, *BF16_STATES, "--load", str(saved),
+                     "--pipeline-schedule", "1f1b", "--backward-split", "1")
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert_identical(metrics(resumed), reference[3:], states(resumed.out / "ckpt", 5),
+                     states(one.out / "ckpt", 5))
