@@ -1,10 +1,10 @@
 """bf16 optimizer states and masters on real processes: schedules on 2 processes equal
 one-process training with the same flags bit for bit (losses and the final master,
 exp_avg and exp_avg_sq, saved in bf16), and a checkpoint of the one-process run resumed
-on a 2-process 1F1B pipeline continues it exactly. Two schedules in the sweep (decoupled
-with d = 2, gpipe) plus 1F1B in the resume keep the test near its time budget; the
-rounding's independence of groups, subgroups and threads is unit-tested in
-test_cpu_adam_bf16.py."""
+on a 2-process 1F1B pipeline with another backward split continues it exactly. Every
+schedule runs in one job (tests/run_schedules.py: the start-up is paid once, each further
+schedule costs about a second of training); the rounding's independence of groups,
+subgroups and threads is unit-tested in test_cpu_adam_bf16.py."""
 
 import os
 import shutil
@@ -14,13 +14,12 @@ import torch
 
 from megatron.training.checkpoint_state import EXP_AVG, EXP_AVG_SQ, MASTER
 from megatron.training.checkpointing import TRACKER, iteration_dir, read_all_tensors
-from tests.test_pipeline_executor import ScheduleRun, launch, metrics
+from tests.test_pipeline_executor import SCHEDULES, ScheduleRun, launch, metrics
 
 pytestmark = pytest.mark.multiproc
 BF16_STATES = ["--optimizer-state-dtype", "bf16", "--master-dtype", "bf16",
                "--cpu-optimizer-threads", "1", "--eval-iters", "0"]
 STATE_PREFIXES = (MASTER, EXP_AVG, EXP_AVG_SQ)
-SCHEDULES = ["decoupled", "gpipe"]
 
 
 def states(ckpt_root, iteration):
@@ -38,7 +37,7 @@ def assert_identical(got_run_metrics, want_metrics, got_states, want_states):
         assert torch.equal(got_states[key], tensor), key
 
 
-def test_bf16_states_every_schedule_and_a_resume_on_another_shape_equal_one_process(tmp_path):
+def test_bf16_states_on_every_schedule_and_a_resume_on_another_shape_equal_one_process(tmp_path):
     os.environ.setdefault("MEGATRON_TEST_CACHE", str(tmp_path / "cache"))
     one = launch(tmp_path, "one", 1, *BF16_STATES, "--save-interval", "3")
     assert one.returncode == 0, one.stderr[-4000:]
