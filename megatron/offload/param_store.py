@@ -115,6 +115,10 @@ class ParameterStore:
         except KeyError:
             raise KeyError(f"stage {key}: not created or attached in this process") from None
 
+    def created(self) -> list[SharedSegment]:
+        """The segments this process created (and removes on close)."""
+        return [segment for segment in self._segments.values() if segment.owner]
+
     def release(self, key: BackwardStage) -> None:
         """Unmap `key`; if this process created it, remove it from /dev/shm."""
         segment = self._segments.pop(key, None)

@@ -10,6 +10,7 @@ transfers cannot deadlock.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -45,6 +46,14 @@ def plan_replicas(schedule: Schedule, procs_per_node: int) -> list[Replica]:
         if by_node:
             plan.append(Replica(backward_stage, owner, tuple(sorted(by_node.values()))))
     return plan
+
+
+def global_replicas(plan: list[Replica], global_rank: Callable[[int, int], int]
+                    ) -> list[Replica]:
+    """A plan made over pipeline ranks, with the first data-parallel replica of each
+    owner and holder doing the transfers (`global_rank(pipeline_rank, dp_rank)`)."""
+    return [Replica(r.backward_stage, global_rank(r.owner, 0),
+                    tuple(global_rank(h, 0) for h in r.holders)) for r in plan]
 
 
 def holds_segment(plan: list[Replica], rank: int) -> set[BackwardStage]:

@@ -28,7 +28,7 @@ class PipelineTrainStep:
     def __init__(self, model_cfg: LlamaConfig, args: argparse.Namespace, dist_info) -> None:
         self.rank = dist_info.rank
         self.model_cfg = model_cfg
-        self.config = pipeline_config(args, dist_info.world_size, model_cfg.vocab_size)
+        self.config = pipeline_config(args, dist_info.pipeline_size, model_cfg.vocab_size)
         self.timeline_paths = (args.timeline, args.trace)
         refuse_what_does_not_fit(self.config, model_cfg, self.rank, host_group())
         self.pipeline = Pipeline(self.config, model_cfg, self.rank)
