@@ -66,6 +66,7 @@ def initialize_distributed(timeout_s: float = 600.0, data_parallel_size: int = 1
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             pipeline_model_parallel_size=dist.get_world_size() // data_parallel_size)
+    _check_layout(data_parallel_size)
     return DistInfo(
         rank=dist.get_rank(),
         world_size=dist.get_world_size(),
@@ -83,3 +84,16 @@ def shutdown_distributed() -> None:
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _check_layout(data_parallel_size: int) -> None:
+    """The runtime's rank layout (megatron/pipeline/data_parallel.py) is megatron-core's."""
+    from megatron.core import parallel_state
+
+    rank = dist.get_rank()
+    d = parallel_state.get_data_parallel_world_size()
+    found = (parallel_state.get_pipeline_model_parallel_rank(),
+             parallel_state.get_data_parallel_rank())
+    if d == data_parallel_size and found != (rank // d, rank % d):
+        raise RuntimeError(f"rank {rank}: megatron-core places it at (pipeline, data-parallel) "
+                           f"{found}, the runtime at {(rank // d, rank % d)}")
