@@ -27,7 +27,7 @@ MODEL = ["--num-layers", "4", "--hidden-size", "64", "--ffn-hidden-size", "160",
          "--num-attention-heads", "4", "--num-query-groups", "2", "--seq-length", "32",
          "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", str(ITERS),
          "--lr", "1e-3", "--lr-warmup-iters", "1", "--clip-grad", "0", "--log-interval", "1",
-         "--inject-overflow", "2,1,1"]  # iteration 2 overflows in backward stage (1, 1)
+         "--inject-overflow", "1,1,1"]  # iteration 1 overflows in backward stage (1, 1)
 SPLIT = ["--forward-stages", "2", "--backward-split", "2"]
 
 
@@ -77,7 +77,7 @@ def _metrics(directory):
 
 def _assert_same_training(directory, reference, rel=1e-5):
     ours, ref = _metrics(directory), _metrics(reference)
-    assert [m["skipped"] for m in ours] == [False, True, False]
+    assert [m["skipped"] for m in ours] == [True, False, False]
     for a, b in zip(ours, ref, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=rel), a["iteration"]
         assert a["skipped"] == b["skipped"]
