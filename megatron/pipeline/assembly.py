@@ -392,7 +392,7 @@ class Pipeline:
         else:
             for owner in self.owners.values():
                 if owner.writes_segment:
-                    lo, hi = owner.bounds()[0][0], owner.bounds()[1][1]
+                    lo, hi = owner.shard
                     owner.segment.params[lo:hi].copy_(owner.master(adam))
             self._publish_shards(iteration)
         push_replicas(self.replicas, self.store, self.global_rank, self.host_group)
