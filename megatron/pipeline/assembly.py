@@ -35,10 +35,10 @@ from megatron.pipeline.optimizer_calibration import calibrated_update_rates
 from megatron.pipeline.owner import BackwardStageOwner
 from megatron.pipeline.p2p import MessageShape, PointToPoint
 from megatron.pipeline.replicas import (
+    ParameterDistributor,
     global_replicas,
     holds_segment,
-    plan_replicas,
-    push_replicas,
+    transfer_events,
 )
 from megatron.pipeline.stage_modules import build_stage_modules
 from megatron.pipeline.subgroup_device import (
@@ -51,6 +51,7 @@ from megatron.pipeline.zero import GradientReducer
 from megatron.schedules.instructions import WHOLE_STAGE, BackwardStage, Op
 from megatron.schedules.lowering import forward_only_schedule
 from megatron.schedules.optimizer_stride import gpu_update_stride
+from megatron.schedules.replica_plan import plan_replicas
 from megatron.schedules.timeline import TimedEvent
 from megatron.schedules.validator import validate
 
@@ -95,6 +96,11 @@ class Pipeline:
         self.replicas = global_replicas(
             plan_replicas(self.schedule, max(1, self.store.procs_per_node // d)),
             self.layout.global_rank)
+        # Its own gloo group (made by every rank alike: the plan is the same everywhere).
+        self.distributor = ParameterDistributor(
+            self.replicas, self.store, self.global_rank,
+            dist.new_group(backend="gloo") if self.replicas else None,
+            thread_setup=self.device.bind_current_thread)
         self.reducer = None
         if d > 1:
             self.reducer = GradientReducer(config.zero_stage, d, self.layout.data_parallel_rank,
@@ -140,7 +146,7 @@ class Pipeline:
         for b in held:  # replicas of stages owned on another node
             self.store.create(b, self.modules[b].layout.numel, self.dtype)
         dist.barrier(group=self.host_group)  # every segment exists before anyone maps it
-        push_replicas(self.replicas, self.store, self.global_rank, self.host_group)
+        self.distributor.distribute(0)
         for b in self.modules:
             if b not in created:
                 self.store.attach(b, self.modules[b].layout.numel, self.dtype)
@@ -263,13 +269,18 @@ class Pipeline:
         batches = [{k: v.to(self.device.torch_device) for k, v in b.items()} for b in micro_batches]
         stats = self.executor.run_iteration(
             iteration, batches, record_timeline=iteration == self.config.record_timeline_at)
-        if self.replicas or self.reducer:  # the segments' corrections must be done
+        if self.reducer:  # every shard's corrections must be in before the publish
             self.optimizer.drain()
-        if self.reducer:
             self._publish_shards(iteration)
-        push_replicas(self.replicas, self.store, self.global_rank, self.host_group)
+        # Each stage goes to the other nodes once published, while the next iteration runs.
+        self.distributor.distribute(iteration)
         self.last_iteration = iteration
         loss, breakdown = self._breakdown(stats)
+        if stats.events:  # with the pushes that ran during this iteration
+            stats.events.extend(transfer_events(self.distributor.take_transfers(), self.rank,
+                                                stats.origin_host_s))
+        else:
+            self.distributor.take_transfers()
         events = self._gather_events(stats) if stats.events else []
         return StepReport(loss, stats.result, breakdown, events)
 
@@ -395,7 +406,7 @@ class Pipeline:
                     lo, hi = owner.shard
                     owner.segment.params[lo:hi].copy_(owner.master(adam))
             self._publish_shards(iteration)
-        push_replicas(self.replicas, self.store, self.global_rank, self.host_group)
+        self.distributor.distribute(iteration)
 
     # --- data parallelism --------------------------------------------------------------
 
@@ -471,7 +482,8 @@ class Pipeline:
     def close(self) -> None:
         if self.reducer is not None:
             self.reducer.close()
-        self.optimizer.close()
+        self.optimizer.close()  # the last corrections publish their stages
+        self.distributor.close()
         self.store.close()
         self.device.close()
 
