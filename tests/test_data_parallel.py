@@ -18,6 +18,7 @@ import torch
 
 from megatron.pipeline.data_parallel import ParallelLayout, shard_range
 from megatron.training.checkpointing import read_all_tensors
+from megatron.training.metrics import format_bytes
 from megatron.training.training import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -31,11 +32,12 @@ MODEL = ["--num-layers", "4", "--hidden-size", "64", "--ffn-hidden-size", "160",
 SPLIT = ["--forward-stages", "2", "--backward-split", "2"]
 
 
-def _run(cmd, cache):
+def _run(cmd, cache, out):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([*cmd, *MODEL, "--data-cache-dir", cache], capture_output=True,
                           text=True, timeout=400, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    (out / "stdout.log").write_text(proc.stdout)
     return proc
 
 
@@ -48,7 +50,7 @@ def cache(tmp_path_factory):
 def reference(tmp_path_factory, cache):
     out = tmp_path_factory.mktemp("dp-ref")
     _run([sys.executable, "pretrain_llama.py", "--metrics-file", str(out / "metrics.jsonl"),
-          "--save", str(out / "ckpt")], cache)
+          "--save", str(out / "ckpt")], cache, out)
     return out
 
 
@@ -56,7 +58,7 @@ def _replicas(tmp_path_factory, cache, nproc, zero_stages, *extra):
     out = tmp_path_factory.mktemp(f"dp{nproc}")
     _run([TORCHRUN, "--standalone", "--nproc-per-node", str(nproc), "tests/run_schedules.py",
           "--out-dir", str(out), "--schedules", "decoupled", "--zero-stages", zero_stages,
-          "--data-parallel-size", "2", "--p2p-check", *extra], cache)
+          "--data-parallel-size", "2", "--p2p-check", *extra], cache, out)
     return out
 
 
@@ -120,6 +122,14 @@ def test_zero2_halves_the_optimizer_state_and_a_node_keeps_one_parameter_copy(
     # One fp32 working copy in the node's shared memory, not one per replica.
     for row in (full, zero2):
         assert row["shared_memory_bytes_per_node"] == 4 * params
+    # The log says so at start-up, once per run (ZeRO-0, then ZeRO-2), in the same figures.
+    lines = [line for line in (two_by_one / "stdout.log").read_text().splitlines()
+             if "host memory per process" in line]
+    assert len(lines) == 2
+    for line, row in zip(lines, (full, zero2)):
+        assert f"optimizer state (master, exp_avg, exp_avg_sq) " \
+               f"{format_bytes(row['host_optimizer_state_bytes'])}," in line
+        assert f"shared memory per node {format_bytes(4 * params)}" in line
 
 
 def test_rank_layout_is_megatron_cores():

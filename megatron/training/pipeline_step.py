@@ -47,6 +47,12 @@ class PipelineTrainStep:
         return StepResult(report.loss, skipped=r.skipped, grad_norm=r.grad_norm,
                           loss_scale=r.loss_scale if fp16 else None, extra=report.breakdown)
 
+    def host_memory(self) -> dict:
+        """What `format_host_memory` prints (also in every metrics record)."""
+        return {k: self.pipeline.memory[k] for k in (
+            "host_optimizer_state_bytes", "host_gradient_pool_bytes",
+            "shared_memory_bytes_per_node")}
+
     def evaluate(self, batches: Sequence[Sequence[Batch]]) -> float:
         return self.pipeline.evaluate(batches)
 

@@ -43,7 +43,7 @@ from megatron.training.distributed import initialize_distributed, shutdown_distr
 from megatron.training.evaluation import due, evaluate, evaluation_record, format_evaluation
 from megatron.training.local_step import LocalTrainStep
 from megatron.training.lr_schedule import LRSchedule
-from megatron.training.metrics import MetricsWriter, format_log_line
+from megatron.training.metrics import MetricsWriter, format_host_memory, format_log_line
 from megatron.training.pipeline_args import check_pipeline_args
 from megatron.training.pipeline_step import PipelineTrainStep
 from megatron.training.plan import configure_automatically, run_plan
@@ -210,6 +210,8 @@ def train(args: argparse.Namespace, dist_info, on_step=None) -> list[dict]:
         log(f"training {args.model_preset or 'custom'} model: {args.train_iters} iterations, "
             f"{args.global_batch_size // args.micro_batch_size} micro-batches of "
             f"{args.micro_batch_size} x {args.seq_length} tokens, {dtype_name(args)}")
+        if isinstance(step, PipelineTrainStep):
+            log(format_host_memory(step.host_memory()))
         stopped = None
         for iteration in range(start_iteration + 1, args.train_iters + 1):
             micro_batches = iteration_micro_batches(datasets.train, iteration, args,
