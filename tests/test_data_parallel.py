@@ -32,10 +32,10 @@ MODEL = ["--num-layers", "4", "--hidden-size", "64", "--ffn-hidden-size", "160",
 SPLIT = ["--forward-stages", "2", "--backward-split", "2"]
 
 
-def _run(cmd, cache, out):
+def _run(cmd, cache, out, *after):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([*cmd, *MODEL, "--data-cache-dir", cache], capture_output=True,
-                          text=True, timeout=400, cwd=ROOT, env=env)
+    proc = subprocess.run([*cmd, *MODEL, "--data-cache-dir", cache, *after],
+                          capture_output=True, text=True, timeout=400, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     (out / "stdout.log").write_text(proc.stdout)
     return proc
@@ -130,6 +130,36 @@ def test_zero2_halves_the_optimizer_state_and_a_node_keeps_one_parameter_copy(
         assert f"optimizer state (master, exp_avg, exp_avg_sq) " \
                f"{format_bytes(row['host_optimizer_state_bytes'])}," in line
         assert f"shared memory per node {format_bytes(4 * params)}" in line
+
+
+@pytest.mark.multiproc
+def test_zero2_shards_resume_on_one_process_and_one_process_resumes_on_shards(
+        tmp_path, cache, two_by_one, reference):
+    """The checkpoint 2 replicas saved from their ZeRO-2 shards resumes on one process, and
+    one process's checkpoint resumes on 2 replicas that keep only their shards: both go on
+    from the same state (the two checkpoints agree, see above), so the next iteration's
+    loss and the final masters agree too."""
+    runs = {}
+    for name, launcher, load in (
+            ("one", [sys.executable], two_by_one / "decoupled-zero2" / "ckpt"),
+            ("two", [TORCHRUN, "--standalone", "--nproc-per-node", "2"], reference / "ckpt")):
+        out = tmp_path / name
+        out.mkdir()
+        flags = ["--data-parallel-size", "2", "--zero-stage", "2", *SPLIT] if name == "two" else []
+        _run([*launcher, "pretrain_llama.py"], cache, out, *flags, "--load", str(load),
+             "--train-iters", str(ITERS + 1), "--metrics-file", str(out / "metrics.jsonl"),
+             "--save", str(out / "ckpt"))
+        runs[name] = out
+    one, two = (_metrics(runs[name]) for name in ("one", "two"))
+    assert [m["iteration"] for m in one] == [m["iteration"] for m in two] == [ITERS + 1]
+    assert two[0]["loss"] == pytest.approx(one[0]["loss"], rel=1e-5)
+    step = f"iter_{ITERS + 1:07d}"
+    got = read_all_tensors(str(runs["two"] / "ckpt" / step), prefix="model.")
+    want = read_all_tensors(str(runs["one"] / "ckpt" / step), prefix="model.")
+    assert want and set(got) == set(want)
+    for name, tensor in want.items():
+        error = (got[name] - tensor).norm() / tensor.norm().clamp_min(1e-30)
+        assert error < 1e-5, (name, float(error))
 
 
 def test_rank_layout_is_megatron_cores():
