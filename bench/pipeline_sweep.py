@@ -24,7 +24,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.models.presets import get_preset  # noqa: E402
-from megatron.schedules import build_schedule, derived_costs, simulate  # noqa: E402
+from megatron.schedules import Schedule, build_schedule, derived_costs, simulate  # noqa: E402
 from megatron.schedules.generators import RECOMPUTE_BACKWARD_RATIO  # noqa: E402
 
 # SysX Table 2: model -> nodes.
@@ -36,18 +36,29 @@ STAGES_PER_GPU = 2
 BACKWARD_SPLIT = 3
 
 
-def run_pair(model: str, nodes: int, micro_batch_size: int, global_batch: int,
-             seq_length: int) -> dict:
+def paper_schedule(name: str, model: str, nodes: int, micro_batch_size: int,
+                   global_batch: int) -> Schedule:
+    """Schedule `name` for `model` on `nodes` nodes of the paper's testbed: 2 forward stages
+    per GPU, even layers, d = BACKWARD_SPLIT for the decoupled schedule (1 otherwise)."""
     preset = get_preset(model)
     ranks = GPUS_PER_NODE * nodes
     stages = STAGES_PER_GPU * ranks
     partition = [preset.num_layers // stages] * stages
     partition[-1] += preset.num_layers - sum(partition)
+    split = BACKWARD_SPLIT if name == "decoupled" else 1
+    return build_schedule(name, ranks, stages, split, global_batch // micro_batch_size,
+                          partition, backward_ratio=RECOMPUTE_BACKWARD_RATIO)
+
+
+def run_pair(model: str, nodes: int, micro_batch_size: int, global_batch: int,
+             seq_length: int) -> dict:
+    preset = get_preset(model)
+    ranks = GPUS_PER_NODE * nodes
+    stages = STAGES_PER_GPU * ranks
     micro_batches = global_batch // micro_batch_size
     results = {}
-    for name, split in (("mobius", 1), ("decoupled", BACKWARD_SPLIT)):
-        schedule = build_schedule(name, ranks, stages, split, micro_batches, partition,
-                                  backward_ratio=RECOMPUTE_BACKWARD_RATIO)
+    for name in ("mobius", "decoupled"):
+        schedule = paper_schedule(name, model, nodes, micro_batch_size, global_batch)
         costs = derived_costs(schedule, preset, "paper-v100", micro_batch_size, seq_length)
         results[name] = simulate(schedule, costs)
     mobius, decoupled = results["mobius"], results["decoupled"]

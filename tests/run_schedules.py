@@ -1,7 +1,7 @@
 """Test harness: several schedules in one torchrun job, so the suite pays the start-up once.
 
     torchrun --nproc-per-node N tests/run_schedules.py --out-dir DIR --schedules a,b \
-        [pretrain_llama.py flags]
+        [--zero-stages 1,2] [pretrain_llama.py flags]
 
 Each schedule trains from the same initial weights through the library's `train()`; its
 metrics, final checkpoint and the last iteration's trace go to DIR/<schedule>/.
@@ -25,13 +25,20 @@ def main() -> int:
     own = argparse.ArgumentParser(add_help=False)
     own.add_argument("--out-dir", required=True)
     own.add_argument("--schedules", required=True)
+    own.add_argument("--zero-stages", default=None,
+                     help="run each schedule once per ZeRO stage (DIR/<schedule>-zero<N>/)")
     harness, rest = own.parse_known_args()
     base = parse_args(rest)
-    dist_info = initialize_distributed()
+    dist_info = initialize_distributed(data_parallel_size=base.data_parallel_size)
     try:
-        for name in harness.schedules.split(","):
+        stages = harness.zero_stages.split(",") if harness.zero_stages else [None]
+        runs = [(name, zero) for name in harness.schedules.split(",") for zero in stages]
+        for name, zero in runs:
             args = args_for_schedule(base, name)
             out = os.path.join(harness.out_dir, name)
+            if zero is not None:
+                args.zero_stage = int(zero)
+                out = f"{out}-zero{zero}"
             args.metrics_file = os.path.join(out, "metrics.jsonl")
             args.save = os.path.join(out, "ckpt")
             args.trace = os.path.join(out, "trace.json")

@@ -20,6 +20,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from megatron.models.llama import LlamaModel, gpt_model_name
 from megatron.models.presets import ModelPreset
+from megatron.pipeline.replicas import LINK_DELAY_ENV
 from megatron.schedules.cost_model import backward_stage_params, calibrated_costs
 from megatron.schedules.simulator import simulate
 from megatron.schedules.timeline import read_chrome_trace
@@ -41,6 +42,7 @@ MODEL = ["--num-layers", "8", "--hidden-size", "64", "--ffn-hidden-size", "160",
          "--p2p-check",  # every transfer checked: the tensor that arrives is the one expected
          "--eval-interval", "5", "--eval-iters", "2", "--split", "90,8,2"]
 SCHEDULES = ["decoupled", "mobius", "interleaved-1f1b", "1f1b", "gpipe"]
+SLOW_LINK_S = 0.1  # the simulated inter-node link's delay per push (two-node runs)
 
 
 def launch(tmp_path, name, nproc, *extra, env=None, timeout=300, script="pretrain_llama.py"):
@@ -79,9 +81,9 @@ class ScheduleRun:
         self.ranks, self.extra = run.ranks, run.extra
 
 
-def run_all_schedules(tmp_path_factory, nproc, *extra):
+def run_all_schedules(tmp_path_factory, nproc, *extra, env=None):
     run = launch(tmp_path_factory.mktemp(f"schedules{nproc}"), "all", nproc, *extra,
-                 script="tests/run_schedules.py", timeout=600)
+                 script="tests/run_schedules.py", timeout=600, env=env)
     assert run.returncode == 0, run.stderr[-4000:]
     return run
 
@@ -128,9 +130,11 @@ def two_processes(tmp_path_factory, reference):
 @pytest.fixture(scope="module")
 def four_processes(tmp_path_factory, reference):
     # Two simulated nodes of 2 processes: stages whose owner is on the other node are read
-    # from replicas that the owner updates after every step.
+    # from replicas that the owner pushes, stage by stage, as it publishes them; each push
+    # is held back by a simulated slow link, so they visibly overlap the next iteration.
     return run_all_schedules(tmp_path_factory, 4, "--forward-stages", "4",
-                               "--backward-split", "2", "--procs-per-node", "2")
+                             "--backward-split", "2", "--procs-per-node", "2",
+                             env={LINK_DELAY_ENV: str(SLOW_LINK_S)})
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
@@ -142,6 +146,28 @@ def test_two_processes_match_one_process(schedule, two_processes, reference):
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_four_processes_match_one_process(schedule, four_processes, reference):
     assert_same_training(ScheduleRun(four_processes, schedule), reference)
+
+
+def test_parameters_reach_the_other_node_per_stage_while_the_next_iteration_runs(
+        four_processes):
+    """The last iteration's measured timeline of the two-node decoupled run: on the node
+    that reads a stage owned on the other node, a forward of that stage starts only once
+    its new version has arrived, yet before the last push of the step has finished (a
+    blocking distribution after the whole step would finish every push first)."""
+    events = read_chrome_trace(str(ScheduleRun(four_processes, "decoupled").out
+                                   / "trace.json"))
+    pushes = [e for e in events if e.kind == "distribution"]
+    receipts = [e for e in pushes if e.label.startswith("r")]
+    assert receipts and any(e.label.startswith("d") for e in pushes)
+    forwards = [e for e in events if e.kind == "forward"]
+    for receipt in receipts:
+        stage_forwards = [f for f in forwards
+                             if f.rank == receipt.rank and f.stage == receipt.stage]
+        assert stage_forwards, receipt
+        assert min(f.start for f in stage_forwards) >= receipt.end, receipt
+    last_push_end = max(e.end for e in pushes)
+    first_forward = min(f.start for f in forwards)
+    assert first_forward < last_push_end - SLOW_LINK_S / 2, (first_forward, last_push_end)
 
 
 def test_the_measured_iteration_calibrates_the_simulation_of_each_schedule(
@@ -262,10 +288,9 @@ def test_world_size_mismatch_exits_2_naming_the_flag(reference, tmp_path, proces
 
 
 def test_replica_plan_covers_every_remote_reader():
-    from megatron.offload.naming import node_of
-    from megatron.pipeline.replicas import plan_replicas
     from megatron.schedules.generators import build_schedule
     from megatron.schedules.instructions import Op
+    from megatron.schedules.replica_plan import node_of, plan_replicas
 
     schedule = build_schedule("decoupled", 4, 4, 2, 4, partition=(2, 2, 2, 2))
     plan = {r.backward_stage: r for r in plan_replicas(schedule, procs_per_node=2)}

@@ -28,6 +28,7 @@ from megatron.schedules.cost_model import (  # noqa: E402
     preset_partition,
     uniform_costs,
 )
+from megatron.schedules.distribution import DISTRIBUTION_MODES, simulate_distribution  # noqa: E402
 from megatron.schedules.generators import (  # noqa: E402
     PAPER_BACKWARD_RATIO,
     RECOMPUTE_BACKWARD_RATIO,
@@ -108,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("--param-transfer-time", 0.0, "host-to-device parameter copy"),
         ("--grad-transfer-time", 0.0, "device-to-host gradient copy"),
         ("--p2p-time", 0.0, "one activation/gradient/checkpoint between ranks"),
+        ("--inter-node-time", 0.0, "a forward stage's parameters from one node to another"),
     ):
         costs.add_argument(flag, type=_non_negative(flag), default=default, help=text)
     derived = parser.add_argument_group("derived costs (replace the abstract ones)")
@@ -115,6 +117,11 @@ def build_parser() -> argparse.ArgumentParser:
     derived.add_argument("--hardware", default="paper-v100", choices=list(HARDWARE_PROFILES))
     derived.add_argument("--micro-batch-size", type=_positive_int("--micro-batch-size"), default=2)
     derived.add_argument("--seq-length", type=_positive_int("--seq-length"))
+    nodes = parser.add_argument_group("nodes")
+    nodes.add_argument("--procs-per-node", type=_positive_int("--procs-per-node"),
+                       help="ranks per node (default: all on one node); with several nodes, "
+                            "also simulates moving the parameters between them after the "
+                            "step, blocking and per stage")
     out = parser.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print one JSON object")
     out.add_argument("--plot", metavar="FILE.png", help="write a timeline picture")
@@ -160,8 +167,12 @@ def main(argv: list[str] | None = None) -> int:
             costs = uniform_costs(
                 schedule, args.forward_time, args.backward_time, args.recompute_time,
                 args.optimizer_time, args.param_transfer_time, args.grad_transfer_time,
-                args.p2p_time)
+                args.p2p_time, args.inter_node_time)
         result = simulate(schedule, costs)
+        distribution = []
+        if args.procs_per_node and args.procs_per_node < schedule.ranks:
+            distribution = [simulate_distribution(schedule, costs, args.procs_per_node, mode)
+                            for mode in DISTRIBUTION_MODES]
     except (ValueError, KeyError, ScheduleError) as error:
         message = error.args[0] if isinstance(error, KeyError) else str(error)
         parser.error(message)
@@ -176,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
         write_chrome_trace(result.events, args.trace,
                            time_scale=1e6 if args.model_preset else 1e3)
     summary = result.summary()
+    if distribution:
+        summary["parameter_distribution"] = [d.summary() for d in distribution]
     if args.json:
         print(json.dumps(summary))
     else:
@@ -186,6 +199,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  rank {row['rank']}: busy {row['busy']:.4g}, bubble {row['bubble_ratio']:.1%}, "
                   f"peak params {row['peak_params']} backward stages, peak checkpoints "
                   f"{row['peak_checkpoints']}")
+        for d in distribution:
+            print(f"  parameters to other nodes, {d.mode}: exposed {d.exposed_time:.4g} "
+                  f"({len(d.transfers)} pushes, {d.link_time:.4g} on the links)")
     return 0
 
 

@@ -1,5 +1,5 @@
-"""Parameters across nodes: after each optimizer step the owner pushes a stage's updated
-parameters to the nodes that run its forward, into their local store.
+"""Parameters across nodes: the owner pushes a stage's published parameters to the nodes
+that run its forward, into their local store.
 
 On the receiving node one process holds a replica segment (it `create`s it in its own
 store, so cleanup works as for any segment) and calls `receive_parameters`, which writes
@@ -18,10 +18,13 @@ from megatron.offload.shm import SharedSegment
 
 
 def push_parameters(
-    segment: SharedSegment, dst_ranks: list[int], group: dist.ProcessGroup | None = None
+    segment: SharedSegment, dst_ranks: list[int], group: dist.ProcessGroup | None = None,
+    version: int | None = None,
 ) -> None:
-    """Send the segment's published version and parameters to each rank in `dst_ranks`."""
-    version = torch.tensor([segment.version], dtype=torch.int64)
+    """Send the segment's parameters as `version` (default: its published version) to each
+    rank in `dst_ranks`."""
+    version = torch.tensor([segment.version if version is None else version],
+                           dtype=torch.int64)
     payload = segment.params.view(torch.uint8)
     for dst in dst_ranks:
         dist.send(version, dst, group=group)

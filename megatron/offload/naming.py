@@ -41,13 +41,6 @@ def resolve_procs_per_node(
     return value
 
 
-def node_of(rank: int, procs_per_node: int) -> int:
-    """Node index of a global rank when ranks fill nodes in order (torchrun's layout)."""
-    if rank < 0:
-        raise ValueError(f"rank={rank}: expected a non-negative rank")
-    return rank // procs_per_node
-
-
 def job_prefix(job_id: str) -> str:
     """File-name prefix shared by all segments of a job on every node."""
     digest = hashlib.sha1(job_id.encode()).hexdigest()[:12]

@@ -27,7 +27,6 @@ import torch
 from megatron.offload.naming import (
     job_prefix,
     namespace,
-    node_of,
     resolve_job_id,
     resolve_procs_per_node,
     segment_name,
@@ -36,6 +35,7 @@ from megatron.offload.shm import SharedSegment
 from megatron.offload.shm_owner import remove_if_stale
 from megatron.offload.shm_space import DEFAULT_SHM_DIR, check_space, segment_bytes
 from megatron.schedules.instructions import BackwardStage
+from megatron.schedules.replica_plan import node_of
 
 _open_stores: weakref.WeakSet[ParameterStore] = weakref.WeakSet()
 
@@ -114,6 +114,10 @@ class ParameterStore:
             return self._segments[key]
         except KeyError:
             raise KeyError(f"stage {key}: not created or attached in this process") from None
+
+    def created(self) -> list[SharedSegment]:
+        """The segments this process created (and removes on close)."""
+        return [segment for segment in self._segments.values() if segment.owner]
 
     def release(self, key: BackwardStage) -> None:
         """Unmap `key`; if this process created it, remove it from /dev/shm."""

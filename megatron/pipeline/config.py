@@ -64,6 +64,10 @@ class PipelineConfig:
     record_timeline_at: int | None = None  # the iteration whose events are gathered
     p2p_check: bool = False  # testing: a header with each tensor, checked on receipt
     subgroups: SubgroupSettings | None = None  # None: every update on the CPU
+    # Replicas of the pipeline (world = ranks x data_parallel_size) and how they split
+    # the host optimizer state (0: not at all, 1: states, 2: states and gradients).
+    data_parallel_size: int = 1
+    zero_stage: int = 0
 
     @property
     def ranks(self) -> int:

@@ -95,6 +95,7 @@ class IterationStats:
     clip_corrections_exposed_s: float = 0.0
     # Of exposed_optimizer_s: waiting after the CPU's part was done, for device subgroups.
     exposed_optimizer_device_s: float = 0.0
+    origin_host_s: float = 0.0  # time.perf_counter() at the iteration's start: events' zero
 
     @property
     def bubble_s(self) -> float:
@@ -207,7 +208,8 @@ class PipelineExecutor:
         return IterationStats(loss, result, iteration_s, compute_s, optimizer_s, host_syncs,
                               memory.peak_bytes, dict(memory.peak_breakdown), events,
                               clip_corrections_exposed_s=correction_s,
-                              exposed_optimizer_device_s=self._device_wait_s(waited))
+                              exposed_optimizer_device_s=self._device_wait_s(waited),
+                              origin_host_s=start)
 
     def _device_wait_s(self, waited: list[tuple[Instruction, float, float]]) -> float:
         """The part of the waits for optimizer tasks that came after every CPU subgroup

@@ -17,6 +17,8 @@ from megatron.offload.grad_offload import GradientOffloader, GradientsReady
 from megatron.offload.shm import SharedSegment
 from megatron.optimizer.cpu_adam import CPUAdamW
 from megatron.optimizer.group_optimizer import AsyncGroupOptimizer
+from megatron.optimizer.group_tasks import ReadySignal
+from megatron.pipeline.zero import GradientReducer, ReducedGradient
 from megatron.schedules.instructions import BackwardStage
 
 
@@ -34,12 +36,26 @@ class BackwardStageOwner:
     grad: torch.Tensor | None = None
     offloaded: GradientsReady | None = None
     submitted: bool = False
+    # Data parallelism (ZeRO): the elements this process steps, the reduction of the
+    # gradients across the data-parallel group (None: one replica), whether this process
+    # writes the segment and publishes its versions itself (with D > 1 the pipeline
+    # publishes once every replica's shard is in).
+    shard: tuple[int, int] | None = None
+    reducer: GradientReducer | None = None
+    writes_segment: bool = True
+    publishes: bool = True
+    reduced: ReducedGradient | None = None
 
     def bounds(self) -> tuple[tuple[int, int], tuple[int, int]]:
-        return (0, self.split), (self.split, self.numel)
+        """Elements of the two groups this process steps (empty runs as (x, x))."""
+        lo, hi = self.shard if self.shard is not None else (0, self.numel)
+        first_hi = max(lo, min(self.split, hi))
+        second_lo = max(lo, self.split)
+        return (lo, first_hi), (second_lo, max(second_lo, hi))
 
     def start_iteration(self) -> None:
         self.offloaded = None
+        self.reduced = None
         self.submitted = False
 
     def gradient_buffer(self, buffers: GradientBuffers) -> torch.Tensor:
@@ -56,6 +72,8 @@ class BackwardStageOwner:
         self.offloaded = offloader.offload(self.backward_stage, self.grad)
         buffers.release(self.grad, after=self.offloaded.event)
         self.grad = None
+        if self.reducer is not None:  # across the data-parallel group, on its thread
+            self.reduced = self.reducer.reduce(self.backward_stage, self.offloaded)
 
     def _landed(self, what: str) -> GradientsReady:
         if self.offloaded is None:
@@ -63,25 +81,40 @@ class BackwardStageOwner:
                                "OFFLOAD_GRAD")
         return self.offloaded
 
+    def _gradient(self, what: str) -> tuple[ReadySignal, Callable[[int, int], torch.Tensor]]:
+        """The signal that the gradients are ready and the slice of elements [lo, hi):
+        landed in host memory, or reduced across the data-parallel group."""
+        landed = self._landed(what)
+        if self.reduced is not None:
+            return self.reduced.ready, self.reduced.slice
+        return landed, lambda lo, hi: landed.host[lo:hi]
+
     def step(self, optimizer: AsyncGroupOptimizer) -> None:
-        """Submit both groups' steps; each starts when the gradients have landed."""
-        ready = self._landed("OPTIMIZER_START")
-        out = self.segment.params
+        """Submit both groups' steps; each starts when the gradients are ready."""
+        ready, grad = self._gradient("OPTIMIZER_START")
+        out = self.segment.params if self.writes_segment else None
         for group, (lo, hi) in zip(self.groups, self.bounds()):
             if hi > lo:
-                optimizer.submit(group, ready.host[lo:hi], ready=ready, out=out[lo:hi])
+                optimizer.submit(group, grad(lo, hi), ready=ready,
+                                 out=out[lo:hi] if out is not None else None)
         self.submitted = True
 
     def check(self, optimizer: AsyncGroupOptimizer) -> None:
         """Submit the overflow check of both groups' gradients (no update)."""
-        ready = self._landed("the overflow check")
+        ready, grad = self._gradient("the overflow check")
         for group, (lo, hi) in zip(self.groups, self.bounds()):
             if hi > lo:
-                optimizer.check(group, ready.host[lo:hi], ready=ready)
+                optimizer.check(group, grad(lo, hi), ready=ready)
 
     def master(self, adam: CPUAdamW) -> torch.Tensor:
-        """The stage's fp32 masters in layout order (its two groups, joined)."""
-        return torch.cat([adam.master(g) for g in self.groups])[:self.numel]
+        """The fp32 masters of the elements this process steps, in layout order."""
+        return self.state(adam)[0]
+
+    def state(self, adam: CPUAdamW) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Master, exp_avg and exp_avg_sq of the elements this process steps (copies)."""
+        live = [g for g, (lo, hi) in zip(self.groups, self.bounds()) if hi > lo]
+        return tuple(torch.cat([get(g) for g in live]) if live else torch.zeros(0)
+                     for get in (adam.master, adam.exp_avg, adam.exp_avg_sq))
 
     def publish(self, iteration: int) -> None:
         """Give the host gradient buffer back and publish the segment's new version."""
@@ -92,10 +125,11 @@ class BackwardStageOwner:
         iteration is done (possibly on an optimizer thread, while the next iteration has
         started and offloads into a new buffer)."""
         offloaded, self.offloaded = self.offloaded, None
-        segment = self.segment
+        segment, publishes = self.segment, self.publishes
 
         def publish() -> None:
             if offloaded is not None:
                 offloaded.release()
-            segment.publish(iteration)
+            if publishes:
+                segment.publish(iteration)
         return publish

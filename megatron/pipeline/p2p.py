@@ -71,8 +71,10 @@ class PointToPoint:
     """Sends and receives [s, b, h] tensors between pipeline ranks."""
 
     def __init__(self, shape: MessageShape, device: torch.device, rank: int,
-                 checked: bool = False) -> None:
+                 checked: bool = False, peers: list[int] | None = None) -> None:
+        """`peers[r]`: the global rank of pipeline rank r (None: the same)."""
         self.shape = shape
+        self.peers = peers
         self.device = device
         self.rank = rank
         self.checked = checked
@@ -80,6 +82,9 @@ class PointToPoint:
         # communication plan of a schedule is the same in every iteration.
         self._ckpt_buffers: dict[tuple, torch.Tensor] = {}
         self._headers: dict[tuple, torch.Tensor] = {}
+
+    def _global(self, peer: int) -> int:
+        return peer if self.peers is None else self.peers[peer]
 
     @property
     def buffer_nbytes(self) -> int:
@@ -108,25 +113,25 @@ class PointToPoint:
 
     def send(self, instr: Instruction, tensor: torch.Tensor) -> None:
         if self.checked:
-            dist.send(self._header(instr), dst=instr.peer, tag=TAG)
-        dist.send(tensor.contiguous(), dst=instr.peer, tag=TAG)
+            dist.send(self._header(instr), dst=self._global(instr.peer), tag=TAG)
+        dist.send(tensor.contiguous(), dst=self._global(instr.peer), tag=TAG)
 
     def recv(self, instr: Instruction) -> torch.Tensor:
         if self.checked:
             header = self._header_buffer(instr)
-            dist.recv(header, src=instr.peer, tag=TAG)
+            dist.recv(header, src=self._global(instr.peer), tag=TAG)
             self._verify(instr, header)
         buffer = self.empty()
-        dist.recv(buffer, src=instr.peer, tag=TAG)
+        dist.recv(buffer, src=self._global(instr.peer), tag=TAG)
         return buffer
 
     def isend(self, instr: Instruction, tensor: torch.Tensor) -> Waitable:
         tensor = tensor.contiguous()
         if not self.checked:
-            return dist.isend(tensor, dst=instr.peer, tag=TAG)
+            return dist.isend(tensor, dst=self._global(instr.peer), tag=TAG)
         header = self._header(instr)
-        works = [dist.isend(header, dst=instr.peer, tag=TAG),
-                 dist.isend(tensor, dst=instr.peer, tag=TAG)]
+        works = [dist.isend(header, dst=self._global(instr.peer), tag=TAG),
+                 dist.isend(tensor, dst=self._global(instr.peer), tag=TAG)]
         return _CheckedWork(works, lambda: None, (header, tensor))
 
     def irecv(self, instr: Instruction) -> tuple[Waitable, torch.Tensor]:
@@ -135,8 +140,8 @@ class PointToPoint:
         if buffer is None:
             buffer = self._ckpt_buffers[key] = self.empty()
         if not self.checked:
-            return dist.irecv(buffer, src=instr.peer, tag=TAG), buffer
+            return dist.irecv(buffer, src=self._global(instr.peer), tag=TAG), buffer
         header = self._header_buffer(instr)
-        works = [dist.irecv(header, src=instr.peer, tag=TAG),
-                 dist.irecv(buffer, src=instr.peer, tag=TAG)]
+        works = [dist.irecv(header, src=self._global(instr.peer), tag=TAG),
+                 dist.irecv(buffer, src=self._global(instr.peer), tag=TAG)]
         return _CheckedWork(works, lambda: self._verify(instr, header), (header, buffer)), buffer

@@ -3,48 +3,42 @@
 A backward stage's segment lives on its owner's node. A node where another rank runs that
 stage's forward (or, in general, reads the segment) holds a replica: its lowest such rank
 creates a segment of the same key in its node's store and receives every published
-version from the owner (S section 4 fetches over RDMA; we push over torch.distributed after
-each optimizer step). Every rank walks the backward stages in the same order, so the blocking
-transfers cannot deadlock.
+version from the owner (SysX fetches over RDMA; we push over torch.distributed).
+
+The pushes are asynchronous and per stage (`ParameterDistributor`): a thread of their own,
+on a gloo group of their own, sends each stage as soon as its owner publishes the new
+version (at the end of the iteration, or when its deferred correction is done) and the
+holder publishes it in its replica, while the next iteration already runs; a forward on the
+holder's node waits for its own stage's version only. Every rank walks the replicas in one
+order, the forward order of the stages (the order the next iteration needs them and the
+order corrections publish them), so between any two ranks the sends and the receives are
+posted in the same order, as NCCL requires, and the blocking transfers cannot deadlock.
 """
 
 from __future__ import annotations
 
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
 from megatron.offload.multinode import push_parameters, receive_parameters
-from megatron.offload.naming import node_of
 from megatron.offload.param_store import ParameterStore
-from megatron.schedules.instructions import BackwardStage, Op, Schedule
+from megatron.schedules.instructions import BackwardStage
+from megatron.schedules.replica_plan import Replica
+from megatron.schedules.timeline import TimedEvent
 
 
-@dataclass(frozen=True)
-class Replica:
-    backward_stage: BackwardStage
-    owner: int
-    holders: tuple[int, ...]  # one rank per other node that reads the backward stage
-
-
-def plan_replicas(schedule: Schedule, procs_per_node: int) -> list[Replica]:
-    readers: dict[BackwardStage, set[int]] = {}
-    for rank, program in enumerate(schedule.programs):
-        for instr in program:
-            if instr.op == Op.PREFETCH_PARAMS:
-                for backward_stage in schedule.params_of(instr.stage, instr.sub):
-                    readers.setdefault(backward_stage, set()).add(rank)
-    plan = []
-    for backward_stage in schedule.backward_stages():
-        owner = schedule.backward_rank[backward_stage]
-        by_node: dict[int, int] = {}
-        for rank in sorted(readers.get(backward_stage, ())):
-            node = node_of(rank, procs_per_node)
-            if node != node_of(owner, procs_per_node):
-                by_node.setdefault(node, rank)
-        if by_node:
-            plan.append(Replica(backward_stage, owner, tuple(sorted(by_node.values()))))
-    return plan
+def global_replicas(plan: list[Replica], global_rank: Callable[[int, int], int]
+                    ) -> list[Replica]:
+    """A plan made over pipeline ranks, with the first data-parallel replica of each
+    owner and holder doing the transfers (`global_rank(pipeline_rank, dp_rank)`)."""
+    return [Replica(r.backward_stage, global_rank(r.owner, 0),
+                    tuple(global_rank(h, 0) for h in r.holders)) for r in plan]
 
 
 def holds_segment(plan: list[Replica], rank: int) -> set[BackwardStage]:
@@ -52,12 +46,132 @@ def holds_segment(plan: list[Replica], rank: int) -> set[BackwardStage]:
     return {r.backward_stage for r in plan if rank in r.holders}
 
 
-def push_replicas(plan: list[Replica], store: ParameterStore, rank: int,
-                  group: dist.ProcessGroup | None = None) -> None:
-    """Owners send the published version of each backward stage to its holders, who publish it.
-    `group` must move host tensors (gloo)."""
-    for replica in plan:
-        if rank == replica.owner:
-            push_parameters(store.get(replica.backward_stage), list(replica.holders), group=group)
-        elif rank in replica.holders:
-            receive_parameters(store.get(replica.backward_stage), replica.owner, group=group)
+# Testing aid: seconds each cross-node push waits before sending, a slow inter-node link
+# (the tests use it to see the transfers overlap the next iteration's compute).
+LINK_DELAY_ENV = "MEGATRON_SYSX_TEST_LINK_DELAY_S"
+_VERSION_POLL_S = 1.0  # how often a sender waiting for a version checks for close()
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One replica moved: the owner's send or the holder's receive, host seconds."""
+
+    backward_stage: BackwardStage
+    version: int
+    sent: bool
+    start_s: float
+    end_s: float
+
+
+class ParameterDistributor:
+    """Pushes every published version of the stages in `plan` from owner to holders on one
+    background thread, per stage, in plan order (see the module docstring).
+
+    `distribute(version)` returns at once; `drain()` waits for every push queued so far and
+    raises the first failure. `group` must move host tensors (gloo) and be used by nothing
+    else, so its transfers never interleave with the main thread's collectives."""
+
+    def __init__(self, plan: list[Replica], store: ParameterStore, rank: int,
+                 group: dist.ProcessGroup | None,
+                 thread_setup: Callable[[], None] | None = None) -> None:
+        self.mine = [r for r in plan if rank == r.owner or rank in r.holders]
+        self.store, self.rank, self.group = store, rank, group
+        self.link_delay_s = float(os.environ.get(LINK_DELAY_ENV, "0") or 0)
+        self.transfers: list[Transfer] = []  # since the last take_transfers()
+        self._lock = threading.Lock()
+        self._queue: queue.Queue[int | None] = queue.Queue()
+        self._pending = 0
+        self._done = threading.Condition()
+        self._error: BaseException | None = None
+        self._closing = False
+        self._thread: threading.Thread | None = None
+        if self.mine:
+            # A daemon: if a peer died mid-transfer, the process can still exit.
+            self._thread = threading.Thread(target=self._run, args=(thread_setup,),
+                                            name="param-distribution", daemon=True)
+            self._thread.start()
+
+    def distribute(self, version: int) -> None:
+        """Queue the pushes of `version` of every stage (each once its owner publishes it)."""
+        self._raise_failure()
+        if self._thread is None:
+            return
+        with self._done:
+            self._pending += 1
+        self._queue.put(version)
+
+    def drain(self) -> None:
+        with self._done:
+            self._done.wait_for(lambda: self._pending == 0 or self._error is not None)
+        self._raise_failure()
+
+    def take_transfers(self) -> list[Transfer]:
+        with self._lock:
+            taken, self.transfers = self.transfers, []
+        return taken
+
+    def close(self, timeout_s: float = 600.0) -> None:
+        """Stop after the pushes queued so far: every rank queued the same versions, so
+        they complete unless a peer died (then give up after `timeout_s`; the thread is a
+        daemon and goes with the process)."""
+        if self._thread is None:
+            return
+        self._queue.put(None)
+        self._thread.join(timeout=0.0 if self._error is not None else timeout_s)
+        self._closing = True  # a sender still waiting for a version gives up
+        self._thread = None
+
+    # --- the thread ----------------------------------------------------------------------
+
+    def _run(self, thread_setup: Callable[[], None] | None) -> None:
+        if thread_setup is not None:
+            thread_setup()
+        while (version := self._queue.get()) is not None:
+            try:
+                if self._error is None:
+                    for replica in self.mine:
+                        self._move(replica, version)
+            except BaseException as exc:  # reported to the main thread by drain/distribute
+                self._error = exc
+            with self._done:
+                self._pending -= 1
+                self._done.notify_all()
+
+    def _move(self, replica: Replica, version: int) -> None:
+        segment = self.store.get(replica.backward_stage)
+        sent = self.rank == replica.owner
+        if sent:
+            self._wait_published(segment, version)
+            start = time.perf_counter()
+            if self.link_delay_s:
+                time.sleep(self.link_delay_s)
+            push_parameters(segment, list(replica.holders), group=self.group, version=version)
+        else:
+            start = time.perf_counter()
+            receive_parameters(segment, replica.owner, group=self.group)
+        with self._lock:
+            self.transfers.append(Transfer(replica.backward_stage, version, sent, start,
+                                           time.perf_counter()))
+
+    def _wait_published(self, segment, version: int) -> None:
+        while True:
+            try:
+                segment.wait_version(version, timeout_s=_VERSION_POLL_S)
+                return
+            except TimeoutError:
+                if self._closing:
+                    raise
+
+    def _raise_failure(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"parameter distribution to other nodes failed: "
+                               f"{type(self._error).__name__}: {self._error}") from self._error
+
+
+def transfer_events(transfers: list[Transfer], rank: int, origin_s: float) -> list[TimedEvent]:
+    """Transfers as timeline events (seconds from `origin_s`, the iteration's start), on the
+    network lane: "d3,1" a push of stage (3, 1), "r3,1" its receipt in the replica."""
+    return [TimedEvent(rank, "network", t.start_s - origin_s, t.end_s - origin_s,
+                       f"{'d' if t.sent else 'r'}{t.backward_stage[0]},{t.backward_stage[1]}",
+                       "distribution", t.backward_stage[0], t.backward_stage[1])
+            for t in transfers]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from megatron.models.presets import ModelPreset, count_parameters, get_preset
 
@@ -36,6 +36,9 @@ class CostModel:
     # OPTIMIZER_START_SUBGROUPS: how the device part of a stage's update is priced (None:
     # the instruction costs what OPTIMIZER_START does)
     device_update: DeviceUpdateCosts | None = None
+    # a backward stage's 16-bit parameters from its owner's node to another node (empty:
+    # no inter-node link is priced; see distribution.py)
+    inter_node_transfer: dict[BackwardStage, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -58,13 +61,14 @@ def uniform_costs(
     param_transfer_time: float = 0.0,
     grad_transfer_time: float = 0.0,
     p2p_time: float = 0.0,
+    inter_node_time: float = 0.0,
 ) -> CostModel:
     """Abstract units per forward stage (the paper's simplified figures by default)."""
     values = {
         "forward_time": forward_time, "backward_time": backward_time,
         "recompute_time": recompute_time, "optimizer_time": optimizer_time,
         "param_transfer_time": param_transfer_time, "grad_transfer_time": grad_transfer_time,
-        "p2p_time": p2p_time,
+        "p2p_time": p2p_time, "inter_node_time": inter_node_time,
     }
     for name, value in values.items():
         if not value >= 0:
@@ -86,6 +90,7 @@ def uniform_costs(
         grad_transfer=share(grad_transfer_time),
         p2p_activation=p2p_time,
         p2p_checkpoint=p2p_time,
+        inter_node_transfer=share(inter_node_time) if inter_node_time else {},
     )
 
 
@@ -150,6 +155,9 @@ def derived_costs(
         grad_transfer={piece: 2.0 * n / hardware.pcie_bytes_per_s for piece, n in params.items()},
         p2p_activation=activation_bytes / hardware.p2p_bytes_per_s,
         p2p_checkpoint=activation_bytes / hardware.p2p_bytes_per_s,
+        inter_node_transfer=({piece: 2.0 * n / hardware.inter_node_bytes_per_s
+                              for piece, n in params.items()}
+                             if hardware.inter_node_bytes_per_s > 0 else {}),
     )
 
 

@@ -37,6 +37,7 @@ class HardwareProfile:
     shm_bytes: int = 0  # /dev/shm capacity per node
     memlock_bytes: int | None = None  # ulimit -l per process; None: unlimited
     process_baseline_bytes: int = 0  # host memory of one training process before the model
+    inter_node_bytes_per_s: float = 0.0  # one node's network link, each way (0: unknown)
     device_kind: str = "cuda"  # "cpu": the CPU device layer plays the GPUs (tests, CI)
     source: str = ""  # where the figures come from
 

@@ -60,10 +60,12 @@ def _label(stage: int, sub: int, split: int) -> str:
 
 
 class _Simulator(Interpreter):
-    def __init__(self, schedule: Schedule, costs: CostModel) -> None:
+    def __init__(self, schedule: Schedule, costs: CostModel,
+                 params_arrive: dict[tuple[int, BackwardStage], float] | None = None) -> None:
         super().__init__(schedule)
         ranks = range(schedule.ranks)
         self.costs = costs
+        self.params_arrive = params_arrive or {}
         self.clock = [0.0 for _ in ranks]
         self.h2d_free = [0.0 for _ in ranks]
         self.d2h_free = [0.0 for _ in ranks]
@@ -106,7 +108,8 @@ class _Simulator(Interpreter):
     def _prefetch(self, rank: int, ins: Instruction) -> None:
         s, c = self.schedule, self.costs
         covered = s.params_of(ins.stage, ins.sub)
-        start = max(self.clock[rank], self.h2d_free[rank])
+        start = max([self.clock[rank], self.h2d_free[rank]]
+                    + [self.params_arrive.get((rank, b), 0.0) for b in covered])
         end = start + sum(c.param_transfer[b] for b in covered)
         self.h2d_free[rank] = end
         for b in covered:
@@ -225,11 +228,14 @@ def _union_length_after(intervals: list[tuple[float, float]], after: float) -> f
 
 
 def simulate(schedule: Schedule, cost_model: CostModel,
-             report: ValidationReport | None = None) -> SimResult:
+             report: ValidationReport | None = None,
+             params_arrive: dict[tuple[int, BackwardStage], float] | None = None) -> SimResult:
     """Validate `schedule` (unless its `report` is given), then run it on `cost_model` (see
-    module docstring)."""
+    module docstring). `params_arrive[(rank, b)]`: the time before which the rank's host copy
+    of backward stage b is not there yet, so no prefetch of it starts (parameters still on
+    their way from another node, see distribution.py); by default all are there at 0."""
     report = report if report is not None else validate(schedule)
-    simulator = _Simulator(schedule, cost_model)
+    simulator = _Simulator(schedule, cost_model, params_arrive)
     simulator.run()
     events = simulator.events
     iteration = max([*simulator.clock, *(e.end for e in events)])

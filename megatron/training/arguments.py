@@ -159,6 +159,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default: single (one process), decoupled with several")
     g.add_argument("--pipeline-model-parallel-size", type=int, default=None,
                    help="number of GPU processes; must equal the launcher's world size")
+    g.add_argument("--data-parallel-size", type=int, default=1,
+                   help="replicas of the pipeline, each on its share of the global batch "
+                        "(world size = pipeline size x this; megatron-core's rank layout)")
+    g.add_argument("--zero-stage", type=int, default=None, metavar="0|1|2",
+                   help="ZeRO over the host optimizer: 1 splits the optimizer states across "
+                        "the data-parallel replicas, 2 the gradients too (default 2 when "
+                        "--data-parallel-size > 1, else 0)")
     g.add_argument("--forward-stages", type=int, default=None)
     g.add_argument("--backward-split", type=int, default=None)
     g.add_argument("--stage-layers", type=_int_list, default=None, metavar="N,N,...",
@@ -415,6 +422,7 @@ def validate_args(args: argparse.Namespace) -> None:
         raise ArgumentError("--inject-overflow", args.inject_overflow, "expected ITER,STAGE,SUB")
     if args.procs_per_node is not None and args.procs_per_node <= 0:
         raise ArgumentError("--procs-per-node", args.procs_per_node, "expected a positive integer")
+    _validate_data_parallel(args)
     for name in ("nodes", "gpus_per_node"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             raise ArgumentError(_flag(name), getattr(args, name), "expected a positive integer")
@@ -437,6 +445,25 @@ def validate_args(args: argparse.Namespace) -> None:
                                 "fp32 with --pipeline-schedule single (the one-process "
                                 "reference keeps torch's fp32 AdamW); bf16 needs the CPU "
                                 "optimizer: give a pipeline schedule")
+
+
+def _validate_data_parallel(args: argparse.Namespace) -> None:
+    """--data-parallel-size and --zero-stage (the world size is checked at start-up)."""
+    d = args.data_parallel_size
+    if d <= 0:
+        raise ArgumentError("--data-parallel-size", d, "expected a positive integer")
+    if args.zero_stage is None:
+        args.zero_stage = 2 if d > 1 else 0
+    if args.zero_stage not in (0, 1, 2):
+        raise ArgumentError("--zero-stage", args.zero_stage, "expected 0, 1 or 2")
+    if args.global_batch_size % (args.micro_batch_size * d):
+        raise ArgumentError("--global-batch-size", args.global_batch_size,
+                            f"must be a multiple of --micro-batch-size x --data-parallel-size "
+                            f"({args.micro_batch_size} x {d})")
+    if d > 1 and args.procs_per_node is not None and args.procs_per_node % d:
+        raise ArgumentError("--procs-per-node", args.procs_per_node,
+                            f"expected a multiple of --data-parallel-size ({d}): the "
+                            "replicas of a pipeline rank share a node's segments")
 
 
 def _gpu_stride(text: str) -> int | None:

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.pipeline.host_group import forget_host_group
+from megatron.training.arguments import ArgumentError
 
 
 @dataclass(frozen=True)
@@ -23,14 +24,35 @@ class DistInfo:
     world_size: int
     local_rank: int
     backend: str
+    data_parallel_size: int = 1
+
+    @property
+    def pipeline_size(self) -> int:
+        return self.world_size // self.data_parallel_size
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """megatron-core's layout: data-parallel ranks vary fastest."""
+        return self.rank % self.data_parallel_size
+
+
+def check_data_parallel_size(data_parallel_size: int, world_size: int) -> None:
+    """world = pipeline size x data-parallel size (before anything is started)."""
+    if data_parallel_size < 1 or world_size % data_parallel_size:
+        raise ArgumentError("--data-parallel-size", data_parallel_size,
+                            f"expected a divisor of the number of processes ({world_size}): "
+                            "world size = pipeline size x data-parallel size")
 
 
 def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def initialize_distributed(timeout_s: float = 600.0) -> DistInfo:
-    """Idempotent. Uses torchrun's env (RANK, WORLD_SIZE, MASTER_ADDR/PORT) when set."""
+def initialize_distributed(timeout_s: float = 600.0, data_parallel_size: int = 1) -> DistInfo:
+    """Idempotent. Uses torchrun's env (RANK, WORLD_SIZE, MASTER_ADDR/PORT) when set.
+    megatron-core's parallel_state gets the real groups: pipeline size = world /
+    `data_parallel_size` (tensor parallel 1)."""
+    check_data_parallel_size(data_parallel_size, int(os.environ.get("WORLD_SIZE", "1")))
     backend = default_backend()
     if not dist.is_initialized():
         if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
@@ -42,12 +64,15 @@ def initialize_distributed(timeout_s: float = 600.0) -> DistInfo:
     from megatron.core import parallel_state
 
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel()
+        parallel_state.initialize_model_parallel(
+            pipeline_model_parallel_size=dist.get_world_size() // data_parallel_size)
+    _check_layout(data_parallel_size)
     return DistInfo(
         rank=dist.get_rank(),
         world_size=dist.get_world_size(),
         local_rank=int(os.environ.get("LOCAL_RANK", "0")),
         backend=dist.get_backend(),
+        data_parallel_size=parallel_state.get_data_parallel_world_size(),
     )
 
 
@@ -59,3 +84,16 @@ def shutdown_distributed() -> None:
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _check_layout(data_parallel_size: int) -> None:
+    """The runtime's rank layout (megatron/pipeline/data_parallel.py) is megatron-core's."""
+    from megatron.core import parallel_state
+
+    rank = dist.get_rank()
+    d = parallel_state.get_data_parallel_world_size()
+    found = (parallel_state.get_pipeline_model_parallel_rank(),
+             parallel_state.get_data_parallel_rank())
+    if d == data_parallel_size and found != (rank // d, rank % d):
+        raise RuntimeError(f"rank {rank}: megatron-core places it at (pipeline, data-parallel) "
+                           f"{found}, the runtime at {(rank // d, rank % d)}")

@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import math
 
+from megatron.core import parallel_state
+
 from megatron.models.llama import Batch
 from megatron.training.train_dataset import micro_batch_at
 from megatron.training.train_step import TrainStep
@@ -19,17 +21,24 @@ from megatron.training.train_step import TrainStep
 MAX_PPL_EXPONENT = 20  # Megatron prints exp(min(20, loss)) as the perplexity
 
 
-def evaluation_batches(dataset, number: int, args: argparse.Namespace) -> list[list[Batch]]:
-    """The micro-batches of evaluation `number`: eval_iters lists of global / micro each."""
-    count = args.global_batch_size // args.micro_batch_size
-    first = number * args.eval_iters * count
-    return [[micro_batch_at(dataset, args.micro_batch_size, first + i * count + j)
+def evaluation_batches(dataset, number: int, args: argparse.Namespace,
+                       data_parallel_rank: int = 0) -> list[list[Batch]]:
+    """The micro-batches of evaluation `number`: eval_iters lists of global / micro each
+    (with D data-parallel replicas, this replica's share: global / micro / D, split as
+    the training batches are)."""
+    d = getattr(args, "data_parallel_size", 1)
+    count = args.global_batch_size // (args.micro_batch_size * d)
+    first = number * args.eval_iters * count * d
+    return [[micro_batch_at(dataset, args.micro_batch_size,
+                            first + (i * count + j) * d + data_parallel_rank)
              for j in range(count)] for i in range(args.eval_iters)]
 
 
 def evaluate(step: TrainStep, dataset, number: int, args: argparse.Namespace) -> float:
     """Mean lm loss of evaluation `number` on `dataset`."""
-    return step.evaluate(evaluation_batches(dataset, number, args))
+    rank = (parallel_state.get_data_parallel_rank()
+            if parallel_state.model_parallel_is_initialized() else 0)
+    return step.evaluate(evaluation_batches(dataset, number, args, rank))
 
 
 def perplexity(loss: float) -> float:

@@ -13,11 +13,12 @@ import torch.distributed as dist
 
 from megatron.models.llama import LlamaConfig
 from megatron.models.presets import ModelPreset
-from megatron.offload.naming import node_of, resolve_procs_per_node
+from megatron.offload.naming import resolve_procs_per_node
 from megatron.offload.shm_space import DEFAULT_SHM_DIR, free_bytes
 from megatron.optimizer.rounding import state_bytes_per_param
 from megatron.pipeline.config import PipelineConfig
 from megatron.schedules.memory_model import GPU_TERMS, MemoryPlan, plan_memory
+from megatron.schedules.replica_plan import node_of
 from megatron.training.arguments import ArgumentError
 
 GIB = 2**30

@@ -33,6 +33,23 @@ def format_log_line(m: dict[str, Any], train_iters: int) -> str:
     return " | ".join(parts) + " |"
 
 
+def format_bytes(n: float) -> str:
+    """1.50 GiB, 12.00 MiB, 3.00 KiB, 7 B."""
+    for unit, size in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def format_host_memory(m: dict[str, Any]) -> str:
+    """The start-up line on host memory (the metrics fields of the same names)."""
+    return (f"host memory per process: optimizer state (master, exp_avg, exp_avg_sq) "
+            f"{format_bytes(m['host_optimizer_state_bytes'])}, gradient pool "
+            f"{format_bytes(m['host_gradient_pool_bytes'])}; parameters in shared memory per "
+            f"node {format_bytes(m['shared_memory_bytes_per_node'])} (the largest process, "
+            f"the largest node)")
+
+
 def format_duration(seconds: float) -> str:
     """H:MM:SS (days as hours)."""
     whole = max(0, int(round(seconds)))

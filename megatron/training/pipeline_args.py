@@ -104,7 +104,7 @@ def generate_schedule(args: argparse.Namespace, world_size: int, vocab_size: int
     if split is None:
         split = 2 if name == "decoupled" and args.num_layers >= 2 * stages else 1
     partition = resolve_partition(args, stages, vocab_size, min_layers=split)
-    micro_batches = args.global_batch_size // args.micro_batch_size
+    micro_batches = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
     try:
         schedule = build_schedule(name, world_size, stages, split, micro_batches, partition,
                                   backward_ratio=RECOMPUTE_BACKWARD_RATIO)
@@ -133,7 +133,8 @@ def load_schedule_file(args: argparse.Namespace, world_size: int) -> Schedule:
     except ValueError as exc:
         raise ScheduleFileError(path, str(exc)) from None
     run = {"ranks": world_size,
-           "micro_batches": args.global_batch_size // args.micro_batch_size,
+           "micro_batches": args.global_batch_size // (args.micro_batch_size
+                                                        * args.data_parallel_size),
            "forward_stages": args.forward_stages, "backward_split": args.backward_split,
            "partition": tuple(args.stage_layers) if args.stage_layers else None,
            "name": args.pipeline_schedule}
@@ -187,6 +188,8 @@ def pipeline_config(args: argparse.Namespace, world_size: int, vocab_size: int) 
         record_timeline_at=record,
         p2p_check=args.p2p_check,
         subgroups=subgroup_settings(args),
+        data_parallel_size=args.data_parallel_size,
+        zero_stage=args.zero_stage,
     )
 
 

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
 from megatron.models.llama import Batch, LlamaConfig
 from megatron.models.presets import ModelPreset
+from megatron.offload.naming import resolve_procs_per_node
 from megatron.pipeline.assembly import Pipeline
+from megatron.pipeline.config import PipelineConfig
 from megatron.pipeline.host_group import host_group
 from megatron.schedules.cost_model import backward_stage_params, calibrated_costs
 from megatron.schedules.simulator import SimResult, simulate
@@ -28,9 +31,10 @@ class PipelineTrainStep:
     def __init__(self, model_cfg: LlamaConfig, args: argparse.Namespace, dist_info) -> None:
         self.rank = dist_info.rank
         self.model_cfg = model_cfg
-        self.config = pipeline_config(args, dist_info.world_size, model_cfg.vocab_size)
+        self.config = pipeline_config(args, dist_info.pipeline_size, model_cfg.vocab_size)
         self.timeline_paths = (args.timeline, args.trace)
-        refuse_what_does_not_fit(self.config, model_cfg, self.rank, host_group())
+        fit_config, fit_rank = per_pipeline(self.config, dist_info)
+        refuse_what_does_not_fit(fit_config, model_cfg, fit_rank, host_group())
         self.pipeline = Pipeline(self.config, model_cfg, self.rank)
 
     def step(self, iteration: int, micro_batches: Sequence[Batch], lr: float,
@@ -42,6 +46,12 @@ class PipelineTrainStep:
         fp16 = self.config.dtype == torch.float16
         return StepResult(report.loss, skipped=r.skipped, grad_norm=r.grad_norm,
                           loss_scale=r.loss_scale if fp16 else None, extra=report.breakdown)
+
+    def host_memory(self) -> dict:
+        """What `format_host_memory` prints (also in every metrics record)."""
+        return {k: self.pipeline.memory[k] for k in (
+            "host_optimizer_state_bytes", "host_gradient_pool_bytes",
+            "shared_memory_bytes_per_node")}
 
     def evaluate(self, batches: Sequence[Sequence[Batch]]) -> float:
         return self.pipeline.evaluate(batches)
@@ -69,6 +79,17 @@ class PipelineTrainStep:
 
     def close(self) -> None:
         self.pipeline.close()
+
+
+def per_pipeline(config: PipelineConfig, dist_info) -> tuple[PipelineConfig, int]:
+    """The memory model's view of a data-parallel run: one pipeline whose nodes hold the
+    replicas' processes (with ZeRO the replicas of a pipeline rank hold its optimizer
+    state once between them, as one process would) and this process's pipeline rank."""
+    d = dist_info.data_parallel_size
+    if d == 1:
+        return config, dist_info.rank
+    procs = resolve_procs_per_node(config.procs_per_node)
+    return replace(config, procs_per_node=max(1, procs // d)), dist_info.rank // d
 
 
 def step_backward_stage_params(step: PipelineTrainStep) -> dict:

@@ -43,7 +43,7 @@ from megatron.training.distributed import initialize_distributed, shutdown_distr
 from megatron.training.evaluation import due, evaluate, evaluation_record, format_evaluation
 from megatron.training.local_step import LocalTrainStep
 from megatron.training.lr_schedule import LRSchedule
-from megatron.training.metrics import MetricsWriter, format_log_line
+from megatron.training.metrics import MetricsWriter, format_host_memory, format_log_line
 from megatron.training.pipeline_args import check_pipeline_args, optimizer_bytes_per_param
 from megatron.training.pipeline_step import PipelineTrainStep
 from megatron.training.plan import configure_automatically, run_plan
@@ -59,12 +59,17 @@ from megatron.training.train_dataset import build_datasets, micro_batch_at
 from megatron.training.train_step import TrainStep
 
 
-def iteration_micro_batches(dataset, iteration: int, args: argparse.Namespace) -> list[Batch]:
+def iteration_micro_batches(dataset, iteration: int, args: argparse.Namespace,
+                            data_parallel_rank: int = 0) -> list[Batch]:
     """Micro-batches of `iteration` (1-based): a fixed slice of the sample order, so every
-    process of a pipeline and every resumed run sees the same data."""
-    count = args.global_batch_size // args.micro_batch_size
-    first = (iteration - 1) * count
-    return [micro_batch_at(dataset, args.micro_batch_size, first + j) for j in range(count)]
+    process of a pipeline and every resumed run sees the same data. With data
+    parallelism, this replica's share, as Megatron's sampler splits a global batch: step
+    j of the D replicas takes the j-th D micro-batches, replica r the r-th of them."""
+    d = getattr(args, "data_parallel_size", 1)
+    count = args.global_batch_size // (args.micro_batch_size * d)
+    first = (iteration - 1) * count * d
+    return [micro_batch_at(dataset, args.micro_batch_size, first + j * d + data_parallel_rank)
+            for j in range(count)]
 
 
 def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> LlamaConfig:
@@ -154,10 +159,14 @@ def train(args: argparse.Namespace, dist_info, on_step=None) -> list[dict]:
     metrics. Callable several times in one job (bench/schedules.py runs each schedule);
     `on_step(train_step)` is called once the train step is built."""
     start_time = time.time()
+    if args.data_parallel_size != dist_info.data_parallel_size:
+        raise ArgumentError("--data-parallel-size", args.data_parallel_size,
+                            f"this job's process groups were built for "
+                            f"{dist_info.data_parallel_size}")
     # --pipeline-model-parallel-size is checked on one process too: a launch that forgot
     # torchrun must not train the whole model locally instead
     if runs_pipeline(args, dist_info.world_size) or args.pipeline_model_parallel_size:
-        check_pipeline_args(args, dist_info.world_size)
+        check_pipeline_args(args, dist_info.pipeline_size)
     check_load_dir(args)  # the checks that create nothing first
     check_scalar_sinks(args)
     check_output_paths(args)
@@ -208,9 +217,12 @@ def train(args: argparse.Namespace, dist_info, on_step=None) -> list[dict]:
         log(f"training {args.model_preset or 'custom'} model: {args.train_iters} iterations, "
             f"{args.global_batch_size // args.micro_batch_size} micro-batches of "
             f"{args.micro_batch_size} x {args.seq_length} tokens, {dtype_name(args)}")
+        if isinstance(step, PipelineTrainStep):
+            log(format_host_memory(step.host_memory()))
         stopped = None
         for iteration in range(start_iteration + 1, args.train_iters + 1):
-            micro_batches = iteration_micro_batches(datasets.train, iteration, args)
+            micro_batches = iteration_micro_batches(datasets.train, iteration, args,
+                                                    dist_info.data_parallel_rank)
             t0 = time.perf_counter()
             result = step.step(iteration, micro_batches, schedule.lr, schedule.weight_decay)
             elapsed = time.perf_counter() - t0
@@ -328,7 +340,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.auto_config:
             args = configure_automatically(args)
-        dist_info = initialize_distributed()
+        dist_info = initialize_distributed(data_parallel_size=args.data_parallel_size)
         try:
             train(args, dist_info)
         finally:
