@@ -18,10 +18,10 @@ from megatron.models.presets import ModelPreset, get_preset
 from megatron.schedules.cost_model import backward_stage_params
 from megatron.schedules.generators import build_schedule
 from megatron.schedules.hardware import get_hardware
+from megatron.schedules.instructions import Op
 from megatron.schedules.memory_model import (
     layer_saved_bytes,
     plan_memory,
-    received_checkpoints,
     shortfalls,
 )
 
@@ -131,9 +131,11 @@ def test_memory_model_matches_the_runtime_on_two_processes(tmp_path):
         # Host: the optimizer states and offloaded gradients of its stages, plus (the CPU
         # device layer lives in host memory) the device buffers that persist after the step.
         held = (sum(plan.per_process[rank].values()) + gpu["parameter_slots"]
-                + gpu["gradient_buffers"] + plan.kept_checkpoint_bytes[rank])
+                + gpu["gradient_buffers"])
         probe = probes[rank]
         close(held, probe["rss_anon_after"] - probe["rss_anon_before"], (rank, "host"))
     created = sum(p["created_segment_bytes"] for p in probes)  # one node
     close(plan.per_node[0]["shm_parameters"], created, "shm")
-    assert received_checkpoints(schedule, 0) > 0
+    # The run received checkpoints and sent some (both lifetimes are covered above).
+    assert any(i.op == Op.IRECV_CKPT for i in schedule.programs[0])
+    assert any(i.op == Op.ISEND_CKPT for p in schedule.programs for i in p)

@@ -134,8 +134,6 @@ class PipelineExecutor:
         self.loss_scale_fn = loss_scale_fn
         self.inject_overflow = inject_overflow
         self._kept_act_ckpts = _act_ckpts_kept_locally(self.program)
-        self._received_act_ckpts = frozenset(
-            (i.stage, i.sub, i.mb) for i in self.program if i.op == Op.IRECV_CKPT)
         self._fail_at = _failure_to_inject(rank)
         self.last_stage = schedule.forward_stages - 1
         # Deferred corrections of the previous iteration, by owned stage (see _rollback_if_overflow).
@@ -178,6 +176,7 @@ class PipelineExecutor:
                     f"rank {self.rank}: instruction {index} ({instr}) of iteration {iteration} "
                     f"failed: {type(exc).__name__}: {exc}"
                 ) from exc
+            self._forget_sent_checkpoints()
             self._observe_memory()
             if before is not None:
                 computed.append((instr, before, self.device.compute_stream.record_event()))
@@ -319,6 +318,19 @@ class PipelineExecutor:
         tensor = self._act_ckpts.pop((instr.stage, instr.sub, instr.mb))
         self._isends.append((self.p2p.isend(instr, tensor), tensor))
 
+    def _forget_sent_checkpoints(self) -> None:
+        """Drop the checkpoints whose isend has completed, so a sent checkpoint occupies
+        the device only while it is in flight. `is_completed` only queries (NCCL: a CUDA
+        event query), it never waits."""
+        if self._isends and any(work.is_completed() for work, _ in self._isends):
+            in_flight = []
+            for work, tensor in self._isends:
+                if work.is_completed():
+                    work.wait()  # returns at once; raises if the send failed
+                else:
+                    in_flight.append((work, tensor))
+            self._isends = in_flight
+
     def _irecv_act_ckpt(self, instr: Instruction) -> None:
         self._pending_act_ckpts[(instr.stage, instr.sub, instr.mb)] = self.p2p.irecv(instr)
 
@@ -386,11 +398,10 @@ class PipelineExecutor:
     def _observe_memory(self, working: int = 0) -> None:
         """Report what this rank holds on the device now (see MemoryBook)."""
         upcast = self.offloader.scratch_nbytes
-        # Received checkpoints live in the p2p layer's kept receive buffers; the others are
-        # held from their forward until their local backward or the end of their isend.
-        checkpoints = self.p2p.buffer_nbytes
-        checkpoints += sum(t.nbytes for key, t in self._act_ckpts.items()
-                           if key not in self._received_act_ckpts)
+        # Held from their forward (or the posting of their receive) until their backward
+        # has used them, or, when sent, until the isend has completed.
+        checkpoints = sum(t.nbytes for t in self._act_ckpts.values())
+        checkpoints += sum(buffer.nbytes for _, buffer in self._pending_act_ckpts.values())
         checkpoints += sum(t.nbytes for _, t in self._isends)
         activations = sum(t.nbytes for t in self._acts.values())
         activations += sum(t.nbytes for t in self._grads.values() if t is not None)

@@ -51,6 +51,8 @@ def _describe(identity: tuple[int, ...]) -> str:
 class Waitable(Protocol):
     def wait(self) -> bool: ...
 
+    def is_completed(self) -> bool: ...
+
 
 class _CheckedWork:
     """A header and its tensor in flight: wait() waits for both, then checks. It holds the
@@ -66,6 +68,9 @@ class _CheckedWork:
         self._check()
         return True
 
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self._works)
+
 
 class PointToPoint:
     """Sends and receives [s, b, h] tensors between pipeline ranks."""
@@ -78,18 +83,10 @@ class PointToPoint:
         self.device = device
         self.rank = rank
         self.checked = checked
-        # Receive buffers for activation checkpoints, reused every iteration: the
-        # communication plan of a schedule is the same in every iteration.
-        self._ckpt_buffers: dict[tuple, torch.Tensor] = {}
         self._headers: dict[tuple, torch.Tensor] = {}
 
     def _global(self, peer: int) -> int:
         return peer if self.peers is None else self.peers[peer]
-
-    @property
-    def buffer_nbytes(self) -> int:
-        """Device memory of the kept checkpoint receive buffers."""
-        return sum(buffer.nbytes for buffer in self._ckpt_buffers.values())
 
     def empty(self) -> torch.Tensor:
         return torch.empty(self.shape.shape, dtype=self.shape.dtype, device=self.device)
@@ -135,10 +132,9 @@ class PointToPoint:
         return _CheckedWork(works, lambda: None, (header, tensor))
 
     def irecv(self, instr: Instruction) -> tuple[Waitable, torch.Tensor]:
-        key = instr.tensor_key
-        buffer = self._ckpt_buffers.get(key)
-        if buffer is None:
-            buffer = self._ckpt_buffers[key] = self.empty()
+        # A buffer of its own, dropped once its backward has used it (the allocator
+        # reuses the memory): only the checkpoints in use occupy the device.
+        buffer = self.empty()
         if not self.checked:
             return dist.irecv(buffer, src=self._global(instr.peer), tag=TAG), buffer
         header = self._header_buffer(instr)

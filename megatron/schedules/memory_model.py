@@ -11,8 +11,8 @@ Per GPU (the device layer's categories, `MEMORY_CATEGORIES`):
   (the validator's peak) plus one, as large as the largest owned stage; on a GPU also the
   fp32 upcast scratch of the gradient offload;
 - activation_checkpoints: checkpoints held at once (AFAB keeps every micro-batch's until
-  its backward): the validator's residency bound, or the runtime's policy of kept receive
-  buffers when larger (`checkpoint_buffers`), each micro-batch x sequence x hidden;
+  its backward): the validator's residency bound plus the sent ones still in flight
+  (`checkpoints_held`), each micro-batch x sequence x hidden;
 - activations: AWM, what autograd saves while one backward stage is recomputed (the
   largest the rank runs), plus the activation and gradient messages in flight;
 - optimizer_subgroups: the device's share of the optimizer step: two subgroup slots
@@ -63,7 +63,6 @@ class MemoryPlan:
     per_node: tuple[dict[str, int], ...]
     per_process: tuple[dict[str, int], ...]  # each rank's share of the node's host terms
     procs_per_node: int
-    kept_checkpoint_bytes: tuple[int, ...] = ()  # receive buffers each rank keeps for the run
 
     @property
     def pinned_per_process(self) -> tuple[int, ...]:
@@ -137,37 +136,18 @@ def _stages_updating_subgroups(schedule: Schedule, rank: int) -> set[BackwardSta
             if ins.op == Op.OPTIMIZER_START_SUBGROUPS}
 
 
-def received_checkpoints(schedule: Schedule, rank: int) -> int:
-    """Receive buffers the runtime keeps for the whole run: one per IRECV_CKPT (the
-    transfer plan is the same every iteration)."""
-    return len({ins.tensor_key for ins in schedule.programs[rank] if ins.op == Op.IRECV_CKPT})
-
-
-def checkpoint_buffers(schedule: Schedule, rank: int) -> int:
+def checkpoints_held(schedule: Schedule, rank: int,
+                     report: ValidationReport | None = None) -> int:
     """Activation checkpoints the runtime holds at most on `rank`, in checkpoints.
 
-    Received checkpoints land in receive buffers kept for the whole run (the transfer plan
-    is the same every iteration), one per IRECV_CKPT of the program; a checkpoint a forward
-    produces is kept when a local backward or an ISEND_CKPT needs it, until that backward
-    consumes it or, when sent, until the end of the iteration (the isend's tensor lives
-    until its wait). The validator's residency bound counts the same checkpoints but frees
-    received ones after use; this is the runtime's policy on top of the same program.
+    The validator's residency bound: a checkpoint is held from its forward (or from the
+    posting of its receive) until its backward has used it. A sent one is dropped when its
+    isend completes rather than at the ISEND_CKPT itself; the receiver posts its receive
+    early, so one send in flight is allowed for.
     """
-    program = schedule.programs[rank]
-    received = {ins.tensor_key for ins in program if ins.op == Op.IRECV_CKPT}
-    needed = {ins.tensor_key for ins in program if ins.op == Op.ISEND_CKPT}
-    needed |= {("ckpt", ins.stage, ins.sub, ins.mb) for ins in program
-               if ins.op == Op.BACKWARD and (ins.stage, ins.sub) != (0, 0)}
-    needed -= received
-    held = peak = 0
-    for ins in program:
-        if ins.op == Op.FORWARD:
-            held += sum(1 for sub in range(schedule.backward_split)
-                        if ("ckpt", ins.stage, sub, ins.mb) in needed)
-        elif ins.op == Op.BACKWARD and ("ckpt", ins.stage, ins.sub, ins.mb) in needed:
-            held -= 1  # consumed here (a sent one stays held by its isend)
-        peak = max(peak, held)
-    return received_checkpoints(schedule, rank) + peak
+    report = report if report is not None else validate(schedule)
+    sends = any(ins.op == Op.ISEND_CKPT for ins in schedule.programs[rank])
+    return report.peak_checkpoints[rank] + int(sends)
 
 
 def plan_memory(schedule: Schedule, model: ModelPreset, micro_batch_size: int,
@@ -221,8 +201,7 @@ def plan_memory(schedule: Schedule, model: ModelPreset, micro_batch_size: int,
             "parameter_slots": slots * max(params[b] for b in used) * param_bytes,
             "gradient_buffers": gradient_buffers + upcast,
             "optimizer_subgroups": on_device,
-            "activation_checkpoints": max(report.peak_checkpoints[rank],
-                                          checkpoint_buffers(schedule, rank)) * message,
+            "activation_checkpoints": checkpoints_held(schedule, rank, report) * message,
             "activations": max((saved[b] for b in owned), default=0) + 2 * message,
             "operator_working": largest_operator if owned else 0,
         })
@@ -244,8 +223,7 @@ def plan_memory(schedule: Schedule, model: ModelPreset, micro_batch_size: int,
                for term in ("optimizer_states", "host_gradients")},
             "process_baseline": baseline * len(ranks),
         })
-    kept = tuple(received_checkpoints(schedule, rank) * message for rank in range(schedule.ranks))
-    return MemoryPlan(tuple(per_gpu), tuple(per_node), tuple(per_process), per_node_procs, kept)
+    return MemoryPlan(tuple(per_gpu), tuple(per_node), tuple(per_process), per_node_procs)
 
 
 @dataclass(frozen=True)
