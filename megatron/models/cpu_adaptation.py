@@ -33,7 +33,7 @@ def import_megatron_core() -> None:
     (megatron/core/jit.py), which imports the dynamo and inductor stack: about 2 s of
     every process start, for kernels that only a GPU compiles. Without CUDA the helpers
     stay plain functions (the same arithmetic, run eagerly). Our packages that use
-    megatron-core call this first (megatron/models and megatron/training __init__).
+    megatron-core call this first (megatron/training/__init__.py).
     """
     if "megatron.core" in sys.modules or torch.cuda.is_available():
         return
