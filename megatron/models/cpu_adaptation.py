@@ -13,9 +13,36 @@ nothing is patched.
 
 from __future__ import annotations
 
+import importlib
+import sys
+from collections.abc import Callable
+
 import torch
 
 _adapted = False
+
+
+def _not_compiled(fn: Callable | None = None, **_options) -> Callable:
+    return fn if fn is not None else (lambda f: f)
+
+
+def import_megatron_core() -> None:
+    """Import megatron-core once per process, without torch.compile when CUDA is absent.
+
+    Importing megatron-core wraps its fused element-wise helpers in torch.compile
+    (megatron/core/jit.py), which imports the dynamo and inductor stack: about 2 s of
+    every process start, for kernels that only a GPU compiles. Without CUDA the helpers
+    stay plain functions (the same arithmetic, run eagerly). Our packages that use
+    megatron-core call this first (megatron/training/__init__.py).
+    """
+    if "megatron.core" in sys.modules or torch.cuda.is_available():
+        return
+    compile_ = torch.compile
+    torch.compile = _not_compiled
+    try:
+        importlib.import_module("megatron.core")
+    finally:
+        torch.compile = compile_
 
 
 def _cpu_current_device() -> str:
