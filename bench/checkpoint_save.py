@@ -22,7 +22,6 @@ import json
 import os
 import platform
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -31,6 +30,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.spread import spread  # noqa: E402
 from megatron.training.checkpoint_state import EXP_AVG, EXP_AVG_SQ, MASTER, OwnedState  # noqa: E402
 from megatron.training.checkpointing import CheckpointSaver, iteration_dir  # noqa: E402
 
@@ -44,10 +44,6 @@ def make_state(params: int) -> OwnedState:
         for prefix in (MASTER, EXP_AVG, EXP_AVG_SQ):
             tensors[f"{prefix}decoder.layers.{i}.weight"] = torch.randn(n)
     return OwnedState(tensors, optimizer_step=1, loss_scaler=None)
-
-
-def summary(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def main() -> int:
@@ -93,7 +89,7 @@ def main() -> int:
         "bytes": state.nbytes, "rounds": args.rounds,
         "machine": f"{platform.machine()} {os.cpu_count()} cores, {platform.platform()}",
         "date": time.strftime("%Y-%m-%d"),
-        **{k: summary(v) for k, v in times.items()},
+        **{k: spread(v) for k, v in times.items()},
     }
     result["sync_over_async_blocked"] = (result["sync_blocked_s"]["median"]
                                          / result["async_blocked_s"]["median"])

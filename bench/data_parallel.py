@@ -25,6 +25,10 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from bench.spread import spread  # noqa: E402
+
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 
 
@@ -39,10 +43,6 @@ def run(nproc: int, flags: list[str], extra: list[str], out: str) -> list[dict]:
         raise SystemExit(f"{' '.join(cmd)} failed with {proc.returncode}")
     with open(metrics) as f:
         return [row for row in map(json.loads, f) if "evaluation" not in row]
-
-
-def summary(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def main() -> int:
@@ -74,13 +74,13 @@ def main() -> int:
     result = {
         "nproc": own.nproc, "rounds": own.rounds, "flags": flags,
         "configs": {name: {
-            "iteration_s": summary(times[name]),
+            "iteration_s": spread(times[name]),
             "loss": last[name]["loss"],
             "host_optimizer_state_bytes": last[name].get("host_optimizer_state_bytes"),
             "shared_memory_bytes_per_node": last[name].get("shared_memory_bytes_per_node"),
             "bubble_ratio": last[name].get("bubble_ratio"),
         } for name in configs},
-        "data_parallel_speedup": summary(ratios),
+        "data_parallel_speedup": spread(ratios),
     }
     if own.json:
         print(json.dumps(result, indent=1))

@@ -38,6 +38,7 @@ warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.core"
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from bench.spread import spread  # noqa: E402
 from megatron.pipeline.calibration import (  # noqa: E402
     copy_seconds_per_byte,
     optimizer_seconds_per_param,
@@ -141,10 +142,6 @@ def largest_backward_stage_bytes(step) -> int:
     """Bytes of the largest backward stage's parameters in the training dtype."""
     itemsize = torch.empty((), dtype=step.config.dtype).element_size()
     return max(step_backward_stage_params(step).values()) * itemsize
-
-
-def spread(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def summarize(name: str, rows: list[dict], baseline_rows: list[dict] | None) -> dict:
