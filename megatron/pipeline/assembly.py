@@ -278,11 +278,9 @@ class Pipeline:
         self.distributor.distribute(iteration)
         self.last_iteration = iteration
         loss, breakdown = self._breakdown(stats)
-        if stats.events:  # with the pushes that ran during this iteration
-            stats.events.extend(transfer_events(self.distributor.take_transfers(), self.rank,
-                                                stats.origin_host_s))
-        else:
-            self.distributor.take_transfers()
+        transfers = self.distributor.take_transfers()  # the pushes during this iteration
+        if stats.events:
+            stats.events.extend(transfer_events(transfers, self.rank, stats.origin_host_s))
         events = self._gather_events(stats) if stats.events else []
         return StepReport(loss, stats.result, breakdown, events)
 

@@ -14,6 +14,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from megatron.pipeline.data_parallel import ParallelLayout
 from megatron.pipeline.host_group import forget_host_group
 from megatron.training.arguments import ArgumentError
 
@@ -31,9 +32,13 @@ class DistInfo:
         return self.world_size // self.data_parallel_size
 
     @property
+    def layout(self) -> ParallelLayout:
+        """This process's place in the pipeline x data-parallel world."""
+        return ParallelLayout(self.pipeline_size, self.data_parallel_size, self.rank)
+
+    @property
     def data_parallel_rank(self) -> int:
-        """megatron-core's layout: data-parallel ranks vary fastest."""
-        return self.rank % self.data_parallel_size
+        return self.layout.data_parallel_rank
 
 
 def check_data_parallel_size(data_parallel_size: int, world_size: int) -> None:
@@ -91,9 +96,12 @@ def _check_layout(data_parallel_size: int) -> None:
     from megatron.core import parallel_state
 
     rank = dist.get_rank()
-    d = parallel_state.get_data_parallel_world_size()
+    layout = ParallelLayout(dist.get_world_size() // data_parallel_size, data_parallel_size, rank)
+    ours = (layout.pipeline_rank, layout.data_parallel_rank, data_parallel_size)
     found = (parallel_state.get_pipeline_model_parallel_rank(),
-             parallel_state.get_data_parallel_rank())
-    if d == data_parallel_size and found != (rank // d, rank % d):
-        raise RuntimeError(f"rank {rank}: megatron-core places it at (pipeline, data-parallel) "
-                           f"{found}, the runtime at {(rank // d, rank % d)}")
+             parallel_state.get_data_parallel_rank(),
+             parallel_state.get_data_parallel_world_size())
+    if found != ours:
+        raise RuntimeError(f"rank {rank}: megatron-core places it at (pipeline rank, "
+                           f"data-parallel rank, data-parallel size) {found}, the runtime at "
+                           f"{ours}")

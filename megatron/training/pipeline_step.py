@@ -89,7 +89,7 @@ def per_pipeline(config: PipelineConfig, dist_info) -> tuple[PipelineConfig, int
     if d == 1:
         return config, dist_info.rank
     procs = resolve_procs_per_node(config.procs_per_node)
-    return replace(config, procs_per_node=max(1, procs // d)), dist_info.rank // d
+    return replace(config, procs_per_node=max(1, procs // d)), dist_info.layout.pipeline_rank
 
 
 def step_backward_stage_params(step: PipelineTrainStep) -> dict:
