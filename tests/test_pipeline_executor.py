@@ -392,20 +392,25 @@ def test_host_syncs_per_iteration_do_not_grow_with_micro_batches(two_processes, 
             assert [r["host_syncs"] for r in row["per_rank"]] == [1, 2]
 
 
-def test_device_memory_does_not_grow_with_the_backward_stages_a_rank_owns(tmp_path):
+def test_device_memory_does_not_grow_with_the_backward_stages_a_rank_owns(tmp_path,
+                                                                          two_processes):
     """Doubling the layers at two layers per stage doubles the stages every rank runs and
     owns; the device peak may grow only by the extra activation checkpoints (gradient
     buffers are lent per running backward stage, parameters live in a fixed set of slots)."""
     seq, micro_batch, hidden, d, micro_batches, ranks = 32, 2, 64, 2, 4, 2
-    peaks = {}
-    for layers in (8, 16):
-        stages = layers // 2
-        run = launch(tmp_path, f"layers{layers}", ranks, "--num-layers", str(layers),
-                     "--forward-stages", str(stages), "--backward-split", str(d),
-                     "--stage-layers", ",".join(["2"] * stages), "--train-iters", "2",
-                     "--pipeline-schedule", "decoupled")
-        assert run.returncode == 0, run.stderr[-3000:]
-        peaks[layers] = metrics(run)[-1]["per_rank"]
+    # 8 layers: the two-process decoupled run (4 stages of 2 layers, d = 2) is that shape
+    eight = ScheduleRun(two_processes, "decoupled")
+    args = parse_args(args_for_schedule_argv("decoupled", *eight.extra))
+    shape = generate_schedule(args, ranks, vocab_size=_vocab(eight))
+    assert (shape.partition, shape.backward_split) == ((2, 2, 2, 2), d)
+    peaks = {8: metrics(eight)[-1]["per_rank"]}
+    stages = 16 // 2
+    run = launch(tmp_path, "layers16", ranks, "--num-layers", "16",
+                 "--forward-stages", str(stages), "--backward-split", str(d),
+                 "--stage-layers", ",".join(["2"] * stages), "--train-iters", "2",
+                 "--pipeline-schedule", "decoupled")
+    assert run.returncode == 0, run.stderr[-3000:]
+    peaks[16] = metrics(run)[-1]["per_rank"]
     ckpt_bytes = seq * micro_batch * hidden * 4  # one fp32 activation checkpoint
     # Per rank and iteration: d checkpoints per micro-batch of every forward stage it runs,
     # one per micro-batch of every backward stage it owns (received or kept).
