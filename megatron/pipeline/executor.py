@@ -322,14 +322,13 @@ class PipelineExecutor:
         """Drop the checkpoints whose isend has completed, so a sent checkpoint occupies
         the device only while it is in flight. `is_completed` only queries (NCCL: a CUDA
         event query), it never waits."""
-        if self._isends and any(work.is_completed() for work, _ in self._isends):
-            in_flight = []
-            for work, tensor in self._isends:
-                if work.is_completed():
-                    work.wait()  # returns at once; raises if the send failed
-                else:
-                    in_flight.append((work, tensor))
-            self._isends = in_flight
+        in_flight = []
+        for work, tensor in self._isends:
+            if work.is_completed():
+                work.wait()  # returns at once; raises if the send failed
+            else:
+                in_flight.append((work, tensor))
+        self._isends = in_flight
 
     def _irecv_act_ckpt(self, instr: Instruction) -> None:
         self._pending_act_ckpts[(instr.stage, instr.sub, instr.mb)] = self.p2p.irecv(instr)
