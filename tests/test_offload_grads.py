@@ -66,6 +66,23 @@ def test_host_buffers_are_reused_and_the_upcast_scratch_is_not_overwritten_early
         third.release()
 
 
+@pytest.mark.parametrize("kind", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_the_upcast_goes_through_one_chunk_of_device_memory(kind):
+    """Stages larger than the upcast chunk (and not a multiple of it), offloaded back to
+    back: each lands exact, through a scratch of one chunk."""
+    chunk = 1000
+    with get_device(kind) as dev:
+        pool = HostBufferPool(dev, capacity_bytes=4 * (2500 + 3001))
+        offloader = GradientOffloader(dev, pool, host_dtype=torch.float32, upcast_chunk=chunk)
+        grads = [torch.randn(n).bfloat16() for n in (2500, 3001)]
+        ready = [offloader.offload((0, i), g.to(dev.torch_device)) for i, g in enumerate(grads)]
+        for landed, g in zip(ready, grads):
+            landed.wait()
+            assert torch.equal(landed.host, g.float())
+            landed.release()
+        assert offloader.scratch_nbytes == 4 * chunk
+
+
 def test_failed_pinning_falls_back_to_pageable_memory_with_one_warning(monkeypatch):
     monkeypatch.setattr(host_memory, "_warned_pin_failure", False)
 

@@ -22,6 +22,7 @@ import torch
 from megatron.offload.device import DeviceLayer, Event
 from megatron.offload.host_memory import HostBufferPool
 from megatron.schedules.instructions import BackwardStage
+from megatron.schedules.memory_model import UPCAST_CHUNK
 
 
 @dataclass
@@ -54,7 +55,11 @@ def default_grad_host_dtype(device: DeviceLayer, training_dtype: torch.dtype) ->
 class GradientOffloader:
     """Copies flat device gradients to host buffers on the D2H stream.
 
-    `host_dtype=None` picks `default_grad_host_dtype(device, training_dtype)`.
+    `host_dtype=None` picks `default_grad_host_dtype(device, training_dtype)`. An upcast
+    (16-bit gradients, fp32 host buffers) runs on the D2H stream too, `upcast_chunk`
+    elements at a time through one device scratch of that size: each chunk is converted,
+    then copied, and the stream's order frees the scratch for the next chunk, so the device
+    holds a chunk, not a whole stage, and the compute stream never waits for it.
     """
 
     def __init__(
@@ -63,6 +68,7 @@ class GradientOffloader:
         pool: HostBufferPool,
         host_dtype: torch.dtype | None = None,
         training_dtype: torch.dtype = torch.bfloat16,
+        upcast_chunk: int = UPCAST_CHUNK,
     ) -> None:
         if host_dtype is None:
             host_dtype = default_grad_host_dtype(device, training_dtype)
@@ -71,27 +77,22 @@ class GradientOffloader:
         self.device = device
         self.pool = pool
         self.host_dtype = host_dtype
-        self._upcast: torch.Tensor | None = None  # device scratch for the fp32 upcast
-        self._upcast_free: Event | None = None  # the last D2H copy out of the scratch is done
+        if upcast_chunk < 1:
+            raise ValueError(f"upcast_chunk={upcast_chunk}: expected >= 1")
+        self.upcast_chunk = upcast_chunk
+        self._upcast: torch.Tensor | None = None  # device scratch, used on the D2H stream only
 
     @property
     def scratch_nbytes(self) -> int:
         """Device memory of the upcast scratch (0 when gradients go to the host as they are)."""
         return 0 if self._upcast is None else self._upcast.nbytes
 
-    def _device_source(self, grads: torch.Tensor) -> torch.Tensor:
-        """The device tensor to copy: `grads`, or its upcast in a reused scratch buffer."""
-        if grads.dtype == self.host_dtype:
-            return grads
-        if self._upcast is None or self._upcast.numel() < grads.numel():
-            self._upcast = self.device.empty(grads.numel(), self.host_dtype)
-            self._upcast_free = None
-        if self._upcast_free is not None:
-            self.device.compute_stream.wait_event(self._upcast_free)
-        scratch = self._upcast[: grads.numel()]
-        with self.device.on(self.device.compute_stream):
-            scratch.copy_(grads)
-        return scratch
+    def _scratch(self) -> torch.Tensor:
+        """The upcast scratch: one chunk, allocated once (never regrown, so no queued
+        conversion can outlive the memory it writes)."""
+        if self._upcast is None:
+            self._upcast = self.device.empty(self.upcast_chunk, self.host_dtype)
+        return self._upcast
 
     def offload(self, key: BackwardStage, grads: torch.Tensor) -> GradientsReady:
         """Queue the D2H copy of a stage's accumulated flat gradients (after compute)."""
@@ -99,12 +100,18 @@ class GradientOffloader:
             raise ValueError(
                 f"stage {key}: expected flat gradients, got shape {tuple(grads.shape)}"
             )
-        source = self._device_source(grads)
         computed = self.device.compute_stream.record_event()
         host = self.pool.acquire(grads.numel(), self.host_dtype)
         stream = self.device.d2h_stream
         stream.wait_event(computed)
-        event = self.device.copy_async(host, source, stream)
-        if source is not grads:
-            self._upcast_free = event
+        if grads.dtype == self.host_dtype:
+            event = self.device.copy_async(host, grads, stream)
+            return GradientsReady(key, host, event, self.pool)
+        scratch = self._scratch()
+        for lo in range(0, grads.numel(), self.upcast_chunk):
+            hi = min(lo + self.upcast_chunk, grads.numel())
+            part = scratch[:hi - lo]
+            # the conversion: a kernel on the D2H stream, after the previous chunk's copy
+            stream.submit(lambda part=part, lo=lo, hi=hi: part.copy_(grads[lo:hi]))
+            event = self.device.copy_async(host[lo:hi], part, stream)
         return GradientsReady(key, host, event, self.pool)

@@ -9,7 +9,7 @@ Per GPU (the device layer's categories, `MEMORY_CATEGORIES`):
   large as the largest backward stage the rank computes, in the working dtype;
 - gradient_buffers: one buffer per backward stage whose gradients are in flight at once
   (the validator's peak) plus one, as large as the largest owned stage; on a GPU also the
-  fp32 upcast scratch of the gradient offload;
+  fp32 upcast scratch of the gradient offload (one chunk of UPCAST_CHUNK elements);
 - activation_checkpoints: checkpoints held at once (AFAB keeps every micro-batch's until
   its backward): the validator's residency bound plus the sent ones still in flight
   (`checkpoints_held`), each micro-batch x sequence x hidden;
@@ -46,6 +46,10 @@ from .instructions import WHOLE_STAGE, BackwardStage, Op, Schedule
 from .partition import sub_stage_layers
 from .subgroup_memory import RESIDENT_BYTES_PER_PARAM, planned_subgroup_size, subgroup_slots_bytes
 from .validator import ValidationReport, validate
+
+# Elements the gradient offload upcasts to fp32 at a time, through one device scratch
+# (megatron/offload/grad_offload.py): 64 MiB, against 4 bytes per parameter of a whole stage.
+UPCAST_CHUNK = 1 << 24
 
 GPU_TERMS = ("parameter_slots", "gradient_buffers", "activation_checkpoints", "activations",
              "optimizer_subgroups", "operator_working")
@@ -184,7 +188,7 @@ def plan_memory(schedule: Schedule, model: ModelPreset, micro_batch_size: int,
         largest_owned = max((params[b] for b in owned), default=0)
         slots = max(2, report.peak_params[rank])
         buffers = min(report.peak_gradients[rank] + 1, max(1, len(owned))) if owned else 0
-        upcast = largest_owned * grad_host_bytes if grad_host_bytes != param_bytes else 0
+        upcast = UPCAST_CHUNK * grad_host_bytes if grad_host_bytes != param_bytes else 0
         head = schedule.head in owned
         largest_operator = max(tokens * vocab * FP32 if head else 0,
                                tokens * 2 * model.ffn_hidden_size * param_bytes)
