@@ -156,7 +156,8 @@ class Instruction:
     role: str = field(default="")
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "op", Op(self.op))
+        if type(self.op) is not Op:  # a string from a schedule file; programs build millions
+            object.__setattr__(self, "op", Op(self.op))
         expected = OP_SPECS[self.op].moves
         if self.role and self.role != expected:
             raise ValueError(f"role {self.role!r} does not match op {self.op.value}")

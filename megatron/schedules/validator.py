@@ -68,6 +68,7 @@ class _Checker(Interpreter):
         ranks = range(schedule.ranks)
         self.resident = [set() for _ in ranks]
         self.tensors = [set() for _ in ranks]  # available tensor keys per rank
+        self.held_ckpts = [0 for _ in ranks]  # the "ckpt" keys among them
         self.posted_irecvs = [set() for _ in ranks]
         self.peak_params = [0 for _ in ranks]
         self.peak_ckpts = [0 for _ in ranks]
@@ -93,11 +94,15 @@ class _Checker(Interpreter):
         if key not in self.tensors[rank]:
             self._fail(rank, index, ins, RULE_INPUT, f"{what} {key[0]}{key[1:]} is not on this rank")
         self.tensors[rank].remove(key)
+        self.held_ckpts[rank] -= key[0] == "ckpt"
+
+    def _hold(self, rank: int, key: tuple) -> None:
+        self.tensors[rank].add(key)
+        self.held_ckpts[rank] += key[0] == "ckpt"
 
     def _measure(self, rank: int) -> None:
         self.peak_params[rank] = max(self.peak_params[rank], len(self.resident[rank]))
-        held = sum(1 for key in self.tensors[rank] if key[0] == "ckpt")
-        held += len(self.posted_irecvs[rank])
+        held = self.held_ckpts[rank] + len(self.posted_irecvs[rank])
         self.peak_ckpts[rank] = max(self.peak_ckpts[rank], held)
 
     def _compute(self, rank: int, index: int, ins: Instruction) -> None:
@@ -127,10 +132,10 @@ class _Checker(Interpreter):
             self._fail(rank, index, ins, RULE_PARAMS, f"parameters of {missing} not prefetched")
         if ins.op == Op.FORWARD:
             if ins.stage + 1 < s.forward_stages:
-                self.tensors[rank].add(("act", ins.stage, -1, ins.mb))
+                self._hold(rank, ("act", ins.stage, -1, ins.mb))
             for sub in range(0 if s.forward_only else s.backward_split):
                 if (ins.stage, sub) != (0, 0):
-                    self.tensors[rank].add(("ckpt", ins.stage, sub, ins.mb))
+                    self._hold(rank, ("ckpt", ins.stage, sub, ins.mb))
             return
         if b != (0, 0):
             self._take(rank, index, ins, ("ckpt", *b, ins.mb), "checkpoint")
@@ -138,7 +143,7 @@ class _Checker(Interpreter):
         if after is not None:
             self._take(rank, index, ins, ("grad", *after, ins.mb), "incoming gradient")
         if s.previous_backward_stage(b) is not None:
-            self.tensors[rank].add(("grad", *b, ins.mb))
+            self._hold(rank, ("grad", *b, ins.mb))
         if self.backward_counts[rank][b] == 0:
             self.live_gradients[rank] += 1
             self.peak_gradients[rank] = max(self.peak_gradients[rank], self.live_gradients[rank])
@@ -177,7 +182,7 @@ class _Checker(Interpreter):
             self._fail(rank, index, ins, RULE_INPUT, "checkpoint sent by another rank")
         self.posted_irecvs[rank].remove(ins.tensor_key)
         self.waited.add(ins.tensor_key)
-        self.tensors[rank].add(ins.tensor_key)
+        self._hold(rank, ins.tensor_key)
 
     def _offload(self, rank: int, index: int, ins: Instruction) -> None:
         s = self.schedule
@@ -221,7 +226,7 @@ class _Checker(Interpreter):
     def _transfer(self, sender: int, send_index: int, receiver: int) -> None:
         ins = self.schedule.programs[sender][send_index]
         self._take(sender, send_index, ins, ins.tensor_key, "sent tensor")
-        self.tensors[receiver].add(ins.tensor_key)
+        self._hold(receiver, ins.tensor_key)
         self._measure(receiver)
 
     # A receive is checked together with its send, in the rendezvous.
