@@ -48,11 +48,12 @@ def candidates(args: argparse.Namespace, world: int) -> list[dict]:
     """The search's top five and the default configuration, with their predictions."""
     hardware = plan_hardware(args)
     args.gpus_per_node, args.nodes = world, 1
-    found = search(args, hardware)
+    found = search(args, hardware).ranked
     rows = [dict(e.summary(), label=f"candidate {i + 1}", config=e.config)
             for i, e in enumerate(found[:5])]
     default = simulated(args, evaluate(args, base_configuration(args), hardware, False), hardware)
-    shape = ("schedule", "forward_stages", "backward_split", "micro_batch_size")
+    shape = ("schedule", "forward_stages", "backward_split", "micro_batch_size",
+             "optimizer_gpu_stride")
     if all(any(r[k] != default.summary()[k] for k in shape) for r in rows):
         rows.append(dict(default.summary(), label="default", config=default.config))
     return rows

@@ -94,6 +94,43 @@ def uniform_costs(
     )
 
 
+def iteration_lower_bound(schedule: Schedule, costs: CostModel, cpu_share: float = 1.0,
+                          steps_after_all_compute: bool = False) -> float:
+    """A time no simulation of this shape goes under, from the assignment alone (the
+    programs are not needed). Every rank: it cannot compute before the forward stages ahead
+    of its first stage have run once for a micro-batch; it then runs its own forwards and
+    backwards, every micro-batch, one at a time; after its last compute, that micro-batch's
+    backward still passes through every stage below, one after the other, or, when the last
+    compute is a backward, that stage's CPU update runs (its CPU lane runs them one at a
+    time too). `cpu_share`: the least part of an update left on the CPU (1 - 1/k with device
+    subgroups every k-th); `steps_after_all_compute`: the programs start the updates after a
+    collective that follows every rank's compute (the synchronous optimizer)."""
+    ahead = [0.0]
+    for t in costs.forward:
+        ahead.append(ahead[-1] + t)
+    behind: dict[BackwardStage, float] = {}  # a micro-batch's backward after this stage's
+    below = 0.0
+    for b in sorted(schedule.backward_stages()):
+        behind[b] = below
+        below += costs.backward[b] + costs.recompute[b]
+    compute_end, updates = 0.0, 0.0
+    for rank in range(schedule.ranks):
+        forwards = [i for i, r in enumerate(schedule.forward_rank) if r == rank]
+        owned = schedule.owned_by(rank)
+        if not forwards and not owned:
+            continue
+        work = (sum(costs.forward[i] for i in forwards)
+                + sum(costs.backward[b] + costs.recompute[b] for b in owned))
+        start = ahead[min([*forwards, *(b.stage for b in owned)])]
+        after = min([*(behind[BackwardStage(i, 0)] for i in forwards),
+                     *(max(behind[b], cpu_share * costs.optimizer[b]) for b in owned)])
+        compute_end = max(compute_end, start + schedule.micro_batches * work + after)
+        cpu = cpu_share * sum(costs.optimizer[b] for b in owned)
+        updates = max(updates, cpu)
+        compute_end = max(compute_end, start + cpu)
+    return compute_end + updates if steps_after_all_compute else compute_end
+
+
 def layer_forward_flops_per_token(preset: ModelPreset, seq_length: int) -> float:
     """2 flops per weight plus attention scores and weighted sum (4 * s * h)."""
     vocab = preset.vocab_size or 32000

@@ -152,6 +152,7 @@ def build_schedule(
     micro_batches: int,
     partition: list[int] | tuple[int, ...] | None = None,
     backward_ratio: float = PAPER_BACKWARD_RATIO,
+    lower: bool = True,
 ) -> Schedule:
     """One training iteration of schedule `name` for every rank.
 
@@ -160,6 +161,8 @@ def build_schedule(
     backward_ratio: expected (backward + recompute) / forward time of a stage; it decides
     where blocking sends/receives sit so that they rarely stall (2 as in SysX's figures;
     3 when the recompute is a full extra forward). Any value gives a valid schedule.
+    lower: False gives the shape only (assignment and partition, no programs), checked the
+    same way: what a planner can bound before paying for the programs.
     Raises ValueError with a one-line message on inconsistent arguments.
     """
     _check_common(name, ranks, forward_stages, backward_split, micro_batches)
@@ -172,14 +175,23 @@ def build_schedule(
     if name == "decoupled":
         backward_rank = decoupled_assignment(ranks, forward_stages, backward_split)
         orders = _decoupled_orders(ranks, forward_stages, micro_batches, backward_rank)
-        mode = POST_STEP_OPTIMIZER
     else:
         backward_rank = _coupled_backward(forward_rank)
         orders = _COUPLED_ORDERS[name](ranks, forward_stages, micro_batches)
-        mode = SYNCHRONOUS_OPTIMIZER
     shape = Schedule(name, ranks, forward_stages, backward_split, micro_batches, partition,
                      forward_rank, backward_rank, programs=())
-    return Schedule(**{**vars(shape), "programs": build_programs(shape, orders, mode, backward_ratio)})
+    if not lower:
+        return shape
+    return Schedule(**{**vars(shape), "programs": build_programs(shape, orders,
+                                                                 optimizer_mode(name),
+                                                                 backward_ratio)})
+
+
+def optimizer_mode(name: str) -> str:
+    """How the generated programs of schedule `name` step: the decoupled schedule updates
+    each stage as soon as its gradients are home (checked after the step), the coupled ones
+    check and all-reduce first, after every rank's backward (lowering's modes)."""
+    return POST_STEP_OPTIMIZER if name == "decoupled" else SYNCHRONOUS_OPTIMIZER
 
 
 _COUPLED_ORDERS: dict[str, Callable[[int, int, int], Orders]] = {

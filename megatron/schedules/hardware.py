@@ -13,6 +13,8 @@ import json
 import os
 from dataclasses import dataclass
 
+from .optimizer_stride import UpdateRates
+
 PROFILE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hardware_profiles")
 
 
@@ -38,6 +40,11 @@ class HardwareProfile:
     memlock_bytes: int | None = None  # ulimit -l per process; None: unlimited
     process_baseline_bytes: int = 0  # host memory of one training process before the model
     inter_node_bytes_per_s: float = 0.0  # one node's network link, each way (0: unknown)
+    # The optimizer's device path (Deep Optimizer States' Ug and Dc, parameters per second):
+    # AdamW on the GPU in fp32, and the CPU's fp32 -> 16-bit downscale (0: unknown; the
+    # downscale then follows from host_memory_bytes_per_s at 6 bytes per parameter)
+    gpu_update_params_per_s: float = 0.0
+    downscale_params_per_s: float = 0.0
     device_kind: str = "cuda"  # "cpu": the CPU device layer plays the GPUs (tests, CI)
     source: str = ""  # where the figures come from
 
@@ -88,3 +95,14 @@ def get_hardware(name: str) -> HardwareProfile:
             raise KeyError(str(exc)) from None
     raise KeyError(f"unknown hardware {name!r}; expected one of {', '.join(HARDWARE_PROFILES)} "
                    "or a profile file (tools/profile_hardware.py)")
+
+
+def update_rates(hardware: HardwareProfile) -> UpdateRates | None:
+    """Eq. 1's four rates for one GPU of `hardware` (None when the profile lacks the device
+    update rate): B from the pinned copy rate in fp32, Uc the node's CPU rate shared by
+    its GPUs."""
+    downscale = hardware.downscale_params_per_s or hardware.host_memory_bytes_per_s / 6
+    if hardware.gpu_update_params_per_s <= 0 or downscale <= 0:
+        return None
+    return UpdateRates(hardware.pcie_bytes_per_s / 4, hardware.gpu_update_params_per_s,
+                       hardware.cpu_optimizer_params_per_s / hardware.gpus_per_node, downscale)

@@ -130,13 +130,17 @@ def _stages_used(schedule: Schedule, rank: int) -> set[BackwardStage]:
     return used | set(schedule.owned_by(rank))
 
 
+def _program(schedule: Schedule, rank: int) -> tuple:
+    return schedule.programs[rank] if schedule.programs else ()  # a shape has none yet
+
+
 def _stages_read(schedule: Schedule, rank: int) -> set[BackwardStage]:
-    return {b for ins in schedule.programs[rank] if ins.op == Op.PREFETCH_PARAMS
+    return {b for ins in _program(schedule, rank) if ins.op == Op.PREFETCH_PARAMS
             for b in schedule.params_of(ins.stage, ins.sub)}
 
 
 def _stages_updating_subgroups(schedule: Schedule, rank: int) -> set[BackwardStage]:
-    return {BackwardStage(ins.stage, ins.sub) for ins in schedule.programs[rank]
+    return {BackwardStage(ins.stage, ins.sub) for ins in _program(schedule, rank)
             if ins.op == Op.OPTIMIZER_START_SUBGROUPS}
 
 
@@ -150,8 +154,18 @@ def checkpoints_held(schedule: Schedule, rank: int,
     early, so one send in flight is allowed for.
     """
     report = report if report is not None else validate(schedule)
-    sends = any(ins.op == Op.ISEND_CKPT for ins in schedule.programs[rank])
+    sends = any(ins.op == Op.ISEND_CKPT for ins in _program(schedule, rank))
     return report.peak_checkpoints[rank] + int(sends)
+
+
+def shape_report(schedule: Schedule) -> ValidationReport:
+    """Peaks of zero for a schedule's shape (build_schedule(..., lower=False)): plan_memory
+    with it gives a lower bound of every term before the programs exist (two parameter
+    slots, one gradient buffer, no checkpoint; /dev/shm counts the owned stages only), so
+    a planner can drop what cannot fit without building it."""
+    zeros = (0,) * schedule.ranks
+    return ValidationReport(instructions=zeros, peak_params=zeros, peak_checkpoints=zeros,
+                            peak_gradients=zeros)
 
 
 def plan_memory(schedule: Schedule, model: ModelPreset, micro_batch_size: int,

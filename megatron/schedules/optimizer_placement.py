@@ -17,13 +17,15 @@ from dataclasses import replace
 from .cost_model import CostModel, uniform_costs
 from .instructions import BackwardStage, Instruction, Op, Schedule
 from .simulator import simulate
+from .validator import ValidationReport
 
 
-def exposed_update_stages(schedule: Schedule, costs: CostModel,
-                          busy_period: bool = True) -> frozenset[BackwardStage]:
+def exposed_update_stages(schedule: Schedule, costs: CostModel, busy_period: bool = True,
+                          report: ValidationReport | None = None) -> frozenset[BackwardStage]:
     """The backward stages whose OPTIMIZER_START task ends after their rank's last compute,
-    and (busy_period) those running back to back before such a task on its CPU lane."""
-    result = simulate(schedule, costs)
+    and (busy_period) those running back to back before such a task on its CPU lane
+    (`report`: the schedule's validation, when already done)."""
+    result = simulate(schedule, costs, report)
     last_compute: dict[int, float] = {}
     for e in result.events:
         if e.resource == "compute":
@@ -64,7 +66,11 @@ def startup_costs(schedule: Schedule) -> CostModel:
                          optimizer_time=1.0)
 
 
-def place_device_subgroups(schedule: Schedule, costs: CostModel | None = None) -> Schedule:
-    """`schedule` with device subgroups for the stages whose update would be exposed."""
+def place_device_subgroups(schedule: Schedule, costs: CostModel | None = None,
+                           report: ValidationReport | None = None) -> Schedule:
+    """`schedule` with device subgroups for the stages whose update would be exposed. The
+    placement only renames optimizer starts, so `report` (the schedule's validation, when
+    already done) holds for the result too."""
     return with_device_subgroups(
-        schedule, exposed_update_stages(schedule, costs or startup_costs(schedule)))
+        schedule, exposed_update_stages(schedule, costs or startup_costs(schedule),
+                                        report=report))

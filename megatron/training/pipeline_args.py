@@ -89,9 +89,11 @@ def resolve_partition(args: argparse.Namespace, forward_stages: int, vocab_size:
         raise ArgumentError("--backward-split", min_layers, str(exc)) from None
 
 
-def generate_schedule(args: argparse.Namespace, world_size: int, vocab_size: int) -> Schedule:
+def generate_schedule(args: argparse.Namespace, world_size: int, vocab_size: int,
+                      lower: bool = True) -> Schedule:
     """The schedule the flags describe (the defaults filled in), with the optimizer's
-    device subgroups placed when --optimizer-gpu-stride asks for them."""
+    device subgroups placed when --optimizer-gpu-stride asks for them; with `lower` False,
+    its shape only (no programs, see build_schedule)."""
     name = args.pipeline_schedule or "decoupled"
     if name == "single":
         name = "decoupled"
@@ -107,12 +109,12 @@ def generate_schedule(args: argparse.Namespace, world_size: int, vocab_size: int
     micro_batches = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
     try:
         schedule = build_schedule(name, world_size, stages, split, micro_batches, partition,
-                                  backward_ratio=RECOMPUTE_BACKWARD_RATIO)
+                                  backward_ratio=RECOMPUTE_BACKWARD_RATIO, lower=lower)
     except ValueError as exc:
         flag = "--backward-split" if "split" in str(exc) else "--forward-stages"
         raise ArgumentError(flag, split if flag == "--backward-split" else stages,
                             str(exc)) from None
-    if args.optimizer_gpu_stride != 0:  # device subgroups where updates are exposed
+    if lower and args.optimizer_gpu_stride != 0:  # device subgroups where updates are exposed
         schedule = place_device_subgroups(schedule)
     return schedule
 

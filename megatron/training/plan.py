@@ -15,10 +15,16 @@ import os
 from dataclasses import dataclass, replace
 
 from megatron.models.presets import ModelPreset
-from megatron.schedules.cost_model import derived_costs
-from megatron.schedules.generators import SCHEDULE_NAMES
-from megatron.schedules.hardware import HardwareProfile, get_hardware
+from megatron.schedules.cost_model import (
+    DeviceUpdateCosts,
+    backward_stage_params,
+    derived_costs,
+    iteration_lower_bound,
+)
+from megatron.schedules.generators import SCHEDULE_NAMES, optimizer_mode
+from megatron.schedules.hardware import HardwareProfile, get_hardware, update_rates
 from megatron.schedules.instructions import Schedule
+from megatron.schedules.lowering import SYNCHRONOUS_OPTIMIZER
 from megatron.schedules.memory_model import (
     GPU_TERMS,
     NODE_TERMS,
@@ -26,14 +32,18 @@ from megatron.schedules.memory_model import (
     Shortfall,
     pinning_shortfall,
     plan_memory,
+    shape_report,
     shortfalls,
 )
+from megatron.schedules.optimizer_placement import place_device_subgroups
+from megatron.schedules.optimizer_stride import gpu_update_stride
 from megatron.schedules.simulator import SimResult, simulate
 from megatron.schedules.validator import ValidationReport, validate
 from megatron.training.arguments import ArgumentError
 from megatron.training.pipeline_args import generate_schedule, optimizer_bytes_per_param
 
 EXIT_FITS, EXIT_DOES_NOT_FIT = 0, 3
+SEARCH_TOP = 5  # candidates --auto-config prints (and proves the fastest of)
 GIB = 2**30
 DEFAULT_HARDWARE = "paper-v100"
 
@@ -45,6 +55,7 @@ class Configuration:
     backward_split: int | None
     micro_batch_size: int
     nodes: int
+    optimizer_gpu_stride: int | None = 0  # every k-th subgroup on the GPU (None: Eq. 1's k)
 
     def flags(self) -> str:
         parts = [f"--pipeline-schedule {self.schedule}"]
@@ -53,6 +64,9 @@ class Configuration:
         if self.backward_split is not None:
             parts.append(f"--backward-split {self.backward_split}")
         parts += [f"--micro-batch-size {self.micro_batch_size}", f"--nodes {self.nodes}"]
+        if self.optimizer_gpu_stride != 0:
+            stride = self.optimizer_gpu_stride
+            parts.append(f"--optimizer-gpu-stride {'auto' if stride is None else stride}")
         return " ".join(parts)
 
 
@@ -75,6 +89,7 @@ class Evaluation:
                "backward_split": s.backward_split,
                "micro_batch_size": self.config.micro_batch_size,
                "micro_batches": s.micro_batches, "nodes": self.config.nodes,
+               "optimizer_gpu_stride": self.config.optimizer_gpu_stride,
                "fits": self.fits, "flags": self.config.flags()}
         if self.simulation is not None:
             out.update(predicted_iteration_s=self.simulation.iteration_time,
@@ -108,46 +123,64 @@ def gpus_per_node(args: argparse.Namespace, hardware: HardwareProfile) -> int:
 def base_configuration(args: argparse.Namespace) -> Configuration:
     return Configuration(args.pipeline_schedule if args.pipeline_schedule not in (None, "single")
                          else "decoupled", args.forward_stages, args.backward_split,
-                         args.micro_batch_size, args.nodes or 1)
+                         args.micro_batch_size, args.nodes or 1, args.optimizer_gpu_stride)
+
+
+def _configured(args: argparse.Namespace, config: Configuration) -> argparse.Namespace:
+    """`args` with `config`'s pipeline shape (a hand partition holds for its own shape only)."""
+    run = with_configuration(args, config)
+    if replace(config, optimizer_gpu_stride=0) == replace(base_configuration(args),
+                                                         optimizer_gpu_stride=0):
+        run.stage_layers = args.stage_layers
+    if run.global_batch_size % run.micro_batch_size:
+        raise ArgumentError("--micro-batch-size", run.micro_batch_size,
+                            f"must divide --global-batch-size ({run.global_batch_size})")
+    return run
 
 
 def evaluate(args: argparse.Namespace, config: Configuration, hardware: HardwareProfile,
              simulate_it: bool = True) -> Evaluation:
     """Memory (and, when asked, the simulated iteration) of `config` under `args`' model.
     Raises ArgumentError when the configuration cannot be built (shapes that do not divide)."""
-    gpus = gpus_per_node(args, hardware)
-    ranks = config.nodes * gpus
-    run = copy.copy(args)
-    run.pipeline_schedule, run.forward_stages = config.schedule, config.forward_stages
-    run.backward_split, run.micro_batch_size = config.backward_split, config.micro_batch_size
-    if config != base_configuration(args):
-        run.stage_layers = None
-    if run.global_batch_size % run.micro_batch_size:
-        raise ArgumentError("--micro-batch-size", run.micro_batch_size,
-                            f"must divide --global-batch-size ({run.global_batch_size})")
-    model = plan_model(run)
-    schedule = generate_schedule(run, ranks, model.vocab_size)
-    itemsize = working_bytes(args)
-    grad_host = 4 if hardware.device_kind == "cuda" else itemsize
+    base = replace(config, optimizer_gpu_stride=0)
+    run = _configured(args, base)
+    schedule = generate_schedule(run, config.nodes * gpus_per_node(args, hardware),
+                                 plan_model(run).vocab_size)
     report = validate(schedule)
-    memory = plan_memory(schedule, model, config.micro_batch_size, run.seq_length, itemsize,
-                         grad_host, procs_per_node=gpus, hardware=hardware, report=report,
-                         subgroup_stride=args.optimizer_gpu_stride,
+    if config.optimizer_gpu_stride != 0:  # only optimizer starts change: the report holds
+        schedule = place_device_subgroups(schedule, report=report)
+    evaluation = _planned(args, config, schedule, report, hardware)
+    return simulated(args, evaluation, hardware) if simulate_it else evaluation
+
+
+def _planned(args: argparse.Namespace, config: Configuration, schedule: Schedule,
+             report: ValidationReport, hardware: HardwareProfile) -> Evaluation:
+    itemsize = working_bytes(args)
+    memory = plan_memory(schedule, plan_model(args), config.micro_batch_size, args.seq_length,
+                         itemsize, 4 if hardware.device_kind == "cuda" else itemsize,
+                         procs_per_node=gpus_per_node(args, hardware), hardware=hardware,
+                         report=report, subgroup_stride=config.optimizer_gpu_stride,
                          subgroup_size=args.optimizer_subgroup_size,
                          resident_fraction=args.optimizer_gpu_resident_fraction,
                          optimizer_bytes=optimizer_bytes_per_param(args))
-    evaluation = Evaluation(config, schedule, memory, shortfalls(memory, hardware), report)
-    return simulated(args, evaluation, hardware) if simulate_it else evaluation
+    return Evaluation(config, schedule, memory, shortfalls(memory, hardware), report)
 
 
 def simulated(args: argparse.Namespace, evaluation: Evaluation, hardware: HardwareProfile
               ) -> Evaluation:
-    """`evaluation` with its simulated iteration (the schedule is reused)."""
+    """`evaluation` with its simulated iteration (the schedule is reused); device subgroups
+    are priced from the profile's rates when it has them (else like a CPU update)."""
     if evaluation.simulation is None:
-        model = plan_model(args)
-        costs = derived_costs(evaluation.schedule, model, hardware,
-                              evaluation.config.micro_batch_size, args.seq_length)
-        evaluation.simulation = simulate(evaluation.schedule, costs, evaluation.report)
+        model, config = plan_model(args), evaluation.config
+        schedule = evaluation.schedule
+        costs = derived_costs(schedule, model, hardware, config.micro_batch_size,
+                              args.seq_length)
+        rates = update_rates(hardware)
+        if config.optimizer_gpu_stride != 0 and rates is not None:
+            stride = config.optimizer_gpu_stride or gpu_update_stride(rates).k
+            params = backward_stage_params(model, schedule.partition, schedule.backward_split)
+            costs = replace(costs, device_update=DeviceUpdateCosts(stride, params, rates))
+        evaluation.simulation = simulate(schedule, costs, evaluation.report)
     return evaluation
 
 
@@ -158,13 +191,35 @@ def _try(args, config, hardware, simulate_it=False) -> Evaluation | None:
         return None
 
 
+def lower_bound(args: argparse.Namespace, config: Configuration, hardware: HardwareProfile
+                ) -> float | None:
+    """A time `config`'s simulated iteration cannot beat, from its shape alone (no programs
+    built); None when it cannot be built or cannot fit even at the memory it needs at least."""
+    try:
+        run = _configured(args, config)
+        model = plan_model(run)
+        shape = generate_schedule(run, config.nodes * gpus_per_node(args, hardware),
+                                  model.vocab_size, lower=False)
+    except ArgumentError:
+        return None
+    if _planned(args, replace(config, optimizer_gpu_stride=0), shape, shape_report(shape),
+                hardware).missing:
+        return None
+    costs = derived_costs(shape, model, hardware, config.micro_batch_size, args.seq_length)
+    stride = max(_strides(args, hardware))  # the bound holds for every stride searched
+    return iteration_lower_bound(
+        shape, costs, cpu_share=1.0 - 1.0 / stride if stride else 1.0,
+        steps_after_all_compute=optimizer_mode(config.schedule) == SYNCHRONOUS_OPTIMIZER)
+
+
 def nearest_fit(args: argparse.Namespace, base: Evaluation, hardware: HardwareProfile,
                 max_tries: int = 12) -> Evaluation | None:
-    """The closest configuration that fits, one knob at a time, the cheapest first. Host
-    memory, /dev/shm and memlock are per node: only more nodes help, from the count the
-    shortfall implies. GPU memory: a smaller micro-batch, more forward stages (one more per
-    rank, d = 1), another backward split, then one or two more nodes. At most `max_tries`
-    configurations are built (a schedule of many ranks takes seconds)."""
+    """The closest configuration that fits, one knob at a time, what the run computes kept
+    first. Host memory, /dev/shm and memlock are per node: only more nodes help, from the
+    count the shortfall implies. GPU memory: another backward split, more forward stages
+    (one more per rank, d = 1), a smaller micro-batch, then one or two more nodes. At most
+    `max_tries` configurations are built (a schedule of many ranks takes seconds); those
+    whose lower-bound memory cannot fit are skipped unbuilt."""
     c = base.config
     per_node = [s for s in base.missing if s.resource != "gpu memory"]
     tries: list[Configuration] = []
@@ -173,35 +228,60 @@ def nearest_fit(args: argparse.Namespace, base: Evaluation, hardware: HardwarePr
         first = max(c.nodes + 1, -(-int(c.nodes * worst * 1000) // 1000))
         tries += [replace(c, nodes=n) for n in range(first, first + 3)]
     else:
-        mbs = c.micro_batch_size // 2
-        while mbs >= 1:
-            tries.append(replace(c, micro_batch_size=mbs))
-            mbs //= 2
+        if c.schedule == "decoupled":
+            tries += [replace(c, backward_split=d) for d in (1, 3)
+                      if d != base.schedule.backward_split]
         ranks = c.nodes * gpus_per_node(args, hardware)
         stages = base.schedule.forward_stages
         tries += [replace(c, forward_stages=more, backward_split=1)
                   for more in range(stages + ranks, min(args.num_layers, stages + 3 * ranks) + 1,
                                     ranks)]
-        if c.schedule == "decoupled":
-            tries += [replace(c, backward_split=d) for d in (1, 3)
-                      if d != base.schedule.backward_split]
+        mbs = c.micro_batch_size // 2
+        while mbs >= 1:
+            tries.append(replace(c, micro_batch_size=mbs))
+            mbs //= 2
         tries += [replace(c, nodes=n) for n in (c.nodes + 1, 2 * c.nodes) if n > c.nodes]
-    for config in tries[:max_tries]:
+    built = 0
+    for config in tries:
+        if built == max_tries:
+            break
+        if lower_bound(args, config, hardware) is None:
+            continue
+        built += 1
         found = _try(args, config, hardware)
         if found is not None and found.fits:
             return simulated(args, found, hardware)
     return None
 
 
-def search(args: argparse.Namespace, hardware: HardwareProfile) -> list[Evaluation]:
-    """Every configuration at the given nodes and global batch that fits, fastest first:
-    schedule x forward stages (1..4 per rank) x d (decoupled: 1..3) x micro-batch sizes
-    dividing the global batch. (The optimizer's GPU stride does not exist in the runtime
-    yet, so it is not searched.)"""
+@dataclass
+class SearchResult:
+    """What --auto-config compared: the fastest fitting candidates first (at least the
+    `SEARCH_TOP` fastest of all), and how many configurations each step set aside."""
+
+    ranked: list[Evaluation]
+    configurations: int  # every combination of the searched knobs
+    cannot_fit: int  # set aside unbuilt: they cannot be built or their least memory does not fit
+    cannot_win: int  # set aside unbuilt: their lower-bound time is above the fifth fastest
+    built: int  # built, validated and simulated (those that fit are ranked)
+
+
+def _strides(args: argparse.Namespace, hardware: HardwareProfile) -> tuple[int, ...]:
+    """The optimizer GPU strides to compare: all on the CPU, and Eq. 1's k for the profile
+    (when it has the device rates and the static split is not asked for)."""
+    rates = update_rates(hardware)
+    if rates is None or args.optimizer_gpu_resident_fraction > 0:
+        return (0,)
+    k = gpu_update_stride(rates).k
+    return (0, k) if k else (0,)
+
+
+def _configurations(args: argparse.Namespace, hardware: HardwareProfile) -> list[Configuration]:
+    """schedule x forward stages (1..4 per rank) x d (decoupled: 1..3) x micro-batch sizes
+    dividing the global batch, all on the CPU optimizer (the stride is tried per shape)."""
     nodes = args.nodes or 1
     ranks = nodes * gpus_per_node(args, hardware)
-    sizes = [m for m in (1, 2, 4, 8, 16) if args.global_batch_size % m == 0
-             and args.global_batch_size // m >= 1]
+    sizes = [m for m in (1, 2, 4, 8, 16) if args.global_batch_size % m == 0]
     found = []
     for name in SCHEDULE_NAMES:
         per_rank = (1,) if name in ("gpipe", "1f1b") else (1, 2, 3, 4)
@@ -210,15 +290,57 @@ def search(args: argparse.Namespace, hardware: HardwareProfile) -> list[Evaluati
             stages = k * ranks
             if stages > args.num_layers or (name == "interleaved-1f1b" and k == 1):
                 continue
-            for d in splits:
-                if d * stages > args.num_layers:
-                    continue
-                for mbs in sizes:
-                    config = Configuration(name, stages, d, mbs, nodes)
-                    memory_only = _try(args, config, hardware)
-                    if memory_only is not None and memory_only.fits:
-                        found.append(simulated(args, memory_only, hardware))
-    return sorted(found, key=lambda e: e.simulation.iteration_time)
+            found += [Configuration(name, stages, d, mbs, nodes, 0)
+                      for d in splits if d * stages <= args.num_layers for mbs in sizes]
+    return found
+
+
+def search(args: argparse.Namespace, hardware: HardwareProfile, top: int = SEARCH_TOP
+           ) -> SearchResult:
+    """The fastest configurations at the given nodes and global batch that fit, exactly as
+    if every one were simulated: each shape's lower bounds (memory and time, from its shape
+    alone) set aside what cannot fit, then shapes are built in order of their time bound
+    until the next bound is above the `top`-th fastest found. A built shape is simulated
+    with each optimizer GPU stride of `_strides`."""
+    shapes = _configurations(args, hardware)
+    strides = _strides(args, hardware)
+    bounded = []
+    for config in shapes:
+        bound = lower_bound(args, config, hardware)
+        if bound is not None:
+            bounded.append((bound, len(bounded), config))
+    bounded.sort()
+    ranked: list[Evaluation] = []
+    built = 0
+    for bound, _, config in bounded:
+        if len(ranked) >= top and bound >= ranked[top - 1].simulation.iteration_time:
+            break
+        built += 1
+        for evaluation in _strided(args, config, strides, hardware):
+            if evaluation.fits:
+                ranked.append(simulated(args, evaluation, hardware))
+        ranked.sort(key=lambda e: e.simulation.iteration_time)
+    return SearchResult(ranked, len(shapes) * len(strides),
+                        (len(shapes) - len(bounded)) * len(strides),
+                        (len(bounded) - built) * len(strides), built * len(strides))
+
+
+def _strided(args: argparse.Namespace, config: Configuration, strides: tuple[int, ...],
+             hardware: HardwareProfile) -> list[Evaluation]:
+    """`config` evaluated (memory only) with each stride, its programs built and checked once."""
+    try:
+        plain = evaluate(args, config, hardware, simulate_it=False)
+    except ArgumentError:
+        return []
+    out = [plain]
+    for stride in strides:
+        if stride:
+            placed = place_device_subgroups(plain.schedule, report=plain.report)
+            if placed.programs == plain.schedule.programs:
+                continue  # no update would be exposed: the same run
+            out.append(_planned(args, replace(config, optimizer_gpu_stride=stride), placed,
+                                plain.report, hardware))
+    return out
 
 
 # --- printing -----------------------------------------------------------------------------
@@ -279,9 +401,12 @@ def describe(args: argparse.Namespace, evaluation: Evaluation, hardware: Hardwar
     return "\n".join(lines)
 
 
-def _candidates_text(found: list[Evaluation], top: int = 5) -> str:
-    lines = [f"auto-config: {len(found)} configurations fit; the fastest {min(top, len(found))}:"]
-    for i, e in enumerate(found[:top]):
+def _candidates_text(found: SearchResult, top: int = SEARCH_TOP) -> str:
+    ranked = found.ranked
+    lines = [f"auto-config: {found.configurations} configurations: {found.cannot_fit} cannot "
+             f"fit, {found.cannot_win} cannot beat the fastest {top} (lower bounds), "
+             f"{found.built} simulated; the fastest {min(top, len(ranked))}:"]
+    for i, e in enumerate(ranked[:top]):
         sim = e.simulation
         lines.append(f"  {i + 1}. {e.config.flags():<90} iteration {sim.iteration_time:.3f} s, "
                      f"bubble {sim.mean_bubble_ratio:.3f}, exposed optimizer "
@@ -290,22 +415,22 @@ def _candidates_text(found: list[Evaluation], top: int = 5) -> str:
 
 
 def auto_configure(args: argparse.Namespace, log=print,
-                   found: list[Evaluation] | None = None) -> argparse.Namespace:
+                   found: SearchResult | None = None) -> argparse.Namespace:
     """`args` with the fastest fitting configuration (printed with the runners-up)."""
     hardware = plan_hardware(args)
     found = search(args, hardware) if found is None else found
-    if not found:
+    if not found.ranked:
         raise ArgumentError("--auto-config", "", "no configuration of this model fits "
                             f"{args.nodes or 1} node(s) of {hardware.name}; see --plan")
     log(_candidates_text(found))
-    best = found[0].config
-    return with_configuration(args, best)
+    return with_configuration(args, found.ranked[0].config)
 
 
 def with_configuration(args: argparse.Namespace, config: Configuration) -> argparse.Namespace:
     chosen = copy.copy(args)
     chosen.pipeline_schedule, chosen.forward_stages = config.schedule, config.forward_stages
     chosen.backward_split, chosen.micro_batch_size = config.backward_split, config.micro_batch_size
+    chosen.optimizer_gpu_stride = config.optimizer_gpu_stride
     chosen.stage_layers = None
     return chosen
 
@@ -328,10 +453,10 @@ def configure_automatically(args: argparse.Namespace) -> argparse.Namespace:
 def run_plan(args: argparse.Namespace) -> int:
     """Print the plan (or, with --json, one JSON object); 0 when it fits, 3 when not."""
     hardware = plan_hardware(args)
-    candidates: list[Evaluation] = []
+    candidates = SearchResult([], 0, 0, 0, 0)
     if args.auto_config:
         candidates = search(args, hardware)
-        if candidates:
+        if candidates.ranked:
             args = auto_configure(args, log=lambda *_: None, found=candidates)
     evaluation = evaluate(args, base_configuration(args), hardware)
     nearest = None if evaluation.fits else nearest_fit(args, evaluation, hardware)
@@ -349,7 +474,10 @@ def run_plan(args: argparse.Namespace) -> int:
                        shortfalls=[vars(s) | {"short_by": s.missing} for s in evaluation.missing],
                        nearest_fit=nearest.summary() if nearest else None)
         if args.auto_config:
-            out["candidates"] = [e.summary() for e in candidates[:5]]
+            out["candidates"] = [e.summary() for e in candidates.ranked[:SEARCH_TOP]]
+            out["search"] = {"configurations": candidates.configurations,
+                             "cannot_fit": candidates.cannot_fit,
+                             "cannot_win": candidates.cannot_win, "built": candidates.built}
         print(json.dumps(out, indent=1))
     else:
         if args.auto_config:

@@ -1,0 +1,127 @@
+"""--auto-config's search: its lower bounds hold, and pruning with them changes nothing.
+
+The search sets aside, unbuilt, the shapes whose least memory cannot fit and those whose
+lower-bound time is above the fifth fastest found; the fastest five must then be exactly
+those of simulating every configuration (the brute force below).
+"""
+
+from dataclasses import replace
+
+import pytest
+
+from megatron.models.presets import get_preset
+from megatron.schedules.cost_model import (
+    DeviceUpdateCosts,
+    backward_stage_params,
+    derived_costs,
+    iteration_lower_bound,
+    preset_partition,
+)
+from megatron.schedules.generators import SCHEDULE_NAMES, build_schedule, optimizer_mode
+from megatron.schedules.hardware import get_hardware, update_rates
+from megatron.schedules.lowering import SYNCHRONOUS_OPTIMIZER
+from megatron.schedules.memory_model import GPU_TERMS, NODE_TERMS, plan_memory, shape_report
+from megatron.schedules.optimizer_placement import place_device_subgroups
+from megatron.schedules.simulator import simulate
+from megatron.schedules.validator import validate
+from megatron.training import plan
+from megatron.training.arguments import parse_args
+
+SHAPES = [("gpipe", 4, 4, 1), ("1f1b", 4, 4, 1), ("interleaved-1f1b", 4, 8, 1),
+          ("mobius", 4, 8, 1), ("decoupled", 4, 8, 2), ("decoupled", 2, 4, 3),
+          ("decoupled", 4, 4, 1)]
+
+
+def _built(name, ranks, stages, split, micro_batches=8, preset="10b"):
+    model = get_preset(preset)
+    partition = preset_partition(model, stages, min_layers=split)
+    return model, build_schedule(name, ranks, stages, split, micro_batches, partition)
+
+
+@pytest.mark.parametrize("name,ranks,stages,split", SHAPES)
+@pytest.mark.parametrize("hardware", ["paper-v100", "h100-sxm"])
+def test_iteration_lower_bound_holds_for_every_schedule(name, ranks, stages, split, hardware):
+    model, schedule = _built(name, ranks, stages, split)
+    costs = derived_costs(schedule, model, hardware, micro_batch_size=2, seq_length=2048)
+    report = validate(schedule)
+    synchronous = optimizer_mode(name) == SYNCHRONOUS_OPTIMIZER
+    result = simulate(schedule, costs, report)
+    bound = iteration_lower_bound(schedule, costs, steps_after_all_compute=synchronous)
+    assert max(result.busy) < bound <= result.iteration_time * (1 + 1e-9)
+    # with device subgroups every k-th, the CPU keeps 1 - 1/k of each update
+    rates = update_rates(get_hardware(hardware))
+    stride = 2
+    placed = place_device_subgroups(schedule, report=report)
+    priced = replace(costs, device_update=DeviceUpdateCosts(
+        stride, backward_stage_params(model, schedule.partition, split), rates))
+    strided = simulate(placed, priced, report).iteration_time
+    assert iteration_lower_bound(schedule, costs, cpu_share=1 - 1 / stride,
+                                 steps_after_all_compute=synchronous) <= strided * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("name,ranks,stages,split", SHAPES)
+def test_placing_device_subgroups_keeps_the_validation(name, ranks, stages, split):
+    _, schedule = _built(name, ranks, stages, split)
+    report = validate(schedule)
+    assert validate(place_device_subgroups(schedule, report=report)) == report
+
+
+@pytest.mark.parametrize("name,ranks,stages,split", SHAPES)
+def test_shape_memory_is_a_lower_bound_of_every_term(name, ranks, stages, split):
+    model, schedule = _built(name, ranks, stages, split)
+    shape = build_schedule(name, ranks, stages, split, 8, schedule.partition, lower=False)
+    assert shape.programs == ()
+    full = plan_memory(schedule, model, 2, 2048, 2, 4, procs_per_node=2)
+    least = plan_memory(shape, model, 2, 2048, 2, 4, procs_per_node=2,
+                        report=shape_report(shape))
+    for low, high in zip(least.per_gpu, full.per_gpu):
+        assert all(low[t] <= high[t] for t in GPU_TERMS)
+    for low, high in zip(least.per_node, full.per_node):
+        assert all(low[t] <= high[t] for t in NODE_TERMS)
+    assert sum(least.gpu_total(r) for r in range(ranks)) > 0
+
+
+def _args(*extra):
+    return parse_args(["--plan", "--auto-config", "--model-preset", "10b", "--num-layers", "12",
+                       "--bf16", "--gpus-per-node", "4", "--micro-batch-size", "2",
+                       "--seq-length", "1024", "--global-batch-size", "16", *extra])
+
+
+def _brute_force(args, hardware):
+    """Every configuration and stride built, checked and simulated: what fits, fastest first."""
+    found = []
+    for config in plan._configurations(args, hardware):
+        for stride in plan._strides(args, hardware):
+            e = plan._try(args, replace(config, optimizer_gpu_stride=stride), hardware, True)
+            if e is not None and e.fits:
+                found.append(e)
+    return sorted(found, key=lambda e: e.simulation.iteration_time)
+
+
+@pytest.mark.parametrize("hardware", ["paper-v100", "h100-sxm"])
+def test_search_finds_what_simulating_everything_finds(hardware):
+    args = _args("--hardware", hardware)
+    profile = plan.plan_hardware(args)
+    result = plan.search(args, profile)
+    brute = _brute_force(args, profile)
+    times = [e.simulation.iteration_time for e in result.ranked[:plan.SEARCH_TOP]]
+    assert times == pytest.approx([e.simulation.iteration_time
+                                   for e in brute[:plan.SEARCH_TOP]], rel=1e-12)
+    # configurations that differ only by a stride that places nothing are one run
+    assert result.ranked[0].config == next(
+        e.config for e in brute if e.simulation.iteration_time == pytest.approx(times[0]))
+    assert result.cannot_fit + result.cannot_win > 0  # the bounds did set work aside
+    assert result.built + result.cannot_fit + result.cannot_win == result.configurations
+
+
+def test_the_search_compares_the_optimizer_gpu_stride_of_eq1():
+    args = _args("--hardware", "paper-v100")
+    profile = plan.plan_hardware(args)
+    assert plan._strides(args, profile) == (0, 2)  # Eq. 1 over the profile's rates
+    chosen = plan.with_configuration(args, plan.search(args, profile).ranked[0].config)
+    assert chosen.optimizer_gpu_stride == 2  # exposed updates are where the V100 node loses
+    # a profile without the device's update rate cannot price the device path: not searched
+    no_rate = replace(profile, gpu_update_params_per_s=0.0)
+    assert plan._strides(args, no_rate) == (0,)
+    assert plan._strides(_args("--hardware", "paper-v100",
+                               "--optimizer-gpu-resident-fraction", "0.5"), profile) == (0,)
