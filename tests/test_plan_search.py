@@ -32,6 +32,10 @@ SHAPES = [("gpipe", 4, 4, 1), ("1f1b", 4, 4, 1), ("interleaved-1f1b", 4, 8, 1),
           ("decoupled", 4, 4, 1)]
 
 
+def test_the_shapes_cover_every_schedule():
+    assert {shape[0] for shape in SHAPES} == set(SCHEDULE_NAMES)
+
+
 def _built(name, ranks, stages, split, micro_batches=8, preset="10b"):
     model = get_preset(preset)
     partition = preset_partition(model, stages, min_layers=split)

@@ -7,7 +7,8 @@
 One progress line per measurement on stderr; well under a minute. Measured: host -> device
 and device -> host copies from pinned and from shared-memory buffers, the C++ CPU AdamW
 update rate at the thread count training would use (cores / GPUs per node, all GPUs'
-processes together), host memory bandwidth, the device's matmul throughput at the model's
+processes together), host memory bandwidth, AdamW on the device (torch ops) and the host's
+fp32 -> bf16 conversion (the optimizer GPU stride's rates), the device's matmul throughput at the model's
 shapes: one decoder layer's forward at two micro-batch sizes, fitted to the cost model's
 efficiency curve (on CUDA the GPU's; on the CPU device layer the CPU's), the bandwidth between two
 devices (two GPUs when there are; on the CPU layer the loopback socket gloo would use);
@@ -38,6 +39,7 @@ from megatron.models.presets import get_preset  # noqa: E402
 from megatron.offload.device import get_device  # noqa: E402
 from megatron.offload.shm_space import DEFAULT_SHM_DIR, free_bytes  # noqa: E402
 from megatron.optimizer.cpu_adam import CPUAdamW, usable_cores  # noqa: E402
+from megatron.pipeline.optimizer_calibration import device_update_rate, downscale_rate  # noqa: E402
 from megatron.schedules.cost_model import layer_forward_flops_per_token  # noqa: E402
 from megatron.schedules.hardware import HardwareProfile  # noqa: E402
 from megatron.training.distributed import initialize_distributed, shutdown_distributed  # noqa: E402
@@ -226,6 +228,10 @@ def profile(args: argparse.Namespace) -> HardwareProfile:
              f"threads; x {gpus} processes per node")
     host_bw = memory_bandwidth(copy_bytes)
     progress(f"host memory {host_bw / 1e9:.1f} GB/s (read + write)")
+    device_adam = device_update_rate(device, 4 * MIB, repeats=3)
+    downscale = downscale_rate(4 * MIB, repeats=3)
+    progress(f"AdamW on the device {device_adam / 1e9:.2f} G parameters/s (fp32, torch ops); "
+             f"fp32 -> bf16 on the host {downscale / 1e9:.2f} G parameters/s")
     tokens = preset.seq_length * 4
     matmul = matmul_flops(device, preset.hidden_size, preset.ffn_hidden_size, tokens, dtype)
     progress(f"matmul {preset.hidden_size}x{preset.ffn_hidden_size} ({str(dtype)[6:]}) at "
@@ -271,6 +277,8 @@ def profile(args: argparse.Namespace) -> HardwareProfile:
         d2h_bytes_per_s=d2h,
         h2d_shm_bytes_per_s=h2d_shm,
         host_memory_bytes_per_s=host_bw,
+        gpu_update_params_per_s=device_adam,
+        downscale_params_per_s=downscale,
         cpu_cores=cores,
         host_memory_bytes=host_total,
         shm_bytes=shm_free,

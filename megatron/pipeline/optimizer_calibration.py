@@ -49,6 +49,20 @@ def _device_adam(device: DeviceLayer, numel: int) -> Callable[[], None]:
     return run
 
 
+def device_update_rate(device: DeviceLayer, numel: int = 1 << 19, repeats: int = 2) -> float:
+    """Ug: fp32 AdamW parameters per second on the device (torch ops)."""
+    sync = (lambda: torch.cuda.synchronize(device.torch_device)) if device.kind == "cuda" else (lambda: None)
+    with device.on(device.compute_stream):
+        return _rate(numel, _device_adam(device, numel), sync, repeats)
+
+
+def downscale_rate(numel: int = 1 << 19, repeats: int = 2) -> float:
+    """Dc: fp32 -> bf16 conversions per second on the host."""
+    full = torch.ones(numel)
+    half = torch.empty(numel, dtype=torch.bfloat16)
+    return _rate(numel, lambda: half.copy_(full), lambda: None, repeats)
+
+
 def measure_update_rates(device: DeviceLayer, threads: int, numel: int = 1 << 19,
                          repeats: int = 2) -> UpdateRates:
     """Measures B, Ug, Uc, Dc (well under a second for the default size on a laptop)."""
@@ -64,15 +78,11 @@ def measure_update_rates(device: DeviceLayer, threads: int, numel: int = 1 << 19
         while pending:
             pending.pop().wait()
     b = _rate(numel, h2d, h2d_done, repeats)
-    sync = (lambda: torch.cuda.synchronize(device.torch_device)) if device.kind == "cuda" else (lambda: None)
-    with device.on(device.compute_stream):
-        ug = _rate(numel, _device_adam(device, numel), sync, repeats)
+    ug = device_update_rate(device, numel, repeats)
     adam = CPUAdamW([torch.zeros(numel)], threads=threads)
     grad = torch.full((numel,), 1e-3)
     uc = _rate(numel, lambda: adam.step_group(0, grad), lambda: None, repeats)
-    half = torch.empty(numel, dtype=torch.bfloat16)
-    dc = _rate(numel, lambda: half.copy_(host), lambda: None, repeats)
-    return UpdateRates(b, ug, uc, dc)
+    return UpdateRates(b, ug, uc, downscale_rate(numel, repeats))
 
 
 def machine_key(device: DeviceLayer, threads: int) -> str:

@@ -11,9 +11,11 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import os
 from dataclasses import dataclass, replace
 
+from megatron.common.workers import cores_per_rank, worker_pool
 from megatron.models.presets import ModelPreset
 from megatron.schedules.cost_model import (
     DeviceUpdateCosts,
@@ -295,13 +297,15 @@ def _configurations(args: argparse.Namespace, hardware: HardwareProfile) -> list
     return found
 
 
-def search(args: argparse.Namespace, hardware: HardwareProfile, top: int = SEARCH_TOP
-           ) -> SearchResult:
+def search(args: argparse.Namespace, hardware: HardwareProfile, top: int = SEARCH_TOP,
+           workers: int | None = None) -> SearchResult:
     """The fastest configurations at the given nodes and global batch that fit, exactly as
     if every one were simulated: each shape's lower bounds (memory and time, from its shape
-    alone) set aside what cannot fit, then shapes are built in order of their time bound
-    until the next bound is above the `top`-th fastest found. A built shape is simulated
-    with each optimizer GPU stride of `_strides`."""
+    alone) set aside what cannot fit, then shapes are built in order of their time bound,
+    `workers` at a time (default: the cores this rank may use), until the next bound is
+    above the `top`-th fastest found. A built shape is simulated with each optimizer GPU
+    stride of `_strides`. The ranked evaluations keep their schedule's shape, not its
+    programs, and their simulation's figures, not its events."""
     shapes = _configurations(args, hardware)
     strides = _strides(args, hardware)
     bounded = []
@@ -312,17 +316,36 @@ def search(args: argparse.Namespace, hardware: HardwareProfile, top: int = SEARC
     bounded.sort()
     ranked: list[Evaluation] = []
     built = 0
-    for bound, _, config in bounded:
-        if len(ranked) >= top and bound >= ranked[top - 1].simulation.iteration_time:
-            break
-        built += 1
-        for evaluation in _strided(args, config, strides, hardware):
-            if evaluation.fits:
-                ranked.append(simulated(args, evaluation, hardware))
-        ranked.sort(key=lambda e: e.simulation.iteration_time)
+    workers = workers or cores_per_rank()
+    with worker_pool(min(workers, max(1, len(bounded)))) as run_all:
+        while built < len(bounded):
+            cutoff = (ranked[top - 1].simulation.iteration_time if len(ranked) >= top
+                      else math.inf)
+            wave = [config for bound, _, config in bounded[built:built + workers]
+                    if bound < cutoff]
+            if not wave:
+                break  # sorted by bound: nothing later can beat the cutoff either
+            built += len(wave)
+            for evaluations in run_all(_evaluate_shape,
+                                       [(args, config, strides, hardware) for config in wave]):
+                ranked += evaluations
+            ranked.sort(key=lambda e: e.simulation.iteration_time)
     return SearchResult(ranked, len(shapes) * len(strides),
                         (len(shapes) - len(bounded)) * len(strides),
                         (len(bounded) - built) * len(strides), built * len(strides))
+
+
+def _evaluate_shape(job: tuple) -> list[Evaluation]:
+    """One shape's fitting evaluations, simulated, light enough to come back from a worker."""
+    args, config, strides, hardware = job
+    out = []
+    for evaluation in _strided(args, config, strides, hardware):
+        if evaluation.fits:
+            evaluation = simulated(args, evaluation, hardware)
+            evaluation.schedule = replace(evaluation.schedule, programs=())
+            evaluation.simulation = replace(evaluation.simulation, events=())
+            out.append(evaluation)
+    return out
 
 
 def _strided(args: argparse.Namespace, config: Configuration, strides: tuple[int, ...],
