@@ -28,10 +28,11 @@ import argparse
 import json
 import os
 import platform
+import random
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -45,14 +46,19 @@ LR, INV_SCALE = 1e-4, 1.0 / 1024
 def seconds_interleaved(steps: dict[str, Callable[[], object]], repeats: int
                         ) -> dict[str, list[float]]:
     """Every time of each step over `repeats` rounds; every round runs each step once, so
-    that load from other processes on a shared machine disturbs all of them alike."""
+    that load from other processes on a shared machine disturbs all of them alike. The
+    order is shuffled every round (fixed seed): a step must not always follow the same one,
+    since torch's OpenMP threads spin for a while after an op and slow down what follows."""
     for step in steps.values():
         step()  # warm-up: page faults, JIT builds, thread pools
+    names = list(steps)
     times: dict[str, list[float]] = {name: [] for name in steps}
+    order = random.Random(0)
     for _ in range(repeats):
-        for name, step in steps.items():
+        order.shuffle(names)
+        for name in names:
             start = time.perf_counter()
-            step()
+            steps[name]()
             times[name].append(time.perf_counter() - start)
     return times
 
@@ -70,10 +76,13 @@ def fp32_param(n: int, gen: torch.Generator) -> torch.nn.Parameter:
 def ours_step(
     n: int, threads: int, dtype: torch.dtype, gen, exact: bool = False, rollback: bool = False,
     state_dtype: torch.dtype = torch.float32, master_dtype: torch.dtype = torch.float32,
+    cores: Sequence[int] = (),
 ) -> Callable[[], None]:
-    """Our full step; with rollback=True the step and then its rollback."""
+    """Our full step; with rollback=True the step and then its rollback. cores: pin the
+    kernel threads (none: unpinned)."""
     opt = CPUAdamW([torch.randn(n, generator=gen)], lr=LR, weight_decay=0.1, threads=threads,
-                   exact_rollback=exact, state_dtype=state_dtype, master_dtype=master_dtype)
+                   cores=cores, exact_rollback=exact, state_dtype=state_dtype,
+                   master_dtype=master_dtype)
     grad = (torch.randn(n, generator=gen) * 1024).to(dtype)
     out = torch.empty(n, dtype=dtype)
 

@@ -6,6 +6,8 @@
 
 #include <array>
 #include <cmath>
+#include <cstdlib>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -18,12 +20,44 @@ namespace py = pybind11;
 namespace cpu_adam {
 namespace {
 
-using RangeFn = RangeResult (*)(Op, const Buffers&, const Hyper&, int64_t, int64_t, int*);
+using RangeFn = RangeResult (*)(Op, const Buffers&, const Hyper&, const Tuning&, int64_t,
+                                int64_t, int*);
 
-// Threads take blocks of this many elements from a shared counter, so that a thread
-// slowed down by other work on its core (another rank, a data loader) holds up no one:
+// Threads take blocks of `block` elements from a shared counter, so that a thread slowed
+// down by other work on its core (another rank, a data loader) holds up no one. Default:
 // 16 tiles, a multiple of 64 elements, so no two threads share a cache line.
-constexpr int64_t kBlock = 16 * 2048;
+// prefetch: 1 KiB of each fp32 stream ahead (measured +7-9% at 20M parameters on Zen 3).
+constexpr Tuning kDefaultTuning{256, 0, 16 * 2048};
+
+int64_t env_int(const char* name, int64_t fallback) {
+  const char* text = std::getenv(name);
+  if (!text || !*text) return fallback;
+  try {
+    return std::stoll(text);
+  } catch (const std::exception&) {
+    throw std::invalid_argument(std::string(name) + "=" + text + " is not an integer");
+  }
+}
+
+void check_tuning(const Tuning& t) {
+  if (t.prefetch < 0 || t.prefetch > (1 << 20)) {
+    throw std::invalid_argument("prefetch=" + std::to_string(t.prefetch) + " must lie in [0, 2^20] (CPU_ADAM_PREFETCH)");
+  }
+  if (t.block < 64 || t.block % 64 != 0) {
+    throw std::invalid_argument("block=" + std::to_string(t.block) + " must be a positive multiple of 64 (CPU_ADAM_BLOCK)");
+  }
+}
+
+Tuning tuning_from_env() {
+  Tuning t{env_int("CPU_ADAM_PREFETCH", kDefaultTuning.prefetch),
+           static_cast<int>(env_int("CPU_ADAM_STREAM_OUT", kDefaultTuning.stream_out) != 0),
+           env_int("CPU_ADAM_BLOCK", kDefaultTuning.block)};
+  check_tuning(t);
+  return t;
+}
+
+// Read by every call while it holds the GIL, so a set_tuning() never lands mid-call.
+Tuning g_tuning = kDefaultTuning;
 
 struct IsaEntry {
   const char* name;
@@ -61,12 +95,13 @@ RangeFn resolve(const std::string& isa) {
 
 struct Blocks {
   int64_t n;
+  int64_t size;
   int64_t count;
-  int64_t begin(int64_t k) const { return k * kBlock; }
-  int64_t end(int64_t k) const { return (k + 1) * kBlock < n ? (k + 1) * kBlock : n; }
+  int64_t begin(int64_t k) const { return k * size; }
+  int64_t end(int64_t k) const { return (k + 1) * size < n ? (k + 1) * size : n; }
 };
 
-Blocks blocks_of(int64_t n) { return {n, (n + kBlock - 1) / kBlock}; }
+Blocks blocks_of(int64_t n, const Tuning& t) { return {n, t.block, (n + t.block - 1) / t.block}; }
 
 Hyper make_hyper(double lr, double beta1, double beta2, double eps, double weight_decay,
                  int64_t step, double inv_scale, double clip, double undo_clip = 1.0) {
@@ -124,9 +159,9 @@ Buffers make_buffers(uintptr_t p, uintptr_t m, uintptr_t v, uintptr_t grad, int 
 // Runs `fn` over [begin, end) one parameter run at a time when the master is rounded
 // stochastically (each run has its own index base and key), else in one call. The
 // results combine as one call's would: stop at the first non-finite run.
-RangeResult run_pieces(RangeFn fn, Op op, const Buffers& b, const Hyper& h,
+RangeResult run_pieces(RangeFn fn, Op op, const Buffers& b, const Hyper& h, const Tuning& t,
                        const StateFormat& format, int64_t begin, int64_t end, int* abort) {
-  if (format.runs.empty()) return fn(op, b, h, begin, end, abort);
+  if (format.runs.empty()) return fn(op, b, h, t, begin, end, abort);
   RangeResult total{begin, true, 0.0};
   for (const auto& run : format.runs) {
     const int64_t lo = run[0] > begin ? run[0] : begin;
@@ -136,7 +171,7 @@ RangeResult run_pieces(RangeFn fn, Op op, const Buffers& b, const Hyper& h,
     piece.stochastic = 1;
     piece.index_base = static_cast<uint32_t>(run[2]);
     piece.round_key = static_cast<uint32_t>(run[3]);
-    const RangeResult r = fn(op, b, piece, lo, hi, abort);
+    const RangeResult r = fn(op, b, piece, t, lo, hi, abort);
     total.sumsq += r.sumsq;
     total.stop = r.stop;
     if (!r.finite || r.stop != hi) {
@@ -173,7 +208,8 @@ py::tuple step(uintptr_t p, uintptr_t m, uintptr_t v, uintptr_t grad, int grad_d
   const Buffers b = make_buffers(p, m, v, grad, grad_dtype, out, out_dtype, snapshot, n, format);
   check_runs(format, n);
   const Hyper h = make_hyper(lr, beta1, beta2, eps, weight_decay, step_count, inv_scale, clip);
-  const Blocks blocks = blocks_of(n);
+  const Tuning t = g_tuning;
+  const Blocks blocks = blocks_of(n, t);
   std::vector<RangeResult> results(blocks.count);
   for (int64_t k = 0; k < blocks.count; ++k) results[k] = {blocks.begin(k), true, 0.0};
   bool finite = true;
@@ -182,7 +218,7 @@ py::tuple step(uintptr_t p, uintptr_t m, uintptr_t v, uintptr_t grad, int grad_d
     py::gil_scoped_release release;
     int abort = 0;
     pool.run(blocks.count, [&](int64_t k) {
-      results[k] = run_pieces(fn, Op::kStep, b, h, format, blocks.begin(k), blocks.end(k),
+      results[k] = run_pieces(fn, Op::kStep, b, h, t, format, blocks.begin(k), blocks.end(k),
                               &abort);
     });
     for (const auto& r : results) {
@@ -193,7 +229,7 @@ py::tuple step(uintptr_t p, uintptr_t m, uintptr_t v, uintptr_t grad, int grad_d
       finite = false;
       const Op undo = b.snap ? Op::kRestore : Op::kInverse;
       pool.run(blocks.count, [&](int64_t k) {
-        fn(undo, b, h, blocks.begin(k), results[k].stop, nullptr);
+        fn(undo, b, h, t, blocks.begin(k), results[k].stop, nullptr);
       });
     }
   }
@@ -205,12 +241,13 @@ py::tuple step(uintptr_t p, uintptr_t m, uintptr_t v, uintptr_t grad, int grad_d
 void run_all(Op op, RangeFn fn, const Buffers& b, const Hyper& h, const StateFormat& format,
              WorkerPool& pool) {
   check_runs(format, b.n);
-  const Blocks blocks = blocks_of(b.n);
+  const Tuning t = g_tuning;
+  const Blocks blocks = blocks_of(b.n, t);
   std::vector<RangeResult> results(blocks.count);
   {
     py::gil_scoped_release release;
     pool.run(blocks.count, [&](int64_t k) {
-      results[k] = run_pieces(fn, op, b, h, format, blocks.begin(k), blocks.end(k), nullptr);
+      results[k] = run_pieces(fn, op, b, h, t, format, blocks.begin(k), blocks.end(k), nullptr);
     });
   }
   for (int64_t k = 0; k < blocks.count; ++k) {
@@ -245,6 +282,15 @@ void correct(uintptr_t p, uintptr_t m, uintptr_t v, uintptr_t grad, int grad_dty
   run_all(Op::kCorrect, resolve(isa), b, h, format, pool);
 }
 
+// Benchmark probe: a step's loads and stores without its arithmetic (Op::kTouch); the
+// buffers' values change meaninglessly.
+void touch(uintptr_t p, uintptr_t m, uintptr_t v, uintptr_t grad, int grad_dtype, uintptr_t out,
+           int out_dtype, int64_t n, WorkerPool& pool, const std::string& isa,
+           const StateFormat& format) {
+  const Buffers b = make_buffers(p, m, v, grad, grad_dtype, out, out_dtype, 0, n, format);
+  run_all(Op::kTouch, resolve(isa), b, Hyper{}, StateFormat{}, pool);
+}
+
 // Unscale and check only (the synchronous schedule's first pass).
 py::tuple check(uintptr_t grad, int grad_dtype, int64_t n, double inv_scale, WorkerPool& pool,
                 const std::string& isa) {
@@ -252,7 +298,8 @@ py::tuple check(uintptr_t grad, int grad_dtype, int64_t n, double inv_scale, Wor
   const Buffers b = make_buffers(0, 0, 0, grad, grad_dtype, 0, kNone, 0, n);
   Hyper h{};
   h.inv_scale = static_cast<float>(inv_scale);
-  const Blocks blocks = blocks_of(n);
+  const Tuning t = g_tuning;
+  const Blocks blocks = blocks_of(n, t);
   std::vector<RangeResult> results(blocks.count);
   bool finite = true;
   double sumsq = 0.0;
@@ -260,7 +307,7 @@ py::tuple check(uintptr_t grad, int grad_dtype, int64_t n, double inv_scale, Wor
     py::gil_scoped_release release;
     int abort = 0;
     pool.run(blocks.count, [&](int64_t k) {
-      results[k] = fn(Op::kCheck, b, h, blocks.begin(k), blocks.end(k), &abort);
+      results[k] = fn(Op::kCheck, b, h, t, blocks.begin(k), blocks.end(k), &abort);
     });
     for (const auto& r : results) {
       finite = finite && r.finite;
@@ -269,6 +316,27 @@ py::tuple check(uintptr_t grad, int grad_dtype, int64_t n, double inv_scale, Wor
     finite = finite && !abort;
   }
   return py::make_tuple(finite, finite ? sumsq : INFINITY);
+}
+
+py::dict tuning_dict(const Tuning& t) {
+  py::dict d;
+  d["prefetch"] = t.prefetch;
+  d["stream_out"] = t.stream_out != 0;
+  d["block"] = t.block;
+  return d;
+}
+
+// Replaces the knobs given (None: keep); returns the previous setting.
+py::dict set_tuning(std::optional<int64_t> prefetch, std::optional<bool> stream_out,
+                    std::optional<int64_t> block) {
+  Tuning next = g_tuning;
+  if (prefetch) next.prefetch = *prefetch;
+  if (stream_out) next.stream_out = *stream_out ? 1 : 0;
+  if (block) next.block = *block;
+  check_tuning(next);
+  const py::dict previous = tuning_dict(g_tuning);
+  g_tuning = next;
+  return previous;
 }
 
 }  // namespace
@@ -297,6 +365,12 @@ PYBIND11_MODULE(_cpu_adam, mod) {
       .def_readwrite("master_dtype", &StateFormat::master_dtype)
       .def_readwrite("state_dtype", &StateFormat::state_dtype)
       .def_readwrite("runs", &StateFormat::runs);
+  g_tuning = tuning_from_env();
+  mod.def("get_tuning", [] { return tuning_dict(g_tuning); },
+          "The speed knobs every call uses: prefetch (elements), stream_out, block (elements).");
+  mod.def("set_tuning", &set_tuning, py::arg("prefetch") = py::none(),
+          py::arg("stream_out") = py::none(), py::arg("block") = py::none(),
+          "Set speed knobs (results do not change); returns the previous setting.");
   mod.def("available_isas", &available_names,
           "Kernels this CPU can run, from least to most capable ('auto' picks the last).");
   const auto step_args = [](auto... extra) {
@@ -319,6 +393,10 @@ PYBIND11_MODULE(_cpu_adam, mod) {
     mod.def("correct", &correct, a...,
             "Replace a step made with clip factor undo_clip by the step with clip, in one pass.");
   }, step_args(py::arg("undo_clip")));
+  mod.def("touch", &touch, py::arg("p"), py::arg("m"), py::arg("v"), py::arg("grad"),
+          py::arg("grad_dtype"), py::arg("out"), py::arg("out_dtype"), py::arg("n"),
+          py::arg("pool"), py::arg("isa") = "auto", py::arg("format") = StateFormat{},
+          "Benchmark probe: a step's memory traffic without its arithmetic (values change).");
   mod.def("check", &check, py::arg("grad"), py::arg("grad_dtype"), py::arg("n"),
           py::arg("inv_scale"), py::arg("pool"), py::arg("isa"),
           "Unscale and check; returns (finite, sum of squares of the unscaled gradient).");

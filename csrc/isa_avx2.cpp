@@ -13,32 +13,47 @@ namespace cpu_adam::isa_avx2 {
 struct Vec {
   using F = __m256;
   using M = __m256;
+  using H = __m128i;  // 8 packed 16-bit values
+  using I = __m256i;
   static constexpr int W = 8;
   static F set1(float x) { return _mm256_set1_ps(x); }
   static F load(const float* p) { return _mm256_loadu_ps(p); }
   static void store(float* p, F x) { _mm256_storeu_ps(p, x); }
+  static void stream(float* p, F x) { _mm256_stream_ps(p, x); }  // p 32-byte aligned
   static F load_f16(const uint16_t* p) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
-  static void store_f16(uint16_t* p, F x) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
-                     _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  }
   static F load_bf16(const uint16_t* p) {
-    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+    return from_bf16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
-  static void store_bf16(uint16_t* p, F x) {
+  static F from_bf16(H h) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+  static H to_f16(F x) { return _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  // the low 16 bits of each 32-bit lane, packed (every lane is below 0x10000)
+  static H pack(__m256i r) {
+    // packus works per 128-bit lane: keep 64-bit elements 0 and 2
+    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08));
+  }
+  static H to_bf16(F x) {
     const __m256i u = _mm256_castps_si256(x);
     const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
     __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb);
     r = _mm256_srli_epi32(r, 16);
     const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
-    // packus works per 128-bit lane: keep 64-bit elements 0 and 2
-    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+    return pack(_mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan));
   }
+  static void store_h(uint16_t* p, H h) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h); }
+  static void stream_h(uint16_t* p, H h) {  // p 16-byte aligned
+    _mm_stream_si128(reinterpret_cast<__m128i*>(p), h);
+  }
+  static void fence() { _mm_sfence(); }
+  static I lanes(uint32_t first) {
+    return _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(first)),
+                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  }
+  static I next(I index) { return _mm256_add_epi32(index, _mm256_set1_epi32(W)); }
+  static I splat(uint32_t x) { return _mm256_set1_epi32(static_cast<int>(x)); }
   static __m256i fmix(__m256i x) {
     x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
     x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(0x85ebca6bu)));
@@ -46,15 +61,12 @@ struct Vec {
     x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(0xc2b2ae35u)));
     return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
   }
-  // Scalar::round_sr on every lane (lane j is element index + j)
-  static F round_sr(F x, uint32_t index, uint32_t key) {
-    const __m256i lanes = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(index)),
-                                           _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    const __m256i r = _mm256_srli_epi32(
-        fmix(_mm256_xor_si256(lanes, _mm256_set1_epi32(static_cast<int>(key)))), 16);
-    const __m256i u = _mm256_and_si256(_mm256_add_epi32(_mm256_castps_si256(x), r),
-                                       _mm256_set1_epi32(static_cast<int>(0xffff0000u)));
-    return _mm256_blendv_ps(_mm256_castsi256_ps(u), x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+  // Scalar::round_sr on every lane: the sum already is the bf16 bits, no second rounding
+  static H round_sr(F x, I index, I key) {
+    const __m256i r = _mm256_srli_epi32(fmix(_mm256_xor_si256(index, key)), 16);
+    const __m256i u = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(x), r), 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    return pack(_mm256_blendv_epi8(u, _mm256_set1_epi32(0x7fc0), nan));
   }
   static F add(F a, F b) { return _mm256_add_ps(a, b); }
   static F sub(F a, F b) { return _mm256_sub_ps(a, b); }

@@ -16,31 +16,44 @@ namespace cpu_adam::isa_avx512 {
 struct Vec {
   using F = __m512;
   using M = __mmask16;
+  using H = __m256i;  // 16 packed 16-bit values
+  using I = __m512i;
   static constexpr int W = 16;
   static F set1(float x) { return _mm512_set1_ps(x); }
   static F load(const float* p) { return _mm512_loadu_ps(p); }
   static void store(float* p, F x) { _mm512_storeu_ps(p, x); }
+  static void stream(float* p, F x) { _mm512_stream_ps(p, x); }  // p 64-byte aligned
   static F load_f16(const uint16_t* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
-  static void store_f16(uint16_t* p, F x) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
-                        _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  }
   static F load_bf16(const uint16_t* p) {
-    const __m512i w =
-        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+    return from_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
-  static void store_bf16(uint16_t* p, F x) {
+  static F from_bf16(H h) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  static H to_f16(F x) { return _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static H to_bf16(F x) {
     const __m512i u = _mm512_castps_si512(x);
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
     __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
     r = _mm512_srli_epi32(r, 16);
     r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), r,
                                 _mm512_set1_epi32(0x7fc0));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+    return _mm512_cvtepi32_epi16(r);
   }
+  static void store_h(uint16_t* p, H h) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), h); }
+  static void stream_h(uint16_t* p, H h) {  // p 32-byte aligned
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(p), h);
+  }
+  static void fence() { _mm_sfence(); }
+  static I lanes(uint32_t first) {
+    return _mm512_add_epi32(
+        _mm512_set1_epi32(static_cast<int>(first)),
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+  }
+  static I next(I index) { return _mm512_add_epi32(index, _mm512_set1_epi32(W)); }
+  static I splat(uint32_t x) { return _mm512_set1_epi32(static_cast<int>(x)); }
   static __m512i fmix(__m512i x) {
     x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
     x = _mm512_mullo_epi32(x, _mm512_set1_epi32(static_cast<int>(0x85ebca6bu)));
@@ -48,17 +61,12 @@ struct Vec {
     x = _mm512_mullo_epi32(x, _mm512_set1_epi32(static_cast<int>(0xc2b2ae35u)));
     return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
   }
-  // Scalar::round_sr on every lane (lane j is element index + j)
-  static F round_sr(F x, uint32_t index, uint32_t key) {
-    const __m512i lanes = _mm512_add_epi32(
-        _mm512_set1_epi32(static_cast<int>(index)),
-        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-    const __m512i r = _mm512_srli_epi32(
-        fmix(_mm512_xor_si512(lanes, _mm512_set1_epi32(static_cast<int>(key)))), 16);
-    const __m512i u = _mm512_and_si512(_mm512_add_epi32(_mm512_castps_si512(x), r),
-                                       _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
-    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q),
-                                _mm512_castsi512_ps(u), x);
+  // Scalar::round_sr on every lane: the sum already is the bf16 bits, no second rounding
+  static H round_sr(F x, I index, I key) {
+    const __m512i r = _mm512_srli_epi32(fmix(_mm512_xor_si512(index, key)), 16);
+    const __m512i u = _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(x), r), 16);
+    return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(
+        _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), u, _mm512_set1_epi32(0x7fc0)));
   }
   static F add(F a, F b) { return _mm512_add_ps(a, b); }
   static F sub(F a, F b) { return _mm512_sub_ps(a, b); }

@@ -26,6 +26,10 @@ enum class Op : int {
   // there is one, else the inverse) and apply the step with `clip` instead, in one pass:
   // reads p, m, v, grad once, writes p, m, v and the working copy once.
   kCorrect = 4,
+  // Benchmark probe: the step's memory traffic without its arithmetic (reads p, m, v and
+  // the gradient, writes p, m, v and the working copy, values not meaningful), which
+  // tells how far the step is from the byte limit of its own streams.
+  kTouch = 5,
 };
 
 // p (the master), m and v are fp32 or bf16: master_dtype for p, state_dtype for m and v.
@@ -70,6 +74,15 @@ struct Hyper {
   uint32_t round_key;
 };
 
+// Knobs that change the speed of a call, never its result (every setting gives the same
+// bits: tests/test_cpu_adam_tuning.py). Set per process by set_tuning(), initialised from
+// CPU_ADAM_PREFETCH, CPU_ADAM_STREAM_OUT and CPU_ADAM_BLOCK (docs/cpu_optimizer.md).
+struct Tuning {
+  int64_t prefetch;  // elements ahead each stream is software-prefetched; 0: none
+  int stream_out;    // non-temporal stores for the working copy of a step (when aligned)
+  int64_t block;     // elements per block the threads take from the shared counter
+};
+
 struct RangeResult {
   int64_t stop;   // elements in [begin, stop) were changed by this call
   bool finite;    // every unscaled gradient in [begin, stop) was finite
@@ -80,8 +93,8 @@ struct RangeResult {
 // gradient sets it and the others stop at their next tile.
 #define CPU_ADAM_DECLARE_ISA(ns)                                                     \
   namespace ns {                                                                     \
-  RangeResult run_range(Op op, const Buffers& b, const Hyper& h, int64_t begin,      \
-                        int64_t end, int* abort);                                    \
+  RangeResult run_range(Op op, const Buffers& b, const Hyper& h, const Tuning& t,    \
+                        int64_t begin, int64_t end, int* abort);                     \
   }
 
 CPU_ADAM_DECLARE_ISA(isa_portable)

@@ -57,29 +57,37 @@ static inline uint32_t fmix32(uint32_t x) {
   return x;
 }
 
-// x rounded stochastically to bf16 (returned widened: its low 16 bits are zero): adds 16
-// random bits below the kept mantissa and truncates, so x rounds away from zero with
-// probability equal to the dropped fraction. nan stays nan (stored as 0x7fc0).
-static inline float round_bf16_stochastic(float x, uint32_t random) {
-  if (x != x) return x;
-  return float_of((bits_of(x) + (random >> 16)) & 0xffff0000u);
+// x rounded stochastically to bf16: adds 16 random bits below the kept mantissa and
+// truncates, so x rounds away from zero with probability equal to the dropped fraction.
+// nan becomes 0x7fc0 (as f32_to_bf16 stores it).
+static inline uint16_t bf16_stochastic(float x, uint32_t random) {
+  if (x != x) return 0x7fc0;
+  return static_cast<uint16_t>((bits_of(x) + (random >> 16)) >> 16);
 }
 
 struct Scalar {
   using F = float;
   using M = bool;
+  using H = uint16_t;  // one 16-bit value (what a vector policy packs W of)
+  using I = uint32_t;  // element index of each lane, for the rounding's random bits
   static constexpr int W = 1;
   static F set1(float x) { return x; }
   static F load(const float* p) { return *p; }
   static void store(float* p, F x) { *p = x; }
+  static void stream(float* p, F x) { *p = x; }
   static F load_f16(const uint16_t* p) { return f16_to_f32(*p); }
-  static void store_f16(uint16_t* p, F x) { *p = f32_to_f16(x); }
   static F load_bf16(const uint16_t* p) { return bf16_to_f32(*p); }
-  // lane j of element k: index_base + k + j (one lane here)
-  static F round_sr(F x, uint32_t index, uint32_t key) {
-    return round_bf16_stochastic(x, fmix32(index ^ key));
-  }
-  static void store_bf16(uint16_t* p, F x) { *p = f32_to_bf16(x); }
+  static F from_bf16(H h) { return bf16_to_f32(h); }
+  static H to_f16(F x) { return f32_to_f16(x); }
+  static H to_bf16(F x) { return f32_to_bf16(x); }
+  static void store_h(uint16_t* p, H h) { *p = h; }
+  static void stream_h(uint16_t* p, H h) { *p = h; }
+  static void fence() {}
+  // lane j holds first + j (one lane here); next() advances every lane by W
+  static I lanes(uint32_t first) { return first; }
+  static I next(I index) { return index + 1; }
+  static I splat(uint32_t x) { return x; }
+  static H round_sr(F x, I index, I key) { return bf16_stochastic(x, fmix32(index ^ key)); }
   static F add(F a, F b) { return a + b; }
   static F sub(F a, F b) { return a - b; }
   static F mul(F a, F b) { return a * b; }

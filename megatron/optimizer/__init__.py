@@ -2,7 +2,14 @@
 optimizer groups, per-group asynchronous tasks, loss scaling, post-step validation and
 rollback."""
 
-from megatron.optimizer.cpu_adam import CPUAdamW, GroupStepResult, available_isas, check_gradient
+from megatron.optimizer.cpu_adam import (
+    CPUAdamW,
+    GroupStepResult,
+    available_isas,
+    check_gradient,
+    kernel_tuning,
+    kernel_tuning_setting,
+)
 from megatron.optimizer.group_optimizer import AsyncGroupOptimizer, IterationResult
 from megatron.optimizer.group_tasks import GroupTaskError, GroupTaskRunner
 from megatron.optimizer.loss_scaler import ConstantLossScaler, DynamicLossScaler, LossScaler
@@ -19,4 +26,6 @@ __all__ = [
     "LossScaler",
     "available_isas",
     "check_gradient",
+    "kernel_tuning",
+    "kernel_tuning_setting",
 ]

@@ -13,10 +13,11 @@ bit-exact).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -25,6 +26,8 @@ try:
     from megatron.optimizer import _cpu_adam as _kernel
     from megatron.optimizer.worker_pool import shared_pool
 except ImportError as error:  # the extension is built in place by `make setup`
+    if "CPU_ADAM_" in str(error):  # built, but a tuning variable is invalid
+        raise ImportError(f"the CPU optimizer's tuning environment is invalid: {error}") from error
     raise ImportError(
         "megatron.optimizer._cpu_adam is not built: run `python setup.py build_ext --inplace` "
         f"(or `make setup`) in the repository root ({error})"
@@ -66,6 +69,26 @@ class _StepRecord:
 def available_isas() -> list[str]:
     """Kernels this CPU can run, least to most capable; 'auto' picks the last."""
     return list(_kernel.available_isas())
+
+
+def kernel_tuning_setting() -> dict:
+    """The kernel's speed knobs: prefetch (elements ahead, 0: none), stream_out
+    (non-temporal stores of the working copy), block (elements per thread block). They
+    start from CPU_ADAM_PREFETCH, CPU_ADAM_STREAM_OUT, CPU_ADAM_BLOCK; results never
+    depend on them."""
+    return dict(_kernel.get_tuning())
+
+
+@contextlib.contextmanager
+def kernel_tuning(prefetch: int | None = None, stream_out: bool | None = None,
+                  block: int | None = None) -> Iterator[dict]:
+    """Run the enclosed kernel calls with these knobs (None: unchanged), then restore
+    the previous ones. Process-wide: meant for benchmarks, not for concurrent steps."""
+    previous = _kernel.set_tuning(prefetch=prefetch, stream_out=stream_out, block=block)
+    try:
+        yield kernel_tuning_setting()
+    finally:
+        _kernel.set_tuning(**previous)
 
 
 def usable_cores() -> list[int]:
