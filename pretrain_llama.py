@@ -13,7 +13,14 @@ import warnings
 # here) and about config defaults we do not use: noise on every run.
 warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.core")
 
-from megatron.training.training import main  # noqa: E402
+try:
+    from megatron.training.training import main  # noqa: E402
+except ImportError as error:
+    if "CPU_ADAM_" not in str(error):
+        raise
+    # a speed knob of the C++ optimizer set to a bad value in the environment: bad input
+    print(f"pretrain_llama.py: error: {error}", file=sys.stderr)
+    sys.exit(2)
 
 if __name__ == "__main__":
     sys.exit(main())

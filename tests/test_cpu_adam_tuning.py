@@ -1,6 +1,10 @@
 """The kernel's speed knobs (prefetch distance, streaming stores of the working copy, block
 size) change nothing but speed: every setting gives the default's bits."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -57,3 +61,13 @@ def test_tuning_is_restored_and_bad_values_are_refused_naming_them():
     with pytest.raises(ValueError, match="prefetch=-1"), kernel_tuning(prefetch=-1):
         pass
     assert kernel_tuning_setting() == before
+
+
+def test_a_bad_tuning_variable_stops_the_trainer_in_one_line():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run([sys.executable, os.path.join(root, "pretrain_llama.py"), "--help"],
+                         env={**os.environ, "CPU_ADAM_BLOCK": "100"}, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 2
+    err = run.stderr.strip().splitlines()
+    assert len(err) == 1 and "block=100" in err[0] and "CPU_ADAM_BLOCK" in err[0], err
