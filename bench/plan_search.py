@@ -31,7 +31,7 @@ def every_shape(args: argparse.Namespace, hardware) -> tuple[list, int]:
     strides = plan._strides(args, hardware)
     shapes = plan._configurations(args, hardware)
     found = [e for config in shapes for e in plan._evaluate_shape((args, config, strides, hardware))]
-    found.sort(key=lambda e: e.simulation.iteration_time)
+    found.sort(key=plan.rank_key)
     return found, len(shapes) * len(strides)
 
 

@@ -96,7 +96,7 @@ def _brute_force(args, hardware):
     strides = plan._strides(args, hardware)
     found = [e for config in plan._configurations(args, hardware)
              for e in plan._evaluate_shape((args, config, strides, hardware))]
-    return sorted(found, key=lambda e: e.simulation.iteration_time)
+    return sorted(found, key=plan.rank_key)
 
 
 @pytest.mark.parametrize("hardware", ["paper-v100", "h100-sxm"])

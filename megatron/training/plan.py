@@ -322,17 +322,23 @@ def search(args: argparse.Namespace, hardware: HardwareProfile, top: int = SEARC
             cutoff = (ranked[top - 1].simulation.iteration_time if len(ranked) >= top
                       else math.inf)
             wave = [config for bound, _, config in bounded[built:built + workers]
-                    if bound < cutoff]
+                    if bound <= cutoff]  # a tie with the fifth may still rank before it
             if not wave:
                 break  # sorted by bound: nothing later can beat the cutoff either
             built += len(wave)
             for evaluations in run_all(_evaluate_shape,
                                        [(args, config, strides, hardware) for config in wave]):
                 ranked += evaluations
-            ranked.sort(key=lambda e: e.simulation.iteration_time)
+            ranked.sort(key=rank_key)
     return SearchResult(ranked, len(shapes) * len(strides),
                         (len(shapes) - len(bounded)) * len(strides),
                         (len(bounded) - built) * len(strides), built * len(strides))
+
+
+def rank_key(evaluation: Evaluation) -> tuple[float, str]:
+    """Fastest first; equal predictions in the order of their flags, so that the ranking
+    does not depend on the order the configurations were built in."""
+    return evaluation.simulation.iteration_time, evaluation.config.flags()
 
 
 def _evaluate_shape(job: tuple) -> list[Evaluation]:
