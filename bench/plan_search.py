@@ -28,9 +28,9 @@ from megatron.training.arguments import parse_args  # noqa: E402
 
 def every_shape(args: argparse.Namespace, hardware) -> tuple[list, int]:
     """Every shape built and simulated with every stride: the ranking and the count."""
-    strides = plan._strides(args, hardware)
-    shapes = plan._configurations(args, hardware)
-    found = [e for config in shapes for e in plan._evaluate_shape((args, config, strides, hardware))]
+    strides = plan.searched_strides(args, hardware)
+    shapes = plan.searched_configurations(args, hardware)
+    found = [e for config in shapes for e in plan.evaluate_shape((args, config, strides, hardware))]
     found.sort(key=plan.rank_key)
     return found, len(shapes) * len(strides)
 

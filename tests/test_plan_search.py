@@ -93,9 +93,9 @@ def _args(*extra):
 
 def _brute_force(args, hardware):
     """Every shape built, checked and simulated with every stride: what fits, fastest first."""
-    strides = plan._strides(args, hardware)
-    found = [e for config in plan._configurations(args, hardware)
-             for e in plan._evaluate_shape((args, config, strides, hardware))]
+    strides = plan.searched_strides(args, hardware)
+    found = [e for config in plan.searched_configurations(args, hardware)
+             for e in plan.evaluate_shape((args, config, strides, hardware))]
     return sorted(found, key=plan.rank_key)
 
 
@@ -118,7 +118,7 @@ def test_search_finds_what_simulating_everything_finds(hardware):
 def test_the_search_compares_the_optimizer_gpu_stride_of_eq1():
     args = _args("--hardware", "paper-v100")
     profile = plan.plan_hardware(args)
-    assert plan._strides(args, profile) == (0, 2)  # Eq. 1 over the profile's rates
+    assert plan.searched_strides(args, profile) == (0, 2)  # Eq. 1 over the profile's rates
     ranked = plan.search(args, profile).ranked
     chosen = plan.with_configuration(args, ranked[0].config)
     assert chosen.optimizer_gpu_stride == 2  # exposed updates are where the V100 node loses
@@ -127,6 +127,6 @@ def test_the_search_compares_the_optimizer_gpu_stride_of_eq1():
     assert ranked[0].simulation.iteration_time < plain.simulation.iteration_time
     # a profile without the device's update rate cannot price the device path: not searched
     no_rate = replace(profile, gpu_update_params_per_s=0.0)
-    assert plan._strides(args, no_rate) == (0,)
-    assert plan._strides(_args("--hardware", "paper-v100",
+    assert plan.searched_strides(args, no_rate) == (0,)
+    assert plan.searched_strides(_args("--hardware", "paper-v100",
                                "--optimizer-gpu-resident-fraction", "0.5"), profile) == (0,)

@@ -208,7 +208,7 @@ def lower_bound(args: argparse.Namespace, config: Configuration, hardware: Hardw
                 hardware).missing:
         return None
     costs = derived_costs(shape, model, hardware, config.micro_batch_size, args.seq_length)
-    stride = max(_strides(args, hardware))  # the bound holds for every stride searched
+    stride = max(searched_strides(args, hardware))  # the bound holds for every stride searched
     return iteration_lower_bound(
         shape, costs, cpu_share=1.0 - 1.0 / stride if stride else 1.0,
         steps_after_all_compute=optimizer_mode(config.schedule) == SYNCHRONOUS_OPTIMIZER)
@@ -268,7 +268,7 @@ class SearchResult:
     built: int  # built, validated and simulated (those that fit are ranked)
 
 
-def _strides(args: argparse.Namespace, hardware: HardwareProfile) -> tuple[int, ...]:
+def searched_strides(args: argparse.Namespace, hardware: HardwareProfile) -> tuple[int, ...]:
     """The optimizer GPU strides to compare: all on the CPU, and Eq. 1's k for the profile
     (when it has the device rates and the static split is not asked for)."""
     rates = update_rates(hardware)
@@ -278,7 +278,7 @@ def _strides(args: argparse.Namespace, hardware: HardwareProfile) -> tuple[int, 
     return (0, k) if k else (0,)
 
 
-def _configurations(args: argparse.Namespace, hardware: HardwareProfile) -> list[Configuration]:
+def searched_configurations(args: argparse.Namespace, hardware: HardwareProfile) -> list[Configuration]:
     """schedule x forward stages (1..4 per rank) x d (decoupled: 1..3) x micro-batch sizes
     dividing the global batch, all on the CPU optimizer (the stride is tried per shape)."""
     nodes = args.nodes or 1
@@ -304,10 +304,10 @@ def search(args: argparse.Namespace, hardware: HardwareProfile, top: int = SEARC
     alone) set aside what cannot fit, then shapes are built in order of their time bound,
     `workers` at a time (default: the cores this rank may use), until the next bound is
     above the `top`-th fastest found. A built shape is simulated with each optimizer GPU
-    stride of `_strides`. The ranked evaluations keep their schedule's shape, not its
+    stride of `searched_strides`. The ranked evaluations keep their schedule's shape, not its
     programs, and their simulation's figures, not its events."""
-    shapes = _configurations(args, hardware)
-    strides = _strides(args, hardware)
+    shapes = searched_configurations(args, hardware)
+    strides = searched_strides(args, hardware)
     bounded = []
     for config in shapes:
         bound = lower_bound(args, config, hardware)
@@ -326,7 +326,7 @@ def search(args: argparse.Namespace, hardware: HardwareProfile, top: int = SEARC
             if not wave:
                 break  # sorted by bound: nothing later can beat the cutoff either
             built += len(wave)
-            for evaluations in run_all(_evaluate_shape,
+            for evaluations in run_all(evaluate_shape,
                                        [(args, config, strides, hardware) for config in wave]):
                 ranked += evaluations
             ranked.sort(key=rank_key)
@@ -341,7 +341,7 @@ def rank_key(evaluation: Evaluation) -> tuple[float, str]:
     return evaluation.simulation.iteration_time, evaluation.config.flags()
 
 
-def _evaluate_shape(job: tuple) -> list[Evaluation]:
+def evaluate_shape(job: tuple) -> list[Evaluation]:
     """One shape's fitting evaluations, simulated, light enough to come back from a worker.
     A stride is kept only where it is predicted faster than every update on the CPU (where
     no update is exposed it changes nothing but the device memory it takes)."""
