@@ -26,9 +26,9 @@ figures check the mechanism, they say nothing about a GPU.
 10b preset (4 ranks, decoupled, 8 forward stages x d = 2, 4 micro-batches of 2 x 2048
 tokens): exposed optimizer time per iteration without subgroups, with device subgroups
 where the update would be exposed (the placement the runtime uses, here priced by the
-same cost model), and on every stage; k from Eq. 1 over the Deep Optimizer States V100
-rates (B = 3e9, Ug = 35e9, Uc = 2e9, Dc = 8.7e9 params/s: k = 2), Uc scaled to the
-profile's CPU optimizer share per GPU.
+same cost model), and on every stage; k from Eq. 1 over the profile's rates (B = 3e9,
+and Ug = 35e9, Dc = 8.7e9 params/s as Deep Optimizer States measured them on a V100 node;
+Uc the profile's CPU optimizer share per GPU: k = 2).
 """
 
 from __future__ import annotations
@@ -63,15 +63,14 @@ from megatron.schedules.cost_model import (  # noqa: E402
     preset_partition,
 )
 from megatron.schedules.generators import build_schedule  # noqa: E402
+from megatron.schedules.hardware import update_rates  # noqa: E402
 from megatron.schedules.instructions import Op  # noqa: E402
 from megatron.schedules.optimizer_placement import (  # noqa: E402
     exposed_update_stages,
     with_device_subgroups,
 )
-from megatron.schedules.optimizer_stride import UpdateRates, gpu_update_stride  # noqa: E402
+from megatron.schedules.optimizer_stride import gpu_update_stride  # noqa: E402
 from megatron.schedules.simulator import simulate  # noqa: E402
-
-PAPER_V100_RATES = UpdateRates(3e9, 35e9, 2e9, 8.7e9)
 
 
 def simulated_10b() -> dict:
@@ -81,9 +80,7 @@ def simulated_10b() -> dict:
     schedule = build_schedule("decoupled", 4, 8, 2, 4, partition)
     costs = derived_costs(schedule, preset, "paper-v100", micro_batch_size=2)
     hardware = get_hardware("paper-v100")
-    cpu_rate = hardware.cpu_optimizer_params_per_s / hardware.gpus_per_node
-    rates = UpdateRates(PAPER_V100_RATES.h2d_params_per_s, PAPER_V100_RATES.gpu_update_params_per_s,
-                        cpu_rate, PAPER_V100_RATES.downscale_params_per_s)
+    rates = update_rates(hardware)
     stride = gpu_update_stride(rates).k
     params = backward_stage_params(preset, schedule.partition, schedule.backward_split)
     priced = replace(costs, device_update=DeviceUpdateCosts(stride, params, rates))
