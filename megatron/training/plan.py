@@ -148,11 +148,19 @@ def evaluate(args: argparse.Namespace, config: Configuration, hardware: Hardware
     run = _configured(args, base)
     schedule = generate_schedule(run, config.nodes * gpus_per_node(args, hardware),
                                  plan_model(run).vocab_size)
-    report = validate(schedule)
-    if config.optimizer_gpu_stride != 0:  # only optimizer starts change: the report holds
-        schedule = place_device_subgroups(schedule, report=report)
-    evaluation = _planned(args, config, schedule, report, hardware)
+    evaluation = _planned(args, base, schedule, validate(schedule), hardware)
+    if config.optimizer_gpu_stride != 0:
+        evaluation = _with_stride(args, evaluation, config.optimizer_gpu_stride, hardware)
     return simulated(args, evaluation, hardware) if simulate_it else evaluation
+
+
+def _with_stride(args: argparse.Namespace, plain: Evaluation, stride: int | None,
+                 hardware: HardwareProfile) -> Evaluation:
+    """`plain` (all updates on the CPU) with device subgroups every `stride`-th where an
+    update would be exposed; only optimizer starts change, so its validation holds."""
+    placed = place_device_subgroups(plain.schedule, report=plain.report)
+    return _planned(args, replace(plain.config, optimizer_gpu_stride=stride), placed,
+                    plain.report, hardware)
 
 
 def _planned(args: argparse.Namespace, config: Configuration, schedule: Schedule,
@@ -369,11 +377,9 @@ def _strided(args: argparse.Namespace, config: Configuration, strides: tuple[int
     out = [plain]
     for stride in strides:
         if stride:
-            placed = place_device_subgroups(plain.schedule, report=plain.report)
-            if placed.programs == plain.schedule.programs:
-                continue  # no update would be exposed: the same run
-            out.append(_planned(args, replace(config, optimizer_gpu_stride=stride), placed,
-                                plain.report, hardware))
+            strided = _with_stride(args, plain, stride, hardware)
+            if strided.schedule.programs != plain.schedule.programs:  # else the same run
+                out.append(strided)
     return out
 
 
