@@ -19,6 +19,7 @@ import sys
 import sysconfig
 import time
 import warnings
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -152,8 +153,24 @@ def _docstrings(path: Path) -> Iterator[str]:
             tree = ast.parse(path.read_bytes(), filename=str(path))
     except (SyntaxError, ValueError, OSError):
         return  # e.g. Python 2 fixtures shipped with lib2to3
-    for node in ast.walk(tree):
+    for node in _statement_walk(tree):
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
             text = ast.get_docstring(node, clean=True)
             if text and len(text) >= _MIN_DOCSTRING_CHARS:
                 yield text
+
+
+# Nodes whose children may hold statements. A def or class is always a statement, and every
+# ancestor of a statement is one of these, so walking only them breadth-first visits the
+# defs in ast.walk's order (every kept node keeps its depth) without visiting expressions.
+_STATEMENT_HOLDERS = (ast.mod, ast.stmt, ast.excepthandler, ast.match_case)
+
+
+def _statement_walk(tree: ast.AST) -> Iterator[ast.AST]:
+    """ast.walk restricted to the nodes that are or contain statements."""
+    queue = deque([tree])
+    while queue:
+        node = queue.popleft()
+        queue.extend(child for child in ast.iter_child_nodes(node)
+                     if isinstance(child, _STATEMENT_HOLDERS))
+        yield node
