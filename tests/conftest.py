@@ -28,3 +28,9 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.multiproc)
         elif "multiproc" not in item.keywords:
             item.add_marker(pytest.mark.unit)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    from tests.forked_ranks import close_zygote
+
+    close_zygote()

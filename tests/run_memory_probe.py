@@ -10,6 +10,7 @@ the bytes of the shared-memory segments this rank created (owned stages and repl
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import sys
@@ -29,7 +30,14 @@ def rss_anon_bytes() -> int:
     raise RuntimeError("no RssAnon in /proc/self/status")
 
 
+M_MMAP_THRESHOLD = -3  # mallopt's parameter (malloc.h)
+
+
 def main() -> int:
+    # glibc keeps freed heap pages of transient tensors resident; with a fixed mmap
+    # threshold they go back to the system, so RssAnon shows what the process holds.
+    # Set here (MALLOC_MMAP_THRESHOLD_ is read only when a process starts).
+    ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 65536)
     own = argparse.ArgumentParser(add_help=False)
     own.add_argument("--out-dir", required=True)
     harness, rest = own.parse_known_args()

@@ -10,8 +10,6 @@ of the working parameters whatever the number of replicas.
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -20,9 +18,9 @@ from megatron.pipeline.data_parallel import ParallelLayout, shard_range
 from megatron.training.checkpointing import read_all_tensors
 from megatron.training.metrics import format_bytes
 from megatron.training.training import main
+from tests import forked_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 ITERS = 3
 MODEL = ["--num-layers", "4", "--hidden-size", "64", "--ffn-hidden-size", "160",
          "--num-attention-heads", "4", "--num-query-groups", "2", "--seq-length", "32",
@@ -32,10 +30,10 @@ MODEL = ["--num-layers", "4", "--hidden-size", "64", "--ffn-hidden-size", "160",
 SPLIT = ["--forward-stages", "2", "--backward-split", "2"]
 
 
-def _run(cmd, cache, out, *after):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([*cmd, *MODEL, "--data-cache-dir", cache, *after],
-                          capture_output=True, text=True, timeout=400, cwd=ROOT, env=env)
+def _run(script, nproc, cache, out, *after):
+    """`script` on `nproc` ranks (forks of the session's preloaded zygote)."""
+    proc = forked_ranks.launch(script, [*MODEL, "--data-cache-dir", cache, *after], nproc,
+                               env={"OMP_NUM_THREADS": "1"}, timeout=400)
     assert proc.returncode == 0, proc.stderr[-4000:]
     (out / "stdout.log").write_text(proc.stdout)
     return proc
@@ -49,16 +47,16 @@ def cache(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, cache):
     out = tmp_path_factory.mktemp("dp-ref")
-    _run([sys.executable, "pretrain_llama.py", "--metrics-file", str(out / "metrics.jsonl"),
-          "--save", str(out / "ckpt")], cache, out)
+    _run("pretrain_llama.py", 1, cache, out, "--metrics-file", str(out / "metrics.jsonl"),
+         "--save", str(out / "ckpt"))
     return out
 
 
 def _replicas(tmp_path_factory, cache, nproc, zero_stages, *extra):
     out = tmp_path_factory.mktemp(f"dp{nproc}")
-    _run([TORCHRUN, "--standalone", "--nproc-per-node", str(nproc), "tests/run_schedules.py",
-          "--out-dir", str(out), "--schedules", "decoupled", "--zero-stages", zero_stages,
-          "--data-parallel-size", "2", "--p2p-check", *extra], cache, out)
+    _run("tests/run_schedules.py", nproc, cache, out, "--out-dir", str(out), "--schedules",
+         "decoupled", "--zero-stages", zero_stages, "--data-parallel-size", "2", "--p2p-check",
+         *extra)
     return out
 
 
@@ -140,13 +138,12 @@ def test_zero2_shards_resume_on_one_process_and_one_process_resumes_on_shards(
     from the same state (the two checkpoints agree, see above), so the next iteration's
     loss and the final masters agree too."""
     runs = {}
-    for name, launcher, load in (
-            ("one", [sys.executable], two_by_one / "decoupled-zero2" / "ckpt"),
-            ("two", [TORCHRUN, "--standalone", "--nproc-per-node", "2"], reference / "ckpt")):
+    for name, nproc, load in (("one", 1, two_by_one / "decoupled-zero2" / "ckpt"),
+                              ("two", 2, reference / "ckpt")):
         out = tmp_path / name
         out.mkdir()
         flags = ["--data-parallel-size", "2", "--zero-stage", "2", *SPLIT] if name == "two" else []
-        _run([*launcher, "pretrain_llama.py"], cache, out, *flags, "--load", str(load),
+        _run("pretrain_llama.py", nproc, cache, out, *flags, "--load", str(load),
              "--train-iters", str(ITERS + 1), "--metrics-file", str(out / "metrics.jsonl"),
              "--save", str(out / "ckpt"))
         runs[name] = out

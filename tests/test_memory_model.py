@@ -7,8 +7,6 @@ process's private host memory; every term of the model must be within 15 % of it
 
 import json
 import os
-import subprocess
-import sys
 from dataclasses import replace
 
 import pytest
@@ -24,9 +22,8 @@ from megatron.schedules.memory_model import (
     plan_memory,
     shortfalls,
 )
+from tests import forked_ranks
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 TOLERANCE = 0.15
 
 
@@ -101,13 +98,8 @@ def test_memory_model_matches_the_runtime_on_two_processes(tmp_path):
     vocab = load_tokenizer(ensure_demo_corpus(cache_dir=cache).tokenizer_path).vocab_size
     flags = ["--model-preset", "small", "--train-iters", "2", "--global-batch-size", "8",
              "--data-cache-dir", cache]
-    # glibc keeps freed heap pages of transient tensors resident; with a fixed mmap
-    # threshold they go back to the system, so RssAnon shows what the process holds.
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}
-    proc = subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node", "2",
-                           os.path.join(ROOT, "tests", "run_memory_probe.py"),
-                           "--out-dir", str(tmp_path), *flags],
-                          capture_output=True, text=True, timeout=400, cwd=ROOT, env=env)
+    proc = forked_ranks.launch("tests/run_memory_probe.py", ["--out-dir", str(tmp_path), *flags],
+                               2, env={"OMP_NUM_THREADS": "1"}, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(tmp_path / "metrics.jsonl") as f:
         measured = [json.loads(line) for line in f][-1]["per_rank"]

@@ -32,6 +32,7 @@ from megatron.training.distributed import initialize_distributed, shutdown_distr
 from megatron.training.evaluation import evaluation_batches
 from megatron.training.pipeline_args import generate_schedule
 from megatron.training.training import model_config_from_args, prepare_data
+from tests import forked_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
@@ -45,9 +46,12 @@ SCHEDULES = ["decoupled", "mobius", "interleaved-1f1b", "1f1b", "gpipe"]
 SLOW_LINK_S = 0.1  # the simulated inter-node link's delay per push (two-node runs)
 
 
-def launch(tmp_path, name, nproc, *extra, env=None, timeout=300, script="pretrain_llama.py"):
-    """Run `script` (one process, or torchrun with `nproc`) on the test model; its outputs
-    (metrics, checkpoints) go to tmp_path/name."""
+def launch(tmp_path, name, nproc, *extra, env=None, timeout=300, script="pretrain_llama.py",
+           real_torchrun=False):
+    """Run `script` (one process, or `nproc` ranks with torchrun's environment) on the test
+    model; its outputs (metrics, checkpoints) go to tmp_path/name. The ranks are forks of
+    the test session's preloaded zygote (tests/forked_ranks.py); `real_torchrun` starts
+    torchrun itself, for what only its behaviour shows."""
     out = tmp_path / name
     out.mkdir()
     args = [*MODEL, "--data-cache-dir", os.environ["MEGATRON_TEST_CACHE"], *extra]
@@ -58,15 +62,15 @@ def launch(tmp_path, name, nproc, *extra, env=None, timeout=300, script="pretrai
         args += ["--out-dir", str(out)]
         if "--schedules" not in extra:
             args += ["--schedules", ",".join(SCHEDULES)]
-    path = os.path.join(ROOT, script)
-    if nproc == 1:
-        cmd = [sys.executable, path, *args]
-    else:
-        cmd = [TORCHRUN, "--standalone", "--nproc-per-node", str(nproc), path, *args]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    full_env = {"OMP_NUM_THREADS": "1", **(env or {})}
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                          env=full_env)
+    if real_torchrun:
+        cmd = [TORCHRUN, "--standalone", "--nproc-per-node", str(nproc),
+               os.path.join(ROOT, script), *args]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                              env={**os.environ, **full_env})
+    else:
+        proc = forked_ranks.launch(script, args, nproc, env=full_env, timeout=timeout)
     proc.elapsed = time.monotonic() - t0
     proc.out, proc.ranks, proc.extra = out, nproc, extra
     return proc
@@ -245,7 +249,8 @@ def _job_segments():
 def test_a_failing_rank_ends_the_job_and_leaves_shm_clean(how, reference, tmp_path):
     before = set(_job_segments())
     run = launch(tmp_path, f"fail-{how}", 2, "--pipeline-schedule", "decoupled",
-                 env={"MEGATRON_SYSX_TEST_FAIL": f"1,2,3,{how}"}, timeout=120)
+                 env={"MEGATRON_SYSX_TEST_FAIL": f"1,2,3,{how}"}, timeout=120,
+                 real_torchrun=how == "kill")  # what torchrun does about a killed worker
     assert run.returncode != 0
     assert run.elapsed < 120
     if how == "raise":
@@ -493,26 +498,19 @@ def test_sigterm_saves_the_last_iteration_and_the_resumed_run_continues(tmp_path
     flags = [*MODEL, "--data-cache-dir", os.environ["MEGATRON_TEST_CACHE"],
              "--pipeline-schedule", "decoupled", "--exit-signal-handler",
              "--save", str(out / "ckpt")]
-    cmd = [TORCHRUN, "--standalone", "--nproc-per-node", "2", os.path.join(ROOT, "pretrain_llama.py"),
-           *flags, "--metrics-file", str(out / "metrics.jsonl")]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    job = forked_ranks.start("pretrain_llama.py",
+                             [*flags, "--metrics-file", str(out / "metrics.jsonl")], 2)
     try:
         deadline = time.monotonic() + 240
         while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text():
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
+            assert job.running() and time.monotonic() < deadline, job.wait().stderr[-3000:]
             time.sleep(0.02)
-        with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
-            workers = [int(pid) for pid in f.read().split()]
-        assert len(workers) == 2
-        for pid in workers:
+        assert len(job.pids) == 2
+        for pid in job.pids:
             os.kill(pid, signal.SIGTERM)
-        stdout, stderr = proc.communicate(timeout=240)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        proc = job.wait(timeout=240)
+    stdout, stderr = proc.stdout, proc.stderr
     assert proc.returncode == 0, stderr[-3000:]
     assert not set(_job_segments()) - before  # every segment released on the way out
     done = [row["iteration"] for row in metrics(SimpleNamespace(out=out))]

@@ -2,13 +2,13 @@
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 from megatron.models.presets import PRESETS, count_parameters
 from megatron.training.arguments import parse_args
+from megatron.training.training import main
+from tests import forked_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "160",
@@ -17,10 +17,22 @@ SMALL = ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "160",
 
 
 def run_cli(*argv, cache=None, timeout=300):
-    cmd = [sys.executable, os.path.join(ROOT, "pretrain_llama.py"), *argv]
+    """`python pretrain_llama.py ARGV` (a fork of the session's preloaded zygote)."""
     if cache:
-        cmd += ["--data-cache-dir", str(cache)]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+        argv = (*argv, "--data-cache-dir", str(cache))
+    return forked_ranks.launch("pretrain_llama.py", argv, timeout=timeout)
+
+
+def run_in_process(capsys, *argv, cache=None):
+    """main(ARGV) in this process, for what ends before training: (exit status, out, err)."""
+    if cache:
+        argv = (*argv, "--data-cache-dir", str(cache))
+    try:
+        code = main(list(argv))
+    except SystemExit as exc:
+        code = exc.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
 
 
 def read_metrics(path):
@@ -63,35 +75,37 @@ def test_explicit_flags_override_the_preset():
     assert (args.num_layers, args.lr, args.hidden_size) == (3, 0.5, 128)
 
 
-def test_missing_data_files_exit_2_and_name_the_path(tmp_path, cache):
+def test_missing_data_files_exit_2_and_name_the_path(tmp_path, cache, capsys):
     tok = tmp_path / "tok.json"
     tok.write_text("{}")
-    r = run_cli("--model-preset", "tiny", "--data-path", str(tmp_path / "none"),
-                "--tokenizer-model", str(tok), cache=cache)
-    assert r.returncode == 2, r.stderr
-    last = r.stderr.strip().splitlines()[-1]
+    code, _, err = run_in_process(capsys, "--model-preset", "tiny", "--data-path",
+                                  str(tmp_path / "none"), "--tokenizer-model", str(tok),
+                                  cache=cache)
+    assert code == 2, err
+    last = err.strip().splitlines()[-1]
     assert "--data-path" in last and str(tmp_path / "none") in last
 
 
-def test_unwritable_save_dir_exits_2_before_training(tmp_path, cache):
+def test_unwritable_save_dir_exits_2_before_training(tmp_path, cache, capsys):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
     metrics = tmp_path / "m.jsonl"
-    r = run_cli(*SMALL, "--train-iters", "2", "--save", str(blocker / "ckpt"),
-                "--metrics-file", str(metrics), cache=cache)
-    assert r.returncode == 2
-    assert "--save" in r.stderr.strip().splitlines()[-1]
+    code, _, err = run_in_process(capsys, *SMALL, "--train-iters", "2", "--save",
+                                  str(blocker / "ckpt"), "--metrics-file", str(metrics),
+                                  cache=cache)
+    assert code == 2
+    assert "--save" in err.strip().splitlines()[-1]
     assert not metrics.exists()
 
 
-def test_print_model_size_reports_count_and_model_state_memory():
-    r = run_cli("--model-preset", "10b", "--print-model-size")
-    assert r.returncode == 0, r.stderr
+def test_print_model_size_reports_count_and_model_state_memory(capsys):
+    code, out, err = run_in_process(capsys, "--model-preset", "10b", "--print-model-size")
+    assert code == 0, err
     p = PRESETS["10b"]
     total = count_parameters(p.num_layers, p.hidden_size, p.ffn_hidden_size,
                              p.num_attention_heads, p.num_query_groups, p.vocab_size).total
-    assert f"parameters: {total:,}" in r.stdout
-    assert f"{total * 20 / 2**30:,.1f} GiB" in r.stdout
+    assert f"parameters: {total:,}" in out
+    assert f"{total * 20 / 2**30:,.1f} GiB" in out
 
 
 def test_tiny_preset_learns_on_the_builtin_corpus(tmp_path, cache):

@@ -1,0 +1,350 @@
+"""Launch a test's processes as forks of one process that has already imported torch and
+megatron-core, instead of `torchrun --standalone` or a fresh `python`.
+
+A torchrun launch pays one interpreter, torch and megatron-core import (about 4 s on two
+cores) for its agent and again for every rank, and the suite launches about 150 ranks. Here
+one *zygote* process per test session imports them once; each rank is a fork of it that:
+
+- gets torchrun's environment for its rank (RANK, LOCAL_RANK, WORLD_SIZE,
+  LOCAL_WORLD_SIZE, MASTER_ADDR/PORT, a fresh TORCHELASTIC_RUN_ID, ...), or, for one
+  process without torchrun, the caller's environment only;
+- runs the script as `python script args` would (`__main__`, sys.argv, sys.path[0]);
+- writes its stdout and stderr to files of its own, returned concatenated in rank order;
+- ends like an interpreter does: non-daemon threads joined, atexit handlers run, the
+  exit status of SystemExit or 1 after a traceback.
+
+As torchrun does, the first rank that fails takes the others down (SIGTERM, then SIGKILL
+after a grace period). Keep torchrun itself for tests of torchrun's own behaviour (signals
+to its workers, a killed rank, the launch examples) and a fresh interpreter for what is
+decided at import time (the C++ optimizer's environment knobs).
+
+The zygote runs one thread and never touches torch before forking, so a fork is as clean
+as a new process; the modules it preloads read no environment at import.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# What every launched script imports first; a fork finds them loaded.
+PRELOAD = ("torch", "torch._dynamo", "torch.distributed.checkpoint", "torch.utils.tensorboard",
+           "megatron.core.optimizer_param_scheduler", "megatron.training.training")
+GRACE_S = 5.0  # after SIGTERM to the surviving ranks of a failed job, before SIGKILL
+READY = "ready"
+
+
+# --- the zygote (its own process) ---------------------------------------------------------
+
+def zygote_main() -> None:
+    """Preload, then fork one child per request line on stdin; report each child's pid
+    and exit status on stdout. Returns only in a child, after setting it up: the caller
+    then runs the request's script at the top level, so that SystemExit unwinds to a
+    normal interpreter exit."""
+    import warnings
+
+    # the warnings a fresh `pretrain_llama.py` filters before its own imports
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.core")
+    requests, responses = sys.stdin.fileno(), os.dup(sys.stdout.fileno())
+    quiet = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(quiet, 1)  # nothing an import prints may reach the protocol
+    os.close(quiet)
+    for module in PRELOAD:
+        __import__(module)
+    _say(responses, READY)
+    pending = b""
+    while True:
+        readable, _, _ = select.select([requests], [], [], 0.05)
+        _report_exits(responses)
+        if not readable:
+            continue
+        chunk = os.read(requests, 1 << 16)
+        if not chunk:  # the test session is gone
+            os._exit(0)
+        pending += chunk
+        while b"\n" in pending:
+            line, pending = pending.split(b"\n", 1)
+            request = json.loads(line)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                os.close(responses)
+                _become(request)
+                return
+            _say(responses, f"started {request['id']} {pid}")
+
+
+def _say(fd: int, line: str) -> None:
+    os.write(fd, (line + "\n").encode())
+
+
+def _report_exits(responses: int) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        _say(responses, f"exited {pid} {os.waitstatus_to_exitcode(status)}")
+
+
+def _become(request: dict) -> None:
+    """In the forked child: the request's directory, environment, files and arguments."""
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
+        out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(out, fd)
+        os.close(out)
+    threads = request["env"].get("OMP_NUM_THREADS")
+    if threads:  # libgomp read the zygote's environment when it was loaded
+        import torch
+
+        torch.set_num_threads(int(threads))
+    sys.argv = list(request["argv"])
+    sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))
+
+
+def run_request_script() -> None:
+    """The child's part: run sys.argv[0] as `__main__`."""
+    import runpy
+
+    runpy.run_path(sys.argv[0], run_name="__main__")
+
+
+# --- the test side ------------------------------------------------------------------------
+
+class _Zygote:
+    """The session's zygote process and the bookkeeping of the children it forked."""
+
+    def __init__(self) -> None:
+        code = (f"import sys; sys.path.insert(0, {ROOT!r}); import tests.forked_ranks as z; "
+                "z.zygote_main(); z.run_request_script()")
+        self.proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL)
+        self._buffer = b""
+        self._started: dict[int, int] = {}
+        self._exited: dict[int, int] = {}
+        self._next_id = 0
+        self._ready = False
+        self._wait_for(lambda: self._ready, 120, "to preload")
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def fork(self, argv: Sequence[str], env: Mapping[str, str], cwd: str, stdout: str,
+             stderr: str) -> int:
+        self._next_id += 1
+        rid = self._next_id
+        request = {"id": rid, "argv": list(argv), "env": dict(env), "cwd": cwd,
+                   "stdout": stdout, "stderr": stderr}
+        self.proc.stdin.write((json.dumps(request) + "\n").encode())
+        self.proc.stdin.flush()
+        self._wait_for(lambda: rid in self._started, 60, "to fork")
+        return self._started.pop(rid)
+
+    def exit_code(self, pid: int) -> int | None:
+        return self._exited.get(pid)
+
+    def forget(self, pid: int) -> None:
+        self._exited.pop(pid, None)
+
+    def pump(self, timeout: float) -> None:
+        """Read what the zygote reported within `timeout` seconds."""
+        out = self.proc.stdout.fileno()
+        readable, _, _ = select.select([out], [], [], timeout)
+        if not readable:
+            return
+        chunk = os.read(out, 1 << 16)
+        if not chunk:
+            raise RuntimeError("the test zygote process died")
+        self._buffer += chunk
+        while b"\n" in self._buffer:
+            line, self._buffer = self._buffer.split(b"\n", 1)
+            kind, *fields = line.decode().split()
+            if kind == READY:
+                self._ready = True
+            elif kind == "started":
+                self._started[int(fields[0])] = int(fields[1])
+            elif kind == "exited":
+                self._exited[int(fields[0])] = int(fields[1])
+
+    def _wait_for(self, condition, timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            if time.monotonic() > deadline or not self.alive():
+                raise RuntimeError(f"the test zygote process failed {what}")
+            self.pump(0.05)
+
+    def close(self) -> None:
+        if self.alive():
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+_ZYGOTE: _Zygote | None = None
+
+
+def _zygote() -> _Zygote:
+    global _ZYGOTE
+    if _ZYGOTE is None or not _ZYGOTE.alive():
+        _ZYGOTE = _Zygote()
+    return _ZYGOTE
+
+
+def close_zygote() -> None:
+    global _ZYGOTE
+    if _ZYGOTE is not None:
+        _ZYGOTE.close()
+        _ZYGOTE = None
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_env(rank: int, nproc: int, port: int, run_id: str) -> dict[str, str]:
+    """What `torchrun --standalone --nproc-per-node nproc` gives worker `rank`, with the
+    TCP store hosted by rank 0 (there is no agent to host it)."""
+    return {"RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0",
+            "ROLE_RANK": str(rank), "ROLE_NAME": "default", "LOCAL_WORLD_SIZE": str(nproc),
+            "WORLD_SIZE": str(nproc), "GROUP_WORLD_SIZE": "1", "ROLE_WORLD_SIZE": str(nproc),
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+            "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
+            "TORCHELASTIC_RUN_ID": run_id, "TORCHELASTIC_USE_AGENT_STORE": "False",
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+
+
+class RankJob:
+    """The ranks of one launch, running; `wait()` collects them like subprocess.run."""
+
+    def __init__(self, script: str, args: Sequence[str], nproc: int, torchrun: bool,
+                 env: Mapping[str, str], cwd: str) -> None:
+        if nproc > 1 and not torchrun:
+            raise ValueError("several processes need torchrun's environment")
+        script = os.path.join(cwd, script)
+        base = {**os.environ, **env}
+        port, run_id = (_free_port(), uuid.uuid4().hex) if torchrun else (0, "")
+        if torchrun:
+            base.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default for several workers
+        self.command = ([f"torchrun --nproc-per-node {nproc}"] if torchrun else ["python"]) \
+            + [script, *args]
+        self._zygote = _zygote()
+        self._logs = tempfile.TemporaryDirectory(prefix="ranks-")
+        self._files = [(os.path.join(self._logs.name, f"{r}.out"),
+                        os.path.join(self._logs.name, f"{r}.err")) for r in range(nproc)]
+        self.pids: list[int] = []
+        self._result: subprocess.CompletedProcess | None = None
+        try:
+            for rank, (out, err) in enumerate(self._files):
+                rank_env = ({**base, **torchrun_env(rank, nproc, port, run_id)} if torchrun
+                            else base)
+                self.pids.append(self._zygote.fork([script, *args], rank_env, cwd, out, err))
+        except BaseException:
+            self._close()
+            raise
+
+    def running(self) -> bool:
+        """Whether every rank is still running."""
+        self._zygote.pump(0)
+        return all(self._zygote.exit_code(pid) is None for pid in self.pids)
+
+    def wait(self, timeout: float = 300) -> subprocess.CompletedProcess:
+        """Wait for every rank (returncode: 0, or the first failed rank's status); raise
+        subprocess.TimeoutExpired after `timeout` seconds, every rank killed."""
+        if self._result is not None:
+            return self._result
+        try:
+            returncode = _wait(self._zygote, self.pids, timeout, self.command)
+            stdout = "".join(_read(out) for out, _ in self._files)
+            stderr = "".join(_read(err) for _, err in self._files)
+        finally:
+            self._close()
+        self._result = subprocess.CompletedProcess(self.command, returncode, stdout, stderr)
+        return self._result
+
+    def _close(self) -> None:
+        _kill(self._zygote, self.pids, signal.SIGKILL)
+        for pid in self.pids:
+            self._zygote.forget(pid)
+        self._logs.cleanup()
+
+
+def start(script: str, args: Sequence[str], nproc: int = 1, *, torchrun: bool | None = None,
+          env: Mapping[str, str] | None = None, cwd: str = ROOT) -> RankJob:
+    """Start `torchrun --standalone --nproc-per-node nproc script args` (`torchrun`
+    defaults to nproc > 1) or `python script args` on forks of the zygote."""
+    return RankJob(script, args, nproc, nproc > 1 if torchrun is None else torchrun,
+                   env or {}, cwd)
+
+
+def launch(script: str, args: Sequence[str], nproc: int = 1, *, torchrun: bool | None = None,
+           env: Mapping[str, str] | None = None, timeout: float = 300,
+           cwd: str = ROOT) -> subprocess.CompletedProcess:
+    """start(...).wait(timeout): what subprocess.run would return for the same command."""
+    return start(script, args, nproc, torchrun=torchrun, env=env, cwd=cwd).wait(timeout)
+
+
+def _wait(zygote: _Zygote, pids: list[int], timeout: float, command: list[str]) -> int:
+    """Wait for every rank; on the first failure, take the others down as torchrun does."""
+    deadline = time.monotonic() + timeout
+    failed: int | None = None
+    while True:
+        codes = [zygote.exit_code(pid) for pid in pids]
+        if failed is None:
+            failed = next((c for c in codes if c not in (None, 0)), None)
+            if failed is not None:
+                _kill(zygote, pids, signal.SIGTERM)
+                deadline = min(deadline, time.monotonic() + GRACE_S)
+        if all(c is not None for c in codes):
+            return failed or 0
+        if time.monotonic() > deadline:
+            if failed is not None:
+                return failed  # the survivors get SIGKILL on the way out
+            raise subprocess.TimeoutExpired(" ".join(command), timeout)
+        zygote.pump(0.05)
+
+
+def _kill(zygote: _Zygote, pids: list[int], sig: int) -> None:
+    zygote.pump(0)
+    for pid in pids:
+        if zygote.exit_code(pid) is None:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+    if sig == signal.SIGKILL:  # wait until they are gone: their files and segments too
+        deadline = time.monotonic() + 30
+        while any(zygote.exit_code(p) is None for p in pids) and time.monotonic() < deadline:
+            zygote.pump(0.05)
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read()
+    except FileNotFoundError:
+        return ""
