@@ -29,29 +29,30 @@ import warnings
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.core")
 
-from megatron.training.arguments import ArgumentError, exit_bad_input, parse_args  # noqa: E402
-from megatron.training.demo_corpus import ensure_demo_corpus  # noqa: E402
-from megatron.training.distributed import initialize_distributed, shutdown_distributed  # noqa: E402
-from megatron.training.plan import (  # noqa: E402
+from megatron.config.errors import ConfigError  # noqa: E402
+from megatron.config.run import RunConfig  # noqa: E402
+from megatron.data.demo_corpus import ensure_demo_corpus  # noqa: E402
+from megatron.data.tokenizer import load_tokenizer  # noqa: E402
+from megatron.planning.evaluate import (  # noqa: E402
     base_configuration,
+    configured,
     evaluate,
     plan_hardware,
-    search,
-    simulated,
-    with_configuration,
 )
-from megatron.training.tokenizer import load_tokenizer  # noqa: E402
+from megatron.planning.search import search  # noqa: E402
+from megatron.training.arguments import exit_bad_input, parse_args  # noqa: E402
+from megatron.training.distributed import initialize_distributed, shutdown_distributed  # noqa: E402
 from megatron.training.training import train  # noqa: E402
 
 
-def candidates(args: argparse.Namespace, world: int) -> list[dict]:
+def candidates(run: RunConfig, world: int) -> list[dict]:
     """The search's top five and the default configuration, with their predictions."""
-    hardware = plan_hardware(args)
-    args.gpus_per_node, args.nodes = world, 1
-    found = search(args, hardware).ranked
+    hardware = plan_hardware(run)
+    run = run.evolve(planning={"gpus_per_node": world, "nodes": 1})
+    found = search(run, hardware).ranked
     rows = [dict(e.summary(), label=f"candidate {i + 1}", config=e.config)
             for i, e in enumerate(found[:5])]
-    default = simulated(args, evaluate(args, base_configuration(args), hardware, False), hardware)
+    default = evaluate(run, base_configuration(run), hardware)
     shape = ("schedule", "forward_stages", "backward_split", "micro_batch_size",
              "optimizer_gpu_stride")
     if all(any(r[k] != default.summary()[k] for k in shape) for r in rows):
@@ -64,25 +65,26 @@ def main(argv: list[str] | None = None) -> int:
     own.add_argument("--rounds", type=int, default=2)
     own.add_argument("--json", action="store_true")
     bench, rest = own.parse_known_args(sys.argv[1:] if argv is None else argv)
-    args = parse_args(rest)
-    args.log_interval = max(args.log_interval, args.train_iters)  # quiet
-    if args.vocab_size is None and args.data_path is None:  # the search sizes the real model
-        corpus = ensure_demo_corpus(cache_dir=args.data_cache_dir, log=lambda *_: None)
-        args.vocab_size = load_tokenizer(corpus.tokenizer_path).vocab_size
+    run = parse_args(rest)
+    quiet = {"log_interval": max(run.logging.log_interval, run.training.train_iters)}
+    run = run.evolve(logging=quiet)
+    if run.model.vocab_size is None and run.data.data_path is None:  # the real model's size
+        corpus = ensure_demo_corpus(cache_dir=run.data.data_cache_dir, log=lambda *_: None)
+        run = run.evolve(model={"vocab_size": load_tokenizer(corpus.tokenizer_path).vocab_size})
     dist_info = initialize_distributed()
     try:
-        rows = candidates(args, dist_info.world_size)
+        rows = candidates(run, dist_info.world_size)
         for row in rows:
             row["measured_s"] = []
         for _ in range(bench.rounds):
             for row in rows:
-                run = with_configuration(args, row["config"])
-                run.metrics_file = run.save = None
+                measured = configured(run, row["config"]).evolve(
+                    logging={"metrics_file": None}, checkpointing={"save": None})
                 with contextlib.redirect_stdout(sys.stderr):
-                    records = train(run, dist_info)
+                    records = train(measured, dist_info)
                 row["measured_s"].append(statistics.median(
                     r["iter_time_s"] for r in (records[1:] or records)))
-    except ArgumentError as exc:
+    except ConfigError as exc:
         exit_bad_input(exc)
     finally:
         shutdown_distributed()
@@ -93,9 +95,9 @@ def main(argv: list[str] | None = None) -> int:
         row["median_s"] = statistics.median(row["measured_s"])
         row["spread_s"] = [min(row["measured_s"]), max(row["measured_s"])]
     best = min(row["median_s"] for row in rows[:5])
-    summary = {"model": args.model_preset, "ranks": dist_info.world_size,
-               "hardware": args.hardware, "rounds": bench.rounds,
-               "iterations_per_run": args.train_iters, "configurations": rows,
+    summary = {"model": run.model.name, "ranks": dist_info.world_size,
+               "hardware": run.planning.hardware, "rounds": bench.rounds,
+               "iterations_per_run": run.training.train_iters, "configurations": rows,
                "chosen_over_best_measured": rows[0]["median_s"] / best}
     if bench.json:
         print(json.dumps(summary, indent=1))

@@ -46,7 +46,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron.models.presets import get_preset  # noqa: E402
+from megatron.config.presets import get_preset  # noqa: E402
 from megatron.offload.device import get_device  # noqa: E402
 from megatron.optimizer import CPUAdamW  # noqa: E402
 from megatron.optimizer.subgroups import plan_resident, plan_subgroups  # noqa: E402
@@ -60,7 +60,7 @@ from megatron.schedules.cost_model import (  # noqa: E402
     backward_stage_params,
     derived_costs,
     get_hardware,
-    preset_partition,
+    model_partition,
 )
 from megatron.schedules.generators import build_schedule  # noqa: E402
 from megatron.schedules.hardware import update_rates  # noqa: E402
@@ -76,7 +76,7 @@ from megatron.schedules.simulator import simulate  # noqa: E402
 def simulated_10b() -> dict:
     """Exposed optimizer time of the 10b preset on paper-v100, with and without subgroups."""
     preset = get_preset("10b")
-    partition = preset_partition(preset, 8, min_layers=2)
+    partition = model_partition(preset, 8, min_layers=2)
     schedule = build_schedule("decoupled", 4, 8, 2, 4, partition)
     costs = derived_costs(schedule, preset, "paper-v100", micro_batch_size=2)
     hardware = get_hardware("paper-v100")

@@ -21,7 +21,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.pipeline_sweep import GPUS_PER_NODE, PAPER_MODELS, paper_schedule  # noqa: E402
-from megatron.models.presets import get_preset  # noqa: E402
+from megatron.config.presets import get_preset  # noqa: E402
 from megatron.schedules import derived_costs, validate  # noqa: E402
 from megatron.schedules.distribution import (  # noqa: E402
     DISTRIBUTION_MODES,

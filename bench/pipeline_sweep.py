@@ -23,7 +23,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron.models.presets import get_preset  # noqa: E402
+from megatron.config.presets import get_preset  # noqa: E402
 from megatron.schedules import Schedule, build_schedule, derived_costs, simulate  # noqa: E402
 from megatron.schedules.generators import RECOMPUTE_BACKWARD_RATIO  # noqa: E402
 

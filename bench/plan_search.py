@@ -22,15 +22,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.spread import spread  # noqa: E402
 from megatron.common.workers import cores_per_rank  # noqa: E402
-from megatron.training import plan  # noqa: E402
+from megatron.config.run import RunConfig  # noqa: E402
+from megatron.planning import search as plan  # noqa: E402
+from megatron.planning.evaluate import plan_hardware  # noqa: E402
 from megatron.training.arguments import parse_args  # noqa: E402
 
 
-def every_shape(args: argparse.Namespace, hardware) -> tuple[list, int]:
+def every_shape(run: RunConfig, hardware) -> tuple[list, int]:
     """Every shape built and simulated with every stride: the ranking and the count."""
-    strides = plan.searched_strides(args, hardware)
-    shapes = plan.searched_configurations(args, hardware)
-    found = [e for config in shapes for e in plan.evaluate_shape((args, config, strides, hardware))]
+    strides = plan.searched_strides(run, hardware)
+    shapes = plan.searched_configurations(run, hardware)
+    found = [e for config in shapes for e in plan.evaluate_shape((run, config, strides, hardware))]
     found.sort(key=plan.rank_key)
     return found, len(shapes) * len(strides)
 
@@ -43,16 +45,16 @@ def main(argv: list[str] | None = None) -> int:
     own.add_argument("--rounds", type=int, default=2)
     own.add_argument("--json", action="store_true")
     bench = own.parse_args(argv)
-    args = parse_args(["--plan", "--auto-config", "--model-preset", bench.model_preset, "--bf16",
+    run = parse_args(["--plan", "--auto-config", "--model-preset", bench.model_preset, "--bf16",
                        "--nodes", str(bench.nodes), "--gpus-per-node", "4",
                        "--micro-batch-size", "2", "--seq-length", str(bench.seq_length),
                        "--global-batch-size", str(16 * bench.nodes)])
-    hardware = plan.plan_hardware(args)
+    hardware = plan_hardware(run)
     cores = cores_per_rank()
     ways = {
-        "bounded_1_worker": lambda: plan.search(args, hardware, workers=1),
-        f"bounded_{cores}_workers": lambda: plan.search(args, hardware, workers=cores),
-        "every_shape_1_worker": lambda: every_shape(args, hardware),
+        "bounded_1_worker": lambda: plan.search(run, hardware, workers=1),
+        f"bounded_{cores}_workers": lambda: plan.search(run, hardware, workers=cores),
+        "every_shape_1_worker": lambda: every_shape(run, hardware),
     }
     seconds: dict[str, list[float]] = {name: [] for name in ways}
     tops, built = {}, {}

@@ -39,14 +39,16 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from bench.spread import spread  # noqa: E402
+from megatron.config.errors import ConfigError  # noqa: E402
+from megatron.config.run import RunConfig  # noqa: E402
 from megatron.pipeline.calibration import (  # noqa: E402
     copy_seconds_per_byte,
     optimizer_seconds_per_param,
 )
+from megatron.planning.shape import with_schedule  # noqa: E402
 from megatron.schedules.generators import SCHEDULE_NAMES  # noqa: E402
-from megatron.training.arguments import ArgumentError, exit_bad_input, parse_args  # noqa: E402
+from megatron.training.arguments import exit_bad_input, parse_args  # noqa: E402
 from megatron.training.distributed import initialize_distributed, shutdown_distributed  # noqa: E402
-from megatron.training.pipeline_args import args_for_schedule  # noqa: E402
 from megatron.training.pipeline_step import (  # noqa: E402
     simulate_measured,
     step_backward_stage_params,
@@ -71,44 +73,43 @@ def bench_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse(argv: list[str]) -> tuple[argparse.Namespace, argparse.Namespace]:
+def parse(argv: list[str]) -> tuple[argparse.Namespace, RunConfig]:
     bench, rest = bench_parser().parse_known_args(argv)
     names = [n for n in bench.schedules.split(",") if n]
     unknown = [n for n in names if n not in SCHEDULE_NAMES]
     if unknown or not names:
-        exit_bad_input(ArgumentError("--schedules", bench.schedules,
-                                     f"expected names from {', '.join(ORDER)}"))
+        exit_bad_input(ConfigError("--schedules", bench.schedules,
+                                   f"expected names from {', '.join(ORDER)}"))
     if bench.rounds < 1:
-        exit_bad_input(ArgumentError("--rounds", bench.rounds, "expected at least 1"))
+        exit_bad_input(ConfigError("--rounds", bench.rounds, "expected at least 1"))
     if bench.baseline not in SCHEDULE_NAMES:
-        exit_bad_input(ArgumentError("--baseline", bench.baseline,
-                                     f"expected a name from {', '.join(ORDER)}"))
+        exit_bad_input(ConfigError("--baseline", bench.baseline,
+                                   f"expected a name from {', '.join(ORDER)}"))
     if bench.save_final and not bench.out_dir:
-        exit_bad_input(ArgumentError("--save-final", "set", "needs --out-dir"))
+        exit_bad_input(ConfigError("--save-final", "set", "needs --out-dir"))
     bench.names = names
     return bench, parse_args(rest)
 
 
-def schedule_args(base: argparse.Namespace, name: str, bench: argparse.Namespace,
-                  trace: str) -> argparse.Namespace:
-    args = args_for_schedule(base, name)
-    args.metrics_file = args.save = None
-    args.trace = trace  # the last iteration's events calibrate the simulation
-    if bench.out_dir:
-        args.metrics_file = os.path.join(bench.out_dir, name, "metrics.jsonl")
-        if bench.save_final:
-            args.save = os.path.join(bench.out_dir, name, "ckpt")
-    return args
+def schedule_run(base: RunConfig, name: str, bench: argparse.Namespace,
+                 trace: str) -> RunConfig:
+    out = os.path.join(bench.out_dir, name) if bench.out_dir else None
+    return with_schedule(base, name).evolve(
+        # the last iteration's events calibrate the simulation
+        logging={"metrics_file": os.path.join(out, "metrics.jsonl") if out else None,
+                 "trace": trace},
+        checkpointing={"save": os.path.join(out, "ckpt") if out and bench.save_final
+                       else None})
 
 
-def measure(name: str, base: argparse.Namespace, bench: argparse.Namespace, trace: str,
+def measure(name: str, base: RunConfig, bench: argparse.Namespace, trace: str,
             opt_s: float, copy_s: float) -> dict:
     """One training run of `name`: its iteration times (the first, a warm-up, left out),
     breakdown means, device memory and the calibrated simulation of the same run."""
-    args = schedule_args(base, name, bench, trace)
+    run = schedule_run(base, name, bench, trace)
     built: list = []
     with contextlib.redirect_stdout(sys.stderr):  # stdout carries only the result
-        records = train(args, dist_info=bench.dist_info, on_step=built.append)
+        records = train(run, dist_info=bench.dist_info, on_step=built.append)
     step = built[0]
     measured = records[1:] or records
     row = {
@@ -161,14 +162,14 @@ def summarize(name: str, rows: list[dict], baseline_rows: list[dict] | None) -> 
     return out
 
 
-def run(bench: argparse.Namespace, base: argparse.Namespace) -> dict:
+def run(bench: argparse.Namespace, base: RunConfig) -> dict:
     """Rounds of every schedule, the order rotated each round so that no schedule always
     runs first (on a noisy machine, position in the job changes the timing)."""
     bench.dist_info = initialize_distributed()
     rows: dict[str, list[dict]] = {name: [] for name in bench.names}
     traces = tempfile.mkdtemp(prefix="bench-schedules-")  # rank 0 writes each one
     try:
-        threads = base.cpu_optimizer_threads or 1
+        threads = base.cpu_optimizer.cpu_optimizer_threads or 1
         opt_s, copy_s = optimizer_seconds_per_param(threads), copy_seconds_per_byte()
         for round_index in range(bench.rounds):
             shift = round_index % len(bench.names)
@@ -181,8 +182,8 @@ def run(bench: argparse.Namespace, base: argparse.Namespace) -> dict:
     baseline = rows.get(bench.baseline)
     return {
         "ranks": bench.dist_info.world_size,
-        "model": base.model_preset or "custom",
-        "iterations": base.train_iters,
+        "model": base.model.name,
+        "iterations": base.training.train_iters,
         "rounds": bench.rounds,
         "baseline": bench.baseline if baseline else None,
         "optimizer_s_per_param": opt_s,
@@ -192,10 +193,11 @@ def run(bench: argparse.Namespace, base: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     bench, base = parse(sys.argv[1:] if argv is None else argv)
-    base.log_interval = max(base.log_interval, base.train_iters)  # quiet
+    base = base.evolve(logging={"log_interval": max(base.logging.log_interval,  # quiet
+                                                    base.training.train_iters)})
     try:
         summary = run(bench, base)
-    except ArgumentError as exc:
+    except ConfigError as exc:
         exit_bad_input(exc)
     if os.environ.get("RANK", "0") != "0":
         return 0

@@ -41,8 +41,8 @@ def main() -> int:
     own = argparse.ArgumentParser(add_help=False)
     own.add_argument("--out-dir", required=True)
     harness, rest = own.parse_known_args()
-    args = parse_args(rest)
-    args.metrics_file = os.path.join(harness.out_dir, "metrics.jsonl")
+    run = parse_args(rest).evolve(
+        logging={"metrics_file": os.path.join(harness.out_dir, "metrics.jsonl")})
     dist_info = initialize_distributed()
     probe: dict = {"rss_anon_before": rss_anon_bytes()}
 
@@ -61,7 +61,7 @@ def main() -> int:
         step.step = step_and_measure
 
     try:
-        train(args, dist_info, on_step=watch)
+        train(run, dist_info, on_step=watch)
     finally:
         shutdown_distributed()
     with open(os.path.join(harness.out_dir, f"rank_{dist_info.rank}.json"), "w") as f:

@@ -15,9 +15,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron.planning.shape import with_schedule  # noqa: E402
 from megatron.training.arguments import parse_args  # noqa: E402
 from megatron.training.distributed import initialize_distributed, shutdown_distributed  # noqa: E402
-from megatron.training.pipeline_args import args_for_schedule  # noqa: E402
 from megatron.training.training import train  # noqa: E402
 
 
@@ -34,16 +34,15 @@ def main() -> int:
         stages = harness.zero_stages.split(",") if harness.zero_stages else [None]
         runs = [(name, zero) for name in harness.schedules.split(",") for zero in stages]
         for name, zero in runs:
-            args = args_for_schedule(base, name)
+            run = with_schedule(base, name)
             out = os.path.join(harness.out_dir, name)
             if zero is not None:
-                args.zero_stage = int(zero)
+                run = run.evolve(parallel={"zero_stage": int(zero)})
                 out = f"{out}-zero{zero}"
-            args.metrics_file = os.path.join(out, "metrics.jsonl")
-            args.save = os.path.join(out, "ckpt")
-            args.trace = os.path.join(out, "trace.json")
-            args.tensorboard_dir = os.path.join(out, "tb")
-            train(args, dist_info)
+            train(run.evolve(logging={"metrics_file": os.path.join(out, "metrics.jsonl"),
+                                      "trace": os.path.join(out, "trace.json"),
+                                      "tensorboard_dir": os.path.join(out, "tb")},
+                             checkpointing={"save": os.path.join(out, "ckpt")}), dist_info)
     finally:
         shutdown_distributed()
     return 0

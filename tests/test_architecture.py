@@ -1,6 +1,7 @@
 """The layers stay layers: the import graph, the op table and its three consumers."""
 
 import ast
+import json
 import os
 import subprocess
 import sys
@@ -11,19 +12,26 @@ import pytest
 from megatron.pipeline import executor
 from megatron.schedules import simulator, validator
 from megatron.schedules.instructions import OP_SPECS, Op
+from megatron.training.arguments import parse_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "megatron")
-# Lower layers never import higher ones (common < schedules < offload/optimizer/models <
-# pipeline < training).
+# Lower layers never import higher ones: common < config < schedules < planning, and
+# offload/optimizer/models < data, pipeline < training (siblings never import each other).
+LAYERS = ("common", "config", "schedules", "planning", "offload", "optimizer", "models",
+          "data", "pipeline", "training")
 FORBIDDEN = {
-    "common": ("schedules", "offload", "optimizer", "models", "pipeline", "training"),
-    "schedules": ("offload", "optimizer", "pipeline", "training"),
-    "offload": ("optimizer", "models", "pipeline", "training"),  # the three are siblings
-    "optimizer": ("offload", "models", "pipeline", "training"),
-    "models": ("offload", "optimizer", "pipeline", "training"),
-    "pipeline": ("training",),
+    "common": LAYERS[1:],
+    "config": LAYERS[2:],
+    "schedules": LAYERS[3:],
+    "planning": ("offload", "optimizer", "models", "data", "pipeline", "training"),
+    "offload": ("planning", "optimizer", "models", "data", "pipeline", "training"),
+    "optimizer": ("planning", "offload", "models", "data", "pipeline", "training"),
+    "models": ("planning", "offload", "optimizer", "data", "pipeline", "training"),
+    "data": ("planning", "offload", "optimizer", "pipeline", "training"),
+    "pipeline": ("data", "training"),
 }
+COMMAND_LINE = "megatron.training.arguments"  # the one module that reads argparse
 
 
 def _modules():
@@ -95,12 +103,58 @@ def test_lower_layers_never_import_higher_ones():
             assert dep.split(".")[1] not in FORBIDDEN.get(layer, ()), f"{module} imports {dep}"
 
 
-def test_the_schedule_package_runs_without_torch():
-    code = ("import sys; import megatron.schedules as s; "
-            "s.validate(s.build_schedule('decoupled', 2, 4, 2, 4)); "
-            "assert not [m for m in sys.modules if m.split('.')[0] == 'torch'], 'torch imported'")
-    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+def test_every_module_sits_in_a_known_layer():
+    graph, _ = _graph()
+    assert {module.split(".")[1] for module in graph} == set(LAYERS)
+
+
+def test_nothing_below_the_command_line_receives_a_namespace():
+    """Only the command-line module imports argparse; no function elsewhere takes an
+    `args` parameter or one annotated as a Namespace: they read the RunConfig."""
+    found = []
+    for module, path in _modules():
+        if module == COMMAND_LINE:
+            continue
+        tree = ast.parse(open(path, encoding="utf-8").read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import) and any(a.name == "argparse" for a in node.names):
+                found.append(f"{module}:{node.lineno} imports argparse")
+            if isinstance(node, ast.ImportFrom) and node.module == "argparse":
+                found.append(f"{module}:{node.lineno} imports from argparse")
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                a = node.args
+                for arg in [*a.posonlyargs, *a.args, *a.kwonlyargs]:
+                    note = ast.unparse(arg.annotation) if arg.annotation else ""
+                    if arg.arg == "args" or "Namespace" in note:
+                        found.append(f"{module}:{node.lineno} {node.name}({arg.arg}: {note})")
+    assert found == []
+
+
+def _runs_without_torch(code: str, stdin: str = "") -> str:
+    check = f"{code}\nimport sys\nassert 'torch' not in sys.modules, 'torch imported'"
+    run = subprocess.run([sys.executable, "-c", check], cwd=ROOT, capture_output=True,
+                         text=True, input=stdin)
     assert run.returncode == 0, run.stderr
+    return run.stdout
+
+
+def test_the_schedule_package_runs_without_torch():
+    _runs_without_torch("import megatron.schedules as s\n"
+                        "s.validate(s.build_schedule('decoupled', 2, 4, 2, 4))")
+
+
+def test_planning_runs_from_the_configuration_without_torch():
+    """--plan --auto-config (search, evaluation, report) from a RunConfig alone."""
+    flags = parse_args(["--plan", "--auto-config", "--json", "--model-preset", "10b",
+                        "--num-layers", "12", "--bf16", "--gpus-per-node", "4",
+                        "--global-batch-size", "16"]).flags()
+    out = _runs_without_torch("import json, sys\n"
+                              "from megatron.config.run import RunConfig\n"
+                              "from megatron.planning.report import run_plan\n"
+                              "run_plan(RunConfig.from_flags(json.load(sys.stdin)))",
+                              stdin=json.dumps(flags))
+    printed = json.loads(out)
+    assert printed["fits"] and len(printed["candidates"]) == 5
 
 
 def _is_empty(function: types.FunctionType) -> bool:

@@ -49,11 +49,11 @@ def resume_on_three_processes(tmp_path, uninterrupted):
 def resume_in_this_process(tmp_path, uninterrupted):
     """One process without a pipeline, through train() here (no process to start)."""
     out = tmp_path / "resumed"
-    args = parse_args([*MODEL, *SIX_ITERATIONS, "--data-cache-dir",
+    run = parse_args([*MODEL, *SIX_ITERATIONS, "--data-cache-dir",
                        os.environ["MEGATRON_TEST_CACHE"], "--load",
                        str(saved_at_3(tmp_path, uninterrupted)), "--save", str(out / "ckpt")])
     try:
-        records = train(args, initialize_distributed())
+        records = train(run, initialize_distributed())
     finally:
         shutdown_distributed()
     return records, out / "ckpt"

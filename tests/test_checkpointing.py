@@ -1,7 +1,7 @@
 """Checkpoints in one process: the layout, lossless round trips, saving in the background,
 a kill mid-write, the old format and a full disk."""
 
-import argparse
+
 import os
 import signal
 import subprocess
@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import megatron.training.checkpointing as checkpointing
+from megatron.training.arguments import parse_args
 from megatron.training.checkpoint_state import EXP_AVG, EXP_AVG_SQ, MASTER, OwnedState
 from megatron.training.checkpointing import (
     TRACKER,
@@ -215,13 +216,14 @@ def test_a_checkpoint_of_another_global_batch_is_refused_before_anything_is_buil
     saver = CheckpointSaver(str(tmp_path), async_save=False)
     saver.save(3, owned(3), {"consumed_samples": 3 * 8})
     saver.close()
-    args = argparse.Namespace(load=str(tmp_path), finetune=False, global_batch_size=8)
-    check_resumable(args)
-    args.global_batch_size = 16
+    run = parse_args(["--model-preset", "tiny", "--load", str(tmp_path),
+                      "--global-batch-size", "8"])
+    check_resumable(run)
+    run = run.evolve(training={"global_batch_size": 16})
     with pytest.raises(CheckpointError, match="expected --global-batch-size 8 .not 16."):
-        check_resumable(args)
-    args.finetune = True  # weights only: the data starts over
-    check_resumable(args)
+        check_resumable(run)
+    run = run.evolve(checkpointing={"finetune": True})  # weights only: the data starts over
+    check_resumable(run)
 
 
 def test_pretrain_llama_refuses_the_old_format_in_one_line_with_exit_2(tmp_path, capsys):

@@ -155,12 +155,12 @@ def test_bad_input_exits_2_in_one_line(argv, fragment, tmp_path):
 def test_finetuned_here_then_exported_scores_the_same_in_transformers(
         converted, tmp_path, dist_group):
     trained = tmp_path / "trained"
-    args = parse_args([
+    run = parse_args([
         *MODEL_FLAGS, "--micro-batch-size", "2", "--global-batch-size", "4",
         "--train-iters", "2", "--lr", "1e-3", "--load", str(converted), "--finetune",
         "--save", str(trained),
         "--data-cache-dir", os.environ.get("MEGATRON_TEST_CACHE", str(tmp_path / "cache"))])
-    records = train(args, dist_group)  # here: no process to start
+    records = train(run, dist_group)  # here: no process to start
     assert [r["iteration"] for r in records] == [1, 2] and latest_iteration(str(trained)) == 2
     exported = tmp_path / "hf"
     r = convert("--from", "megatron", "--to", "hf", "--input", str(trained), "--output",

@@ -290,14 +290,14 @@ def test_a_checkpoint_loads_into_either_precision(tmp_path):
 def test_the_planner_counts_host_bytes_per_parameter_of_the_chosen_precisions():
     """fp32: 12 bytes per owned parameter; bf16 m and v: 8; all bf16: 6 (what CPUAdamW
     allocates), and the paper's 110B on two nodes needs less host memory with them."""
-    from megatron.models.presets import get_preset
-    from megatron.schedules.cost_model import backward_stage_params, preset_partition
+    from megatron.config.presets import get_preset
+    from megatron.schedules.cost_model import backward_stage_params, model_partition
     from megatron.schedules.generators import build_schedule
     from megatron.schedules.hardware import get_hardware
     from megatron.schedules.memory_model import plan_memory
 
     preset, hardware = get_preset("110b"), get_hardware("paper-v100")
-    partition = preset_partition(preset, 16, min_layers=2)
+    partition = model_partition(preset, 16, min_layers=2)
     schedule = build_schedule("decoupled", 8, 16, 2, 16, partition)
     params = sum(backward_stage_params(preset, partition, 2).values())
     node_states = []
@@ -317,8 +317,9 @@ def test_the_planner_counts_host_bytes_per_parameter_of_the_chosen_precisions():
 def test_bf16_flags_with_the_one_process_reference_exit_2_naming_the_flag(flag, capsys):
     """The one-process reference keeps torch's fp32 AdamW: a bf16 flag with it is refused
     (one line, exit 2); without a schedule one process runs the one-rank pipeline."""
+    from megatron.pipeline.config import pipeline_config
+    from megatron.planning.shape import run_schedule
     from megatron.training.arguments import parse_args
-    from megatron.training.pipeline_args import pipeline_config
     from megatron.training.training import runs_pipeline
 
     with pytest.raises(SystemExit) as exc:
@@ -326,8 +327,8 @@ def test_bf16_flags_with_the_one_process_reference_exit_2_naming_the_flag(flag, 
     assert exc.value.code == 2
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert flag in line and "bf16" in line
-    args = parse_args(["--model-preset", "tiny", flag, "bf16"])
-    assert runs_pipeline(args, world_size=1)
-    config = pipeline_config(args, world_size=1, vocab_size=4096)
+    run = parse_args(["--model-preset", "tiny", flag, "bf16"])
+    assert runs_pipeline(run, world_size=1)
+    config = pipeline_config(run, run_schedule(run, world_size=1, vocab_size=4096))
     dtypes = (config.optimizer.master_dtype, config.optimizer.state_dtype)
     assert dtypes == ((BF16, torch.float32) if flag == "--master-dtype" else (torch.float32, BF16))

@@ -11,10 +11,10 @@ import numpy
 import pytest
 import torch
 
-from megatron.training.data_checks import DataError, check_data_prefix
-from megatron.training.indexed_dataset_writer import write_indexed_dataset
-from megatron.training.tokenizer import EOD_TOKEN, load_tokenizer, train_bpe_tokenizer
-from megatron.training.train_dataset import batch_iterator, build_train_dataset, micro_batch_at
+from megatron.data.checks import DataError, check_data_prefix
+from megatron.data.datasets import batch_iterator, build_train_dataset, micro_batch_at
+from megatron.data.indexed_dataset_writer import write_indexed_dataset
+from megatron.data.tokenizer import EOD_TOKEN, load_tokenizer, train_bpe_tokenizer
 
 SEQ = 64
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()

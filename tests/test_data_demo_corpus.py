@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-from megatron.training.data_checks import check_data_prefix
-from megatron.training.demo_corpus import ensure_demo_corpus
-from megatron.training.tokenizer import load_tokenizer
+from megatron.data.checks import check_data_prefix
+from megatron.data.demo_corpus import ensure_demo_corpus
+from megatron.data.tokenizer import load_tokenizer
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 SOURCES = ["json/__init__.py", "json/decoder.py", "json/encoder.py", "textwrap.py", "shlex.py"]

@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+from megatron.config.model import count_parameters, count_parameters_full_mha
+from megatron.config.presets import PRESETS
 from megatron.models.llama import (
     LlamaConfig,
     LlamaModel,
@@ -13,7 +15,6 @@ from megatron.models.llama import (
     to_gpt_model_state_dict,
     transformer_config,
 )
-from megatron.models.presets import PRESETS, count_parameters, count_parameters_full_mha
 from megatron.training.distributed import initialize_distributed, shutdown_distributed
 
 CFG = LlamaConfig(num_layers=3, hidden_size=64, ffn_hidden_size=176, num_attention_heads=4,

@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from megatron.models.presets import ModelPreset, get_preset
+from megatron.config.presets import ModelPreset, get_preset
 from megatron.schedules.cost_model import backward_stage_params
 from megatron.schedules.generators import build_schedule
 from megatron.schedules.hardware import get_hardware
@@ -73,8 +73,8 @@ def test_paper_node_fits_10b_but_not_110b_on_two_nodes():
     for name, nodes, fits in (("10b", 1, True), ("110b", 2, False)):
         preset = get_preset(name)
         ranks = 4 * nodes
-        from megatron.schedules.cost_model import preset_partition
-        partition = preset_partition(preset, 2 * ranks, min_layers=2)
+        from megatron.schedules.cost_model import model_partition
+        partition = model_partition(preset, 2 * ranks, min_layers=2)
         schedule = build_schedule("decoupled", ranks, 2 * ranks, 2, 8 * nodes, partition)
         plan = plan_memory(schedule, preset, 2, 1024, 2, 4, procs_per_node=4, hardware=hardware)
         missing = shortfalls(plan, hardware)
@@ -88,10 +88,10 @@ def test_paper_node_fits_10b_but_not_110b_on_two_nodes():
 
 @pytest.mark.multiproc
 def test_memory_model_matches_the_runtime_on_two_processes(tmp_path):
+    from megatron.data.demo_corpus import ensure_demo_corpus
+    from megatron.data.tokenizer import load_tokenizer
+    from megatron.planning.shape import generate_schedule
     from megatron.training.arguments import parse_args
-    from megatron.training.demo_corpus import ensure_demo_corpus
-    from megatron.training.pipeline_args import generate_schedule
-    from megatron.training.tokenizer import load_tokenizer
 
     cache = os.environ.setdefault("MEGATRON_TEST_CACHE", str(tmp_path / "cache"))
     # Built here first, so that the ranks' host memory is the run's, not the corpus build's.
@@ -105,10 +105,10 @@ def test_memory_model_matches_the_runtime_on_two_processes(tmp_path):
         measured = [json.loads(line) for line in f][-1]["per_rank"]
     probes = [json.load(open(tmp_path / f"rank_{r}.json")) for r in range(2)]
 
-    args = parse_args(flags)
-    schedule = generate_schedule(args, 2, vocab)
+    run = parse_args(flags)
+    schedule = generate_schedule(run, 2, vocab)
     plan = plan_memory(schedule, replace(get_preset("small"), vocab_size=vocab),
-                       args.micro_batch_size, args.seq_length, param_bytes=4,
+                       run.training.micro_batch_size, run.model.seq_length, param_bytes=4,
                        grad_host_bytes=4, procs_per_node=2)
 
     def close(predicted, actual, what):

@@ -165,13 +165,12 @@ def test_every_schedule_with_device_subgroups_matches_one_process(tmp_path):
         metrics,
     )
 
+    from megatron.data.demo_corpus import ensure_demo_corpus
+    from megatron.data.tokenizer import load_tokenizer
     from megatron.pipeline.optimizer_calibration import CACHE_VERSION, machine_key
+    from megatron.planning.shape import generate_schedule
     from megatron.schedules.memory_model import plan_memory
     from megatron.training.arguments import parse_args
-    from megatron.training.demo_corpus import ensure_demo_corpus
-    from megatron.training.pipeline_args import generate_schedule
-    from megatron.training.plan import plan_model
-    from megatron.training.tokenizer import load_tokenizer
 
     cache = tmp_path / "cache"
     os.environ.setdefault("MEGATRON_TEST_CACHE", str(cache))
@@ -205,11 +204,11 @@ def test_every_schedule_with_device_subgroups_matches_one_process(tmp_path):
                    for r in rows for rank in r["per_rank"])
         assert peak > 0, name  # device subgroups held their slots
         # the memory model (fit check, --plan) plans at least what the slots took
-        args = parse_args([*MODEL, "--data-cache-dir", cache_dir, *clip,
-                           "--pipeline-schedule", name, "--optimizer-gpu-stride", "auto",
-                           "--optimizer-subgroup-size", "2048"])
-        schedule = generate_schedule(args, 2, vocab)
-        plan = plan_memory(schedule, replace(plan_model(args), vocab_size=vocab), 2, 32, 4, 4,
+        config = parse_args([*MODEL, "--data-cache-dir", cache_dir, *clip,
+                             "--pipeline-schedule", name, "--optimizer-gpu-stride", "auto",
+                             "--optimizer-subgroup-size", "2048"])
+        schedule = generate_schedule(config, 2, vocab)
+        plan = plan_memory(schedule, replace(config.model, vocab_size=vocab), 2, 32, 4, 4,
                            subgroup_stride=None, subgroup_size=2048)
         for r in rows:
             for rank in r["per_rank"]:

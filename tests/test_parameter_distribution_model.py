@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from megatron.models.presets import get_preset
-from megatron.schedules.cost_model import derived_costs, preset_partition, uniform_costs
+from megatron.config.presets import get_preset
+from megatron.schedules.cost_model import derived_costs, model_partition, uniform_costs
 from megatron.schedules.distribution import simulate_distribution
 from megatron.schedules.generators import build_schedule
 from megatron.schedules.replica_plan import node_of, plan_replicas
@@ -73,7 +73,7 @@ def test_bad_mode_and_unpriced_link_are_refused():
 def test_derived_costs_price_a_stage_at_its_16_bit_bytes_over_the_link():
     preset = get_preset("10b")
     schedule = build_schedule("decoupled", 8, 16, 2, 16,
-                              preset_partition(preset, 16, 1024, min_layers=2))
+                              model_partition(preset, 16, 1024, min_layers=2))
     costs = derived_costs(schedule, preset, "paper-v100", 2, 1024)
     # paper-v100: 200 Gb/s HDR per node; the transfer is as long as the PCIe copy scaled
     # by the bandwidths (both move the same 16-bit bytes).

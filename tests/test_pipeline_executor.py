@@ -12,26 +12,26 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from megatron.models.llama import LlamaModel, gpt_model_name
-from megatron.models.presets import ModelPreset
+from megatron.config.errors import ConfigError
+from megatron.data.run_data import prepare_data
+from megatron.data.sampling import evaluation_micro_batches
+from megatron.models.llama import LlamaConfig, LlamaModel, gpt_model_name
 from megatron.pipeline.replicas import LINK_DELAY_ENV
+from megatron.planning.shape import check_pipeline_shape, generate_schedule
 from megatron.schedules.cost_model import backward_stage_params, calibrated_costs
 from megatron.schedules.simulator import simulate
 from megatron.schedules.timeline import read_chrome_trace
 from megatron.training.arguments import parse_args
 from megatron.training.checkpoint_state import MASTER
 from megatron.training.checkpointing import read_all_tensors
-from megatron.training.data_blend import evaluations
 from megatron.training.distributed import initialize_distributed, shutdown_distributed
-from megatron.training.evaluation import evaluation_batches
-from megatron.training.pipeline_args import generate_schedule
-from megatron.training.training import model_config_from_args, prepare_data
 from tests import forked_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -181,13 +181,11 @@ def test_the_measured_iteration_calibrates_the_simulation_of_each_schedule(
     for run in (two_processes, four_processes):
         for name in SCHEDULES:
             one = ScheduleRun(run, name)
-            args = parse_args(args_for_schedule_argv(name, *one.extra))
-            schedule = generate_schedule(args, one.ranks, vocab_size=_vocab(one))
+            config = parse_args(args_for_schedule_argv(name, *one.extra))
+            schedule = generate_schedule(config, one.ranks, vocab_size=_vocab(one))
             events = read_chrome_trace(str(one.out / "trace.json"))
             assert {e.rank for e in events} == set(range(one.ranks))
-            model = ModelPreset("test", args.num_layers, args.hidden_size, args.ffn_hidden_size,
-                                args.num_attention_heads, args.num_query_groups,
-                                args.seq_length, _vocab(one))
+            model = replace(config.model, vocab_size=_vocab(one))
             params = backward_stage_params(model, schedule.partition, schedule.backward_split)
             sim = simulate(schedule, calibrated_costs(schedule, events, params, 4, 1e-9, 1e-10))
             assert sim.iteration_time > 0
@@ -271,13 +269,10 @@ def test_a_failing_rank_ends_the_job_and_leaves_shm_clean(how, reference, tmp_pa
      (["--forward-stages", "3"], "--forward-stages")],
 )
 def test_bad_pipeline_flags_are_refused_before_anything_is_built(extra, flag, capsys):
-    from megatron.training.arguments import ArgumentError
-    from megatron.training.pipeline_args import check_pipeline_args
-
-    args = parse_args([*MODEL, "--pipeline-schedule", "decoupled", *extra])
-    with pytest.raises(ArgumentError) as exc:
-        check_pipeline_args(args, world_size=2)
-        generate_schedule(args, world_size=2, vocab_size=4096)
+    run = parse_args([*MODEL, "--pipeline-schedule", "decoupled", *extra])
+    with pytest.raises(ConfigError) as exc:
+        check_pipeline_shape(run, world_size=2)
+        generate_schedule(run, world_size=2, vocab_size=4096)
     assert exc.value.flag == flag
 
 
@@ -405,8 +400,8 @@ def test_device_memory_does_not_grow_with_the_backward_stages_a_rank_owns(tmp_pa
     seq, micro_batch, hidden, d, micro_batches, ranks = 32, 2, 64, 2, 4, 2
     # 8 layers: the two-process decoupled run (4 stages of 2 layers, d = 2) is that shape
     eight = ScheduleRun(two_processes, "decoupled")
-    args = parse_args(args_for_schedule_argv("decoupled", *eight.extra))
-    shape = generate_schedule(args, ranks, vocab_size=_vocab(eight))
+    run = parse_args(args_for_schedule_argv("decoupled", *eight.extra))
+    shape = generate_schedule(run, ranks, vocab_size=_vocab(eight))
     assert (shape.partition, shape.backward_split) == ((2, 2, 2, 2), d)
     peaks = {8: metrics(eight)[-1]["per_rank"]}
     stages = 16 // 2
@@ -432,12 +427,13 @@ def test_device_memory_does_not_grow_with_the_backward_stages_a_rank_owns(tmp_pa
 def forward_only_reference(reference):
     """Independent of the pipeline: the whole model in this process, loaded with a run's
     final weights, forward only over the samples of an end-of-training evaluation."""
-    args = parse_args([*MODEL, "--data-cache-dir", os.environ["MEGATRON_TEST_CACHE"]])
+    run = parse_args([*MODEL, "--data-cache-dir", os.environ["MEGATRON_TEST_CACHE"]])
     initialize_distributed()  # one process: megatron-core's model and dataset builder need it
-    _, datasets, vocab = prepare_data(args, log=lambda *_: None)
-    model = LlamaModel(model_config_from_args(args, vocab))
-    samples = {"validation": evaluation_batches(datasets.valid, evaluations(args) - 1, args),
-               "test": evaluation_batches(datasets.test, 0, args)}
+    data = prepare_data(run, log=lambda *_: None)
+    model = LlamaModel(LlamaConfig.from_model(run.model, data.vocab_size, run.training.seed))
+    datasets = data.datasets
+    samples = {"validation": evaluation_micro_batches(datasets.valid, run.evaluations - 1, run),
+               "test": evaluation_micro_batches(datasets.test, 0, run)}
 
     # checkpoints hold GPTModel names; the reference model is the chain of pieces
     piece_names = {MASTER + gpt_model_name(model.cfg, index, name): f"pieces.{index}.{name}"

@@ -9,13 +9,15 @@ from dataclasses import replace
 
 import pytest
 
-from megatron.models.presets import get_preset
+from megatron.config.presets import get_preset
+from megatron.planning import evaluate as plan_evaluate
+from megatron.planning import search as plan
 from megatron.schedules.cost_model import (
     DeviceUpdateCosts,
     backward_stage_params,
     derived_costs,
     iteration_lower_bound,
-    preset_partition,
+    model_partition,
 )
 from megatron.schedules.generators import SCHEDULE_NAMES, build_schedule, optimizer_mode
 from megatron.schedules.hardware import get_hardware, update_rates
@@ -24,7 +26,6 @@ from megatron.schedules.memory_model import GPU_TERMS, NODE_TERMS, plan_memory, 
 from megatron.schedules.optimizer_placement import place_device_subgroups
 from megatron.schedules.simulator import simulate
 from megatron.schedules.validator import validate
-from megatron.training import plan
 from megatron.training.arguments import parse_args
 
 SHAPES = [("gpipe", 4, 4, 1), ("1f1b", 4, 4, 1), ("interleaved-1f1b", 4, 8, 1),
@@ -38,7 +39,7 @@ def test_the_shapes_cover_every_schedule():
 
 def _built(name, ranks, stages, split, micro_batches=8, preset="10b"):
     model = get_preset(preset)
-    partition = preset_partition(model, stages, min_layers=split)
+    partition = model_partition(model, stages, min_layers=split)
     return model, build_schedule(name, ranks, stages, split, micro_batches, partition)
 
 
@@ -85,48 +86,50 @@ def test_shape_memory_is_a_lower_bound_of_every_term(name, ranks, stages, split)
     assert sum(least.gpu_total(r) for r in range(ranks)) > 0
 
 
-def _args(*extra):
+def _run(*extra):
     return parse_args(["--plan", "--auto-config", "--model-preset", "10b", "--num-layers", "12",
                        "--bf16", "--gpus-per-node", "4", "--micro-batch-size", "2",
                        "--seq-length", "1024", "--global-batch-size", "16", *extra])
 
 
-def _brute_force(args, hardware):
+def _brute_force(run, hardware):
     """Every shape built, checked and simulated with every stride: what fits, fastest first."""
-    strides = plan.searched_strides(args, hardware)
-    found = [e for config in plan.searched_configurations(args, hardware)
-             for e in plan.evaluate_shape((args, config, strides, hardware))]
+    strides = plan.searched_strides(run, hardware)
+    found = [e for config in plan.searched_configurations(run, hardware)
+             for e in plan.evaluate_shape((run, config, strides, hardware))]
     return sorted(found, key=plan.rank_key)
 
 
 @pytest.mark.parametrize("hardware", ["paper-v100", "h100-sxm"])
 def test_search_finds_what_simulating_everything_finds(hardware):
-    args = _args("--hardware", hardware)
-    profile = plan.plan_hardware(args)
-    result = plan.search(args, profile)
-    brute = _brute_force(args, profile)
+    run = _run("--hardware", hardware)
+    profile = plan_evaluate.plan_hardware(run)
+    result = plan.search(run, profile)
+    brute = _brute_force(run, profile)
     top = [(e.config, e.simulation.iteration_time) for e in result.ranked[:plan.SEARCH_TOP]]
     assert top == [(e.config, e.simulation.iteration_time) for e in brute[:plan.SEARCH_TOP]]
     # and those are what evaluating each configuration on its own predicts
     for config, time in top:
-        assert plan.evaluate(args, config, profile).simulation.iteration_time == pytest.approx(
+        assert plan_evaluate.evaluate(run, config, profile).simulation.iteration_time == pytest.approx(
             time, rel=1e-12)
     assert result.cannot_fit + result.cannot_win > 0  # the bounds did set work aside
     assert result.built + result.cannot_fit + result.cannot_win == result.configurations
 
 
 def test_the_search_compares_the_optimizer_gpu_stride_of_eq1():
-    args = _args("--hardware", "paper-v100")
-    profile = plan.plan_hardware(args)
-    assert plan.searched_strides(args, profile) == (0, 2)  # Eq. 1 over the profile's rates
-    ranked = plan.search(args, profile).ranked
-    chosen = plan.with_configuration(args, ranked[0].config)
-    assert chosen.optimizer_gpu_stride == 2  # exposed updates are where the V100 node loses
+    run = _run("--hardware", "paper-v100")
+    profile = plan_evaluate.plan_hardware(run)
+    assert plan.searched_strides(run, profile) == (0, 2)  # Eq. 1 over the profile's rates
+    ranked = plan.search(run, profile).ranked
+    chosen, _ = plan.auto_configure(run, profile)
+    # exposed updates are where the V100 node loses
+    assert chosen.cpu_optimizer.optimizer_gpu_stride == 2
     # a stride is offered only where it is predicted faster than the CPU alone
-    plain = plan.evaluate(args, replace(ranked[0].config, optimizer_gpu_stride=0), profile)
+    plain = plan_evaluate.evaluate(run, replace(ranked[0].config, optimizer_gpu_stride=0),
+                                   profile)
     assert ranked[0].simulation.iteration_time < plain.simulation.iteration_time
     # a profile without the device's update rate cannot price the device path: not searched
     no_rate = replace(profile, gpu_update_params_per_s=0.0)
-    assert plan.searched_strides(args, no_rate) == (0,)
-    assert plan.searched_strides(_args("--hardware", "paper-v100",
+    assert plan.searched_strides(run, no_rate) == (0,)
+    assert plan.searched_strides(_run("--hardware", "paper-v100",
                                "--optimizer-gpu-resident-fraction", "0.5"), profile) == (0,)

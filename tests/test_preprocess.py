@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-from megatron.training.indexed_dataset_writer import write_indexed_dataset
-from megatron.training.tokenizer import load_tokenizer
+from megatron.data.indexed_dataset_writer import write_indexed_dataset
+from megatron.data.tokenizer import load_tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 DOCUMENTS = [

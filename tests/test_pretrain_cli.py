@@ -5,7 +5,8 @@ import os
 
 import pytest
 
-from megatron.models.presets import PRESETS, count_parameters
+from megatron.config.model import count_parameters
+from megatron.config.presets import PRESETS
 from megatron.training.arguments import parse_args
 from megatron.training.training import main
 from tests import forked_ranks
@@ -71,8 +72,8 @@ def test_bad_flags_exit_2_with_one_line_naming_the_flag(argv, flag, fragment, ca
 
 
 def test_explicit_flags_override_the_preset():
-    args = parse_args(["--model-preset", "tiny", "--num-layers", "3", "--lr", "0.5"])
-    assert (args.num_layers, args.lr, args.hidden_size) == (3, 0.5, 128)
+    run = parse_args(["--model-preset", "tiny", "--num-layers", "3", "--lr", "0.5"])
+    assert (run.model.num_layers, run.optimization.lr, run.model.hidden_size) == (3, 0.5, 128)
 
 
 def test_missing_data_files_exit_2_and_name_the_path(tmp_path, cache, capsys):

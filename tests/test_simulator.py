@@ -4,8 +4,9 @@ import json
 
 import pytest
 
-from megatron.models.presets import count_parameters, get_preset
-from megatron.schedules.cost_model import derived_costs, preset_partition, uniform_costs
+from megatron.config.model import count_parameters
+from megatron.config.presets import get_preset
+from megatron.schedules.cost_model import derived_costs, model_partition, uniform_costs
 from megatron.schedules.generators import build_schedule
 from megatron.schedules.instructions import BLOCKING_RECVS, BLOCKING_SENDS
 from megatron.schedules.simulator import simulate
@@ -91,7 +92,7 @@ def test_events_respect_dependencies_and_resources():
 def test_derived_costs_follow_the_parameter_count_and_hardware():
     preset = get_preset("10b")
     stages = 8
-    schedule = build_schedule("decoupled", 4, stages, 2, 8, preset_partition(preset, stages))
+    schedule = build_schedule("decoupled", 4, stages, 2, 8, model_partition(preset, stages))
     costs = derived_costs(schedule, preset, "paper-v100", micro_batch_size=2)
     total = count_parameters(preset.num_layers, preset.hidden_size, preset.ffn_hidden_size,
                              preset.num_attention_heads, preset.num_query_groups,

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from megatron.training.tokenizer import (
+from megatron.data.tokenizer import (
     EOD_TOKEN,
     MIN_VOCAB_SIZE,
     PAD_TOKEN,

@@ -2,7 +2,6 @@
 before training, forward-only evaluation programs, weighted data blends, exit conditions,
 TensorBoard scalars."""
 
-import argparse
 import math
 import os
 import signal
@@ -11,6 +10,12 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from megatron.config.errors import ConfigError
+from megatron.config.run import ExitConfig
+from megatron.data.blend import data_blend
+from megatron.data.datasets import build_datasets
+from megatron.data.indexed_dataset_writer import write_indexed_dataset
+from megatron.data.tokenizer import train_bpe_tokenizer
 from megatron.schedules.cost_model import uniform_costs
 from megatron.schedules.generators import build_schedule
 from megatron.schedules.instructions import Instruction, Op, Schedule
@@ -18,18 +23,14 @@ from megatron.schedules.interpreter import ScheduleError
 from megatron.schedules.lowering import forward_only_schedule
 from megatron.schedules.simulator import simulate
 from megatron.schedules.validator import RULE_FORWARD_ONLY, validate
-from megatron.training.arguments import ArgumentError, parse_args
+from megatron.training.arguments import parse_args
 from megatron.training.checkpoint_state import EXP_AVG, EXP_AVG_SQ, MASTER, OwnedState
 from megatron.training.checkpointing import CheckpointSaver
-from megatron.training.data_blend import data_blend_from_args, split_sizes
 from megatron.training.distributed import DistInfo
 from megatron.training.evaluation import format_evaluation, perplexity
-from megatron.training.indexed_dataset_writer import write_indexed_dataset
-from megatron.training.run_checks import check_checkpoint_args
+from megatron.training.run_checks import check_checkpoint_model
 from megatron.training.scalar_logging import ScalarSinks
 from megatron.training.signals import ExitConditions
-from megatron.training.tokenizer import train_bpe_tokenizer
-from megatron.training.train_dataset import build_datasets
 from megatron.training.training import train
 
 TINY = ["--model-preset", "tiny", "--train-iters", "4"]
@@ -73,11 +74,11 @@ def test_bad_values_exit_2_with_one_line_naming_flag_and_value(argv, flag, fragm
     assert flag in err and fragment in err, err
 
 
-def _train_rejects(tmp_path, *argv) -> ArgumentError:
+def _train_rejects(tmp_path, *argv) -> ConfigError:
     """train() in this process: the error comes before any data, model or file is made."""
-    args = parse_args([*TINY, "--data-cache-dir", str(tmp_path / "cache"), *argv])
-    with pytest.raises(ArgumentError) as exc:
-        train(args, DistInfo(rank=0, world_size=1, local_rank=0, backend="gloo"))
+    run = parse_args([*TINY, "--data-cache-dir", str(tmp_path / "cache"), *argv])
+    with pytest.raises(ConfigError) as exc:
+        train(run, DistInfo(rank=0, world_size=1, local_rank=0, backend="gloo"))
     assert not (tmp_path / "cache").exists()  # no corpus built, nothing allocated
     return exc.value
 
@@ -106,8 +107,8 @@ def test_unwritable_tensorboard_dir_is_rejected_before_training(tmp_path):
 def test_load_of_a_missing_directory_is_an_error_unless_optional(tmp_path):
     error = _train_rejects(tmp_path, "--load", str(tmp_path / "typo"))
     assert error.flag == "--load" and "--load-optional" in error.expected
-    args = parse_args([*TINY, "--load", str(tmp_path / "typo"), "--load-optional"])
-    assert args.load_optional
+    run = parse_args([*TINY, "--load", str(tmp_path / "typo"), "--load-optional"])
+    assert run.checkpointing.load_optional
 
 
 def test_wandb_without_the_package_is_a_clear_error(tmp_path, monkeypatch):
@@ -125,32 +126,33 @@ def test_loading_a_checkpoint_of_another_model_names_both_values(tmp_path):
     tensors = {prefix + "decoder.final_layernorm.weight": torch.ones(4)
                for prefix in (MASTER, EXP_AVG, EXP_AVG_SQ)}
     saver.save(3, OwnedState(tensors, optimizer_step=3, loss_scaler=None),
-               {"args": vars(saved), "consumed_samples": 3 * saved.global_batch_size})
+               {"args": saved.flags(),
+                "consumed_samples": 3 * saved.training.global_batch_size})
     saver.close()
     error = _train_rejects(tmp_path, "--load", str(tmp_path / "ckpt"))
     assert str(error) == f"--num-layers 4: the checkpoint in {tmp_path / 'ckpt'} was saved with 6"
 
 
 def test_model_flags_must_match_the_checkpoint():
-    args = parse_args([*TINY, "--num-layers", "6"])
-    saved = vars(parse_args(TINY))
-    with pytest.raises(ArgumentError) as exc:
-        check_checkpoint_args(args, saved, "/ckpt")
+    run = parse_args([*TINY, "--num-layers", "6"])
+    saved = parse_args(TINY).flags()
+    with pytest.raises(ConfigError) as exc:
+        check_checkpoint_model(run, saved, "/ckpt")
     assert str(exc.value) == "--num-layers 6: the checkpoint in /ckpt was saved with 4"
-    check_checkpoint_args(parse_args(TINY), saved, "/ckpt")  # same flags: accepted
+    check_checkpoint_model(parse_args(TINY), saved, "/ckpt")  # same flags: accepted
 
 
 # --- evaluation ------------------------------------------------------------------------
 
 def test_defaults_follow_megatron_where_there_is_a_validation_set():
-    args = parse_args([*TINY, "--split", "969,30,1"])
-    assert (args.eval_interval, args.eval_iters) == (1000, 10)
-    assert parse_args(TINY).eval_iters == 0  # no validation set: no evaluation
-    args = parse_args([*TINY, "--train-iters", "12", "--eval-interval", "5", "--eval-iters", "2",
-                       "--split", "90,8,2"])
-    batch = args.global_batch_size
+    run = parse_args([*TINY, "--split", "969,30,1"])
+    assert (run.evaluation.eval_interval, run.evaluation.eval_iters) == (1000, 10)
+    assert parse_args(TINY).evaluation.eval_iters == 0  # no validation set: no evaluation
+    run = parse_args([*TINY, "--train-iters", "12", "--eval-interval", "5", "--eval-iters", "2",
+                      "--split", "90,8,2"])
+    batch = run.training.global_batch_size
     # Megatron's sizes: (12 // 5 + 1) evaluations of 2 batches; one run for the test set.
-    assert split_sizes(args) == [12 * batch, 3 * 2 * batch, 2 * batch]
+    assert run.split_sizes == [12 * batch, 3 * 2 * batch, 2 * batch]
 
 
 def test_evaluation_block_is_megatrons():
@@ -226,9 +228,9 @@ def _source(tokenizer, sample) -> str:
 
 def test_a_weighted_blend_samples_each_dataset_in_its_proportion(two_datasets, tmp_path):
     a, b, tokenizer, _ = two_datasets
-    args = argparse.Namespace(data_path=["0.7", a, "0.3", b], split="1,0,0",
-                              train_data_path=None)
-    blend = data_blend_from_args(args, None)
+    data = parse_args([*TINY, "--data-path", "0.7", a, "0.3", b, "--split", "1,0,0",
+                       "--tokenizer-model", "t"]).data
+    blend = data_blend(data, None)
     train_ds = build_datasets(blend, tokenizer, 8, [1000, 0, 0], seed=3,
                               cache_dir=str(tmp_path))[0]
     counts = {"a": 0, "b": 0}
@@ -239,10 +241,9 @@ def test_a_weighted_blend_samples_each_dataset_in_its_proportion(two_datasets, t
 
 def test_per_split_paths_give_each_split_its_own_data(two_datasets, tmp_path):
     a, b, tokenizer, _ = two_datasets
-    args = argparse.Namespace(data_path=None, split=None, train_data_path=[a],
-                              valid_data_path=[b], test_data_path=None)
+    data = parse_args([*TINY, "--train-data-path", a, "--valid-data-path", b]).data
     train_ds, valid_ds, test_ds = build_datasets(
-        data_blend_from_args(args, None), tokenizer, 8, [50, 20, 0], seed=3,
+        data_blend(data, None), tokenizer, 8, [50, 20, 0], seed=3,
         cache_dir=str(tmp_path))
     assert test_ds is None
     assert {_source(tokenizer, train_ds[i]) for i in range(50)} == {"a"}
@@ -251,10 +252,10 @@ def test_per_split_paths_give_each_split_its_own_data(two_datasets, tmp_path):
 
 def test_a_missing_prefix_of_a_blend_is_named_with_its_flag(two_datasets):
     a, _, _, root = two_datasets
-    args = argparse.Namespace(data_path=["0.5", a, "0.5", str(root / "none")], split=None,
-                              train_data_path=None)
-    with pytest.raises(ArgumentError) as exc:
-        data_blend_from_args(args, None)
+    data = parse_args([*TINY, "--data-path", "0.5", a, "0.5", str(root / "none"),
+                       "--tokenizer-model", "t"]).data
+    with pytest.raises(ConfigError) as exc:
+        data_blend(data, None)
     assert exc.value.flag == "--data-path" and exc.value.value == str(root / "none")
 
 
@@ -262,7 +263,7 @@ def test_a_missing_prefix_of_a_blend_is_named_with_its_flag(two_datasets):
 
 def _exit_args(**values):
     base = {"exit_interval": None, "exit_duration_in_mins": None, "exit_signal_handler": False}
-    return argparse.Namespace(**{**base, **values})
+    return ExitConfig(**{**base, **values})
 
 
 def test_exit_interval_and_duration():
@@ -303,8 +304,7 @@ def test_another_ranks_signal_stops_this_rank_too():
 # --- TensorBoard -----------------------------------------------------------------------
 
 def test_tensorboard_scalars_read_back_under_megatrons_names(tmp_path):
-    args = argparse.Namespace(tensorboard_dir=str(tmp_path), wandb_project=None)
-    sinks = ScalarSinks(args, enabled=True)
+    sinks = ScalarSinks(parse_args([*TINY, "--tensorboard-dir", str(tmp_path)]), enabled=True)
     for it in (1, 2, 3):
         sinks.training({"iteration": it, "loss": 5.0 - it, "lr": 1e-3, "loss_scale": None,
                         "grad_norm": 0.5, "iter_time_s": 0.1, "tokens_per_s": 100.0,

@@ -34,8 +34,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from megatron.common.files import atomic_write  # noqa: E402
+from megatron.config.presets import get_preset  # noqa: E402
 from megatron.models.llama import LlamaConfig, build_piece  # noqa: E402
-from megatron.models.presets import get_preset  # noqa: E402
 from megatron.offload.device import get_device  # noqa: E402
 from megatron.offload.shm_space import DEFAULT_SHM_DIR, free_bytes  # noqa: E402
 from megatron.optimizer.cpu_adam import CPUAdamW, usable_cores  # noqa: E402

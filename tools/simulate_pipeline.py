@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.schedules.cost_model import (  # noqa: E402
     derived_costs,
-    preset_partition,
+    model_partition,
     uniform_costs,
 )
 from megatron.schedules.distribution import DISTRIBUTION_MODES, simulate_distribution  # noqa: E402
@@ -141,7 +141,7 @@ def _schedule(args: argparse.Namespace, parser: argparse.ArgumentParser):
         parser.error(f"--micro-batches {args.micro_batches}: expected an integer >= 1")
     partition = args.partition
     if partition is None and args.model_preset:
-        partition = preset_partition(args.model_preset, args.forward_stages, args.seq_length)
+        partition = model_partition(args.model_preset, args.forward_stages, args.seq_length)
     elif partition is None and args.num_layers:
         from megatron.schedules.partition import balanced_partition
 

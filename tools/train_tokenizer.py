@@ -21,9 +21,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # megatron.core warns on import that the GPU-only Apex/Transformer Engine are missing.
 warnings.filterwarnings("ignore", message="Transformer Engine and Apex")
 
-from megatron.training.data_checks import DataError, check_writable_prefix  # noqa: E402
-from megatron.training.jsonl import iter_jsonl_texts  # noqa: E402
-from megatron.training.tokenizer import (  # noqa: E402
+from megatron.data.checks import DataError, check_writable_prefix  # noqa: E402
+from megatron.data.jsonl import iter_jsonl_texts  # noqa: E402
+from megatron.data.tokenizer import (  # noqa: E402
     MIN_VOCAB_SIZE,
     train_bpe_tokenizer,
 )

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatron.config.model import ModelConfig
 from megatron.models.cpu_adaptation import adapt_megatron_core_for_host
 
 Batch = dict[str, torch.Tensor]
@@ -38,6 +39,15 @@ class LlamaConfig:
     init_method_std: float = 0.02
     params_dtype: torch.dtype = torch.float32
     seed: int = 1234
+
+    @classmethod
+    def from_model(cls, model: ModelConfig, vocab_size: int, seed: int) -> LlamaConfig:
+        """The modules to build for `model` with the tokenizer's vocabulary resolved."""
+        return cls(num_layers=model.num_layers, hidden_size=model.hidden_size,
+                   ffn_hidden_size=model.ffn_hidden_size,
+                   num_attention_heads=model.num_attention_heads,
+                   num_query_groups=model.num_query_groups, vocab_size=vocab_size,
+                   seq_length=model.seq_length, seed=seed)
 
     @property
     def num_pieces(self) -> int:

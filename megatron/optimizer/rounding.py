@@ -25,7 +25,6 @@ from dataclasses import dataclass
 import torch
 
 MASK32 = 0xFFFFFFFF
-STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def fmix32(x: int) -> int:

@@ -1,17 +1,22 @@
-"""The typed description of one pipeline run: everything the runtime needs, nothing else.
+"""What the pipeline runtime needs of a run, resolved for this process: the validated
+schedule every rank runs, torch dtypes, thread counts, the optimizer's settings.
 
-`megatron.training` builds it from the command-line flags and validates it; nothing below
-training sees argparse. The schedule is the program every rank runs (generated, or read
-from a schedule file), already validated.
+`pipeline_config` derives it from the run configuration and the schedule (generated, or
+read from a schedule file, by megatron/planning/shape.py).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
+from megatron.config.run import PrecisionConfig, RunConfig
+from megatron.optimizer.cpu_adam import usable_cores
 from megatron.schedules.instructions import BackwardStage, Schedule
+
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -88,3 +93,47 @@ class PipelineConfig:
     @property
     def partition(self) -> tuple[int, ...]:
         return self.schedule.partition
+
+
+def working_dtype(precision: PrecisionConfig) -> torch.dtype:
+    """Parameters, gradients and messages: fp32, bf16 or fp16."""
+    return TORCH_DTYPES[precision.dtype]
+
+
+def pipeline_config(run: RunConfig, schedule: Schedule) -> PipelineConfig:
+    """The runtime's view of `run` executing `schedule` in this process."""
+    o, p, c = run.optimization, run.precision, run.cpu_optimizer
+    dtype = working_dtype(p)
+    # Default threads: this process's share of the cores it may run on (affinity respected).
+    local_procs = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    threads = c.cpu_optimizer_threads or max(1, len(usable_cores()) // local_procs)
+    inject = None
+    if run.testing.inject_overflow is not None:
+        iteration, stage, sub = run.testing.inject_overflow
+        inject = (iteration, BackwardStage(stage, sub))
+    logging = run.logging
+    return PipelineConfig(
+        schedule=schedule,
+        dtype=dtype,
+        micro_batch_size=run.training.micro_batch_size,
+        optimizer=OptimizerSettings(lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
+                                    weight_decay=o.weight_decay, clip_grad=o.clip_grad,
+                                    threads=threads,
+                                    state_dtype=TORCH_DTYPES[p.optimizer_state_dtype],
+                                    master_dtype=TORCH_DTYPES[p.master_dtype],
+                                    stochastic_rounding=p.master_rounding == "stochastic",
+                                    seed=run.training.seed),
+        loss_scaling=LossScaling(p.initial_loss_scale, p.loss_scale_window, p.min_loss_scale)
+        if dtype == torch.float16 else None,
+        procs_per_node=run.parallel.procs_per_node,
+        inject_overflow=inject,
+        record_timeline_at=(run.training.train_iters if logging.timeline or logging.trace
+                            else None),
+        p2p_check=run.testing.p2p_check,
+        subgroups=None if not c.uses_device else SubgroupSettings(
+            stride=c.optimizer_gpu_stride, size=c.optimizer_subgroup_size,
+            cache_dir=run.data.data_cache_dir,
+            resident_fraction=c.optimizer_gpu_resident_fraction),
+        data_parallel_size=run.data_parallel_size,
+        zero_stage=run.parallel.zero_stage,
+    )

@@ -1,4 +1,4 @@
-"""Cost models for the pipeline simulator: abstract units or a model preset on hardware.
+"""Cost models for the pipeline simulator: abstract units or a model (or preset) on hardware.
 
 All times are per micro-batch for compute and per iteration for parameter/gradient
 transfers and optimizer steps. A backward stage (i, k) of a forward stage split d ways
@@ -12,7 +12,8 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from megatron.models.presets import ModelPreset, count_parameters, get_preset
+from megatron.config.model import ModelConfig, count_parameters
+from megatron.config.presets import get_preset
 
 from .hardware import HardwareProfile, get_hardware
 from .instructions import BackwardStage, Schedule
@@ -131,49 +132,49 @@ def iteration_lower_bound(schedule: Schedule, costs: CostModel, cpu_share: float
     return compute_end + updates if steps_after_all_compute else compute_end
 
 
-def layer_forward_flops_per_token(preset: ModelPreset, seq_length: int) -> float:
+def layer_forward_flops_per_token(model: ModelConfig, seq_length: int) -> float:
     """2 flops per weight plus attention scores and weighted sum (4 * s * h)."""
-    vocab = preset.vocab_size or 32000
-    per_layer = count_parameters(1, preset.hidden_size, preset.ffn_hidden_size,
-                                 preset.num_attention_heads, preset.num_query_groups,
+    vocab = model.planned_vocab_size
+    per_layer = count_parameters(1, model.hidden_size, model.ffn_hidden_size,
+                                 model.num_attention_heads, model.num_query_groups,
                                  vocab).per_layer
-    return 2.0 * per_layer + 4.0 * seq_length * preset.hidden_size
+    return 2.0 * per_layer + 4.0 * seq_length * model.hidden_size
 
 
-def head_forward_flops_per_token(preset: ModelPreset) -> float:
-    return 2.0 * preset.hidden_size * (preset.vocab_size or 32000)
+def head_forward_flops_per_token(model: ModelConfig) -> float:
+    return 2.0 * model.hidden_size * (model.planned_vocab_size)
 
 
 def derived_costs(
     schedule: Schedule,
-    preset: ModelPreset | str,
+    model: ModelConfig | str,
     hardware: HardwareProfile | str,
     micro_batch_size: int,
     seq_length: int | None = None,
 ) -> CostModel:
-    """Costs of `preset` on `hardware` for the schedule's partition (layers per stage).
+    """Costs of `model` on `hardware` for the schedule's partition (layers per stage).
 
     Backward is twice the forward, recompute equals the forward; parameters and gradients
     move in 16-bit; the CPU optimizer throughput of a node is shared by its GPUs.
     """
-    preset = get_preset(preset) if isinstance(preset, str) else preset
+    model = get_preset(model) if isinstance(model, str) else model
     hardware = get_hardware(hardware) if isinstance(hardware, str) else hardware
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size is {micro_batch_size}, expected >= 1")
-    if sum(schedule.partition) != preset.num_layers:
+    if sum(schedule.partition) != model.num_layers:
         raise ValueError(
-            f"partition has {sum(schedule.partition)} layers, preset {preset.name} has "
-            f"{preset.num_layers}"
+            f"partition has {sum(schedule.partition)} layers, model {model.name} has "
+            f"{model.num_layers}"
         )
-    seq = seq_length or preset.seq_length
+    seq = seq_length or model.seq_length
     tokens = micro_batch_size * seq
     efficiency = hardware.gpu_max_efficiency * tokens / (tokens + hardware.efficiency_half_tokens)
     flops_per_s = hardware.gpu_peak_flops * efficiency
-    layer_time = layer_forward_flops_per_token(preset, seq) * tokens / flops_per_s
-    head_time = head_forward_flops_per_token(preset) * tokens / flops_per_s
+    layer_time = layer_forward_flops_per_token(model, seq) * tokens / flops_per_s
+    head_time = head_forward_flops_per_token(model) * tokens / flops_per_s
     optimizer_rate = hardware.cpu_optimizer_params_per_s / hardware.gpus_per_node
 
-    params = backward_stage_params(preset, schedule.partition, schedule.backward_split)
+    params = backward_stage_params(model, schedule.partition, schedule.backward_split)
     forward_piece = {
         BackwardStage(*b): layers.count * layer_time + (head_time if layers.has_head else 0.0)
         for b, layers in sub_stage_layers(schedule.partition, schedule.backward_split).items()
@@ -182,7 +183,7 @@ def derived_costs(
         sum(forward_piece[(stage, sub)] for sub in range(schedule.backward_split))
         for stage in range(schedule.forward_stages)
     )
-    activation_bytes = 2.0 * tokens * preset.hidden_size
+    activation_bytes = 2.0 * tokens * model.hidden_size
     return CostModel(
         forward=forward,
         backward={piece: 2.0 * t for piece, t in forward_piece.items()},
@@ -198,36 +199,36 @@ def derived_costs(
     )
 
 
-def preset_partition(
-    preset: ModelPreset | str, forward_stages: int, seq_length: int | None = None,
+def model_partition(
+    model: ModelConfig | str, forward_stages: int, seq_length: int | None = None,
     min_layers: int = 1,
 ) -> list[int]:
     """Layers per forward stage balanced by forward flops, the head's output layer included,
     with at least `min_layers` per stage (a backward split d needs d layers per stage)."""
-    preset = get_preset(preset) if isinstance(preset, str) else preset
-    seq = seq_length or preset.seq_length
-    if preset.num_layers < min_layers * forward_stages:
+    model = get_preset(model) if isinstance(model, str) else model
+    seq = seq_length or model.seq_length
+    if model.num_layers < min_layers * forward_stages:
         raise ValueError(f"needs {min_layers} layers in each of {forward_stages} forward "
-                         f"stages, the model has {preset.num_layers}")
+                         f"stages, the model has {model.num_layers}")
     # Every stage gets (min_layers - 1) layers up front and the rest is balanced: the fixed
     # part is the same for all stages, so the balance is kept.
     fixed = min_layers - 1
     rest = balanced_partition(
-        preset.num_layers - fixed * forward_stages,
+        model.num_layers - fixed * forward_stages,
         forward_stages,
-        layer_cost=layer_forward_flops_per_token(preset, seq),
+        layer_cost=layer_forward_flops_per_token(model, seq),
         embedding_cost=0.0,  # a table lookup
-        head_cost=head_forward_flops_per_token(preset),
+        head_cost=head_forward_flops_per_token(model),
     )
     return [fixed + n for n in rest]
 
 
-def backward_stage_params(preset: ModelPreset, partition: Sequence[int],
+def backward_stage_params(model: ModelConfig, partition: Sequence[int],
                           backward_split: int) -> dict[BackwardStage, int]:
     """Parameters of every backward stage, from the closed-form count (nothing is built)."""
-    vocab = preset.vocab_size or 32000
-    counts = count_parameters(preset.num_layers, preset.hidden_size, preset.ffn_hidden_size,
-                              preset.num_attention_heads, preset.num_query_groups, vocab)
+    vocab = model.planned_vocab_size
+    counts = count_parameters(model.num_layers, model.hidden_size, model.ffn_hidden_size,
+                              model.num_attention_heads, model.num_query_groups, vocab)
     return {
         BackwardStage(*b): (layers.count * counts.per_layer
                             + (counts.embedding if layers.has_embedding else 0)

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron.models.presets import ModelPreset
+from megatron.config.model import ModelConfig
 
 from .cost_model import backward_stage_params
 from .hardware import HardwareProfile
@@ -82,7 +82,7 @@ class MemoryPlan:
         return sum(self.per_node[node].values())
 
 
-def layer_saved_bytes(model: ModelPreset, tokens: int, seq_length: int, itemsize: int) -> int:
+def layer_saved_bytes(model: ModelConfig, tokens: int, seq_length: int, itemsize: int) -> int:
     """What autograd saves for one decoder layer over `tokens` (micro-batch x sequence).
 
     Per token: each RMSNorm keeps its input, normalized output and two per-token scalars in
@@ -98,10 +98,10 @@ def layer_saved_bytes(model: ModelPreset, tokens: int, seq_length: int, itemsize
     return tokens * (fp32_per_token * FP32 + working_per_token * itemsize) + per_sequence
 
 
-def head_saved_bytes(model: ModelPreset, tokens: int, itemsize: int) -> int:
+def head_saved_bytes(model: ModelConfig, tokens: int, itemsize: int) -> int:
     """Final norm (as in a layer), the output layer's input, fp32 logits, labels (int64),
     loss mask (bool) and per-token losses (fp32)."""
-    vocab = model.vocab_size or 32000
+    vocab = model.planned_vocab_size
     return tokens * ((3 * model.hidden_size + 2) * FP32 + model.hidden_size * itemsize
                      + vocab * FP32 + 8 + 1 + FP32) + FP32
 
@@ -110,7 +110,7 @@ def embedding_saved_bytes(tokens: int) -> int:
     return tokens * 8  # the token ids (int64)
 
 
-def backward_stage_saved_bytes(model: ModelPreset, partition: tuple[int, ...], backward_split: int,
+def backward_stage_saved_bytes(model: ModelConfig, partition: tuple[int, ...], backward_split: int,
                                micro_batch_size: int, seq_length: int, itemsize: int
                                ) -> dict[BackwardStage, int]:
     """AWM of every backward stage: what its recompute saves for one micro-batch."""
@@ -168,7 +168,7 @@ def shape_report(schedule: Schedule) -> ValidationReport:
                             peak_gradients=zeros)
 
 
-def plan_memory(schedule: Schedule, model: ModelPreset, micro_batch_size: int,
+def plan_memory(schedule: Schedule, model: ModelConfig, micro_batch_size: int,
                 seq_length: int | None = None, param_bytes: int = 2, grad_host_bytes: int = 4,
                 procs_per_node: int | None = None,
                 hardware: HardwareProfile | None = None,
@@ -194,7 +194,7 @@ def plan_memory(schedule: Schedule, model: ModelPreset, micro_batch_size: int,
                                        micro_batch_size, seq, param_bytes)
     tokens = micro_batch_size * seq
     message = tokens * model.hidden_size * param_bytes  # one activation, gradient or checkpoint
-    vocab = model.vocab_size or 32000
+    vocab = model.planned_vocab_size
     per_gpu, per_process = [], []
     for rank in range(schedule.ranks):
         used = _stages_used(schedule, rank)

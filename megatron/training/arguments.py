@@ -1,23 +1,30 @@
-"""Megatron-style command-line flags, model presets, and validation of bad input.
+"""The command line: Megatron-style flags to one checked RunConfig.
 
 Flags given explicitly override the preset's values; a preset's values override the built-in
-defaults. Every inconsistency is reported as one line naming the flag, the value and what was
-expected, with exit status 2, before anything is allocated or written.
+defaults. The only module that sees argparse: everything else reads the RunConfig. Every
+inconsistency is reported as one line naming the flag, the value and what was expected,
+with exit status 2, before anything is allocated or written.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 from collections.abc import Sequence
 
-from megatron.models.presets import PRESETS, get_preset
+from megatron.config.errors import ConfigError
+from megatron.config.presets import PRESETS, get_preset
+from megatron.config.run import RunConfig
+from megatron.config.values import parse_split
+from megatron.data.cache import default_cache_dir
 from megatron.schedules.generators import SCHEDULE_NAMES
 
 SCHEDULES = ("single", *SCHEDULE_NAMES)
 
+# The model flags a preset sets (its name is --model-preset).
+PRESET_MODEL_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                      "num_query_groups", "seq_length", "vocab_size")
 # Built-in defaults for flags that a preset may set (None in argparse so we can tell
 # "given explicitly" from "defaulted").
 DEFAULTS: dict[str, object] = {
@@ -41,25 +48,6 @@ DEFAULTS: dict[str, object] = {
     "min_loss_scale": 1.0,
     "loss_scale_window": 1000,
 }
-
-MODEL_FLAGS = (
-    "num_layers",
-    "hidden_size",
-    "ffn_hidden_size",
-    "num_attention_heads",
-    "num_query_groups",
-    "seq_length",
-    "vocab_size",
-)
-
-
-class ArgumentError(ValueError):
-    """Bad input: `flag`, `value`, and what was expected."""
-
-    def __init__(self, flag: str, value: object, expected: str) -> None:
-        self.flag, self.value, self.expected = flag, value, expected
-        super().__init__(f"{flag} {value}: {expected}")
-
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -237,17 +225,18 @@ def _int_list(text: str) -> list[int]:
 
 
 def _apply_preset_and_defaults(args: argparse.Namespace) -> None:
-    preset = None
+    """Fill what the user left out: the preset's values, then the built-in defaults, then
+    the defaults that follow from other flags (as Megatron resolves them)."""
     warmup_given = args.lr_warmup_iters is not None
     if args.model_preset is not None:
         try:
             preset = get_preset(args.model_preset)
         except KeyError:
-            raise ArgumentError(
+            raise ConfigError(
                 "--model-preset", args.model_preset, f"expected one of {', '.join(PRESETS)}"
             ) from None
         args.model_preset = preset.name
-        for name in MODEL_FLAGS:
+        for name in PRESET_MODEL_FLAGS:
             if getattr(args, name) is None:
                 setattr(args, name, getattr(preset, name))
         for name, value in preset.training.items():
@@ -265,205 +254,29 @@ def _apply_preset_and_defaults(args: argparse.Namespace) -> None:
         args.lr_decay_iters = args.train_iters
     if args.num_query_groups is None and args.num_attention_heads is not None:
         args.num_query_groups = args.num_attention_heads
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-FLOAT_FLAGS = ("lr", "min_lr", "weight_decay", "clip_grad", "adam_beta1", "adam_beta2",
-               "adam_eps", "initial_loss_scale", "min_loss_scale")
-
-
-def _validate_values(args: argparse.Namespace) -> None:
-    """Values argparse accepts but training cannot use: non-finite numbers, eps <= 0, and
-    the evaluation, data-split and exit flags."""
-    for name in FLOAT_FLAGS:
-        if not math.isfinite(getattr(args, name)):
-            raise ArgumentError(_flag(name), getattr(args, name), "expected a finite number")
-    if args.adam_eps <= 0:
-        raise ArgumentError("--adam-eps", args.adam_eps, "expected a value > 0")
-    for name in ("initial_loss_scale", "min_loss_scale", "loss_scale_window"):
-        if getattr(args, name) <= 0:
-            raise ArgumentError(_flag(name), getattr(args, name), "expected a value > 0")
-    for name in ("eval_interval", "exit_interval"):
-        value = getattr(args, name)
-        if value is not None and value <= 0:
-            raise ArgumentError(_flag(name), value, "expected a positive integer")
-    if args.eval_iters is not None and args.eval_iters < 0:
-        raise ArgumentError("--eval-iters", args.eval_iters, "expected an integer >= 0")
-    minutes = args.exit_duration_in_mins
-    if minutes is not None and not (math.isfinite(minutes) and minutes > 0):
-        raise ArgumentError("--exit-duration-in-mins", minutes, "expected a number > 0")
-    if args.split is not None:
-        parse_split(args.split)
-    per_split = [args.train_data_path, args.valid_data_path, args.test_data_path]
-    if any(path is not None for path in per_split):
-        if args.data_path is not None:
-            raise ArgumentError("--train-data-path", " ".join(args.train_data_path or []),
-                                "give either --data-path (with --split) or the per-split "
-                                "paths, not both")
-        if args.train_data_path is None:
-            raise ArgumentError("--train-data-path", "missing",
-                                "required with --valid-data-path or --test-data-path")
-        if args.split is not None:
-            raise ArgumentError("--split", args.split, "only with --data-path")
-    for flag in ("data_path", *(f"{n}_data_path" for n in ("train", "valid", "test"))):
-        if getattr(args, flag) is not None:
-            parse_data_path(_flag(flag), getattr(args, flag))
+    if args.zero_stage is None:
+        args.zero_stage = 2 if args.data_parallel_size > 1 else 0
+    if args.data_cache_dir is None:
+        args.data_cache_dir = default_cache_dir()
     _resolve_evaluation(args)
-    if args.wandb_exp_name is not None and args.wandb_project is None:
-        raise ArgumentError("--wandb-exp-name", args.wandb_exp_name, "needs --wandb-project")
 
 
 def _resolve_evaluation(args: argparse.Namespace) -> None:
     """Megatron's defaults where there is a validation set (--split with a validation share,
-    or --valid-data-path): evaluate every 1000 iterations, 10 batches each. Without one,
-    no evaluation, and asking for it is an error."""
+    or --valid-data-path): evaluate every 1000 iterations, 10 batches each. Without one, no
+    evaluation, and asking for it is an error (the configuration's check names
+    --eval-iters; an --eval-interval given alone is named here)."""
     has_valid = args.valid_data_path is not None or (
         args.split is not None and parse_split(args.split)[1] > 0)
-    interval_given, iters_given = args.eval_interval is not None, args.eval_iters is not None
+    wanted = args.eval_iters is None or args.eval_iters > 0
+    if args.eval_interval is not None and wanted and not has_valid:
+        raise ConfigError("--eval-interval", args.eval_interval,
+                          "needs a validation set: --split with a validation share "
+                          "(e.g. 969,30,1) or --valid-data-path")
     if args.eval_iters is None:
         args.eval_iters = 10 if has_valid else 0
     if args.eval_interval is None:
         args.eval_interval = 1000
-    wanted = args.eval_iters > 0 or (interval_given and not iters_given)
-    if wanted and not has_valid:
-        flag = "--eval-interval" if interval_given else "--eval-iters"
-        raise ArgumentError(flag, getattr(args, flag[2:].replace("-", "_")),
-                            "needs a validation set: --split with a validation share "
-                            "(e.g. 969,30,1) or --valid-data-path")
-
-
-def parse_split(text: str) -> tuple[float, float, float]:
-    """Megatron's --split: up to three non-negative weights (missing ones are 0), not all 0;
-    commas or slashes between them."""
-    parts = text.replace("/", ",").split(",")
-    try:
-        weights = [float(x) for x in parts]
-    except ValueError:
-        weights = []
-    if not 1 <= len(weights) <= 3 or not all(math.isfinite(w) and w >= 0 for w in weights) \
-            or sum(weights) <= 0:
-        raise ArgumentError("--split", text, "expected up to three non-negative weights "
-                            "TRAIN,VALID,TEST, not all 0 (e.g. 969,30,1)")
-    weights += [0.0] * (3 - len(weights))
-    return weights[0], weights[1], weights[2]
-
-
-def parse_data_path(flag: str, values: Sequence[str]) -> tuple[list[str], list[float] | None]:
-    """Megatron's data path: one PREFIX, several PREFIXes (equal weights) or
-    'WEIGHT PREFIX WEIGHT PREFIX ...'; returns (prefixes, weights or None)."""
-    values = list(values)
-    try:
-        float(values[0])
-    except ValueError:
-        return values, None  # prefixes only: megatron-core weighs them by their sizes
-    weights = []
-    for text in values[0::2]:
-        try:
-            weights.append(float(text))
-        except ValueError:
-            weights.append(math.nan)
-    if len(values) % 2 or not all(math.isfinite(w) and w > 0 for w in weights):
-        raise ArgumentError(flag, " ".join(values),
-                            "expected PREFIX or pairs 'WEIGHT PREFIX' with weights > 0")
-    return values[1::2], weights
-
-
-def validate_args(args: argparse.Namespace) -> None:
-    """Raise ArgumentError for the first inconsistency found."""
-    for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-                 "seq_length"):
-        value = getattr(args, name)
-        if value is None:
-            raise ArgumentError(_flag(name), "missing", "required (or give --model-preset)")
-    positive = MODEL_FLAGS + ("micro_batch_size", "global_batch_size", "train_iters",
-                              "log_interval")
-    for name in positive:
-        value = getattr(args, name)
-        if value is not None and value <= 0:
-            raise ArgumentError(_flag(name), value, "expected a positive integer")
-    _validate_values(args)
-    if args.hidden_size % args.num_attention_heads:
-        raise ArgumentError("--hidden-size", args.hidden_size,
-                            f"must be divisible by --num-attention-heads ({args.num_attention_heads})")
-    if args.num_attention_heads % args.num_query_groups:
-        raise ArgumentError("--num-attention-heads", args.num_attention_heads,
-                            f"must be divisible by --num-query-groups ({args.num_query_groups})")
-    if (args.hidden_size // args.num_attention_heads) % 2:
-        raise ArgumentError("--hidden-size", args.hidden_size,
-                            "hidden size / attention heads must be even for rotary embeddings")
-    if args.global_batch_size % args.micro_batch_size:
-        raise ArgumentError("--global-batch-size", args.global_batch_size,
-                            f"must be a multiple of --micro-batch-size ({args.micro_batch_size})")
-    for name in ("lr", "min_lr", "weight_decay", "clip_grad", "adam_eps"):
-        if getattr(args, name) < 0:
-            raise ArgumentError(_flag(name), getattr(args, name), "expected a value >= 0")
-    if args.min_lr > args.lr:
-        raise ArgumentError("--min-lr", args.min_lr, f"must not exceed --lr ({args.lr})")
-    for name in ("adam_beta1", "adam_beta2"):
-        if not 0.0 <= getattr(args, name) < 1.0:
-            raise ArgumentError(_flag(name), getattr(args, name), "expected a value in [0, 1)")
-    if args.lr_warmup_iters < 0:
-        raise ArgumentError("--lr-warmup-iters", args.lr_warmup_iters, "expected >= 0")
-    if args.lr_decay_style != "constant" and args.lr_decay_iters <= args.lr_warmup_iters:
-        raise ArgumentError("--lr-decay-iters", args.lr_decay_iters,
-                            f"must exceed --lr-warmup-iters ({args.lr_warmup_iters})")
-    if args.save_interval is not None and args.save_interval <= 0:
-        raise ArgumentError("--save-interval", args.save_interval, "expected a positive integer")
-    if args.save_interval is not None and args.save is None:
-        raise ArgumentError("--save-interval", args.save_interval, "needs --save DIR")
-    if args.finetune and args.load is None:
-        raise ArgumentError("--finetune", True, "needs --load DIR")
-    if args.data_path is not None and args.tokenizer_model is None:
-        raise ArgumentError("--tokenizer-model", "missing", "required with --data-path")
-    if args.inject_overflow is not None and len(args.inject_overflow) != 3:
-        raise ArgumentError("--inject-overflow", args.inject_overflow, "expected ITER,STAGE,SUB")
-    if args.procs_per_node is not None and args.procs_per_node <= 0:
-        raise ArgumentError("--procs-per-node", args.procs_per_node, "expected a positive integer")
-    _validate_data_parallel(args)
-    for name in ("nodes", "gpus_per_node"):
-        if getattr(args, name) is not None and getattr(args, name) <= 0:
-            raise ArgumentError(_flag(name), getattr(args, name), "expected a positive integer")
-    if args.optimizer_subgroup_size is not None and args.optimizer_subgroup_size <= 0:
-        raise ArgumentError("--optimizer-subgroup-size", args.optimizer_subgroup_size,
-                            "expected a positive integer")
-    if not 0.0 <= args.optimizer_gpu_resident_fraction <= 1.0:
-        raise ArgumentError("--optimizer-gpu-resident-fraction",
-                            args.optimizer_gpu_resident_fraction, "expected a value in [0, 1]")
-    if args.optimizer_gpu_resident_fraction > 0 and args.optimizer_gpu_stride != 0:
-        raise ArgumentError("--optimizer-gpu-resident-fraction",
-                            args.optimizer_gpu_resident_fraction,
-                            "the static split excludes --optimizer-gpu-stride (give one of them)")
-    if args.cpu_optimizer_threads is not None and args.cpu_optimizer_threads <= 0:
-        raise ArgumentError("--cpu-optimizer-threads", args.cpu_optimizer_threads,
-                            "expected a positive integer")
-    for name in ("optimizer_state_dtype", "master_dtype"):
-        if getattr(args, name) != "fp32" and args.pipeline_schedule == "single":
-            raise ArgumentError(_flag(name), getattr(args, name),
-                                "fp32 with --pipeline-schedule single (the one-process "
-                                "reference keeps torch's fp32 AdamW); bf16 needs the CPU "
-                                "optimizer: give a pipeline schedule")
-
-
-def _validate_data_parallel(args: argparse.Namespace) -> None:
-    """--data-parallel-size and --zero-stage (the world size is checked at start-up)."""
-    d = args.data_parallel_size
-    if d <= 0:
-        raise ArgumentError("--data-parallel-size", d, "expected a positive integer")
-    if args.zero_stage is None:
-        args.zero_stage = 2 if d > 1 else 0
-    if args.zero_stage not in (0, 1, 2):
-        raise ArgumentError("--zero-stage", args.zero_stage, "expected 0, 1 or 2")
-    if args.global_batch_size % (args.micro_batch_size * d):
-        raise ArgumentError("--global-batch-size", args.global_batch_size,
-                            f"must be a multiple of --micro-batch-size x --data-parallel-size "
-                            f"({args.micro_batch_size} x {d})")
-    if d > 1 and args.procs_per_node is not None and args.procs_per_node % d:
-        raise ArgumentError("--procs-per-node", args.procs_per_node,
-                            f"expected a multiple of --data-parallel-size ({d}): the "
-                            "replicas of a pipeline rank share a node's segments")
 
 
 def _gpu_stride(text: str) -> int | None:
@@ -479,33 +292,14 @@ def _gpu_stride(text: str) -> int | None:
     return value
 
 
-def check_writable_dir(flag: str, path: str) -> None:
-    """Create `path` if needed and prove it is writable, leaving nothing behind."""
-    existed = os.path.isdir(path)
-    try:
-        os.makedirs(path, exist_ok=True)
-        probe = os.path.join(path, f".write-probe-{os.getpid()}")
-        with open(probe, "w"):
-            pass
-        os.remove(probe)
-    except OSError as exc:
-        if not existed and os.path.isdir(path):
-            try:
-                os.rmdir(path)
-            except OSError:
-                pass
-        raise ArgumentError(flag, path, f"expected a writable directory ({exc.strerror})") from None
-
-
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Parse and validate; exits with status 2 and a one-line message on bad input."""
+def parse_args(argv: Sequence[str] | None = None) -> RunConfig:
+    """Parse and check; exits with status 2 and a one-line message on bad input."""
     args = build_parser().parse_args(argv)
     try:
         _apply_preset_and_defaults(args)
-        validate_args(args)
-    except ArgumentError as exc:
+        return RunConfig.from_flags(vars(args))
+    except ConfigError as exc:
         exit_bad_input(exc)
-    return args
 
 
 def exit_bad_input(exc: Exception) -> None:

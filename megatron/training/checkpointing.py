@@ -18,7 +18,6 @@ replaced. A crash before that leaves the previous checkpoint and tracker untouch
 
 from __future__ import annotations
 
-import argparse
 import glob
 import os
 import shutil
@@ -33,6 +32,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from megatron.common.files import atomic_write, leftover_temporaries
+from megatron.config.run import RunConfig
 from megatron.pipeline.host_group import host_group
 from megatron.training.checkpoint_state import EXP_AVG, EXP_AVG_SQ, MASTER, OwnedState
 from megatron.training.lr_schedule import LRSchedule
@@ -312,20 +312,21 @@ def inspect_checkpoint(root: str, finetune: bool = False) -> tuple[str, dict, di
     return directory, metadata, common
 
 
-def check_resumable(args: argparse.Namespace) -> dict | None:
+def check_resumable(run: RunConfig) -> dict | None:
     """--load's checkpoint, checked before anything is built: readable, the right kind for
     --finetune, and saved with this run's --global-batch-size (the data position). Returns
     its common state (None when --load holds no checkpoint)."""
-    found = inspect_checkpoint(args.load, args.finetune)
-    if found is None or args.finetune:
+    c, batch = run.checkpointing, run.training.global_batch_size
+    found = inspect_checkpoint(c.load, c.finetune)
+    if found is None or c.finetune:
         return None if found is None else found[2]
     common = found[2]
     iteration = int(common["iteration"])
-    consumed = int(common.get("consumed_samples", iteration * args.global_batch_size))
-    if consumed != iteration * args.global_batch_size:
-        raise CheckpointError(f"--load {args.load}: saved after {consumed} samples in "
+    consumed = int(common.get("consumed_samples", iteration * batch))
+    if consumed != iteration * batch:
+        raise CheckpointError(f"--load {c.load}: saved after {consumed} samples in "
                               f"{iteration} iterations; expected --global-batch-size "
-                              f"{consumed // max(iteration, 1)} (not {args.global_batch_size}) "
+                              f"{consumed // max(iteration, 1)} (not {batch}) "
                               "to continue at the same sample")
     return common
 
@@ -354,11 +355,11 @@ def load_checkpoint(root: str, owned: OwnedState, *, finetune: bool = False) -> 
 
 
 def restore_run(common: dict, step: TrainStep, schedule: LRSchedule,
-                args: argparse.Namespace) -> tuple[int, int]:
+                finetune: bool) -> tuple[int, int]:
     """After check_resumable() and load_checkpoint(): hand the scalars to the step and the
     LR schedule. Returns (the iteration to continue after, skipped iterations so far);
     (0, 0) with --finetune."""
-    if args.finetune:
+    if finetune:
         step.restored(0, None, 0)
         return 0, 0
     iteration = int(common["iteration"])

@@ -14,9 +14,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from megatron.config.errors import ConfigError
 from megatron.pipeline.data_parallel import ParallelLayout
 from megatron.pipeline.host_group import forget_host_group
-from megatron.training.arguments import ArgumentError
 
 
 @dataclass(frozen=True)
@@ -44,9 +44,9 @@ class DistInfo:
 def check_data_parallel_size(data_parallel_size: int, world_size: int) -> None:
     """world = pipeline size x data-parallel size (before anything is started)."""
     if data_parallel_size < 1 or world_size % data_parallel_size:
-        raise ArgumentError("--data-parallel-size", data_parallel_size,
-                            f"expected a divisor of the number of processes ({world_size}): "
-                            "world size = pipeline size x data-parallel size")
+        raise ConfigError("--data-parallel-size", data_parallel_size,
+                          f"expected a divisor of the number of processes ({world_size}): "
+                          "world size = pipeline size x data-parallel size")
 
 
 def default_backend() -> str:

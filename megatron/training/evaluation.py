@@ -9,36 +9,22 @@ train_iters // eval_interval for the one at the end of training.
 
 from __future__ import annotations
 
-import argparse
 import math
 
 from megatron.core import parallel_state
 
-from megatron.models.llama import Batch
-from megatron.training.train_dataset import micro_batch_at
+from megatron.config.run import RunConfig
+from megatron.data.sampling import evaluation_micro_batches
 from megatron.training.train_step import TrainStep
 
 MAX_PPL_EXPONENT = 20  # Megatron prints exp(min(20, loss)) as the perplexity
 
 
-def evaluation_batches(dataset, number: int, args: argparse.Namespace,
-                       data_parallel_rank: int = 0) -> list[list[Batch]]:
-    """The micro-batches of evaluation `number`: eval_iters lists of global / micro each
-    (with D data-parallel replicas, this replica's share: global / micro / D, split as
-    the training batches are)."""
-    d = getattr(args, "data_parallel_size", 1)
-    count = args.global_batch_size // (args.micro_batch_size * d)
-    first = number * args.eval_iters * count * d
-    return [[micro_batch_at(dataset, args.micro_batch_size,
-                            first + (i * count + j) * d + data_parallel_rank)
-             for j in range(count)] for i in range(args.eval_iters)]
-
-
-def evaluate(step: TrainStep, dataset, number: int, args: argparse.Namespace) -> float:
+def evaluate(step: TrainStep, dataset, number: int, run: RunConfig) -> float:
     """Mean lm loss of evaluation `number` on `dataset`."""
     rank = (parallel_state.get_data_parallel_rank()
             if parallel_state.model_parallel_is_initialized() else 0)
-    return step.evaluate(evaluation_batches(dataset, number, args, rank))
+    return step.evaluate(evaluation_micro_batches(dataset, number, run, rank))
 
 
 def perplexity(loss: float) -> float:
@@ -55,9 +41,10 @@ def format_evaluation(where: str, loss: float) -> str:
     return f"{rule}\n{text}\n{rule}"
 
 
-def due(iteration: int, args: argparse.Namespace) -> bool:
+def due(iteration: int, run: RunConfig) -> bool:
     """Evaluate after this iteration (Megatron: every eval_interval iterations)."""
-    return args.eval_iters > 0 and iteration % args.eval_interval == 0
+    e = run.evaluation
+    return e.eval_iters > 0 and iteration % e.eval_interval == 0
 
 
 def evaluation_record(iteration: int, split: str, loss: float, end_of_training: bool) -> dict:

@@ -6,22 +6,23 @@ scaling, clipping and no-decay rule as the pipeline's CPU optimizer.
 
 from __future__ import annotations
 
-import argparse
 import math
 from collections.abc import Sequence
 
 import torch
 
+from megatron.config.run import RunConfig
 from megatron.models.llama import Batch, LlamaConfig, LlamaModel, uses_weight_decay
+from megatron.pipeline.config import working_dtype
 from megatron.training.checkpoint_state import OwnedState, named_tensors
-from megatron.training.train_step import StepResult, make_loss_scaler, training_dtype
+from megatron.training.train_step import StepResult, make_loss_scaler
 
 
 class LocalTrainStep:
     """Whole model in one process: working params in the training dtype, fp32 masters."""
 
-    def __init__(self, model_cfg: LlamaConfig, args: argparse.Namespace) -> None:
-        self.dtype = training_dtype(args)
+    def __init__(self, model_cfg: LlamaConfig, run: RunConfig) -> None:
+        self.dtype = working_dtype(run.precision)
         self.model_cfg = model_cfg
         # Initialize in fp32 so every precision starts from the same master weights.
         self.model = LlamaModel(model_cfg.with_dtype(torch.float32))
@@ -30,15 +31,17 @@ class LocalTrainStep:
         if self.dtype != torch.float32:
             self.model.to(self.dtype)
         self.params = [p for _, p in named]
+        o = run.optimization
         decay = [m for (n, p), m in zip(named, self.masters) if uses_weight_decay(n, p)]
         no_decay = [m for (n, p), m in zip(named, self.masters) if not uses_weight_decay(n, p)]
         self.optimizer = torch.optim.AdamW(
             [{"params": decay, "wd_mult": 1.0}, {"params": no_decay, "wd_mult": 0.0}],
-            lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
+            lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
         )
-        self.clip_grad = args.clip_grad
-        self.inject_overflow_at = args.inject_overflow[0] if args.inject_overflow else None
-        self.scaler = make_loss_scaler(args) if self.dtype == torch.float16 else None
+        self.clip_grad = o.clip_grad
+        inject = run.testing.inject_overflow
+        self.inject_overflow_at = inject[0] if inject else None
+        self.scaler = make_loss_scaler(run.precision) if self.dtype == torch.float16 else None
 
     def step(self, iteration: int, micro_batches: Sequence[Batch], lr: float,
              weight_decay: float) -> StepResult:

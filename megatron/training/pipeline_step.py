@@ -1,40 +1,42 @@
-"""The pipeline as the training loop's `TrainStep`: flags -> config -> `Pipeline`.
+"""The pipeline as the training loop's `TrainStep`: run configuration -> schedule ->
+`PipelineConfig` -> `Pipeline`.
 
-Everything the runtime needs comes from `pipeline_config(args)`; this adapter turns each
-iteration's report into the loop's StepResult and writes the measured timeline files.
+The schedule comes from megatron/planning/shape.py, the runtime's settings from
+`pipeline_config`; this adapter refuses a run that does not fit, turns each iteration's
+report into the loop's StepResult and writes the measured timeline files.
 """
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Sequence
 from dataclasses import replace
 
 import torch
 
+from megatron.config.run import RunConfig
 from megatron.models.llama import Batch, LlamaConfig
-from megatron.models.presets import ModelPreset
-from megatron.offload.naming import resolve_procs_per_node
 from megatron.pipeline.assembly import Pipeline
-from megatron.pipeline.config import PipelineConfig
+from megatron.pipeline.config import pipeline_config
 from megatron.pipeline.host_group import host_group
+from megatron.planning.shape import run_schedule
 from megatron.schedules.cost_model import backward_stage_params, calibrated_costs
 from megatron.schedules.simulator import SimResult, simulate
 from megatron.schedules.timeline import read_chrome_trace, write_chrome_trace, write_timeline_png
 from megatron.training.checkpoint_state import OwnedState, named_tensors
+from megatron.training.distributed import DistInfo
 from megatron.training.fit_check import refuse_what_does_not_fit
-from megatron.training.pipeline_args import pipeline_config
 from megatron.training.train_step import StepResult
 
 
 class PipelineTrainStep:
-    def __init__(self, model_cfg: LlamaConfig, args: argparse.Namespace, dist_info) -> None:
+    def __init__(self, model_cfg: LlamaConfig, run: RunConfig, dist_info: DistInfo) -> None:
         self.rank = dist_info.rank
         self.model_cfg = model_cfg
-        self.config = pipeline_config(args, dist_info.pipeline_size, model_cfg.vocab_size)
-        self.timeline_paths = (args.timeline, args.trace)
-        fit_config, fit_rank = per_pipeline(self.config, dist_info)
-        refuse_what_does_not_fit(fit_config, model_cfg, fit_rank, host_group())
+        self.run = run
+        schedule = run_schedule(run, dist_info.pipeline_size, model_cfg.vocab_size)
+        self.config = pipeline_config(run, schedule)
+        refuse_what_does_not_fit(run, schedule, model_cfg.vocab_size,
+                                 dist_info.layout.pipeline_rank, host_group())
         self.pipeline = Pipeline(self.config, model_cfg, self.rank)
 
     def step(self, iteration: int, micro_batches: Sequence[Batch], lr: float,
@@ -60,7 +62,7 @@ class PipelineTrainStep:
         s = self.config.schedule
         title = (f"measured: {s.name}, {s.ranks} ranks, {s.forward_stages} forward stages, "
                  f"d={s.backward_split}, {s.micro_batches} micro-batches")
-        png, trace = self.timeline_paths
+        png, trace = self.run.logging.timeline, self.run.logging.trace
         if png:
             write_timeline_png(events, png, title=title)
         if trace:
@@ -81,23 +83,10 @@ class PipelineTrainStep:
         self.pipeline.close()
 
 
-def per_pipeline(config: PipelineConfig, dist_info) -> tuple[PipelineConfig, int]:
-    """The memory model's view of a data-parallel run: one pipeline whose nodes hold the
-    replicas' processes (with ZeRO the replicas of a pipeline rank hold its optimizer
-    state once between them, as one process would) and this process's pipeline rank."""
-    d = dist_info.data_parallel_size
-    if d == 1:
-        return config, dist_info.rank
-    procs = resolve_procs_per_node(config.procs_per_node)
-    return replace(config, procs_per_node=max(1, procs // d)), dist_info.layout.pipeline_rank
-
-
 def step_backward_stage_params(step: PipelineTrainStep) -> dict:
     """Parameters per backward stage of `step`'s model and schedule."""
-    cfg, schedule = step.model_cfg, step.config.schedule
-    model = ModelPreset("run", cfg.num_layers, cfg.hidden_size, cfg.ffn_hidden_size,
-                        cfg.num_attention_heads, cfg.num_query_groups, cfg.seq_length,
-                        cfg.vocab_size)
+    schedule = step.config.schedule
+    model = replace(step.run.model, vocab_size=step.model_cfg.vocab_size)
     return backward_stage_params(model, schedule.partition, schedule.backward_split)
 
 

@@ -1,57 +1,78 @@
 """Bad input that needs the file system or a checkpoint, checked before training starts:
 output paths that cannot be written, a --load directory that does not exist, model flags
 that differ from the checkpoint's. Each is one line naming the flag, the value and what was
-expected (ArgumentError, exit status 2), raised before anything is allocated or written.
+expected (ConfigError, exit status 2), raised before anything is allocated or written.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 
-from megatron.training.arguments import MODEL_FLAGS, ArgumentError, check_writable_dir
+from megatron.config.checks import MODEL_FIELDS
+from megatron.config.errors import ConfigError, flag_name
+from megatron.config.run import RunConfig
 
-OUTPUT_FILE_FLAGS = ("metrics_file", "timeline", "trace")
+OUTPUT_FILE_FIELDS = ("metrics_file", "timeline", "trace")
 
 
-def check_output_paths(args: argparse.Namespace) -> None:
+def check_output_paths(run: RunConfig) -> None:
     """Every file or directory the run will write is writable now (leaving nothing behind
     but the directories the run would create anyway)."""
-    if args.save:
-        check_writable_dir("--save", args.save)
-    if args.tensorboard_dir:
-        check_writable_dir("--tensorboard-dir", args.tensorboard_dir)
-    for name in OUTPUT_FILE_FLAGS:
-        path = getattr(args, name)
+    if run.checkpointing.save:
+        check_writable_dir("--save", run.checkpointing.save)
+    if run.logging.tensorboard_dir:
+        check_writable_dir("--tensorboard-dir", run.logging.tensorboard_dir)
+    for field in OUTPUT_FILE_FIELDS:
+        path = getattr(run.logging, field)
         if path:
-            check_writable_file("--" + name.replace("_", "-"), path)
+            check_writable_file(flag_name(field), path)
+
+
+def check_writable_dir(flag: str, path: str) -> None:
+    """Create `path` if needed and prove it is writable, leaving nothing behind."""
+    existed = os.path.isdir(path)
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".write-probe-{os.getpid()}")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as exc:
+        if not existed and os.path.isdir(path):
+            try:
+                os.rmdir(path)
+            except OSError:
+                pass
+        raise ConfigError(flag, path, f"expected a writable directory ({exc.strerror})") from None
 
 
 def check_writable_file(flag: str, path: str) -> None:
     """`path` can be created or appended to: not a directory, its directory writable."""
     if os.path.isdir(path):
-        raise ArgumentError(flag, path, "expected a file path, found a directory")
+        raise ConfigError(flag, path, "expected a file path, found a directory")
     if os.path.exists(path) and not os.access(path, os.W_OK):
-        raise ArgumentError(flag, path, "expected a writable file (permission denied)")
+        raise ConfigError(flag, path, "expected a writable file (permission denied)")
     try:
         check_writable_dir(flag, os.path.dirname(os.path.abspath(path)))
-    except ArgumentError as exc:
-        raise ArgumentError(flag, path, f"its directory is not writable ({exc.expected})") from None
+    except ConfigError as exc:
+        raise ConfigError(flag, path, f"its directory is not writable ({exc.expected})") from None
 
 
-def check_load_dir(args: argparse.Namespace) -> None:
+def check_load_dir(run: RunConfig) -> None:
     """--load of a directory that does not exist is a mistake (a typo would silently train
     from scratch), unless --load-optional asks for Megatron's behaviour."""
-    if args.load and not os.path.isdir(args.load) and not args.load_optional:
-        raise ArgumentError("--load", args.load,
-                            "expected an existing checkpoint directory (add --load-optional "
-                            "to start from scratch when it does not exist)")
+    c = run.checkpointing
+    if c.load and not os.path.isdir(c.load) and not c.load_optional:
+        raise ConfigError("--load", c.load,
+                          "expected an existing checkpoint directory (add --load-optional "
+                          "to start from scratch when it does not exist)")
 
 
-def check_checkpoint_args(args: argparse.Namespace, saved: dict | None, where: str) -> None:
-    """The model flags of this run equal those the checkpoint in `where` was saved with."""
-    for name in MODEL_FLAGS:
-        theirs, ours = (saved or {}).get(name), getattr(args, name)
+def check_checkpoint_model(run: RunConfig, saved: dict | None, where: str) -> None:
+    """The model flags of this run equal those the checkpoint in `where` was saved with
+    (`saved`: the flags it recorded, RunConfig.flags())."""
+    for field in MODEL_FIELDS:
+        theirs, ours = (saved or {}).get(field), getattr(run.model, field)
         if theirs is not None and ours is not None and theirs != ours:
-            raise ArgumentError("--" + name.replace("_", "-"), ours,
-                                f"the checkpoint in {where} was saved with {theirs}")
+            raise ConfigError(flag_name(field), ours,
+                              f"the checkpoint in {where} was saved with {theirs}")

@@ -9,10 +9,10 @@ time, bubble ratio, device memory peak). Only the logging rank writes.
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 
-from megatron.training.arguments import ArgumentError
+from megatron.config.errors import ConfigError
+from megatron.config.run import RunConfig
 
 # metrics-record key -> scalar name (Megatron's where it has one)
 TRAINING_SCALARS = {
@@ -32,32 +32,34 @@ TRAINING_SCALARS = {
 VS_SAMPLES = ("lm loss", "learning-rate", "lm loss validation")
 
 
-def check_scalar_sinks(args: argparse.Namespace) -> None:
+def check_scalar_sinks(run: RunConfig) -> None:
     """Bad input before training: W&B asked for but not installed."""
-    if args.wandb_project and importlib.util.find_spec("wandb") is None:
-        raise ArgumentError("--wandb-project", args.wandb_project,
-                            "needs the wandb package, which is not installed "
-                            "(pip install wandb), or leave the flag out")
+    project = run.logging.wandb_project
+    if project and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("--wandb-project", project,
+                          "needs the wandb package, which is not installed "
+                          "(pip install wandb), or leave the flag out")
 
 
 class ScalarSinks:
     """Where the scalars go: a SummaryWriter under --tensorboard-dir, a W&B run."""
 
-    def __init__(self, args: argparse.Namespace, enabled: bool) -> None:
+    def __init__(self, run: RunConfig, enabled: bool) -> None:
         self._tensorboard = None
         self._wandb = None
         if not enabled:
             return
-        if args.tensorboard_dir:
+        log = run.logging
+        if log.tensorboard_dir:
             # optional dependency: imported only when asked for
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tensorboard = SummaryWriter(log_dir=args.tensorboard_dir, max_queue=1000)
-        if args.wandb_project:
+            self._tensorboard = SummaryWriter(log_dir=log.tensorboard_dir, max_queue=1000)
+        if log.wandb_project:
             import wandb
 
-            self._wandb = wandb.init(project=args.wandb_project, name=args.wandb_exp_name,
-                                     config=vars(args))
+            self._wandb = wandb.init(project=log.wandb_project, name=log.wandb_exp_name,
+                                     config=run.flags())
 
     def training(self, record: dict) -> None:
         scalars = {name: record[key] for key, name in TRAINING_SCALARS.items()

@@ -11,12 +11,13 @@ same on every rank and needs no agreement.
 
 from __future__ import annotations
 
-import argparse
 import signal
 import time
 from collections.abc import Callable
 
 import torch
+
+from megatron.config.run import ExitConfig
 
 EXIT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -27,12 +28,12 @@ class ExitConditions:
     `agree(flags)` all-reduces a small float tensor with MAX over every rank (None: one
     process)."""
 
-    def __init__(self, args: argparse.Namespace, start_time: float,
+    def __init__(self, conditions: ExitConfig, start_time: float,
                  agree: Callable[[torch.Tensor], None] | None) -> None:
-        self.exit_interval = args.exit_interval
-        self.deadline = (start_time + 60.0 * args.exit_duration_in_mins
-                         if args.exit_duration_in_mins is not None else None)
-        self.handles_signals = bool(args.exit_signal_handler)
+        self.exit_interval = conditions.exit_interval
+        self.deadline = (start_time + 60.0 * conditions.exit_duration_in_mins
+                         if conditions.exit_duration_in_mins is not None else None)
+        self.handles_signals = bool(conditions.exit_signal_handler)
         self.agree = agree
         self.received: int | None = None
         self._previous: dict[int, object] = {}

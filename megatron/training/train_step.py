@@ -5,20 +5,14 @@
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import torch
-
+from megatron.config.run import PrecisionConfig
 from megatron.models.llama import Batch
 from megatron.optimizer.loss_scaler import DynamicLossScaler
 from megatron.training.checkpoint_state import OwnedState
-
-
-def training_dtype(args: argparse.Namespace) -> torch.dtype:
-    return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
 
 
 @dataclass
@@ -44,6 +38,7 @@ class TrainStep(Protocol):
     def restored(self, optimizer_step: int, loss_scaler: dict | None, iteration: int) -> None: ...
 
 
-def make_loss_scaler(args: argparse.Namespace) -> DynamicLossScaler:
-    return DynamicLossScaler(args.initial_loss_scale, growth_interval=args.loss_scale_window,
-                             min_scale=args.min_loss_scale)
+def make_loss_scaler(precision: PrecisionConfig) -> DynamicLossScaler:
+    return DynamicLossScaler(precision.initial_loss_scale,
+                             growth_interval=precision.loss_scale_window,
+                             min_scale=precision.min_loss_scale)

@@ -11,8 +11,8 @@ import numpy
 from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
 from megatron.common.files import staged_paths
-from megatron.training.data_checks import DataError
-from megatron.training.tokenizer import HFTokenizer
+from megatron.data.checks import DataError
+from megatron.data.tokenizer import HFTokenizer
 
 Log = Callable[[str], None]
 # Documents tokenized per call of the tokenizer's (multi-threaded) batch encoder.

@@ -97,7 +97,7 @@ class HFTokenizer(MegatronTokenizerBase):
     def detokenize(self, ids: Iterable[int]) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=False)
 
-    def apply_chat_template(self, *args, **kwargs):
+    def apply_chat_template(self, *conversation, **options):
         raise NotImplementedError("pretraining tokenizers have no chat template")
 
 

@@ -14,9 +14,9 @@ import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
-from megatron.training.data_cache import default_cache_dir, file_lock
-from megatron.training.data_checks import check_data_prefix
-from megatron.training.tokenizer import HFTokenizer
+from megatron.data.cache import default_cache_dir, file_lock
+from megatron.data.checks import check_data_prefix
+from megatron.data.tokenizer import HFTokenizer
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 

@@ -1,6 +1,6 @@
 """Checks that data paths are usable before any work starts: an output prefix that can be
 written, an indexed dataset megatron can read. DataError, whose message names the path and
-what was expected, is the error for bad input data throughout megatron.training."""
+what was expected, is the error for bad input data throughout the project."""
 
 from __future__ import annotations
 

@@ -25,10 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron.common.files import leftover_temporaries, staged_paths
-from megatron.training.data_cache import default_cache_dir, file_lock
-from megatron.training.indexed_dataset_writer import Log, write_indexed_dataset
-from megatron.training.jsonl import iter_jsonl_texts
-from megatron.training.tokenizer import train_bpe_tokenizer
+from megatron.data.cache import default_cache_dir, file_lock
+from megatron.data.indexed_dataset_writer import Log, write_indexed_dataset
+from megatron.data.jsonl import iter_jsonl_texts
+from megatron.data.tokenizer import train_bpe_tokenizer
 
 # Bump when the corpus recipe changes, so that old caches are not reused.
 _FORMAT_VERSION = 1

@@ -7,7 +7,7 @@ import json
 import os
 from collections.abc import Iterator
 
-from megatron.training.data_checks import DataError
+from megatron.data.checks import DataError
 
 
 def iter_jsonl_texts(path: str, json_key: str = "text") -> Iterator[str]:

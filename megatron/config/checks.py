@@ -1,0 +1,194 @@
+"""What makes a run configuration unusable, found before anything is allocated.
+
+`check_run` raises ConfigError for the first inconsistency, naming the flag, the value and
+what was expected. It sees the configuration only: checks that need the number of
+processes, the file system, the data or a checkpoint run later, where those are known.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from megatron.config.errors import ConfigError, flag_name
+from megatron.config.values import parse_data_path, parse_split
+
+if TYPE_CHECKING:
+    from megatron.config.run import RunConfig
+
+MODEL_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                "num_query_groups", "seq_length", "vocab_size")
+REQUIRED_MODEL_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size",
+                         "num_attention_heads", "seq_length")
+FINITE_FIELDS = ("lr", "min_lr", "weight_decay", "clip_grad", "adam_beta1", "adam_beta2",
+                 "adam_eps", "initial_loss_scale", "min_loss_scale")
+
+
+def check_run(run: RunConfig) -> None:
+    """Raise ConfigError for the first inconsistency of `run`."""
+    _check_model(run)
+    _check_sizes(run)
+    _check_values(run)
+    _check_data(run)
+    _check_architecture(run)
+    _check_optimization(run)
+    _check_checkpointing(run)
+    _check_parallel(run)
+    _check_cpu_optimizer(run)
+
+
+def _positive(value: int | None, field: str) -> None:
+    if value is not None and value <= 0:
+        raise ConfigError(flag_name(field), value, "expected a positive integer")
+
+
+def _check_model(run: RunConfig) -> None:
+    for field in REQUIRED_MODEL_FIELDS:
+        if getattr(run.model, field) is None:
+            raise ConfigError(flag_name(field), "missing", "required (or give --model-preset)")
+
+
+def _check_sizes(run: RunConfig) -> None:
+    for field in MODEL_FIELDS:
+        _positive(getattr(run.model, field), field)
+    t = run.training
+    for field in ("micro_batch_size", "global_batch_size", "train_iters"):
+        _positive(getattr(t, field), field)
+    _positive(run.logging.log_interval, "log_interval")
+
+
+def _check_values(run: RunConfig) -> None:
+    """Values argparse accepts but training cannot use: non-finite numbers, eps <= 0, and
+    the evaluation and exit flags."""
+    o, p = run.optimization, run.precision
+    for field in FINITE_FIELDS:
+        value = getattr(o if hasattr(o, field) else p, field)
+        if not math.isfinite(value):
+            raise ConfigError(flag_name(field), value, "expected a finite number")
+    if o.adam_eps <= 0:
+        raise ConfigError("--adam-eps", o.adam_eps, "expected a value > 0")
+    for field in ("initial_loss_scale", "min_loss_scale", "loss_scale_window"):
+        if getattr(p, field) <= 0:
+            raise ConfigError(flag_name(field), getattr(p, field), "expected a value > 0")
+    _positive(run.evaluation.eval_interval, "eval_interval")
+    _positive(run.exit.exit_interval, "exit_interval")
+    if run.evaluation.eval_iters < 0:
+        raise ConfigError("--eval-iters", run.evaluation.eval_iters, "expected an integer >= 0")
+    minutes = run.exit.exit_duration_in_mins
+    if minutes is not None and not (math.isfinite(minutes) and minutes > 0):
+        raise ConfigError("--exit-duration-in-mins", minutes, "expected a number > 0")
+
+
+def _check_data(run: RunConfig) -> None:
+    d = run.data
+    if d.split is not None:
+        parse_split(d.split)
+    per_split = [d.train_data_path, d.valid_data_path, d.test_data_path]
+    if any(path is not None for path in per_split):
+        if d.data_path is not None:
+            raise ConfigError("--train-data-path", " ".join(d.train_data_path or []),
+                              "give either --data-path (with --split) or the per-split "
+                              "paths, not both")
+        if d.train_data_path is None:
+            raise ConfigError("--train-data-path", "missing",
+                              "required with --valid-data-path or --test-data-path")
+        if d.split is not None:
+            raise ConfigError("--split", d.split, "only with --data-path")
+    for field in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
+        if getattr(d, field) is not None:
+            parse_data_path(flag_name(field), getattr(d, field))
+    if run.evaluation.eval_iters > 0 and not d.has_validation_set:
+        raise ConfigError("--eval-iters", run.evaluation.eval_iters,
+                          "needs a validation set: --split with a validation share "
+                          "(e.g. 969,30,1) or --valid-data-path")
+    if run.logging.wandb_exp_name is not None and run.logging.wandb_project is None:
+        raise ConfigError("--wandb-exp-name", run.logging.wandb_exp_name,
+                          "needs --wandb-project")
+
+
+def _check_architecture(run: RunConfig) -> None:
+    m, t = run.model, run.training
+    if m.hidden_size % m.num_attention_heads:
+        raise ConfigError("--hidden-size", m.hidden_size,
+                          f"must be divisible by --num-attention-heads ({m.num_attention_heads})")
+    if m.num_attention_heads % m.num_query_groups:
+        raise ConfigError("--num-attention-heads", m.num_attention_heads,
+                          f"must be divisible by --num-query-groups ({m.num_query_groups})")
+    if (m.hidden_size // m.num_attention_heads) % 2:
+        raise ConfigError("--hidden-size", m.hidden_size,
+                          "hidden size / attention heads must be even for rotary embeddings")
+    if t.global_batch_size % t.micro_batch_size:
+        raise ConfigError("--global-batch-size", t.global_batch_size,
+                          f"must be a multiple of --micro-batch-size ({t.micro_batch_size})")
+
+
+def _check_optimization(run: RunConfig) -> None:
+    o = run.optimization
+    for field in ("lr", "min_lr", "weight_decay", "clip_grad", "adam_eps"):
+        if getattr(o, field) < 0:
+            raise ConfigError(flag_name(field), getattr(o, field), "expected a value >= 0")
+    if o.min_lr > o.lr:
+        raise ConfigError("--min-lr", o.min_lr, f"must not exceed --lr ({o.lr})")
+    for field in ("adam_beta1", "adam_beta2"):
+        if not 0.0 <= getattr(o, field) < 1.0:
+            raise ConfigError(flag_name(field), getattr(o, field), "expected a value in [0, 1)")
+    if o.lr_warmup_iters < 0:
+        raise ConfigError("--lr-warmup-iters", o.lr_warmup_iters, "expected >= 0")
+    if o.lr_decay_style != "constant" and o.lr_decay_iters <= o.lr_warmup_iters:
+        raise ConfigError("--lr-decay-iters", o.lr_decay_iters,
+                          f"must exceed --lr-warmup-iters ({o.lr_warmup_iters})")
+
+
+def _check_checkpointing(run: RunConfig) -> None:
+    c = run.checkpointing
+    _positive(c.save_interval, "save_interval")
+    if c.save_interval is not None and c.save is None:
+        raise ConfigError("--save-interval", c.save_interval, "needs --save DIR")
+    if c.finetune and c.load is None:
+        raise ConfigError("--finetune", True, "needs --load DIR")
+    if run.data.data_path is not None and run.data.tokenizer_model is None:
+        raise ConfigError("--tokenizer-model", "missing", "required with --data-path")
+    inject = run.testing.inject_overflow
+    if inject is not None and len(inject) != 3:
+        raise ConfigError("--inject-overflow", list(inject), "expected ITER,STAGE,SUB")
+
+
+def _check_parallel(run: RunConfig) -> None:
+    """The parallel layout (the world size is checked at start-up)."""
+    p, t = run.parallel, run.training
+    _positive(p.procs_per_node, "procs_per_node")
+    d = p.data_parallel_size
+    if d <= 0:
+        raise ConfigError("--data-parallel-size", d, "expected a positive integer")
+    if p.zero_stage not in (0, 1, 2):
+        raise ConfigError("--zero-stage", p.zero_stage, "expected 0, 1 or 2")
+    if t.global_batch_size % (t.micro_batch_size * d):
+        raise ConfigError("--global-batch-size", t.global_batch_size,
+                          f"must be a multiple of --micro-batch-size x --data-parallel-size "
+                          f"({t.micro_batch_size} x {d})")
+    if d > 1 and p.procs_per_node is not None and p.procs_per_node % d:
+        raise ConfigError("--procs-per-node", p.procs_per_node,
+                          f"expected a multiple of --data-parallel-size ({d}): the "
+                          "replicas of a pipeline rank share a node's segments")
+    for field in ("nodes", "gpus_per_node"):
+        _positive(getattr(run.planning, field), field)
+
+
+def _check_cpu_optimizer(run: RunConfig) -> None:
+    c = run.cpu_optimizer
+    _positive(c.optimizer_subgroup_size, "optimizer_subgroup_size")
+    if not 0.0 <= c.optimizer_gpu_resident_fraction <= 1.0:
+        raise ConfigError("--optimizer-gpu-resident-fraction",
+                          c.optimizer_gpu_resident_fraction, "expected a value in [0, 1]")
+    if c.optimizer_gpu_resident_fraction > 0 and c.optimizer_gpu_stride != 0:
+        raise ConfigError("--optimizer-gpu-resident-fraction",
+                          c.optimizer_gpu_resident_fraction,
+                          "the static split excludes --optimizer-gpu-stride (give one of them)")
+    _positive(c.cpu_optimizer_threads, "cpu_optimizer_threads")
+    p = run.precision
+    for field in ("optimizer_state_dtype", "master_dtype"):
+        if getattr(p, field) != "fp32" and run.parallel.pipeline_schedule == "single":
+            raise ConfigError(flag_name(field), getattr(p, field),
+                              "fp32 with --pipeline-schedule single (the one-process "
+                              "reference keeps torch's fp32 AdamW); bf16 needs the CPU "
+                              "optimizer: give a pipeline schedule")

@@ -1,0 +1,77 @@
+"""A LLaMA-2 model's shape, by Megatron-LM's flag names, and its parameter count.
+
+What the cost and memory models price, what the planner searches over and what the run
+configuration's model section holds; megatron/models builds the modules from it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# ZeRO-Infinity, section 3: mixed-precision Adam keeps 2 (fp16 params) + 2 (fp16 grads)
+# + 4 (fp32 master) + 4 (momentum) + 4 (variance) = 16 bytes, plus 4 for an fp32 gradient
+# copy on the host; ZeRO-Infinity's Table counts 20 bytes per parameter for model states.
+MODEL_STATE_BYTES_PER_PARAM = 20
+# The vocabulary the planner assumes when neither a flag nor a tokenizer gives one
+# (LLaMA-2's).
+PLANNING_VOCAB_SIZE = 32000
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str  # the preset it came from, or "custom"
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    seq_length: int
+    vocab_size: int | None  # None: taken from the tokenizer
+
+    @property
+    def planned_vocab_size(self) -> int:
+        """The vocabulary to plan with: this one, or LLaMA-2's when it is not known yet."""
+        return self.vocab_size or PLANNING_VOCAB_SIZE
+
+
+@dataclass(frozen=True)
+class ParameterCount:
+    embedding: int
+    per_layer: int
+    layers: int
+    head: int  # final norm + output layer
+
+    @property
+    def total(self) -> int:
+        return self.embedding + self.layers + self.head
+
+
+def count_parameters(
+    num_layers: int,
+    hidden_size: int,
+    ffn_hidden_size: int,
+    num_attention_heads: int,
+    num_query_groups: int,
+    vocab_size: int,
+) -> ParameterCount:
+    """Closed-form parameter count of our LLaMA-2 (no biases, untied embeddings, GQA)."""
+    h = hidden_size
+    kv_width = num_query_groups * (h // num_attention_heads)
+    attention = h * (h + 2 * kv_width) + h * h  # fused QKV + output projection
+    mlp = 3 * h * ffn_hidden_size  # SwiGLU: gate and up (fused fc1) + down
+    norms = 2 * h
+    per_layer = attention + mlp + norms
+    return ParameterCount(
+        embedding=vocab_size * h,
+        per_layer=per_layer,
+        layers=num_layers * per_layer,
+        head=h + vocab_size * h,
+    )
+
+
+def count_parameters_full_mha(
+    num_layers: int, hidden_size: int, ffn_hidden_size: int, vocab_size: int
+) -> int:
+    """What the paper's size column appears to count: 4*h^2 attention (no GQA), no norms."""
+    h = hidden_size
+    return num_layers * (4 * h * h + 3 * h * ffn_hidden_size) + 2 * vocab_size * h

@@ -1,0 +1,288 @@
+"""One run's configuration: frozen, typed, in sections, valid once it exists.
+
+The command line (megatron/training/arguments.py) fills it from Megatron-LM's flags, a
+model preset and the built-in defaults; everything below reads it and nothing below sees
+argparse. Each field carries the name of its flag (`optimization.lr` is `--lr`), so a
+configuration converts to the flags' values and back without a table. Quantities derived
+from several fields (micro-batches per iteration, tokens per iteration, samples per data
+split) are properties here and nowhere else.
+
+Constructing a RunConfig validates it (megatron/config/checks.py): a configuration that
+exists is one the run can use, and `evolve` (the planner's way to try another shape) is
+checked the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from megatron.config.checks import check_run
+from megatron.config.model import ModelConfig
+from megatron.config.values import parse_split
+
+# Bytes per element of the precisions a flag can name.
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+CUSTOM_MODEL = "custom"
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """How much to train on: batches and iterations."""
+
+    micro_batch_size: int
+    global_batch_size: int
+    train_iters: int
+    seed: int
+
+
+@dataclass(frozen=True)
+class OptimizationConfig:
+    """AdamW, clipping and the learning-rate schedule (megatron-core's scheduler)."""
+
+    lr: float
+    min_lr: float
+    lr_warmup_iters: int
+    lr_decay_iters: int
+    lr_decay_style: str
+    weight_decay: float
+    clip_grad: float  # 0 disables clipping by the global norm
+    adam_beta1: float
+    adam_beta2: float
+    adam_eps: float
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+    """The working precision of parameters, gradients and messages, the loss scaling of
+    fp16, and the precision of the optimizer state in host memory."""
+
+    bf16: bool
+    fp16: bool
+    initial_loss_scale: float
+    min_loss_scale: float
+    loss_scale_window: int
+    optimizer_state_dtype: str  # Adam's m and v: fp32 or bf16
+    master_dtype: str  # the master weights: fp32 or bf16
+    master_rounding: str  # a bf16 master: stochastic or nearest
+
+    @property
+    def dtype(self) -> str:
+        """fp32, bf16 or fp16."""
+        return "bf16" if self.bf16 else "fp16" if self.fp16 else "fp32"
+
+    @property
+    def working_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def optimizer_bytes_per_param(self) -> int:
+        """Host bytes per parameter of the master and Adam's two moments (12, 10, 8 or 6)."""
+        return DTYPE_BYTES[self.master_dtype] + 2 * DTYPE_BYTES[self.optimizer_state_dtype]
+
+
+@dataclass(frozen=True)
+class CpuOptimizerConfig:
+    """The host optimizer of a pipeline, and the share of its updates the device takes."""
+
+    cpu_optimizer_threads: int | None  # None: this process's share of the usable cores
+    optimizer_gpu_stride: int | None  # every k-th subgroup on the device; None: Eq. 1; 0: none
+    optimizer_subgroup_size: int | None  # None: from the largest owned stage
+    optimizer_gpu_resident_fraction: float  # > 0: the static (Twin-Flow) split instead
+
+    @property
+    def uses_device(self) -> bool:
+        return self.optimizer_gpu_stride != 0 or self.optimizer_gpu_resident_fraction > 0
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """What to train on (Megatron's data flags) and where derived data is cached."""
+
+    data_path: tuple[str, ...] | None  # PREFIX... or WEIGHT PREFIX ...; None: the demo corpus
+    split: str | None  # TRAIN,VALID,TEST weights of --data-path's documents
+    train_data_path: tuple[str, ...] | None
+    valid_data_path: tuple[str, ...] | None
+    test_data_path: tuple[str, ...] | None
+    tokenizer_model: str | None  # None: the demo corpus's tokenizer
+    data_cache_dir: str  # the demo corpus and dataset indices
+
+    @property
+    def has_validation_set(self) -> bool:
+        return self.valid_data_path is not None or (
+            self.split is not None and parse_split(self.split)[1] > 0)
+
+
+@dataclass(frozen=True)
+class EvaluationConfig:
+    eval_interval: int
+    eval_iters: int  # 0: no evaluation
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """The pipeline's shape and its data-parallel replicas."""
+
+    pipeline_schedule: str | None  # None: single with one process, decoupled with several
+    pipeline_model_parallel_size: int | None  # None: the processes started
+    data_parallel_size: int
+    zero_stage: int
+    forward_stages: int | None  # None: the schedule's default
+    backward_split: int | None
+    stage_layers: tuple[int, ...] | None  # None: balanced by cost
+    procs_per_node: int | None  # None: the launcher's LOCAL_WORLD_SIZE
+    schedule_file: str | None
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    save: str | None
+    save_interval: int | None
+    load: str | None
+    load_optional: bool
+    finetune: bool
+    async_save: bool
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    log_interval: int
+    metrics_file: str | None
+    tensorboard_dir: str | None
+    wandb_project: str | None
+    wandb_exp_name: str | None
+    timeline: str | None  # PNG of the measured last iteration
+    trace: str | None  # Chrome trace of the measured last iteration
+
+
+@dataclass(frozen=True)
+class ExitConfig:
+    exit_interval: int | None
+    exit_duration_in_mins: float | None
+    exit_signal_handler: bool
+
+
+@dataclass(frozen=True)
+class PlanningConfig:
+    """What to print instead of training, and the machine to plan for."""
+
+    print_model_size: bool
+    plan: bool
+    auto_config: bool
+    json: bool
+    nodes: int | None  # None: 1
+    gpus_per_node: int | None  # None: the hardware profile's
+    hardware: str | None  # a built-in profile or a JSON file; None: the default profile
+
+
+@dataclass(frozen=True)
+class TestingConfig:
+    """Aids for tests: checked messages and an injected overflow."""
+
+    p2p_check: bool
+    inject_overflow: tuple[int, int, int] | None  # (iteration, stage, sub)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    model: ModelConfig
+    training: TrainingConfig
+    optimization: OptimizationConfig
+    precision: PrecisionConfig
+    cpu_optimizer: CpuOptimizerConfig
+    data: DataConfig
+    evaluation: EvaluationConfig
+    parallel: ParallelConfig
+    checkpointing: CheckpointConfig
+    logging: LoggingConfig
+    exit: ExitConfig
+    planning: PlanningConfig
+    testing: TestingConfig
+
+    def __post_init__(self) -> None:
+        check_run(self)
+
+    # --- derived quantities ------------------------------------------------------------
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.parallel.data_parallel_size
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches each pipeline (data-parallel replica) runs per iteration."""
+        t = self.training
+        return t.global_batch_size // (t.micro_batch_size * self.data_parallel_size)
+
+    @property
+    def tokens_per_iteration(self) -> int:
+        return self.training.global_batch_size * self.model.seq_length
+
+    @property
+    def evaluations(self) -> int:
+        """Evaluations a run makes: one per interval, plus the one at the end."""
+        e = self.evaluation
+        return self.training.train_iters // e.eval_interval + 1 if e.eval_iters > 0 else 0
+
+    @property
+    def split_sizes(self) -> list[int]:
+        """Samples each data split must provide (Megatron's formula): train_iters x global
+        batch for training, evaluations x eval_iters x global batch for validation (every
+        evaluation reads new batches), eval_iters x global batch for the test set."""
+        batch, iters = self.training.global_batch_size, self.evaluation.eval_iters
+        return [self.training.train_iters * batch, self.evaluations * iters * batch,
+                iters * batch]
+
+    # --- conversions -------------------------------------------------------------------
+
+    def evolve(self, **sections: Mapping[str, Any]) -> RunConfig:
+        """This configuration with some fields of some sections changed (and checked):
+        `run.evolve(parallel={"forward_stages": 8}, training={"micro_batch_size": 2})`."""
+        return replace(self, **{name: replace(getattr(self, name), **changes)
+                                for name, changes in sections.items()})
+
+    @classmethod
+    def from_flags(cls, values: Mapping[str, Any]) -> RunConfig:
+        """From every flag's value by its argparse name (`lr_warmup_iters`); lists become
+        tuples, --model-preset names the model section."""
+        sections = {}
+        for section in fields(cls):
+            kind = _SECTION_TYPES[section.name]
+            found = {f.name: _frozen(values[_flag_of(section.name, f.name)])
+                     for f in fields(kind)}
+            if section.name == "model":
+                found["name"] = found["name"] or CUSTOM_MODEL
+            sections[section.name] = kind(**found)
+        return cls(**sections)
+
+    def flags(self) -> dict[str, Any]:
+        """Every flag's value by its argparse name: what from_flags reads, what checkpoints
+        record and W&B shows."""
+        out: dict[str, Any] = {}
+        for section in fields(self):
+            part = getattr(self, section.name)
+            for f in fields(part):
+                value = getattr(part, f.name)
+                out[_flag_of(section.name, f.name)] = list(value) if isinstance(value, tuple) \
+                    else value
+        if out["model_preset"] == CUSTOM_MODEL:
+            out["model_preset"] = None
+        return out
+
+
+_SECTION_TYPES = {"model": ModelConfig, "training": TrainingConfig,
+                  "optimization": OptimizationConfig, "precision": PrecisionConfig,
+                  "cpu_optimizer": CpuOptimizerConfig, "data": DataConfig,
+                  "evaluation": EvaluationConfig, "parallel": ParallelConfig,
+                  "checkpointing": CheckpointConfig, "logging": LoggingConfig,
+                  "exit": ExitConfig, "planning": PlanningConfig, "testing": TestingConfig}
+
+
+def _flag_of(section: str, field: str) -> str:
+    """The argparse name of a field: its own, but the model's name is --model-preset."""
+    return "model_preset" if (section, field) == ("model", "name") else field
+
+
+def _frozen(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list) else value

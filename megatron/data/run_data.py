@@ -1,0 +1,68 @@
+"""The data of one run: its tokenizer and its train, validation and test datasets, from the
+data flags (the built-in demo corpus when no path is given). Bad input is named by its
+flag (ConfigError) before anything else is built."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from megatron.config.errors import ConfigError
+from megatron.config.run import RunConfig
+from megatron.data.blend import data_blend
+from megatron.data.checks import DataError
+from megatron.data.datasets import build_datasets
+from megatron.data.demo_corpus import ensure_demo_corpus
+from megatron.data.tokenizer import HFTokenizer, TokenizerError, load_tokenizer
+
+
+@dataclass(frozen=True)
+class Datasets:
+    """The three splits (None where there is none)."""
+
+    train: object
+    valid: object | None
+    test: object | None
+
+
+@dataclass(frozen=True)
+class RunData:
+    tokenizer: HFTokenizer
+    datasets: Datasets
+    vocab_size: int  # --vocab-size, or the tokenizer's
+
+
+def prepare_data(run: RunConfig, log: Callable[[str], object] = print) -> RunData:
+    """The tokenizer and the datasets; the demo corpus when no data path is given."""
+    d = run.data
+    default_prefix, tokenizer_path = None, d.tokenizer_model
+    if d.data_path is None and d.train_data_path is None:
+        corpus = ensure_demo_corpus(cache_dir=d.data_cache_dir, log=log)
+        default_prefix = corpus.data_prefix
+        if d.tokenizer_model is None:
+            tokenizer_path = corpus.tokenizer_path
+    blend = data_blend(d, default_prefix)
+    try:
+        tokenizer = load_tokenizer(tokenizer_path)
+    except (TokenizerError, OSError) as exc:
+        raise ConfigError("--tokenizer-model", tokenizer_path, str(exc)) from None
+    vocab = run.model.vocab_size or tokenizer.vocab_size
+    if vocab < tokenizer.vocab_size:
+        raise ConfigError("--vocab-size", vocab,
+                          f"must be >= the tokenizer's vocabulary ({tokenizer.vocab_size})")
+    flag = "--data-path" if d.train_data_path is None else "--train-data-path"
+    try:
+        train_ds, valid_ds, test_ds = build_datasets(
+            blend, tokenizer, run.model.seq_length, run.split_sizes, run.training.seed,
+            cache_dir=d.data_cache_dir,
+        )
+    except DataError as exc:
+        raise ConfigError(flag, " ".join(blend.all_prefixes()), str(exc)) from None
+    if train_ds is None:
+        raise ConfigError("--split" if d.split else flag, d.split or "missing",
+                          "expected a training share (the first weight) above 0")
+    if run.evaluation.eval_iters > 0 and valid_ds is None:
+        raise ConfigError("--eval-iters", run.evaluation.eval_iters,
+                          "the validation split is empty: give --split a validation share "
+                          "or --valid-data-path")
+    return RunData(tokenizer, Datasets(train_ds, valid_ds, test_ds), vocab)

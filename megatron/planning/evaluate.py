@@ -1,0 +1,185 @@
+"""One candidate configuration, priced: its memory per GPU and per node against a hardware
+profile, and (when asked) its simulated iteration.
+
+A candidate (`Configuration`) is the part of a run the planner varies: schedule, forward
+stages, backward split d, micro-batch size, node count and the optimizer's GPU stride.
+Everything else (the model, the global batch, the precisions) is the run configuration's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from megatron.config.errors import ConfigError
+from megatron.config.run import RunConfig
+from megatron.schedules.cost_model import (
+    DeviceUpdateCosts,
+    backward_stage_params,
+    derived_costs,
+)
+from megatron.schedules.hardware import HardwareProfile, get_hardware, update_rates
+from megatron.schedules.instructions import Schedule
+from megatron.schedules.memory_model import MemoryPlan, Shortfall, plan_memory, shortfalls
+from megatron.schedules.optimizer_placement import place_device_subgroups
+from megatron.schedules.optimizer_stride import gpu_update_stride
+from megatron.schedules.simulator import SimResult, simulate
+from megatron.schedules.validator import ValidationReport, validate
+
+from .shape import Unbuildable, build_run_schedule
+
+DEFAULT_HARDWARE = "paper-v100"
+
+
+@dataclass(frozen=True)
+class Configuration:
+    schedule: str
+    forward_stages: int | None  # None: the default for the schedule
+    backward_split: int | None
+    micro_batch_size: int
+    nodes: int
+    optimizer_gpu_stride: int | None = 0  # every k-th subgroup on the GPU (None: Eq. 1's k)
+
+    def flags(self) -> str:
+        parts = [f"--pipeline-schedule {self.schedule}"]
+        if self.forward_stages is not None:
+            parts.append(f"--forward-stages {self.forward_stages}")
+        if self.backward_split is not None:
+            parts.append(f"--backward-split {self.backward_split}")
+        parts += [f"--micro-batch-size {self.micro_batch_size}", f"--nodes {self.nodes}"]
+        if self.optimizer_gpu_stride != 0:
+            stride = self.optimizer_gpu_stride
+            parts.append(f"--optimizer-gpu-stride {'auto' if stride is None else stride}")
+        return " ".join(parts)
+
+
+@dataclass
+class Evaluation:
+    config: Configuration
+    schedule: Schedule
+    memory: MemoryPlan
+    missing: list[Shortfall]
+    report: ValidationReport | None = None  # the schedule's validation, done once
+    simulation: SimResult | None = None
+
+    @property
+    def fits(self) -> bool:
+        return not self.missing
+
+    def summary(self) -> dict:
+        s = self.schedule
+        out = {"schedule": s.name, "forward_stages": s.forward_stages,
+               "backward_split": s.backward_split,
+               "micro_batch_size": self.config.micro_batch_size,
+               "micro_batches": s.micro_batches, "nodes": self.config.nodes,
+               "optimizer_gpu_stride": self.config.optimizer_gpu_stride,
+               "fits": self.fits, "flags": self.config.flags()}
+        if self.simulation is not None:
+            out.update(predicted_iteration_s=self.simulation.iteration_time,
+                       bubble_ratio=self.simulation.mean_bubble_ratio,
+                       exposed_optimizer_s=self.simulation.exposed_optimizer_time)
+        return out
+
+
+def plan_hardware(run: RunConfig) -> HardwareProfile:
+    name = run.planning.hardware or DEFAULT_HARDWARE
+    try:
+        return get_hardware(name)
+    except KeyError as exc:
+        raise ConfigError("--hardware", name, str(exc).strip("'\"")) from None
+
+
+def gpus_per_node(run: RunConfig, hardware: HardwareProfile) -> int:
+    return run.planning.gpus_per_node or hardware.gpus_per_node
+
+
+def ranks_of(run: RunConfig, config: Configuration, hardware: HardwareProfile) -> int:
+    return config.nodes * gpus_per_node(run, hardware)
+
+
+def base_configuration(run: RunConfig) -> Configuration:
+    """The candidate the run's own flags describe."""
+    p = run.parallel
+    return Configuration(p.pipeline_schedule if p.pipeline_schedule not in (None, "single")
+                         else "decoupled", p.forward_stages, p.backward_split,
+                         run.training.micro_batch_size, run.planning.nodes or 1,
+                         run.cpu_optimizer.optimizer_gpu_stride)
+
+
+def configured(run: RunConfig, config: Configuration) -> RunConfig:
+    """`run` with `config`'s shape; a hand partition holds for the run's own shape only."""
+    own = replace(config, optimizer_gpu_stride=0) == replace(base_configuration(run),
+                                                            optimizer_gpu_stride=0)
+    return run.evolve(
+        parallel={"pipeline_schedule": config.schedule, "forward_stages": config.forward_stages,
+                  "backward_split": config.backward_split,
+                  "stage_layers": run.parallel.stage_layers if own else None},
+        training={"micro_batch_size": config.micro_batch_size},
+        cpu_optimizer={"optimizer_gpu_stride": config.optimizer_gpu_stride},
+        planning={"nodes": config.nodes})
+
+
+def evaluate(run: RunConfig, config: Configuration, hardware: HardwareProfile,
+             simulate_it: bool = True) -> Evaluation:
+    """Memory (and, when asked, the simulated iteration) of `config` under `run`'s model.
+    Raises ConfigError when the configuration cannot be built (shapes that do not divide)."""
+    evaluation = evaluation_or_reason(run, config, hardware)
+    if isinstance(evaluation, Unbuildable):
+        raise evaluation.error()
+    return simulated(run, evaluation, hardware) if simulate_it else evaluation
+
+
+def evaluation_or_reason(run: RunConfig, config: Configuration, hardware: HardwareProfile
+                         ) -> Evaluation | Unbuildable:
+    """evaluate() without the simulation, or why `config` cannot be built."""
+    base = replace(config, optimizer_gpu_stride=0)
+    shaped = configured(run, base)
+    schedule = build_run_schedule(shaped, ranks_of(run, config, hardware),
+                                  run.model.planned_vocab_size)
+    if isinstance(schedule, Unbuildable):
+        return schedule
+    evaluation = planned(run, base, schedule, validate(schedule), hardware)
+    if config.optimizer_gpu_stride != 0:
+        evaluation = with_stride(run, evaluation, config.optimizer_gpu_stride, hardware)
+    return evaluation
+
+
+def with_stride(run: RunConfig, plain: Evaluation, stride: int | None,
+                hardware: HardwareProfile) -> Evaluation:
+    """`plain` (all updates on the CPU) with device subgroups every `stride`-th where an
+    update would be exposed; only optimizer starts change, so its validation holds."""
+    placed = place_device_subgroups(plain.schedule, report=plain.report)
+    return planned(run, replace(plain.config, optimizer_gpu_stride=stride), placed,
+                   plain.report, hardware)
+
+
+def planned(run: RunConfig, config: Configuration, schedule: Schedule,
+            report: ValidationReport, hardware: HardwareProfile) -> Evaluation:
+    """`config`'s memory plan (its schedule given) and what it lacks on `hardware`."""
+    itemsize = run.precision.working_bytes
+    c = run.cpu_optimizer
+    memory = plan_memory(schedule, run.model, config.micro_batch_size, run.model.seq_length,
+                         itemsize, 4 if hardware.device_kind == "cuda" else itemsize,
+                         procs_per_node=gpus_per_node(run, hardware), hardware=hardware,
+                         report=report, subgroup_stride=config.optimizer_gpu_stride,
+                         subgroup_size=c.optimizer_subgroup_size,
+                         resident_fraction=c.optimizer_gpu_resident_fraction,
+                         optimizer_bytes=run.precision.optimizer_bytes_per_param)
+    return Evaluation(config, schedule, memory, shortfalls(memory, hardware), report)
+
+
+def simulated(run: RunConfig, evaluation: Evaluation, hardware: HardwareProfile
+              ) -> Evaluation:
+    """`evaluation` with its simulated iteration (the schedule is reused); device subgroups
+    are priced from the profile's rates when it has them (else like a CPU update)."""
+    if evaluation.simulation is None:
+        config, schedule = evaluation.config, evaluation.schedule
+        costs = derived_costs(schedule, run.model, hardware, config.micro_batch_size,
+                              run.model.seq_length)
+        rates = update_rates(hardware)
+        if config.optimizer_gpu_stride != 0 and rates is not None:
+            stride = config.optimizer_gpu_stride or gpu_update_stride(rates).k
+            params = backward_stage_params(run.model, schedule.partition,
+                                           schedule.backward_split)
+            costs = replace(costs, device_update=DeviceUpdateCosts(stride, params, rates))
+        evaluation.simulation = simulate(schedule, costs, evaluation.report)
+    return evaluation

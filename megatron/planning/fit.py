@@ -1,0 +1,88 @@
+"""Will this run fit this machine now: the memory model of the run about to start, against
+what its node and device have free (measured by the caller), as the error to raise.
+
+The trainer calls it before any segment, buffer or module exists (training/fit_check.py
+measures and agrees across ranks); --plan asks the same model about a hardware profile.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from megatron.config.errors import ConfigError
+from megatron.config.run import RunConfig
+from megatron.schedules.instructions import Schedule
+from megatron.schedules.memory_model import GPU_TERMS, MemoryPlan, plan_memory
+from megatron.schedules.replica_plan import node_of
+
+GIB = 2**30
+
+
+class ResourceError(ConfigError):
+    """A resource the run needs more of than there is: one line, exit status 2."""
+
+    def __init__(self, resource: str, message: str) -> None:
+        super().__init__(resource, "", message)
+        self.message = f"{resource}: {message}"
+
+    def __str__(self) -> str:
+        return self.message
+
+
+@dataclass(frozen=True)
+class FreeMemory:
+    """What this rank's node and device have free now, in bytes."""
+
+    shm: int  # in the shared-memory file system (`shm_dir`)
+    host: int  # MemAvailable
+    device: int | None  # the GPU's free memory; None on the CPU device layer
+    shm_dir: str = "/dev/shm"
+
+
+def run_memory_plan(run: RunConfig, schedule: Schedule, vocab_size: int, procs_per_node: int,
+                    on_cuda: bool) -> MemoryPlan:
+    """What `run` executing `schedule` needs per GPU, process and node. With data
+    parallelism, the memory model's view is one pipeline whose nodes hold the replicas'
+    processes (with ZeRO the replicas of a pipeline rank hold its optimizer state once
+    between them, as one process would)."""
+    itemsize = run.precision.working_bytes
+    c = run.cpu_optimizer
+    # Gradients go to the host in fp32 on CUDA, in the working dtype on the CPU layer.
+    return plan_memory(schedule, replace(run.model, vocab_size=vocab_size),
+                       run.training.micro_batch_size, run.model.seq_length, itemsize,
+                       4 if on_cuda else itemsize,
+                       procs_per_node=max(1, procs_per_node // run.data_parallel_size),
+                       subgroup_stride=c.optimizer_gpu_stride if c.uses_device else 0,
+                       subgroup_size=c.optimizer_subgroup_size,
+                       resident_fraction=c.optimizer_gpu_resident_fraction,
+                       optimizer_bytes=run.precision.optimizer_bytes_per_param)
+
+
+def first_shortfall(plan: MemoryPlan, pipeline_rank: int, free: FreeMemory,
+                    itemsize: int) -> ResourceError | None:
+    """What this rank's node or device lacks, as the error to raise (None: it fits)."""
+    node = node_of(pipeline_rank, plan.procs_per_node)
+    needs = plan.per_node[node]
+    what = "16-bit parameters" if itemsize == 2 else "parameters (fp32)"
+    if needs["shm_parameters"] > free.shm:
+        return ResourceError(free.shm_dir, f"the {what} of this node's stages need "
+                             f"{needs['shm_parameters'] / GIB:.1f} GiB, {free.shm / GIB:.1f} "
+                             "GiB free: give Docker --shm-size or use more nodes")
+    host = needs["shm_parameters"] + needs["optimizer_states"] + needs["host_gradients"]
+    if free.device is None:  # the CPU device layer's "device memory" is host memory too
+        ranks = [r for r in range(len(plan.per_gpu)) if node_of(r, plan.procs_per_node) == node]
+        host += sum(plan.gpu_total(r) for r in ranks)
+    if host > free.host:
+        return ResourceError("host memory", f"this node's optimizer states, gradients and "
+                             f"parameters need {host / GIB:.1f} GiB, {free.host / GIB:.1f} GiB "
+                             "available: use more nodes")
+    if free.device is not None:
+        need = plan.gpu_total(pipeline_rank)
+        if need > free.device:
+            parts = ", ".join(f"{t.replace('_', ' ')} "
+                              f"{plan.per_gpu[pipeline_rank][t] / GIB:.1f}" for t in GPU_TERMS)
+            return ResourceError("gpu memory", f"rank {pipeline_rank} needs {need / GIB:.1f} "
+                                 f"GiB ({parts}), {free.device / GIB:.1f} GiB free: use a "
+                                 "smaller --micro-batch-size, more --forward-stages or more "
+                                 "nodes (see --plan)")
+    return None

@@ -1,0 +1,151 @@
+"""What `--plan`, `--auto-config` and `--print-model-size` print: tables of memory per GPU
+and per node, whether the run fits and what to change if not, the candidates compared,
+the model's size. Text for people, one JSON object with --json.
+"""
+
+from __future__ import annotations
+
+import json
+
+from megatron.config.model import (
+    MODEL_STATE_BYTES_PER_PARAM,
+    count_parameters,
+    count_parameters_full_mha,
+)
+from megatron.config.run import RunConfig
+from megatron.schedules.hardware import HardwareProfile
+from megatron.schedules.memory_model import GPU_TERMS, NODE_TERMS, pinning_shortfall
+
+from .evaluate import Evaluation, base_configuration, evaluate, gpus_per_node, plan_hardware
+from .search import SEARCH_TOP, SearchResult, auto_configure, nearest_fit, search
+
+EXIT_FITS, EXIT_DOES_NOT_FIT = 0, 3
+GIB = 2**30
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:8.2f}"
+
+
+def _table(title: str, names: tuple[str, ...], rows: list[tuple[str, dict, int]],
+           capacity_label: str) -> list[str]:
+    head = f"{title:<10}" + "".join(f"{n.replace('_', ' ')[:16]:>17}" for n in names)
+    lines = [head + f"{'total':>10}{capacity_label:>10}"]
+    for label, terms, capacity in rows:
+        total = sum(terms.values())
+        lines.append(f"{label:<10}" + "".join(f"{_gib(terms[n]):>17}" for n in names)
+                     + f"{_gib(total):>10}" + (f"{_gib(capacity):>10}" if capacity else
+                                               f"{'-':>10}"))
+    return lines
+
+
+def describe(run: RunConfig, evaluation: Evaluation, hardware: HardwareProfile) -> str:
+    s, c, m = evaluation.schedule, evaluation.config, evaluation.memory
+    gpus = gpus_per_node(run, hardware)
+    lines = [f"plan: {run.model.name} model on {c.nodes} node(s) x {gpus} GPUs "
+             f"({hardware.name}), {s.name}, {s.forward_stages} forward stages, "
+             f"d={s.backward_split}, {s.micro_batches} micro-batches of {c.micro_batch_size} x "
+             f"{run.model.seq_length} tokens, {run.precision.dtype}",
+             "memory in GiB" + ("" if run.model.vocab_size else
+                                f" (vocabulary {run.model.planned_vocab_size} assumed: give "
+                                "--vocab-size)")]
+    gpu_free = hardware.gpu_memory_bytes - hardware.gpu_reserved_bytes
+    lines += _table("per GPU", GPU_TERMS, [(f"rank {r}", t, gpu_free)
+                                           for r, t in enumerate(m.per_gpu)], "free")
+    lines += _table("per node", NODE_TERMS, [(f"node {n}", t, hardware.host_memory_bytes)
+                                             for n, t in enumerate(m.per_node)], "host")
+    shm = max(t["shm_parameters"] for t in m.per_node)
+    lines.append(f"/dev/shm: {shm / GIB:.2f} GiB of {hardware.shm_bytes / GIB:.2f} GiB "
+                 "on the fullest node")
+    over = pinning_shortfall(m, hardware)
+    if over:
+        lines.append(f"memlock: the pinned gradient buffers exceed ulimit -l by {over / GIB:.2f} "
+                     "GiB; they fall back to pageable memory (slower copies): raise ulimit -l")
+    if evaluation.fits:
+        lines.append("fits: yes")
+    else:
+        worst = {}
+        for short in evaluation.missing:  # the worst of each resource (they come sorted)
+            worst.setdefault(short.resource, short)
+        for short in worst.values():
+            lines.append(f"fits: no: {short.resource} on {short.where} needs "
+                         f"{short.needed / GIB:.2f} GiB, {short.available / GIB:.2f} GiB there "
+                         f"({short.missing / GIB:.2f} GiB short)")
+    if evaluation.simulation is not None:
+        sim = evaluation.simulation
+        lines.append(f"predicted iteration {sim.iteration_time:.3f} s, bubble ratio "
+                     f"{sim.mean_bubble_ratio:.3f}, exposed optimizer {sim.exposed_optimizer_time:.3f} s")
+    return "\n".join(lines)
+
+
+def candidates_text(found: SearchResult, top: int = SEARCH_TOP) -> str:
+    ranked = found.ranked
+    lines = [f"auto-config: {found.configurations} configurations: {found.cannot_fit} cannot "
+             f"fit, {found.cannot_win} cannot beat the fastest {top} (lower bounds), "
+             f"{found.built} simulated; the fastest {min(top, len(ranked))}:"]
+    for i, e in enumerate(ranked[:top]):
+        sim = e.simulation
+        lines.append(f"  {i + 1}. {e.config.flags():<90} iteration {sim.iteration_time:.3f} s, "
+                     f"bubble {sim.mean_bubble_ratio:.3f}, exposed optimizer "
+                     f"{sim.exposed_optimizer_time:.3f} s")
+    return "\n".join(lines)
+
+
+def run_plan(run: RunConfig) -> int:
+    """Print the plan (or, with --json, one JSON object); 0 when it fits, 3 when not."""
+    hardware = plan_hardware(run)
+    candidates = SearchResult([], 0, 0, 0, 0)
+    if run.planning.auto_config:
+        candidates = search(run, hardware)
+        if candidates.ranked:
+            run, _ = auto_configure(run, hardware, found=candidates)
+    evaluation = evaluate(run, base_configuration(run), hardware)
+    nearest = None if evaluation.fits else nearest_fit(run, evaluation, hardware)
+    if run.planning.json:
+        out = {"fits": evaluation.fits, "hardware": hardware.name,
+               "configuration": evaluation.summary(),
+               "per_gpu": [dict(t, rank=r) for r, t in enumerate(evaluation.memory.per_gpu)],
+               "per_node": [dict(t, node=n) for n, t in enumerate(evaluation.memory.per_node)],
+               "capacity": {"gpu_free": hardware.gpu_memory_bytes - hardware.gpu_reserved_bytes,
+                            "host": hardware.host_memory_bytes, "shm": hardware.shm_bytes}}
+        if not evaluation.fits:
+            worst = evaluation.missing[0]
+            out.update(resource=worst.resource, where=worst.where, needed=worst.needed,
+                       available=worst.available, short_by=worst.missing,
+                       shortfalls=[vars(s) | {"short_by": s.missing} for s in evaluation.missing],
+                       nearest_fit=nearest.summary() if nearest else None)
+        if run.planning.auto_config:
+            out["candidates"] = [e.summary() for e in candidates.ranked[:SEARCH_TOP]]
+            out["search"] = {"configurations": candidates.configurations,
+                             "cannot_fit": candidates.cannot_fit,
+                             "cannot_win": candidates.cannot_win, "built": candidates.built}
+        print(json.dumps(out, indent=1))
+    else:
+        if run.planning.auto_config:
+            print(candidates_text(candidates))
+        print(describe(run, evaluation, hardware))
+        if not evaluation.fits:
+            print("nearest configuration that fits: "
+                  + (f"{nearest.config.flags()}" if nearest else "none one knob away"))
+    return EXIT_FITS if evaluation.fits else EXIT_DOES_NOT_FIT
+
+
+def model_size(run: RunConfig) -> str:
+    """--print-model-size: the parameter count and what its states take in memory."""
+    m, p = run.model, run.precision
+    vocab = m.planned_vocab_size
+    c = count_parameters(m.num_layers, m.hidden_size, m.ffn_hidden_size,
+                         m.num_attention_heads, m.num_query_groups, vocab)
+    mha = count_parameters_full_mha(m.num_layers, m.hidden_size, m.ffn_hidden_size, vocab)
+    gib = c.total * MODEL_STATE_BYTES_PER_PARAM / 2**30
+    optimizer = p.optimizer_bytes_per_param
+    return "\n".join([
+        f"model: {m.name}  layers={m.num_layers} hidden={m.hidden_size} ffn={m.ffn_hidden_size} "
+        f"heads={m.num_attention_heads} kv_heads={m.num_query_groups} vocab={vocab}",
+        f"parameters: {c.total:,} ({c.total / 1e9:.2f} B): embedding {c.embedding:,}, "
+        f"{m.num_layers} layers x {c.per_layer:,}, head {c.head:,}",
+        f"model states (mixed-precision Adam, {MODEL_STATE_BYTES_PER_PARAM} bytes/param): "
+        f"{gib:,.1f} GiB",
+        f"with full multi-head attention (the paper's size column): {mha / 1e9:.2f} B",
+        f"host optimizer state (master {p.master_dtype}, m and v {p.optimizer_state_dtype}): "
+        f"{optimizer} bytes/param, {c.total * optimizer / 2**30:,.1f} GiB"])

@@ -1,0 +1,238 @@
+"""`--auto-config`: the fastest configuration that fits, proven without building them all.
+
+Every combination of the searched knobs (schedule, forward stages, backward split,
+micro-batch size, and the optimizer's GPU stride) is bounded from its shape alone, before
+any program exists: the memory it needs at least, and a time its iteration cannot beat.
+What cannot fit or cannot win is set aside unbuilt; the rest is built, validated and
+simulated in forked workers, in order of its time bound. `nearest_fit` is the same
+machinery for --plan: the closest configuration that fits, one knob at a time.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from megatron.common.workers import cores_per_rank, worker_pool
+from megatron.config.errors import ConfigError
+from megatron.config.run import RunConfig
+from megatron.schedules.cost_model import derived_costs, iteration_lower_bound
+from megatron.schedules.generators import SCHEDULE_NAMES, optimizer_mode
+from megatron.schedules.hardware import HardwareProfile, update_rates
+from megatron.schedules.lowering import SYNCHRONOUS_OPTIMIZER
+from megatron.schedules.memory_model import shape_report
+from megatron.schedules.optimizer_stride import gpu_update_stride
+
+from .evaluate import (
+    Configuration,
+    Evaluation,
+    configured,
+    evaluation_or_reason,
+    gpus_per_node,
+    planned,
+    ranks_of,
+    simulated,
+    with_stride,
+)
+from .shape import Unbuildable, build_run_schedule
+
+SEARCH_TOP = 5  # candidates --auto-config prints (and proves the fastest of)
+
+
+def batch_divides(run: RunConfig, config: Configuration) -> bool:
+    """`config`'s micro-batches fill the global batch on every data-parallel replica."""
+    return run.training.global_batch_size % (config.micro_batch_size
+                                             * run.data_parallel_size) == 0
+
+
+def lower_bound(run: RunConfig, config: Configuration, hardware: HardwareProfile
+                ) -> float | None:
+    """A time `config`'s simulated iteration cannot beat, from its shape alone (no programs
+    built); None when it cannot be built or cannot fit even at the memory it needs at least."""
+    if not batch_divides(run, config):
+        return None
+    shape = build_run_schedule(configured(run, config), ranks_of(run, config, hardware),
+                               run.model.planned_vocab_size, lower=False)
+    if isinstance(shape, Unbuildable):
+        return None
+    if planned(run, replace(config, optimizer_gpu_stride=0), shape, shape_report(shape),
+               hardware).missing:
+        return None
+    costs = derived_costs(shape, run.model, hardware, config.micro_batch_size,
+                          run.model.seq_length)
+    stride = max(searched_strides(run, hardware))  # the bound holds for every stride searched
+    return iteration_lower_bound(
+        shape, costs, cpu_share=1.0 - 1.0 / stride if stride else 1.0,
+        steps_after_all_compute=optimizer_mode(config.schedule) == SYNCHRONOUS_OPTIMIZER)
+
+
+def nearest_fit(run: RunConfig, base: Evaluation, hardware: HardwareProfile,
+                max_tries: int = 12) -> Evaluation | None:
+    """The closest configuration that fits, one knob at a time, what the run computes kept
+    first. Host memory, /dev/shm and memlock are per node: only more nodes help, from the
+    count the shortfall implies. GPU memory: another backward split, more forward stages
+    (one more per rank, d = 1), a smaller micro-batch, then one or two more nodes. At most
+    `max_tries` configurations are built (a schedule of many ranks takes seconds); those
+    whose lower-bound memory cannot fit are skipped unbuilt."""
+    c = base.config
+    per_node = [s for s in base.missing if s.resource != "gpu memory"]
+    tries: list[Configuration] = []
+    if per_node:
+        worst = max(s.needed / s.available for s in per_node)
+        first = max(c.nodes + 1, -(-int(c.nodes * worst * 1000) // 1000))
+        tries += [replace(c, nodes=n) for n in range(first, first + 3)]
+    else:
+        if c.schedule == "decoupled":
+            tries += [replace(c, backward_split=d) for d in (1, 3)
+                      if d != base.schedule.backward_split]
+        ranks = ranks_of(run, c, hardware)
+        stages, layers = base.schedule.forward_stages, run.model.num_layers
+        tries += [replace(c, forward_stages=more, backward_split=1)
+                  for more in range(stages + ranks, min(layers, stages + 3 * ranks) + 1, ranks)]
+        mbs = c.micro_batch_size // 2
+        while mbs >= 1:
+            tries.append(replace(c, micro_batch_size=mbs))
+            mbs //= 2
+        tries += [replace(c, nodes=n) for n in (c.nodes + 1, 2 * c.nodes) if n > c.nodes]
+    built = 0
+    for config in tries:
+        if built == max_tries:
+            break
+        if lower_bound(run, config, hardware) is None:
+            continue
+        built += 1
+        found = evaluation_or_reason(run, config, hardware)
+        if isinstance(found, Evaluation) and found.fits:
+            return simulated(run, found, hardware)
+    return None
+
+
+@dataclass
+class SearchResult:
+    """What --auto-config compared: the fastest fitting candidates first (at least the
+    `SEARCH_TOP` fastest of all), and how many configurations each step set aside."""
+
+    ranked: list[Evaluation]
+    configurations: int  # every combination of the searched knobs
+    cannot_fit: int  # set aside unbuilt: they cannot be built or their least memory does not fit
+    cannot_win: int  # set aside unbuilt: their lower-bound time is above the fifth fastest
+    built: int  # built, validated and simulated (those that fit are ranked)
+
+
+def searched_strides(run: RunConfig, hardware: HardwareProfile) -> tuple[int, ...]:
+    """The optimizer GPU strides to compare: all on the CPU, and Eq. 1's k for the profile
+    (when it has the device rates and the static split is not asked for)."""
+    rates = update_rates(hardware)
+    if rates is None or run.cpu_optimizer.optimizer_gpu_resident_fraction > 0:
+        return (0,)
+    k = gpu_update_stride(rates).k
+    return (0, k) if k else (0,)
+
+
+def searched_configurations(run: RunConfig, hardware: HardwareProfile) -> list[Configuration]:
+    """schedule x forward stages (1..4 per rank) x d (decoupled: 1..3) x micro-batch sizes
+    dividing the global batch, all on the CPU optimizer (the stride is tried per shape)."""
+    nodes = run.planning.nodes or 1
+    ranks = nodes * gpus_per_node(run, hardware)
+    layers = run.model.num_layers
+    sizes = [m for m in (1, 2, 4, 8, 16)
+             if batch_divides(run, Configuration("decoupled", None, None, m, nodes))]
+    found = []
+    for name in SCHEDULE_NAMES:
+        per_rank = (1,) if name in ("gpipe", "1f1b") else (1, 2, 3, 4)
+        splits = (1, 2, 3) if name == "decoupled" else (1,)
+        for k in per_rank:
+            stages = k * ranks
+            if stages > layers or (name == "interleaved-1f1b" and k == 1):
+                continue
+            found += [Configuration(name, stages, d, mbs, nodes, 0)
+                      for d in splits if d * stages <= layers for mbs in sizes]
+    return found
+
+
+def search(run: RunConfig, hardware: HardwareProfile, top: int = SEARCH_TOP,
+           workers: int | None = None) -> SearchResult:
+    """The fastest configurations at the given nodes and global batch that fit, exactly as
+    if every one were simulated: each shape's lower bounds (memory and time, from its shape
+    alone) set aside what cannot fit, then shapes are built in order of their time bound,
+    `workers` at a time (default: the cores this rank may use), until the next bound is
+    above the `top`-th fastest found. A built shape is simulated with each optimizer GPU
+    stride of `searched_strides`. The ranked evaluations keep their schedule's shape, not its
+    programs, and their simulation's figures, not its events."""
+    shapes = searched_configurations(run, hardware)
+    strides = searched_strides(run, hardware)
+    bounded = []
+    for config in shapes:
+        bound = lower_bound(run, config, hardware)
+        if bound is not None:
+            bounded.append((bound, len(bounded), config))
+    bounded.sort()
+    ranked: list[Evaluation] = []
+    built = 0
+    workers = workers or cores_per_rank()
+    with worker_pool(min(workers, max(1, len(bounded)))) as run_all:
+        while built < len(bounded):
+            cutoff = (ranked[top - 1].simulation.iteration_time if len(ranked) >= top
+                      else math.inf)
+            wave = [config for bound, _, config in bounded[built:built + workers]
+                    if bound <= cutoff]  # a tie with the fifth may still rank before it
+            if not wave:
+                break  # sorted by bound: nothing later can beat the cutoff either
+            built += len(wave)
+            for evaluations in run_all(evaluate_shape,
+                                       [(run, config, strides, hardware) for config in wave]):
+                ranked += evaluations
+            ranked.sort(key=rank_key)
+    return SearchResult(ranked, len(shapes) * len(strides),
+                        (len(shapes) - len(bounded)) * len(strides),
+                        (len(bounded) - built) * len(strides), built * len(strides))
+
+
+def rank_key(evaluation: Evaluation) -> tuple[float, str]:
+    """Fastest first; equal predictions in the order of their flags, so that the ranking
+    does not depend on the order the configurations were built in."""
+    return evaluation.simulation.iteration_time, evaluation.config.flags()
+
+
+def evaluate_shape(job: tuple) -> list[Evaluation]:
+    """One shape's fitting evaluations, simulated, light enough to come back from a worker.
+    A stride is kept only where it is predicted faster than every update on the CPU (where
+    no update is exposed it changes nothing but the device memory it takes)."""
+    run, config, strides, hardware = job
+    out: list[Evaluation] = []
+    for evaluation in _strided(run, config, strides, hardware):
+        if not evaluation.fits:
+            continue
+        evaluation = simulated(run, evaluation, hardware)
+        if out and evaluation.simulation.iteration_time >= out[0].simulation.iteration_time:
+            continue
+        evaluation.schedule = replace(evaluation.schedule, programs=())
+        evaluation.simulation = replace(evaluation.simulation, events=())
+        out.append(evaluation)
+    return out
+
+
+def _strided(run: RunConfig, config: Configuration, strides: tuple[int, ...],
+             hardware: HardwareProfile) -> list[Evaluation]:
+    """`config` evaluated (memory only) with each stride, its programs built and checked once."""
+    plain = evaluation_or_reason(run, config, hardware)
+    if isinstance(plain, Unbuildable):
+        return []
+    out = [plain]
+    for stride in strides:
+        if stride:
+            strided = with_stride(run, plain, stride, hardware)
+            if strided.schedule.programs != plain.schedule.programs:  # else the same run
+                out.append(strided)
+    return out
+
+
+def auto_configure(run: RunConfig, hardware: HardwareProfile,
+                   found: SearchResult | None = None) -> tuple[RunConfig, SearchResult]:
+    """`run` with the fastest fitting configuration, and what the search compared."""
+    found = search(run, hardware) if found is None else found
+    if not found.ranked:
+        raise ConfigError("--auto-config", "", "no configuration of this model fits "
+                          f"{run.planning.nodes or 1} node(s) of {hardware.name}; see --plan")
+    chosen = found.ranked[0].config
+    return configured(run, chosen).evolve(parallel={"stage_layers": None}), found
