@@ -8,6 +8,7 @@ iteration everywhere, and a failing rank must bring the job down with /dev/shm c
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -26,6 +27,8 @@ from megatron.models.llama import LlamaConfig, LlamaModel, gpt_model_name
 from megatron.pipeline.replicas import LINK_DELAY_ENV
 from megatron.planning.shape import check_pipeline_shape, generate_schedule
 from megatron.schedules.cost_model import backward_stage_params, calibrated_costs
+from megatron.schedules.grid import LEGEND, cell
+from megatron.schedules.instructions import Op
 from megatron.schedules.simulator import simulate
 from megatron.schedules.timeline import read_chrome_trace
 from megatron.training.arguments import parse_args
@@ -253,6 +256,13 @@ def test_a_failing_rank_ends_the_job_and_leaves_shm_clean(how, reference, tmp_pa
     assert run.elapsed < 120
     if how == "raise":
         assert "rank 1: instruction 3" in run.stderr and "iteration 2" in run.stderr
+        # the failing rank prints the programs as a schedule file's error does, with the
+        # failing instruction marked
+        config = parse_args([*MODEL, "--pipeline-schedule", "decoupled"])
+        program = generate_schedule(config, 2, vocab_size=_vocab(reference)).programs[1]
+        assert f"[{cell(program[3])}]" in run.stderr
+        assert re.search(r"rank +0 +1 +2 ", run.stderr)  # the header: instruction indices
+        assert LEGEND in run.stderr
     else:
         assert "rank" in run.stderr and "-9" in run.stderr or "SIGKILL" in run.stderr
     deadline = time.monotonic() + 10  # the reaper runs when its parent is gone
@@ -289,7 +299,6 @@ def test_world_size_mismatch_exits_2_naming_the_flag(reference, tmp_path, proces
 
 def test_replica_plan_covers_every_remote_reader():
     from megatron.schedules.generators import build_schedule
-    from megatron.schedules.instructions import Op
     from megatron.schedules.replica_plan import node_of, plan_replicas
 
     schedule = build_schedule("decoupled", 4, 4, 2, 4, partition=(2, 2, 2, 2))
@@ -375,6 +384,33 @@ def test_a_schedule_file_for_another_run_exits_2(reference, tmp_path):
     run = launch(tmp_path, "mismatch", 1, "--schedule-file", str(path), timeout=120)
     assert run.returncode == 2
     assert "the file has ranks=2, this run has 1" in run.stderr
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_host_to_device_parameter_bytes_are_what_each_program_prefetches(schedule,
+                                                                         two_processes):
+    """Every iteration, each rank copies into its slots the fp32 parameters of every
+    backward stage a PREFETCH_PARAMS of its program makes resident (a stage still resident
+    is not copied again): the metric reports that per rank and summed over the pipeline."""
+    one = ScheduleRun(two_processes, schedule)
+    config = parse_args(args_for_schedule_argv(schedule, *one.extra))
+    shape = generate_schedule(config, one.ranks, vocab_size=_vocab(one))
+    params = backward_stage_params(replace(config.model, vocab_size=_vocab(one)),
+                                   shape.partition, shape.backward_split)
+    expected = []
+    for program in shape.programs:
+        resident, copied = set(), 0
+        for instr in program:
+            stages = shape.params_of(instr.stage, instr.sub)
+            if instr.op == Op.PREFETCH_PARAMS:
+                copied += sum(4 * params[b] for b in stages if b not in resident)
+                resident.update(stages)
+            elif instr.op == Op.RELEASE_PARAMS:
+                resident.difference_update(stages)
+        expected.append(copied)
+    for row in metrics(one):
+        assert [r["h2d_parameter_bytes"] for r in row["per_rank"]] == expected
+        assert row["h2d_parameter_bytes"] == sum(expected)
 
 
 def test_host_syncs_per_iteration_do_not_grow_with_micro_batches(two_processes, tmp_path):

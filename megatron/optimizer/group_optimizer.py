@@ -120,6 +120,15 @@ class AsyncGroupOptimizer:
         # next task waits for its own (see correct_deferred).
         self._trailing: dict[int, Future] = {}
 
+    def has_subgroups(self, groups: Sequence[int]) -> bool:
+        """Whether any of `groups` is stepped in subgroups (some on the device)."""
+        return any(self.optimizer.subgroups(g) for g in groups)
+
+    def device_tail(self) -> tuple[float, float]:
+        """(when the CPU's part of the latest steps ended, when their device subgroups
+        did), in time.perf_counter() seconds: between the two only the device worked."""
+        return self.optimizer.cpu_done_s, self.optimizer.device_done_s
+
     def current_mode(self) -> str:
         """The schedule the next (or current) iteration runs with."""
         if self._iteration_mode is not None:

@@ -29,6 +29,8 @@ interpreter, so they are compared on equal terms. What each instruction does:
 
 What an instruction does is chosen from its op (`OP_SPECS[op].method`), never from the schedule's
 name. After the program, the optimizer commits the iteration and updates the loss scale.
+An instruction that fails raises InstructionError, whose message shows the programs as a
+rank x step grid with the failing instruction marked (as a schedule file's error does).
 
 The time on the compute stream, the exposed optimizer time (the main thread waiting for
 optimizer work) and the rest (bubbles: waiting for peers, parameters, activation checkpoints) are
@@ -42,23 +44,22 @@ import os
 import signal
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from megatron.offload.device import DeviceLayer, Event
-from megatron.offload.grad_buffers import GradientBuffers
-from megatron.offload.grad_offload import GradientOffloader
 from megatron.offload.layout import bind_gradients
 from megatron.offload.param_store import ParameterStore
-from megatron.offload.prefetch import ParamSlots, Slot
-from megatron.optimizer.group_optimizer import AsyncGroupOptimizer, IterationResult
-from megatron.pipeline.owner import BackwardStageOwner
+from megatron.offload.prefetch import Slot
+from megatron.optimizer.group_optimizer import AsyncGroupOptimizer
+from megatron.pipeline.buffers import RankBuffers
+from megatron.pipeline.iteration_stats import IterationStats
+from megatron.pipeline.owner import OwnedStages
 from megatron.pipeline.p2p import PointToPoint
 from megatron.pipeline.stage_modules import StageModule
-from megatron.pipeline.subgroup_device import DeviceSubgroupUpdater, ResidentSubgroupUpdater
+from megatron.pipeline.subgroup_device import DeviceSubgroups
+from megatron.schedules.grid import format_programs
 from megatron.schedules.instructions import (
     COMPUTE,
     OP_SPECS,
@@ -76,30 +77,16 @@ _OPTIMIZER_OPS = frozenset(op for op, spec in OP_SPECS.items()
 
 
 class InstructionError(RuntimeError):
-    """An instruction failed; the message names the rank and the instruction."""
+    """An instruction failed at run time: the first line names the rank, the instruction and
+    the cause; the lines after show the programs with the instruction marked."""
 
-
-@dataclass
-class IterationStats:
-    loss: float  # mean over micro-batches (0.0 on ranks without the last forward stage)
-    result: IterationResult
-    iteration_s: float
-    compute_s: float
-    exposed_optimizer_s: float
-    host_syncs: int  # reads and waits of the main thread on the device this iteration
-    memory_peak_bytes: int  # device memory the runtime held at most (MemoryBook)
-    memory_breakdown: dict  # by category, at that peak
-    events: list[TimedEvent] = field(default_factory=list)  # when recorded
-    # Of exposed_optimizer_s: the main thread waiting for the previous iteration's deferred
-    # clipping corrections / rollbacks (before a forward of a stage not yet corrected).
-    clip_corrections_exposed_s: float = 0.0
-    # Of exposed_optimizer_s: waiting after the CPU's part was done, for device subgroups.
-    exposed_optimizer_device_s: float = 0.0
-    origin_host_s: float = 0.0  # time.perf_counter() at the iteration's start: events' zero
-
-    @property
-    def bubble_s(self) -> float:
-        return max(0.0, self.iteration_s - self.compute_s - self.exposed_optimizer_s)
+    def __init__(self, schedule: Schedule, rank: int, index: int, when: str,
+                 cause: BaseException) -> None:
+        self.rank, self.index = rank, index
+        instr = schedule.programs[rank][index]
+        super().__init__(f"rank {rank}: instruction {index} ({instr}) of {when} failed: "
+                         f"{type(cause).__name__}: {cause}\n"
+                         + format_programs(schedule, (rank, index)))
 
 
 class PipelineExecutor:
@@ -110,11 +97,10 @@ class PipelineExecutor:
         modules: dict[BackwardStage, StageModule],
         store: ParameterStore,
         device: DeviceLayer,
-        param_slots: ParamSlots,
-        offloader: GradientOffloader,
-        grad_buffers: GradientBuffers,
+        buffers: RankBuffers,
         optimizer: AsyncGroupOptimizer,
-        owned: dict[BackwardStage, BackwardStageOwner],
+        owned: OwnedStages,
+        subgroups: DeviceSubgroups,
         p2p: PointToPoint,
         loss_scale_fn: Callable[[], float],
         inject_overflow: tuple[int, BackwardStage] | None = None,
@@ -125,23 +111,19 @@ class PipelineExecutor:
         self.modules = modules
         self.store = store
         self.device = device
-        self.param_slots = param_slots
-        self.offloader = offloader
-        self.grad_buffers = grad_buffers
+        self.param_slots = buffers.param_slots
+        self.offloader = buffers.offloader
+        self.grad_buffers = buffers.grad_buffers
         self.optimizer = optimizer
         self.owned = owned
+        self.subgroups = subgroups
         self.p2p = p2p
         self.loss_scale_fn = loss_scale_fn
         self.inject_overflow = inject_overflow
         self._kept_act_ckpts = _act_ckpts_kept_locally(self.program)
         self._fail_at = _failure_to_inject(rank)
         self.last_stage = schedule.forward_stages - 1
-        # Deferred corrections of the previous iteration, by owned stage (see _rollback_if_overflow).
-        self._trailing: dict[BackwardStage, Future] = {}
-        self._publishers: dict[BackwardStage, Callable[[], None]] = {}
         self._correction_wait_s = 0.0
-        # set by the assembly when some optimizer subgroups are updated on the device
-        self.subgroup_updater: DeviceSubgroupUpdater | ResidentSubgroupUpdater | None = None
 
     # --- one iteration -----------------------------------------------------------------
 
@@ -153,11 +135,9 @@ class PipelineExecutor:
         self._iteration = iteration
         self._begin(iteration - 1, micro_batches)
         self._correction_wait_s = 0.0
-        self._publishers = {}
         syncs_before = self.device.host_syncs
         self.device.reset_peak_memory()
-        for owner in self.owned.values():
-            owner.start_iteration()
+        self.owned.start_iteration()
         # (instruction, start event, end event) on the compute stream; (instruction, start,
         # end) in host seconds for the main thread's waits on the optimizer.
         computed: list[tuple[Instruction, Event, Event]] = []
@@ -172,10 +152,8 @@ class PipelineExecutor:
                     self._inject_failure()
                 self._execute(instr)
             except Exception as exc:
-                raise InstructionError(
-                    f"rank {self.rank}: instruction {index} ({instr}) of iteration {iteration} "
-                    f"failed: {type(exc).__name__}: {exc}"
-                ) from exc
+                raise InstructionError(self.schedule, self.rank, index,
+                                       f"iteration {iteration}", exc) from exc
             self._forget_sent_checkpoints()
             self._observe_memory()
             if before is not None:
@@ -187,11 +165,7 @@ class PipelineExecutor:
         for b in list(self._slots):
             self.param_slots.release(self._slots.pop(b))
         result = self.optimizer.end_iteration()
-        for b, owner in self.owned.items():
-            if b in self._publishers:
-                self._publishers.pop(b)()
-            elif b not in self._trailing:  # the others publish when their correction is done
-                owner.publish(iteration)
+        self.owned.finish_iteration(iteration)  # a stage being corrected publishes later
         self.device.wait_for(self.device.compute_stream)
         iteration_s = time.perf_counter() - start
         compute_s = sum(end.time_s() - begin.time_s() for _, begin, end in computed)
@@ -200,23 +174,30 @@ class PipelineExecutor:
         loss = 0.0
         if self._loss_sum is not None:
             loss = self.device.read_scalar(self._loss_sum) / self.schedule.micro_batches
-        host_syncs = self.device.host_syncs - syncs_before
         memory = self.device.memory
-        correction_s = self._correction_wait_s + sum(
-            end - begin for instr, begin, end in waited if instr.op == Op.ROLLBACK_IF_OVERFLOW)
-        return IterationStats(loss, result, iteration_s, compute_s, optimizer_s, host_syncs,
-                              memory.peak_bytes, dict(memory.peak_breakdown), events,
-                              clip_corrections_exposed_s=correction_s,
-                              exposed_optimizer_device_s=self._device_wait_s(waited),
-                              origin_host_s=start)
+        device_wait_s = self._device_wait_s(waited)
+        return IterationStats(
+            loss, result, events, origin_host_s=start, iteration_s=iteration_s,
+            gpu_time_s=compute_s, exposed_optimizer_time_s=optimizer_s,
+            bubble_time_s=max(0.0, iteration_s - compute_s - optimizer_s),
+            bubble_ratio=1.0 - compute_s / iteration_s,
+            host_syncs=self.device.host_syncs - syncs_before,
+            device_memory_peak_bytes=memory.peak_bytes,
+            device_memory_at_peak=dict(memory.peak_breakdown),
+            clip_corrections_exposed_s=self._correction_wait_s + sum(
+                end - begin for instr, begin, end in waited
+                if instr.op == Op.ROLLBACK_IF_OVERFLOW),
+            exposed_optimizer_device_time_s=device_wait_s,
+            exposed_optimizer_cpu_time_s=optimizer_s - device_wait_s,
+            optimizer_gpu_stride=self.subgroups.stride,
+            h2d_parameter_bytes=self._h2d_parameter_bytes)
 
     def _device_wait_s(self, waited: list[tuple[Instruction, float, float]]) -> float:
         """The part of the waits for optimizer tasks that came after every CPU subgroup
         and CPU group of this rank was done, while device subgroups were still flushing."""
-        if self.subgroup_updater is None:
+        if self.subgroups.updater is None:
             return 0.0
-        adam = self.optimizer.optimizer
-        cpu_done, device_done = adam.cpu_done_s, adam.device_done_s
+        cpu_done, device_done = self.optimizer.device_tail()
         return sum(max(0.0, min(end, device_done) - max(begin, cpu_done))
                    for instr, begin, end in waited if instr.op == Op.OPTIMIZER_WAIT_ALL)
 
@@ -230,6 +211,7 @@ class PipelineExecutor:
         self._isends: list[tuple[dist.Work, torch.Tensor]] = []
         self._grads: dict[tuple[BackwardStage, int], torch.Tensor] = {}
         self._loss_sum: torch.Tensor | None = None  # on the device: read once at the end
+        self._h2d_parameter_bytes = 0
 
     def run_forward_only(self, schedule: Schedule, params_version: int,
                          micro_batches: Sequence[Batch]) -> torch.Tensor | None:
@@ -251,9 +233,8 @@ class PipelineExecutor:
                 try:
                     self._execute(instr)
                 except Exception as exc:
-                    raise InstructionError(
-                        f"rank {self.rank}: instruction {index} ({instr}) of the forward-only "
-                        f"program failed: {type(exc).__name__}: {exc}") from exc
+                    raise InstructionError(schedule, self.rank, index,
+                                           "the forward-only program", exc) from exc
                 self._observe_memory()
             for b in list(self._slots):
                 self.param_slots.release(self._slots.pop(b))
@@ -289,10 +270,12 @@ class PipelineExecutor:
     def _prefetch(self, instr: Instruction) -> None:
         for b in self.schedule.params_of(instr.stage, instr.sub):
             if b not in self._slots:
-                self._wait_for_correction(b)
+                if b in self.owned:
+                    self._correction_wait_s += self.owned[b].wait_for_correction()
                 segment = self.store.get(b)
                 segment.wait_version(self._params_version)
                 self._slots[b] = self.param_slots.prefetch(b, segment.params)
+                self._h2d_parameter_bytes += segment.params.nbytes
 
     def _release(self, instr: Instruction) -> None:
         for b in self.schedule.params_of(instr.stage, instr.sub):
@@ -349,20 +332,14 @@ class PipelineExecutor:
         self.owned[BackwardStage(instr.stage, instr.sub)].step(self.optimizer)
 
     def _optimizer_start_subgroups(self, instr: Instruction) -> None:
-        b = BackwardStage(instr.stage, instr.sub)
-        owner = self.owned[b]
-        if self.subgroup_updater is not None and not any(
-                self.optimizer.optimizer.subgroups(g) for g in owner.groups):
-            raise RuntimeError(f"backward stage {b} has no subgroups planned")
-        owner.step(self.optimizer)  # the groups' subgroup plans route the device part
+        owner = self.owned[BackwardStage(instr.stage, instr.sub)]
+        owner.step(self.optimizer, on_device=self.subgroups.updater is not None)
 
     def _optimizer_wait_all(self, instr: Instruction) -> None:
         self.optimizer.wait_all()
 
     def _overflow_sync(self, instr: Instruction) -> None:
-        for owner in self.owned.values():
-            if owner.offloaded is not None and not owner.submitted:
-                owner.check(self.optimizer)
+        self.owned.check_pending(self.optimizer)
         self.optimizer.wait_all()
         self.optimizer.synchronize()
 
@@ -370,27 +347,9 @@ class PipelineExecutor:
         self.optimizer.synchronize()
 
     def _rollback_if_overflow(self, instr: Instruction) -> None:
-        """Corrections (overflow rollbacks, clipping corrections) go on past the end of the
-        iteration, one task per owned stage in the next iteration's forward order; each
-        publishes its stage when done, so a forward waits only for its own stage's."""
-        owners = sorted(self.owned.items())  # forward order: stage, then sub
-        publishers = {b: owner.publisher(self._iteration) for b, owner in owners}
-        futures = self.optimizer.correct_deferred(
-            [(owner.groups, publishers[b]) for b, owner in owners])
-        self._trailing = {b: f for (b, _), f in zip(owners, futures) if f is not None}
-        self._publishers = {b: p for b, p in publishers.items() if b not in self._trailing}
-
-    def _wait_for_correction(self, b: BackwardStage) -> None:
-        """Before using an owned stage's parameters: its deferred correction must be done
-        (other ranks wait for the segment's version instead)."""
-        future = self._trailing.pop(b, None)
-        if future is None:
-            return
-        t0 = time.perf_counter()
-        waited = not future.done()
-        future.result()  # a failed correction raises here, never silently
-        if waited:
-            self._correction_wait_s += time.perf_counter() - t0
+        """Corrections run past the end of the iteration; each owned stage's publishes it
+        (see OwnedStages.correct_deferred)."""
+        self.owned.correct_deferred(self.optimizer, self._iteration)
 
     # --- device memory -------------------------------------------------------------------
 
@@ -409,7 +368,7 @@ class PipelineExecutor:
             "gradient_buffers": self.grad_buffers.nbytes + upcast,
             "activation_checkpoints": checkpoints,
             "activations": activations + working,
-            "optimizer_subgroups": 0 if self.subgroup_updater is None else self.subgroup_updater.nbytes,
+            "optimizer_subgroups": self.subgroups.nbytes,
         })
 
     # --- compute -------------------------------------------------------------------------

@@ -3,11 +3,16 @@
 The owner of backward stage (i, k) runs its backward, accumulates its parameter gradients
 in one flat device buffer, offloads them, and steps its two CPU AdamW groups (elements
 that take weight decay, then those that do not) into the stage's shared-memory segment.
+`OwnedStages` holds a rank's owners and the end of each iteration's protocol: a stage's
+deferred correction (overflow rollback or clipping) runs past the end of the iteration
+and publishes the stage when done; the others publish at once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +50,12 @@ class BackwardStageOwner:
     writes_segment: bool = True
     publishes: bool = True
     reduced: ReducedGradient | None = None
+    # The deferred correction of the last iteration that needed one, running on an optimizer
+    # thread (it publishes the stage when done); the stage's next use waits for it.
+    correction: Future | None = None
+    # The publish of this iteration, bound at its ROLLBACK_IF_OVERFLOW when the stage had
+    # nothing to correct: run at the end of the iteration.
+    pending_publish: Callable[[], None] | None = None
 
     def bounds(self) -> tuple[tuple[int, int], tuple[int, int]]:
         """Elements of the two groups this process steps (empty runs as (x, x))."""
@@ -57,6 +68,7 @@ class BackwardStageOwner:
         self.offloaded = None
         self.reduced = None
         self.submitted = False
+        self.pending_publish = None
 
     def gradient_buffer(self, buffers: GradientBuffers) -> torch.Tensor:
         """The device buffer the backward accumulates into (borrowed at the first use)."""
@@ -89,8 +101,12 @@ class BackwardStageOwner:
             return self.reduced.ready, self.reduced.slice
         return landed, lambda lo, hi: landed.host[lo:hi]
 
-    def step(self, optimizer: AsyncGroupOptimizer) -> None:
-        """Submit both groups' steps; each starts when the gradients are ready."""
+    def step(self, optimizer: AsyncGroupOptimizer, on_device: bool = False) -> None:
+        """Submit both groups' steps; each starts when the gradients are ready. `on_device`:
+        the groups were split into subgroups, some updated on the device
+        (OPTIMIZER_START_SUBGROUPS); their plans route the device part."""
+        if on_device and not optimizer.has_subgroups(self.groups):
+            raise RuntimeError(f"backward stage {self.backward_stage} has no subgroups planned")
         ready, grad = self._gradient("OPTIMIZER_START")
         out = self.segment.params if self.writes_segment else None
         for group, (lo, hi) in zip(self.groups, self.bounds()):
@@ -133,3 +149,70 @@ class BackwardStageOwner:
             if publishes:
                 segment.publish(iteration)
         return publish
+
+    def finish_iteration(self, iteration: int) -> None:
+        """At the end of an iteration: publish now, unless a correction will."""
+        if self.pending_publish is not None:
+            publish, self.pending_publish = self.pending_publish, None
+            publish()
+        elif self.correction is None:
+            self.publish(iteration)
+
+    def wait_for_correction(self) -> float:
+        """Before this stage's parameters are used: its deferred correction must be done
+        (other ranks wait for the segment's version instead). Returns the seconds waited
+        (0 when it was already done); a failed correction raises here, never silently."""
+        future, self.correction = self.correction, None
+        if future is None:
+            return 0.0
+        t0 = time.perf_counter()
+        waited = not future.done()
+        future.result()
+        return time.perf_counter() - t0 if waited else 0.0
+
+
+class OwnedStages(Mapping[BackwardStage, BackwardStageOwner]):
+    """The backward stages this rank owns (in the order of their optimizer groups)."""
+
+    def __init__(self, owners: Mapping[BackwardStage, BackwardStageOwner]) -> None:
+        self._owners = dict(owners)
+
+    def __getitem__(self, b: BackwardStage) -> BackwardStageOwner:
+        return self._owners[b]
+
+    def __iter__(self) -> Iterator[BackwardStage]:
+        return iter(self._owners)
+
+    def __len__(self) -> int:
+        return len(self._owners)
+
+    def start_iteration(self) -> None:
+        for owner in self._owners.values():
+            owner.start_iteration()
+
+    def check_pending(self, optimizer: AsyncGroupOptimizer) -> None:
+        """Submit the overflow check of every offloaded gradient not stepped yet."""
+        for owner in self._owners.values():
+            if owner.offloaded is not None and not owner.submitted:
+                owner.check(optimizer)
+
+    def correct_deferred(self, optimizer: AsyncGroupOptimizer, iteration: int) -> None:
+        """Corrections (overflow rollbacks, clipping corrections) go on past the end of
+        the iteration, one task per owned stage in the next iteration's forward order; each
+        publishes its stage when done, so a forward waits only for its own stage's."""
+        owners = [owner for _, owner in sorted(self._owners.items())]  # forward order
+        publishers = [owner.publisher(iteration) for owner in owners]
+        futures = optimizer.correct_deferred(
+            [(owner.groups, publish) for owner, publish in zip(owners, publishers)])
+        for owner, publish, future in zip(owners, publishers, futures):
+            owner.correction = future
+            owner.pending_publish = publish if future is None else None
+
+    def finish_iteration(self, iteration: int) -> None:
+        for owner in self._owners.values():
+            owner.finish_iteration(iteration)
+
+    @property
+    def largest(self) -> int:
+        """Elements of the largest owned stage (1 when none)."""
+        return max((owner.numel for owner in self._owners.values()), default=1)

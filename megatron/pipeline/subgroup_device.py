@@ -12,6 +12,7 @@ no host wait). Device memory: the two slots, fixed at construction, accounted un
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 
 import torch
 
@@ -209,3 +210,18 @@ class ResidentSubgroupUpdater:
         with self._lock:
             self._state.pop(p.data_ptr(), None)
             self._host_stale.discard(p.data_ptr())
+
+
+@dataclass(frozen=True)
+class DeviceSubgroups:
+    """The share of this rank's optimizer updates the device takes, as the assembly
+    planned it: every `stride`-th subgroup of the stages whose program says
+    OPTIMIZER_START_SUBGROUPS (0: none), through `updater` (None: all on the CPU)."""
+
+    stride: int = 0
+    updater: DeviceSubgroupUpdater | ResidentSubgroupUpdater | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Device memory the updater holds."""
+        return 0 if self.updater is None else self.updater.nbytes

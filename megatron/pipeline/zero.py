@@ -25,7 +25,7 @@ NCCL requires. The stage's optimizer tasks wait for the reduction's future.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.offload.grad_offload import GradientsReady
+from megatron.offload.shm import SharedSegment
 from megatron.pipeline.data_parallel import shard_range
 from megatron.schedules.instructions import BackwardStage
 
@@ -110,3 +111,14 @@ class GradientReducer:
 
     def close(self) -> None:
         self._thread.shutdown(wait=True)
+
+
+def publish_shards(segments: Iterable[SharedSegment], iteration: int,
+                   group: dist.ProcessGroup | None, first: bool) -> None:
+    """The replicas of a pipeline rank wrote their shards of its stages into the node's
+    `segments`: once all are in (a barrier of the data-parallel group), the first replica
+    publishes each one's version."""
+    dist.barrier(group=group)
+    if first:
+        for segment in segments:
+            segment.publish(iteration)

@@ -1,0 +1,103 @@
+"""The owned stages' optimizer state seen as whole-model parameters, for checkpoint files.
+
+With one replica, `views()` are live views of the master, exp_avg and exp_avg_sq inside
+the CPU optimizer (no copy), by LlamaModel parameter name; a load fills them in place. With
+data parallelism under ZeRO, every replica holds a shard of each stage, so `views()` are
+full tensors gathered from the replicas' shards (the checkpoint writer keeps one copy of
+tensors several ranks hold) and `restore` hands each replica its shard of what a load put
+in them.
+
+A parameter lies in one of its stage's two optimizer groups (decayed elements first, then
+the others).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron.optimizer.cpu_adam import CPUAdamW
+from megatron.pipeline.owner import OwnedStages
+from megatron.pipeline.stage_modules import StageModule
+from megatron.schedules.instructions import BackwardStage
+
+Views = dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+class CheckpointViews:
+    def __init__(self, owned: OwnedStages, modules: dict[BackwardStage, StageModule],
+                 adam: CPUAdamW, zero_stage: int, replicas: int,
+                 data_parallel: dist.ProcessGroup | None) -> None:
+        self.owned, self.modules, self.adam = owned, modules, adam
+        self.zero_stage, self.replicas, self.data_parallel = zero_stage, replicas, data_parallel
+        self._gathered: dict[BackwardStage, tuple[torch.Tensor, ...]] = {}
+
+    def views(self) -> Views:
+        """Every owned parameter's (master, exp_avg, exp_avg_sq), fp32 or bf16 as the
+        optimizer keeps them. master()/exp_avg() bring subgroups kept on the device back to
+        the host; the caller has finished the deferred corrections first."""
+        if self.replicas > 1:
+            return self._gathered_views()
+        adam, out = self.adam, {}
+        for b, owner in self.owned.items():
+            module = self.modules[b]
+            for s, name in zip(module.layout.slices, module.model_names()):
+                group, offset = ((owner.groups[0], s.offset) if s.offset < owner.split
+                                 else (owner.groups[1], s.offset - owner.split))
+                out[name] = tuple(buf[offset:offset + s.numel].view(s.shape)
+                                  for buf in (adam.master(group), adam.exp_avg(group),
+                                              adam.exp_avg_sq(group)))
+        return out
+
+    def _stepped_groups(self) -> list[int]:
+        """Groups that hold elements (an empty group is a placeholder that never steps)."""
+        return [g for owner in self.owned.values()
+                for g, (lo, hi) in zip(owner.groups, owner.bounds()) if hi > lo]
+
+    def optimizer_step(self) -> int:
+        """Adam's step count (every group steps together; skipped iterations do not count)."""
+        return max((self.adam.step_count(g) for g in self._stepped_groups()), default=0)
+
+    def restore(self, optimizer_step: int) -> None:
+        """After a checkpoint load overwrote `views()` in place: each replica takes its
+        shard of the loaded tensors, and every group continues at `optimizer_step`."""
+        adam, stepped = self.adam, set(self._stepped_groups())
+        if self.replicas > 1:
+            self._scatter_gathered()
+        adam.load_state_dict({"groups": [
+            {"master": adam.master(g), "exp_avg": adam.exp_avg(g),
+             "exp_avg_sq": adam.exp_avg_sq(g), "step": optimizer_step if g in stepped else 0}
+            for g in range(adam.num_groups)]})
+
+    def _gathered_views(self) -> Views:
+        """Every replica gathers the full master, exp_avg and exp_avg_sq of its stages from
+        the shards (collective over the data-parallel group)."""
+        self._gathered, out = {}, {}
+        for b, owner in self.owned.items():
+            full = []
+            for part in owner.state(self.adam):
+                if self.zero_stage == 0:
+                    full.append(part.clone())
+                    continue
+                size = -(-owner.numel // self.replicas)
+                send = torch.zeros(size)
+                send[:part.numel()] = part
+                recv = torch.empty(size * self.replicas)
+                dist.all_gather_into_tensor(recv, send, group=self.data_parallel)
+                full.append(recv[:owner.numel])
+            self._gathered[b] = tuple(full)
+            module = self.modules[b]
+            for s, name in zip(module.layout.slices, module.model_names()):
+                out[name] = tuple(t[s.offset:s.offset + s.numel].view(s.shape) for t in full)
+        return out
+
+    def _scatter_gathered(self) -> None:
+        """After a load filled the gathered tensors: copy this process's shard back."""
+        adam = self.adam
+        for b, owner in self.owned.items():
+            full = self._gathered[b]
+            for group, (lo, hi) in zip(owner.groups, owner.bounds()):
+                if hi > lo:
+                    for get, tensor in zip((adam.master, adam.exp_avg, adam.exp_avg_sq), full):
+                        get(group).copy_(tensor[lo:hi])
+        self._gathered = {}
