@@ -1,11 +1,17 @@
 """Test tiers by marker: `unit` (one process, seconds), `multiproc` (launches processes or
 builds the demo corpus: minutes), `cuda` (needs a GPU, skipped without one).
 
-`pytest -m unit` is the fast loop; the full suite (`make test`) runs all three.
+`pytest -m unit` is the fast loop; the full suite (`make test`) runs all three. The
+modules with multi-process tests run after the others, so that the zygote their ranks are
+forked from (tests/forked_ranks.py) and the demo corpus they train on
+(tests/shared_corpus.py) get ready in the background meanwhile, on the core the
+one-process tests leave idle.
 """
 
 import pytest
 import torch
+
+from tests import forked_ranks, shared_corpus
 
 # Modules whose tests start processes (torchrun, multiprocessing, the CLI) or build the demo
 # corpus; single tests elsewhere that do so carry @pytest.mark.multiproc themselves.
@@ -28,9 +34,23 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.multiproc)
         elif "multiproc" not in item.keywords:
             item.add_marker(pytest.mark.unit)
+    # whole modules move (their module-scoped fixtures are set up once), order kept
+    later = {item.module for item in items if "multiproc" in item.keywords}
+    items.sort(key=lambda item: item.module in later)
+
+
+def pytest_collection_finish(session):
+    if any("multiproc" in item.keywords for item in session.items):
+        forked_ranks.warm_up()
+        shared_corpus.start()
 
 
 def pytest_sessionfinish(session, exitstatus):
-    from tests.forked_ranks import close_zygote
+    forked_ranks.close_zygote()
+    shared_corpus.stop()
 
-    close_zygote()
+
+@pytest.fixture(scope="session")
+def demo_cache() -> str:
+    """The cache directory holding the session's demo corpus (built)."""
+    return shared_corpus.cache_dir()

@@ -11,7 +11,8 @@ one *zygote* process per test session imports them once; each rank is a fork of 
 - runs the script as `python script args` would (`__main__`, sys.argv, sys.path[0]);
 - writes its stdout and stderr to files of its own, returned concatenated in rank order;
 - ends like an interpreter does: non-daemon threads joined, atexit handlers run, the
-  exit status of SystemExit or 1 after a traceback.
+  exit status of SystemExit or 1 after a traceback (but without tearing the preloaded
+  modules down, a second per rank).
 
 As torchrun does, the first rank that fails takes the others down (SIGTERM, then SIGKILL
 after a grace period). Keep torchrun itself for tests of torchrun's own behaviour (signals
@@ -122,10 +123,37 @@ def _become(request: dict) -> None:
 
 
 def run_request_script() -> None:
-    """The child's part: run sys.argv[0] as `__main__`."""
+    """The child's part: run sys.argv[0] as `__main__`, then end as an interpreter does
+    (non-daemon threads joined, atexit handlers run, stdio flushed, the exit status of
+    SystemExit, 1 after a traceback) but without tearing down the preloaded modules, which
+    would take a second of every rank for nothing."""
+    import atexit
     import runpy
+    import threading
 
-    runpy.run_path(sys.argv[0], run_name="__main__")
+    code = 0
+    try:
+        runpy.run_path(sys.argv[0], run_name="__main__")
+    except SystemExit as exc:
+        code = _exit_status(exc.code)
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    threading._shutdown()  # what interpreter finalization does first
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)
+
+
+def _exit_status(code: object) -> int:
+    """What the interpreter makes of SystemExit(code)."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)
+    return 1
 
 
 # --- the test side ------------------------------------------------------------------------
@@ -144,13 +172,13 @@ class _Zygote:
         self._exited: dict[int, int] = {}
         self._next_id = 0
         self._ready = False
-        self._wait_for(lambda: self._ready, 120, "to preload")
 
     def alive(self) -> bool:
         return self.proc.poll() is None
 
     def fork(self, argv: Sequence[str], env: Mapping[str, str], cwd: str, stdout: str,
              stderr: str) -> int:
+        self._wait_for(lambda: self._ready, 120, "to preload")
         self._next_id += 1
         rid = self._next_id
         request = {"id": rid, "argv": list(argv), "env": dict(env), "cwd": cwd,
@@ -211,6 +239,12 @@ def _zygote() -> _Zygote:
     if _ZYGOTE is None or not _ZYGOTE.alive():
         _ZYGOTE = _Zygote()
     return _ZYGOTE
+
+
+def warm_up() -> None:
+    """Start the session's zygote now (it preloads in the background; the first launch
+    waits for it)."""
+    _zygote()
 
 
 def close_zygote() -> None:

@@ -6,7 +6,6 @@ schedule runs in one job (tests/run_schedules.py: the start-up is paid once, eac
 schedule costs about a second of training); the rounding's independence of groups,
 subgroups and threads is unit-tested in test_cpu_adam_bf16.py."""
 
-import os
 import shutil
 
 import pytest
@@ -14,7 +13,7 @@ import torch
 
 from megatron.training.checkpoint_state import EXP_AVG, EXP_AVG_SQ, MASTER
 from megatron.training.checkpointing import TRACKER, iteration_dir, read_all_tensors
-from tests.test_pipeline_executor import SCHEDULES, ScheduleRun, launch, metrics
+from tests.test_pipeline_executor import SCHEDULES, ScheduleRun, launch, metrics, start
 
 pytestmark = pytest.mark.multiproc
 BF16_STATES = ["--optimizer-state-dtype", "bf16", "--master-dtype", "bf16",
@@ -37,15 +36,15 @@ def assert_identical(got_run_metrics, want_metrics, got_states, want_states):
         assert torch.equal(got_states[key], tensor), key
 
 
-def test_bf16_states_on_every_schedule_and_a_resume_on_another_shape_equal_one_process(tmp_path):
-    os.environ.setdefault("MEGATRON_TEST_CACHE", str(tmp_path / "cache"))
-    one = launch(tmp_path, "one", 1, *BF16_STATES, "--save-interval", "3")
+def test_bf16_states_on_every_schedule_and_a_resume_on_another_shape_equal_one_process(
+        tmp_path, demo_cache):
+    one = start(tmp_path, "one", 1, *BF16_STATES, "--save-interval", "3")
+    two = start(tmp_path, "two", 2, *BF16_STATES, "--schedules", ",".join(SCHEDULES),
+                script="tests/run_schedules.py", timeout=600)
+    one, two = one.wait(), two.wait()  # started together: one's bubbles are the other's compute
     assert one.returncode == 0, one.stderr[-4000:]
     reference = metrics(one)
     assert [m["iteration"] for m in reference] == [1, 2, 3, 4, 5]
-
-    two = launch(tmp_path, "two", 2, *BF16_STATES, "--schedules", ",".join(SCHEDULES),
-                 script="tests/run_schedules.py", timeout=600)
     assert two.returncode == 0, two.stderr[-4000:]
     for name in SCHEDULES:
         run = ScheduleRun(two, name)

@@ -20,8 +20,7 @@ SIX_ITERATIONS = ["--train-iters", "6"]
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    os.environ.setdefault("MEGATRON_TEST_CACHE", str(tmp_path_factory.mktemp("cache")))
+def uninterrupted(tmp_path_factory, demo_cache):
     run = launch(tmp_path_factory.mktemp("two"), "two", 2, *SIX_ITERATIONS, "--save-interval",
                  "3", "--pipeline-schedule", "decoupled", "--forward-stages", "4",
                  "--backward-split", "2")

@@ -153,13 +153,13 @@ def test_bad_input_exits_2_in_one_line(argv, fragment, tmp_path):
 
 @pytest.mark.multiproc  # builds the demo corpus
 def test_finetuned_here_then_exported_scores_the_same_in_transformers(
-        converted, tmp_path, dist_group):
+        converted, tmp_path, dist_group, demo_cache):
     trained = tmp_path / "trained"
     run = parse_args([
         *MODEL_FLAGS, "--micro-batch-size", "2", "--global-batch-size", "4",
         "--train-iters", "2", "--lr", "1e-3", "--load", str(converted), "--finetune",
         "--save", str(trained),
-        "--data-cache-dir", os.environ.get("MEGATRON_TEST_CACHE", str(tmp_path / "cache"))])
+        "--data-cache-dir", demo_cache])
     records = train(run, dist_group)  # here: no process to start
     assert [r["iteration"] for r in records] == [1, 2] and latest_iteration(str(trained)) == 2
     exported = tmp_path / "hf"

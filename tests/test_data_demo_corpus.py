@@ -16,6 +16,7 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.data.checks import check_data_prefix
 from megatron.data.demo_corpus import ensure_demo_corpus
 from megatron.data.tokenizer import load_tokenizer
+from tests import shared_corpus
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 SOURCES = ["json/__init__.py", "json/decoder.py", "json/encoder.py", "textwrap.py", "shlex.py"]
@@ -131,11 +132,14 @@ def test_killed_build_leaves_no_corpus_and_the_next_call_rebuilds_it_identically
         assert Path(a).read_bytes() == Path(b).read_bytes(), a
 
 
-def test_default_corpus_comes_from_the_standard_library(tmp_path):
-    """What `make train` uses: the whole standard library, no download."""
-    lines = []
-    corpus = ensure_demo_corpus(str(tmp_path), log=lines.append)
+def test_default_corpus_comes_from_the_standard_library(demo_cache):
+    """What `make train` uses: the whole standard library, no download (the session's
+    corpus, which this session built: see tests/shared_corpus.py)."""
+    lines = shared_corpus.build_log().splitlines()
     assert any(BUILDING in line for line in lines)
+    again = []
+    corpus = ensure_demo_corpus(demo_cache, log=again.append)
+    assert again == []  # the build's result, served from the cache
     assert os.path.getsize(corpus.corpus_path) > 1_000_000
     texts = [json.loads(line)["text"] for line in Path(corpus.corpus_path).read_text().splitlines()]
     assert module_docstring(STDLIB / "json/__init__.py") in texts

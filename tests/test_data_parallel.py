@@ -30,44 +30,60 @@ MODEL = ["--num-layers", "4", "--hidden-size", "64", "--ffn-hidden-size", "160",
 SPLIT = ["--forward-stages", "2", "--backward-split", "2"]
 
 
-def _run(script, nproc, cache, out, *after):
-    """`script` on `nproc` ranks (forks of the session's preloaded zygote)."""
-    proc = forked_ranks.launch(script, [*MODEL, "--data-cache-dir", cache, *after], nproc,
-                               env={"OMP_NUM_THREADS": "1"}, timeout=400)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    (out / "stdout.log").write_text(proc.stdout)
-    return proc
+class _Run:
+    """`script` on `nproc` ranks (forks of the session's preloaded zygote), started; its
+    outputs go to `out`."""
+
+    def __init__(self, script, nproc, cache, out, *after):
+        self.out = out
+        self.job = forked_ranks.start(script, [*MODEL, "--data-cache-dir", cache, *after],
+                                      nproc, env={"OMP_NUM_THREADS": "1"})
+
+    def wait(self):
+        proc = self.job.wait(timeout=400)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        (self.out / "stdout.log").write_text(proc.stdout)
+        return self.out
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return os.environ.get("MEGATRON_TEST_CACHE") or str(tmp_path_factory.mktemp("dp-cache"))
+def cache(demo_cache):
+    return demo_cache
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, cache):
-    out = tmp_path_factory.mktemp("dp-ref")
-    _run("pretrain_llama.py", 1, cache, out, "--metrics-file", str(out / "metrics.jsonl"),
-         "--save", str(out / "ckpt"))
-    return out
-
-
-def _replicas(tmp_path_factory, cache, nproc, zero_stages, *extra):
-    out = tmp_path_factory.mktemp(f"dp{nproc}")
-    _run("tests/run_schedules.py", nproc, cache, out, "--out-dir", str(out), "--schedules",
-         "decoupled", "--zero-stages", zero_stages, "--data-parallel-size", "2", "--p2p-check",
-         *extra)
-    return out
+def started(request, tmp_path_factory, cache):
+    """The one-process reference and the replicated runs the selected tests need, started
+    together (one run's bubbles are another's compute)."""
+    needed = {name for item in request.session.items if item.module is request.module
+              for name in item.fixturenames}
+    runs = {}
+    if "reference" in needed:
+        out = tmp_path_factory.mktemp("dp-ref")
+        runs["reference"] = _Run("pretrain_llama.py", 1, cache, out, "--metrics-file",
+                                 str(out / "metrics.jsonl"), "--save", str(out / "ckpt"))
+    for name, nproc, zero_stages in (("two_by_two", 4, "1,2"), ("two_by_one", 2, "0,2")):
+        if name in needed:
+            out = tmp_path_factory.mktemp(f"dp{nproc}")
+            runs[name] = _Run("tests/run_schedules.py", nproc, cache, out, "--out-dir",
+                              str(out), "--schedules", "decoupled", "--zero-stages",
+                              zero_stages, "--data-parallel-size", "2", "--p2p-check", *SPLIT)
+    return runs
 
 
 @pytest.fixture(scope="module")
-def two_by_two(tmp_path_factory, cache, reference):
-    return _replicas(tmp_path_factory, cache, 4, "1,2", *SPLIT)
+def reference(started):
+    return started["reference"].wait()
 
 
 @pytest.fixture(scope="module")
-def two_by_one(tmp_path_factory, cache, reference):
-    return _replicas(tmp_path_factory, cache, 2, "0,2", *SPLIT)
+def two_by_two(started):
+    return started["two_by_two"].wait()
+
+
+@pytest.fixture(scope="module")
+def two_by_one(started):
+    return started["two_by_one"].wait()
 
 
 def _metrics(directory):
@@ -143,10 +159,10 @@ def test_zero2_shards_resume_on_one_process_and_one_process_resumes_on_shards(
         out = tmp_path / name
         out.mkdir()
         flags = ["--data-parallel-size", "2", "--zero-stage", "2", *SPLIT] if name == "two" else []
-        _run("pretrain_llama.py", nproc, cache, out, *flags, "--load", str(load),
-             "--train-iters", str(ITERS + 1), "--metrics-file", str(out / "metrics.jsonl"),
-             "--save", str(out / "ckpt"))
-        runs[name] = out
+        runs[name] = _Run("pretrain_llama.py", nproc, cache, out, *flags, "--load", str(load),
+                          "--train-iters", str(ITERS + 1), "--metrics-file",
+                          str(out / "metrics.jsonl"), "--save", str(out / "ckpt"))
+    runs = {name: run.wait() for name, run in runs.items()}  # both ran at once
     one, two = (_metrics(runs[name]) for name in ("one", "two"))
     assert [m["iteration"] for m in one] == [m["iteration"] for m in two] == [ITERS + 1]
     assert two[0]["loss"] == pytest.approx(one[0]["loss"], rel=1e-5)

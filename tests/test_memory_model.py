@@ -6,7 +6,6 @@ process's private host memory; every term of the model must be within 15 % of it
 """
 
 import json
-import os
 from dataclasses import replace
 
 import pytest
@@ -87,13 +86,13 @@ def test_paper_node_fits_10b_but_not_110b_on_two_nodes():
 
 
 @pytest.mark.multiproc
-def test_memory_model_matches_the_runtime_on_two_processes(tmp_path):
+def test_memory_model_matches_the_runtime_on_two_processes(tmp_path, demo_cache):
     from megatron.data.demo_corpus import ensure_demo_corpus
     from megatron.data.tokenizer import load_tokenizer
     from megatron.planning.shape import generate_schedule
     from megatron.training.arguments import parse_args
 
-    cache = os.environ.setdefault("MEGATRON_TEST_CACHE", str(tmp_path / "cache"))
+    cache = demo_cache
     # Built here first, so that the ranks' host memory is the run's, not the corpus build's.
     vocab = load_tokenizer(ensure_demo_corpus(cache_dir=cache).tokenizer_path).vocab_size
     flags = ["--model-preset", "small", "--train-iters", "2", "--global-batch-size", "8",

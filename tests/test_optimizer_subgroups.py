@@ -148,7 +148,7 @@ def _state_of(adam, group):
 
 
 @pytest.mark.multiproc
-def test_every_schedule_with_device_subgroups_matches_one_process(tmp_path):
+def test_every_schedule_with_device_subgroups_matches_one_process(tmp_path, demo_cache):
     """2 processes, every schedule in one job, --optimizer-gpu-stride auto with the rates
     of the paper's worked example cached (Eq. 1: k = 2), clipping in every iteration (the
     corrections of device-updated subgroups and of the stages updated on the CPU alone
@@ -156,36 +156,34 @@ def test_every_schedule_with_device_subgroups_matches_one_process(tmp_path):
     import json
     import os
 
-    from test_pipeline_executor import (
-        MODEL,
-        SCHEDULES,
-        ScheduleRun,
-        assert_same_training,
-        launch,
-        metrics,
-    )
-
     from megatron.data.demo_corpus import ensure_demo_corpus
     from megatron.data.tokenizer import load_tokenizer
     from megatron.pipeline.optimizer_calibration import CACHE_VERSION, machine_key
     from megatron.planning.shape import generate_schedule
     from megatron.schedules.memory_model import plan_memory
     from megatron.training.arguments import parse_args
+    from tests.test_pipeline_executor import (
+        MODEL,
+        SCHEDULES,
+        ScheduleRun,
+        assert_same_training,
+        metrics,
+        start,
+    )
 
-    cache = tmp_path / "cache"
-    os.environ.setdefault("MEGATRON_TEST_CACHE", str(cache))
-    cache_dir = os.environ["MEGATRON_TEST_CACHE"]
+    cache_dir = demo_cache
     os.makedirs(cache_dir, exist_ok=True)
     with DeviceLayer("cpu") as device:
         key = machine_key(device, 1)
     with open(os.path.join(cache_dir, f"optimizer-rates-{key}.json"), "w") as f:
         json.dump({"version": CACHE_VERSION, "rates": PAPER_RATES}, f)
     clip = ["--clip-grad", "1e-3", "--cpu-optimizer-threads", "1"]
-    reference = launch(tmp_path, "single", 1, *clip)
+    one = start(tmp_path, "single", 1, *clip)
+    two = start(tmp_path, "subgroups", 2, *clip, "--optimizer-gpu-stride", "auto",
+                "--optimizer-subgroup-size", "2048", "--schedules", ",".join(SCHEDULES),
+                script="tests/run_schedules.py", timeout=600)
+    reference, run = one.wait(), two.wait()
     assert reference.returncode == 0, reference.stderr[-3000:]
-    run = launch(tmp_path, "subgroups", 2, *clip, "--optimizer-gpu-stride", "auto",
-                 "--optimizer-subgroup-size", "2048", "--schedules", ",".join(SCHEDULES),
-                 script="tests/run_schedules.py", timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
     assert "optimizer GPU stride k = 2" in run.stdout + run.stderr
     vocab = load_tokenizer(ensure_demo_corpus(cache_dir=cache_dir).tokenizer_path).vocab_size

@@ -49,14 +49,22 @@ SCHEDULES = ["decoupled", "mobius", "interleaved-1f1b", "1f1b", "gpipe"]
 SLOW_LINK_S = 0.1  # the simulated inter-node link's delay per push (two-node runs)
 
 
-def launch(tmp_path, name, nproc, *extra, env=None, timeout=300, script="pretrain_llama.py",
-           real_torchrun=False):
-    """Run `script` (one process, or `nproc` ranks with torchrun's environment) on the test
-    model; its outputs (metrics, checkpoints) go to tmp_path/name. The ranks are forks of
-    the test session's preloaded zygote (tests/forked_ranks.py); `real_torchrun` starts
-    torchrun itself, for what only its behaviour shows."""
-    out = tmp_path / name
-    out.mkdir()
+class Launch:
+    """A run started with `start`: `wait()` gives what subprocess.run would, plus `out`
+    (its outputs), `ranks`, `extra` (its flags) and `elapsed`."""
+
+    def __init__(self, job, out, nproc, extra, timeout):
+        self.job, self.out, self.nproc, self.extra, self.timeout = job, out, nproc, extra, timeout
+        self.t0 = time.monotonic()
+
+    def wait(self):
+        proc = self.job.wait(self.timeout)
+        proc.elapsed = time.monotonic() - self.t0
+        proc.out, proc.ranks, proc.extra = self.out, self.nproc, self.extra
+        return proc
+
+
+def _arguments(out, extra, script):
     args = [*MODEL, "--data-cache-dir", os.environ["MEGATRON_TEST_CACHE"], *extra]
     if script == "pretrain_llama.py":
         args += ["--metrics-file", str(out / "metrics.jsonl"), "--save", str(out / "ckpt"),
@@ -65,15 +73,35 @@ def launch(tmp_path, name, nproc, *extra, env=None, timeout=300, script="pretrai
         args += ["--out-dir", str(out)]
         if "--schedules" not in extra:
             args += ["--schedules", ",".join(SCHEDULES)]
-    full_env = {"OMP_NUM_THREADS": "1", **(env or {})}
+    return args
+
+
+def start(tmp_path, name, nproc, *extra, env=None, timeout=300, script="pretrain_llama.py"):
+    """Start `script` (one process, or `nproc` ranks with torchrun's environment) on the
+    test model; its outputs (metrics, checkpoints) go to tmp_path/name. The ranks are forks
+    of the test session's preloaded zygote (tests/forked_ranks.py). Runs started together
+    share the cores: one run's bubbles are another's compute."""
+    out = tmp_path / name
+    out.mkdir()
+    job = forked_ranks.start(script, _arguments(out, extra, script), nproc,
+                             env={"OMP_NUM_THREADS": "1", **(env or {})})
+    return Launch(job, out, nproc, extra, timeout)
+
+
+def launch(tmp_path, name, nproc, *extra, env=None, timeout=300, script="pretrain_llama.py",
+           real_torchrun=False):
+    """start(...).wait(); `real_torchrun` starts torchrun itself instead, for what only its
+    behaviour shows."""
+    if not real_torchrun:
+        return start(tmp_path, name, nproc, *extra, env=env, timeout=timeout,
+                     script=script).wait()
+    out = tmp_path / name
+    out.mkdir()
+    cmd = [TORCHRUN, "--standalone", "--nproc-per-node", str(nproc), os.path.join(ROOT, script),
+           *_arguments(out, extra, script)]
     t0 = time.monotonic()
-    if real_torchrun:
-        cmd = [TORCHRUN, "--standalone", "--nproc-per-node", str(nproc),
-               os.path.join(ROOT, script), *args]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                              env={**os.environ, **full_env})
-    else:
-        proc = forked_ranks.launch(script, args, nproc, env=full_env, timeout=timeout)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
     proc.elapsed = time.monotonic() - t0
     proc.out, proc.ranks, proc.extra = out, nproc, extra
     return proc
@@ -88,9 +116,12 @@ class ScheduleRun:
         self.ranks, self.extra = run.ranks, run.extra
 
 
-def run_all_schedules(tmp_path_factory, nproc, *extra, env=None):
-    run = launch(tmp_path_factory.mktemp(f"schedules{nproc}"), "all", nproc, *extra,
+def start_all_schedules(tmp_path_factory, nproc, *extra, env=None):
+    return start(tmp_path_factory.mktemp(f"schedules{nproc}"), "all", nproc, *extra,
                  script="tests/run_schedules.py", timeout=600, env=env)
+
+
+def succeeded(run):
     assert run.returncode == 0, run.stderr[-4000:]
     return run
 
@@ -121,27 +152,39 @@ def assert_same_training(run, reference, rel=1e-5):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    os.environ.setdefault("MEGATRON_TEST_CACHE", str(tmp_path_factory.mktemp("cache")))
-    run = launch(tmp_path_factory.mktemp("ref"), "single", 1)
-    assert run.returncode == 0, run.stderr[-4000:]
-    return run
+def started(request, tmp_path_factory, demo_cache):
+    """The module's long runs that the selected tests need, started together."""
+    needed = {name for item in request.session.items if item.module is request.module
+              for name in item.fixturenames}
+    runs = {}
+    if "reference" in needed:
+        runs["reference"] = start(tmp_path_factory.mktemp("ref"), "single", 1)
+    if "two_processes" in needed:
+        # 4 micro-batches on 2 processes; decoupled: 4 forward stages split d = 2 (the default)
+        runs["two_processes"] = start_all_schedules(tmp_path_factory, 2)
+    if "four_processes" in needed:
+        # Two simulated nodes of 2 processes: stages whose owner is on the other node are read
+        # from replicas that the owner pushes, stage by stage, as it publishes them; each push
+        # is held back by a simulated slow link, so they visibly overlap the next iteration.
+        runs["four_processes"] = start_all_schedules(
+            tmp_path_factory, 4, "--forward-stages", "4", "--backward-split", "2",
+            "--procs-per-node", "2", env={LINK_DELAY_ENV: str(SLOW_LINK_S)})
+    return runs
 
 
 @pytest.fixture(scope="module")
-def two_processes(tmp_path_factory, reference):
-    # 4 micro-batches on 2 processes; decoupled: 4 forward stages split d = 2 (the default).
-    return run_all_schedules(tmp_path_factory, 2)
+def reference(started):
+    return succeeded(started["reference"].wait())
 
 
 @pytest.fixture(scope="module")
-def four_processes(tmp_path_factory, reference):
-    # Two simulated nodes of 2 processes: stages whose owner is on the other node are read
-    # from replicas that the owner pushes, stage by stage, as it publishes them; each push
-    # is held back by a simulated slow link, so they visibly overlap the next iteration.
-    return run_all_schedules(tmp_path_factory, 4, "--forward-stages", "4",
-                             "--backward-split", "2", "--procs-per-node", "2",
-                             env={LINK_DELAY_ENV: str(SLOW_LINK_S)})
+def two_processes(started):
+    return succeeded(started["two_processes"].wait())
+
+
+@pytest.fixture(scope="module")
+def four_processes(started):
+    return succeeded(started["four_processes"].wait())
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
@@ -213,8 +256,9 @@ def _vocab(run):
 
 def test_fp16_overflow_skips_the_iteration_on_every_rank(reference, tmp_path):
     fp16 = ["--fp16", "--initial-loss-scale", "1024", "--inject-overflow", "3,1,0"]
-    ref = launch(tmp_path, "fp16-single", 1, *fp16)
-    run = launch(tmp_path, "fp16-pipeline", 2, "--pipeline-schedule", "decoupled", *fp16)
+    one = start(tmp_path, "fp16-single", 1, *fp16)
+    two = start(tmp_path, "fp16-pipeline", 2, "--pipeline-schedule", "decoupled", *fp16)
+    ref, run = one.wait(), two.wait()
     assert ref.returncode == 0, ref.stderr[-3000:]
     # 16-bit working copies: one rounding step of an fp32 master that differs in its last
     # bits (C++ AdamW vs torch's) moves a parameter by ~5e-4 relative, so 1e-3 here.

@@ -69,17 +69,16 @@ def test_plan_auto_config_prints_the_fastest_fitting_candidates(capsys):
     assert times[0] <= default["configuration"]["predicted_iteration_s"]
 
 
-@pytest.mark.multiproc  # builds the demo corpus when the cache has none
-def test_a_run_that_cannot_fit_shared_memory_exits_2_before_any_segment(tmp_path, capsys):
+@pytest.mark.multiproc  # reads the demo corpus
+def test_a_run_that_cannot_fit_shared_memory_exits_2_before_any_segment(demo_cache, capsys):
     """A one-process pipeline whose fp32 parameters (~225 GB) exceed /dev/shm: refused in one
     line before a segment of this process (named after its pid) exists."""
-    cache = os.environ.get("MEGATRON_TEST_CACHE", str(tmp_path / "cache"))
     prefix = namespace(f"process:{os.getpid()}", 0)
     with pytest.raises(SystemExit) as stop:
         main(["--pipeline-schedule", "decoupled", "--forward-stages", "2", "--num-layers", "64",
               "--hidden-size", "8192", "--ffn-hidden-size", "22016",
               "--num-attention-heads", "64", "--num-query-groups", "8", "--seq-length", "32",
-              "--train-iters", "1", "--data-cache-dir", cache])
+              "--train-iters", "1", "--data-cache-dir", demo_cache])
     assert stop.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1, err

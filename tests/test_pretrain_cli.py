@@ -42,8 +42,8 @@ def read_metrics(path):
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("cache")
+def cache(demo_cache):
+    return demo_cache
 
 
 @pytest.mark.parametrize(
@@ -109,21 +109,19 @@ def test_print_model_size_reports_count_and_model_state_memory(capsys):
     assert f"{total * 20 / 2**30:,.1f} GiB" in out
 
 
-def test_tiny_preset_learns_on_the_builtin_corpus(tmp_path, cache):
-    metrics = tmp_path / "metrics.jsonl"
-    r = run_cli("--model-preset", "tiny", "--train-iters", "60", "--log-interval", "30",
-                "--metrics-file", str(metrics), cache=cache)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "lm loss" in r.stdout and "tokens per second" in r.stdout
-    rows = read_metrics(metrics)
-    assert [row["iteration"] for row in rows] == list(range(1, 61))
-    for key in ("iteration", "loss", "lr", "iter_time_s", "tokens_per_s"):
-        assert key in rows[0]
-    last = [row["loss"] for row in rows[-5:]]  # a mean: one batch's loss is noisy
-    assert sum(last) / len(last) < 0.8 * rows[0]["loss"]
+@pytest.fixture(scope="module")
+def learning(tmp_path_factory, cache):
+    """60 iterations of the tiny preset, started once the module's first test that asks for
+    it runs (the resume test runs beside it)."""
+    metrics = tmp_path_factory.mktemp("learn") / "metrics.jsonl"
+    job = forked_ranks.start("pretrain_llama.py", [
+        "--model-preset", "tiny", "--train-iters", "60", "--log-interval", "30",
+        "--metrics-file", str(metrics), "--data-cache-dir", cache])
+    yield metrics, job
+    job.wait(timeout=300)  # gone even when no test waited for it
 
 
-def test_resume_from_checkpoint_continues_the_same_run(tmp_path, cache):
+def test_resume_from_checkpoint_continues_the_same_run(tmp_path, cache, learning):
     full, part = tmp_path / "full.jsonl", tmp_path / "part.jsonl"
     common = [*SMALL, "--train-iters", "6", "--lr", "1e-3", "--lr-warmup-iters", "2"]
     ckpt = tmp_path / "ckpt"
@@ -142,3 +140,16 @@ def test_resume_from_checkpoint_continues_the_same_run(tmp_path, cache):
         assert row["loss"] == pytest.approx(reference[row["iteration"]]["loss"], rel=1e-6)
         assert row["lr"] == pytest.approx(reference[row["iteration"]]["lr"], rel=1e-12)
     assert not list(ckpt.glob("*.tmp"))
+
+
+def test_tiny_preset_learns_on_the_builtin_corpus(learning):
+    metrics, job = learning
+    r = job.wait(timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "lm loss" in r.stdout and "tokens per second" in r.stdout
+    rows = read_metrics(metrics)
+    assert [row["iteration"] for row in rows] == list(range(1, 61))
+    for key in ("iteration", "loss", "lr", "iter_time_s", "tokens_per_s"):
+        assert key in rows[0]
+    last = [row["loss"] for row in rows[-5:]]  # a mean: one batch's loss is noisy
+    assert sum(last) / len(last) < 0.8 * rows[0]["loss"]
