@@ -164,9 +164,10 @@ class _Zygote:
     def __init__(self) -> None:
         code = (f"import sys; sys.path.insert(0, {ROOT!r}); import tests.forked_ranks as z; "
                 "z.zygote_main(); z.run_request_script()")
+        self._errors = tempfile.TemporaryFile()  # what a failed preload printed
         self.proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL)
+                                     stderr=self._errors)
         self._buffer = b""
         self._started: dict[int, int] = {}
         self._exited: dict[int, int] = {}
@@ -218,7 +219,9 @@ class _Zygote:
         deadline = time.monotonic() + timeout
         while not condition():
             if time.monotonic() > deadline or not self.alive():
-                raise RuntimeError(f"the test zygote process failed {what}")
+                self._errors.seek(0)
+                printed = self._errors.read().decode(errors="replace")[-3000:]
+                raise RuntimeError(f"the test zygote process failed {what}:\n{printed}")
             self.pump(0.05)
 
     def close(self) -> None:
@@ -229,6 +232,7 @@ class _Zygote:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        self._errors.close()
 
 
 _ZYGOTE: _Zygote | None = None

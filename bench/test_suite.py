@@ -1,0 +1,92 @@
+"""The test suite's wall time against an earlier commit's, side by side on this machine.
+
+    .venv/bin/python bench/test_suite.py --baseline 6d9789b --rounds 3 [--json]
+
+The baseline is checked out in a temporary git worktree that shares this checkout's .venv
+and built C++ extension (the same sources are compiled in both); the two suites then run
+one after the other, alternating which goes first each round, so that a load that comes
+and goes on the machine falls on both. Prints the wall time of every run, the median and
+range of each side and of the per-round ratio, and the counts of tests pytest reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.spread import spread  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SUMMARY = re.compile(r"(\d+) passed(?:, (\d+) skipped)?")
+
+
+def run_suite(checkout: str) -> dict:
+    """`python -m pytest -q` in `checkout` (the command make test runs after ruff)."""
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"],
+                          cwd=checkout, capture_output=True, text=True)
+    seconds = time.monotonic() - t0
+    found = SUMMARY.search(proc.stdout.splitlines()[-1] if proc.stdout else "")
+    return {"seconds": seconds, "returncode": proc.returncode,
+            "passed": int(found.group(1)) if found else 0,
+            "skipped": int(found.group(2) or 0) if found else 0}
+
+
+def baseline_checkout(commit: str, into: str) -> str:
+    """`commit` as a worktree under `into`, with this checkout's built extension."""
+    path = os.path.join(into, "baseline")
+    subprocess.run(["git", "worktree", "add", "--detach", path, commit], cwd=ROOT,
+                   check=True, capture_output=True)
+    for built in glob.glob(os.path.join(ROOT, "megatron", "optimizer", "_cpu_adam*.so")):
+        shutil.copy(built, os.path.join(path, "megatron", "optimizer"))
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--baseline", required=True, help="the commit to compare with")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error(f"--rounds {args.rounds}: expected at least 1")
+    scratch = tempfile.mkdtemp(prefix="bench-suite-")
+    runs: dict[str, list[dict]] = {"baseline": [], "this": []}
+    try:
+        checkouts = {"baseline": baseline_checkout(args.baseline, scratch), "this": ROOT}
+        for round_ in range(args.rounds):
+            order = ["baseline", "this"] if round_ % 2 == 0 else ["this", "baseline"]
+            for side in order:
+                result = run_suite(checkouts[side])
+                runs[side].append(result)
+                if not args.json:
+                    print(f"round {round_ + 1}: {side} {result['seconds']:.1f} s, "
+                          f"{result['passed']} passed, rc {result['returncode']}",
+                          file=sys.stderr)
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force",
+                        os.path.join(scratch, "baseline")], cwd=ROOT, capture_output=True)
+        shutil.rmtree(scratch, ignore_errors=True)
+    ratios = [t["seconds"] / b["seconds"] for t, b in zip(runs["this"], runs["baseline"])]
+    result = {
+        "baseline": args.baseline, "rounds": args.rounds, "cores": os.cpu_count(),
+        "seconds": {side: spread([r["seconds"] for r in rs]) for side, rs in runs.items()},
+        "this_over_baseline": spread(ratios),
+        "runs": runs,
+    }
+    print(json.dumps(result, indent=None if args.json else 1))
+    return 0 if all(r["returncode"] == 0 for rs in runs.values() for r in rs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
