@@ -329,6 +329,6 @@ def test_bf16_flags_with_the_one_process_reference_exit_2_naming_the_flag(flag, 
     assert flag in line and "bf16" in line
     run = parse_args(["--model-preset", "tiny", flag, "bf16"])
     assert runs_pipeline(run, world_size=1)
-    config = pipeline_config(run, run_schedule(run, world_size=1, vocab_size=4096))
+    config = pipeline_config(run, *run_schedule(run, world_size=1, vocab_size=4096))
     dtypes = (config.optimizer.master_dtype, config.optimizer.state_dtype)
     assert dtypes == ((BF16, torch.float32) if flag == "--master-dtype" else (torch.float32, BF16))

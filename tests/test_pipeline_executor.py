@@ -35,6 +35,7 @@ from megatron.training.arguments import parse_args
 from megatron.training.checkpoint_state import MASTER
 from megatron.training.checkpointing import read_all_tensors
 from megatron.training.distributed import initialize_distributed, shutdown_distributed
+from megatron.training.training import main
 from tests import forked_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -114,6 +115,20 @@ class ScheduleRun:
         self.returncode, self.stderr = run.returncode, run.stderr
         self.out = run.out / schedule
         self.ranks, self.extra = run.ranks, run.extra
+
+
+def refused_in_process(capsys, tmp_path, name, *extra):
+    """pretrain_llama.py's main() in this process, for a run that must be refused before
+    anything starts: what subprocess.run would give (returncode, stderr) and `out`."""
+    out = tmp_path / name
+    out.mkdir()
+    try:
+        code = main(_arguments(out, extra, "pretrain_llama.py"))
+    except SystemExit as exc:
+        code = exc.code
+    proc = subprocess.CompletedProcess(["pretrain_llama.py"], code, *capsys.readouterr())
+    proc.out = out
+    return proc
 
 
 def start_all_schedules(tmp_path_factory, nproc, *extra, env=None):
@@ -331,10 +346,12 @@ def test_bad_pipeline_flags_are_refused_before_anything_is_built(extra, flag, ca
 
 
 @pytest.mark.parametrize("processes,flag", [(2, 4), (1, 2)])
-def test_world_size_mismatch_exits_2_naming_the_flag(reference, tmp_path, processes, flag):
+def test_world_size_mismatch_exits_2_naming_the_flag(demo_cache, tmp_path, processes, flag,
+                                                      capsys):
     # one process included: a launch without torchrun must not train the whole model
-    run = launch(tmp_path, "bad", processes, "--pipeline-model-parallel-size", str(flag),
-                 timeout=120)
+    bad = ("--pipeline-model-parallel-size", str(flag))
+    run = (launch(tmp_path, "bad", processes, *bad, timeout=120) if processes > 1
+           else refused_in_process(capsys, tmp_path, "bad", *bad))
     assert run.returncode == 2 if processes == 1 else run.returncode != 0
     lines = [line for line in run.stderr.splitlines() if "pretrain_llama.py: error" in line]
     assert len(lines) == 1 and f"--pipeline-model-parallel-size {flag}" in lines[0]
@@ -402,14 +419,15 @@ def test_schedule_files_train_like_the_generated_schedule(reference, tmp_path):
     assert_same_training(run, reference)
 
 
-def test_a_broken_schedule_file_exits_2_naming_rank_index_and_rule(reference, tmp_path):
+def test_a_broken_schedule_file_exits_2_naming_rank_index_and_rule(demo_cache, tmp_path,
+                                                                    capsys):
     path = tmp_path / "broken.csv"
     lines = _write_schedule_file(path, 1)
     first_backward = next(i for i, line in enumerate(lines) if ",BACKWARD," in line)
     del lines[first_backward]  # one backward never runs: its gradient is missing downstream
     path.write_text("".join(lines))
     before = set(os.listdir("/dev/shm"))
-    run = launch(tmp_path, "broken", 1, "--schedule-file", str(path), timeout=120)
+    run = refused_in_process(capsys, tmp_path, "broken", "--schedule-file", str(path))
     assert run.returncode == 2, run.stderr[-2000:]
     errors = [line for line in run.stderr.splitlines() if "pretrain_llama.py: error" in line]
     assert len(errors) == 1
@@ -422,10 +440,10 @@ def test_a_broken_schedule_file_exits_2_naming_rank_index_and_rule(reference, tm
     assert set(os.listdir("/dev/shm")) <= before
 
 
-def test_a_schedule_file_for_another_run_exits_2(reference, tmp_path):
+def test_a_schedule_file_for_another_run_exits_2(demo_cache, tmp_path, capsys):
     path = tmp_path / "two-ranks.csv"
     _write_schedule_file(path, 2)
-    run = launch(tmp_path, "mismatch", 1, "--schedule-file", str(path), timeout=120)
+    run = refused_in_process(capsys, tmp_path, "mismatch", "--schedule-file", str(path))
     assert run.returncode == 2
     assert "the file has ranks=2, this run has 1" in run.stderr
 

@@ -113,8 +113,7 @@ class Pipeline:
             process_group=self._verdict_group(), thread_setup=device.bind_current_thread)
         self.buffers = rank_buffers(device, config.dtype, self.rank,
                                     max(m.layout.numel for m in self.modules.values()),
-                                    self.owned, validate(schedule),
-                                    validate(self.eval_schedule))
+                                    self.owned, config.report, validate(self.eval_schedule))
         self.subgroups = self._plan_subgroups()
         # Each replica's backward divides by the replicas too: their sum is the mean.
         replica_count = layout.data_parallel_size

@@ -15,6 +15,7 @@ import torch
 from megatron.config.run import PrecisionConfig, RunConfig
 from megatron.optimizer.cpu_adam import usable_cores
 from megatron.schedules.instructions import BackwardStage, Schedule
+from megatron.schedules.validator import ValidationReport
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -60,6 +61,7 @@ class LossScaling:
 @dataclass(frozen=True)
 class PipelineConfig:
     schedule: Schedule
+    report: ValidationReport  # the schedule's validation (residency bounds size the buffers)
     dtype: torch.dtype  # working parameters, gradients and messages
     micro_batch_size: int
     optimizer: OptimizerSettings
@@ -100,8 +102,10 @@ def working_dtype(precision: PrecisionConfig) -> torch.dtype:
     return TORCH_DTYPES[precision.dtype]
 
 
-def pipeline_config(run: RunConfig, schedule: Schedule) -> PipelineConfig:
-    """The runtime's view of `run` executing `schedule` in this process."""
+def pipeline_config(run: RunConfig, schedule: Schedule, report: ValidationReport
+                    ) -> PipelineConfig:
+    """The runtime's view of `run` executing `schedule` (validated: `report`) in this
+    process."""
     o, p, c = run.optimization, run.precision, run.cpu_optimizer
     dtype = working_dtype(p)
     # Default threads: this process's share of the cores it may run on (affinity respected).
@@ -114,6 +118,7 @@ def pipeline_config(run: RunConfig, schedule: Schedule) -> PipelineConfig:
     logging = run.logging
     return PipelineConfig(
         schedule=schedule,
+        report=report,
         dtype=dtype,
         micro_batch_size=run.training.micro_batch_size,
         optimizer=OptimizerSettings(lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,

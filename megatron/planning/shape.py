@@ -24,7 +24,7 @@ from megatron.schedules.instructions import Schedule
 from megatron.schedules.interpreter import ScheduleError
 from megatron.schedules.optimizer_placement import place_device_subgroups
 from megatron.schedules.schedule_file import read_schedule
-from megatron.schedules.validator import validate
+from megatron.schedules.validator import ValidationReport, validate
 
 
 @dataclass(frozen=True)
@@ -139,7 +139,7 @@ class ScheduleFileError(ConfigError):
         super().__init__("--schedule-file", path, expected, details)
 
 
-def load_schedule_file(run: RunConfig, world_size: int) -> Schedule:
+def load_schedule_file(run: RunConfig, world_size: int) -> tuple[Schedule, ValidationReport]:
     """Read, check against this run's flags, and validate --schedule-file."""
     p = run.parallel
     path = p.schedule_file
@@ -159,21 +159,20 @@ def load_schedule_file(run: RunConfig, world_size: int) -> Schedule:
                                       f"{sum(schedule.partition)} layers, --num-layers is "
                                       f"{run.model.num_layers}")
     try:
-        validate(schedule)
+        return schedule, validate(schedule)
     except ScheduleError as exc:
         raise ScheduleFileError(path, str(exc),
                                 format_programs(schedule, (exc.rank, exc.index))) from None
-    return schedule
 
 
-def run_schedule(run: RunConfig, world_size: int, vocab_size: int) -> Schedule:
-    """The validated program every rank of this run executes: --schedule-file's, or the
-    generated one (valid by construction, and proven so)."""
+def run_schedule(run: RunConfig, world_size: int, vocab_size: int
+                 ) -> tuple[Schedule, ValidationReport]:
+    """The program every rank of this run executes, and its validation: --schedule-file's,
+    or the generated one (valid by construction, and proven so)."""
     if run.parallel.schedule_file is not None:
         return load_schedule_file(run, world_size)
     schedule = generate_schedule(run, world_size, vocab_size)
-    validate(schedule)
-    return schedule
+    return schedule, validate(schedule)
 
 
 def with_schedule(run: RunConfig, name: str) -> RunConfig:

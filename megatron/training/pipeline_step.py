@@ -33,8 +33,8 @@ class PipelineTrainStep:
         self.rank = dist_info.rank
         self.model_cfg = model_cfg
         self.run = run
-        schedule = run_schedule(run, dist_info.pipeline_size, model_cfg.vocab_size)
-        self.config = pipeline_config(run, schedule)
+        schedule, report = run_schedule(run, dist_info.pipeline_size, model_cfg.vocab_size)
+        self.config = pipeline_config(run, schedule, report)
         refuse_what_does_not_fit(run, schedule, model_cfg.vocab_size,
                                  dist_info.layout.pipeline_rank, host_group())
         self.pipeline = Pipeline(self.config, model_cfg, self.rank)
