@@ -6,21 +6,27 @@ cores) for its agent and again for every rank, and the suite launches about 150 
 one *zygote* process per test session imports them once; each rank is a fork of it that:
 
 - gets torchrun's environment for its rank (RANK, LOCAL_RANK, WORLD_SIZE,
-  LOCAL_WORLD_SIZE, MASTER_ADDR/PORT, a fresh TORCHELASTIC_RUN_ID, ...), or, for one
-  process without torchrun, the caller's environment only;
-- runs the script as `python script args` would (`__main__`, sys.argv, sys.path[0]);
+  LOCAL_WORLD_SIZE, MASTER_ADDR/PORT, a fresh TORCHELASTIC_RUN_ID, ...) with the TCP store
+  hosted by the test process, as torchrun's agent hosts it; or, for one process without
+  torchrun, the caller's environment only;
+- runs the script as `python script args` would (`__main__`, sys.argv, sys.path[0] the
+  script's directory and no current directory before it);
 - writes its stdout and stderr to files of its own, returned concatenated in rank order;
 - ends like an interpreter does: non-daemon threads joined, atexit handlers run, the
   exit status of SystemExit or 1 after a traceback (but without tearing the preloaded
-  modules down, a second per rank).
+  modules down, a second per rank);
+- dies with the zygote, and the zygote kills its ranks when the test session ends.
 
-As torchrun does, the first rank that fails takes the others down (SIGTERM, then SIGKILL
-after a grace period). Keep torchrun itself for tests of torchrun's own behaviour (signals
-to its workers, a killed rank, the launch examples) and a fresh interpreter for what is
+As with torchrun, the first rank that fails takes the others down (SIGTERM, then SIGKILL
+after a grace period: 5 s here, 30 s in torchrun) and the job's exit status is 1, with a
+line naming the rank and its status. Keep torchrun itself for tests of torchrun's own
+behaviour (a killed worker, the launch examples) and a fresh interpreter for what is
 decided at import time (the C++ optimizer's environment knobs).
 
 The zygote runs one thread and never touches torch before forking, so a fork is as clean
-as a new process; the modules it preloads read no environment at import.
+as a new process; the modules it preloads read no environment at import. Signals go
+through the zygote, which sends them only to children it has not reaped: a pid that
+has been reused is never signalled.
 """
 
 from __future__ import annotations
@@ -29,7 +35,6 @@ import json
 import os
 import select
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -43,15 +48,16 @@ PRELOAD = ("torch", "torch._dynamo", "torch.distributed.checkpoint", "torch.util
            "megatron.core.optimizer_param_scheduler", "megatron.training.training")
 GRACE_S = 5.0  # after SIGTERM to the surviving ranks of a failed job, before SIGKILL
 READY = "ready"
+PR_SET_PDEATHSIG = 1
 
 
 # --- the zygote (its own process) ---------------------------------------------------------
 
 def zygote_main() -> None:
-    """Preload, then fork one child per request line on stdin; report each child's pid
-    and exit status on stdout. Returns only in a child, after setting it up: the caller
-    then runs the request's script at the top level, so that SystemExit unwinds to a
-    normal interpreter exit."""
+    """Preload, then serve request lines on stdin: fork a child (reporting its pid and,
+    later, its exit status on stdout) or signal a child not reaped yet. At the end of its
+    input it kills its children and exits. Returns only in a child, after setting it up:
+    the caller then runs the request's script at the top level."""
     import warnings
 
     # the warnings a fresh `pretrain_llama.py` filters before its own imports
@@ -63,19 +69,24 @@ def zygote_main() -> None:
     for module in PRELOAD:
         __import__(module)
     _say(responses, READY)
+    children: set[int] = set()
     pending = b""
     while True:
         readable, _, _ = select.select([requests], [], [], 0.05)
-        _report_exits(responses)
+        _report_exits(responses, children)
         if not readable:
             continue
         chunk = os.read(requests, 1 << 16)
-        if not chunk:  # the test session is gone
-            os._exit(0)
+        if not chunk:  # the test session is gone: so are its ranks
+            _end(children)
         pending += chunk
         while b"\n" in pending:
             line, pending = pending.split(b"\n", 1)
             request = json.loads(line)
+            if "signal" in request:
+                if request["pid"] in children:  # not reaped: still this pid's process
+                    os.kill(request["pid"], request["signal"])
+                continue
             sys.stdout.flush()
             sys.stderr.flush()
             pid = os.fork()
@@ -83,6 +94,7 @@ def zygote_main() -> None:
                 os.close(responses)
                 _become(request)
                 return
+            children.add(pid)
             _say(responses, f"started {request['id']} {pid}")
 
 
@@ -90,7 +102,7 @@ def _say(fd: int, line: str) -> None:
     os.write(fd, (line + "\n").encode())
 
 
-def _report_exits(responses: int) -> None:
+def _report_exits(responses: int, children: set[int]) -> None:
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -98,11 +110,25 @@ def _report_exits(responses: int) -> None:
             return
         if pid == 0:
             return
+        children.discard(pid)
         _say(responses, f"exited {pid} {os.waitstatus_to_exitcode(status)}")
+
+
+def _end(children: set[int]) -> None:
+    for pid in children:
+        os.kill(pid, signal.SIGKILL)
+    for pid in children:
+        os.waitpid(pid, 0)
+    os._exit(0)
 
 
 def _become(request: dict) -> None:
     """In the forked child: the request's directory, environment, files and arguments."""
+    import ctypes
+
+    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # gone with the zygote
+    if os.getppid() == 1:  # the zygote died before the line above
+        os._exit(1)
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
@@ -119,7 +145,7 @@ def _become(request: dict) -> None:
 
         torch.set_num_threads(int(threads))
     sys.argv = list(request["argv"])
-    sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))
+    sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))  # python -P keeps no cwd
 
 
 def run_request_script() -> None:
@@ -165,7 +191,8 @@ class _Zygote:
         code = (f"import sys; sys.path.insert(0, {ROOT!r}); import tests.forked_ranks as z; "
                 "z.zygote_main(); z.run_request_script()")
         self._errors = tempfile.TemporaryFile()  # what a failed preload printed
-        self.proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT,
+        # -P: no current directory on sys.path, as for `python script.py`
+        self.proc = subprocess.Popen([sys.executable, "-P", "-c", code], cwd=ROOT,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self._errors)
         self._buffer = b""
@@ -177,17 +204,24 @@ class _Zygote:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
+    def _send(self, request: dict) -> None:
+        self.proc.stdin.write((json.dumps(request) + "\n").encode())
+        self.proc.stdin.flush()
+
     def fork(self, argv: Sequence[str], env: Mapping[str, str], cwd: str, stdout: str,
              stderr: str) -> int:
         self._wait_for(lambda: self._ready, 120, "to preload")
         self._next_id += 1
         rid = self._next_id
-        request = {"id": rid, "argv": list(argv), "env": dict(env), "cwd": cwd,
-                   "stdout": stdout, "stderr": stderr}
-        self.proc.stdin.write((json.dumps(request) + "\n").encode())
-        self.proc.stdin.flush()
+        self._send({"id": rid, "argv": list(argv), "env": dict(env), "cwd": cwd,
+                    "stdout": stdout, "stderr": stderr})
         self._wait_for(lambda: rid in self._started, 60, "to fork")
         return self._started.pop(rid)
+
+    def signal(self, pid: int, sig: int) -> None:
+        """Signal `pid` if it has not exited (the zygote checks: it reaps its children)."""
+        if self.alive() and pid not in self._exited:
+            self._send({"pid": pid, "signal": int(sig)})
 
     def exit_code(self, pid: int) -> int | None:
         return self._exited.get(pid)
@@ -225,13 +259,15 @@ class _Zygote:
             self.pump(0.05)
 
     def close(self) -> None:
+        """End the zygote; it kills the ranks still running."""
         if self.alive():
             self.proc.stdin.close()
             try:
-                self.proc.wait(timeout=10)
+                self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        self.proc.stdout.close()
         self._errors.close()
 
 
@@ -241,6 +277,7 @@ _ZYGOTE: _Zygote | None = None
 def _zygote() -> _Zygote:
     global _ZYGOTE
     if _ZYGOTE is None or not _ZYGOTE.alive():
+        close_zygote()
         _ZYGOTE = _Zygote()
     return _ZYGOTE
 
@@ -258,22 +295,26 @@ def close_zygote() -> None:
         _ZYGOTE = None
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def torchrun_env(rank: int, nproc: int, port: int, run_id: str) -> dict[str, str]:
-    """What `torchrun --standalone --nproc-per-node nproc` gives worker `rank`, with the
-    TCP store hosted by rank 0 (there is no agent to host it)."""
+    """What `torchrun --standalone --nproc-per-node nproc` gives worker `rank`: the TCP
+    store at 127.0.0.1:`port` is the agent's (here: the test process's)."""
     return {"RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0",
             "ROLE_RANK": str(rank), "ROLE_NAME": "default", "LOCAL_WORLD_SIZE": str(nproc),
             "WORLD_SIZE": str(nproc), "GROUP_WORLD_SIZE": "1", "ROLE_WORLD_SIZE": str(nproc),
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
             "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
-            "TORCHELASTIC_RUN_ID": run_id, "TORCHELASTIC_USE_AGENT_STORE": "False",
+            "TORCHELASTIC_RUN_ID": run_id, "TORCHELASTIC_USE_AGENT_STORE": "True",
             "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+
+
+def _agent_store(nproc: int):
+    """The job's TCP store, hosted here on a port the system picks (no port to race for)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, nproc, is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=300))
 
 
 class RankJob:
@@ -284,22 +325,26 @@ class RankJob:
         if nproc > 1 and not torchrun:
             raise ValueError("several processes need torchrun's environment")
         script = os.path.join(cwd, script)
+        self.torchrun = torchrun
         base = {**os.environ, **env}
-        port, run_id = (_free_port(), uuid.uuid4().hex) if torchrun else (0, "")
-        if torchrun:
-            base.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default for several workers
         self.command = ([f"torchrun --nproc-per-node {nproc}"] if torchrun else ["python"]) \
             + [script, *args]
+        self.pids: list[int] = []
+        self._result: subprocess.CompletedProcess | None = None
+        self._failure: BaseException | None = None
+        self._closed = False
+        self._store = _agent_store(nproc) if torchrun else None
         self._zygote = _zygote()
         self._logs = tempfile.TemporaryDirectory(prefix="ranks-")
         self._files = [(os.path.join(self._logs.name, f"{r}.out"),
                         os.path.join(self._logs.name, f"{r}.err")) for r in range(nproc)]
-        self.pids: list[int] = []
-        self._result: subprocess.CompletedProcess | None = None
         try:
+            run_id = uuid.uuid4().hex
             for rank, (out, err) in enumerate(self._files):
-                rank_env = ({**base, **torchrun_env(rank, nproc, port, run_id)} if torchrun
-                            else base)
+                rank_env = base
+                if torchrun:
+                    rank_env = {"OMP_NUM_THREADS": "1",  # torchrun's default for workers
+                                **base, **torchrun_env(rank, nproc, self._store.port, run_id)}
                 self.pids.append(self._zygote.fork([script, *args], rank_env, cwd, out, err))
         except BaseException:
             self._close()
@@ -311,24 +356,44 @@ class RankJob:
         return all(self._zygote.exit_code(pid) is None for pid in self.pids)
 
     def wait(self, timeout: float = 300) -> subprocess.CompletedProcess:
-        """Wait for every rank (returncode: 0, or the first failed rank's status); raise
-        subprocess.TimeoutExpired after `timeout` seconds, every rank killed."""
+        """Wait for every rank (returncode: 0; a single process's status; 1 when a rank of
+        several failed, as torchrun); raise subprocess.TimeoutExpired after `timeout`
+        seconds, every rank killed. Once it has returned or raised, it does so again."""
+        if self._failure is not None:
+            raise self._failure
         if self._result is not None:
             return self._result
         try:
-            returncode = _wait(self._zygote, self.pids, timeout, self.command)
+            codes = _wait(self._zygote, self.pids, timeout, self.command)
             stdout = "".join(_read(out) for out, _ in self._files)
             stderr = "".join(_read(err) for _, err in self._files)
+        except BaseException as exc:
+            self._failure = exc
+            raise
         finally:
             self._close()
+        failed = [(rank, code) for rank, code in enumerate(codes) if code != 0]
+        returncode = 0
+        if failed and not self.torchrun:
+            returncode = failed[0][1]
+        elif failed:
+            returncode = 1
+            stderr += "".join(f"[forked_ranks] rank {rank} failed with exit status {code}\n"
+                              for rank, code in failed)
         self._result = subprocess.CompletedProcess(self.command, returncode, stdout, stderr)
         return self._result
 
     def _close(self) -> None:
-        _kill(self._zygote, self.pids, signal.SIGKILL)
-        for pid in self.pids:
-            self._zygote.forget(pid)
-        self._logs.cleanup()
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            _kill(self._zygote, self.pids, signal.SIGKILL)
+        finally:
+            for pid in self.pids:
+                self._zygote.forget(pid)
+            self._logs.cleanup()
+            self._store = None
 
 
 def start(script: str, args: Sequence[str], nproc: int = 1, *, torchrun: bool | None = None,
@@ -342,38 +407,37 @@ def start(script: str, args: Sequence[str], nproc: int = 1, *, torchrun: bool | 
 def launch(script: str, args: Sequence[str], nproc: int = 1, *, torchrun: bool | None = None,
            env: Mapping[str, str] | None = None, timeout: float = 300,
            cwd: str = ROOT) -> subprocess.CompletedProcess:
-    """start(...).wait(timeout): what subprocess.run would return for the same command."""
+    """start(...).wait(timeout)."""
     return start(script, args, nproc, torchrun=torchrun, env=env, cwd=cwd).wait(timeout)
 
 
-def _wait(zygote: _Zygote, pids: list[int], timeout: float, command: list[str]) -> int:
-    """Wait for every rank; on the first failure, take the others down as torchrun does."""
+def _wait(zygote: _Zygote, pids: list[int], timeout: float, command: list[str]) -> list[int]:
+    """Every rank's exit status; on the first failure, the others are taken down as
+    torchrun does (a failed rank's survivors are SIGKILLed after the grace period)."""
     deadline = time.monotonic() + timeout
-    failed: int | None = None
+    failed = False
     while True:
         codes = [zygote.exit_code(pid) for pid in pids]
-        if failed is None:
-            failed = next((c for c in codes if c not in (None, 0)), None)
-            if failed is not None:
-                _kill(zygote, pids, signal.SIGTERM)
-                deadline = min(deadline, time.monotonic() + GRACE_S)
+        if not failed and any(c not in (None, 0) for c in codes):
+            failed = True
+            _kill(zygote, pids, signal.SIGTERM)
+            deadline = min(deadline, time.monotonic() + GRACE_S)
         if all(c is not None for c in codes):
-            return failed or 0
+            return codes
         if time.monotonic() > deadline:
-            if failed is not None:
-                return failed  # the survivors get SIGKILL on the way out
+            if failed:
+                _kill(zygote, pids, signal.SIGKILL)
+                continue
             raise subprocess.TimeoutExpired(" ".join(command), timeout)
         zygote.pump(0.05)
 
 
 def _kill(zygote: _Zygote, pids: list[int], sig: int) -> None:
+    if not zygote.alive():
+        return
     zygote.pump(0)
     for pid in pids:
-        if zygote.exit_code(pid) is None:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
+        zygote.signal(pid, sig)
     if sig == signal.SIGKILL:  # wait until they are gone: their files and segments too
         deadline = time.monotonic() + 30
         while any(zygote.exit_code(p) is None for p in pids) and time.monotonic() < deadline:

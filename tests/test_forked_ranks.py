@@ -38,7 +38,7 @@ def test_each_rank_gets_torchruns_environment_and_runs_as_main(tmp_path):
                 "MASTER_PORT", "TORCHELASTIC_RUN_ID", "OMP_NUM_THREADS", "EXTRA")
         print(json.dumps({"env": {k: os.environ.get(k) for k in keys}, "argv": sys.argv,
                           "name": __name__, "preloaded": preloaded,
-                          "path0": sys.path[0], "cwd": os.getcwd()}))
+                          "path": sys.path, "cwd": os.getcwd()}))
     """)
     run = forked_ranks.launch(script, ["--flag", "x"], 3, env={"EXTRA": "1"})
     assert run.returncode == 0, run.stderr
@@ -50,7 +50,8 @@ def test_each_rank_gets_torchruns_environment_and_runs_as_main(tmp_path):
         assert env["LOCAL_WORLD_SIZE"] == "3" and env["OMP_NUM_THREADS"] == "1"
         assert env["EXTRA"] == "1" and int(env["MASTER_PORT"]) > 0
         assert r["argv"] == [script, "--flag", "x"] and r["name"] == "__main__"
-        assert r["preloaded"] and r["path0"] == str(tmp_path) and r["cwd"] == forked_ranks.ROOT
+        assert r["preloaded"] and r["cwd"] == forked_ranks.ROOT
+        assert r["path"][0] == str(tmp_path) and "" not in r["path"]  # python script.py
     assert len({r["env"]["TORCHELASTIC_RUN_ID"] for r in ranks}) == 1  # one job
     alone = forked_ranks.launch(script, [], 1)
     assert json.loads(alone.stdout)["env"]["RANK"] is None  # python script.py: no launcher
@@ -85,7 +86,8 @@ def test_the_first_failure_takes_the_other_ranks_down(tmp_path):
     """)
     t0 = time.monotonic()
     run = forked_ranks.launch(script, [], 2)
-    assert run.returncode == 3
+    assert run.returncode == 1  # torchrun's status for a failed worker, which it names
+    assert "rank 1 failed with exit status 3" in run.stderr
     assert time.monotonic() - t0 < forked_ranks.GRACE_S + 10
     assert "terminated" in run.stdout  # SIGTERM first, as torchrun sends
 
@@ -100,3 +102,21 @@ def test_a_timeout_kills_every_rank(tmp_path):
     with pytest.raises(subprocess.TimeoutExpired):
         job.wait(timeout=1)
     assert all(_gone(pid) for pid in job.pids)
+    with pytest.raises(subprocess.TimeoutExpired):  # asked again: the same answer, at once
+        job.wait(timeout=60)
+
+
+def test_ranks_end_with_the_zygote(tmp_path):
+    """A session that ends (or dies) leaves no rank running."""
+    zygote = forked_ranks._Zygote()
+    try:
+        script = _script(tmp_path, "sleep.py", "import time; time.sleep(600)\n")
+        pid = zygote.fork([script], dict(os.environ), forked_ranks.ROOT,
+                          str(tmp_path / "out"), str(tmp_path / "err"))
+        assert not _gone(pid)
+    finally:
+        zygote.close()
+    deadline = time.monotonic() + 10
+    while not _gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _gone(pid)
