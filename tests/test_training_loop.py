@@ -146,8 +146,8 @@ def test_model_flags_must_match_the_checkpoint():
 
 def test_defaults_follow_megatron_where_there_is_a_validation_set():
     run = parse_args([*TINY, "--split", "969,30,1"])
-    assert (run.evaluation.eval_interval, run.evaluation.eval_iters) == (1000, 10)
-    assert parse_args(TINY).evaluation.eval_iters == 0  # no validation set: no evaluation
+    assert (run.eval_interval, run.eval_iters) == (1000, 10)
+    assert parse_args(TINY).eval_iters == 0  # no validation set: no evaluation
     run = parse_args([*TINY, "--train-iters", "12", "--eval-interval", "5", "--eval-iters", "2",
                       "--split", "90,8,2"])
     batch = run.training.global_batch_size

@@ -11,17 +11,19 @@ import math
 from typing import TYPE_CHECKING
 
 from megatron.config.errors import ConfigError, flag_name
+from megatron.config.model import MODEL_FIELDS
 from megatron.config.values import parse_data_path, parse_split
 
 if TYPE_CHECKING:
     from megatron.config.run import RunConfig
 
-MODEL_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-                "num_query_groups", "seq_length", "vocab_size")
 REQUIRED_MODEL_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size",
                          "num_attention_heads", "seq_length")
-FINITE_FIELDS = ("lr", "min_lr", "weight_decay", "clip_grad", "adam_beta1", "adam_beta2",
-                 "adam_eps", "initial_loss_scale", "min_loss_scale")
+FINITE_FIELDS = (("optimization", "lr"), ("optimization", "min_lr"),
+                 ("optimization", "weight_decay"), ("optimization", "clip_grad"),
+                 ("optimization", "adam_beta1"), ("optimization", "adam_beta2"),
+                 ("optimization", "adam_eps"), ("precision", "initial_loss_scale"),
+                 ("precision", "min_loss_scale"))
 
 
 def check_run(run: RunConfig) -> None:
@@ -61,8 +63,8 @@ def _check_values(run: RunConfig) -> None:
     """Values argparse accepts but training cannot use: non-finite numbers, eps <= 0, and
     the evaluation and exit flags."""
     o, p = run.optimization, run.precision
-    for field in FINITE_FIELDS:
-        value = getattr(o if hasattr(o, field) else p, field)
+    for section, field in FINITE_FIELDS:
+        value = getattr(getattr(run, section), field)
         if not math.isfinite(value):
             raise ConfigError(flag_name(field), value, "expected a finite number")
     if o.adam_eps <= 0:
@@ -72,7 +74,7 @@ def _check_values(run: RunConfig) -> None:
             raise ConfigError(flag_name(field), getattr(p, field), "expected a value > 0")
     _positive(run.evaluation.eval_interval, "eval_interval")
     _positive(run.exit.exit_interval, "exit_interval")
-    if run.evaluation.eval_iters < 0:
+    if run.evaluation.eval_iters is not None and run.evaluation.eval_iters < 0:
         raise ConfigError("--eval-iters", run.evaluation.eval_iters, "expected an integer >= 0")
     minutes = run.exit.exit_duration_in_mins
     if minutes is not None and not (math.isfinite(minutes) and minutes > 0):
@@ -97,13 +99,22 @@ def _check_data(run: RunConfig) -> None:
     for field in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
         if getattr(d, field) is not None:
             parse_data_path(flag_name(field), getattr(d, field))
-    if run.evaluation.eval_iters > 0 and not d.has_validation_set:
-        raise ConfigError("--eval-iters", run.evaluation.eval_iters,
-                          "needs a validation set: --split with a validation share "
-                          "(e.g. 969,30,1) or --valid-data-path")
+    _check_evaluation(run)
     if run.logging.wandb_exp_name is not None and run.logging.wandb_project is None:
         raise ConfigError("--wandb-exp-name", run.logging.wandb_exp_name,
                           "needs --wandb-project")
+
+
+def _check_evaluation(run: RunConfig) -> None:
+    """Evaluation needs a validation set: --eval-iters above 0 (given, or Megatron's
+    default where there is one), or --eval-interval given alone."""
+    given = run.evaluation
+    wanted = run.eval_iters > 0 or (given.eval_interval is not None and given.eval_iters is None)
+    if wanted and not run.data.has_validation_set:
+        flag = "--eval-interval" if given.eval_interval is not None else "--eval-iters"
+        raise ConfigError(flag, getattr(given, flag[2:].replace("-", "_")),
+                          "needs a validation set: --split with a validation share "
+                          "(e.g. 969,30,1) or --valid-data-path")
 
 
 def _check_architecture(run: RunConfig) -> None:

@@ -17,6 +17,11 @@ MODEL_STATE_BYTES_PER_PARAM = 20
 PLANNING_VOCAB_SIZE = 32000
 
 
+# The model's flags (Megatron's names), what a preset sets and a checkpoint must agree on.
+MODEL_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                "num_query_groups", "seq_length", "vocab_size")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     name: str  # the preset it came from, or "custom"

@@ -25,6 +25,12 @@ from megatron.config.values import parse_split
 # Bytes per element of the precisions a flag can name.
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 CUSTOM_MODEL = "custom"
+DEFAULT_EVAL_INTERVAL, DEFAULT_EVAL_ITERS = 1000, 10  # Megatron's
+
+
+def optimizer_state_bytes(master_bytes: int, moment_bytes: int) -> int:
+    """Host bytes per parameter of the optimizer state: the master and Adam's two moments."""
+    return master_bytes + 2 * moment_bytes
 
 
 @dataclass(frozen=True)
@@ -79,7 +85,8 @@ class PrecisionConfig:
     @property
     def optimizer_bytes_per_param(self) -> int:
         """Host bytes per parameter of the master and Adam's two moments (12, 10, 8 or 6)."""
-        return DTYPE_BYTES[self.master_dtype] + 2 * DTYPE_BYTES[self.optimizer_state_dtype]
+        return optimizer_state_bytes(DTYPE_BYTES[self.master_dtype],
+                                     DTYPE_BYTES[self.optimizer_state_dtype])
 
 
 @dataclass(frozen=True)
@@ -116,8 +123,10 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class EvaluationConfig:
-    eval_interval: int
-    eval_iters: int  # 0: no evaluation
+    """As given; RunConfig.eval_interval and eval_iters resolve Megatron's defaults."""
+
+    eval_interval: int | None  # None: 1000
+    eval_iters: int | None  # None: 10 with a validation set, else 0; 0: no evaluation
 
 
 @dataclass(frozen=True)
@@ -220,17 +229,31 @@ class RunConfig:
         return self.training.global_batch_size * self.model.seq_length
 
     @property
+    def eval_interval(self) -> int:
+        """--eval-interval, or Megatron's 1000."""
+        given = self.evaluation.eval_interval
+        return DEFAULT_EVAL_INTERVAL if given is None else given
+
+    @property
+    def eval_iters(self) -> int:
+        """--eval-iters, or Megatron's 10 where there is a validation set (--split with a
+        validation share, or --valid-data-path) and 0 (no evaluation) where there is none."""
+        given = self.evaluation.eval_iters
+        if given is not None:
+            return given
+        return DEFAULT_EVAL_ITERS if self.data.has_validation_set else 0
+
+    @property
     def evaluations(self) -> int:
         """Evaluations a run makes: one per interval, plus the one at the end."""
-        e = self.evaluation
-        return self.training.train_iters // e.eval_interval + 1 if e.eval_iters > 0 else 0
+        return self.training.train_iters // self.eval_interval + 1 if self.eval_iters > 0 else 0
 
     @property
     def split_sizes(self) -> list[int]:
         """Samples each data split must provide (Megatron's formula): train_iters x global
         batch for training, evaluations x eval_iters x global batch for validation (every
         evaluation reads new batches), eval_iters x global batch for the test set."""
-        batch, iters = self.training.global_batch_size, self.evaluation.eval_iters
+        batch, iters = self.training.global_batch_size, self.eval_iters
         return [self.training.train_iters * batch, self.evaluations * iters * batch,
                 iters * batch]
 

@@ -61,8 +61,8 @@ def prepare_data(run: RunConfig, log: Callable[[str], object] = print) -> RunDat
     if train_ds is None:
         raise ConfigError("--split" if d.split else flag, d.split or "missing",
                           "expected a training share (the first weight) above 0")
-    if run.evaluation.eval_iters > 0 and valid_ds is None:
-        raise ConfigError("--eval-iters", run.evaluation.eval_iters,
+    if run.eval_iters > 0 and valid_ds is None:
+        raise ConfigError("--eval-iters", run.eval_iters,
                           "the validation split is empty: give --split a validation share "
                           "or --valid-data-path")
     return RunData(tokenizer, Datasets(train_ds, valid_ds, test_ds), vocab)

@@ -8,12 +8,9 @@ step j of the replicas takes the j-th D micro-batches, replica r the r-th of the
 
 from __future__ import annotations
 
-import torch
-
 from megatron.config.run import RunConfig
 from megatron.data.datasets import micro_batch_at
-
-Batch = dict[str, torch.Tensor]
+from megatron.models.llama import Batch
 
 
 def _global_batch(dataset, run: RunConfig, first: int, data_parallel_rank: int) -> list[Batch]:
@@ -36,6 +33,6 @@ def evaluation_micro_batches(dataset, number: int, run: RunConfig,
     """The micro-batches of evaluation `number`: eval_iters global batches (this replica's
     share of each), the k-th evaluation reading the k-th run of them."""
     per_batch = run.micro_batches * run.data_parallel_size
-    iters = run.evaluation.eval_iters
+    iters = run.eval_iters
     return [_global_batch(dataset, run, (number * iters + i) * per_batch, data_parallel_rank)
             for i in range(iters)]

@@ -14,17 +14,14 @@ import sys
 from collections.abc import Sequence
 
 from megatron.config.errors import ConfigError
+from megatron.config.model import MODEL_FIELDS
 from megatron.config.presets import PRESETS, get_preset
 from megatron.config.run import RunConfig
-from megatron.config.values import parse_split
 from megatron.data.cache import default_cache_dir
 from megatron.schedules.generators import SCHEDULE_NAMES
 
 SCHEDULES = ("single", *SCHEDULE_NAMES)
 
-# The model flags a preset sets (its name is --model-preset).
-PRESET_MODEL_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-                      "num_query_groups", "seq_length", "vocab_size")
 # Built-in defaults for flags that a preset may set (None in argparse so we can tell
 # "given explicitly" from "defaulted").
 DEFAULTS: dict[str, object] = {
@@ -236,7 +233,7 @@ def _apply_preset_and_defaults(args: argparse.Namespace) -> None:
                 "--model-preset", args.model_preset, f"expected one of {', '.join(PRESETS)}"
             ) from None
         args.model_preset = preset.name
-        for name in PRESET_MODEL_FLAGS:
+        for name in MODEL_FIELDS:
             if getattr(args, name) is None:
                 setattr(args, name, getattr(preset, name))
         for name, value in preset.training.items():
@@ -258,25 +255,6 @@ def _apply_preset_and_defaults(args: argparse.Namespace) -> None:
         args.zero_stage = 2 if args.data_parallel_size > 1 else 0
     if args.data_cache_dir is None:
         args.data_cache_dir = default_cache_dir()
-    _resolve_evaluation(args)
-
-
-def _resolve_evaluation(args: argparse.Namespace) -> None:
-    """Megatron's defaults where there is a validation set (--split with a validation share,
-    or --valid-data-path): evaluate every 1000 iterations, 10 batches each. Without one, no
-    evaluation, and asking for it is an error (the configuration's check names
-    --eval-iters; an --eval-interval given alone is named here)."""
-    has_valid = args.valid_data_path is not None or (
-        args.split is not None and parse_split(args.split)[1] > 0)
-    wanted = args.eval_iters is None or args.eval_iters > 0
-    if args.eval_interval is not None and wanted and not has_valid:
-        raise ConfigError("--eval-interval", args.eval_interval,
-                          "needs a validation set: --split with a validation share "
-                          "(e.g. 969,30,1) or --valid-data-path")
-    if args.eval_iters is None:
-        args.eval_iters = 10 if has_valid else 0
-    if args.eval_interval is None:
-        args.eval_interval = 1000
 
 
 def _gpu_stride(text: str) -> int | None:

@@ -96,7 +96,7 @@ def simulate_measured(step: PipelineTrainStep, trace_path: str, optimizer_s_per_
     iteration it traced (`--trace`) and the measured optimizer and copy rates."""
     schedule = step.config.schedule
     params = step_backward_stage_params(step)
-    itemsize = torch.empty((), dtype=step.config.dtype).element_size()
+    itemsize = step.run.precision.working_bytes
     costs = calibrated_costs(schedule, read_chrome_trace(trace_path), params, itemsize,
                              optimizer_s_per_param, copy_s_per_byte)
     return simulate(schedule, costs)

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import os
 
-from megatron.config.checks import MODEL_FIELDS
 from megatron.config.errors import ConfigError, flag_name
+from megatron.config.model import MODEL_FIELDS
 from megatron.config.run import RunConfig
 
 OUTPUT_FILE_FIELDS = ("metrics_file", "timeline", "trace")

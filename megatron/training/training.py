@@ -160,7 +160,7 @@ class TrainingLoop:
         run, log = self.run, self.log
         t = run.training
         log(f"training {run.model.name} model: {t.train_iters} iterations, "
-            f"{t.global_batch_size // t.micro_batch_size} micro-batches of "
+            f"{run.micro_batches * run.data_parallel_size} micro-batches of "
             f"{t.micro_batch_size} x {run.model.seq_length} tokens, {run.precision.dtype}")
         if isinstance(self.step, PipelineTrainStep):
             log(format_host_memory(self.step.host_memory()))
@@ -169,7 +169,7 @@ class TrainingLoop:
             self._iteration(iteration)
             if due(iteration, run):
                 self.evaluate(self.data.datasets.valid,
-                              iteration // run.evaluation.eval_interval - 1, iteration,
+                              iteration // run.eval_interval - 1, iteration,
                               f"iteration {iteration}", "validation")
             stopped = self.exits.reason(iteration)
             if iteration == t.train_iters:
@@ -181,7 +181,7 @@ class TrainingLoop:
             if stopped is not None:
                 log(f"exiting after iteration {iteration}: {stopped}")
                 break
-        if stopped is None and run.evaluation.eval_iters > 0:
+        if stopped is None and run.eval_iters > 0:
             datasets = self.data.datasets
             self.evaluate(datasets.valid, run.evaluations - 1, t.train_iters,
                           "the end of training for val data", "validation", end=True)
