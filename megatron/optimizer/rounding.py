@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron.config.run import optimizer_state_bytes
+
 MASK32 = 0xFFFFFFFF
 
 
@@ -121,5 +123,4 @@ def apply_format(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
 
 def state_bytes_per_param(master: torch.dtype, states: torch.dtype) -> int:
     """Host bytes per parameter of the master and the two moments."""
-    size = {torch.float32: 4, torch.bfloat16: 2}
-    return size[master] + 2 * size[states]
+    return optimizer_state_bytes(master.itemsize, states.itemsize)

@@ -103,8 +103,9 @@ class Pipeline:
             self.reducer = GradientReducer(config.zero_stage, layout.data_parallel_size,
                                            layout.data_parallel_rank, self.groups.gradients,
                                            thread_setup=device.bind_current_thread)
-        created = self._created_segments(holds_segment(replicas, rank))
-        masters = self._map_segments(created, holds_segment(replicas, rank))
+        held = holds_segment(replicas, rank)  # replicas of stages owned on another node
+        created = self._created_segments(held)
+        masters = self._map_segments(created, held)
         self.cpu_adam, self.owned = self._optimizer_groups(masters, created)
         self.scaler = loss_scaler(config.loss_scaling)
         self.optimizer = AsyncGroupOptimizer(

@@ -33,8 +33,7 @@ def rank_buffers(device: DeviceLayer, dtype: torch.dtype, rank: int, slot_numel:
     every owned stage's gradients (fp32 at most); gradient buffers for the backward stages
     in flight at once, plus one so the next starts while the previous one's offload runs."""
     slots = max(2, training.peak_params[rank], evaluation.peak_params[rank])
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    param_slots = ParamSlots(device, slots * slot_numel * itemsize, dtype, slots=slots)
+    param_slots = ParamSlots(device, slots * slot_numel * dtype.itemsize, dtype, slots=slots)
     host_pool = HostBufferPool(device, sum(4 * owner.numel for owner in owned.values()) or 1)
     offloader = GradientOffloader(device, host_pool, training_dtype=dtype)
     in_flight = training.peak_gradients[rank]

@@ -177,7 +177,7 @@ class PipelineExecutor:
         memory = self.device.memory
         device_wait_s = self._device_wait_s(waited)
         return IterationStats(
-            loss, result, events, origin_host_s=start, iteration_s=iteration_s,
+            loss, result, events, origin_host_s=start,
             gpu_time_s=compute_s, exposed_optimizer_time_s=optimizer_s,
             bubble_time_s=max(0.0, iteration_s - compute_s - optimizer_s),
             bubble_ratio=1.0 - compute_s / iteration_s,

@@ -38,8 +38,6 @@ class IterationStats:
     events: list[TimedEvent] = field(default_factory=list)  # when recorded
     origin_host_s: float = 0.0  # time.perf_counter() at the iteration's start: events' zero
 
-    iteration_s: float = 0.0
-
     # --- metrics ---------------------------------------------------------------------
     gpu_time_s: float = metric("mean", per_rank=True)  # on the compute stream
     # the main thread waiting for optimizer work (the rest is bubbles)

@@ -105,10 +105,12 @@ def base_configuration(run: RunConfig) -> Configuration:
                          run.cpu_optimizer.optimizer_gpu_stride)
 
 
-def configured(run: RunConfig, config: Configuration) -> RunConfig:
-    """`run` with `config`'s shape; a hand partition holds for the run's own shape only."""
-    own = replace(config, optimizer_gpu_stride=0) == replace(base_configuration(run),
-                                                            optimizer_gpu_stride=0)
+def configured(run: RunConfig, config: Configuration, keep_partition: bool = True
+               ) -> RunConfig:
+    """`run` with `config`'s shape; a hand partition (--stage-layers) is kept, when
+    `keep_partition`, for the run's own shape only."""
+    own = keep_partition and replace(config, optimizer_gpu_stride=0) == replace(
+        base_configuration(run), optimizer_gpu_stride=0)
     return run.evolve(
         parallel={"pipeline_schedule": config.schedule, "forward_stages": config.forward_stages,
                   "backward_split": config.backward_split,

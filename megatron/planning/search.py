@@ -234,5 +234,4 @@ def auto_configure(run: RunConfig, hardware: HardwareProfile,
     if not found.ranked:
         raise ConfigError("--auto-config", "", "no configuration of this model fits "
                           f"{run.planning.nodes or 1} node(s) of {hardware.name}; see --plan")
-    chosen = found.ranked[0].config
-    return configured(run, chosen).evolve(parallel={"stage_layers": None}), found
+    return configured(run, found.ranked[0].config, keep_partition=False), found
