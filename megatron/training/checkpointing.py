@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from megatron.common.files import atomic_write, leftover_temporaries
+from megatron.common.meminfo import available_host_memory
 from megatron.config.run import RunConfig
 from megatron.pipeline.host_group import host_group
 from megatron.training.checkpoint_state import EXP_AVG, EXP_AVG_SQ, MASTER, OwnedState
@@ -194,18 +195,6 @@ def _commit(root: str, iteration: int, staging: str, common: dict) -> None:
         os.unlink(stale)
     payload = str(iteration).encode()
     atomic_write(tracker, lambda stream: stream.write(payload))
-
-
-def available_host_memory() -> int | None:
-    """MemAvailable from /proc/meminfo in bytes (None where there is none)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 def _check_free_disk(root: str, own_bytes: int) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron.common.meminfo import available_host_memory
 from megatron.config.run import RunConfig
 from megatron.offload.naming import resolve_procs_per_node
 from megatron.offload.shm_space import DEFAULT_SHM_DIR, free_bytes
@@ -18,19 +19,13 @@ from megatron.planning.fit import FreeMemory, ResourceError, first_shortfall, ru
 from megatron.schedules.instructions import Schedule
 
 
-def host_memory_available() -> int:
-    """MemAvailable of /proc/meminfo (what can be allocated without swapping)."""
-    with open("/proc/meminfo", encoding="ascii") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise OSError("no MemAvailable in /proc/meminfo")
-
-
 def free_memory(shm_dir: str = DEFAULT_SHM_DIR) -> FreeMemory:
     """What this process's node and device have free now."""
+    host = available_host_memory()
+    if host is None:
+        raise OSError("no MemAvailable in /proc/meminfo")
     device = torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else None
-    return FreeMemory(free_bytes(shm_dir), host_memory_available(), device, shm_dir)
+    return FreeMemory(free_bytes(shm_dir), host, device, shm_dir)
 
 
 def refuse_what_does_not_fit(run: RunConfig, schedule: Schedule, vocab_size: int,
