@@ -17,9 +17,15 @@ MODEL_STATE_BYTES_PER_PARAM = 20
 PLANNING_VOCAB_SIZE = 32000
 
 
-# The model's flags (Megatron's names), what a preset sets and a checkpoint must agree on.
+# The model's shape flags (Megatron's names): what a preset sets and a checkpoint must agree on.
 MODEL_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                 "num_query_groups", "seq_length", "vocab_size")
+# The flags that shape the layers beyond the sizes, with Megatron-LM's defaults (dropout:
+# LLaMA's 0, see README's table of differences).
+ARCHITECTURE_DEFAULTS = {"kv_channels": None, "max_position_embeddings": None,
+                         "rotary_base": 10000, "rotary_percent": 1.0, "norm_epsilon": 1e-5,
+                         "init_method_std": 0.02, "make_vocab_size_divisible_by": 128,
+                         "attention_dropout": 0.0, "hidden_dropout": 0.0}
 
 
 @dataclass(frozen=True)
@@ -32,11 +38,38 @@ class ModelConfig:
     num_query_groups: int
     seq_length: int
     vocab_size: int | None  # None: taken from the tokenizer
+    kv_channels: int | None = None  # width of one attention head; None: hidden / heads
+    max_position_embeddings: int | None = None  # None: seq_length
+    rotary_base: int = 10000
+    rotary_percent: float = 1.0  # the share of each head's channels that RoPE rotates
+    norm_epsilon: float = 1e-5
+    init_method_std: float = 0.02
+    make_vocab_size_divisible_by: int = 128  # Megatron pads the vocabulary to a multiple
+    attention_dropout: float = 0.0
+    hidden_dropout: float = 0.0
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    def padded_vocab_size(self, vocab_size: int) -> int:
+        """Megatron's padding of the tokenizer's vocabulary (tensor-parallel size 1): the
+        embedding and output layer have this many rows."""
+        multiple = self.make_vocab_size_divisible_by
+        return -(-vocab_size // multiple) * multiple
+
+    def parameters(self, vocab_size: int | None = None) -> ParameterCount:
+        """The closed-form parameter count, with `vocab_size` rows (default: the planned
+        vocabulary)."""
+        return count_parameters(self.num_layers, self.hidden_size, self.ffn_hidden_size,
+                                self.num_attention_heads, self.num_query_groups,
+                                vocab_size or self.planned_vocab_size, self.kv_channels)
 
     @property
     def planned_vocab_size(self) -> int:
-        """The vocabulary to plan with: this one, or LLaMA-2's when it is not known yet."""
-        return self.vocab_size or PLANNING_VOCAB_SIZE
+        """The vocabulary to plan with: this one, or LLaMA-2's when it is not known yet,
+        padded as the run will pad it."""
+        return self.padded_vocab_size(self.vocab_size or PLANNING_VOCAB_SIZE)
 
 
 @dataclass(frozen=True)
@@ -58,11 +91,13 @@ def count_parameters(
     num_attention_heads: int,
     num_query_groups: int,
     vocab_size: int,
+    kv_channels: int | None = None,
 ) -> ParameterCount:
     """Closed-form parameter count of our LLaMA-2 (no biases, untied embeddings, GQA)."""
     h = hidden_size
-    kv_width = num_query_groups * (h // num_attention_heads)
-    attention = h * (h + 2 * kv_width) + h * h  # fused QKV + output projection
+    head_dim = kv_channels or h // num_attention_heads
+    q_width, kv_width = num_attention_heads * head_dim, num_query_groups * head_dim
+    attention = h * (q_width + 2 * kv_width) + q_width * h  # fused QKV + output projection
     mlp = 3 * h * ffn_hidden_size  # SwiGLU: gate and up (fused fc1) + down
     norms = 2 * h
     per_layer = attention + mlp + norms

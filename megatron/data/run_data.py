@@ -29,7 +29,7 @@ class Datasets:
 class RunData:
     tokenizer: HFTokenizer
     datasets: Datasets
-    vocab_size: int  # --vocab-size, or the tokenizer's
+    vocab_size: int  # the model's rows: --vocab-size or the tokenizer's, padded as Megatron pads
 
 
 def prepare_data(run: RunConfig, log: Callable[[str], object] = print) -> RunData:
@@ -46,10 +46,10 @@ def prepare_data(run: RunConfig, log: Callable[[str], object] = print) -> RunDat
         tokenizer = load_tokenizer(tokenizer_path)
     except (TokenizerError, OSError) as exc:
         raise ConfigError("--tokenizer-model", tokenizer_path, str(exc)) from None
-    vocab = run.model.vocab_size or tokenizer.vocab_size
-    if vocab < tokenizer.vocab_size:
-        raise ConfigError("--vocab-size", vocab,
+    if run.model.vocab_size is not None and run.model.vocab_size < tokenizer.vocab_size:
+        raise ConfigError("--vocab-size", run.model.vocab_size,
                           f"must be >= the tokenizer's vocabulary ({tokenizer.vocab_size})")
+    vocab = run.model.padded_vocab_size(run.model.vocab_size or tokenizer.vocab_size)
     flag = "--data-path" if d.train_data_path is None else "--train-data-path"
     try:
         train_ds, valid_ds, test_ds = build_datasets(

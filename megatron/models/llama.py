@@ -35,6 +35,8 @@ class LlamaConfig:
     vocab_size: int
     seq_length: int
     rope_base: float = 10000.0
+    rotary_percent: float = 1.0
+    kv_channels: int | None = None  # None: hidden / heads
     norm_epsilon: float = 1e-5
     init_method_std: float = 0.02
     params_dtype: torch.dtype = torch.float32
@@ -47,7 +49,10 @@ class LlamaConfig:
                    ffn_hidden_size=model.ffn_hidden_size,
                    num_attention_heads=model.num_attention_heads,
                    num_query_groups=model.num_query_groups, vocab_size=vocab_size,
-                   seq_length=model.seq_length, seed=seed)
+                   seq_length=model.seq_length, rope_base=model.rotary_base,
+                   rotary_percent=model.rotary_percent, kv_channels=model.kv_channels,
+                   norm_epsilon=model.norm_epsilon, init_method_std=model.init_method_std,
+                   seed=seed)
 
     @property
     def num_pieces(self) -> int:
@@ -78,6 +83,7 @@ def transformer_config(cfg: LlamaConfig):
         ffn_hidden_size=cfg.ffn_hidden_size,
         num_attention_heads=cfg.num_attention_heads,
         num_query_groups=cfg.num_query_groups,
+        kv_channels=cfg.kv_channels,
         normalization="RMSNorm",
         layernorm_epsilon=cfg.norm_epsilon,
         gated_linear_unit=True,  # SwiGLU
@@ -138,7 +144,7 @@ class DecoderLayerPiece(nn.Module):
         # No parameters: the frequencies are recomputed per sequence length and cached.
         self._rotary = RotaryEmbedding(
             kv_channels=tcfg.kv_channels,
-            rotary_percent=1.0,
+            rotary_percent=cfg.rotary_percent,
             rotary_base=cfg.rope_base,
             use_cpu_initialization=True,
         )

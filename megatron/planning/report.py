@@ -9,7 +9,6 @@ import json
 
 from megatron.config.model import (
     MODEL_STATE_BYTES_PER_PARAM,
-    count_parameters,
     count_parameters_full_mha,
 )
 from megatron.config.run import RunConfig
@@ -134,8 +133,7 @@ def model_size(run: RunConfig) -> str:
     """--print-model-size: the parameter count and what its states take in memory."""
     m, p = run.model, run.precision
     vocab = m.planned_vocab_size
-    c = count_parameters(m.num_layers, m.hidden_size, m.ffn_hidden_size,
-                         m.num_attention_heads, m.num_query_groups, vocab)
+    c = m.parameters()
     mha = count_parameters_full_mha(m.num_layers, m.hidden_size, m.ffn_hidden_size, vocab)
     gib = c.total * MODEL_STATE_BYTES_PER_PARAM / 2**30
     optimizer = p.optimizer_bytes_per_param

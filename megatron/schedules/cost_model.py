@@ -12,7 +12,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from megatron.config.model import ModelConfig, count_parameters
+from megatron.config.model import ModelConfig
 from megatron.config.presets import get_preset
 
 from .hardware import HardwareProfile, get_hardware
@@ -134,10 +134,7 @@ def iteration_lower_bound(schedule: Schedule, costs: CostModel, cpu_share: float
 
 def layer_forward_flops_per_token(model: ModelConfig, seq_length: int) -> float:
     """2 flops per weight plus attention scores and weighted sum (4 * s * h)."""
-    vocab = model.planned_vocab_size
-    per_layer = count_parameters(1, model.hidden_size, model.ffn_hidden_size,
-                                 model.num_attention_heads, model.num_query_groups,
-                                 vocab).per_layer
+    per_layer = model.parameters().per_layer
     return 2.0 * per_layer + 4.0 * seq_length * model.hidden_size
 
 
@@ -226,9 +223,7 @@ def model_partition(
 def backward_stage_params(model: ModelConfig, partition: Sequence[int],
                           backward_split: int) -> dict[BackwardStage, int]:
     """Parameters of every backward stage, from the closed-form count (nothing is built)."""
-    vocab = model.planned_vocab_size
-    counts = count_parameters(model.num_layers, model.hidden_size, model.ffn_hidden_size,
-                              model.num_attention_heads, model.num_query_groups, vocab)
+    counts = model.parameters()
     return {
         BackwardStage(*b): (layers.count * counts.per_layer
                             + (counts.embedding if layers.has_embedding else 0)

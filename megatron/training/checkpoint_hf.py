@@ -48,6 +48,7 @@ def model_config_from_hf(hf: dict, seq_length: int | None = None) -> LlamaConfig
         ffn_hidden_size=hf["intermediate_size"], num_attention_heads=heads,
         num_query_groups=hf.get("num_key_value_heads", heads), vocab_size=hf["vocab_size"],
         seq_length=seq_length or hf.get("max_position_embeddings", 4096),
+        rope_base=hf.get("rope_theta", 10000.0), norm_epsilon=hf.get("rms_norm_eps", 1e-5),
     )
 
 
