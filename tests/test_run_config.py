@@ -52,5 +52,6 @@ def test_evolve_checks_the_new_configuration_like_the_command_line():
 def test_megatrons_evaluation_defaults_are_resolved_not_stored():
     given = parse_args([*TINY, "--split", "969,30,1"])
     assert (given.evaluation.eval_interval, given.evaluation.eval_iters) == (None, None)
-    assert (given.eval_interval, given.eval_iters) == (1000, 10)
+    # Megatron-LM 0.16: 100 iterations per evaluation, only at the end without an interval
+    assert (given.eval_interval, given.eval_iters, given.evaluations) == (None, 100, 1)
     assert given.evolve(data={"split": "1,0,0"}).eval_iters == 0

@@ -27,7 +27,7 @@ from megatron.training.arguments import parse_args
 from megatron.training.checkpoint_state import EXP_AVG, EXP_AVG_SQ, MASTER, OwnedState
 from megatron.training.checkpointing import CheckpointSaver
 from megatron.training.distributed import DistInfo
-from megatron.training.evaluation import format_evaluation, perplexity
+from megatron.training.evaluation import due, format_evaluation, perplexity
 from megatron.training.run_checks import check_checkpoint_model
 from megatron.training.scalar_logging import ScalarSinks
 from megatron.training.signals import ExitConditions
@@ -146,7 +146,8 @@ def test_model_flags_must_match_the_checkpoint():
 
 def test_defaults_follow_megatron_where_there_is_a_validation_set():
     run = parse_args([*TINY, "--split", "969,30,1"])
-    assert (run.eval_interval, run.eval_iters) == (1000, 10)
+    assert (run.eval_interval, run.eval_iters) == (None, 100)
+    assert [due(i, run) for i in (1, 1000)] == [False, False]  # only at the end
     assert parse_args(TINY).eval_iters == 0  # no validation set: no evaluation
     run = parse_args([*TINY, "--train-iters", "12", "--eval-interval", "5", "--eval-iters", "2",
                       "--split", "90,8,2"])
@@ -262,7 +263,8 @@ def test_a_missing_prefix_of_a_blend_is_named_with_its_flag(two_datasets):
 # --- exit conditions -------------------------------------------------------------------
 
 def _exit_args(**values):
-    base = {"exit_interval": None, "exit_duration_in_mins": None, "exit_signal_handler": False}
+    base = {"exit_interval": None, "exit_duration_in_mins": None, "exit_signal_handler": False,
+            "exit_signal": "SIGTERM"}
     return ExitConfig(**{**base, **values})
 
 

@@ -23,7 +23,9 @@ FINITE_FIELDS = (("optimization", "lr"), ("optimization", "min_lr"),
                  ("optimization", "weight_decay"), ("optimization", "clip_grad"),
                  ("optimization", "adam_beta1"), ("optimization", "adam_beta2"),
                  ("optimization", "adam_eps"), ("precision", "initial_loss_scale"),
-                 ("precision", "min_loss_scale"))
+                 ("precision", "min_loss_scale"), ("model", "rotary_percent"),
+                 ("model", "norm_epsilon"), ("model", "init_method_std"),
+                 ("model", "attention_dropout"), ("model", "hidden_dropout"))
 
 
 def check_run(run: RunConfig) -> None:
@@ -53,10 +55,14 @@ def _check_model(run: RunConfig) -> None:
 def _check_sizes(run: RunConfig) -> None:
     for field in MODEL_FIELDS:
         _positive(getattr(run.model, field), field)
+    for field in ("kv_channels", "max_position_embeddings", "rotary_base",
+                  "make_vocab_size_divisible_by"):
+        _positive(getattr(run.model, field), field)
     t = run.training
-    for field in ("micro_batch_size", "global_batch_size", "train_iters"):
+    for field in ("micro_batch_size", "global_batch_size", "train_iters", "train_samples"):
         _positive(getattr(t, field), field)
     _positive(run.logging.log_interval, "log_interval")
+    _positive(run.parallel.distributed_timeout_minutes, "distributed_timeout_minutes")
 
 
 def _check_values(run: RunConfig) -> None:
@@ -69,9 +75,25 @@ def _check_values(run: RunConfig) -> None:
             raise ConfigError(flag_name(field), value, "expected a finite number")
     if o.adam_eps <= 0:
         raise ConfigError("--adam-eps", o.adam_eps, "expected a value > 0")
-    for field in ("initial_loss_scale", "min_loss_scale", "loss_scale_window"):
+    for field in ("initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis"):
         if getattr(p, field) <= 0:
             raise ConfigError(flag_name(field), getattr(p, field), "expected a value > 0")
+    if p.loss_scale is not None and not (math.isfinite(p.loss_scale) and p.loss_scale > 0):
+        raise ConfigError("--loss-scale", p.loss_scale, "expected a finite value > 0")
+    m = run.model
+    for field in ("norm_epsilon", "init_method_std"):
+        if getattr(m, field) <= 0:
+            raise ConfigError(flag_name(field), getattr(m, field), "expected a value > 0")
+    if not 0.0 < m.rotary_percent <= 1.0:
+        raise ConfigError("--rotary-percent", m.rotary_percent, "expected a value in (0, 1]")
+    for field in ("attention_dropout", "hidden_dropout"):
+        if getattr(m, field) != 0.0:
+            raise ConfigError(flag_name(field), getattr(m, field),
+                              "not supported: 0 only (LLaMA trains without dropout, and the "
+                              "backward stage recomputes on another GPU without the mask)")
+    fraction = o.lr_warmup_fraction
+    if fraction is not None and not 0.0 <= fraction <= 1.0:
+        raise ConfigError("--lr-warmup-fraction", fraction, "expected a value in [0, 1]")
     _positive(run.evaluation.eval_interval, "eval_interval")
     _positive(run.exit.exit_interval, "exit_interval")
     if run.evaluation.eval_iters is not None and run.evaluation.eval_iters < 0:
@@ -119,15 +141,22 @@ def _check_evaluation(run: RunConfig) -> None:
 
 def _check_architecture(run: RunConfig) -> None:
     m, t = run.model, run.training
-    if m.hidden_size % m.num_attention_heads:
+    if m.kv_channels is None and m.hidden_size % m.num_attention_heads:
         raise ConfigError("--hidden-size", m.hidden_size,
                           f"must be divisible by --num-attention-heads ({m.num_attention_heads})")
     if m.num_attention_heads % m.num_query_groups:
         raise ConfigError("--num-attention-heads", m.num_attention_heads,
                           f"must be divisible by --num-query-groups ({m.num_query_groups})")
-    if (m.hidden_size // m.num_attention_heads) % 2:
-        raise ConfigError("--hidden-size", m.hidden_size,
-                          "hidden size / attention heads must be even for rotary embeddings")
+    rotated = int(m.head_dim * m.rotary_percent)
+    if rotated % 2 or rotated == 0:
+        flag, value = (("--kv-channels", m.kv_channels) if m.kv_channels else
+                       ("--hidden-size", m.hidden_size))
+        raise ConfigError(flag, value, f"the rotated channels per head ({rotated}: head width "
+                          f"{m.head_dim} x --rotary-percent {m.rotary_percent}) must be even "
+                          "and above 0")
+    if m.max_position_embeddings is not None and m.max_position_embeddings < m.seq_length:
+        raise ConfigError("--max-position-embeddings", m.max_position_embeddings,
+                          f"must be >= --seq-length ({m.seq_length})")
     if t.global_batch_size % t.micro_batch_size:
         raise ConfigError("--global-batch-size", t.global_batch_size,
                           f"must be a multiple of --micro-batch-size ({t.micro_batch_size})")
@@ -145,9 +174,16 @@ def _check_optimization(run: RunConfig) -> None:
             raise ConfigError(flag_name(field), getattr(o, field), "expected a value in [0, 1)")
     if o.lr_warmup_iters < 0:
         raise ConfigError("--lr-warmup-iters", o.lr_warmup_iters, "expected >= 0")
-    if o.lr_decay_style != "constant" and o.lr_decay_iters <= o.lr_warmup_iters:
-        raise ConfigError("--lr-decay-iters", o.lr_decay_iters,
-                          f"must exceed --lr-warmup-iters ({o.lr_warmup_iters})")
+    if o.lr_warmup_samples < 0:
+        raise ConfigError("--lr-warmup-samples", o.lr_warmup_samples, "expected >= 0")
+    _, warmup, decay, _ = run.lr_schedule_steps
+    if o.lr_decay_style not in ("constant", "WSD") and decay <= warmup:
+        unit = "samples" if run.training.train_samples is not None else "iters"
+        raise ConfigError(f"--lr-decay-{unit}", decay if unit == "samples" else o.lr_decay_iters,
+                          f"must exceed the warmup (--lr-warmup-{unit} or -fraction)")
+    if o.lr_decay_style == "WSD" and run.lr_schedule_steps[3] is None:
+        raise ConfigError("--lr-decay-style", "WSD", "needs --lr-wsd-decay-iters (or "
+                          "--lr-wsd-decay-samples with --train-samples)")
 
 
 def _check_checkpointing(run: RunConfig) -> None:

@@ -14,6 +14,11 @@ from dataclasses import dataclass, field
 from megatron.config.model import ModelConfig
 
 
+# LLaMA-2's optimizer recipe (Touvron et al. 2023, section 2.2): AdamW with beta2 0.95,
+# weight decay 0.1, cosine decay. A preset brings it; without one, Megatron's defaults hold.
+LLAMA2_RECIPE = {"adam_beta2": 0.95, "weight_decay": 0.1, "lr_decay_style": "cosine"}
+
+
 @dataclass(frozen=True)
 class ModelPreset(ModelConfig):
     """A named model configuration, with what the paper says of it and the training
@@ -35,7 +40,7 @@ def _paper(name: str, size: float, layers: int, hidden: int, ffn: int, heads: in
         seq_length=1024,
         vocab_size=32000,
         paper_size_billions=size,
-        training={"micro_batch_size": 2, "global_batch_size": 16},
+        training={"micro_batch_size": 2, "global_batch_size": 16, **LLAMA2_RECIPE},
     )
 
 
@@ -56,6 +61,8 @@ PRESETS: dict[str, ModelPreset] = {
             "lr": 2e-3,
             "min_lr": 2e-4,
             "lr_warmup_iters": 10,
+            "log_interval": 10,
+            **LLAMA2_RECIPE,
         },
     ),
     "small": ModelPreset(
@@ -74,6 +81,8 @@ PRESETS: dict[str, ModelPreset] = {
             "lr": 6e-4,
             "min_lr": 6e-5,
             "lr_warmup_iters": 30,
+            "log_interval": 10,
+            **LLAMA2_RECIPE,
         },
     ),
     "10b": _paper("10b", 10, 48, 4096, 10880, 32, 2),

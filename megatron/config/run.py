@@ -25,7 +25,7 @@ from megatron.config.values import parse_split
 # Bytes per element of the precisions a flag can name.
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 CUSTOM_MODEL = "custom"
-DEFAULT_EVAL_INTERVAL, DEFAULT_EVAL_ITERS = 1000, 10  # Megatron's
+DEFAULT_EVAL_ITERS = 100  # Megatron's
 
 
 def optimizer_state_bytes(master_bytes: int, moment_bytes: int) -> int:
@@ -39,19 +39,27 @@ class TrainingConfig:
 
     micro_batch_size: int
     global_batch_size: int
-    train_iters: int
+    train_iters: int  # with --train-samples: samples // global batch
+    train_samples: int | None  # sample-based training (the LR schedule counts samples)
     seed: int
 
 
 @dataclass(frozen=True)
 class OptimizationConfig:
-    """AdamW, clipping and the learning-rate schedule (megatron-core's scheduler)."""
+    """AdamW, clipping and the learning-rate schedule (megatron-core's scheduler), in
+    iterations or, with --train-samples, in samples (RunConfig.lr_schedule_steps)."""
 
     lr: float
     min_lr: float
     lr_warmup_iters: int
+    lr_warmup_samples: int
+    lr_warmup_fraction: float | None  # of the decay, instead of iterations or samples
     lr_decay_iters: int
+    lr_decay_samples: int | None  # None: --train-samples
     lr_decay_style: str
+    lr_wsd_decay_style: str
+    lr_wsd_decay_iters: int | None
+    lr_wsd_decay_samples: int | None
     weight_decay: float
     clip_grad: float  # 0 disables clipping by the global norm
     adam_beta1: float
@@ -66,9 +74,11 @@ class PrecisionConfig:
 
     bf16: bool
     fp16: bool
+    loss_scale: float | None  # fp16: a static scale instead of the dynamic one
     initial_loss_scale: float
     min_loss_scale: float
     loss_scale_window: int
+    hysteresis: int  # overflows in a row before the dynamic scale backs off
     optimizer_state_dtype: str  # Adam's m and v: fp32 or bf16
     master_dtype: str  # the master weights: fp32 or bf16
     master_rounding: str  # a bf16 master: stochastic or nearest
@@ -125,8 +135,8 @@ class DataConfig:
 class EvaluationConfig:
     """As given; RunConfig.eval_interval and eval_iters resolve Megatron's defaults."""
 
-    eval_interval: int | None  # None: 1000
-    eval_iters: int | None  # None: 10 with a validation set, else 0; 0: no evaluation
+    eval_interval: int | None  # None: evaluate only at the end of training (Megatron)
+    eval_iters: int | None  # None: 100 with a validation set, else 0; 0: no evaluation
 
 
 @dataclass(frozen=True)
@@ -142,6 +152,7 @@ class ParallelConfig:
     stage_layers: tuple[int, ...] | None  # None: balanced by cost
     procs_per_node: int | None  # None: the launcher's LOCAL_WORLD_SIZE
     schedule_file: str | None
+    distributed_timeout_minutes: int
 
 
 @dataclass(frozen=True)
@@ -157,6 +168,8 @@ class CheckpointConfig:
 @dataclass(frozen=True)
 class LoggingConfig:
     log_interval: int
+    log_throughput: bool  # tokens/s and TFLOP/s per GPU in the iteration line
+    log_timers_to_tensorboard: bool
     metrics_file: str | None
     tensorboard_dir: str | None
     wandb_project: str | None
@@ -170,6 +183,7 @@ class ExitConfig:
     exit_interval: int | None
     exit_duration_in_mins: float | None
     exit_signal_handler: bool
+    exit_signal: str  # the signal's name (SIGTERM)
 
 
 @dataclass(frozen=True)
@@ -229,14 +243,13 @@ class RunConfig:
         return self.training.global_batch_size * self.model.seq_length
 
     @property
-    def eval_interval(self) -> int:
-        """--eval-interval, or Megatron's 1000."""
-        given = self.evaluation.eval_interval
-        return DEFAULT_EVAL_INTERVAL if given is None else given
+    def eval_interval(self) -> int | None:
+        """--eval-interval; None (Megatron's default): only the evaluation at the end."""
+        return self.evaluation.eval_interval
 
     @property
     def eval_iters(self) -> int:
-        """--eval-iters, or Megatron's 10 where there is a validation set (--split with a
+        """--eval-iters, or Megatron's 100 where there is a validation set (--split with a
         validation share, or --valid-data-path) and 0 (no evaluation) where there is none."""
         given = self.evaluation.eval_iters
         if given is not None:
@@ -246,7 +259,28 @@ class RunConfig:
     @property
     def evaluations(self) -> int:
         """Evaluations a run makes: one per interval, plus the one at the end."""
-        return self.training.train_iters // self.eval_interval + 1 if self.eval_iters > 0 else 0
+        if self.eval_iters == 0:
+            return 0
+        interval = self.eval_interval
+        return (self.training.train_iters // interval if interval else 0) + 1
+
+    @property
+    def lr_schedule_steps(self) -> tuple[int, float, int, int | None]:
+        """megatron-core's scheduler in Megatron's units, samples: (samples per iteration,
+        warmup, decay, WSD decay). Iteration-based flags count global batches."""
+        t, o = self.training, self.optimization
+        batch = t.global_batch_size
+        if t.train_samples is not None:
+            decay = o.lr_decay_samples or t.train_samples
+            warmup = o.lr_warmup_samples
+            wsd = o.lr_wsd_decay_samples
+        else:
+            decay = o.lr_decay_iters * batch
+            warmup = o.lr_warmup_iters * batch
+            wsd = None if o.lr_wsd_decay_iters is None else o.lr_wsd_decay_iters * batch
+        if o.lr_warmup_fraction is not None:
+            warmup = o.lr_warmup_fraction * decay
+        return batch, warmup, decay, wsd
 
     @property
     def split_sizes(self) -> list[int]:

@@ -27,7 +27,7 @@ from megatron.offload.layout import copy_parameters_into
 from megatron.offload.param_store import ParameterStore
 from megatron.optimizer.cpu_adam import CPUAdamW
 from megatron.optimizer.group_optimizer import AsyncGroupOptimizer, IterationResult
-from megatron.optimizer.loss_scaler import ConstantLossScaler, DynamicLossScaler, LossScaler
+from megatron.optimizer.loss_scaler import ConstantLossScaler, LossScaler
 from megatron.optimizer.subgroups import plan_resident, plan_subgroups
 from megatron.pipeline.buffers import rank_buffers
 from megatron.pipeline.checkpoint_views import CheckpointViews, Views
@@ -379,8 +379,5 @@ def stages_used(schedule: Schedule, rank: int) -> set[BackwardStage]:
 
 
 def loss_scaler(scaling: LossScaling | None) -> LossScaler:
-    """Dynamic for fp16, a constant 1 otherwise."""
-    if scaling is None:
-        return ConstantLossScaler()
-    return DynamicLossScaler(scaling.initial_scale, growth_interval=scaling.growth_interval,
-                             min_scale=scaling.min_scale)
+    """fp16's (static or dynamic), a constant 1 otherwise."""
+    return ConstantLossScaler() if scaling is None else scaling.build()

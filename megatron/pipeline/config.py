@@ -14,6 +14,7 @@ import torch
 
 from megatron.config.run import PrecisionConfig, RunConfig
 from megatron.optimizer.cpu_adam import usable_cores
+from megatron.optimizer.loss_scaler import ConstantLossScaler, DynamicLossScaler, LossScaler
 from megatron.schedules.instructions import BackwardStage, Schedule
 from megatron.schedules.validator import ValidationReport
 
@@ -51,11 +52,27 @@ class SubgroupSettings:
 
 @dataclass(frozen=True)
 class LossScaling:
-    """Dynamic loss scaling (fp16 only)."""
+    """fp16's loss scaling: static (--loss-scale) or dynamic."""
 
+    static_scale: float | None
     initial_scale: float
     growth_interval: int
     min_scale: float
+    hysteresis: int
+
+    @classmethod
+    def of(cls, p: PrecisionConfig) -> LossScaling | None:
+        """The run's loss scaling; None (a constant 1) unless the working dtype is fp16."""
+        if p.dtype != "fp16":
+            return None
+        return cls(p.loss_scale, p.initial_loss_scale, p.loss_scale_window, p.min_loss_scale,
+                   p.hysteresis)
+
+    def build(self) -> LossScaler:
+        if self.static_scale is not None:
+            return ConstantLossScaler(self.static_scale)
+        return DynamicLossScaler(self.initial_scale, growth_interval=self.growth_interval,
+                                 min_scale=self.min_scale, hysteresis=self.hysteresis)
 
 
 @dataclass(frozen=True)
@@ -128,8 +145,7 @@ def pipeline_config(run: RunConfig, schedule: Schedule, report: ValidationReport
                                     master_dtype=TORCH_DTYPES[p.master_dtype],
                                     stochastic_rounding=p.master_rounding == "stochastic",
                                     seed=run.training.seed),
-        loss_scaling=LossScaling(p.initial_loss_scale, p.loss_scale_window, p.min_loss_scale)
-        if dtype == torch.float16 else None,
+        loss_scaling=LossScaling.of(p),
         procs_per_node=run.parallel.procs_per_node,
         inject_overflow=inject,
         record_timeline_at=(run.training.train_iters if logging.timeline or logging.trace

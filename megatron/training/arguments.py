@@ -9,85 +9,186 @@ with exit status 2, before anything is allocated or written.
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
+import signal
 import sys
 from collections.abc import Sequence
+from typing import Any, NoReturn
 
-from megatron.config.errors import ConfigError
-from megatron.config.model import MODEL_FIELDS
+from megatron.config.errors import ConfigError, flag_name
+from megatron.config.model import ARCHITECTURE_DEFAULTS, MODEL_FIELDS
 from megatron.config.presets import PRESETS, get_preset
 from megatron.config.run import RunConfig
 from megatron.data.cache import default_cache_dir
 from megatron.schedules.generators import SCHEDULE_NAMES
+from megatron.training.megatron_flags import (
+    DESIGN_FLAGS,
+    DESIGN_SWITCHES,
+    REFUSED_SWITCHES,
+    REFUSED_VALUES,
+    TUNING_VALUES,
+    check_design_flags,
+)
 
 SCHEDULES = ("single", *SCHEDULE_NAMES)
 
-# Built-in defaults for flags that a preset may set (None in argparse so we can tell
-# "given explicitly" from "defaulted").
+# Defaults of the flags a preset may set (None in argparse, so that "given" can be told from
+# "defaulted"): Megatron-LM's where Megatron has one, ours where Megatron requires the flag.
 DEFAULTS: dict[str, object] = {
-    "micro_batch_size": 1,
-    "global_batch_size": None,  # = micro_batch_size
-    "train_iters": 100,
-    "lr": 3e-4,
+    "micro_batch_size": 1,  # Megatron: required
+    "global_batch_size": None,  # = micro_batch_size x data-parallel size (Megatron's)
+    "train_iters": 100,  # Megatron: required (or --train-samples)
+    "lr": 3e-4,  # Megatron: required
     "min_lr": 0.0,
     "lr_warmup_iters": 0,
     "lr_decay_iters": None,  # = train_iters
-    "lr_decay_style": "cosine",
-    "weight_decay": 0.1,
+    "lr_decay_style": "linear",
+    "weight_decay": 0.01,
     "clip_grad": 1.0,
     "adam_beta1": 0.9,
-    "adam_beta2": 0.95,
+    "adam_beta2": 0.999,
     "adam_eps": 1e-8,
     "seed": 1234,
-    "log_interval": 10,
+    "log_interval": 100,
     "save_interval": None,
-    "initial_loss_scale": 2.0**16,
+    "initial_loss_scale": 2.0**32,
     "min_loss_scale": 1.0,
     "loss_scale_window": 1000,
+    "hysteresis": 2,
+    **ARCHITECTURE_DEFAULTS,
 }
+# Megatron's default split of --data-path's documents into train, validation and test.
+DEFAULT_SPLIT = "969,30,1"
+SIGNALS = {s.name: s for s in signal.Signals}
+
+
+class FlagParser(argparse.ArgumentParser):
+    """Megatron's parsing without argparse's surprises: no prefix matching (--num-layer is
+    not --num-layers), and every error is one line (no usage block)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(allow_abbrev=False, formatter_class=OneLineHelp,
+                         usage="%(prog)s [FLAGS]  (--help: every flag in one line)", **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError(*_argparse_message(message))
+
+
+class OneLineHelp(argparse.HelpFormatter):
+    """--help: one line per flag, its value and what it does."""
+
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, max_help_position=48, width=10_000)
+
+    def _format_action(self, action: argparse.Action) -> str:
+        invocation = self._format_action_invocation(action)
+        text = " ".join(self._expand_help(action).split()) if action.help else ""
+        return f"  {invocation:<46} {text}\n"
+
+
+def _argparse_message(message: str) -> tuple[str, str, str]:
+    """argparse's 'argument --lr: invalid float value: 'x'' as (flag, value, expected)."""
+    if message.startswith("argument "):
+        flag, _, rest = message[len("argument "):].partition(": ")
+        flag = flag.split("/")[-1]
+        if "invalid" in rest and ":" in rest:
+            kind, _, value = rest.partition(": ")
+            return flag, value.split(" (")[0], kind.replace("invalid", "expected a valid") + (
+                " (" + value.split(" (", 1)[1] if " (" in value else "")
+        return flag, "", rest
+    return "flags", "", message
+
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = FlagParser(
         prog="pretrain_llama.py",
-        description="Pretrain a LLaMA-2 model with model states in host memory.",
+        description="Pretrain a LLaMA-2 model with model states in host memory. Flags that "
+                    "share Megatron-LM's name take Megatron's meaning and default.",
     )
     g = p.add_argument_group("model")
     g.add_argument("--model-preset", default=None, metavar="NAME",
-                   help=f"one of: {', '.join(PRESETS)}; explicit flags override its values")
-    g.add_argument("--num-layers", type=int)
-    g.add_argument("--hidden-size", type=int)
-    g.add_argument("--ffn-hidden-size", type=int)
-    g.add_argument("--num-attention-heads", type=int)
-    g.add_argument("--num-query-groups", type=int, help="KV heads (grouped-query attention)")
-    g.add_argument("--seq-length", type=int)
-    g.add_argument("--vocab-size", type=int, help="default: the tokenizer's vocabulary size")
+                   help=f"one of: {', '.join(PRESETS)}; sets the sizes and LLaMA-2's "
+                        "training recipe; explicit flags override its values")
+    g.add_argument("--num-layers", type=int, help="decoder layers")
+    g.add_argument("--hidden-size", type=int, help="model width")
+    g.add_argument("--ffn-hidden-size", type=int, help="SwiGLU inner width")
+    g.add_argument("--num-attention-heads", type=int, help="query heads")
+    g.add_argument("--num-query-groups", type=int,
+                   help="key/value heads (grouped-query attention; default: one per query "
+                        "head, or 1 with --group-query-attention as in Megatron)")
+    g.add_argument("--kv-channels", type=int,
+                   help="channels per attention head (default: hidden size / heads)")
+    g.add_argument("--seq-length", type=int, help="tokens per sample")
+    g.add_argument("--max-position-embeddings", type=int,
+                   help="longest sequence the rotary embedding is built for, >= --seq-length "
+                        "(default: --seq-length)")
+    g.add_argument("--rotary-base", type=int, help="RoPE base (theta; default 10000)")
+    g.add_argument("--rotary-percent", type=float,
+                   help="share of each head's channels that RoPE rotates (default 1.0)")
+    g.add_argument("--norm-epsilon", type=float, help="RMSNorm epsilon (default 1e-5)")
+    g.add_argument("--init-method-std", type=float,
+                   help="std of the normal initialization (default 0.02; output projections "
+                        "scaled by 1/sqrt(2 x layers), as megatron-core does)")
+    g.add_argument("--attention-dropout", type=float,
+                   help="0 only (the default here): see README's differences")
+    g.add_argument("--hidden-dropout", type=float,
+                   help="0 only (the default here): see README's differences")
+    g.add_argument("--vocab-size", type=int,
+                   help="default: the tokenizer's vocabulary size (then padded)")
+    g.add_argument("--make-vocab-size-divisible-by", type=int,
+                   help="pad the vocabulary to a multiple of this (default 128, Megatron's)")
     g.add_argument("--print-model-size", action="store_true",
                    help="print the parameter count and model-state memory, then exit")
 
     g = p.add_argument_group("training")
-    g.add_argument("--micro-batch-size", type=int)
+    g.add_argument("--micro-batch-size", type=int, help="samples per micro-batch (default 1)")
     g.add_argument("--global-batch-size", type=int,
-                   help="a multiple of --micro-batch-size; the quotient is the number of "
-                        "micro-batches accumulated per iteration")
-    g.add_argument("--train-iters", type=int)
-    g.add_argument("--lr", type=float)
-    g.add_argument("--min-lr", type=float)
-    g.add_argument("--lr-warmup-iters", type=int)
-    g.add_argument("--lr-decay-iters", type=int)
-    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine", "inverse-square-root"])
-    g.add_argument("--weight-decay", type=float)
+                   help="samples per iteration: a multiple of --micro-batch-size x the "
+                        "data-parallel size (default: their product)")
+    g.add_argument("--train-iters", type=int, help="iterations to train (default 100)")
+    g.add_argument("--train-samples", type=int,
+                   help="samples to train, instead of --train-iters (iterations = samples / "
+                        "global batch); the LR schedule then counts samples")
+    g.add_argument("--lr", type=float, help="peak learning rate (default 3e-4)")
+    g.add_argument("--min-lr", type=float, help="learning rate at the end of the decay")
+    g.add_argument("--lr-warmup-iters", type=int, help="iterations of linear warmup")
+    g.add_argument("--lr-warmup-samples", type=int,
+                   help="samples of linear warmup (with --train-samples)")
+    g.add_argument("--lr-warmup-fraction", type=float,
+                   help="warmup as a fraction of the decay (instead of iterations or samples)")
+    g.add_argument("--lr-decay-iters", type=int, help="iterations of decay (default: all)")
+    g.add_argument("--lr-decay-samples", type=int,
+                   help="samples of decay (with --train-samples; default: all)")
+    g.add_argument("--lr-decay-style",
+                   choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"],
+                   help="default linear (Megatron's; the presets use cosine)")
+    g.add_argument("--lr-wsd-decay-style", default="exponential",
+                   choices=["exponential", "linear", "cosine", "minus_sqrt"],
+                   help="WSD: the shape of the final decay")
+    g.add_argument("--lr-wsd-decay-iters", type=int, default=None,
+                   help="WSD: iterations of the final decay")
+    g.add_argument("--lr-wsd-decay-samples", type=int, default=None,
+                   help="WSD: samples of the final decay (with --train-samples)")
+    g.add_argument("--weight-decay", type=float, help="decoupled weight decay (default 0.01)")
     g.add_argument("--clip-grad", type=float, help="global gradient-norm clip; 0 disables")
-    g.add_argument("--adam-beta1", type=float)
-    g.add_argument("--adam-beta2", type=float)
-    g.add_argument("--adam-eps", type=float)
-    g.add_argument("--seed", type=int)
+    g.add_argument("--adam-beta1", type=float, help="Adam beta1 (default 0.9)")
+    g.add_argument("--adam-beta2", type=float, help="Adam beta2 (default 0.999)")
+    g.add_argument("--adam-eps", type=float, help="Adam epsilon (default 1e-8)")
+    g.add_argument("--seed", type=int, help="initialization and data order (default 1234)")
     prec = g.add_mutually_exclusive_group()
     prec.add_argument("--bf16", action="store_true", help="bf16 working parameters and gradients")
     prec.add_argument("--fp16", action="store_true",
                       help="fp16 working parameters and gradients, dynamic loss scaling")
-    g.add_argument("--initial-loss-scale", type=float)
-    g.add_argument("--min-loss-scale", type=float)
-    g.add_argument("--loss-scale-window", type=int)
+    g.add_argument("--loss-scale", type=float, default=None,
+                   help="fp16: this static loss scale instead of the dynamic one")
+    g.add_argument("--initial-loss-scale", type=float,
+                   help="fp16: the dynamic scale's start (default 2^32)")
+    g.add_argument("--min-loss-scale", type=float, help="fp16: the dynamic scale's floor")
+    g.add_argument("--loss-scale-window", type=int,
+                   help="fp16: clean iterations before the dynamic scale doubles")
+    g.add_argument("--hysteresis", type=int,
+                   help="fp16: overflows tolerated before the dynamic scale halves (default 2)")
 
     g = p.add_argument_group("data")
     g.add_argument("--data-path", default=None, nargs="+", metavar="[WEIGHT] PREFIX",
@@ -95,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "'0.7 PREFIX_A 0.3 PREFIX_B' (a blend); default: the built-in demo corpus")
     g.add_argument("--split", default=None, metavar="TRAIN,VALID,TEST",
                    help="Megatron's split of the documents of --data-path into train, "
-                        "validation and test (default: 969,30,1 with --eval-iters > 0, else 1,0,0)")
+                        f"validation and test (default {DEFAULT_SPLIT}, Megatron's)")
     for split_name in ("train", "valid", "test"):
         g.add_argument(f"--{split_name}-data-path", default=None, nargs="+",
                        metavar="[WEIGHT] PREFIX",
@@ -103,25 +204,32 @@ def build_parser() -> argparse.ArgumentParser:
                             "of a split of --data-path")
     g.add_argument("--tokenizer-model", default=None, metavar="PATH",
                    help="tokenizer JSON from tools/train_tokenizer.py (required with --data-path)")
-    g.add_argument("--data-cache-dir", default=None, metavar="DIR",
+    g.add_argument("--data-cache-path", "--data-cache-dir", dest="data_cache_dir",
+                   default=None, metavar="DIR",
                    help="where the demo corpus and dataset indices are cached "
                         "(default: $MEGATRON_SYSX_CACHE or ~/.cache/megatron-sysx)")
 
     g = p.add_argument_group("logging and checkpoints")
-    g.add_argument("--log-interval", type=int)
+    g.add_argument("--log-interval", type=int, help="print every N iterations (default 100)")
+    g.add_argument("--log-throughput", action="store_true",
+                   help="print tokens/s and TFLOP/s per GPU in the iteration line")
+    g.add_argument("--log-timers-to-tensorboard", action="store_true",
+                   help="write the iteration's time breakdown to TensorBoard")
     g.add_argument("--metrics-file", default=None, metavar="PATH",
                    help="append one JSON object per iteration")
-    g.add_argument("--save", default=None, metavar="DIR")
-    g.add_argument("--save-interval", type=int)
-    g.add_argument("--load", default=None, metavar="DIR")
+    g.add_argument("--save", default=None, metavar="DIR", help="checkpoint directory")
+    g.add_argument("--save-interval", type=int,
+                   help="save every N iterations (and at the end, and on a clean exit)")
+    g.add_argument("--load", default=None, metavar="DIR",
+                   help="resume from this checkpoint directory")
     g.add_argument("--load-optional", action="store_true",
                    help="Megatron's behaviour: a --load directory that does not exist means "
                         "start from scratch (default: an error)")
     g.add_argument("--eval-interval", type=int, default=None,
-                   help="validation loss every N iterations and at the end (default 1000)")
+                   help="validation loss every N iterations (default: only at the end)")
     g.add_argument("--eval-iters", type=int, default=None,
                    help="iterations (global batches) per evaluation; 0 disables "
-                        "(default: 10 with a validation set, else 0)")
+                        "(default: 100 with a validation set, else 0)")
     g.add_argument("--tensorboard-dir", default=None, metavar="DIR",
                    help="TensorBoard event files with Megatron's scalar names")
     g.add_argument("--wandb-project", default=None, help="log the same scalars to W&B")
@@ -131,28 +239,39 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--exit-duration-in-mins", type=float, default=None,
                    help="save and exit 0 once the job has run this long (Slurm time limits)")
     g.add_argument("--exit-signal-handler", action="store_true",
-                   help="on SIGTERM or SIGUSR1: finish the iteration, save, exit 0 on every rank")
+                   help="on --exit-signal (and SIGUSR1): finish the iteration, save, exit 0 "
+                        "on every rank")
+    g.add_argument("--exit-signal", default="SIGTERM", metavar="SIGNAL",
+                   help="the signal --exit-signal-handler acts on, by name or number "
+                        "(default SIGTERM, Megatron's)")
     g.add_argument("--finetune", action="store_true",
                    help="with --load: read the weights only and start at iteration 0 with a "
                         "fresh optimizer (e.g. a checkpoint from tools/convert_checkpoint.py)")
-    g.add_argument("--async-save", action=argparse.BooleanOptionalAction, default=True,
+    g.add_argument("--async-save", action=argparse.BooleanOptionalAction, default=False,
                    help="write checkpoints in a background thread after a host-memory "
-                        "snapshot (default on; --no-async-save blocks until written)")
+                        "snapshot (default off, as Megatron; training then blocks only for "
+                        "the snapshot)")
 
     g = p.add_argument_group("pipeline")
     g.add_argument("--pipeline-schedule", default=None, choices=SCHEDULES,
                    help="default: single (one process), decoupled with several")
     g.add_argument("--pipeline-model-parallel-size", type=int, default=None,
-                   help="number of GPU processes; must equal the launcher's world size")
-    g.add_argument("--data-parallel-size", type=int, default=1,
+                   help="processes per pipeline; the launcher's processes / this are "
+                        "data-parallel replicas (Megatron's layout; default: one pipeline of "
+                        "all processes)")
+    g.add_argument("--data-parallel-size", type=int, default=None,
                    help="replicas of the pipeline, each on its share of the global batch "
-                        "(world size = pipeline size x this; megatron-core's rank layout)")
+                        "(world size = pipeline size x this; default: from the world size)")
+    g.add_argument("--distributed-timeout-minutes", type=int, default=10,
+                   help="timeout of collective operations (default 10, Megatron's)")
     g.add_argument("--zero-stage", type=int, default=None, metavar="0|1|2",
                    help="ZeRO over the host optimizer: 1 splits the optimizer states across "
                         "the data-parallel replicas, 2 the gradients too (default 2 when "
                         "--data-parallel-size > 1, else 0)")
-    g.add_argument("--forward-stages", type=int, default=None)
-    g.add_argument("--backward-split", type=int, default=None)
+    g.add_argument("--forward-stages", type=int, default=None,
+                   help="forward stages of the pipeline (default: the schedule's)")
+    g.add_argument("--backward-split", type=int, default=None,
+                   help="backward stages per forward stage (decoupled schedule)")
     g.add_argument("--stage-layers", type=_int_list, default=None, metavar="N,N,...",
                    help="decoder layers per forward stage (default: balanced by cost, "
                         "embedding and head counted)")
@@ -211,7 +330,25 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--hardware", default=None, metavar="PROFILE",
                    help="a built-in hardware profile (paper-v100, h100-sxm) or a JSON file "
                         "from tools/profile_hardware.py (default: paper-v100)")
+    _add_megatron_design_flags(p)
     return p
+
+
+def _add_megatron_design_flags(p: argparse.ArgumentParser) -> None:
+    """Megatron-LM's flags that name this design or tune what it does not have
+    (megatron/training/megatron_flags.py): accepted, or refused in one line."""
+    g = p.add_argument_group("Megatron-LM flags that describe this design")
+    for spec in DESIGN_FLAGS:
+        g.add_argument(spec.flag, type=spec.type, default=None, choices=spec.choices,
+                       help=spec.help)
+    for flag, what in DESIGN_SWITCHES.items():
+        g.add_argument(flag, action="store_true", help=what)
+    for flag, (kind, default, what) in TUNING_VALUES.items():
+        g.add_argument(flag, type=kind, default=default, help=what)
+    for flag, why in REFUSED_SWITCHES.items():
+        g.add_argument(flag, action="store_true", help=why)
+    for flag, why in REFUSED_VALUES.items():
+        g.add_argument(flag, default=None, help=why)
 
 
 def _int_list(text: str) -> list[int]:
@@ -221,10 +358,10 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers") from None
 
 
-def _apply_preset_and_defaults(args: argparse.Namespace) -> None:
-    """Fill what the user left out: the preset's values, then the built-in defaults, then
-    the defaults that follow from other flags (as Megatron resolves them)."""
-    warmup_given = args.lr_warmup_iters is not None
+def _apply_preset_and_defaults(args: argparse.Namespace, given: set[str]) -> None:
+    """Fill what the user left out: the preset's values, then the defaults, then the values
+    that follow from other flags (as Megatron resolves them). `given`: the flags on the
+    command line, by argparse name."""
     if args.model_preset is not None:
         try:
             preset = get_preset(args.model_preset)
@@ -239,22 +376,93 @@ def _apply_preset_and_defaults(args: argparse.Namespace) -> None:
         for name, value in preset.training.items():
             if getattr(args, name) is None:
                 setattr(args, name, value)
+    if args.group_query_attention and args.num_query_groups is None:
+        args.num_query_groups = 1  # Megatron's default with --group-query-attention
     for name, value in DEFAULTS.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    _resolve_layout(args)
     if args.global_batch_size is None:
-        args.global_batch_size = args.micro_batch_size
-    if not warmup_given and args.lr_warmup_iters >= args.train_iters:
-        # A preset's warmup is sized for its own train_iters; a short run keeps 10% of it.
-        args.lr_warmup_iters = args.train_iters // 10
-    if args.lr_decay_iters is None:
-        args.lr_decay_iters = args.train_iters
+        args.global_batch_size = args.micro_batch_size * args.data_parallel_size
+    _resolve_training_length(args, given)
     if args.num_query_groups is None and args.num_attention_heads is not None:
         args.num_query_groups = args.num_attention_heads
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
     if args.zero_stage is None:
         args.zero_stage = 2 if args.data_parallel_size > 1 else 0
+    if args.use_distributed_optimizer and args.data_parallel_size > 1 and args.zero_stage == 0:
+        raise ConfigError("--zero-stage", 0, "--use-distributed-optimizer shards the optimizer "
+                          "state over the data-parallel replicas: give --zero-stage 1 or 2")
+    if args.split is None and args.data_path is not None:
+        args.split = DEFAULT_SPLIT
     if args.data_cache_dir is None:
         args.data_cache_dir = default_cache_dir()
+    args.exit_signal = _signal_name(args.exit_signal)
+
+
+def _resolve_layout(args: argparse.Namespace) -> None:
+    """Megatron's layout: world size = pipeline size x data-parallel size (tensor and context
+    parallel sizes 1). Without either flag, all the launcher's processes form one pipeline."""
+    world = int(os.environ.get("WORLD_SIZE", "0")) or None
+    pipeline, replicas = args.pipeline_model_parallel_size, args.data_parallel_size
+    if replicas is None and pipeline is not None and world is not None:
+        if pipeline <= 0 or world % pipeline:
+            raise ConfigError("--pipeline-model-parallel-size", pipeline,
+                              f"expected a divisor of the {world} processes started (world "
+                              "size = pipeline size x data-parallel size)")
+        replicas = world // pipeline
+    args.data_parallel_size = 1 if replicas is None else replicas
+
+
+def _resolve_training_length(args: argparse.Namespace, given: set[str]) -> None:
+    """Iteration-based (--train-iters) or sample-based (--train-samples) training, as
+    Megatron checks them; the LR schedule counts samples either way (RunConfig)."""
+    iteration_flags = {"train_iters", "lr_decay_iters", "lr_warmup_iters", "lr_wsd_decay_iters"}
+    sample_flags = {"lr_decay_samples", "lr_warmup_samples", "lr_wsd_decay_samples"}
+    if args.train_samples is not None:
+        mixed = sorted(iteration_flags & given)
+        if mixed:
+            raise ConfigError(flag_name(mixed[0]), getattr(args, mixed[0]),
+                              "not with --train-samples: give the schedule in samples "
+                              "(--lr-decay-samples, --lr-warmup-samples)")
+        if args.train_samples < args.global_batch_size:
+            raise ConfigError("--train-samples", args.train_samples,
+                              f"expected at least one global batch ({args.global_batch_size})")
+        args.train_iters = args.train_samples // args.global_batch_size
+        args.lr_warmup_iters = 0
+    else:
+        mixed = sorted(sample_flags & given)
+        if mixed:
+            raise ConfigError(flag_name(mixed[0]), getattr(args, mixed[0]),
+                              "needs --train-samples (with --train-iters give "
+                              f"--{mixed[0].replace('samples', 'iters').replace('_', '-')})")
+        if "lr_warmup_iters" not in given and args.lr_warmup_iters >= args.train_iters:
+            # A preset's warmup is sized for its own train_iters; a short run keeps 10% of it.
+            args.lr_warmup_iters = args.train_iters // 10
+    if args.lr_warmup_fraction is not None and ({"lr_warmup_iters", "lr_warmup_samples"}
+                                                & given):
+        raise ConfigError("--lr-warmup-fraction", args.lr_warmup_fraction,
+                          "give one of --lr-warmup-fraction and --lr-warmup-iters/samples")
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    if args.lr_warmup_samples is None:
+        args.lr_warmup_samples = 0
+
+
+def _signal_name(value: str) -> str:
+    """--exit-signal by name (SIGUSR1, USR1) or number (10), as the signal's name."""
+    text = str(value).upper()
+    if text.isdigit():
+        try:
+            return signal.Signals(int(text)).name
+        except ValueError:
+            pass
+    name = text if text.startswith("SIG") else "SIG" + text
+    if name not in SIGNALS or name in ("SIGKILL", "SIGSTOP"):
+        raise ConfigError("--exit-signal", value, "expected a signal that can be caught, by "
+                          "name or number (e.g. SIGTERM, SIGUSR1, 10)")
+    return name
 
 
 def _gpu_stride(text: str) -> int | None:
@@ -272,12 +480,40 @@ def _gpu_stride(text: str) -> int | None:
 
 def parse_args(argv: Sequence[str] | None = None) -> RunConfig:
     """Parse and check; exits with status 2 and a one-line message on bad input."""
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
     try:
-        _apply_preset_and_defaults(args)
+        args, unknown = parser.parse_known_args(argv)
+        if unknown:
+            raise ConfigError(*_unknown_flags(parser, unknown))
+        given = _given(parser, argv)
+        check_design_flags(vars(args))
+        _apply_preset_and_defaults(args, given)
         return RunConfig.from_flags(vars(args))
     except ConfigError as exc:
         exit_bad_input(exc)
+
+
+def _given(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[str]:
+    """The argparse names of the flags on the command line (`--flag=value` included)."""
+    by_option = {o: a.dest for a in parser._actions for o in a.option_strings}
+    return {by_option[item.split("=", 1)[0]] for item in argv
+            if item.split("=", 1)[0] in by_option}
+
+
+def _unknown_flags(parser: argparse.ArgumentParser, unknown: Sequence[str]
+                   ) -> tuple[str, str, str]:
+    """Every unknown flag, each with the closest known one, as one ConfigError's parts."""
+    known = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+    flags = [item.split("=", 1)[0] for item in unknown if item.startswith("-")]
+    if not flags:
+        return "flags", " ".join(unknown), "unexpected values (every value follows its flag)"
+    parts = []
+    for flag in flags:
+        close = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
+        parts.append(f"{flag} (did you mean {close[0]}?)" if close else flag)
+    return ("unknown flag" + ("s" if len(parts) > 1 else ""), ", ".join(parts),
+            "not a flag of pretrain_llama.py (--help lists every flag, one line each)")
 
 
 def exit_bad_input(exc: Exception) -> None:

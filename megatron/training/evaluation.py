@@ -43,7 +43,7 @@ def format_evaluation(where: str, loss: float) -> str:
 
 def due(iteration: int, run: RunConfig) -> bool:
     """Evaluate after this iteration (Megatron: every eval_interval iterations)."""
-    return run.eval_iters > 0 and iteration % run.eval_interval == 0
+    return run.eval_iters > 0 and bool(run.eval_interval) and iteration % run.eval_interval == 0
 
 
 def evaluation_record(iteration: int, split: str, loss: float, end_of_training: bool) -> dict:

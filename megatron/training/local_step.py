@@ -1,7 +1,9 @@
 """The whole model in one process: the reference every pipeline is checked against.
 
 Working parameters in the training dtype, fp32 masters, torch's AdamW; the same loss
-scaling, clipping and no-decay rule as the pipeline's CPU optimizer.
+scaling, clipping and no-decay rule as the pipeline's CPU optimizer. With
+--pipeline-model-parallel-size 1 on several processes (Megatron's data parallelism), each
+process is one replica: gradients and losses are averaged over the replicas.
 """
 
 from __future__ import annotations
@@ -10,12 +12,13 @@ import math
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 
 from megatron.config.run import RunConfig
 from megatron.models.llama import Batch, LlamaConfig, LlamaModel, uses_weight_decay
-from megatron.pipeline.config import working_dtype
+from megatron.pipeline.config import LossScaling, working_dtype
 from megatron.training.checkpoint_state import OwnedState, named_tensors
-from megatron.training.train_step import StepResult, make_loss_scaler
+from megatron.training.train_step import StepResult
 
 
 class LocalTrainStep:
@@ -41,7 +44,25 @@ class LocalTrainStep:
         self.clip_grad = o.clip_grad
         inject = run.testing.inject_overflow
         self.inject_overflow_at = inject[0] if inject else None
-        self.scaler = make_loss_scaler(run.precision) if self.dtype == torch.float16 else None
+        scaling = LossScaling.of(run.precision)
+        self.scaler = scaling.build() if scaling else None
+        self.replicas = self._replica_group()
+
+    @staticmethod
+    def _replica_group():
+        """The data-parallel group when there are several replicas, else None."""
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return None
+        from megatron.core import parallel_state
+
+        return parallel_state.get_data_parallel_group()
+
+    def _mean_over_replicas(self, values: torch.Tensor) -> torch.Tensor:
+        """Average across the data-parallel replicas (in place); one collective."""
+        if self.replicas is not None:
+            dist.all_reduce(values, group=self.replicas)
+            values.div_(dist.get_world_size(self.replicas))
+        return values
 
     def step(self, iteration: int, micro_batches: Sequence[Batch], lr: float,
              weight_decay: float) -> StepResult:
@@ -55,8 +76,14 @@ class LocalTrainStep:
             total += float(loss.detach())
         if self.inject_overflow_at == iteration:
             self.params[0].grad.view(-1)[0] = float("inf")
-        for master, p in zip(self.masters, self.params):
-            master.grad = p.grad.detach().float().div_(scale)
+        grads_fp32 = [p.grad.detach().float() for p in self.params]
+        if self.replicas is not None:  # reduced in fp32, whatever the working dtype
+            flat = self._mean_over_replicas(torch.cat(
+                [g.reshape(-1) for g in grads_fp32] + [torch.tensor([total])]))
+            total = float(flat[-1])
+            grads_fp32 = list(torch.split(flat[:-1], [g.numel() for g in grads_fp32]))
+        for master, grad in zip(self.masters, grads_fp32):
+            master.grad = grad.view_as(master).div_(scale)
         grads = [m.grad for m in self.masters]
         norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
         overflow = not math.isfinite(norm)
@@ -81,7 +108,8 @@ class LocalTrainStep:
         with torch.no_grad():
             losses = [float(self.model(batch)) for micro_batches in batches
                       for batch in micro_batches]
-        return sum(losses) / len(losses)
+        mean = torch.tensor([sum(losses) / len(losses)], dtype=torch.float64)
+        return float(self._mean_over_replicas(mean))
 
     def owned_state(self) -> OwnedState:
         """Every parameter: the master and torch AdamW's moments (created as zeros before

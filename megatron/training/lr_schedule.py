@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron.config.run import RunConfig
+
 
 @dataclass
 class _ParamGroupsHolder:
@@ -16,30 +18,30 @@ class _ParamGroupsHolder:
 
 
 class LRSchedule:
-    def __init__(
-        self,
-        lr: float,
-        min_lr: float,
-        warmup_iters: int,
-        decay_iters: int,
-        decay_style: str,
-        weight_decay: float,
-    ) -> None:
+    """The learning rate and weight decay of each iteration. Steps count samples, as
+    Megatron's do (an iteration advances by the global batch), so a scheduler state saved by
+    Megatron-LM means the same here."""
+
+    def __init__(self, run: RunConfig) -> None:
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-        self._holder = _ParamGroupsHolder([{"lr": 0.0, "weight_decay": weight_decay}])
+        o = run.optimization
+        self.samples_per_iteration, warmup, decay, wsd = run.lr_schedule_steps
+        self._holder = _ParamGroupsHolder([{"lr": 0.0, "weight_decay": o.weight_decay}])
         self._scheduler = OptimizerParamScheduler(
             self._holder,
             init_lr=0.0,
-            max_lr=lr,
-            min_lr=min_lr,
-            lr_warmup_steps=warmup_iters,
-            lr_decay_steps=max(decay_iters, warmup_iters + 1),
-            lr_decay_style=decay_style,
-            start_wd=weight_decay,
-            end_wd=weight_decay,
-            wd_incr_steps=max(decay_iters, 1),
+            max_lr=o.lr,
+            min_lr=o.min_lr,
+            lr_warmup_steps=warmup,
+            lr_decay_steps=max(decay, warmup + 1),
+            lr_decay_style=o.lr_decay_style,
+            start_wd=o.weight_decay,
+            end_wd=o.weight_decay,
+            wd_incr_steps=max(run.training.train_iters * self.samples_per_iteration, 1),
             wd_incr_style="constant",
+            wsd_decay_steps=wsd,
+            lr_wsd_decay_style=o.lr_wsd_decay_style,
         )
 
     @property
@@ -52,11 +54,12 @@ class LRSchedule:
 
     @property
     def num_steps(self) -> int:
+        """Samples consumed so far."""
         return int(self._scheduler.num_steps)
 
     def step(self) -> None:
         """Advance one iteration (after the optimizer step, as Megatron does)."""
-        self._scheduler.step(increment=1)
+        self._scheduler.step(increment=self.samples_per_iteration)
 
     def state_dict(self) -> dict:
         return self._scheduler.state_dict()

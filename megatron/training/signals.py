@@ -1,6 +1,6 @@
 """When to stop early and cleanly: `--exit-interval`, `--exit-duration-in-mins` and
-`--exit-signal-handler` (SIGTERM or SIGUSR1 from Slurm before a time limit, or from a
-preemption).
+`--exit-signal-handler` (--exit-signal, SIGTERM by default as in Megatron, and SIGUSR1: what
+Slurm sends before a time limit or a preemption).
 
 A signal only sets a flag: the iteration in flight finishes, then the loop saves a
 checkpoint and every rank returns 0. A signal may reach the ranks at different times (or
@@ -19,7 +19,8 @@ import torch
 
 from megatron.config.run import ExitConfig
 
-EXIT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# Always handled with --exit-signal-handler, besides --exit-signal: the Slurm example's signal.
+SLURM_SIGNAL = signal.SIGUSR1
 
 
 class ExitConditions:
@@ -38,7 +39,7 @@ class ExitConditions:
         self.received: int | None = None
         self._previous: dict[int, object] = {}
         if self.handles_signals:
-            for sig in EXIT_SIGNALS:
+            for sig in {signal.Signals[conditions.exit_signal], SLURM_SIGNAL}:
                 self._previous[sig] = signal.signal(sig, self._on_signal)
 
     def _on_signal(self, signum: int, frame) -> None:

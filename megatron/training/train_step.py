@@ -9,9 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from megatron.config.run import PrecisionConfig
 from megatron.models.llama import Batch
-from megatron.optimizer.loss_scaler import DynamicLossScaler
 from megatron.training.checkpoint_state import OwnedState
 
 
@@ -36,9 +34,3 @@ class TrainStep(Protocol):
     def owned_state(self) -> OwnedState: ...
 
     def restored(self, optimizer_step: int, loss_scaler: dict | None, iteration: int) -> None: ...
-
-
-def make_loss_scaler(precision: PrecisionConfig) -> DynamicLossScaler:
-    return DynamicLossScaler(precision.initial_loss_scale,
-                             growth_interval=precision.loss_scale_window,
-                             min_scale=precision.min_loss_scale)

@@ -53,9 +53,11 @@ Log = Callable[[str], object]
 
 
 def runs_pipeline(run: RunConfig, world_size: int) -> bool:
-    """One process without a pipeline flag trains the whole model locally."""
+    """A pipeline of one process without a pipeline flag trains the whole model locally
+    (each data-parallel replica, with --pipeline-model-parallel-size 1)."""
     p = run.parallel
-    return (world_size > 1 or p.pipeline_schedule not in (None, "single")
+    return (world_size // run.data_parallel_size > 1
+            or p.pipeline_schedule not in (None, "single")
             or p.schedule_file is not None
             or "bf16" in (run.precision.optimizer_state_dtype,  # the CPU optimizer only
                           run.precision.master_dtype))
@@ -75,7 +77,8 @@ def check_before_start(run: RunConfig, dist_info: DistInfo) -> None:
                           f"{dist_info.data_parallel_size}")
     # --pipeline-model-parallel-size is checked on one process too: a launch that forgot
     # torchrun must not train the whole model locally instead
-    if runs_pipeline(run, dist_info.world_size) or run.parallel.pipeline_model_parallel_size:
+    if runs_pipeline(run, dist_info.world_size) or (
+            run.parallel.pipeline_model_parallel_size or 1) > 1:
         check_pipeline_shape(run, dist_info.pipeline_size)
     check_load_dir(run)  # the checks that create nothing first
     check_scalar_sinks(run)
@@ -127,9 +130,7 @@ class TrainingLoop:
             self.step = make_train_step(run, model_cfg, self.dist_info)
         if on_step is not None:
             on_step(self.step)
-        o = run.optimization
-        self.schedule = LRSchedule(o.lr, o.min_lr, o.lr_warmup_iters, o.lr_decay_iters,
-                                   o.lr_decay_style, o.weight_decay)
+        self.schedule = LRSchedule(run)
         if load and os.path.isdir(load):
             self._load(load)
         if run.checkpointing.save:
@@ -319,7 +320,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if run.planning.auto_config:
             run = configure_automatically(run)
-        dist_info = initialize_distributed(data_parallel_size=run.data_parallel_size)
+        dist_info = initialize_distributed(
+            timeout_s=60.0 * run.parallel.distributed_timeout_minutes,
+            data_parallel_size=run.data_parallel_size)
         try:
             train(run, dist_info)
         finally:

@@ -1,0 +1,153 @@
+"""Megatron-LM flags that describe what this design always is, or tune what it does not have.
+
+A Megatron-LM launch script for a LLaMA model names the architecture (`--normalization
+RMSNorm --swiglu --position-embedding-type rope ...`), the kernels and the overlap of its
+communication. pretrain_llama.py accepts each of them under Megatron's name: a value that
+describes this design is accepted, a value it cannot honour is refused in one line that says
+what is supported instead. Nothing here changes the computation; the flags that do (sizes,
+rotary base, norm epsilon, ...) are fields of the run configuration.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from megatron.config.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class DesignFlag:
+    """A flag whose accepted values are those this design is."""
+
+    flag: str
+    default: Any  # what this design is when the flag is left out
+    accepted: tuple[Any, ...]  # values that describe this design
+    instead: str  # said when another value is given
+    choices: tuple[Any, ...] | None = None  # Megatron's choices (None: any value of its type)
+    type: type = str
+    help: str = ""
+
+    @property
+    def dest(self) -> str:
+        return self.flag[2:].replace("-", "_")
+
+
+# Values the design is; the rest are refused. Defaults are this design (a LLaMA model),
+# where Megatron's pretrain_gpt.py defaults to GPT's (README's table of differences).
+DESIGN_FLAGS = (
+    DesignFlag("--tensor-model-parallel-size", 1, (1,), "tensor parallelism is not supported "
+               "(a stage's layers run whole on one GPU, the model states live in host memory; "
+               "use --pipeline-model-parallel-size and data parallelism)", type=int,
+               help="1 only (tensor parallelism is not supported)"),
+    DesignFlag("--context-parallel-size", 1, (1,), "context parallelism is not supported (use "
+               "a shorter --seq-length or more pipeline stages)", type=int,
+               help="1 only (context parallelism is not supported)"),
+    DesignFlag("--expert-model-parallel-size", 1, (1,), "mixture-of-experts models are not "
+               "supported", type=int, help="1 only (no mixture of experts)"),
+    DesignFlag("--position-embedding-type", "rope", ("rope",), "LLaMA uses rotary embeddings",
+               choices=("learned_absolute", "rope", "mrope", "relative", "none"),
+               help="rope only (the default here)"),
+    DesignFlag("--normalization", "RMSNorm", ("RMSNorm",), "LLaMA uses RMSNorm", choices=("LayerNorm", "RMSNorm"),
+               help="RMSNorm only (the default here)"),
+    DesignFlag("--recompute-granularity", "full", ("full",), "the backward stage recomputes "
+               "whole layers from the checkpointed activations",
+               choices=("full", "selective"), help="full only (always: activations are "
+               "recomputed by the backward stage)"),
+    DesignFlag("--transformer-impl", "transformer_engine", ("local", "transformer_engine"),
+               "training uses megatron-core's local or Transformer Engine layers",
+               choices=("local", "transformer_engine", "inference_optimized"),
+               help="Transformer Engine layers where it imports on CUDA, local otherwise"),
+    DesignFlag("--optimizer", "adam", ("adam",), "the CPU optimizer is AdamW",
+               choices=("adam", "sgd", "muon", "dist_muon"), help="adam only (AdamW, decoupled "
+               "weight decay, as Megatron's adam)"),
+    DesignFlag("--distributed-backend", "nccl", ("nccl", "gloo"), "",
+               choices=("nccl", "gloo"), help="NCCL on CUDA; the CPU device layer uses gloo"),
+    DesignFlag("--attention-backend", "auto", ("flash", "fused", "unfused", "local", "auto"), "",
+               choices=("flash", "fused", "unfused", "local", "auto"),
+               help="accepted; CUDA picks its kernel, the CPU runs unfused attention"),
+    DesignFlag("--recompute-method", None, (None, "uniform", "block"), "",
+               choices=("uniform", "block"), help="accepted; every layer is recomputed"),
+    DesignFlag("--recompute-num-layers", None, (None,), "", type=int,
+               help="accepted; every layer is recomputed"),
+    DesignFlag("--num-experts", None, (None,), "mixture-of-experts models are not supported",
+               type=int, help="not supported (no mixture of experts)"),
+)
+
+# Switches that describe this design (True) or only tune kernels, fusions and overlap that
+# this runtime schedules itself: accepted, no effect on the numbers.
+DESIGN_SWITCHES = {
+    "--use-mcore-models": "megatron-core models (always)",
+    "--use-rotary-position-embeddings": "rotary embeddings (always)",
+    "--no-position-embedding": "no learned absolute positions (always)",
+    "--swiglu": "SwiGLU MLP (always)",
+    "--untie-embeddings-and-output-weights": "untied embedding and output layer (always)",
+    "--disable-bias-linear": "linear layers without biases (always)",
+    "--group-query-attention": "grouped-query attention with --num-query-groups",
+    "--use-distributed-optimizer": "ZeRO over the host optimizer with data parallelism "
+                                   "(--zero-stage, 2 by default)",
+    "--overlap-grad-reduce": "gradient reduction overlaps the pipeline (always)",
+    "--overlap-param-gather": "parameter publication overlaps the pipeline (always)",
+    "--sequence-parallel": "no effect with tensor-parallel size 1 (as in Megatron)",
+    "--no-masked-softmax-fusion": "kernel choice; no effect on the numbers",
+    "--attention-softmax-in-fp32": "softmax in fp32 (always)",
+    "--cross-entropy-loss-fusion": "kernel choice; no effect on the numbers",
+    "--no-bias-swiglu-fusion": "kernel choice; no effect on the numbers",
+    "--no-bias-dropout-fusion": "kernel choice; no effect on the numbers",
+    "--no-rope-fusion": "kernel choice; no effect on the numbers",
+    "--no-gradient-accumulation-fusion": "kernel choice; no effect on the numbers",
+    "--use-flash-attn": "kernel choice; no effect on the numbers",
+    "--manual-gc": "accepted; Python's collector runs as usual",
+    "--no-create-attention-mask-in-dataloader": "the causal mask is built by the model (always)",
+    "--no-mmap-bin-files": "accepted; .bin files are memory-mapped",
+    "--accumulate-allreduce-grads-in-fp32": "gradients are accumulated and reduced in fp32 "
+                                            "in host memory (always)",
+    "--grad-reduce-in-bf16": "accepted; gradients are reduced in fp32 in host memory",
+    "--calculate-per-token-loss": "equal to the per-micro-batch mean here: every sample has "
+                                  "seq-length loss tokens",
+}
+
+# Megatron flags with a value that only tunes the runtime: accepted, no effect.
+TUNING_VALUES = {
+    "--num-workers": (int, 2, "data loader workers; samples are read in the training process"),
+    "--empty-unused-memory-level": (int, 0, "accepted; device memory is released per "
+                                             "instruction"),
+    "--tiktoken-pattern": (str, None, "only read by TikTokenizer (not supported)"),
+}
+
+# Megatron switches naming features this design does not have: refused in one line.
+REFUSED_SWITCHES = {
+    "--apply-layernorm-1p": "zero-centred RMSNorm weights are not supported (LLaMA's RMSNorm)",
+    "--use-legacy-models": "only megatron-core models are supported (drop --use-legacy-models)",
+    "--add-qkv-bias": "linear layers have no biases (LLaMA); drop --add-qkv-bias",
+    "--fp8-param-gather": "FP8 is not supported: use --bf16",
+}
+REFUSED_VALUES = {
+    "--fp8-format": "FP8 is not supported: use --bf16",
+    "--decoupled-lr": "one learning rate for all parameters: drop --decoupled-lr",
+    "--decoupled-min-lr": "one learning rate for all parameters: drop --decoupled-min-lr",
+    "--rampup-batch-size": "batch-size ramp-up is not supported: give a constant "
+                           "--global-batch-size",
+}
+
+
+def check_design_flags(values: Mapping[str, Any]) -> None:
+    """Raise ConfigError for the first Megatron flag whose value this design cannot honour;
+    `values` by argparse name, as given (None: left out)."""
+    for spec in DESIGN_FLAGS:
+        value = values.get(spec.dest)
+        if value is not None and value not in spec.accepted:
+            accepted = " or ".join(str(a) for a in spec.accepted if a is not None)
+            raise ConfigError(spec.flag, value, f"expected {accepted}: {spec.instead}")
+    for flag, why in REFUSED_SWITCHES.items():
+        if values.get(_dest(flag)):
+            raise ConfigError(flag, True, f"not supported: {why}")
+    for flag, why in REFUSED_VALUES.items():
+        value = values.get(_dest(flag))
+        if value is not None:
+            raise ConfigError(flag, value, f"not supported: {why}")
+
+
+def _dest(flag: str) -> str:
+    return flag[2:].replace("-", "_")
