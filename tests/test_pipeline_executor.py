@@ -69,7 +69,7 @@ def _arguments(out, extra, script):
     args = [*MODEL, "--data-cache-dir", os.environ["MEGATRON_TEST_CACHE"], *extra]
     if script == "pretrain_llama.py":
         args += ["--metrics-file", str(out / "metrics.jsonl"), "--save", str(out / "ckpt"),
-                 "--tensorboard-dir", str(out / "tb")]
+                 "--tensorboard-dir", str(out / "tb"), "--log-timers-to-tensorboard"]
     else:
         args += ["--out-dir", str(out)]
         if "--schedules" not in extra:

@@ -306,7 +306,8 @@ def test_another_ranks_signal_stops_this_rank_too():
 # --- TensorBoard -----------------------------------------------------------------------
 
 def test_tensorboard_scalars_read_back_under_megatrons_names(tmp_path):
-    sinks = ScalarSinks(parse_args([*TINY, "--tensorboard-dir", str(tmp_path)]), enabled=True)
+    sinks = ScalarSinks(parse_args([*TINY, "--tensorboard-dir", str(tmp_path),
+                                    "--log-timers-to-tensorboard"]), enabled=True)
     for it in (1, 2, 3):
         sinks.training({"iteration": it, "loss": 5.0 - it, "lr": 1e-3, "loss_scale": None,
                         "grad_norm": 0.5, "iter_time_s": 0.1, "tokens_per_s": 100.0,

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 
 from megatron.config.model import ModelConfig
 
-
 # LLaMA-2's optimizer recipe (Touvron et al. 2023, section 2.2): AdamW with beta2 0.95,
 # weight decay 0.1, cosine decay. A preset brings it; without one, Megatron's defaults hold.
 LLAMA2_RECIPE = {"adam_beta2": 0.95, "weight_decay": 0.1, "lr_decay_style": "cosine"}

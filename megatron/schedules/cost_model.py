@@ -142,6 +142,13 @@ def head_forward_flops_per_token(model: ModelConfig) -> float:
     return 2.0 * model.hidden_size * (model.planned_vocab_size)
 
 
+def model_flops_per_token(model: ModelConfig) -> float:
+    """Forward and backward (3x the forward) of every layer and the head: the model FLOPs
+    of throughput and MFU (recomputation not counted, as Megatron's --log-throughput)."""
+    return 3.0 * (model.num_layers * layer_forward_flops_per_token(model, model.seq_length)
+                  + head_forward_flops_per_token(model))
+
+
 def derived_costs(
     schedule: Schedule,
     model: ModelConfig | str,

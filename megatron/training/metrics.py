@@ -9,11 +9,14 @@ import time
 from typing import Any, TextIO
 
 
-def format_log_line(m: dict[str, Any], train_iters: int) -> str:
+def format_log_line(m: dict[str, Any], train_iters: int, throughput: bool = False) -> str:
+    """Megatron's iteration line; `throughput` (--log-throughput) adds the model TFLOP/s
+    per GPU."""
     parts = [
         f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] iteration {m['iteration']:>8d}/{train_iters:>8d}",
         f"consumed samples: {m['consumed_samples']:>12d}",
         f"elapsed time per iteration (ms): {m['iter_time_s'] * 1000:.1f}",
+        *([f"throughput per GPU (TFLOP/s/GPU): {m['tflops_per_gpu']:.1f}"] if throughput else []),
         f"tokens per second: {m['tokens_per_s']:.0f}",
         f"learning rate: {m['lr']:.6E}",
         f"global batch size: {m['global_batch_size']:>5d}",

@@ -1,10 +1,12 @@
 """TensorBoard (and W&B when asked for) scalars, under Megatron's names.
 
-Megatron's names: `lm loss`, `learning-rate`, `loss-scale`, `grad-norm`, `iteration-time`,
-`batch-size`, `lm loss validation` (and `lm loss validation ppl`, `lm loss test`, ...),
-each also `... vs samples` against consumed samples; plus `tokens-per-second` and this
-project's pipeline breakdown under `pipeline/` (gpu time, bubble time, exposed optimizer
-time, bubble ratio, device memory peak). Only the logging rank writes.
+Megatron's names: `lm loss`, `learning-rate`, `loss-scale`, `grad-norm`, `batch-size`,
+`lm loss validation` (and `lm loss validation ppl`, `lm loss test`, ...), each also
+`... vs samples` against consumed samples, and `tokens-per-second`. As in Megatron, the
+timers (`iteration-time` and this project's pipeline breakdown under `pipeline/`: gpu time,
+bubble time, exposed optimizer time, bubble ratio, device memory peak) are written with
+--log-timers-to-tensorboard, `throughput` (TFLOP/s per GPU) with --log-throughput. Only
+the logging rank writes.
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ TRAINING_SCALARS = {
     "lr": "learning-rate",
     "loss_scale": "loss-scale",
     "grad_norm": "grad-norm",
-    "iter_time_s": "iteration-time",
     "global_batch_size": "batch-size",
     "tokens_per_s": "tokens-per-second",
+}
+TIMER_SCALARS = {  # --log-timers-to-tensorboard
+    "iter_time_s": "iteration-time",
     "gpu_time_s": "pipeline/gpu-time",
     "bubble_time_s": "pipeline/bubble-time",
     "exposed_optimizer_time_s": "pipeline/exposed-optimizer-time",
@@ -47,9 +51,12 @@ class ScalarSinks:
     def __init__(self, run: RunConfig, enabled: bool) -> None:
         self._tensorboard = None
         self._wandb = None
+        log = run.logging
+        self._scalars = {**TRAINING_SCALARS,
+                         **(TIMER_SCALARS if log.log_timers_to_tensorboard else {}),
+                         **({"tflops_per_gpu": "throughput"} if log.log_throughput else {})}
         if not enabled:
             return
-        log = run.logging
         if log.tensorboard_dir:
             # optional dependency: imported only when asked for
             from torch.utils.tensorboard import SummaryWriter
@@ -62,7 +69,7 @@ class ScalarSinks:
                                      config=run.flags())
 
     def training(self, record: dict) -> None:
-        scalars = {name: record[key] for key, name in TRAINING_SCALARS.items()
+        scalars = {name: record[key] for key, name in self._scalars.items()
                    if isinstance(record.get(key), (int, float)) and not isinstance(record[key], bool)}
         self._write(scalars, record["iteration"], record.get("consumed_samples"))
 

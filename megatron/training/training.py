@@ -12,6 +12,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,7 @@ from megatron.planning.evaluate import plan_hardware
 from megatron.planning.report import candidates_text, model_size, run_plan
 from megatron.planning.search import auto_configure
 from megatron.planning.shape import check_pipeline_shape
+from megatron.schedules.cost_model import model_flops_per_token
 from megatron.training.arguments import exit_bad_input, parse_args
 from megatron.training.checkpointing import (
     CheckpointError,
@@ -107,6 +109,7 @@ class TrainingLoop:
         self.exits: ExitConditions | None = None
         self.start_iteration = 0
         self.skipped_total = 0
+        self.flops_per_token = 0.0  # model FLOPs, for --log-throughput
 
     # --- setup ---------------------------------------------------------------------------
 
@@ -125,6 +128,8 @@ class TrainingLoop:
         with setup_phase("data", log):
             self.data = prepare_data(run, log=log)
         model_cfg = LlamaConfig.from_model(run.model, self.data.vocab_size, run.training.seed)
+        self.flops_per_token = model_flops_per_token(
+            replace(run.model, vocab_size=self.data.vocab_size))
         torch.manual_seed(run.training.seed)
         with setup_phase("model, optimizer and pipeline", log):
             self.step = make_train_step(run, model_cfg, self.dist_info)
@@ -207,6 +212,8 @@ class TrainingLoop:
             "lr": lr_used,
             "iter_time_s": elapsed,
             "tokens_per_s": run.tokens_per_iteration / elapsed,
+            "tflops_per_gpu": run.tokens_per_iteration * self.flops_per_token
+            / (elapsed * 1e12 * self.dist_info.world_size),
             "consumed_samples": iteration * batch,
             "global_batch_size": batch,
             "skipped": result.skipped,
@@ -220,7 +227,8 @@ class TrainingLoop:
         self.sinks.training(record)
         self.records.append(record)
         if self.is_logger and (iteration % run.logging.log_interval == 0 or iteration == 1):
-            print(format_log_line(record, run.training.train_iters), flush=True)
+            print(format_log_line(record, run.training.train_iters,
+                                  throughput=run.logging.log_throughput), flush=True)
 
     def evaluate(self, dataset, number: int, iteration: int, where: str, split: str,
                  end: bool = False) -> dict:
