@@ -23,7 +23,7 @@ class DesignFlag:
 
     flag: str
     default: Any  # what this design is when the flag is left out
-    accepted: tuple[Any, ...]  # values that describe this design
+    accepted: tuple[Any, ...] | None  # values that describe this design (None: any)
     instead: str  # said when another value is given
     choices: tuple[Any, ...] | None = None  # Megatron's choices (None: any value of its type)
     type: type = str
@@ -62,14 +62,14 @@ DESIGN_FLAGS = (
     DesignFlag("--optimizer", "adam", ("adam",), "the CPU optimizer is AdamW",
                choices=("adam", "sgd", "muon", "dist_muon"), help="adam only (AdamW, decoupled "
                "weight decay, as Megatron's adam)"),
-    DesignFlag("--distributed-backend", "nccl", ("nccl", "gloo"), "",
+    DesignFlag("--distributed-backend", "nccl", None, "",
                choices=("nccl", "gloo"), help="NCCL on CUDA; the CPU device layer uses gloo"),
-    DesignFlag("--attention-backend", "auto", ("flash", "fused", "unfused", "local", "auto"), "",
+    DesignFlag("--attention-backend", "auto", None, "",
                choices=("flash", "fused", "unfused", "local", "auto"),
                help="accepted; CUDA picks its kernel, the CPU runs unfused attention"),
-    DesignFlag("--recompute-method", None, (None, "uniform", "block"), "",
+    DesignFlag("--recompute-method", None, None, "",
                choices=("uniform", "block"), help="accepted; every layer is recomputed"),
-    DesignFlag("--recompute-num-layers", None, (None,), "", type=int,
+    DesignFlag("--recompute-num-layers", None, None, "", type=int,
                help="accepted; every layer is recomputed"),
     DesignFlag("--num-experts", None, (None,), "mixture-of-experts models are not supported",
                type=int, help="not supported (no mixture of experts)"),
@@ -137,7 +137,7 @@ def check_design_flags(values: Mapping[str, Any]) -> None:
     `values` by argparse name, as given (None: left out)."""
     for spec in DESIGN_FLAGS:
         value = values.get(spec.dest)
-        if value is not None and value not in spec.accepted:
+        if value is not None and spec.accepted is not None and value not in spec.accepted:
             accepted = " or ".join(str(a) for a in spec.accepted if a is not None)
             raise ConfigError(spec.flag, value, f"expected {accepted}: {spec.instead}")
     for flag, why in REFUSED_SWITCHES.items():

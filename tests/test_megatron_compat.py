@@ -1,0 +1,282 @@
+"""A Megatron-LM user's launch, unchanged: Megatron's flags, parsing, defaults and layout."""
+
+import json
+import os
+import socket
+import subprocess
+
+import pytest
+import torch
+
+from megatron.training.arguments import build_parser, parse_args
+from megatron.training.lr_schedule import LRSchedule
+from tests import forked_ranks
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL = ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "160",
+         "--num-attention-heads", "4", "--seq-length", "32"]
+
+# The flags of Megatron-LM 0.16's examples/llama/train_llama3_8b_h100_fp8.sh and of
+# docs/llama_mistral.md's LLaMA-2/3 training arguments, at CPU sizes, bf16 for fp8.
+MEGATRON_LLAMA_LAUNCH = [
+    "--use-mcore-models", "--num-layers", "2", "--hidden-size", "64",
+    "--ffn-hidden-size", "160", "--num-attention-heads", "4", "--group-query-attention",
+    "--num-query-groups", "2", "--kv-channels", "16", "--seq-length", "32",
+    "--max-position-embeddings", "64", "--position-embedding-type", "rope",
+    "--rotary-base", "500000", "--rotary-percent", "1.0", "--attention-dropout", "0.0",
+    "--hidden-dropout", "0.0", "--swiglu", "--init-method-std", "0.0134",
+    "--attention-backend", "fused", "--untie-embeddings-and-output-weights",
+    "--disable-bias-linear", "--normalization", "RMSNorm", "--norm-epsilon", "1e-5",
+    "--use-rotary-position-embeddings", "--no-position-embedding",
+    "--no-masked-softmax-fusion", "--attention-softmax-in-fp32",
+    "--transformer-impl", "transformer_engine", "--make-vocab-size-divisible-by", "128",
+    "--micro-batch-size", "1", "--global-batch-size", "4", "--train-samples", "40",
+    "--lr-decay-samples", "36", "--lr-warmup-samples", "4", "--lr", "0.00015",
+    "--min-lr", "0.00001", "--lr-decay-style", "cosine", "--clip-grad", "1.0",
+    "--weight-decay", "0.1", "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--bf16",
+    "--grad-reduce-in-bf16", "--cross-entropy-loss-fusion", "--calculate-per-token-loss",
+    "--manual-gc", "--empty-unused-memory-level", "1", "--exit-duration-in-mins", "235",
+    "--tensor-model-parallel-size", "1", "--context-parallel-size", "1",
+    "--sequence-parallel", "--use-distributed-optimizer", "--overlap-grad-reduce",
+    "--overlap-param-gather", "--tiktoken-pattern", "v2",
+    "--no-create-attention-mask-in-dataloader", "--no-mmap-bin-files", "--num-workers", "1",
+    "--log-interval", "1", "--eval-iters", "0", "--save-interval", "1000", "--save", "ckpt",
+    "--load", "ckpt",
+    "--log-throughput", "--distributed-timeout-minutes", "60", "--recompute-granularity",
+    "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
+    "--distributed-backend", "nccl", "--optimizer", "adam", "--seed", "1234",
+    "--log-timers-to-tensorboard", "--exit-signal-handler", "--exit-signal", "SIGUSR1",
+]
+
+
+def refused(capsys, argv):
+    """(exit status, the lines on stderr) of parse_args(argv)."""
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv)
+    return exc.value.code, capsys.readouterr().err.strip().splitlines()
+
+
+@pytest.mark.unit
+def test_megatrons_llama_launch_is_accepted_and_its_values_honoured():
+    run = parse_args(MEGATRON_LLAMA_LAUNCH)
+    m = run.model
+    assert (m.rotary_base, m.kv_channels, m.norm_epsilon, m.init_method_std) == (
+        500000, 16, 1e-5, 0.0134)
+    assert (m.num_query_groups, m.max_position_embeddings) == (2, 64)
+    assert run.training.train_iters == 10  # 40 samples / global batch 4
+    assert run.lr_schedule_steps == (4, 4, 36, None)  # Megatron's units: samples
+    assert run.precision.bf16 and run.exit.exit_signal == "SIGUSR1"
+    assert run.parallel.distributed_timeout_minutes == 60
+    assert run.logging.log_throughput and run.logging.log_timers_to_tensorboard
+
+
+@pytest.mark.unit
+def test_no_prefix_matching_and_loss_scale_is_the_loss_scale(capsys):
+    run = parse_args([*SMALL, "--fp16", "--loss-scale", "1"])
+    assert run.precision.loss_scale == 1.0 and run.precision.loss_scale_window == 1000
+    code, lines = refused(capsys, [*SMALL, "--num-layer", "2", "--hiden-size", "8"])
+    assert code == 2 and len(lines) == 1
+    assert "--num-layer (did you mean --num-layers?)" in lines[0]
+    assert "--hiden-size (did you mean --hidden-size?)" in lines[0]
+    assert "usage" not in lines[0]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("flags,named,says", [
+    (["--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size", "tensor parallel"),
+    (["--context-parallel-size", "2"], "--context-parallel-size", "context parallel"),
+    (["--normalization", "LayerNorm"], "--normalization", "RMSNorm"),
+    (["--position-embedding-type", "learned_absolute"], "--position-embedding-type", "rope"),
+    (["--recompute-granularity", "selective"], "--recompute-granularity", "full"),
+    (["--apply-layernorm-1p"], "--apply-layernorm-1p", "not supported"),
+    (["--use-legacy-models"], "--use-legacy-models", "megatron-core"),
+    (["--fp8-format", "hybrid"], "--fp8-format", "--bf16"),
+    (["--optimizer", "sgd"], "--optimizer", "adam"),
+    (["--hidden-dropout", "0.1"], "--hidden-dropout", "0 only"),
+    (["--transformer-impl", "inference_optimized"], "--transformer-impl", "local"),
+    (["--max-position-embeddings", "16"], "--max-position-embeddings", ">= --seq-length"),
+    (["--train-samples", "40", "--train-iters", "5"], "--train-iters", "not with --train-samples"),
+    (["--lr-decay-samples", "40"], "--lr-decay-samples", "needs --train-samples"),
+    (["--exit-signal", "SIGKILL"], "--exit-signal", "can be caught"),
+    (["--lr", "fast"], "--lr", "float"),
+])
+def test_what_the_design_cannot_honour_is_refused_in_one_line(capsys, flags, named, says):
+    code, lines = refused(capsys, [*SMALL, *flags])
+    assert code == 2 and len(lines) == 1, lines
+    assert named in lines[0] and says in lines[0]
+
+
+@pytest.mark.unit
+def test_without_a_preset_the_defaults_are_megatrons():
+    run = parse_args(SMALL)
+    o, p = run.optimization, run.precision
+    assert (o.adam_beta1, o.adam_beta2, o.adam_eps, o.weight_decay) == (0.9, 0.999, 1e-8, 0.01)
+    assert (o.lr_decay_style, o.clip_grad, o.min_lr, o.lr_warmup_iters) == ("linear", 1.0, 0, 0)
+    assert (p.initial_loss_scale, p.min_loss_scale, p.loss_scale_window, p.hysteresis) == (
+        2.0**32, 1.0, 1000, 2)
+    assert (run.logging.log_interval, run.checkpointing.async_save) == (100, False)
+    assert (run.model.rotary_base, run.model.norm_epsilon, run.model.init_method_std) == (
+        10000, 1e-5, 0.02)
+    assert run.model.padded_vocab_size(50257) == 50304  # GPT-2's, as Megatron pads it
+    assert run.exit.exit_signal == "SIGTERM"
+    with_data = parse_args([*SMALL, "--data-path", "corpus_text_document",
+                            "--tokenizer-model", "tok.json"])
+    assert with_data.data.split == "969,30,1" and with_data.eval_iters == 100
+    assert with_data.evaluations == 1  # no --eval-interval: only at the end
+    preset = parse_args(["--model-preset", "tiny"])  # LLaMA-2's recipe comes with a preset
+    assert (preset.optimization.adam_beta2, preset.optimization.weight_decay) == (0.95, 0.1)
+
+
+@pytest.mark.unit
+def test_help_is_one_line_per_flag(capsys):
+    parser = build_parser()
+    flags = [a for a in parser._actions if a.option_strings]
+    assert all(a.help for a in flags)
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    out = capsys.readouterr().out.splitlines()
+    for action in flags:
+        lines = [line for line in out
+                 if line.split(" ")[2:3] == [action.option_strings[0]]
+                 or line.startswith(f"  {action.option_strings[0]},")]
+        assert len(lines) == 1, action.option_strings
+        following = out[out.index(lines[0]) + 1] if out.index(lines[0]) + 1 < len(out) else ""
+        assert not following.startswith("    "), action.option_strings  # nothing wrapped
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("world,flags,replicas", [
+    ("4", ["--pipeline-model-parallel-size", "2"], 2),
+    ("2", ["--pipeline-model-parallel-size", "1"], 2),
+    ("2", [], 1),  # without the flag: one pipeline of every process
+    ("4", ["--data-parallel-size", "2"], 2),
+])
+def test_world_size_is_pipeline_times_data_parallel(monkeypatch, world, flags, replicas):
+    monkeypatch.setenv("WORLD_SIZE", world)
+    run = parse_args([*SMALL, "--micro-batch-size", "1", *flags])
+    assert run.data_parallel_size == replicas
+    assert run.training.global_batch_size == replicas  # Megatron: micro-batch x replicas
+
+
+@pytest.mark.unit
+def test_a_pipeline_size_that_does_not_divide_the_world_is_refused(monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    code, lines = refused(capsys, [*SMALL, "--pipeline-model-parallel-size", "2"])
+    assert code == 2 and len(lines) == 1 and "3 processes" in lines[0]
+
+
+@pytest.mark.unit
+def test_sample_based_schedule_equals_the_iteration_based_one():
+    """Megatron counts the schedule in samples: --train-samples with warmup and decay in
+    samples gives the iteration-based run's learning rates."""
+    base = [*SMALL, "--global-batch-size", "4", "--lr-decay-style", "cosine", "--lr", "1e-3",
+            "--min-lr", "1e-4"]
+    by_samples = LRSchedule(parse_args([*base, "--train-samples", "80",
+                                        "--lr-warmup-samples", "8", "--lr-decay-samples", "72"]))
+    by_iters = LRSchedule(parse_args([*base, "--train-iters", "20", "--lr-warmup-iters", "2",
+                                      "--lr-decay-iters", "18"]))
+    got, want = [], []
+    for _ in range(20):
+        got.append(by_samples.lr)
+        want.append(by_iters.lr)
+        by_samples.step()
+        by_iters.step()
+    assert got == want
+    assert got[1] == pytest.approx(0.5e-3)  # linear warmup: half-way after one of two
+    assert got[-1] == pytest.approx(1e-4)  # decayed to --min-lr
+
+
+@pytest.mark.unit
+def test_dynamic_loss_scale_follows_megatrons_grad_scaler(monkeypatch):
+    """Hysteresis, back-off and growth against megatron-core's DynamicGradScaler (its
+    tensors moved off CUDA)."""
+    from megatron.core.optimizer import grad_scaler
+
+    from megatron.config.run import PrecisionConfig
+    from megatron.pipeline.config import LossScaling
+
+    real_tensor = torch.tensor
+    monkeypatch.setattr(grad_scaler.torch, "tensor",
+                        lambda *a, device=None, **k: real_tensor(*a, **k))
+    reference = grad_scaler.DynamicGradScaler(
+        initial_scale=2.0**16, min_scale=1.0, growth_factor=2.0, backoff_factor=0.5,
+        growth_interval=3, hysteresis=2)
+    precision = PrecisionConfig(bf16=False, fp16=True, loss_scale=None,
+                                initial_loss_scale=2.0**16, min_loss_scale=1.0,
+                                loss_scale_window=3, hysteresis=2, optimizer_state_dtype="fp32",
+                                master_dtype="fp32", master_rounding="stochastic")
+    ours = LossScaling.of(precision).build()
+    generator = torch.Generator().manual_seed(0)
+    overflows = (torch.rand(200, generator=generator) < 0.3).tolist()
+    for overflow in overflows:
+        reference.update(overflow)
+        ours.update(overflow)
+        assert ours.scale == float(reference.scale)
+
+
+def _metrics(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.mark.multiproc
+def test_pipeline_size_one_on_two_processes_is_data_parallel_one_process_training(
+        tmp_path, demo_cache):
+    common = [*SMALL, "--micro-batch-size", "2", "--global-batch-size", "4",
+              "--train-iters", "3", "--data-cache-path", demo_cache, "--log-interval", "1"]
+    two = forked_ranks.start("pretrain_llama.py", [*common, "--pipeline-model-parallel-size",
+                                                   "1", "--metrics-file", str(tmp_path / "dp.jsonl")],
+                             2, env={"OMP_NUM_THREADS": "1"})
+    one = forked_ranks.launch("pretrain_llama.py",
+                              [*common, "--metrics-file", str(tmp_path / "one.jsonl")])
+    assert one.returncode == 0, one.stderr[-3000:]
+    result = two.wait(300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    replicas, single = _metrics(tmp_path / "dp.jsonl"), _metrics(tmp_path / "one.jsonl")
+    assert [r["iteration"] for r in replicas] == [1, 2, 3]
+    for got, want in zip(replicas, single):
+        assert got["loss"] == pytest.approx(want["loss"], abs=1e-5)
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
+
+
+@pytest.mark.multiproc
+def test_a_refusal_under_torchrun_is_one_line_from_one_rank_and_every_rank_exits_2(demo_cache):
+    result = forked_ranks.launch("pretrain_llama.py",
+                                 [*SMALL, "--tensor-model-parallel-size", "2"], 2)
+    errors = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "tensor parallelism is not supported" in errors[0]
+    assert "exit status 2" in result.stderr and "Traceback" not in result.stderr
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_the_megatron_style_example_launch_trains_and_resumes(tmp_path, demo_cache, nproc):
+    """examples/megatron_llama2_launch.sh as a user runs it (torchrun, --save and --load the
+    same directory): it trains, and a second launch resumes where the first stopped."""
+    ckpt, tb = tmp_path / "ckpt", tmp_path / "tb"
+    env = {**os.environ, "GPUS_PER_NODE": str(nproc), "MODEL_SIZE": "tiny",
+           "TORCHRUN": os.path.join(ROOT, ".venv", "bin", "torchrun"),
+           "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": "1"}
+
+    def launch(iters, metrics):
+        return subprocess.run(
+            ["bash", os.path.join(ROOT, "examples", "megatron_llama2_launch.sh"), str(ckpt),
+             str(tb), "DEMO", "DEMO", "--train-iters", str(iters), "--save-interval", "2",
+             "--data-cache-path", demo_cache, "--metrics-file", str(tmp_path / metrics),
+             "--num-layers", "2", "--seq-length", "64", "--max-position-embeddings", "64"],
+            env=env, capture_output=True, text=True, timeout=300)
+
+    first = launch(2, "first.jsonl")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "starting from scratch" in first.stdout + first.stderr
+    second = launch(3, "second.jsonl")
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert [r["iteration"] for r in _metrics(tmp_path / "second.jsonl")] == [3]
+    assert "throughput per GPU (TFLOP/s/GPU)" in second.stdout
