@@ -119,6 +119,9 @@ def test_without_a_preset_the_defaults_are_megatrons():
         10000, 1e-5, 0.02)
     assert run.model.padded_vocab_size(50257) == 50304  # GPT-2's, as Megatron pads it
     assert run.exit.exit_signal == "SIGTERM"
+    wide = parse_args(["--num-layers", "2", "--hidden-size", "4096", "--num-attention-heads",
+                       "32", "--seq-length", "64"])
+    assert wide.model.ffn_hidden_size == 10880  # Megatron's SwiGLU width for hidden 4096
     with_data = parse_args([*SMALL, "--data-path", "corpus_text_document",
                             "--tokenizer-model", "tok.json"])
     assert with_data.data.split == "969,30,1" and with_data.eval_iters == 100

@@ -112,7 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "training recipe; explicit flags override its values")
     g.add_argument("--num-layers", type=int, help="decoder layers")
     g.add_argument("--hidden-size", type=int, help="model width")
-    g.add_argument("--ffn-hidden-size", type=int, help="SwiGLU inner width")
+    g.add_argument("--ffn-hidden-size", type=int,
+                   help="SwiGLU inner width (default: Megatron's 2/3 x 4 x hidden, a "
+                        "multiple of 64)")
     g.add_argument("--num-attention-heads", type=int, help="query heads")
     g.add_argument("--num-query-groups", type=int,
                    help="key/value heads (grouped-query attention; default: one per query "
@@ -387,6 +389,9 @@ def _apply_preset_and_defaults(args: argparse.Namespace, given: set[str]) -> Non
     _resolve_training_length(args, given)
     if args.num_query_groups is None and args.num_attention_heads is not None:
         args.num_query_groups = args.num_attention_heads
+    if args.ffn_hidden_size is None and args.hidden_size is not None:
+        # Megatron's SwiGLU width: 2/3 of 4h, a multiple of 64
+        args.ffn_hidden_size = int(4 * args.hidden_size * 2 / 3 / 64) * 64
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     if args.zero_stage is None:
