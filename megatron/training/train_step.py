@@ -35,7 +35,8 @@ class TrainStep(Protocol):
 
     def owned_state(self) -> OwnedState: ...
 
-    def restored(self, optimizer_step: int, loss_scaler: dict | None, iteration: int) -> None: ...
+    def restored(self, optimizer_step: int, loss_scaler: dict | None, iteration: int,
+                 speculation: dict | None = None) -> None: ...
 
 
 def make_loss_scaler(precision: PrecisionConfig) -> DynamicLossScaler:
