@@ -20,7 +20,9 @@ the update. In "async" the groups have already updated when the norm is known, s
 speculative step uses the clip factor predicted from the previous iteration's norm; when
 the true factor differs, one fused pass per group (`CPUAdamW.correct_group`) replaces the
 speculative step by the clipped one. Speculating with a factor close to the true one keeps
-that correction small, hence well-conditioned (docs/cpu_optimizer.md, "Clipping").
+that correction small, hence well-conditioned (docs/cpu_optimizer.md, "Clipping"). The
+corrected bits depend on the factor speculated, so the prediction is checkpointed state
+(state_dict()), like the moments.
 """
 
 from __future__ import annotations
