@@ -129,3 +129,44 @@ def test_deferred_corrections_run_in_the_given_order_and_the_next_step_waits():
         opt.correct()
         opt.end_iteration()
         assert all(adam.step_count(g) == 2 for g in range(3))
+
+
+def test_an_optimizer_resumed_from_its_state_continues_bit_for_bit():
+    """What a checkpoint must hold: after 3 of 6 clipped iterations, a new optimizer loaded
+    with CPUAdamW's state and the speculation state (the predicted clip factor) continues
+    with the uninterrupted run's bits. Without the prediction its first speculative step
+    assumes no clipping, and the correction by the inverse lands elsewhere."""
+    gen = torch.Generator().manual_seed(5)
+    grads = [[torch.randn(5000, generator=gen) * (1 + 0.2 * i) for _ in range(2)]
+             for i in range(6)]
+
+    def optimizer():
+        adam = CPUAdamW([torch.zeros(5000) + 0.5 for _ in range(2)], lr=1e-2,
+                        weight_decay=0.1, threads=1)
+        return adam, AsyncGroupOptimizer(adam, ConstantLossScaler(), clip_grad=1e-3)
+
+    def train(opt, iterations):
+        for iteration in iterations:
+            for group, g in enumerate(iteration):
+                opt.submit(group, g)
+            assert opt.finish_iteration().corrected_groups == (0, 1)
+
+    adam, opt = optimizer()
+    with opt:
+        train(opt, grads[:3])
+        saved = {"groups": [{k: v.clone() if torch.is_tensor(v) else v for k, v in g.items()}
+                            for g in adam.state_dict()["groups"]]}
+        speculation = opt.state_dict()
+        train(opt, grads[3:])
+    uninterrupted = [state(adam, g) for g in range(2)]
+    assert 0.0 < speculation["predicted_clip"] < 1e-3
+    for restored in (speculation, None):
+        adam, opt = optimizer()
+        with opt:
+            adam.load_state_dict(saved)
+            if restored is not None:
+                opt.load_state_dict(restored)
+            train(opt, grads[3:])
+        same = all(torch.equal(a, b) for group, want in zip(range(2), uninterrupted)
+                   for a, b in zip(state(adam, group), want))
+        assert same == (restored is not None)

@@ -20,7 +20,9 @@ the update. In "async" the groups have already updated when the norm is known, s
 speculative step uses the clip factor predicted from the previous iteration's norm; when
 the true factor differs, one fused pass per group (`CPUAdamW.correct_group`) replaces the
 speculative step by the clipped one. Speculating with a factor close to the true one keeps
-that correction small, hence well-conditioned (docs/cpu_optimizer.md, "Clipping").
+that correction small, hence well-conditioned (docs/cpu_optimizer.md, "Clipping"). The
+corrected bits depend on the factor speculated, so the prediction is checkpointed state
+(state_dict()), like the moments.
 """
 
 from __future__ import annotations
@@ -119,6 +121,20 @@ class AsyncGroupOptimizer:
         # Corrections still running past the end of their iteration, by group: the group's
         # next task waits for its own (see correct_deferred).
         self._trailing: dict[int, Future] = {}
+
+    def state_dict(self) -> dict:
+        """What decides how the next iteration speculates, for a checkpoint: the clip factor
+        its speculative steps assume and the clean iterations in a row (post-validation).
+        A resumed run without it would speculate with 1.0 and correct with the inverse,
+        which is within a few ulps of the uninterrupted run's correction, not equal."""
+        return {"predicted_clip": self.predicted_clip, "clean_in_a_row": self._clean_in_a_row}
+
+    def load_state_dict(self, state: dict) -> None:
+        clip = float(state["predicted_clip"])
+        if not 0.0 < clip <= 1.0:
+            raise ValueError(f"predicted_clip={clip} must lie in (0, 1]")
+        self.predicted_clip = clip
+        self._clean_in_a_row = int(state["clean_in_a_row"])
 
     def has_subgroups(self, groups: Sequence[int]) -> bool:
         """Whether any of `groups` is stepped in subgroups (some on the device)."""

@@ -326,11 +326,21 @@ class Pipeline:
         """Adam's step count (every group steps together; skipped iterations do not count)."""
         return self.views.optimizer_step()
 
-    def restored(self, optimizer_step: int, iteration: int) -> None:
+    def speculation(self) -> dict:
+        """The scalars that decide the next iteration's speculative steps (see
+        AsyncGroupOptimizer.state_dict): the same on every rank."""
+        return self.optimizer.state_dict()
+
+    def restored(self, optimizer_step: int, iteration: int,
+                 speculation: dict | None = None) -> None:
         """After a checkpoint load overwrote `checkpoint_views()` in place: set the step
-        count and publish the new masters to the segments (and replicas)."""
+        count and the speculation state (None: a checkpoint without one, the first
+        speculation assumes no clipping) and publish the new masters to the segments (and
+        replicas)."""
         self.optimizer.drain()
         self.views.restore(optimizer_step)
+        if speculation is not None:
+            self.optimizer.load_state_dict(speculation)
         self.last_iteration = iteration
         if self.reducer is None:
             for owner in self.owned.values():

@@ -80,9 +80,9 @@ class CheckpointViews:
                     full.append(part.clone())
                     continue
                 size = -(-owner.numel // self.replicas)
-                send = torch.zeros(size)
+                send = torch.zeros(size, dtype=part.dtype)  # saved in the run's precision
                 send[:part.numel()] = part
-                recv = torch.empty(size * self.replicas)
+                recv = torch.empty(size * self.replicas, dtype=part.dtype)
                 dist.all_gather_into_tensor(recv, send, group=self.data_parallel)
                 full.append(recv[:owner.numel])
             self._gathered[b] = tuple(full)

@@ -46,6 +46,10 @@ class OwnedState:
     tensors: dict[str, torch.Tensor]  # prefix + GPTModel name -> fp32 host tensor
     optimizer_step: int
     loss_scaler: dict | None
+    # What decides how the CPU optimizer's next iteration speculates: the clip factor of
+    # the last iteration that did not overflow, the clean iterations in a row
+    # (AsyncGroupOptimizer.state_dict). Without it a resumed run is not bit-exact.
+    speculation: dict | None = None
 
     @property
     def nbytes(self) -> int:

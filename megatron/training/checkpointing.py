@@ -115,7 +115,7 @@ class CheckpointSaver:
         snapshot = self._snapshot(tensors, nbytes) if self.async_save else None
         common = {**common, "iteration": iteration, "format_version": FORMAT_VERSION,
                   "world_size": self.world_size, "optimizer_step": owned.optimizer_step,
-                  "loss_scaler": owned.loss_scaler}
+                  "loss_scaler": owned.loss_scaler, "speculation": owned.speculation}
         if snapshot is not None:
             self._thread = threading.Thread(target=self._write_catching,
                                             args=(iteration, snapshot, common),
@@ -352,6 +352,7 @@ def restore_run(common: dict, step: TrainStep, schedule: LRSchedule,
         step.restored(0, None, 0)
         return 0, 0
     iteration = int(common["iteration"])
-    step.restored(int(common["optimizer_step"]), common.get("loss_scaler"), iteration)
+    step.restored(int(common["optimizer_step"]), common.get("loss_scaler"), iteration,
+                  common.get("speculation"))
     schedule.load_state_dict(common["lr_schedule"])
     return iteration, int(common.get("skipped_total", 0))

@@ -125,8 +125,10 @@ class LocalTrainStep:
         return OwnedState(named_tensors(self.model_cfg, views), step,
                           self.scaler.state_dict() if self.scaler else None)
 
-    def restored(self, optimizer_step: int, loss_scaler: dict | None, iteration: int) -> None:
-        """After a checkpoint load filled `owned_state()`'s tensors in place."""
+    def restored(self, optimizer_step: int, loss_scaler: dict | None, iteration: int,
+                 speculation: dict | None = None) -> None:
+        """After a checkpoint load filled `owned_state()`'s tensors in place (torch's AdamW
+        does not speculate: `speculation` is not used)."""
         with torch.no_grad():
             for master, p in zip(self.masters, self.params):
                 self.optimizer.state[master]["step"] = torch.tensor(float(optimizer_step))

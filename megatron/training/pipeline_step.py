@@ -72,12 +72,14 @@ class PipelineTrainStep:
         fp16 = self.config.dtype == torch.float16
         return OwnedState(named_tensors(self.model_cfg, self.pipeline.checkpoint_views()),
                           self.pipeline.optimizer_step(),
-                          self.pipeline.scaler.state_dict() if fp16 else None)
+                          self.pipeline.scaler.state_dict() if fp16 else None,
+                          self.pipeline.speculation())
 
-    def restored(self, optimizer_step: int, loss_scaler: dict | None, iteration: int) -> None:
+    def restored(self, optimizer_step: int, loss_scaler: dict | None, iteration: int,
+                 speculation: dict | None = None) -> None:
         if loss_scaler is not None and self.config.dtype == torch.float16:
             self.pipeline.scaler.load_state_dict(loss_scaler)
-        self.pipeline.restored(optimizer_step, iteration)
+        self.pipeline.restored(optimizer_step, iteration, speculation)
 
     def close(self) -> None:
         self.pipeline.close()
