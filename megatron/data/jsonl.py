@@ -60,5 +60,6 @@ def _json_problem(err: json.JSONDecodeError) -> str:
     means a raw tab or newline inside a string)."""
     message = err.msg.removesuffix(" at")
     if message == "Invalid control character":
-        message = "a raw control character (tab, newline, ...) inside a string; escape it"
-    return f"{message} at column {err.colno}"
+        message = "a raw control character such as a tab or newline inside a string; " \
+                  "escape it as \\t or \\n"
+    return f"column {err.colno}: {message}"

@@ -49,6 +49,9 @@ def prepare_data(run: RunConfig, log: Callable[[str], object] = print) -> RunDat
             tokenizer_path = corpus.tokenizer_path
     blend = data_blend(d, default_prefix)
     tokenizer = build_run_tokenizer(run, tokenizer_path)
+    log(f"tokenizer: {d.tokenizer_type or 'tokenizer JSON'} "
+        f"({tokenizer_path or d.vocab_file or 'no files'}), vocabulary {tokenizer.vocab_size}, "
+        f"end of document {tokenizer.eod}")
     # Megatron's NullTokenizer reads --vocab-size as its own size (ids 0..N-1, eod N).
     vocab = (tokenizer.vocab_size if d.tokenizer_type == "NullTokenizer"
              else run.model.vocab_size or tokenizer.vocab_size)
