@@ -110,3 +110,21 @@ def test_a_type_without_its_files_stops_pretrain_with_one_line(tmp_path, capsys)
     assert err[-1] == (f"pretrain_llama.py: error: --tokenizer-model {missing}: no such file "
                        "(expected a SentencePiece .model file for Llama2Tokenizer)")
     assert sorted(os.listdir(tmp_path)) == before  # nothing written
+
+
+def test_null_tokenizer_data_with_ids_beyond_vocab_size_is_refused(tmp_path, capsys):
+    """NullTokenizer: the ids are the data's; a run with a smaller --vocab-size is told."""
+    from megatron.training.training import main
+
+    ids = tmp_path / "ids.jsonl"
+    ids.write_text('{"text": "1 2 90"}\n')
+    assert preprocess_data.main(["--input", str(ids), "--output-prefix", str(tmp_path / "x"),
+                                 "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]) == 0
+    with pytest.raises(SystemExit) as exc:
+        main([*MODEL, "--data-path", str(tmp_path / "x_text_document"),
+              "--tokenizer-type", "NullTokenizer", "--vocab-size", "50",
+              "--data-cache-dir", str(tmp_path)])
+    assert exc.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("pretrain_llama.py: error: --data-path ")
+    assert "token id 90 does not fit the tokenizer's vocabulary of 51" in last

@@ -112,3 +112,35 @@ def test_wrong_combinations_name_the_flag_value_and_expectation(files, tmp_path)
         assert err.value.flag == flag, (spec, str(err.value))
         assert fragment in err.value.problem, (spec, str(err.value))
         assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--tokenizer-type", "SentencePieceTokenizer", "--data-path", "d"],
+     "--tokenizer-type SentencePieceTokenizer: Megatron's SentencePieceTokenizer is not "
+     "supported here"),
+    (["--tokenizer-type", "Llama3Tokenizer", "--data-path", "d"],
+     "--tokenizer-type Llama3Tokenizer: expected one of HuggingFaceTokenizer"),
+    (["--tokenizer-type", "NullTokenizer", "--data-path", "d"], "--vocab-size missing: "),
+    (["--tokenizer-type", "GPT2BPETokenizer"],
+     "--tokenizer-type GPT2BPETokenizer: needs --data-path"),
+    (["--data-path", "d"], "--tokenizer-model missing: required with --data-path"),
+])
+def test_pretrain_tokenizer_flags_are_checked_first(argv, expected, capsys):
+    from megatron.training.arguments import parse_args
+
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--model-preset", "tiny", *argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"pretrain_llama.py: error: {expected}")
+
+
+def test_pretrain_flags_reach_the_run_configuration():
+    from megatron.training.arguments import parse_args
+
+    run = parse_args(["--model-preset", "tiny", "--data-path", "d", "--tokenizer-type",
+                      "GPT2BPETokenizer", "--vocab-file", "v.json", "--merge-file", "m.txt"])
+    d = run.data
+    assert (d.tokenizer_type, d.vocab_file, d.merge_file) == ("GPT2BPETokenizer", "v.json",
+                                                                "m.txt")
+    assert run.flags()["tokenizer_type"] == "GPT2BPETokenizer"
