@@ -33,6 +33,10 @@ from megatron.data.tokenizer import (
 )
 
 GPT2_EOD = "<|endoftext|>"
+# The files of a tokenizer directory that identify it (a model directory's weights are not
+# read to name a dataset cache).
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
+                    "vocab.txt", "merges.txt", "special_tokens_map.json", "added_tokens.json")
 
 
 class TokenizerFlagError(TokenizerError):
@@ -72,7 +76,7 @@ class TypedTokenizer(MegatronTokenizerBase):
                 with open(path, "rb") as f:
                     digest.update(f.read())
             elif path and os.path.isdir(path):
-                for name in sorted(os.listdir(path)):
+                for name in _TOKENIZER_FILES:
                     full = os.path.join(path, name)
                     if os.path.isfile(full):
                         digest.update(name.encode())
@@ -181,6 +185,9 @@ class _GPT2BPE(TypedTokenizer):
 
     def detokenize(self, ids: Iterable[int]) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=False)
+
+    def to_json(self) -> str | None:
+        return self._tokenizer.to_str()
 
 
 class _Null(TypedTokenizer):
