@@ -66,7 +66,8 @@ class TypedTokenizer(MegatronTokenizerBase):
 
     def __init__(self, kind: str, paths: Iterable[str | None], vocab_size: int,
                  eod: int | None, pad: int | None, bos: int | None = None) -> None:
-        super().__init__(kind, config={})
+        paths = [p for p in paths if p]
+        super().__init__(paths[0] if paths else kind, config={})  # sets .path
         self.kind = kind
         self._vocab_size, self._eod, self._bos = vocab_size, eod, bos
         self._pad = NO_PAD_ID if pad is None or pad < 0 else pad
