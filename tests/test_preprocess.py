@@ -1,17 +1,27 @@
 """tools/train_tokenizer.py and tools/preprocess_data.py: what they write, and bad input."""
 
+import argparse
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
-from megatron.core.datasets.indexed_dataset import IndexedDataset
+from megatron.core.datasets.indexed_dataset import DType, IndexedDataset, IndexedDatasetBuilder
+from megatron.core.tokenizers.text.utils.build_tokenizer import (
+    build_tokenizer as build_megatron_tokenizer,
+)
 
+from megatron.common.files import remove_dead_temporaries, staged_paths
+from megatron.data.checks import DataError, check_data_prefix
 from megatron.data.indexed_dataset_writer import write_indexed_dataset
 from megatron.data.tokenizer import load_tokenizer
+from tests.tokenizer_files import CORPUS, ReferenceGPT2, build_tokenizer_files
 
 REPO = Path(__file__).resolve().parent.parent
 DOCUMENTS = [
@@ -197,3 +207,266 @@ def test_empty_input_is_rejected_without_output(tmp_path, corpus, capsys):
                                "--output-prefix", str(tmp_path / "out")])
     assert rc == 2 and "no documents" in capsys.readouterr().err
     assert [p.name for p in tmp_path.iterdir()] == ["empty.jsonl"]
+
+
+# --- Megatron's command line: byte-identical output, signals, corrupt files --------------
+
+MEGATRON_DOCS = [
+    {"text": t, "title": f"title {i}"} for i, t in enumerate(CORPUS)
+] + [
+    {"text": "", "title": "an empty text: an empty document, no EOD"},
+    {"text": ["a list is ", "one sequence per sentence", ""], "title": "sentences"},
+    {"text": "special-token text: <|endoftext|> </s> <s> stays as the tokenizer reads it",
+     "title": "last"},
+]
+NULL_DOCS = [{"text": " ".join(str((i * 7 + j) % 50) for j in range(i % 9 + 1))}
+             for i in range(40)]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_files(tmp_path_factory):
+    return build_tokenizer_files(str(tmp_path_factory.mktemp("tokenizer_files")))
+
+
+def megatron_flags(kind, files):
+    return {
+        "HuggingFaceTokenizer": ["--tokenizer-model", files.hf_dir],
+        "Llama2Tokenizer": ["--tokenizer-model", files.sp_model],
+        "GPTSentencePieceTokenizer": ["--tokenizer-model", files.sp_model],
+        "GPT2BPETokenizer": ["--vocab-file", files.gpt2_vocab, "--merge-file", files.gpt2_merges],
+        "NullTokenizer": ["--vocab-size", "50"],
+    }[kind]
+
+
+def megatron_tokenizer(kind, files):
+    """The tokenizer Megatron-LM 0.16's preprocess_data.py builds (megatron.core's
+    build_tokenizer); GPT2BPETokenizer: the published GPT-2 BPE (Megatron's own asks the hub)."""
+    if kind == "GPT2BPETokenizer":
+        return ReferenceGPT2(files.gpt2_vocab, files.gpt2_merges)
+    model = {"HuggingFaceTokenizer": files.hf_dir, "NullTokenizer": None}.get(kind, files.sp_model)
+    args = argparse.Namespace(
+        tokenizer_type=kind, tokenizer_model=model, vocab_file=None, merge_file=None,
+        vocab_size=50, tokenizer_special_tokens=None, tokenizer_sentencepiece_legacy=False,
+        tokenizer_hf_use_fast=False, trust_remote_code=False,
+        tokenizer_hf_include_special_tokens=False, tokenizer_metadata=None)
+    return build_megatron_tokenizer(args)
+
+
+def megatron_preprocess(jsonl, prefix, keys, tokenizer, vocab_size, append_eod):
+    """Megatron-LM 0.16's Encoder.encode and builders (one partition, no sentence split)."""
+    dtype = DType.optimal_dtype(vocab_size)
+    builders = {k: IndexedDatasetBuilder(f"{prefix}_{k}_document.bin", dtype=dtype)
+                for k in keys}
+    with open(jsonl, encoding="utf-8") as f:
+        for line in f:
+            data = json.loads(line)
+            for key in keys:
+                text = data[key]
+                sentences = text if isinstance(text, list) else [text]
+                doc_ids, sentence_lens = [], []
+                for sentence in sentences:
+                    sentence_ids = tokenizer.tokenize(sentence)
+                    if len(sentence_ids) > 0:
+                        doc_ids.extend(sentence_ids)
+                        sentence_lens.append(len(sentence_ids))
+                if len(doc_ids) > 0 and append_eod:
+                    doc_ids.append(tokenizer.eod)
+                    sentence_lens[-1] += 1
+                builders[key].add_document(doc_ids, sentence_lens)
+    for key in keys:
+        builders[key].finalize(f"{prefix}_{key}_document.idx")
+
+
+@pytest.mark.parametrize("kind", ["HuggingFaceTokenizer", "Llama2Tokenizer",
+                                  "GPTSentencePieceTokenizer", "GPT2BPETokenizer",
+                                  "NullTokenizer"])
+def test_megatron_flags_write_megatrons_files_byte_for_byte(tmp_path, tokenizer_files, kind,
+                                                            capsys):
+    docs = NULL_DOCS if kind == "NullTokenizer" else MEGATRON_DOCS
+    keys = ["text"] if kind == "NullTokenizer" else ["text", "title"]
+    jsonl = tmp_path / "in.jsonl"
+    jsonl.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    reference = megatron_tokenizer(kind, tokenizer_files)
+    vocab_size = reference.vocab_size if kind != "GPT2BPETokenizer" else len(reference.encoder)
+    for append_eod in (True, False):
+        ours, theirs = tmp_path / f"ours{append_eod}", tmp_path / f"theirs{append_eod}"
+        argv = ["--input", str(jsonl), "--output-prefix", str(ours), "--tokenizer-type", kind,
+                *megatron_flags(kind, tokenizer_files), "--json-keys", *keys, "--workers", "2"]
+        assert preprocess_data.main(argv + (["--append-eod"] if append_eod else [])) == 0, \
+            capsys.readouterr().err
+        megatron_preprocess(jsonl, theirs, keys, reference, vocab_size, append_eod)
+        for key in keys:
+            for ext in ("bin", "idx"):
+                mine = Path(f"{ours}_{key}_document.{ext}").read_bytes()
+                assert mine == Path(f"{theirs}_{key}_document.{ext}").read_bytes(), (key, ext)
+    eod = reference.eod
+    # (each dataset is kept while its memory map is read: its destructor unmaps it)
+    with_eod = IndexedDataset(f"{tmp_path / 'oursTrue'}_text_document")
+    without = IndexedDataset(f"{tmp_path / 'oursFalse'}_text_document")
+    assert with_eod[0].tolist()[-1] == eod  # the EOD is there, and only with --append-eod
+    assert with_eod[0].tolist()[:-1] == without[0].tolist() and eod not in without[0].tolist()
+
+
+def test_split_sentences_is_refused_in_one_line(tmp_path, tokenizer_files, capsys):
+    jsonl = write_jsonl(tmp_path / "in.jsonl", DOCUMENTS[:2])
+    rc = preprocess_data.main(["--input", str(jsonl), "--output-prefix", str(tmp_path / "o"),
+                               "--tokenizer-type", "Llama2Tokenizer", "--tokenizer-model",
+                               tokenizer_files.sp_model, "--split-sentences"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err.startswith("preprocess_data.py: error: --split-sentences ")
+    assert len(err.splitlines()) == 1 and "not supported" in err
+    assert [p.name for p in tmp_path.iterdir()] == ["in.jsonl"]
+
+
+def test_a_tokenizer_type_without_its_files_is_one_line_naming_the_flag(tmp_path,
+                                                                         tokenizer_files, capsys):
+    jsonl = write_jsonl(tmp_path / "in.jsonl", DOCUMENTS[:2])
+    common = ["--input", str(jsonl), "--output-prefix", str(tmp_path / "o")]
+    cases = [
+        (["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", tokenizer_files.gpt2_vocab],
+         "--merge-file missing"),
+        (["--tokenizer-type", "Llama2Tokenizer", "--tokenizer-model", tokenizer_files.gpt2_vocab],
+         f"--tokenizer-model {tokenizer_files.gpt2_vocab}: not a SentencePiece model"),
+        (["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "gpt2"],
+         "--tokenizer-model gpt2: not a local path"),
+        (["--tokenizer-type", "NullTokenizer"], "--vocab-size missing"),
+    ]
+    for extra, expected in cases:
+        assert preprocess_data.main(common + extra) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"preprocess_data.py: error: {expected}"), err
+        assert len(err.splitlines()) == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["in.jsonl"]
+
+
+def test_null_tokenizer_text_that_is_not_ids_names_the_line(tmp_path, capsys):
+    jsonl = tmp_path / "in.jsonl"
+    jsonl.write_text('{"text": "1 2 3"}\n{"text": "4 5"}\n{"text": "6 seven"}\n')
+    rc = preprocess_data.main(["--input", str(jsonl), "--output-prefix", str(tmp_path / "o"),
+                               "--tokenizer-type", "NullTokenizer", "--vocab-size", "10"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "line 3" in err and "not token ids" in err
+    assert [p.name for p in tmp_path.iterdir()] == ["in.jsonl"]
+
+
+def test_raw_control_character_is_named_as_invalid_json_with_file_and_line(tmp_path, corpus,
+                                                                         capsys):
+    _, tokenizer_path = corpus
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"text": "a raw\ttab"}\n')
+    rc = preprocess_data.main(["--input", str(bad), "--tokenizer-model", str(tokenizer_path),
+                               "--output-prefix", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1
+    assert f"'{bad}' line 2: not valid JSON" in err
+    assert "column 16: a raw control character" in err  # the tab, 1-based as editors count
+    assert "character at)" not in err  # the parser's dangling phrase is reworded
+
+
+def _slow_input(path: Path) -> Path:
+    """A corpus big enough that preprocessing is still running when it is signalled (about
+    6 MB; a kill comes within a chunk of 1,024 short documents)."""
+    line = "".join(json.dumps({"text": " ".join(DOCUMENTS[i:i + 4])}) + "\n"
+                   for i in range(0, len(DOCUMENTS), 4))
+    path.write_text(line * 1500)
+    return path
+
+
+def _temporaries(out: Path, alive) -> list[str]:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and alive():
+        names = [p.name for p in out.iterdir() if p.name.startswith(".tmp-")]
+        if len(names) == 2:
+            return names
+        time.sleep(0.01)
+    raise AssertionError("no temporary files appeared")
+
+
+def test_sigterm_removes_the_temporary_files(tmp_path, corpus, capsys):
+    _, tokenizer_path = corpus
+    out = tmp_path / "out"
+    out.mkdir()
+    argv = ["--input", str(_slow_input(tmp_path / "big.jsonl")), "--tokenizer-model",
+            str(tokenizer_path), "--output-prefix", str(out / "big"), "--workers", "1"]
+    seen = []
+    running = threading.Event()
+    running.set()
+
+    def terminate_once_writing():
+        seen.extend(_temporaries(out, running.is_set))
+        os.kill(os.getpid(), signal.SIGTERM)  # as `kill PID` would
+
+    before = signal.getsignal(signal.SIGTERM)
+    killer = threading.Thread(target=terminate_once_writing)
+    killer.start()
+    try:
+        rc = preprocess_data.main(argv)
+    finally:
+        running.clear()
+        killer.join()
+    assert len(seen) == 2 and rc == 128 + signal.SIGTERM
+    assert "terminated" in capsys.readouterr().err and list(out.iterdir()) == []
+    assert signal.getsignal(signal.SIGTERM) == before  # the tool's handler is gone
+
+
+def test_a_later_run_removes_what_a_killed_run_left(tmp_path, corpus, capsys):
+    jsonl, tokenizer_path = corpus
+    out = tmp_path / "out"
+    out.mkdir()
+    argv = ["--input", str(_slow_input(tmp_path / "big.jsonl")), "--tokenizer-model",
+            str(tokenizer_path), "--output-prefix", str(out / "big"), "--workers", "1"]
+    pid = os.fork()
+    if pid == 0:  # the run that will be killed with SIGKILL: no cleanup can run
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, 1)
+            os.dup2(devnull, 2)
+            preprocess_data.main(argv)
+        finally:
+            os._exit(0)
+    try:
+        left = _temporaries(out, lambda: os.waitpid(pid, os.WNOHANG) == (0, 0))
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    assert all(name.startswith(f".tmp-{pid}@") for name in left)
+    assert sorted(p.name for p in out.iterdir()) == sorted(left)
+    capsys.readouterr()
+    rc = preprocess_data.main(["--input", str(jsonl), "--tokenizer-model", str(tokenizer_path),
+                               "--output-prefix", str(out / "big"), "--workers", "1"])
+    assert rc == 0
+    assert capsys.readouterr().out.count("left by a run that was killed") == 2
+    assert sorted(p.name for p in out.iterdir()) == ["big.bin", "big.idx"]
+
+
+def test_a_live_writers_temporaries_are_left_alone(tmp_path):
+    target = tmp_path / "x.bin"
+    with staged_paths(str(target), owned=True) as (mine,):
+        assert remove_dead_temporaries(str(target)) == []
+        assert os.path.exists(mine)
+    assert list(tmp_path.iterdir()) == [target]
+
+
+@pytest.mark.parametrize("offset, words", [
+    (9, "the header's version is"),  # the version field
+    (17, "token dtype code"),  # the dtype code
+    (18, "header's counts"),  # the sequence count
+    ("length", "negative length"),  # the last sequence's length, high byte
+    ("pointer", "the pointers are corrupt"),  # the second sequence's pointer
+])
+def test_a_corrupt_index_is_named_in_words(tmp_path, corpus, offset, words):
+    jsonl, tokenizer_path = corpus
+    prefix = tmp_path / "ds"
+    assert preprocess_data.main(["--input", str(jsonl), "--tokenizer-model",
+                                 str(tokenizer_path), "--output-prefix", str(prefix)]) == 0
+    idx = Path(f"{prefix}.idx")
+    data = bytearray(idx.read_bytes())
+    sequences = len(DOCUMENTS)
+    position = {"length": 34 + 4 * sequences - 1, "pointer": 34 + 4 * sequences + 8}
+    data[position.get(offset, offset)] ^= 0xDE
+    idx.write_bytes(bytes(data))
+    with pytest.raises(DataError) as err:
+        check_data_prefix(str(prefix))
+    message = str(err.value)
+    assert message.startswith(f"'{idx}': not a readable Megatron index: ") and words in message
+    assert "expected -" not in message

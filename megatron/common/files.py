@@ -11,13 +11,17 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
+import re
 import shutil
+import socket
 import tempfile
 from collections.abc import Callable, Iterator
 from typing import BinaryIO
 
-# Temporaries are hidden files named .tmp-<random><target name>.
+# Temporaries are hidden files named .tmp-<random><target name>; an owned one is named
+# .tmp-<pid>@<host>~<random><target name>, so that a later writer can tell a dead one's.
 _PREFIX = ".tmp-"
+_OWNED = re.compile(r"\.tmp-(\d+)@([^~/]*)~")
 
 
 def atomic_write(path: str, write: Callable[[BinaryIO], object]) -> None:
@@ -28,25 +32,28 @@ def atomic_write(path: str, write: Callable[[BinaryIO], object]) -> None:
 
 
 @contextlib.contextmanager
-def staged_paths(*targets: str, directories: bool = False) -> Iterator[tuple[str, ...]]:
+def staged_paths(*targets: str, directories: bool = False,
+                 owned: bool = False) -> Iterator[tuple[str, ...]]:
     """Yield one new, empty temporary file (or directory) per target, beside that target.
 
     For writers that open their outputs by path rather than take a stream: the body fills the
     temporaries; when it returns they are renamed onto the targets in the order given (so the
     last target appearing means all are complete), and if anything raises, the temporaries
     still present are removed. Their permissions follow the umask, as if made with open() or
-    os.makedirs().
+    os.makedirs(). `owned` puts this process's id and host in their names, for
+    remove_dead_temporaries.
     """
+    prefix = f"{_PREFIX}{os.getpid()}@{socket.gethostname()}~" if owned else _PREFIX
     temporaries: list[str] = []
     try:
         for target in targets:
             folder = os.path.dirname(os.path.abspath(target))
             name = os.path.basename(target)
             if directories:
-                temporaries.append(tempfile.mkdtemp(dir=folder, prefix=_PREFIX, suffix=name))
+                temporaries.append(tempfile.mkdtemp(dir=folder, prefix=prefix, suffix=name))
                 mode = 0o777
             else:
-                handle, temporary = tempfile.mkstemp(dir=folder, prefix=_PREFIX, suffix=name)
+                handle, temporary = tempfile.mkstemp(dir=folder, prefix=prefix, suffix=name)
                 os.close(handle)
                 temporaries.append(temporary)
                 mode = 0o666
@@ -70,6 +77,34 @@ def leftover_temporaries(target: str) -> list[str]:
     folder = os.path.dirname(os.path.abspath(target))
     pattern = glob.escape(folder + os.sep) + _PREFIX + "*" + glob.escape(os.path.basename(target))
     return sorted(glob.glob(pattern))
+
+
+def remove_dead_temporaries(target: str) -> list[str]:
+    """Remove the owned temporaries of `target` whose writer, a process of this host, is
+    dead (killed before it could clean up); returns their paths. A live writer's, and any
+    whose owner cannot be told, are left alone."""
+    host, removed = socket.gethostname(), []
+    for path in leftover_temporaries(target):
+        found = _OWNED.match(os.path.basename(path))
+        if found is None or found.group(2) != host or _alive(int(found.group(1))):
+            continue
+        if os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _current_umask() -> int:

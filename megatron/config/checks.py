@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from megatron.config.errors import ConfigError, flag_name
 from megatron.config.model import MODEL_FIELDS
+from megatron.config.tokenizer_names import tokenizer_type_problem
 from megatron.config.values import parse_data_path, parse_split
 
 if TYPE_CHECKING:
@@ -193,11 +194,29 @@ def _check_checkpointing(run: RunConfig) -> None:
         raise ConfigError("--save-interval", c.save_interval, "needs --save DIR")
     if c.finetune and c.load is None:
         raise ConfigError("--finetune", True, "needs --load DIR")
-    if run.data.data_path is not None and run.data.tokenizer_model is None:
-        raise ConfigError("--tokenizer-model", "missing", "required with --data-path")
+    _check_tokenizer(run)
     inject = run.testing.inject_overflow
     if inject is not None and len(inject) != 3:
         raise ConfigError("--inject-overflow", list(inject), "expected ITER,STAGE,SUB")
+
+
+def _check_tokenizer(run: RunConfig) -> None:
+    """The tokenizer flags that need no file system (the files are read by the data layer)."""
+    d = run.data
+    if d.tokenizer_type is None:
+        if d.data_path is not None and d.tokenizer_model is None:
+            raise ConfigError("--tokenizer-model", "missing",
+                              "required with --data-path (or give --tokenizer-type)")
+        return
+    problem = tokenizer_type_problem(d.tokenizer_type)
+    if problem:
+        raise ConfigError("--tokenizer-type", d.tokenizer_type, problem)
+    if d.data_path is None and d.train_data_path is None:
+        raise ConfigError("--tokenizer-type", d.tokenizer_type,
+                          "needs --data-path (the built-in demo corpus has its own tokenizer)")
+    if d.tokenizer_type == "NullTokenizer" and run.model.vocab_size is None:
+        raise ConfigError("--vocab-size", "missing", "NullTokenizer needs --vocab-size N "
+                          "(ids 0..N-1 given in the data, N the end of document)")
 
 
 def _check_parallel(run: RunConfig) -> None:

@@ -123,6 +123,9 @@ class DataConfig:
     valid_data_path: tuple[str, ...] | None
     test_data_path: tuple[str, ...] | None
     tokenizer_model: str | None  # None: the demo corpus's tokenizer
+    tokenizer_type: str | None  # Megatron's --tokenizer-type; None: a tokenizer JSON
+    vocab_file: str | None  # GPT2BPETokenizer's vocab.json
+    merge_file: str | None  # GPT2BPETokenizer's merges.txt
     data_cache_dir: str  # the demo corpus and dataset indices
 
     @property

@@ -17,6 +17,8 @@ _DTYPE_CODES = {member.value for member in DType}
 # sequence count, document count, then int32 lengths, int64 pointers, int64 document indices.
 _IDX_MAGIC = b"MMIDIDX\x00\x00"
 _IDX_HEADER = struct.Struct("<9sQBQQ")
+# Sequences of the index checked per numpy pass (bounded memory on huge datasets).
+_INDEX_CHECK_BLOCK = 1 << 22
 
 
 class DataError(ValueError):
@@ -33,25 +35,68 @@ def check_writable_prefix(prefix: str) -> None:
         raise DataError(f"'{prefix}': directory '{directory}' is not writable")
 
 
-def _check_index_layout(idx_path: str) -> None:
-    """Validate the .idx header and size before megatron's reader sees the file (its reader
-    fails on a corrupt file with bare asserts and a noisy destructor)."""
+def _check_index_layout(idx_path: str) -> int:
+    """Validate the .idx before megatron's reader sees it (its reader fails on a corrupt file
+    with bare asserts, or reads garbage silently); returns the .bin size it implies.
+
+    Checked, in this order: the header (magic, version, token dtype), the file size its
+    sequence and document counts imply, lengths that are not negative, pointers that follow
+    from the lengths, and document boundaries rising from 0 to the sequence count."""
     with open(idx_path, "rb") as f:
         header = f.read(_IDX_HEADER.size)
-    problem = None
+    size = os.path.getsize(idx_path)
+
+    def corrupt(problem: str) -> DataError:
+        return DataError(f"'{idx_path}': not a readable Megatron index: {problem}")
+
     if len(header) < _IDX_HEADER.size:
-        problem = f"{len(header)} bytes, shorter than the {_IDX_HEADER.size}-byte header"
+        raise corrupt(f"{len(header)} bytes, shorter than the {_IDX_HEADER.size}-byte header")
+    magic, version, dtype_code, sequences, boundaries = _IDX_HEADER.unpack(header)
+    if magic != _IDX_MAGIC:
+        raise corrupt(f"the header does not start with Megatron's magic bytes {_IDX_MAGIC!r} "
+                      f"(found {magic!r})")
+    if version != 1:
+        raise corrupt(f"the header's version is {version}, expected 1")
+    if dtype_code not in _DTYPE_CODES:
+        raise corrupt(f"the header's token dtype code is {dtype_code}, expected one of "
+                      f"{sorted(_DTYPE_CODES)}")
+    expected = _IDX_HEADER.size + sequences * (4 + 8) + boundaries * 8
+    if size != expected:
+        raise corrupt(f"{size} bytes, but its header's counts ({sequences} sequences, "
+                      f"{boundaries} document boundaries) need {expected} bytes (truncated, "
+                      "or the counts are corrupt)")
+    itemsize = DType.size(dtype_code)
+    lengths = numpy.memmap(idx_path, numpy.int32, "r", _IDX_HEADER.size, (sequences,)) \
+        if sequences else numpy.zeros(0, numpy.int32)
+    pointers = numpy.memmap(idx_path, numpy.int64, "r", _IDX_HEADER.size + 4 * sequences,
+                            (sequences,)) if sequences else numpy.zeros(0, numpy.int64)
+    position = 0  # where the next sequence must start in the .bin
+    for first in range(0, sequences, _INDEX_CHECK_BLOCK):
+        block = numpy.asarray(lengths[first:first + _INDEX_CHECK_BLOCK], numpy.int64)
+        negative = numpy.flatnonzero(block < 0)
+        if negative.size:
+            i = first + int(negative[0])
+            raise corrupt(f"sequence {i} has a negative length ({int(lengths[i])}); the "
+                          "lengths are corrupt")
+        ends = position + numpy.cumsum(block * itemsize)
+        starts = numpy.concatenate(([position], ends[:-1]))
+        wrong = numpy.flatnonzero(pointers[first:first + len(block)] != starts)
+        if wrong.size:
+            i = first + int(wrong[0])
+            raise corrupt(f"sequence {i} starts at byte {int(pointers[i])} of the .bin, "
+                          f"expected {int(starts[wrong[0]])} from the lengths before it; the "
+                          "pointers are corrupt")
+        position = int(ends[-1])
+    if boundaries:
+        documents = numpy.memmap(idx_path, numpy.int64, "r",
+                                 _IDX_HEADER.size + 12 * sequences, (boundaries,))
+        if documents[0] != 0 or documents[-1] != sequences or \
+                bool(numpy.any(numpy.diff(documents) < 0)):
+            raise corrupt(f"the document boundaries do not rise from 0 to the sequence count "
+                          f"{sequences}; the document index is corrupt")
     else:
-        magic, version, dtype_code, sequences, documents = _IDX_HEADER.unpack(header)
-        expected = _IDX_HEADER.size + sequences * (4 + 8) + documents * 8
-        if magic != _IDX_MAGIC or version != 1:
-            problem = "bad header (expected a version-1 MMIDIDX index)"
-        elif dtype_code not in _DTYPE_CODES:
-            problem = f"unknown token dtype code {dtype_code}"
-        elif os.path.getsize(idx_path) != expected:
-            problem = f"{os.path.getsize(idx_path)} bytes, expected {expected} from its header"
-    if problem:
-        raise DataError(f"'{idx_path}': not a readable Megatron index: {problem}")
+        raise corrupt("no document boundaries (expected at least the leading 0)")
+    return position
 
 
 def check_data_prefix(prefix: str, vocab_size: int | None = None) -> None:
@@ -64,11 +109,10 @@ def check_data_prefix(prefix: str, vocab_size: int | None = None) -> None:
                 f"'{path}': file not found (expected a Megatron indexed dataset "
                 f"{prefix}.bin/.idx, made by tools/preprocess_data.py)"
             )
-    _check_index_layout(idx_path)
+    expected_bin = _check_index_layout(idx_path)
     index = IndexedDataset(prefix, mmap=True).index
-    lengths, pointers = index.sequence_lengths, index.sequence_pointers
+    lengths = index.sequence_lengths
     itemsize = numpy.dtype(index.dtype).itemsize
-    expected_bin = int(pointers[-1]) + int(lengths[-1]) * itemsize if len(lengths) else 0
     n_documents = len(index.document_indices) - 1
     if n_documents < 1 or len(lengths) == 0:
         raise DataError(f"'{idx_path}': the dataset is empty (expected at least one document)")

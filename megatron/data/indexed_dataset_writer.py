@@ -1,20 +1,25 @@
-"""Tokenizing documents into a Megatron indexed dataset (PREFIX.bin/PREFIX.idx) with
-megatron.core's IndexedDatasetBuilder; the two files appear only when complete."""
+"""Tokenizing documents into Megatron indexed datasets (PREFIX.bin/PREFIX.idx) with
+megatron.core's IndexedDatasetBuilder, as Megatron-LM's tools/preprocess_data.py fills it
+(byte for byte: one sequence per non-empty sentence, EOD on the last one when asked); the
+files appear only when complete."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import numpy
 from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
-from megatron.common.files import staged_paths
+from megatron.common.files import remove_dead_temporaries, staged_paths
 from megatron.data.checks import DataError
-from megatron.data.tokenizer import HFTokenizer
+from megatron.data.jsonl import Field
+from megatron.data.tokenizer import TokenizerError
 
 Log = Callable[[str], None]
+# (line number, {json key: text or list of sentences})
+Record = tuple[int, Mapping[str, Field]]
 # Documents tokenized per call of the tokenizer's (multi-threaded) batch encoder.
 _ENCODE_CHUNK = 1024
 _PROGRESS_EVERY_S = 2.0
@@ -22,7 +27,7 @@ _PROGRESS_EVERY_S = 2.0
 
 @dataclass
 class PreprocessStats:
-    """What write_indexed_dataset wrote: counts, input size, time and the token dtype."""
+    """What a write wrote: counts, input size, time and the token dtype."""
 
     documents: int
     tokens: int
@@ -41,47 +46,116 @@ def _progress_line(docs: int, nbytes: int, tokens: int, seconds: float) -> str:
 
 def write_indexed_dataset(
     texts: Iterable[str],
-    tokenizer: HFTokenizer,
+    tokenizer,
     output_prefix: str,
     log: Log = print,
+    append_eod: bool = True,
 ) -> PreprocessStats:
-    """Tokenize `texts` (one document each, EOD appended) into output_prefix.bin/.idx.
+    """Tokenize `texts` (one document each, EOD appended unless append_eod is False) into
+    output_prefix.bin/.idx."""
+    records = ((n, {"text": text}) for n, text in enumerate(texts, start=1))
+    return write_indexed_datasets(records, tokenizer, {"text": output_prefix}, log=log,
+                                  append_eod=append_eod)
 
-    The two files appear only when complete: they are written under temporary names and
-    renamed at the end; on any error or interrupt the temporary files are removed.
+
+def write_indexed_datasets(
+    records: Iterable[Record],
+    tokenizer,
+    output_prefixes: Mapping[str, str],
+    log: Log = print,
+    append_eod: bool = True,
+    source: str = "input",
+    log_interval: int | None = None,
+) -> PreprocessStats:
+    """One indexed dataset per json key (`output_prefixes[key]`), one document per record.
+
+    A progress line every `log_interval` documents (default: every 2 s). The files appear
+    only when complete: they are written under temporary names carrying this process's id
+    and renamed at the end; on an error or interrupt they are removed, and the temporaries
+    a killed earlier run left are removed first.
     """
+    if append_eod and tokenizer.eod is None:
+        raise DataError("the tokenizer has no end-of-document token to append")
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
+    keys = list(output_prefixes)
+    bins = [output_prefixes[k] + ".bin" for k in keys]
+    idxs = [output_prefixes[k] + ".idx" for k in keys]
+    for target in (*bins, *idxs):
+        for path in remove_dead_temporaries(target):
+            log(f"removed {path}, left by a run that was killed")
     docs = tokens = nbytes = 0
     start = last_report = time.monotonic()
     # The builder opens its outputs by path, hence staged paths rather than atomic_write.
-    # The .bin is renamed first: once the new .idx is there, so is its .bin.
-    with staged_paths(output_prefix + ".bin", output_prefix + ".idx") as (bin_tmp, idx_tmp):
-        builder = IndexedDatasetBuilder(bin_tmp, dtype=dtype)  # opens the temporary .bin
+    # The .bin files are renamed first: once an .idx is there, so is its .bin.
+    with staged_paths(*bins, *idxs, owned=True) as temporaries:
+        builders = {k: IndexedDatasetBuilder(t, dtype=dtype)
+                    for k, t in zip(keys, temporaries[:len(keys)])}
         try:
-            for chunk in _chunks(texts, _ENCODE_CHUNK):
-                for ids in tokenizer.tokenize_batch(chunk):
-                    ids.append(tokenizer.eod)
-                    builder.add_document(numpy.asarray(ids, dtype=dtype), [len(ids)])
-                    tokens += len(ids)
+            for chunk in _chunks(records, _ENCODE_CHUNK):
+                for key, builder in builders.items():
+                    for ids, lengths in _encode(chunk, key, tokenizer, append_eod, source):
+                        builder.add_document(numpy.asarray(ids, dtype=dtype), lengths)
+                        tokens += len(ids)
                 docs += len(chunk)
-                nbytes += sum(len(t.encode("utf-8")) for t in chunk)
+                nbytes += sum(len(t.encode("utf-8")) for _, fields in chunk
+                              for value in fields.values() for t in _sentences(value))
                 now = time.monotonic()
-                if now - last_report >= _PROGRESS_EVERY_S:
+                due = (docs // log_interval > (docs - len(chunk)) // log_interval
+                       if log_interval else now - last_report >= _PROGRESS_EVERY_S)
+                if due:
                     log(_progress_line(docs, nbytes, tokens, now - start))
                     last_report = now
             if docs == 0:
                 raise DataError("no documents in the input (expected at least one)")
-            builder.finalize(idx_tmp)  # closes the .bin
+            for builder, idx_tmp in zip(builders.values(), temporaries[len(keys):]):
+                builder.finalize(idx_tmp)  # closes the .bin
         except BaseException:
-            builder.data_file.close()
+            for builder in builders.values():
+                builder.data_file.close()
             raise
     seconds = time.monotonic() - start
     log(_progress_line(docs, nbytes, tokens, seconds))
     return PreprocessStats(docs, tokens, nbytes, seconds, numpy.dtype(dtype).name)
 
 
-def _chunks(items: Iterable[str], size: int) -> Iterator[list[str]]:
-    chunk: list[str] = []
+def _sentences(value: Field) -> list[str]:
+    return value if isinstance(value, list) else [value]
+
+
+def _encode(chunk: list[Record], key: str, tokenizer, append_eod: bool, source: str
+            ) -> Iterator[tuple[list[int], list[int]]]:
+    """(ids, sequence lengths) of each record's `key`, as Megatron's Encoder.encode: empty
+    sentences dropped, EOD counted in the last sequence, nothing appended to an empty one."""
+    texts = [t for _, fields in chunk for t in _sentences(fields[key])]
+    try:
+        encoded = iter(tokenizer.tokenize_batch(texts))
+    except TokenizerError:
+        _raise_for_first_bad_line(chunk, key, tokenizer, source)
+        raise
+    for _, fields in chunk:
+        ids: list[int] = []
+        lengths: list[int] = []
+        for _ in _sentences(fields[key]):
+            sentence = list(next(encoded))
+            if sentence:
+                ids.extend(sentence)
+                lengths.append(len(sentence))
+        if ids and append_eod:
+            ids.append(tokenizer.eod)
+            lengths[-1] += 1
+        yield ids, lengths
+
+
+def _raise_for_first_bad_line(chunk: list[Record], key: str, tokenizer, source: str) -> None:
+    for line_number, fields in chunk:
+        try:
+            tokenizer.tokenize_batch(_sentences(fields[key]))
+        except TokenizerError as err:
+            raise DataError(f"'{source}' line {line_number}: {err}") from None
+
+
+def _chunks(items: Iterable[Record], size: int) -> Iterator[list[Record]]:
+    chunk: list[Record] = []
     for item in items:
         chunk.append(item)
         if len(chunk) == size:

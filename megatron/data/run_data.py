@@ -14,6 +14,12 @@ from megatron.data.checks import DataError
 from megatron.data.datasets import build_datasets
 from megatron.data.demo_corpus import ensure_demo_corpus
 from megatron.data.tokenizer import HFTokenizer, TokenizerError, load_tokenizer
+from megatron.data.tokenizer_types import (
+    TokenizerFlagError,
+    TokenizerSpec,
+    TypedTokenizer,
+    build_typed_tokenizer,
+)
 
 
 @dataclass(frozen=True)
@@ -27,9 +33,11 @@ class Datasets:
 
 @dataclass(frozen=True)
 class RunData:
-    tokenizer: HFTokenizer
+    tokenizer: HFTokenizer | TypedTokenizer
     datasets: Datasets
-    vocab_size: int  # the model's rows: --vocab-size or the tokenizer's, padded as Megatron pads
+    # the model's rows: --vocab-size or the tokenizer's (NullTokenizer: --vocab-size + 1),
+    # padded as Megatron pads them
+    vocab_size: int
 
 
 def prepare_data(run: RunConfig, log: Callable[[str], object] = print) -> RunData:
@@ -42,14 +50,17 @@ def prepare_data(run: RunConfig, log: Callable[[str], object] = print) -> RunDat
         if d.tokenizer_model is None:
             tokenizer_path = corpus.tokenizer_path
     blend = data_blend(d, default_prefix)
-    try:
-        tokenizer = load_tokenizer(tokenizer_path)
-    except (TokenizerError, OSError) as exc:
-        raise ConfigError("--tokenizer-model", tokenizer_path, str(exc)) from None
-    if run.model.vocab_size is not None and run.model.vocab_size < tokenizer.vocab_size:
-        raise ConfigError("--vocab-size", run.model.vocab_size,
+    tokenizer = build_run_tokenizer(run, tokenizer_path)
+    log(f"tokenizer: {d.tokenizer_type or 'tokenizer JSON'} "
+        f"({tokenizer_path or d.vocab_file or 'no files'}), vocabulary {tokenizer.vocab_size}, "
+        f"end of document {tokenizer.eod}")
+    # Megatron's NullTokenizer reads --vocab-size as its own size (ids 0..N-1, eod N).
+    vocab = (tokenizer.vocab_size if d.tokenizer_type == "NullTokenizer"
+             else run.model.vocab_size or tokenizer.vocab_size)
+    if vocab < tokenizer.vocab_size:
+        raise ConfigError("--vocab-size", vocab,
                           f"must be >= the tokenizer's vocabulary ({tokenizer.vocab_size})")
-    vocab = run.model.padded_vocab_size(run.model.vocab_size or tokenizer.vocab_size)
+    vocab = run.model.padded_vocab_size(vocab)
     flag = "--data-path" if d.train_data_path is None else "--train-data-path"
     try:
         train_ds, valid_ds, test_ds = build_datasets(
@@ -66,3 +77,20 @@ def prepare_data(run: RunConfig, log: Callable[[str], object] = print) -> RunDat
                           "the validation split is empty: give --split a validation share "
                           "or --valid-data-path")
     return RunData(tokenizer, Datasets(train_ds, valid_ds, test_ds), vocab)
+
+
+def build_run_tokenizer(run: RunConfig, tokenizer_path: str | None
+                        ) -> HFTokenizer | TypedTokenizer:
+    """--tokenizer-type's tokenizer, or (without one) the tokenizer JSON at tokenizer_path."""
+    d = run.data
+    if d.tokenizer_type is None:
+        try:
+            return load_tokenizer(tokenizer_path)
+        except (TokenizerError, OSError) as exc:
+            raise ConfigError("--tokenizer-model", tokenizer_path, str(exc)) from None
+    spec = TokenizerSpec(d.tokenizer_type, d.tokenizer_model, d.vocab_file, d.merge_file,
+                         run.model.vocab_size)
+    try:
+        return build_typed_tokenizer(spec)
+    except TokenizerFlagError as exc:
+        raise ConfigError(exc.flag, exc.value, exc.problem) from None

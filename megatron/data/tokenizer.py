@@ -20,8 +20,8 @@ EOD_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
 # Names other tokenizer.json files use for the end of a document / padding, so that a
 # user's own Hugging Face tokenizer also loads (first match wins).
-_EOD_CANDIDATES = (EOD_TOKEN, "</s>", "<eos>", "<|end_of_text|>")
-_PAD_CANDIDATES = (PAD_TOKEN, "<pad>", "[PAD]")
+EOD_CANDIDATES = (EOD_TOKEN, "</s>", "<eos>", "<|end_of_text|>")
+PAD_CANDIDATES = (PAD_TOKEN, "<pad>", "[PAD]")
 # megatron.core's "no pad token" value: never a real token id, so no sample is masked by it.
 NO_PAD_ID = -1
 # 256 byte symbols plus the two special tokens.
@@ -45,13 +45,13 @@ class HFTokenizer(MegatronTokenizerBase):
         # only the data pipeline inserts the real end-of-document id between documents.
         self._tokenizer.encode_special_tokens = True
         self._vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
-        self._eod = _first_token_id(tokenizer, _EOD_CANDIDATES)
+        self._eod = _first_token_id(tokenizer, EOD_CANDIDATES)
         if self._eod is None:
             raise TokenizerError(
                 f"tokenizer '{path}': expected an end-of-document token, one of "
-                f"{', '.join(_EOD_CANDIDATES)}"
+                f"{', '.join(EOD_CANDIDATES)}"
             )
-        pad = _first_token_id(tokenizer, _PAD_CANDIDATES)
+        pad = _first_token_id(tokenizer, PAD_CANDIDATES)
         self._pad = NO_PAD_ID if pad is None else pad
         self._content_hash = hashlib.sha256(tokenizer.to_str().encode()).hexdigest()
 

@@ -20,6 +20,7 @@ from megatron.config.errors import ConfigError, flag_name
 from megatron.config.model import ARCHITECTURE_DEFAULTS, MODEL_FIELDS
 from megatron.config.presets import PRESETS, get_preset
 from megatron.config.run import RunConfig
+from megatron.config.tokenizer_names import TOKENIZER_TYPES
 from megatron.data.cache import default_cache_dir
 from megatron.schedules.generators import SCHEDULE_NAMES
 from megatron.training.megatron_flags import (
@@ -205,7 +206,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"the {split_name} dataset (or weighted blend) on its own, instead "
                             "of a split of --data-path")
     g.add_argument("--tokenizer-model", default=None, metavar="PATH",
-                   help="tokenizer JSON from tools/train_tokenizer.py (required with --data-path)")
+                   help="tokenizer JSON from tools/train_tokenizer.py (required with --data-path); "
+                        "with --tokenizer-type: a Hugging Face directory or a SentencePiece model")
+    g.add_argument("--tokenizer-type", default=None, metavar="|".join(TOKENIZER_TYPES),
+                   help="Megatron's tokenizer names; the model's vocabulary is the tokenizer's "
+                        "(NullTokenizer: --vocab-size N ids plus an end of document)")
+    g.add_argument("--vocab-file", default=None, metavar="PATH",
+                   help="GPT2BPETokenizer's vocab.json")
+    g.add_argument("--merge-file", default=None, metavar="PATH",
+                   help="GPT2BPETokenizer's merges.txt")
     g.add_argument("--data-cache-path", "--data-cache-dir", dest="data_cache_dir",
                    default=None, metavar="DIR",
                    help="where the demo corpus and dataset indices are cached "
