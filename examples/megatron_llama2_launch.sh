@@ -8,14 +8,15 @@
 #
 # MODEL_SIZE: tiny (default without a GPU: CPU processes play the GPUs), 7B, 13B, 70B
 # (LLaMA-2), or one of the paper's sizes 10b ... 110b. GPUS_PER_NODE defaults to the GPUs
-# nvidia-smi lists, or 2 CPU processes. DEMO: the built-in demo corpus and its tokenizer.
+# nvidia-smi lists, or 2 CPU processes. DEMO: the built-in demo corpus and its tokenizer;
+# MOCK: megatron-core's synthetic data (as Megatron's example's MOCK).
 # Run it twice: the second run resumes from CHECKPOINT_PATH (--save and --load name it).
 set -euo pipefail
 
 CHECKPOINT_PATH=${1:-"checkpoints/llama2"}
 TENSORBOARD_LOGS_PATH=${2:-"tensorboard_logs/llama2"}
-TOKENIZER_ARG=${3:-"DEMO"}  # a tokenizer (Hugging Face directory or JSON), or DEMO
-DATA_ARG=${4:-"DEMO"}       # a data prefix (PREFIX_text_document), or DEMO
+TOKENIZER_ARG=${3:-"DEMO"}  # a Hugging Face tokenizer directory, or DEMO, or MOCK
+DATA_ARG=${4:-"DEMO"}       # a data prefix (PREFIX_text_document), or DEMO, or MOCK
 shift $(( $# < 4 ? $# : 4 ))
 EXTRA_ARGS=("$@")
 
@@ -121,11 +122,20 @@ MODEL_PARALLEL_ARGS=(
     --distributed-timeout-minutes 60
 )
 
-if [ "$DATA_ARG" = DEMO ] || [ "$TOKENIZER_ARG" = DEMO ]; then
+if [ "$DATA_ARG" = MOCK ] || [ "$TOKENIZER_ARG" = MOCK ]; then
+    DATA_ARGS=(
+        --mock-data
+        --tokenizer-type NullTokenizer
+        --vocab-size 32000
+        --num-workers 1
+        --no-create-attention-mask-in-dataloader
+    )
+elif [ "$DATA_ARG" = DEMO ] || [ "$TOKENIZER_ARG" = DEMO ]; then
     DATA_ARGS=(--num-workers 1)  # no --data-path: the built-in demo corpus
 else
     DATA_ARGS=(
         --data-path "$DATA_ARG"
+        --tokenizer-type HuggingFaceTokenizer
         --tokenizer-model "$TOKENIZER_ARG"
         --split 99,1,0
         --num-workers 1

@@ -1,6 +1,7 @@
 """A Megatron-LM user's launch, unchanged: Megatron's flags, parsing, defaults and layout."""
 
 import json
+import math
 import os
 import socket
 import subprocess
@@ -240,6 +241,22 @@ def test_pipeline_size_one_on_two_processes_is_data_parallel_one_process_trainin
     for got, want in zip(replicas, single):
         assert got["loss"] == pytest.approx(want["loss"], abs=1e-5)
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
+
+
+@pytest.mark.multiproc
+def test_mock_data_trains_as_in_megatrons_examples(tmp_path):
+    """--mock-data --tokenizer-type NullTokenizer --vocab-size N (megatron-core's
+    MockGPTDataset): it trains, and the first loss is that of a uniform guess over the
+    padded vocabulary."""
+    metrics = tmp_path / "mock.jsonl"
+    result = forked_ranks.launch("pretrain_llama.py", [
+        *SMALL, "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000",
+        "--train-iters", "2", "--eval-iters", "1", "--data-cache-path", str(tmp_path),
+        "--metrics-file", str(metrics)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    first = _metrics(metrics)[0]
+    assert first["loss"] == pytest.approx(math.log(1024), abs=0.1)  # 1001 ids padded to 1024
+    assert "validation loss at the end of training" in result.stdout
 
 
 @pytest.mark.multiproc

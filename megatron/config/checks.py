@@ -203,6 +203,8 @@ def _check_checkpointing(run: RunConfig) -> None:
 def _check_tokenizer(run: RunConfig) -> None:
     """The tokenizer flags that need no file system (the files are read by the data layer)."""
     d = run.data
+    if d.mock_data and (d.data_path or d.train_data_path):
+        raise ConfigError("--mock-data", True, "synthetic data replaces --data-path: give one")
     if d.tokenizer_type is None:
         if d.data_path is not None and d.tokenizer_model is None:
             raise ConfigError("--tokenizer-model", "missing",
@@ -211,9 +213,9 @@ def _check_tokenizer(run: RunConfig) -> None:
     problem = tokenizer_type_problem(d.tokenizer_type)
     if problem:
         raise ConfigError("--tokenizer-type", d.tokenizer_type, problem)
-    if d.data_path is None and d.train_data_path is None:
-        raise ConfigError("--tokenizer-type", d.tokenizer_type,
-                          "needs --data-path (the built-in demo corpus has its own tokenizer)")
+    if d.data_path is None and d.train_data_path is None and not d.mock_data:
+        raise ConfigError("--tokenizer-type", d.tokenizer_type, "needs --data-path or "
+                          "--mock-data (the built-in demo corpus has its own tokenizer)")
     if d.tokenizer_type == "NullTokenizer" and run.model.vocab_size is None:
         raise ConfigError("--vocab-size", "missing", "NullTokenizer needs --vocab-size N "
                           "(ids 0..N-1 given in the data, N the end of document)")

@@ -127,10 +127,11 @@ class DataConfig:
     vocab_file: str | None  # GPT2BPETokenizer's vocab.json
     merge_file: str | None  # GPT2BPETokenizer's merges.txt
     data_cache_dir: str  # the demo corpus and dataset indices
+    mock_data: bool  # megatron-core's MockGPTDataset (its own even split) instead of files
 
     @property
     def has_validation_set(self) -> bool:
-        return self.valid_data_path is not None or (
+        return self.mock_data or self.valid_data_path is not None or (
             self.split is not None and parse_split(self.split)[1] > 0)
 
 

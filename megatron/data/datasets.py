@@ -106,6 +106,19 @@ def build_datasets(
             return build()
 
 
+def build_mock_datasets(tokenizer, seq_length: int, sizes: list[int], seed: int) -> list:
+    """megatron-core's MockGPTDataset for train, validation and test (--mock-data): synthetic
+    sequences over the tokenizer's vocabulary with its end of document, split evenly as
+    megatron-core splits mock data."""
+    from megatron.core.datasets.gpt_dataset import MockGPTDataset
+
+    config = GPTDatasetConfig(random_seed=seed, sequence_length=seq_length, blend=None,
+                              blend_per_split=None, tokenizer=tokenizer,
+                              reset_position_ids=False, reset_attention_mask=False,
+                              eod_mask_loss=False, create_attention_mask=False)
+    return BlendedMegatronDatasetBuilder(MockGPTDataset, sizes, lambda: True, config).build()
+
+
 def _index_cache_dir(data_prefixes: str, cache_dir: str | None) -> str:
     root = cache_dir or default_cache_dir()
     real = "\n".join(os.path.realpath(p) for p in data_prefixes.split("\n"))

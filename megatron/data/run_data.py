@@ -11,7 +11,7 @@ from megatron.config.errors import ConfigError
 from megatron.config.run import RunConfig
 from megatron.data.blend import data_blend
 from megatron.data.checks import DataError
-from megatron.data.datasets import build_datasets
+from megatron.data.datasets import build_datasets, build_mock_datasets
 from megatron.data.demo_corpus import ensure_demo_corpus
 from megatron.data.tokenizer import HFTokenizer, TokenizerError, load_tokenizer
 from megatron.data.tokenizer_types import (
@@ -44,12 +44,13 @@ def prepare_data(run: RunConfig, log: Callable[[str], object] = print) -> RunDat
     """The tokenizer and the datasets; the demo corpus when no data path is given."""
     d = run.data
     default_prefix, tokenizer_path = None, d.tokenizer_model
-    if d.data_path is None and d.train_data_path is None:
+    if d.data_path is None and d.train_data_path is None and not (
+            d.mock_data and d.tokenizer_type):
         corpus = ensure_demo_corpus(cache_dir=d.data_cache_dir, log=log)
         default_prefix = corpus.data_prefix
         if d.tokenizer_model is None:
             tokenizer_path = corpus.tokenizer_path
-    blend = data_blend(d, default_prefix)
+    blend = None if default_prefix is None and d.mock_data else data_blend(d, default_prefix)
     tokenizer = build_run_tokenizer(run, tokenizer_path)
     log(f"tokenizer: {d.tokenizer_type or 'tokenizer JSON'} "
         f"({tokenizer_path or d.vocab_file or 'no files'}), vocabulary {tokenizer.vocab_size}, "
@@ -63,10 +64,14 @@ def prepare_data(run: RunConfig, log: Callable[[str], object] = print) -> RunDat
     vocab = run.model.padded_vocab_size(vocab)
     flag = "--data-path" if d.train_data_path is None else "--train-data-path"
     try:
-        train_ds, valid_ds, test_ds = build_datasets(
-            blend, tokenizer, run.model.seq_length, run.split_sizes, run.training.seed,
-            cache_dir=d.data_cache_dir,
-        )
+        if d.mock_data:
+            train_ds, valid_ds, test_ds = build_mock_datasets(
+                tokenizer, run.model.seq_length, run.split_sizes, run.training.seed)
+        else:
+            train_ds, valid_ds, test_ds = build_datasets(
+                blend, tokenizer, run.model.seq_length, run.split_sizes, run.training.seed,
+                cache_dir=d.data_cache_dir,
+            )
     except DataError as exc:
         raise ConfigError(flag, " ".join(blend.all_prefixes()), str(exc)) from None
     if train_ds is None:

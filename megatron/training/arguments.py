@@ -215,6 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GPT2BPETokenizer's vocab.json")
     g.add_argument("--merge-file", default=None, metavar="PATH",
                    help="GPT2BPETokenizer's merges.txt")
+    g.add_argument("--mock-data", action="store_true",
+                   help="megatron-core's synthetic MockGPTDataset instead of files (with "
+                        "--tokenizer-type NullTokenizer --vocab-size N, as Megatron's examples)")
     g.add_argument("--data-cache-path", "--data-cache-dir", dest="data_cache_dir",
                    default=None, metavar="DIR",
                    help="where the demo corpus and dataset indices are cached "
