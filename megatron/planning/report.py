@@ -143,7 +143,8 @@ def run_plan(run: RunConfig) -> int:
             out["candidates"] = [e.summary() for e in candidates.ranked[:SEARCH_TOP]]
             out["search"] = {"configurations": candidates.configurations,
                              "cannot_fit": candidates.cannot_fit,
-                             "cannot_win": candidates.cannot_win, "built": candidates.built}
+                             "cannot_win": candidates.cannot_win, "built": candidates.built,
+                             "nothing_fits_at": list(candidates.nothing_fits_at)}
         print(json.dumps(out, indent=1))
     else:
         if run.planning.auto_config:
