@@ -114,6 +114,15 @@ def per_node_fits(evaluation: Evaluation) -> bool:
     return not any(s.resource in PER_NODE for s in evaluation.missing)
 
 
+def implied_nodes(evaluation: Evaluation) -> int:
+    """The fewest nodes the per-node shortfalls of `evaluation` allow, were they shared out
+    evenly (more may be needed: the per-process baseline and replicas do not shrink)."""
+    nodes = evaluation.config.nodes
+    worst = max([s.needed / s.available for s in evaluation.missing if s.resource in PER_NODE],
+                default=1.0)
+    return max(nodes + 1, -(-int(nodes * worst * 1000) // 1000))
+
+
 def nearest_fit(run: RunConfig, base: Evaluation, hardware: HardwareProfile,
                 max_tries: int = 12) -> Evaluation | None:
     """The closest configuration that fits, one knob at a time, what the run computes kept
@@ -138,10 +147,10 @@ def nearest_fit(run: RunConfig, base: Evaluation, hardware: HardwareProfile,
     c = base.config
     tries: list[Configuration] = []
     if not per_node_fits(base):
-        cheapest = repriced(run, base, precisions[-1], hardware)
-        worst = max(s.needed / s.available for s in cheapest.missing if s.resource in PER_NODE)
-        first = max(c.nodes + 1, -(-int(c.nodes * worst * 1000) // 1000))
-        tries += [replace(c, nodes=n) for n in range(first, first + 3)]
+        # from the nodes the shortfall implies at the cheapest state to 2 beyond the run's
+        first, last = (implied_nodes(repriced(run, base, p, hardware)) for p in
+                       (precisions[-1], precisions[0]))
+        tries += [replace(c, nodes=n) for n in range(first, last + 3)]
     else:
         if c.schedule == "decoupled":
             tries += [replace(c, backward_split=d) for d in (1, 3)
