@@ -201,3 +201,18 @@ def test_110b_on_one_dgx_h100_node(capsys):
     assert sum(v for k, v in node.items() if k != "node") <= dgx.host_memory_bytes
     assert out["configuration"]["optimizer_bytes_per_param"] == 12
     assert 0 < out["configuration"]["mfu"] < 1
+
+
+def test_nodes_for_gpu_memory_are_found_beyond_what_host_memory_implies(capsys):
+    """110B at 2048 tokens on 2 paper nodes: short of host memory (fewer nodes would do with
+    a bf16 state) and of GPU memory (which needs more): the nearest fit is still found, and
+    one node fewer does not fit even with the cheapest state."""
+    run = ("--model-preset", "110b", "--bf16", "--micro-batch-size", "2",
+           "--global-batch-size", "32", "--seq-length", "2048")
+    code, out = plan(capsys, *run, "--nodes", "2")
+    assert code == 3 and {s["resource"] for s in out["shortfalls"]} == {"host memory",
+                                                                         "gpu memory"}
+    nearest = out["nearest_fit"]
+    assert nearest is not None and nearest["fits"]
+    fewer = str(nearest["nodes"] - 1)
+    assert plan(capsys, *run, "--nodes", fewer, *STATE_FLAGS[6])[0] == 3
