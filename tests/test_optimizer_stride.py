@@ -10,6 +10,7 @@ import pytest
 
 from megatron.offload.device import DeviceLayer
 from megatron.pipeline.optimizer_calibration import calibrated_update_rates
+from megatron.schedules.hardware import get_hardware, update_rates
 from megatron.schedules.optimizer_stride import (
     UpdateRates,
     gpu_update_stride,
@@ -71,3 +72,43 @@ def test_calibration_is_quick_and_cached_per_machine(tmp_path):
     assert len(list(tmp_path.iterdir())) == 1
     for rate in vars(first).values():
         assert rate > 1e6  # params/s: any machine updates a million parameters a second
+
+
+@pytest.mark.parametrize("profile", ["paper-v100", "h100-sxm", "dgx-h100"])
+def test_the_device_share_balances_both_sides_where_k_is_below_1(profile):
+    """On the built-in profiles Eq. 1 gives k < 1: the balance puts most subgroups on the
+    device, which the stride (clamped to 2: half of them) cannot express. The tool reports
+    that share; at it, the CPU's time per parameter equals the device's."""
+    rates = update_rates(get_hardware(profile))
+    tool = [sys.executable, os.path.join(ROOT, "tools", "optimizer_stride.py"),
+            "--h2d-params-per-s", repr(rates.h2d_params_per_s),
+            "--gpu-update-params-per-s", repr(rates.gpu_update_params_per_s),
+            "--cpu-update-params-per-s", repr(rates.cpu_update_params_per_s),
+            "--downscale-params-per-s", repr(rates.downscale_params_per_s), "--json"]
+    out = json.loads(subprocess.run(tool, capture_output=True, text=True, check=True).stdout)
+    share, b = out["device_share"], rates.h2d_params_per_s
+    assert out["k_real"] < 1 and out["k"] == 2 and out["device_share_at_k"] == 0.5
+    assert 0.5 < share < 1
+    cpu = (1 - share) * (1 / rates.cpu_update_params_per_s + 1 / rates.downscale_params_per_s)
+    device = share * (3 / b + 1 / rates.gpu_update_params_per_s) + (1 - share) / (2 * b)
+    assert cpu == pytest.approx(device, rel=1e-12)
+    # per parameter, with a share s on the device (Eq. 1's terms): the balance is the best s,
+    # and beats the half that the stride 2 places
+    c = 1 / rates.cpu_update_params_per_s + 1 / rates.downscale_params_per_s
+    d = 3 / b + 1 / rates.gpu_update_params_per_s
+
+    def per_param(s):
+        return max((1 - s) * c, s * d + (1 - s) / (2 * b))
+
+    assert all(per_param(share) <= per_param(s / 100) for s in range(101))
+    assert per_param(share) < per_param(0.5)
+    # and the half is what the runtime's timing model gives the stride 2
+    whole, subgroup = 10**9, 10**7
+    assert interleaved_update_time(whole, subgroup, 2, rates) == pytest.approx(
+        whole * per_param(0.5) + subgroup * 3 / b, rel=1e-9)
+
+
+def test_the_device_share_of_the_papers_example_is_below_half():
+    model = gpu_update_stride(V100)  # k_real 2.29: 2.29 subgroups on the CPU for each on the device
+    assert model.device_share == pytest.approx(1 / (1 + model.k_real), rel=1e-12)
+    assert model.device_share < 1 / model.k  # the stride 2 puts more there than Eq. 1 asks

@@ -51,7 +51,7 @@ def test_bad_hardware_exits_2_with_one_line(capsys):
 
 
 def test_builtin_profiles_name_their_sources():
-    assert {"paper-v100", "h100-sxm"} <= set(HARDWARE_PROFILES)
+    assert {"paper-v100", "h100-sxm", "dgx-h100"} <= set(HARDWARE_PROFILES)
     v100 = HARDWARE_PROFILES["paper-v100"]
     assert v100.gpus_per_node == 4 and v100.gpu_memory_bytes == 32 * 2**30
     assert v100.host_memory_bytes == 512 * 2**30 and v100.cpu_cores == 32
@@ -86,3 +86,133 @@ def test_a_run_that_cannot_fit_shared_memory_exits_2_before_any_segment(demo_cac
                              "this node's stages need"), err[0]
     assert "GiB free" in err[0]
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
+
+
+# --- the optimizer state's precision before more nodes ---------------------------------------
+
+SMALL_RUN = ("--model-preset", "10b", "--num-layers", "8", "--bf16", "--gpus-per-node", "2",
+             "--micro-batch-size", "2", "--global-batch-size", "8", "--seq-length", "256")
+STATE_FLAGS = {8: ["--optimizer-state-dtype", "bf16"],
+               6: ["--optimizer-state-dtype", "bf16", "--master-dtype", "bf16"]}
+
+
+def _profile(tmp_path, host_bytes: int) -> str:
+    """paper-v100 with `host_bytes` of host memory, as a profile file."""
+    values = dict(vars(get_hardware("paper-v100")), name="host-sized", host_memory_bytes=host_bytes)
+    path = tmp_path / "host-sized.json"
+    path.write_text(json.dumps(values))
+    return str(path)
+
+
+def _host_with_state_bytes(capsys, state_bytes: float) -> int:
+    """The host memory SMALL_RUN's node needs with `state_bytes` of optimizer state per
+    parameter, from its plan at 12 bytes (the state scales with its bytes, nothing else)."""
+    _, out = plan(capsys, *SMALL_RUN)
+    node = out["per_node"][0]
+    return int(sum(v for k, v in node.items() if k not in ("node", "optimizer_states"))
+               + node["optimizer_states"] * state_bytes / 12)
+
+
+@pytest.mark.parametrize("state_bytes", [8, 6])
+def test_a_node_short_of_host_memory_is_offered_a_cheaper_optimizer_state_first(
+        capsys, tmp_path, state_bytes):
+    """Host memory between what `state_bytes` and the next richer state need: the nearest
+    fit keeps the one node and names the precision; planned with those flags, it fits."""
+    richer = {8: 12, 6: 8}[state_bytes]
+    host = (_host_with_state_bytes(capsys, state_bytes)
+            + _host_with_state_bytes(capsys, richer)) // 2
+    profile = _profile(tmp_path, host)
+    code, out = plan(capsys, *SMALL_RUN, "--hardware", profile)
+    assert code == 3 and out["resource"] == "host memory"
+    nearest = out["nearest_fit"]
+    assert nearest["fits"] and nearest["nodes"] == 1
+    assert nearest["optimizer_bytes_per_param"] == state_bytes
+    assert nearest["flags"].endswith(" ".join(STATE_FLAGS[state_bytes]))
+    assert nearest["predicted_iteration_s"] > 0
+    # what a user does next: plan again with the suggested flags
+    again, fitted = plan(capsys, *SMALL_RUN, "--hardware", profile, *STATE_FLAGS[state_bytes])
+    assert again == 0 and fitted["per_node"][0]["optimizer_states"] == pytest.approx(
+        out["per_node"][0]["optimizer_states"] * state_bytes / 12, rel=1e-9)
+    # and the text says why
+    assert main(["--plan", *SMALL_RUN, "--hardware", profile]) == 3
+    suggestion = capsys.readouterr().out.strip().splitlines()[-1]
+    assert suggestion.startswith("nearest configuration that fits: ")
+    assert f"{state_bytes} bytes per parameter instead of 12" in suggestion
+    assert "MFU" in suggestion
+
+
+def test_more_nodes_only_when_no_precision_saves_one(capsys, tmp_path):
+    """Too little host memory for one node at any precision: the suggestion is the fewest
+    nodes at which some precision fits, and the richest precision that fits there."""
+    profile = _profile(tmp_path, _host_with_state_bytes(capsys, 6) * 2 // 3)
+    code, out = plan(capsys, *SMALL_RUN, "--hardware", profile)
+    nearest = out["nearest_fit"]
+    assert code == 3 and nearest["fits"] and nearest["nodes"] > 1
+    nodes = nearest["nodes"]
+    fewer = ["--nodes", str(nodes - 1)]
+    assert plan(capsys, *SMALL_RUN, "--hardware", profile, *fewer, *STATE_FLAGS[6])[0] == 3
+    richer = {12: None, 8: [], 6: STATE_FLAGS[8]}[nearest["optimizer_bytes_per_param"]]
+    if richer is not None:  # the precision one step richer does not fit those nodes
+        assert plan(capsys, *SMALL_RUN, "--hardware", profile, "--nodes", str(nodes),
+                    *richer)[0] == 3
+
+
+def test_auto_config_searches_a_cheaper_optimizer_state_when_nothing_fits(capsys, tmp_path):
+    """One node whose host memory holds 8 bytes of state per parameter, not 12: the
+    candidates are searched with bf16 m and v, and the plan says nothing fitted at 12."""
+    host = (_host_with_state_bytes(capsys, 8) + _host_with_state_bytes(capsys, 12)) // 2
+    profile = _profile(tmp_path, host)
+    code, out = plan(capsys, "--auto-config", *SMALL_RUN, "--hardware", profile)
+    assert code == 0 and out["fits"]
+    assert out["search"]["nothing_fits_at"] == [12]
+    assert out["candidates"] and all(
+        c["fits"] and c["optimizer_bytes_per_param"] == 8
+        and "--optimizer-state-dtype bf16" in c["flags"] for c in out["candidates"])
+    assert out["configuration"]["optimizer_bytes_per_param"] == 8
+    assert main(["--plan", "--auto-config", *SMALL_RUN, "--hardware", profile]) == 0
+    text = capsys.readouterr().out
+    assert "nothing fits with 12 bytes of optimizer state per parameter" in text
+    assert "searched with --optimizer-state-dtype bf16 (8 bytes per parameter)" in text
+
+
+def test_the_predicted_mfu_is_the_model_flops_over_the_gpus_peak(capsys):
+    """MFU against 6 flops per parameter and token (attention and the embedding's lookup
+    differ by a few per cent at this shape)."""
+    _, out = plan(capsys, "--model-preset", "10b", "--bf16", "--nodes", "1",
+                  "--micro-batch-size", "2", "--global-batch-size", "16")
+    c, v100 = out["configuration"], get_hardware("paper-v100")
+    params = out["per_node"][0]["optimizer_states"] / 12  # one node owns every stage
+    tokens = c["micro_batches"] * c["micro_batch_size"] * 1024
+    reference = 6 * params * tokens / (c["predicted_iteration_s"] * 4 * v100.gpu_peak_flops)
+    assert 0 < c["mfu"] < 1
+    assert c["mfu"] == pytest.approx(reference, rel=0.05)
+
+
+def test_110b_on_one_dgx_h100_node(capsys):
+    """The nodes users rent: 8 x H100, 2 TiB. 110B's fp32 optimizer state (12 bytes per
+    parameter) fits one node's host memory, so no cheaper precision is needed."""
+    dgx = HARDWARE_PROFILES["dgx-h100"]
+    assert (dgx.gpus_per_node, dgx.host_memory_bytes, dgx.cpu_cores) == (8, 2 * 2**40, 112)
+    code, out = plan(capsys, "--model-preset", "110b", "--bf16", "--hardware", "dgx-h100",
+                     "--nodes", "1")
+    assert code == 0 and out["fits"] and len(out["per_gpu"]) == 8
+    node = out["per_node"][0]
+    assert node["optimizer_states"] == pytest.approx(12 * 98.29e9, rel=0.001)
+    assert sum(v for k, v in node.items() if k != "node") <= dgx.host_memory_bytes
+    assert out["configuration"]["optimizer_bytes_per_param"] == 12
+    assert 0 < out["configuration"]["mfu"] < 1
+
+
+def test_nodes_for_gpu_memory_are_found_beyond_what_host_memory_implies(capsys):
+    """110B at 2048 tokens on 2 paper nodes: short of host memory (fewer nodes would do with
+    a bf16 state) and of GPU memory (which needs more): the nearest fit is still found, and
+    one node fewer does not fit even with the cheapest state."""
+    run = ("--model-preset", "110b", "--bf16", "--micro-batch-size", "2",
+           "--global-batch-size", "32", "--seq-length", "2048")
+    code, out = plan(capsys, *run, "--nodes", "2")
+    assert code == 3 and {s["resource"] for s in out["shortfalls"]} == {"host memory",
+                                                                         "gpu memory"}
+    nearest = out["nearest_fit"]
+    assert nearest is not None and nearest["fits"]
+    fewer = str(nearest["nodes"] - 1)
+    assert plan(capsys, *run, "--nodes", fewer, *STATE_FLAGS[6])[0] == 3

@@ -30,7 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for flag, text in FLAGS:
         parser.add_argument(flag, type=float, required=True, help=text)
-    parser.add_argument("--json", action="store_true", help="one JSON object: k and the terms")
+    parser.add_argument("--json", action="store_true",
+                        help="one JSON object: k, the terms and the device's share of subgroups")
     args = parser.parse_args(argv)
     try:
         rates = UpdateRates(args.h2d_params_per_s, args.gpu_update_params_per_s,
@@ -40,10 +41,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.exit(2, f"{parser.prog}: error: {flag}: {str(error).split('=', 1)[1]}\n")
     model = gpu_update_stride(rates)
     if args.json:
-        print(json.dumps({**model.as_dict(), "k_real": model.k_real if model.k else None}))
+        # device_share: Eq. 1's balance; device_share_at_k: what the stride k places (1 in k)
+        print(json.dumps({**model.as_dict(), "k_real": model.k_real if model.k else None,
+                          "device_share": model.device_share,
+                          "device_share_at_k": 1.0 / model.k if model.k else 0.0}))
     elif model.k:
         print(f"k = {model.k} (Eq. 1 gives {model.k_real:.3f}): every {model.k}-th subgroup "
-              "on the device")
+              f"on the device ({1 / model.k:.0%} of them; the balance puts "
+              f"{model.device_share:.0%} there)")
     else:
         print("k = 0: the CPU update is not slower than sending its 16-bit copy; "
               "keep every subgroup on the CPU")

@@ -2,8 +2,9 @@
 profile, and (when asked) its simulated iteration.
 
 A candidate (`Configuration`) is the part of a run the planner varies: schedule, forward
-stages, backward split d, micro-batch size, node count and the optimizer's GPU stride.
-Everything else (the model, the global batch, the precisions) is the run configuration's.
+stages, backward split d, micro-batch size, node count, the optimizer's GPU stride and the
+precision of the optimizer state in host memory. Everything else (the model, the global
+batch, the working precision) is the run configuration's.
 """
 
 from __future__ import annotations
@@ -11,11 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from megatron.config.errors import ConfigError
-from megatron.config.run import RunConfig
+from megatron.config.run import DTYPE_BYTES, RunConfig, optimizer_state_bytes
 from megatron.schedules.cost_model import (
     DeviceUpdateCosts,
     backward_stage_params,
     derived_costs,
+    model_flops_per_token,
 )
 from megatron.schedules.hardware import HardwareProfile, get_hardware, update_rates
 from megatron.schedules.instructions import Schedule
@@ -38,6 +40,9 @@ class Configuration:
     micro_batch_size: int
     nodes: int
     optimizer_gpu_stride: int | None = 0  # every k-th subgroup on the GPU (None: Eq. 1's k)
+    # the host optimizer state's precision: Adam's m and v, the master (None: the run's)
+    optimizer_state_dtype: str | None = None
+    master_dtype: str | None = None
 
     def flags(self) -> str:
         parts = [f"--pipeline-schedule {self.schedule}"]
@@ -49,7 +54,26 @@ class Configuration:
         if self.optimizer_gpu_stride != 0:
             stride = self.optimizer_gpu_stride
             parts.append(f"--optimizer-gpu-stride {'auto' if stride is None else stride}")
-        return " ".join(parts)
+        return " ".join(parts + self.precision_flags())
+
+    def precision_flags(self) -> list[str]:
+        """The flags of the optimizer-state precision it sets ([] for the run's)."""
+        return [f"--{flag} {dtype}" for flag, dtype in (
+            ("optimizer-state-dtype", self.optimizer_state_dtype),
+            ("master-dtype", self.master_dtype)) if dtype is not None]
+
+
+def optimizer_precision(run: RunConfig, config: Configuration) -> tuple[str, str]:
+    """(m and v, master): the dtypes of `config`'s host optimizer state."""
+    p = run.precision
+    return (config.optimizer_state_dtype or p.optimizer_state_dtype,
+            config.master_dtype or p.master_dtype)
+
+
+def optimizer_bytes(run: RunConfig, config: Configuration) -> int:
+    """Host bytes per parameter of `config`'s master and Adam moments (12, 10, 8 or 6)."""
+    moments, master = optimizer_precision(run, config)
+    return optimizer_state_bytes(DTYPE_BYTES[master], DTYPE_BYTES[moments])
 
 
 @dataclass
@@ -60,6 +84,8 @@ class Evaluation:
     missing: list[Shortfall]
     report: ValidationReport | None = None  # the schedule's validation, done once
     simulation: SimResult | None = None
+    mfu: float | None = None  # model FLOPs utilization of the simulated iteration
+    optimizer_bytes_per_param: int = 0  # host bytes of the master and moments per parameter
 
     @property
     def fits(self) -> bool:
@@ -72,11 +98,13 @@ class Evaluation:
                "micro_batch_size": self.config.micro_batch_size,
                "micro_batches": s.micro_batches, "nodes": self.config.nodes,
                "optimizer_gpu_stride": self.config.optimizer_gpu_stride,
+               "optimizer_bytes_per_param": self.optimizer_bytes_per_param,
                "fits": self.fits, "flags": self.config.flags()}
         if self.simulation is not None:
             out.update(predicted_iteration_s=self.simulation.iteration_time,
                        bubble_ratio=self.simulation.mean_bubble_ratio,
-                       exposed_optimizer_s=self.simulation.exposed_optimizer_time)
+                       exposed_optimizer_s=self.simulation.exposed_optimizer_time,
+                       mfu=self.mfu)
         return out
 
 
@@ -107,17 +135,24 @@ def base_configuration(run: RunConfig) -> Configuration:
 
 def configured(run: RunConfig, config: Configuration, keep_partition: bool = True
                ) -> RunConfig:
-    """`run` with `config`'s shape; a hand partition (--stage-layers) is kept, when
-    `keep_partition`, for the run's own shape only."""
-    own = keep_partition and replace(config, optimizer_gpu_stride=0) == replace(
-        base_configuration(run), optimizer_gpu_stride=0)
+    """`run` with `config`'s shape and optimizer precision; a hand partition
+    (--stage-layers) is kept, when `keep_partition`, for the run's own shape only."""
+    own = keep_partition and shape_of(config) == shape_of(base_configuration(run))
+    moments, master = optimizer_precision(run, config)
     return run.evolve(
         parallel={"pipeline_schedule": config.schedule, "forward_stages": config.forward_stages,
                   "backward_split": config.backward_split,
                   "stage_layers": run.parallel.stage_layers if own else None},
         training={"micro_batch_size": config.micro_batch_size},
         cpu_optimizer={"optimizer_gpu_stride": config.optimizer_gpu_stride},
+        precision={"optimizer_state_dtype": moments, "master_dtype": master},
         planning={"nodes": config.nodes})
+
+
+def shape_of(config: Configuration) -> Configuration:
+    """`config` without what leaves its schedule unchanged (the stride, the precision)."""
+    return replace(config, optimizer_gpu_stride=0, optimizer_state_dtype=None,
+                   master_dtype=None)
 
 
 def evaluate(run: RunConfig, config: Configuration, hardware: HardwareProfile,
@@ -134,7 +169,7 @@ def evaluation_or_reason(run: RunConfig, config: Configuration, hardware: Hardwa
                          ) -> Evaluation | Unbuildable:
     """evaluate() without the simulation, or why `config` cannot be built."""
     base = replace(config, optimizer_gpu_stride=0)
-    shaped = configured(run, base)
+    shaped = configured(run, shape_of(config))
     schedule = build_run_schedule(shaped, ranks_of(run, config, hardware),
                                   run.model.planned_vocab_size)
     if isinstance(schedule, Unbuildable):
@@ -165,8 +200,9 @@ def planned(run: RunConfig, config: Configuration, schedule: Schedule,
                          report=report, subgroup_stride=config.optimizer_gpu_stride,
                          subgroup_size=c.optimizer_subgroup_size,
                          resident_fraction=c.optimizer_gpu_resident_fraction,
-                         optimizer_bytes=run.precision.optimizer_bytes_per_param)
-    return Evaluation(config, schedule, memory, shortfalls(memory, hardware), report)
+                         optimizer_bytes=optimizer_bytes(run, config))
+    return Evaluation(config, schedule, memory, shortfalls(memory, hardware), report,
+                      optimizer_bytes_per_param=optimizer_bytes(run, config))
 
 
 def simulated(run: RunConfig, evaluation: Evaluation, hardware: HardwareProfile
@@ -184,4 +220,16 @@ def simulated(run: RunConfig, evaluation: Evaluation, hardware: HardwareProfile
                                            schedule.backward_split)
             costs = replace(costs, device_update=DeviceUpdateCosts(stride, params, rates))
         evaluation.simulation = simulate(schedule, costs, evaluation.report)
+        evaluation.mfu = model_flops_utilization(run, evaluation, hardware)
     return evaluation
+
+
+def model_flops_utilization(run: RunConfig, evaluation: Evaluation,
+                            hardware: HardwareProfile) -> float:
+    """The model FLOPs of the simulated pipeline's tokens (forward and backward, no
+    recomputation, as --log-throughput counts them) over its GPUs' peak for its iteration."""
+    s, config = evaluation.schedule, evaluation.config
+    tokens = s.micro_batches * config.micro_batch_size * run.model.seq_length
+    peak = ranks_of(run, config, hardware) * hardware.gpu_peak_flops
+    return model_flops_per_token(run.model) * tokens / (
+        evaluation.simulation.iteration_time * peak)

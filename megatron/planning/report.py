@@ -16,7 +16,14 @@ from megatron.schedules.hardware import HardwareProfile
 from megatron.schedules.memory_model import GPU_TERMS, NODE_TERMS, pinning_shortfall
 
 from .evaluate import Evaluation, base_configuration, evaluate, gpus_per_node, plan_hardware
-from .search import SEARCH_TOP, SearchResult, auto_configure, nearest_fit, search
+from .search import (
+    SEARCH_TOP,
+    SearchResult,
+    auto_configure,
+    nearest_fit,
+    precision_note,
+    search,
+)
 
 EXIT_FITS, EXIT_DOES_NOT_FIT = 0, 3
 GIB = 2**30
@@ -44,7 +51,9 @@ def describe(run: RunConfig, evaluation: Evaluation, hardware: HardwareProfile) 
     lines = [f"plan: {run.model.name} model on {c.nodes} node(s) x {gpus} GPUs "
              f"({hardware.name}), {s.name}, {s.forward_stages} forward stages, "
              f"d={s.backward_split}, {s.micro_batches} micro-batches of {c.micro_batch_size} x "
-             f"{run.model.seq_length} tokens, {run.precision.dtype}",
+             f"{run.model.seq_length} tokens, {run.precision.dtype}, optimizer state "
+             f"{evaluation.optimizer_bytes_per_param} bytes per parameter (m and v "
+             f"{run.precision.optimizer_state_dtype}, master {run.precision.master_dtype})",
              "memory in GiB" + ("" if run.model.vocab_size else
                                 f" (vocabulary {run.model.planned_vocab_size} assumed: give "
                                 "--vocab-size)")]
@@ -72,20 +81,37 @@ def describe(run: RunConfig, evaluation: Evaluation, hardware: HardwareProfile) 
                          f"({short.missing / GIB:.2f} GiB short)")
     if evaluation.simulation is not None:
         sim = evaluation.simulation
-        lines.append(f"predicted iteration {sim.iteration_time:.3f} s, bubble ratio "
-                     f"{sim.mean_bubble_ratio:.3f}, exposed optimizer {sim.exposed_optimizer_time:.3f} s")
+        lines.append(f"predicted iteration {sim.iteration_time:.3f} s, MFU {evaluation.mfu:.3f}, "
+                     f"bubble ratio {sim.mean_bubble_ratio:.3f}, exposed optimizer "
+                     f"{sim.exposed_optimizer_time:.3f} s")
     return "\n".join(lines)
+
+
+def nearest_text(run: RunConfig, nearest: Evaluation | None) -> str:
+    """The suggestion --plan prints when the run does not fit: the flags, what a cheaper
+    optimizer state changes, and the prediction there."""
+    if nearest is None:
+        return "nearest configuration that fits: none one knob away"
+    sim, note = nearest.simulation, precision_note(run, nearest.config)
+    return (f"nearest configuration that fits: {nearest.config.flags()}"
+            + (f" ({note})" if note else "")
+            + f"; predicted iteration {sim.iteration_time:.3f} s, MFU {nearest.mfu:.3f}")
 
 
 def candidates_text(found: SearchResult, top: int = SEARCH_TOP) -> str:
     ranked = found.ranked
-    lines = [f"auto-config: {found.configurations} configurations: {found.cannot_fit} cannot "
+    lines = [f"auto-config: nothing fits with {b} bytes of optimizer state per parameter"
+             for b in found.nothing_fits_at]
+    if ranked and ranked[0].config.precision_flags():
+        lines.append(f"auto-config: searched with {' '.join(ranked[0].config.precision_flags())}"
+                     f" ({ranked[0].optimizer_bytes_per_param} bytes per parameter)")
+    lines += [f"auto-config: {found.configurations} configurations: {found.cannot_fit} cannot "
              f"fit, {found.cannot_win} cannot beat the fastest {top} (lower bounds), "
              f"{found.built} simulated; the fastest {min(top, len(ranked))}:"]
     for i, e in enumerate(ranked[:top]):
         sim = e.simulation
         lines.append(f"  {i + 1}. {e.config.flags():<90} iteration {sim.iteration_time:.3f} s, "
-                     f"bubble {sim.mean_bubble_ratio:.3f}, exposed optimizer "
+                     f"MFU {e.mfu:.3f}, bubble {sim.mean_bubble_ratio:.3f}, exposed optimizer "
                      f"{sim.exposed_optimizer_time:.3f} s")
     return "\n".join(lines)
 
@@ -117,15 +143,15 @@ def run_plan(run: RunConfig) -> int:
             out["candidates"] = [e.summary() for e in candidates.ranked[:SEARCH_TOP]]
             out["search"] = {"configurations": candidates.configurations,
                              "cannot_fit": candidates.cannot_fit,
-                             "cannot_win": candidates.cannot_win, "built": candidates.built}
+                             "cannot_win": candidates.cannot_win, "built": candidates.built,
+                             "nothing_fits_at": list(candidates.nothing_fits_at)}
         print(json.dumps(out, indent=1))
     else:
         if run.planning.auto_config:
             print(candidates_text(candidates))
         print(describe(run, evaluation, hardware))
         if not evaluation.fits:
-            print("nearest configuration that fits: "
-                  + (f"{nearest.config.flags()}" if nearest else "none one knob away"))
+            print(nearest_text(run, nearest))
     return EXIT_FITS if evaluation.fits else EXIT_DOES_NOT_FIT
 
 

@@ -6,6 +6,10 @@ any program exists: the memory it needs at least, and a time its iteration canno
 What cannot fit or cannot win is set aside unbuilt; the rest is built, validated and
 simulated in forked workers, in order of its time bound. `nearest_fit` is the same
 machinery for --plan: the closest configuration that fits, one knob at a time.
+
+Host memory is what a node is rented for, and most of it is the optimizer state (12 bytes
+per parameter in fp32). Both look at its cheaper precisions before more nodes: Adam's m
+and v in bf16 (8 bytes), then the master too (6 bytes).
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from .evaluate import (
     configured,
     evaluation_or_reason,
     gpus_per_node,
+    optimizer_bytes,
+    optimizer_precision,
     planned,
     ranks_of,
     simulated,
@@ -66,21 +72,85 @@ def lower_bound(run: RunConfig, config: Configuration, hardware: HardwareProfile
         steps_after_all_compute=optimizer_mode(config.schedule) == SYNCHRONOUS_OPTIMIZER)
 
 
+PER_NODE = ("host memory", "/dev/shm")  # what only more nodes or less state per node mend
+Precision = tuple[str | None, str | None]  # (m and v, master) as Configuration takes them
+
+
+def cheaper_precisions(run: RunConfig) -> list[Precision]:
+    """The optimizer-state precisions below the run's, in the order they are tried: m and v
+    in bf16 (12 -> 8 bytes per parameter), then the master too (6)."""
+    p = run.precision
+    steps: list[Precision] = []
+    if p.optimizer_state_dtype != "bf16":
+        steps.append(("bf16", None))
+    if p.master_dtype != "bf16":
+        steps.append(("bf16", "bf16"))
+    return steps
+
+
+def precision_note(run: RunConfig, config: Configuration) -> str:
+    """What `config` changes of the run's optimizer state, in words ('' when nothing)."""
+    if config.optimizer_state_dtype is None and config.master_dtype is None:
+        return ""
+    moments, master = optimizer_precision(run, config)
+    return (f"the optimizer state in host memory with m and v in {moments} and the master in "
+            f"{master}: {optimizer_bytes(run, config)} bytes per parameter instead of "
+            f"{run.precision.optimizer_bytes_per_param}")
+
+
+def with_precision(config: Configuration, precision: Precision) -> Configuration:
+    return replace(config, optimizer_state_dtype=precision[0], master_dtype=precision[1])
+
+
+def repriced(run: RunConfig, evaluation: Evaluation, precision: Precision,
+             hardware: HardwareProfile) -> Evaluation:
+    """`evaluation` with another optimizer-state precision: the same schedule, its memory
+    planned again (cheap: nothing is built)."""
+    return planned(run, with_precision(evaluation.config, precision), evaluation.schedule,
+                   evaluation.report, hardware)
+
+
+def per_node_fits(evaluation: Evaluation) -> bool:
+    return not any(s.resource in PER_NODE for s in evaluation.missing)
+
+
+def implied_nodes(evaluation: Evaluation) -> int:
+    """The fewest nodes the per-node shortfalls of `evaluation` allow, were they shared out
+    evenly (more may be needed: the per-process baseline and replicas do not shrink)."""
+    nodes = evaluation.config.nodes
+    worst = max([s.needed / s.available for s in evaluation.missing if s.resource in PER_NODE],
+                default=1.0)
+    return max(nodes + 1, -(-int(nodes * worst * 1000) // 1000))
+
+
 def nearest_fit(run: RunConfig, base: Evaluation, hardware: HardwareProfile,
                 max_tries: int = 12) -> Evaluation | None:
     """The closest configuration that fits, one knob at a time, what the run computes kept
-    first. Host memory, /dev/shm and memlock are per node: only more nodes help, from the
-    count the shortfall implies. GPU memory: another backward split, more forward stages
-    (one more per rank, d = 1), a smaller micro-batch, then one or two more nodes. At most
-    `max_tries` configurations are built (a schedule of many ranks takes seconds); those
-    whose lower-bound memory cannot fit are skipped unbuilt."""
+    first. Host memory and /dev/shm are per node: at the run's nodes, the optimizer state's
+    cheaper precisions (`cheaper_precisions`) are tried first (the same schedule, planned
+    again); when none fits the node, more nodes, from the count the shortfall at the cheapest
+    precision implies, each with the run's precision first, then the cheaper ones. GPU
+    memory: another backward split, more forward stages (one more per rank, d = 1), a smaller
+    micro-batch, then one or two more nodes. At most `max_tries` configurations are built (a
+    schedule of many ranks takes seconds); those whose lower-bound memory cannot fit are
+    skipped unbuilt."""
+    precisions: list[Precision] = [(base.config.optimizer_state_dtype,
+                                    base.config.master_dtype), *cheaper_precisions(run)]
+    if not per_node_fits(base):
+        for precision in precisions[1:]:
+            cheaper = repriced(run, base, precision, hardware)
+            if per_node_fits(cheaper):
+                if cheaper.fits:
+                    return simulated(run, cheaper, hardware)
+                base = cheaper  # the GPU knobs from this precision
+                break
     c = base.config
-    per_node = [s for s in base.missing if s.resource != "gpu memory"]
     tries: list[Configuration] = []
-    if per_node:
-        worst = max(s.needed / s.available for s in per_node)
-        first = max(c.nodes + 1, -(-int(c.nodes * worst * 1000) // 1000))
-        tries += [replace(c, nodes=n) for n in range(first, first + 3)]
+    if not per_node_fits(base):
+        # from the nodes the shortfall implies at the cheapest state to 2 beyond the run's
+        first, last = (implied_nodes(repriced(run, base, p, hardware)) for p in
+                       (precisions[-1], precisions[0]))
+        tries += [replace(c, nodes=n) for n in range(first, last + 3)]
     else:
         if c.schedule == "decoupled":
             tries += [replace(c, backward_split=d) for d in (1, 3)
@@ -98,12 +168,16 @@ def nearest_fit(run: RunConfig, base: Evaluation, hardware: HardwareProfile,
     for config in tries:
         if built == max_tries:
             break
-        if lower_bound(run, config, hardware) is None:
-            continue
+        if lower_bound(run, with_precision(config, precisions[-1]), hardware) is None:
+            continue  # not even at the least optimizer state
         built += 1
         found = evaluation_or_reason(run, config, hardware)
-        if isinstance(found, Evaluation) and found.fits:
-            return simulated(run, found, hardware)
+        if not isinstance(found, Evaluation):
+            continue
+        for precision in precisions:  # the same schedule: only the memory is planned again
+            found = repriced(run, found, precision, hardware)
+            if found.fits:
+                return simulated(run, found, hardware)
     return None
 
 
@@ -117,6 +191,9 @@ class SearchResult:
     cannot_fit: int  # set aside unbuilt: they cannot be built or their least memory does not fit
     cannot_win: int  # set aside unbuilt: their lower-bound time is above the fifth fastest
     built: int  # built, validated and simulated (those that fit are ranked)
+    # host bytes per parameter of the optimizer-state precisions where nothing fitted, in
+    # the order searched (the candidates, if any, are at the next of cheaper_precisions)
+    nothing_fits_at: tuple[int, ...] = ()
 
 
 def searched_strides(run: RunConfig, hardware: HardwareProfile) -> tuple[int, ...]:
@@ -129,9 +206,11 @@ def searched_strides(run: RunConfig, hardware: HardwareProfile) -> tuple[int, ..
     return (0, k) if k else (0,)
 
 
-def searched_configurations(run: RunConfig, hardware: HardwareProfile) -> list[Configuration]:
+def searched_configurations(run: RunConfig, hardware: HardwareProfile,
+                            precision: Precision = (None, None)) -> list[Configuration]:
     """schedule x forward stages (1..4 per rank) x d (decoupled: 1..3) x micro-batch sizes
-    dividing the global batch, all on the CPU optimizer (the stride is tried per shape)."""
+    dividing the global batch, all on the CPU optimizer (the stride is tried per shape),
+    with the optimizer state in `precision` (None: the run's)."""
     nodes = run.planning.nodes or 1
     ranks = nodes * gpus_per_node(run, hardware)
     layers = run.model.num_layers
@@ -145,21 +224,37 @@ def searched_configurations(run: RunConfig, hardware: HardwareProfile) -> list[C
             stages = k * ranks
             if stages > layers or (name == "interleaved-1f1b" and k == 1):
                 continue
-            found += [Configuration(name, stages, d, mbs, nodes, 0)
+            found += [Configuration(name, stages, d, mbs, nodes, 0, *precision)
                       for d in splits if d * stages <= layers for mbs in sizes]
     return found
 
 
 def search(run: RunConfig, hardware: HardwareProfile, top: int = SEARCH_TOP,
            workers: int | None = None) -> SearchResult:
-    """The fastest configurations at the given nodes and global batch that fit, exactly as
-    if every one were simulated: each shape's lower bounds (memory and time, from its shape
-    alone) set aside what cannot fit, then shapes are built in order of their time bound,
-    `workers` at a time (default: the cores this rank may use), until the next bound is
-    above the `top`-th fastest found. A built shape is simulated with each optimizer GPU
-    stride of `searched_strides`. The ranked evaluations keep their schedule's shape, not its
-    programs, and their simulation's figures, not its events."""
-    shapes = searched_configurations(run, hardware)
+    """The fastest configurations at the given nodes and global batch that fit, with the
+    run's optimizer-state precision or, when nothing fits with it, the first of
+    `cheaper_precisions` with which something does (see `search_at`)."""
+    tried: list[int] = []
+    for precision in [(None, None), *cheaper_precisions(run)]:
+        found = search_at(run, hardware, precision, top, workers)
+        if found.ranked:
+            break
+        tried.append(optimizer_bytes(run, Configuration("decoupled", None, None, 1, 1, 0,
+                                                        *precision)))
+    return replace(found, nothing_fits_at=tuple(tried))
+
+
+def search_at(run: RunConfig, hardware: HardwareProfile, precision: Precision,
+              top: int = SEARCH_TOP, workers: int | None = None) -> SearchResult:
+    """The fastest configurations at the given nodes, global batch and optimizer-state
+    precision that fit, exactly as if every one were simulated: each shape's lower bounds
+    (memory and time, from its shape alone) set aside what cannot fit, then shapes are
+    built in order of their time bound, `workers` at a time (default: the cores this rank
+    may use), until the next bound is above the `top`-th fastest found. A built shape is
+    simulated with each optimizer GPU stride of `searched_strides`. The ranked evaluations
+    keep their schedule's shape, not its programs, and their simulation's figures, not its
+    events."""
+    shapes = searched_configurations(run, hardware, precision)
     strides = searched_strides(run, hardware)
     bounded = []
     for config in shapes:
@@ -232,6 +327,8 @@ def auto_configure(run: RunConfig, hardware: HardwareProfile,
     """`run` with the fastest fitting configuration, and what the search compared."""
     found = search(run, hardware) if found is None else found
     if not found.ranked:
+        least = min(found.nothing_fits_at, default=run.precision.optimizer_bytes_per_param)
         raise ConfigError("--auto-config", "", "no configuration of this model fits "
-                          f"{run.planning.nodes or 1} node(s) of {hardware.name}; see --plan")
+                          f"{run.planning.nodes or 1} node(s) of {hardware.name}, not even with "
+                          f"{least} bytes of optimizer state per parameter; see --plan")
     return configured(run, found.ranked[0].config, keep_partition=False), found

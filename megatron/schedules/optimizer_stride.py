@@ -53,6 +53,13 @@ class StrideModel:
     def as_dict(self) -> dict:
         return asdict(self)
 
+    @property
+    def device_share(self) -> float:
+        """The share of subgroups Eq. 1's balance puts on the device: k_real on the CPU for
+        each one there, 1 / (1 + k_real). Above 1/2 when k_real < 1, which no stride (one
+        subgroup in k on the device) can express."""
+        return 1.0 / (1.0 + self.k_real)
+
 
 def gpu_update_stride(rates: UpdateRates) -> StrideModel:
     """k from Eq. 1, rounded to the nearest integer and at least 2 (every k-th subgroup
