@@ -157,6 +157,10 @@ def _check_checkpointing(run: RunConfig) -> None:
         raise ConfigError("--save-interval", c.save_interval, "needs --save DIR")
     if c.finetune and c.load is None:
         raise ConfigError("--finetune", True, "needs --load DIR")
+    if c.ckpt_format != "torch_dist":
+        raise ConfigError("--ckpt-format", c.ckpt_format,
+                          "expected torch_dist (megatron-core's dist_checkpointing), the "
+                          "only format supported")
     if run.data.data_path is not None and run.data.tokenizer_model is None:
         raise ConfigError("--tokenizer-model", "missing", "required with --data-path")
     inject = run.testing.inject_overflow
