@@ -130,11 +130,16 @@ def with_data(entry, tensor: torch.Tensor, prefix: str | None = None):
     return replace(entry, data=tensor)
 
 
-def sharded_key(entry) -> str:
-    return entry.key
-
-
-def stacked_layer(name: str) -> int | None:
-    """The layer index a GPTModel name lies at on megatron-core's stacked axis."""
-    layer = LAYER.match(name)
-    return int(layer.group(1)) if layer else None
+def unstacked_names(key: str, leading: int) -> list[tuple[str, int | None]]:
+    """(GPTModel name, layer index on the stacked axis or None) of every parameter stored
+    under megatron-core key `key` (`leading`: its first dimension). The norms' names come
+    back through the local layer spec's own key map, inverted."""
+    if not key.startswith("decoder.layers."):
+        return [(key, None)]
+    rest = key[len("decoder.layers."):]
+    keys_map = _local_spec().submodules.sharded_state_dict_keys_map
+    for ours, theirs in keys_map.items():
+        if rest.startswith(theirs):
+            rest = ours + rest[len(theirs):]
+            break
+    return [(f"decoder.layers.{i}.{rest}", i) for i in range(leading)]

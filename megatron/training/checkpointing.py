@@ -73,6 +73,9 @@ MiB = 2**20
 # One process without torch.distributed is the tools' and a test's case, not a mistake.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or "
                         "uninitialized", category=UserWarning)
+# megatron-core stores stacked layers through torch's ShardedTensor (its own format).
+warnings.filterwarnings("ignore", message="Please use DTensor instead and we are deprecating "
+                        "ShardedTensor", category=FutureWarning)
 
 
 class CheckpointError(ValueError):
@@ -497,24 +500,22 @@ def _load_format_1(directory: str, wanted: dict[str, torch.Tensor], metadata,
             tensor.copy_(as_saved[key])
 
 
-def _full_model_names(num_layers: int) -> dict:
-    """Every GPTModel parameter's layout entry, from a model of `num_layers` layers and
-    token sizes (names and stacking do not depend on the sizes)."""
-    from megatron.core.dist_checkpointing import ShardedObject
-
-    tiny = LlamaConfig(num_layers=num_layers, hidden_size=8, ffn_hidden_size=8,
-                       num_attention_heads=1, num_query_groups=1, vocab_size=8, seq_length=8)
-    out = {}
-    for piece in ["embedding", *(f"layer.{i}" for i in range(num_layers)), "head"]:
-        for name, entry in layout._piece_layout(tiny, piece).items():
-            if not isinstance(entry, ShardedObject):
-                out[name] = entry
-    return out
+def _owned_key(stored: str, fp32_masters: bool) -> tuple[str, str] | None:
+    """(our prefix, megatron-core key) of a stored tensor; None for what we do not read."""
+    for ours, theirs in OPTIMIZER_KEYS.items():
+        if stored.startswith(theirs + "."):
+            return ours, stored[len(theirs) + 1:]
+    if stored.startswith(FP32_MASTER_KEY + "."):
+        return MASTER, stored[len(FP32_MASTER_KEY) + 1:]
+    if stored.startswith(("optimizer.", "rng_state")) or fp32_masters:
+        return None
+    return MASTER, stored
 
 
 def read_all_tensors(directory: str, prefix: str = "") -> dict[str, torch.Tensor]:
     """Every tensor under OwnedState key `prefix`, by OwnedState key, whatever format
-    holds them (one process: tools and tests)."""
+    holds them (one process, no process group: tools and tests). megatron-core's stacked
+    layers are unstacked with the layer spec's own key map, inverted."""
     metadata = checkpoint_metadata(directory).state_dict_metadata
     tensors = {k: m for k, m in metadata.items() if hasattr(m, "size")}
     if not is_mcore_checkpoint(directory):
@@ -523,17 +524,18 @@ def read_all_tensors(directory: str, prefix: str = "") -> dict[str, torch.Tensor
         if wanted:
             dcp.load(wanted, storage_reader=dcp.FileSystemReader(directory), no_dist=True)
         return wanted
-    stacked = [m.size[0] for k, m in tensors.items() if k.startswith("decoder.layers.")]
     fp32 = any(k.startswith(FP32_MASTER_KEY + ".") for k in tensors)
-    where = {}  # OwnedState key -> (stored key, layer or None)
-    for name, entry in _full_model_names(max(stacked, default=0)).items():
-        for ours in STATE_PREFIXES:
-            theirs = OPTIMIZER_KEYS.get(ours, FP32_MASTER_KEY if fp32 else None)
-            stored = f"{theirs}.{entry.key}" if theirs else entry.key
-            if stored in tensors and (ours + name).startswith(prefix):
-                where[ours + name] = (stored, layout.stacked_layer(name))
-    where.update({k: (k, None) for k in tensors if k.startswith("rng_state.")
-                  and k.startswith(prefix)})
+    where: dict[str, tuple[str, int | None]] = {}  # OwnedState key -> (stored key, layer)
+    for stored, m in tensors.items():
+        if stored.startswith("rng_state.") and stored.startswith(prefix):
+            where[stored] = (stored, None)
+        owned = _owned_key(stored, fp32)
+        if owned is None:
+            continue
+        ours, key = owned
+        for name, index in layout.unstacked_names(key, m.size[0]):
+            if (ours + name).startswith(prefix):
+                where[ours + name] = (stored, index)
     whole = {stored: torch.empty(tuple(tensors[stored].size),
                                  dtype=tensors[stored].properties.dtype)
              for stored, _ in where.values()}
