@@ -22,6 +22,8 @@ from megatron.training.checkpointing import (
     CheckpointError,
     CheckpointSaver,
     check_resumable,
+    checkpoint_model_flags,
+    find_checkpoint,
     iteration_dir,
     latest_iteration,
     load_checkpoint,
@@ -277,3 +279,72 @@ def test_pretrain_llama_refuses_the_old_format_in_one_line_with_exit_2(tmp_path,
     assert exit_.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "old per-rank format" in err[0] and legacy in err[0]
+
+
+def test_without_a_tracker_or_with_a_stale_one_the_newest_complete_iteration_loads(tmp_path):
+    root = str(tmp_path)
+    saver = CheckpointSaver(root, MODEL, async_save=False)
+    saver.save(1, owned(1), {})
+    saver.save(2, owned(2), {})
+    saver.close()
+    os.makedirs(iteration_dir(root, 3) + ".tmp")  # a save killed mid-write is not complete
+    (tmp_path / TRACKER).unlink()
+    lines, target = [], empty_like(owned(2))
+    assert load_checkpoint(root, target, MODEL, log=lines.append) is not None
+    assert torch.equal(target.tensors[MASTER + "embedding.word_embeddings.weight"],
+                       owned(2).tensors[MASTER + "embedding.word_embeddings.weight"])
+    assert find_checkpoint(root) == (iteration_dir(root, 2), f"{root}: {TRACKER} is missing; "
+                                     "loading the newest complete iteration, 2")
+    (tmp_path / TRACKER).write_text("5")  # names an iteration that is not there
+    assert find_checkpoint(root)[0] == iteration_dir(root, 2)
+    assert "names iteration 5, whose directory is missing" in find_checkpoint(root)[1]
+    # --load DIR/iter_0000001: that iteration
+    assert find_checkpoint(iteration_dir(root, 1)) == (iteration_dir(root, 1), None)
+    target = empty_like(owned(1))
+    assert load_checkpoint(iteration_dir(root, 1), target, MODEL)["iteration"] == 1
+    assert torch.equal(target.tensors[EXP_AVG + "embedding.word_embeddings.weight"],
+                       owned(1).tensors[EXP_AVG + "embedding.word_embeddings.weight"])
+
+
+def test_this_projects_first_format_still_loads(tmp_path):
+    """Plain DCP, every tensor whole under its OwnedState key, no metadata.json."""
+    import torch.distributed.checkpoint as dcp
+
+    saved = owned(4)
+    directory = iteration_dir(str(tmp_path), 4)
+    dcp.save(saved.tensors, storage_writer=dcp.FileSystemWriter(directory), no_dist=True)
+    torch.save({"iteration": 4, "optimizer_step": 4, "format_version": 1},
+               os.path.join(directory, "common.pt"))
+    (tmp_path / TRACKER).write_text("4")
+    target = empty_like(saved)
+    assert load_checkpoint(str(tmp_path), target, MODEL)["optimizer_step"] == 4
+    for key, tensor in saved.tensors.items():
+        assert torch.equal(target.tensors[key], tensor), key
+
+
+def test_use_checkpoint_args_takes_the_model_flags_from_the_checkpoint(tmp_path):
+    saved = parse_args(["--model-preset", "tiny", "--num-layers", "2"])
+    saver = CheckpointSaver(str(tmp_path), MODEL, async_save=False)
+    saver.save(1, owned(1), {"args": saved.flags()})
+    saver.close()
+    run = parse_args(["--model-preset", "tiny", "--num-layers", "6", "--load", str(tmp_path),
+                      "--use-checkpoint-args"])
+    assert checkpoint_model_flags(run).model.num_layers == 2
+    assert checkpoint_model_flags(run.evolve(checkpointing={"use_checkpoint_args": False})
+                                  ).model.num_layers == 6
+
+
+@pytest.mark.parametrize("argv,fragment", [
+    (["--ckpt-format", "torch"], "--ckpt-format torch: expected torch_dist"),
+    (["--save", "{d}", "--load", "{d}", "--exit-on-missing-checkpoint"],
+     "--load {d}: expected an existing checkpoint directory (--exit-on-missing-checkpoint)"),
+    (["--load", "{d}"], "--load {d}: expected an existing checkpoint directory"),
+])
+def test_bad_checkpoint_flags_exit_2_in_one_line(tmp_path, capsys, argv, fragment):
+    d = str(tmp_path / "missing")
+    with pytest.raises(SystemExit) as exit_:
+        main(["--model-preset", "tiny", *(a.format(d=d) for a in argv)])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and fragment.format(d=d) in err[0]
+    assert not os.path.exists(d)
