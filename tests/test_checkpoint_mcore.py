@@ -63,7 +63,8 @@ def test_megatron_core_opens_a_two_process_checkpoint_into_a_gpt_model(tmp_path,
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
 
-    flags = ["--train-iters", "1", "--lr", "0", "--min-lr", "0", "--eval-iters", "0",
+    flags = ["--train-iters", "1", "--lr", "0", "--min-lr", "0", "--lr-warmup-iters", "0",
+             "--eval-iters", "0",
              "--forward-stages", "4", "--backward-split", "2"]
     run = launch(tmp_path, "two", 2, *flags)
     assert run.returncode == 0, run.stderr[-4000:]
