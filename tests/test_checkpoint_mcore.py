@@ -168,25 +168,28 @@ def test_a_megatron_core_checkpoint_loads_into_a_two_process_run(tmp_path, demo_
 
 def test_auto_resume_starts_from_scratch_then_continues_its_own_checkpoint(
         tmp_path, demo_cache, capsys):
-    """--save D --load D, Megatron's launch idiom, twice in one process: the first run
-    says it starts from scratch, the second continues the first's iteration 2 like one
-    uninterrupted run."""
+    """The same command twice, as a launch script resubmits it: --save D --load D, the
+    first launch stopped after iteration 2 (--exit-interval, a stand-in for a time limit).
+    The first says it starts from scratch, the second continues the first's checkpoint like
+    one uninterrupted run."""
     ckpt = str(tmp_path / "ckpt")
-    small = ["--num-layers", "2", "--eval-iters", "0", "--save", ckpt, "--load", ckpt]
+    command = ["--num-layers", "2", "--eval-iters", "0", "--train-iters", "4"]
 
-    def run_to(iterations: int, *extra: str) -> list[dict]:
+    def launch_in_process(directory: str, *extra: str) -> list[dict]:
         try:
-            return train(run_config(*small, "--train-iters", str(iterations), *extra),
-                         initialize_distributed())
+            return train(run_config(*command, "--save", directory, "--load", directory,
+                                    *extra), initialize_distributed())
         finally:
             shutdown_distributed()
 
-    first = run_to(2)
-    out = capsys.readouterr().out
-    assert f"{ckpt} does not exist (--save directory: auto-resume): starting from scratch" in out
-    second = run_to(4)
+    first = launch_in_process(ckpt, "--exit-interval", "2")
+    # (--save has created D by then: the line says it holds no checkpoint)
+    assert f"no checkpoint in {ckpt}: starting from scratch (--save directory: " \
+           "auto-resume)" in capsys.readouterr().out
+    second = launch_in_process(ckpt, "--exit-interval", "2")
     assert f"loaded checkpoint from {ckpt} at iteration 2" in capsys.readouterr().out
     assert [r["iteration"] for r in first + second] == [1, 2, 3, 4]
-    whole = run_to(4, "--save", str(tmp_path / "whole"), "--load", str(tmp_path / "whole"))
-    for got, want in zip(first + second, whole):
+    whole = launch_in_process(str(tmp_path / "whole"))
+    for got, want in zip(first + second, whole, strict=True):
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-5, abs=0), got["iteration"]
+        assert got["lr"] == want["lr"]

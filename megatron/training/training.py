@@ -122,7 +122,8 @@ class TrainingLoop:
                     raise CheckpointError(f"--load {load}: holds no checkpoint "
                                           "(--exit-on-missing-checkpoint)")
                 if saved is None:
-                    log(f"no checkpoint in {load}: starting from scratch")
+                    log(f"no checkpoint in {load}: starting from scratch"
+                        + (" (--save directory: auto-resume)" if is_auto_resume(run) else ""))
                 else:
                     check_checkpoint_model(run, saved_args(saved), load)
             elif load:
