@@ -79,8 +79,8 @@ def test_a_saved_state_loads_back_bit_for_bit_in_megatrons_layout(tmp_path, asyn
     saver.close()
     assert sorted(os.listdir(root)) == ["iter_0000003", "iter_0000006", TRACKER]
     assert (tmp_path / TRACKER).read_text() == "6"
-    assert sorted(os.listdir(iteration_dir(root, 6))) == [".metadata", "__0_0.distcp",
-                                                          "common.pt", "metadata.json"]
+    assert sorted(os.listdir(iteration_dir(root, 6))) == [
+        ".metadata", "__0_0.distcp", "checksums.json", "common.pt", "metadata.json"]
     target = empty_like(second)
     common = load_checkpoint(root, target, MODEL)
     assert common["iteration"] == 6 and common["optimizer_step"] == 6
@@ -348,3 +348,45 @@ def test_bad_checkpoint_flags_exit_2_in_one_line(tmp_path, capsys, argv, fragmen
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and fragment.format(d=d) in err[0]
     assert not os.path.exists(d)
+
+
+def _convert_tool_main():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "convert_checkpoint", os.path.join(ROOT, "tools", "convert_checkpoint.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
+
+
+@pytest.mark.parametrize("damage,fragment", [
+    (lambda data: data[:len(data) // 2], "bytes, expected"),  # truncated
+    (lambda data: data[:100] + bytes([data[100] ^ 1]) + data[101:], "damaged (CRC-32"),
+])
+def test_a_damaged_or_truncated_file_is_named_in_one_line_with_exit_2(tmp_path, capsys,
+                                                                       damage, fragment):
+    root = str(tmp_path / "ckpt")
+    saver = CheckpointSaver(root, MODEL, async_save=False)
+    saver.save(1, owned(1), {})
+    saver.close()
+    shard = os.path.join(iteration_dir(root, 1), "__0_0.distcp")
+    with open(shard, "rb") as f:
+        data = f.read()
+    with open(shard, "wb") as f:
+        f.write(damage(data))
+    with pytest.raises(CheckpointError, match=fragment.replace("(", r"\(")) as error:
+        load_checkpoint(root, empty_like(owned(1)), MODEL)
+    assert str(error.value).startswith(shard) and "\n" not in str(error.value)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:  # before anything is built
+        main(["--model-preset", "tiny", "--load", root])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and shard in err[0] and fragment in err[0]
+    initialize_distributed()  # main() shut its group down
+    code = _convert_tool_main()(["--from", "megatron", "--to", "hf", "--input", root,
+                                 "--output", str(tmp_path / "hf")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and shard in err[0] and fragment in err[0]
+    assert not (tmp_path / "hf").exists()

@@ -45,6 +45,7 @@ from megatron.training.checkpointing import (  # noqa: E402
     read_all_tensors,
     read_common,
     saved_args,
+    verify_checkpoint,
 )
 from megatron.training.distributed import (  # noqa: E402
     initialize_distributed,
@@ -159,6 +160,7 @@ def megatron_to_hf(args: argparse.Namespace) -> None:
     directory, note = found
     if note:
         print(note)
+    verify_checkpoint(directory)
     common = read_common(directory)
     iteration = common.get("iteration", 0)
     gpt = {k.removeprefix(MASTER): v for k, v in read_all_tensors(directory, MASTER).items()}

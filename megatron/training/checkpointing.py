@@ -33,6 +33,7 @@ import threading
 import time
 import types
 import warnings
+import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -62,6 +63,7 @@ TRACKER = "latest_checkpointed_iteration.txt"
 COMMON = "common.pt"
 METADATA = ".metadata"
 MCORE_CONFIG = "metadata.json"  # megatron-core's marker of a distributed checkpoint
+CHECKSUMS = "checksums.json"  # ours: every other file's size and CRC-32, verified at load
 FORMAT_VERSION = 2  # 1: plain DCP with `model.NAME` keys (still read)
 CKPT_FORMATS = ("torch_dist",)
 ITERATION_DIR = re.compile(r"iter_(\d{7})$")
@@ -262,23 +264,37 @@ class CheckpointSaver:
                  storage_writer=dcp.FileSystemWriter(staging),
                  planner=MCoreSavePlanner(flatten_state_dict=False),
                  process_group=self._group, no_dist=self._group is None)
+        # Each rank sums the files it wrote (the page cache still holds them); rank 0
+        # records them all with the others at the commit.
+        sums = {os.path.basename(f): file_checksum(f) for f in
+                glob.glob(os.path.join(glob.escape(staging), f"__{self.rank}_*.distcp"))}
+        if self._group is not None:
+            gathered: list = [None] * self.world_size
+            dist.all_gather_object(gathered, sums, group=self._group)
+            sums = {k: v for part in gathered for k, v in part.items()}
         seconds = time.perf_counter() - t0
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         print(f"checkpoint iteration {iteration}: rank {self.rank} wrote its shard, "
               f"{len(tensors)} tensors, {nbytes / MiB:.1f} MiB in {seconds:.2f} s "
               f"({nbytes / MiB / max(seconds, 1e-9):.1f} MiB/s)", flush=True)
         if self.rank == 0:  # dcp.save returned: every rank's shard and the index are written
-            _commit(self.root, iteration, staging, common)
+            _commit(self.root, iteration, staging, common, sums)
             self.log(f"committed checkpoint {iteration_dir(self.root, iteration)}")
 
 
-def _commit(root: str, iteration: int, staging: str, common: dict) -> None:
-    """Rank 0, once every shard is written: common.pt, the rename, then the tracker."""
+def _commit(root: str, iteration: int, staging: str, common: dict,
+            shard_sums: dict[str, dict]) -> None:
+    """Rank 0, once every shard is written: common.pt, metadata.json, the checksums, the
+    rename, then the tracker."""
     from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
 
     final = iteration_dir(root, iteration)
     torch.save(common, os.path.join(staging, COMMON))
     save_config(CheckpointingConfig("torch_dist"), staging)
+    sums = {**shard_sums, **{f: file_checksum(os.path.join(staging, f))
+                             for f in (METADATA, COMMON, MCORE_CONFIG)}}
+    with open(os.path.join(staging, CHECKSUMS), "w") as stream:
+        json.dump(dict(sorted(sums.items())), stream, indent=1)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(staging, final)
     tracker = os.path.join(root, TRACKER)
@@ -286,6 +302,51 @@ def _commit(root: str, iteration: int, staging: str, common: dict) -> None:
         os.unlink(stale)
     payload = str(iteration).encode()
     atomic_write(tracker, lambda stream: stream.write(payload))
+
+
+def file_checksum(path: str) -> dict:
+    """{"bytes": size, "crc32": CRC-32} of a file, read in 16 MiB blocks."""
+    crc, size = 0, 0
+    with open(path, "rb") as stream:
+        while block := stream.read(16 * MiB):
+            crc, size = zlib.crc32(block, crc), size + len(block)
+    return {"bytes": size, "crc32": crc}
+
+
+def verify_checkpoint(directory: str, process_group: dist.ProcessGroup | None = None) -> None:
+    """Every file checksums.json lists has its recorded size and CRC-32 (a checkpoint
+    without checksums.json, megatron-core's or an older one of ours, is not checked). With
+    a process group each rank reads its share of the files; all raise together, naming
+    the first damaged file. Collective when `process_group` is given."""
+    path = os.path.join(directory, CHECKSUMS)
+    if not os.path.exists(path):
+        return
+    try:
+        with open(path) as stream:
+            recorded = json.load(stream)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: unreadable ({exc})") from None
+    rank, world = ((dist.get_rank(process_group), dist.get_world_size(process_group))
+                   if process_group is not None else (0, 1))
+    damaged = []
+    for name in sorted(recorded)[rank::world]:
+        file, want = os.path.join(directory, name), recorded[name]
+        if not os.path.exists(file):
+            damaged.append(f"{file}: missing; expected {want['bytes']} bytes")
+            continue
+        got = file_checksum(file)
+        if got["bytes"] != want["bytes"]:
+            damaged.append(f"{file}: {got['bytes']} bytes, expected {want['bytes']} "
+                           "(truncated or damaged)")
+        elif got["crc32"] != want["crc32"]:
+            damaged.append(f"{file}: damaged (CRC-32 {got['crc32']:08x}, expected "
+                           f"{want['crc32']:08x} when saved)")
+    if process_group is not None:
+        gathered: list = [None] * world
+        dist.all_gather_object(gathered, damaged, group=process_group)
+        damaged = [line for part in gathered for line in part]
+    if damaged:
+        raise CheckpointError(damaged[0])
 
 
 def _check_free_disk(root: str, own_bytes: int) -> None:
@@ -566,13 +627,18 @@ def inspect_checkpoint(root: str, log: Callable[[str], Any] = print
 
 
 def check_resumable(run: RunConfig, log: Callable[[str], Any] = print) -> dict | None:
-    """--load's checkpoint, checked before anything is built: readable, and saved with
-    this run's --global-batch-size (the data position). Returns its common state (None
+    """--load's checkpoint, checked before anything is built: readable, its files as
+    saved (checksums; collective), and saved with this run's --global-batch-size (the
+    data position). Returns its common state (None
     when --load holds no checkpoint)."""
     c, batch = run.checkpointing, run.training.global_batch_size
     found = inspect_checkpoint(c.load, log)
-    if found is None or c.finetune:
-        return None if found is None else found[2]
+    if found is None:
+        return None
+    _, world = _world()
+    verify_checkpoint(found[0], host_group() if world > 1 else None)
+    if c.finetune:
+        return found[2]
     common = found[2]
     iteration = int(common.get("iteration", 0))
     consumed = int(common.get("consumed_samples",
@@ -606,9 +672,10 @@ def checkpoint_model_flags(run: RunConfig, log: Callable[[str], Any] = print) ->
 
 def load_checkpoint(root: str, owned: OwnedState, model: LlamaConfig, *,
                     finetune: bool = False, load_optim: bool = True, load_rng: bool = True,
-                    log: Callable[[str], Any] = print) -> dict | None:
+                    verify: bool = True, log: Callable[[str], Any] = print) -> dict | None:
     """Fill this rank's `owned` tensors in place from the checkpoint `root` means and
-    return its common state (None when `root` holds no checkpoint). Without the moments
+    return its common state (None when `root` holds no checkpoint), after checking its
+    files against their checksums (`verify`). Without the moments
     (--finetune, --no-load-optim, or a checkpoint without them) they are zeroed and
     common["optimizer_step"] is 0. Collective."""
     found = inspect_checkpoint(root, lambda _: None)  # check_resumable said how it chose
@@ -616,6 +683,8 @@ def load_checkpoint(root: str, owned: OwnedState, model: LlamaConfig, *,
         return None
     directory, metadata, common = found
     rank, world = _world()
+    if verify:
+        verify_checkpoint(directory, host_group() if world > 1 else None)
     fresh = finetune or not load_optim or not has_optimizer_state(directory, metadata)
     if fresh and not finetune and load_optim:
         log(f"{directory} holds no optimizer state this run can map: the run starts a fresh "

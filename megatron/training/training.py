@@ -159,7 +159,8 @@ class TrainingLoop:
         with setup_phase("checkpoint load", self.log):
             common = load_checkpoint(load, self.step.owned_state(), self.model_cfg,
                                      finetune=finetune, load_optim=not c.no_load_optim,
-                                     load_rng=not c.no_load_rng, log=self.log)
+                                     load_rng=not c.no_load_rng, log=self.log,
+                                     verify=False)  # check_resumable() verified the files
             if common is not None:
                 self.start_iteration, self.skipped_total = restore_run(
                     common, self.step, self.schedule, finetune)
