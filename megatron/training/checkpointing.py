@@ -486,10 +486,6 @@ def read_common(directory: str) -> dict:
         raise CheckpointError(f"{path}: unreadable checkpoint ({exc})") from None
 
 
-def _stored_dtypes(wanted: dict[str, torch.Tensor], metadata) -> dict[str, torch.dtype]:
-    return {k: metadata[k].properties.dtype for k in wanted}
-
-
 def load_tensors(directory: str, wanted: dict[str, torch.Tensor],
                  process_group: dist.ProcessGroup | None = None,
                  model: LlamaConfig | None = None) -> None:
@@ -514,6 +510,7 @@ def load_tensors(directory: str, wanted: dict[str, torch.Tensor],
 
 def _load_mcore(directory: str, wanted: dict[str, torch.Tensor], metadata,
                 process_group: dist.ProcessGroup | None, model: LlamaConfig) -> None:
+    from megatron.core.dist_checkpointing import ShardedObject
     from megatron.core.dist_checkpointing.strategies.torch import (
         MCoreLoadPlanner,
         _replace_state_dict_keys_with_sharded_keys,
@@ -521,7 +518,8 @@ def _load_mcore(directory: str, wanted: dict[str, torch.Tensor], metadata,
     )
 
     fp32 = any(k.startswith(FP32_MASTER_KEY + ".") for k in metadata)
-    sharded = sharded_state(model, wanted, fp32_masters=fp32)
+    sharded = {k: v for k, v in sharded_state(model, wanted, fp32_masters=fp32).items()
+               if not isinstance(v, ShardedObject)}  # the (empty) extra state: not read
     tensors = _sharded_tensors(sharded)
     for sh in tensors:
         if sh.key not in metadata:
