@@ -59,7 +59,7 @@ def _meta_modules(cfg: LlamaConfig) -> dict:
         }
 
 
-@lru_cache(maxsize=256)
+@lru_cache(maxsize=1024)
 def _piece_layout(cfg: LlamaConfig, piece: str) -> dict:
     """megatron-core's sharded state dict of one piece (`embedding`, `layer.N`, `head`),
     keyed by GPTModel's state-dict names; the values hold meta tensors."""

@@ -122,11 +122,15 @@ def find_checkpoint(root: str) -> tuple[str, str | None] | None:
     iteration directory (DIR/iter_0000003, or a bare dist_checkpointing.save directory)."""
     if os.path.isdir(root) and is_iteration_dir(root):
         return root, None
+    tracker = os.path.join(root, TRACKER)
+    release = os.path.join(root, "release")  # Megatron's tracker of a released model
+    if (os.path.isdir(release) and os.path.exists(tracker)
+            and open(tracker).read().strip() == "release"):
+        return release, None
     iteration = latest_iteration(root)
     if iteration is not None and os.path.isdir(iteration_dir(root, iteration)):
         return iteration_dir(root, iteration), None
     complete = _complete_iterations(root)
-    tracker = os.path.join(root, TRACKER)
     if iteration is not None and not complete:
         raise CheckpointError(f"{tracker}: names iteration {iteration}, but "
                               f"{iteration_dir(root, iteration)} is missing")
