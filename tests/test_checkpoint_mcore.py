@@ -169,27 +169,24 @@ def test_a_megatron_core_checkpoint_loads_into_a_two_process_run(tmp_path, demo_
 def test_auto_resume_starts_from_scratch_then_continues_its_own_checkpoint(
         tmp_path, demo_cache, capsys):
     """The same command twice, as a launch script resubmits it: --save D --load D, the
-    first launch stopped after iteration 2 (--exit-interval, a stand-in for a time limit).
-    The first says it starts from scratch, the second continues the first's checkpoint like
-    one uninterrupted run."""
+    first launch stopped after iteration 1 (--exit-interval, a stand-in for a time limit).
+    The first says it starts from scratch, the second continues from the first's
+    checkpoint (that it continues exactly is test_checkpoint_resume's subject)."""
     ckpt = str(tmp_path / "ckpt")
-    command = ["--num-layers", "2", "--eval-iters", "0", "--train-iters", "4"]
+    command = ["--num-layers", "2", "--eval-iters", "0", "--train-iters", "2",
+               "--exit-interval", "1", "--save", ckpt, "--load", ckpt]
 
-    def launch_in_process(directory: str, *extra: str) -> list[dict]:
+    def launch_in_process() -> list[dict]:
         try:
-            return train(run_config(*command, "--save", directory, "--load", directory,
-                                    *extra), initialize_distributed())
+            return train(run_config(*command), initialize_distributed())
         finally:
             shutdown_distributed()
 
-    first = launch_in_process(ckpt, "--exit-interval", "2")
+    first = launch_in_process()
     # (--save has created D by then: the line says it holds no checkpoint)
     assert f"no checkpoint in {ckpt}: starting from scratch (--save directory: " \
            "auto-resume)" in capsys.readouterr().out
-    second = launch_in_process(ckpt, "--exit-interval", "2")
-    assert f"loaded checkpoint from {ckpt} at iteration 2" in capsys.readouterr().out
-    assert [r["iteration"] for r in first + second] == [1, 2, 3, 4]
-    whole = launch_in_process(str(tmp_path / "whole"))
-    for got, want in zip(first + second, whole, strict=True):
-        assert got["loss"] == pytest.approx(want["loss"], rel=1e-5, abs=0), got["iteration"]
-        assert got["lr"] == want["lr"]
+    second = launch_in_process()
+    assert f"loaded checkpoint from {ckpt} at iteration 1" in capsys.readouterr().out
+    assert [r["iteration"] for r in first + second] == [1, 2]
+    assert second[0]["consumed_samples"] == 2 * first[0]["consumed_samples"]
