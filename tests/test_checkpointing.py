@@ -390,3 +390,12 @@ def test_a_damaged_or_truncated_file_is_named_in_one_line_with_exit_2(tmp_path, 
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and shard in err[0] and fragment in err[0]
     assert not (tmp_path / "hf").exists()
+
+
+def test_exit_on_missing_checkpoint_refuses_an_empty_load_directory(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--model-preset", "tiny", "--load", str(tmp_path), "--exit-on-missing-checkpoint"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"--load {tmp_path}: holds no checkpoint" in err[0]
+    assert os.listdir(tmp_path) == []
