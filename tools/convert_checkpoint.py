@@ -30,6 +30,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 from megatron.common.files import staged_paths  # noqa: E402
 from megatron.models.llama import LlamaConfig  # noqa: E402
+from megatron.training.checkpoint_format import saved_args, verify_checkpoint  # noqa: E402
 from megatron.training.checkpoint_hf import (  # noqa: E402
     ConversionError,
     gpt_to_hf,
@@ -44,8 +45,6 @@ from megatron.training.checkpointing import (  # noqa: E402
     find_checkpoint,
     read_all_tensors,
     read_common,
-    saved_args,
-    verify_checkpoint,
 )
 from megatron.training.distributed import (  # noqa: E402
     initialize_distributed,

@@ -31,9 +31,7 @@ import re
 import shutil
 import threading
 import time
-import types
 import warnings
-import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -49,13 +47,22 @@ from megatron.config.run import RunConfig
 from megatron.models.llama import LlamaConfig
 from megatron.pipeline.host_group import host_group
 from megatron.training import checkpoint_layout as layout
-from megatron.training.checkpoint_state import (
-    EXP_AVG,
-    EXP_AVG_SQ,
-    MASTER,
-    STATE_PREFIXES,
-    OwnedState,
+from megatron.training.checkpoint_format import (
+    CHECKSUMS,
+    FP32_MASTER_KEY,
+    OPTIMIZER_KEYS,
+    CheckpointError,
+    file_checksum,
+    megatron_common,
+    owned_key,
+    saved_args,
+    scheduler_units,
+    sharded_state,
+    sharded_tensors,
+    split_key,
+    verify_checkpoint,
 )
+from megatron.training.checkpoint_state import EXP_AVG, EXP_AVG_SQ, MASTER, OwnedState
 from megatron.training.lr_schedule import LRSchedule
 from megatron.training.train_step import TrainStep
 
@@ -63,13 +70,8 @@ TRACKER = "latest_checkpointed_iteration.txt"
 COMMON = "common.pt"
 METADATA = ".metadata"
 MCORE_CONFIG = "metadata.json"  # megatron-core's marker of a distributed checkpoint
-CHECKSUMS = "checksums.json"  # ours: every other file's size and CRC-32, verified at load
 FORMAT_VERSION = 2  # 1: plain DCP with `model.NAME` keys (still read)
-CKPT_FORMATS = ("torch_dist",)
 ITERATION_DIR = re.compile(r"iter_(\d{7})$")
-# megatron-core's optimizer-state prefixes (dist_checkpointing.optimizer), ours beside them
-OPTIMIZER_KEYS = {EXP_AVG: "optimizer.state.exp_avg", EXP_AVG_SQ: "optimizer.state.exp_avg_sq"}
-FP32_MASTER_KEY = "optimizer.state.fp32_param"  # a Megatron mixed-precision run's masters
 MiB = 2**20
 
 # One process without torch.distributed is the tools' and a test's case, not a mistake.
@@ -78,10 +80,6 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 # megatron-core stores stacked layers through torch's ShardedTensor (its own format).
 warnings.filterwarnings("ignore", message="Please use DTensor instead and we are deprecating "
                         "ShardedTensor", category=FutureWarning)
-
-
-class CheckpointError(ValueError):
-    """A checkpoint or its tracker is missing, unreadable or does not fit this run."""
 
 
 def iteration_dir(root: str, iteration: int) -> str:
@@ -183,7 +181,7 @@ class CheckpointSaver:
             for stale in glob.glob(os.path.join(glob.escape(self.root), "iter_*.tmp")):
                 shutil.rmtree(stale, ignore_errors=True)  # of a save killed mid-write
         try:  # in the foreground: a name megatron-core's GPTModel lacks is the caller's bug
-            layout.layout_of(self.model, {_split(k)[1] for k in owned.tensors})
+            layout.layout_of(self.model, {split_key(k)[1] for k in owned.tensors})
         except KeyError as exc:
             raise CheckpointError(f"--save {self.root}: {exc.args[0]}") from None
         tensors = dict(owned.tensors)
@@ -308,51 +306,6 @@ def _commit(root: str, iteration: int, staging: str, common: dict,
     atomic_write(tracker, lambda stream: stream.write(payload))
 
 
-def file_checksum(path: str) -> dict:
-    """{"bytes": size, "crc32": CRC-32} of a file, read in 16 MiB blocks."""
-    crc, size = 0, 0
-    with open(path, "rb") as stream:
-        while block := stream.read(16 * MiB):
-            crc, size = zlib.crc32(block, crc), size + len(block)
-    return {"bytes": size, "crc32": crc}
-
-
-def verify_checkpoint(directory: str, process_group: dist.ProcessGroup | None = None) -> None:
-    """Every file checksums.json lists has its recorded size and CRC-32 (a checkpoint
-    without checksums.json, megatron-core's or an older one of ours, is not checked). With
-    a process group each rank reads its share of the files; all raise together, naming
-    the first damaged file. Collective when `process_group` is given."""
-    path = os.path.join(directory, CHECKSUMS)
-    if not os.path.exists(path):
-        return
-    try:
-        with open(path) as stream:
-            recorded = json.load(stream)
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{path}: unreadable ({exc})") from None
-    rank, world = ((dist.get_rank(process_group), dist.get_world_size(process_group))
-                   if process_group is not None else (0, 1))
-    damaged = []
-    for name in sorted(recorded)[rank::world]:
-        file, want = os.path.join(directory, name), recorded[name]
-        if not os.path.exists(file):
-            damaged.append(f"{file}: missing; expected {want['bytes']} bytes")
-            continue
-        got = file_checksum(file)
-        if got["bytes"] != want["bytes"]:
-            damaged.append(f"{file}: {got['bytes']} bytes, expected {want['bytes']} "
-                           "(truncated or damaged)")
-        elif got["crc32"] != want["crc32"]:
-            damaged.append(f"{file}: damaged (CRC-32 {got['crc32']:08x}, expected "
-                           f"{want['crc32']:08x} when saved)")
-    if process_group is not None:
-        gathered: list = [None] * world
-        dist.all_gather_object(gathered, damaged, group=process_group)
-        damaged = [line for part in gathered for line in part]
-    if damaged:
-        raise CheckpointError(damaged[0])
-
-
 def _check_free_disk(root: str, own_bytes: int) -> None:
     """Every rank checks the job's total against its free space (ranks may share a disk);
     all ranks raise together when one lacks space, before anything is written."""
@@ -368,82 +321,6 @@ def _check_free_disk(root: str, own_bytes: int) -> None:
         where = f"{free / MiB:.1f} MiB free" if need > free else "less free on another rank"
         raise CheckpointError(f"--save {root}: the checkpoint needs {need / MiB:.1f} MiB, "
                               f"{where}")
-
-
-# --- megatron-core's layout and Megatron's common state ------------------------------------
-
-
-def _split(key: str) -> tuple[str, str]:
-    """(our prefix, GPTModel name) of an OwnedState key."""
-    for prefix in STATE_PREFIXES:
-        if key.startswith(prefix):
-            return prefix, key[len(prefix):]
-    raise KeyError(key)
-
-
-def sharded_state(model: LlamaConfig, tensors: dict[str, torch.Tensor],
-                  fp32_masters: bool = False) -> dict:
-    """megatron-core's sharded state dict of `tensors` (OwnedState keys; `rng_state.*`
-    kept whole): the model under GPTModel's sharded keys, the moments under
-    megatron-core's optimizer keys, the layers' `_extra_state` objects; factories applied.
-    `fp32_masters`: read the masters from a Megatron mixed-precision run's fp32 copy."""
-    from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
-    from megatron.core.dist_checkpointing.mapping import apply_factories
-
-    named = {k: _split(k) for k in tensors if not k.startswith("rng_state.")}
-    entries = layout.layout_of(model, {name for _, name in named.values()})
-    out: dict = {name: entry for name, entry in entries.items()
-                 if isinstance(entry, ShardedObject)}
-    for key, tensor in tensors.items():
-        if key not in named:
-            out[key] = ShardedTensor.from_rank_offsets(key, tensor)
-            continue
-        prefix, name = named[key]
-        optimizer = OPTIMIZER_KEYS.get(prefix, FP32_MASTER_KEY if fp32_masters else None)
-        out[key] = layout.with_data(entries[name], tensor, optimizer)
-    apply_factories(out)
-    return out
-
-
-def _sharded_tensors(sharded: dict) -> list:
-    from megatron.core.dist_checkpointing import ShardedTensor
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-
-    return [v for v in nested_values(sharded) if isinstance(v, ShardedTensor)]
-
-
-def saved_args(common: dict | None) -> dict:
-    """The flags a checkpoint was saved with, whoever wrote it (a dict here in format 1, a
-    namespace in Megatron's), with Megatron's implicit query groups made explicit."""
-    args = (common or {}).get("args")
-    args = dict(vars(args)) if hasattr(args, "__dict__") else dict(args or {})
-    if args.get("group_query_attention") is False:
-        args["num_query_groups"] = args.get("num_attention_heads")
-    return args
-
-
-def megatron_common(common: dict, iteration: int, global_batch_size: int) -> dict:
-    """Megatron's common-state keys beside ours: `args` as a namespace (Megatron-LM reads
-    it with getattr), `checkpoint_version`, and `opt_param_scheduler` in Megatron's units
-    (its scheduler steps once per sample, ours once per iteration)."""
-    flags = saved_args(common)
-    args = types.SimpleNamespace(
-        **flags, max_position_embeddings=flags.get("seq_length"),
-        padded_vocab_size=flags.get("vocab_size"), make_vocab_size_divisible_by=1,
-        tensor_model_parallel_size=1, group_query_attention=True,
-        consumed_train_samples=common.get("consumed_samples", iteration * global_batch_size),
-        consumed_valid_samples=0)
-    out = {**common, "args": args, "checkpoint_version": 3.0,
-           "num_floating_point_operations_so_far":
-               common.get("num_floating_point_operations_so_far", 0)}
-    if "lr_schedule" in common:
-        out["opt_param_scheduler"] = _scheduler_units(common["lr_schedule"], global_batch_size)
-    return out
-
-
-def _scheduler_units(state: dict, factor: float) -> dict:
-    """An OptimizerParamScheduler state with its step counts multiplied by `factor`."""
-    return {k: (v * factor if k.endswith("steps") else v) for k, v in state.items()}
 
 
 # --- loading -----------------------------------------------------------------------------
@@ -524,7 +401,7 @@ def _load_mcore(directory: str, wanted: dict[str, torch.Tensor], metadata,
     fp32 = any(k.startswith(FP32_MASTER_KEY + ".") for k in metadata)
     sharded = {k: v for k, v in sharded_state(model, wanted, fp32_masters=fp32).items()
                if not isinstance(v, ShardedObject)}  # the (empty) extra state: not read
-    tensors = _sharded_tensors(sharded)
+    tensors = sharded_tensors(sharded)
     for sh in tensors:
         if sh.key not in metadata:
             raise CheckpointError(f"{directory}: has no tensor {sh.key!r} (a checkpoint of "
@@ -563,18 +440,6 @@ def _load_format_1(directory: str, wanted: dict[str, torch.Tensor], metadata,
             tensor.copy_(as_saved[key])
 
 
-def _owned_key(stored: str, fp32_masters: bool) -> tuple[str, str] | None:
-    """(our prefix, megatron-core key) of a stored tensor; None for what we do not read."""
-    for ours, theirs in OPTIMIZER_KEYS.items():
-        if stored.startswith(theirs + "."):
-            return ours, stored[len(theirs) + 1:]
-    if stored.startswith(FP32_MASTER_KEY + "."):
-        return MASTER, stored[len(FP32_MASTER_KEY) + 1:]
-    if stored.startswith(("optimizer.", "rng_state")) or fp32_masters:
-        return None
-    return MASTER, stored
-
-
 def read_all_tensors(directory: str, prefix: str = "") -> dict[str, torch.Tensor]:
     """Every tensor under OwnedState key `prefix`, by OwnedState key, whatever format
     holds them (one process, no process group: tools and tests). megatron-core's stacked
@@ -592,7 +457,7 @@ def read_all_tensors(directory: str, prefix: str = "") -> dict[str, torch.Tensor
     for stored, m in tensors.items():
         if stored.startswith("rng_state.") and stored.startswith(prefix):
             where[stored] = (stored, None)
-        owned = _owned_key(stored, fp32)
+        owned = owned_key(stored, fp32)
         if owned is None:
             continue
         ours, key = owned
@@ -720,7 +585,7 @@ def restore_run(common: dict, step: TrainStep, schedule: LRSchedule,
     state = common.get("lr_schedule")
     if state is None and "opt_param_scheduler" in common:
         batch = saved_args(common).get("global_batch_size") or 1
-        state = _scheduler_units(common["opt_param_scheduler"], 1 / batch)
+        state = scheduler_units(common["opt_param_scheduler"], 1 / batch)
         state = {k: (round(v) if k.endswith("steps") else v) for k, v in state.items()}
     if state is None:
         state = {**schedule.state_dict(), "num_steps": iteration}

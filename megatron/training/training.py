@@ -27,6 +27,7 @@ from megatron.planning.report import candidates_text, model_size, run_plan
 from megatron.planning.search import auto_configure
 from megatron.planning.shape import check_pipeline_shape
 from megatron.training.arguments import exit_bad_input, parse_args
+from megatron.training.checkpoint_format import saved_args
 from megatron.training.checkpointing import (
     CheckpointError,
     CheckpointSaver,
@@ -34,7 +35,6 @@ from megatron.training.checkpointing import (
     checkpoint_model_flags,
     load_checkpoint,
     restore_run,
-    saved_args,
 )
 from megatron.training.distributed import DistInfo, initialize_distributed, shutdown_distributed
 from megatron.training.evaluation import due, evaluate, evaluation_record, format_evaluation
