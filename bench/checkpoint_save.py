@@ -31,19 +31,33 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.spread import spread  # noqa: E402
+from megatron.models.llama import LlamaConfig  # noqa: E402
 from megatron.training.checkpoint_state import EXP_AVG, EXP_AVG_SQ, MASTER, OwnedState  # noqa: E402
 from megatron.training.checkpointing import CheckpointSaver, iteration_dir  # noqa: E402
+from megatron.training.distributed import (  # noqa: E402
+    initialize_distributed,
+    shutdown_distributed,
+)
 
-CHUNK = 4 * 2**20
 
-
-def make_state(params: int) -> OwnedState:
-    tensors = {}
-    for i, start in enumerate(range(0, params, CHUNK)):
-        n = min(CHUNK, params - start)
-        for prefix in (MASTER, EXP_AVG, EXP_AVG_SQ):
-            tensors[f"{prefix}decoder.layers.{i}.weight"] = torch.randn(n)
-    return OwnedState(tensors, optimizer_step=1, loss_scaler=None)
+def make_state(params: int) -> tuple[LlamaConfig, OwnedState]:
+    """A LLaMA of about `params` parameters (hidden 512): its masters and moments."""
+    h, f, vocab = 512, 1536, 8192
+    per_layer = 4 * h * h + 3 * h * f + 2 * h
+    cfg = LlamaConfig(num_layers=max(1, (params - 2 * vocab * h) // per_layer), hidden_size=h,
+                      ffn_hidden_size=f, num_attention_heads=8, num_query_groups=8,
+                      vocab_size=vocab, seq_length=128)
+    shapes = {"embedding.word_embeddings.weight": (vocab, h), "output_layer.weight": (vocab, h),
+              "decoder.final_layernorm.weight": (h,)}
+    for i in range(cfg.num_layers):
+        shapes.update({f"decoder.layers.{i}.{k}": v for k, v in {
+            "input_layernorm.weight": (h,), "pre_mlp_layernorm.weight": (h,),
+            "self_attention.linear_qkv.weight": (3 * h, h),
+            "self_attention.linear_proj.weight": (h, h),
+            "mlp.linear_fc1.weight": (2 * f, h), "mlp.linear_fc2.weight": (h, f)}.items()})
+    tensors = {prefix + name: torch.randn(shape) for name, shape in shapes.items()
+               for prefix in (MASTER, EXP_AVG, EXP_AVG_SQ)}
+    return cfg, OwnedState(tensors, optimizer_step=1, loss_scaler=None)
 
 
 def main() -> int:
@@ -53,13 +67,14 @@ def main() -> int:
     p.add_argument("--dir", default=None, help="where to write (default: a temporary dir)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
-    state = make_state(args.params)
+    initialize_distributed()  # megatron-core's sharded layout needs its process groups
+    cfg, state = make_state(args.params)
     root = tempfile.mkdtemp(prefix="bench-ckpt-", dir=args.dir)
     times: dict[str, list[float]] = {k: [] for k in
                                      ("async_blocked_s", "async_total_s", "sync_blocked_s",
                                       "torch_save_s")}
     quiet = open(os.devnull, "w")
-    savers = {mode: CheckpointSaver(os.path.join(root, mode), async_save=mode == "async",
+    savers = {mode: CheckpointSaver(os.path.join(root, mode), cfg, async_save=mode == "async",
                                     log=lambda *_: None) for mode in ("async", "sync")}
     try:
         for r in range(1, args.rounds + 1):
@@ -84,6 +99,7 @@ def main() -> int:
         for saver in savers.values():
             saver.close()
         shutil.rmtree(root, ignore_errors=True)
+        shutdown_distributed()
     result = {
         "bench": "checkpoint_save", "params": args.params,
         "bytes": state.nbytes, "rounds": args.rounds,

@@ -16,6 +16,7 @@ from megatron.data.blend import data_blend
 from megatron.data.datasets import build_datasets
 from megatron.data.indexed_dataset_writer import write_indexed_dataset
 from megatron.data.tokenizer import train_bpe_tokenizer
+from megatron.models.llama import LlamaConfig
 from megatron.schedules.cost_model import uniform_costs
 from megatron.schedules.generators import build_schedule
 from megatron.schedules.instructions import Instruction, Op, Schedule
@@ -26,7 +27,7 @@ from megatron.schedules.validator import RULE_FORWARD_ONLY, validate
 from megatron.training.arguments import parse_args
 from megatron.training.checkpoint_state import EXP_AVG, EXP_AVG_SQ, MASTER, OwnedState
 from megatron.training.checkpointing import CheckpointSaver
-from megatron.training.distributed import DistInfo
+from megatron.training.distributed import DistInfo, initialize_distributed, shutdown_distributed
 from megatron.training.evaluation import due, format_evaluation, perplexity
 from megatron.training.run_checks import check_checkpoint_model
 from megatron.training.scalar_logging import ScalarSinks
@@ -122,13 +123,19 @@ def test_wandb_without_the_package_is_a_clear_error(tmp_path, monkeypatch):
 
 def test_loading_a_checkpoint_of_another_model_names_both_values(tmp_path):
     saved = parse_args([*TINY, "--num-layers", "6"])
-    saver = CheckpointSaver(str(tmp_path / "ckpt"), async_save=False)
-    tensors = {prefix + "decoder.final_layernorm.weight": torch.ones(4)
-               for prefix in (MASTER, EXP_AVG, EXP_AVG_SQ)}
-    saver.save(3, OwnedState(tensors, optimizer_step=3, loss_scaler=None),
-               {"args": saved.flags(),
-                "consumed_samples": 3 * saved.training.global_batch_size})
-    saver.close()
+    initialize_distributed()  # megatron-core's sharded layout needs its process groups
+    try:
+        saver = CheckpointSaver(str(tmp_path / "ckpt"), LlamaConfig(
+            num_layers=6, hidden_size=4, ffn_hidden_size=8, num_attention_heads=1,
+            num_query_groups=1, vocab_size=8, seq_length=8), async_save=False)
+        tensors = {prefix + "decoder.final_layernorm.weight": torch.ones(4)
+                   for prefix in (MASTER, EXP_AVG, EXP_AVG_SQ)}
+        saver.save(3, OwnedState(tensors, optimizer_step=3, loss_scaler=None),
+                   {"args": saved.flags(),
+                    "consumed_samples": 3 * saved.training.global_batch_size})
+        saver.close()
+    finally:
+        shutdown_distributed()
     error = _train_rejects(tmp_path, "--load", str(tmp_path / "ckpt"))
     assert str(error) == f"--num-layers 4: the checkpoint in {tmp_path / 'ckpt'} was saved with 6"
 

@@ -30,6 +30,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 from megatron.common.files import staged_paths  # noqa: E402
 from megatron.models.llama import LlamaConfig  # noqa: E402
+from megatron.training.checkpoint_format import saved_args, verify_checkpoint  # noqa: E402
 from megatron.training.checkpoint_hf import (  # noqa: E402
     ConversionError,
     gpt_to_hf,
@@ -41,10 +42,13 @@ from megatron.training.checkpoint_state import MASTER, OwnedState  # noqa: E402
 from megatron.training.checkpointing import (  # noqa: E402
     CheckpointError,
     CheckpointSaver,
-    iteration_dir,
-    latest_iteration,
+    find_checkpoint,
     read_all_tensors,
     read_common,
+)
+from megatron.training.distributed import (  # noqa: E402
+    initialize_distributed,
+    shutdown_distributed,
 )
 
 MiB = 2**20
@@ -108,7 +112,7 @@ def hf_to_megatron(args: argparse.Namespace) -> None:
                   "seq_length": cfg.seq_length}
     created = not os.path.exists(args.output)
     try:
-        saver = CheckpointSaver(args.output, async_save=False)
+        saver = CheckpointSaver(args.output, cfg, async_save=False)
         saver.save(0, OwnedState({MASTER + k: v for k, v in gpt.items()}, 0, None),
                    {"args": model_args, "hf_config": config, "consumed_samples": 0})
         saver.close()
@@ -122,7 +126,7 @@ def hf_to_megatron(args: argparse.Namespace) -> None:
 
 
 def _model_config(common: dict, tensors: dict[str, torch.Tensor]) -> LlamaConfig:
-    a = common.get("args") or {}
+    a = saved_args(common)
     try:
         return LlamaConfig(
             num_layers=a["num_layers"], hidden_size=a["hidden_size"],
@@ -148,12 +152,16 @@ def _shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, 
 
 def megatron_to_hf(args: argparse.Namespace) -> None:
     _check_empty_output(args.output)
-    iteration = latest_iteration(args.input)
-    if iteration is None:
+    found = find_checkpoint(args.input)
+    if found is None:
         raise ConversionError(f"--input {args.input}: no latest_checkpointed_iteration.txt; "
                               "expected a checkpoint directory")
-    directory = iteration_dir(args.input, iteration)
+    directory, note = found
+    if note:
+        print(note)
+    verify_checkpoint(directory)
     common = read_common(directory)
+    iteration = common.get("iteration", 0)
     gpt = {k.removeprefix(MASTER): v for k, v in read_all_tensors(directory, MASTER).items()}
     cfg = _model_config(common, gpt)
     dtype = DTYPES[args.dtype]
@@ -217,11 +225,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"convert_checkpoint.py: error: --max-shard-size {args.max_shard_size}: "
               "expected a positive number of MiB", file=sys.stderr)
         return 2
+    # megatron-core's sharded layout is built from its modules, which need its process
+    # groups: a one-process group unless the caller has one.
+    own_group = not torch.distributed.is_initialized()
     try:
+        if own_group:
+            initialize_distributed()
         (hf_to_megatron if args.source == "hf" else megatron_to_hf)(args)
     except (ConversionError, CheckpointError, OSError, KeyError) as exc:
         print(f"convert_checkpoint.py: error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        if own_group:
+            shutdown_distributed()
     return 0
 
 

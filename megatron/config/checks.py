@@ -195,6 +195,10 @@ def _check_checkpointing(run: RunConfig) -> None:
     if c.finetune and c.load is None:
         raise ConfigError("--finetune", True, "needs --load DIR")
     _check_tokenizer(run)
+    if c.ckpt_format != "torch_dist":
+        raise ConfigError("--ckpt-format", c.ckpt_format,
+                          "expected torch_dist (megatron-core's dist_checkpointing), the "
+                          "only format supported")
     inject = run.testing.inject_overflow
     if inject is not None and len(inject) != 3:
         raise ConfigError("--inject-overflow", list(inject), "expected ITER,STAGE,SUB")

@@ -167,6 +167,11 @@ class CheckpointConfig:
     load_optional: bool
     finetune: bool
     async_save: bool
+    ckpt_format: str = "torch_dist"
+    no_load_optim: bool = False
+    no_load_rng: bool = False
+    exit_on_missing_checkpoint: bool = False
+    use_checkpoint_args: bool = False
 
 
 @dataclass(frozen=True)

@@ -238,7 +238,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="resume from this checkpoint directory")
     g.add_argument("--load-optional", action="store_true",
                    help="Megatron's behaviour: a --load directory that does not exist means "
-                        "start from scratch (default: an error)")
+                        "start from scratch (default: an error, unless it is the --save "
+                        "directory: auto-resume)")
+    g.add_argument("--ckpt-format", default="torch_dist",
+                   help="checkpoint format: torch_dist (megatron-core's dist_checkpointing, "
+                        "Megatron's default; the only one supported)")
+    g.add_argument("--no-load-optim", action="store_true",
+                   help="with --load: do not read the optimizer state (fresh Adam moments)")
+    g.add_argument("--no-load-rng", action="store_true",
+                   help="with --load: do not restore the RNG state")
+    g.add_argument("--exit-on-missing-checkpoint", action="store_true",
+                   help="with --load: a missing checkpoint is an error, never a fresh start")
+    g.add_argument("--use-checkpoint-args", action="store_true",
+                   help="with --load: take the model shape flags from the checkpoint")
     g.add_argument("--eval-interval", type=int, default=None,
                    help="validation loss every N iterations (default: only at the end)")
     g.add_argument("--eval-iters", type=int, default=None,

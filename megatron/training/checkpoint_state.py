@@ -3,7 +3,9 @@
 Every tensor is keyed by megatron-core GPTModel's parameter name under one of three
 prefixes: the master (`model.`) and Adam's two moments (`optimizer.exp_avg.`,
 `optimizer.exp_avg_sq.`), each in the precision the run keeps it in (fp32, or bf16 with
---master-dtype / --optimizer-state-dtype bf16; a load converts). A train step hands out
+--master-dtype / --optimizer-state-dtype bf16; a load converts). These are the names the
+train steps and tools speak; on disk checkpointing.py stores them under megatron-core's
+sharded keys (GPTModel's key, `optimizer.state.exp_avg.KEY`, ...; checkpoint_layout). A train step hands out
 the tensors it owns as live host tensors (`OwnedState`): saving copies them, loading fills them in place and then calls
 `restored()` so the step can publish the new masters to its working copies.
 """

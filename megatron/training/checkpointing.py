@@ -1,13 +1,19 @@
-"""Layout-free checkpoints in Megatron's directory convention, written without stopping.
+"""Checkpoints in megatron-core's `torch_dist` format and Megatron's directory convention,
+written without stopping.
 
     DIR/latest_checkpointed_iteration.txt      the tracker (written last)
+    DIR/iter_NNNNNNN/metadata.json             megatron-core's format marker (torch_dist)
     DIR/iter_NNNNNNN/.metadata                 torch.distributed.checkpoint's index
     DIR/iter_NNNNNNN/__R_0.distcp              the tensors rank R owned when saving
     DIR/iter_NNNNNNN/common.pt                 iteration, LR schedule, data position, ...
 
-The tensors are keyed by GPTModel parameter name (see checkpoint_state), so any process of
-any pipeline shape reads the ones it owns now: resuming on another number of processes,
-schedule or backward split needs nothing else.
+Every tensor is a chunk of a global tensor under megatron-core's key, at the offset
+`GPTModel.sharded_state_dict()` gives it (checkpoint_layout: stacked decoder layers), so
+megatron-core's `dist_checkpointing.load` opens the model, and any process of any pipeline
+shape reads the chunks it owns now: resuming on another number of processes, schedule or
+backward split needs nothing else. The optimizer state sits beside the model under
+megatron-core's optimizer keys (`optimizer.state.exp_avg.KEY`), which a load of the model
+alone ignores.
 
 A save is collective. In the foreground every rank waits for its previous save, checks the
 free disk space and copies the tensors it owns (the snapshot: host memory to host memory);
@@ -19,7 +25,9 @@ replaced. A crash before that leaves the previous checkpoint and tracker untouch
 from __future__ import annotations
 
 import glob
+import json
 import os
+import re
 import shutil
 import threading
 import time
@@ -33,8 +41,27 @@ import torch.distributed.checkpoint as dcp
 
 from megatron.common.files import atomic_write, leftover_temporaries
 from megatron.common.meminfo import available_host_memory
+from megatron.config.errors import ConfigError
+from megatron.config.model import MODEL_FIELDS
 from megatron.config.run import RunConfig
+from megatron.models.llama import LlamaConfig
 from megatron.pipeline.host_group import host_group
+from megatron.training import checkpoint_layout as layout
+from megatron.training.checkpoint_format import (
+    CHECKSUMS,
+    FP32_MASTER_KEY,
+    OPTIMIZER_KEYS,
+    CheckpointError,
+    file_checksum,
+    megatron_common,
+    owned_key,
+    saved_args,
+    scheduler_units,
+    sharded_state,
+    sharded_tensors,
+    split_key,
+    verify_checkpoint,
+)
 from megatron.training.checkpoint_state import EXP_AVG, EXP_AVG_SQ, MASTER, OwnedState
 from megatron.training.lr_schedule import LRSchedule
 from megatron.training.train_step import TrainStep
@@ -42,16 +69,19 @@ from megatron.training.train_step import TrainStep
 TRACKER = "latest_checkpointed_iteration.txt"
 COMMON = "common.pt"
 METADATA = ".metadata"
-FORMAT_VERSION = 1
+MCORE_CONFIG = "metadata.json"  # megatron-core's marker of a distributed checkpoint
+# 1: plain DCP with `model.NAME` keys; 2: torch_dist; 3: the LR schedule counts samples
+# (all still read)
+FORMAT_VERSION = 3
+ITERATION_DIR = re.compile(r"iter_(\d{7})$")
 MiB = 2**20
 
 # One process without torch.distributed is the tools' and a test's case, not a mistake.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or "
                         "uninitialized", category=UserWarning)
-
-
-class CheckpointError(ValueError):
-    """A checkpoint or its tracker is missing, unreadable or does not fit this run."""
+# megatron-core stores stacked layers through torch's ShardedTensor (its own format).
+warnings.filterwarnings("ignore", message="Please use DTensor instead and we are deprecating "
+                        "ShardedTensor", category=FutureWarning)
 
 
 def iteration_dir(root: str, iteration: int) -> str:
@@ -67,6 +97,49 @@ def latest_iteration(root: str) -> int | None:
     if not text.isdigit():
         raise CheckpointError(f"{tracker}: expected an iteration number, found {text!r}")
     return int(text)
+
+
+def is_iteration_dir(path: str) -> bool:
+    """A directory holding one checkpoint (ours, megatron-core's or the old formats)."""
+    return any(os.path.exists(os.path.join(path, f)) for f in (MCORE_CONFIG, METADATA)) or \
+        bool(glob.glob(os.path.join(glob.escape(path), "rank_*.pt")))
+
+
+def _complete_iterations(root: str) -> list[int]:
+    """The iterations under `root` whose directory holds a committed checkpoint."""
+    found = []
+    for entry in os.listdir(root) if os.path.isdir(root) else ():
+        match = ITERATION_DIR.match(entry)
+        path = os.path.join(root, entry)
+        if match and os.path.exists(os.path.join(path, COMMON)) and is_iteration_dir(path):
+            found.append(int(match.group(1)))
+    return sorted(found)
+
+
+def find_checkpoint(root: str) -> tuple[str, str | None] | None:
+    """(the iteration directory --load means, a line saying how it was chosen when the
+    tracker did not say) or None when `root` holds no checkpoint. `root` may be one
+    iteration directory (DIR/iter_0000003, or a bare dist_checkpointing.save directory)."""
+    if os.path.isdir(root) and is_iteration_dir(root):
+        return root, None
+    tracker = os.path.join(root, TRACKER)
+    release = os.path.join(root, "release")  # Megatron's tracker of a released model
+    if (os.path.isdir(release) and os.path.exists(tracker)
+            and open(tracker).read().strip() == "release"):
+        return release, None
+    iteration = latest_iteration(root)
+    if iteration is not None and os.path.isdir(iteration_dir(root, iteration)):
+        return iteration_dir(root, iteration), None
+    complete = _complete_iterations(root)
+    if iteration is not None and not complete:
+        raise CheckpointError(f"{tracker}: names iteration {iteration}, but "
+                              f"{iteration_dir(root, iteration)} is missing")
+    if not complete:
+        return None
+    why = (f"{TRACKER} is missing" if iteration is None
+           else f"{TRACKER} names iteration {iteration}, whose directory is missing")
+    return (iteration_dir(root, complete[-1]),
+            f"{root}: {why}; loading the newest complete iteration, {complete[-1]}")
 
 
 def _rng_key(rank: int) -> str:
@@ -87,9 +160,10 @@ class CheckpointSaver:
     save() returns after the snapshot. Collective: every rank makes one and calls save()
     at the same iterations. close() waits for the last write."""
 
-    def __init__(self, root: str, *, async_save: bool = True,
+    def __init__(self, root: str, model: LlamaConfig, *, async_save: bool = True,
                  log: Callable[[str], Any] = print) -> None:
         self.root = root
+        self.model = model
         self.async_save = async_save
         self.log = log
         self.rank, self.world_size = _world()
@@ -108,6 +182,10 @@ class CheckpointSaver:
         if self.rank == 0:
             for stale in glob.glob(os.path.join(glob.escape(self.root), "iter_*.tmp")):
                 shutil.rmtree(stale, ignore_errors=True)  # of a save killed mid-write
+        try:  # in the foreground: a name megatron-core's GPTModel lacks is the caller's bug
+            layout.layout_of(self.model, {split_key(k)[1] for k in owned.tensors})
+        except KeyError as exc:
+            raise CheckpointError(f"--save {self.root}: {exc.args[0]}") from None
         tensors = dict(owned.tensors)
         tensors[_rng_key(self.rank)] = torch.get_rng_state()
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -116,6 +194,7 @@ class CheckpointSaver:
         common = {**common, "iteration": iteration, "format_version": FORMAT_VERSION,
                   "world_size": self.world_size, "optimizer_step": owned.optimizer_step,
                   "loss_scaler": owned.loss_scaler, "speculation": owned.speculation}
+        common = megatron_common(common, iteration)
         if snapshot is not None:
             self._thread = threading.Thread(target=self._write_catching,
                                             args=(iteration, snapshot, common),
@@ -170,24 +249,55 @@ class CheckpointSaver:
             self._error = exc
 
     def _write(self, iteration: int, tensors: dict[str, torch.Tensor], common: dict) -> None:
+        from megatron.core.dist_checkpointing.strategies.torch import (
+            MCoreSavePlanner,
+            _replace_state_dict_keys_with_sharded_keys,
+            mcore_to_pyt_state_dict,
+        )
+
         staging = iteration_dir(self.root, iteration) + ".tmp"
         t0 = time.perf_counter()
-        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(staging),
+        # What megatron-core's TorchDistSaveShardedStrategy does, over our own group (the
+        # writer thread's collectives must not meet training's): one copy of what several
+        # data-parallel replicas hold (keep_only_main_replica), chunks at their offsets.
+        sharded = sharded_state(self.model, tensors)
+        flat, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded,
+                                                                keep_only_main_replica=True)
+        dcp.save(mcore_to_pyt_state_dict(flat, False),
+                 storage_writer=dcp.FileSystemWriter(staging),
+                 planner=MCoreSavePlanner(flatten_state_dict=False),
                  process_group=self._group, no_dist=self._group is None)
+        # Each rank sums the files it wrote (the page cache still holds them); rank 0
+        # records them all with the others at the commit.
+        sums = {os.path.basename(f): file_checksum(f) for f in
+                glob.glob(os.path.join(glob.escape(staging), f"__{self.rank}_*.distcp"))}
+        if self._group is not None:
+            gathered: list = [None] * self.world_size
+            dist.all_gather_object(gathered, sums, group=self._group)
+            sums = {k: v for part in gathered for k, v in part.items()}
         seconds = time.perf_counter() - t0
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         print(f"checkpoint iteration {iteration}: rank {self.rank} wrote its shard, "
               f"{len(tensors)} tensors, {nbytes / MiB:.1f} MiB in {seconds:.2f} s "
               f"({nbytes / MiB / max(seconds, 1e-9):.1f} MiB/s)", flush=True)
         if self.rank == 0:  # dcp.save returned: every rank's shard and the index are written
-            _commit(self.root, iteration, staging, common)
+            _commit(self.root, iteration, staging, common, sums)
             self.log(f"committed checkpoint {iteration_dir(self.root, iteration)}")
 
 
-def _commit(root: str, iteration: int, staging: str, common: dict) -> None:
-    """Rank 0, once every shard is written: common.pt, the rename, then the tracker."""
+def _commit(root: str, iteration: int, staging: str, common: dict,
+            shard_sums: dict[str, dict]) -> None:
+    """Rank 0, once every shard is written: common.pt, metadata.json, the checksums, the
+    rename, then the tracker."""
+    from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
+
     final = iteration_dir(root, iteration)
     torch.save(common, os.path.join(staging, COMMON))
+    save_config(CheckpointingConfig("torch_dist"), staging)
+    sums = {**shard_sums, **{f: file_checksum(os.path.join(staging, f))
+                             for f in (METADATA, COMMON, MCORE_CONFIG)}}
+    with open(os.path.join(staging, CHECKSUMS), "w") as stream:
+        json.dump(dict(sorted(sums.items())), stream, indent=1)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(staging, final)
     tracker = os.path.join(root, TRACKER)
@@ -217,15 +327,30 @@ def _check_free_disk(root: str, own_bytes: int) -> None:
 # --- loading -----------------------------------------------------------------------------
 
 
+def is_mcore_checkpoint(directory: str) -> bool:
+    return os.path.exists(os.path.join(directory, MCORE_CONFIG))
+
+
 def checkpoint_metadata(directory: str):
-    """The DCP index of one iteration directory; refuses the old per-rank format."""
+    """The DCP index of one iteration directory; refuses the old per-rank format and
+    megatron-core backends other than torch_dist."""
     if glob.glob(os.path.join(glob.escape(directory), "rank_*.pt")):
         raise CheckpointError(f"{directory}: a checkpoint in the old per-rank format "
                               "(rank_NNN.pt); expected the layout-free format (a .metadata "
                               "file): resume it with the version that wrote it")
+    if is_mcore_checkpoint(directory):
+        try:
+            with open(os.path.join(directory, MCORE_CONFIG)) as f:
+                backend = json.load(f).get("sharded_backend")
+        except (OSError, ValueError, AttributeError) as exc:
+            raise CheckpointError(f"{directory}/{MCORE_CONFIG}: unreadable ({exc})") from None
+        if backend != "torch_dist":
+            raise CheckpointError(f"{directory}: a megatron-core checkpoint with sharded "
+                                  f"backend {backend!r}; expected 'torch_dist' (convert it "
+                                  "with Megatron-LM's tools first)")
     if not os.path.exists(os.path.join(directory, METADATA)):
         raise CheckpointError(f"{directory}: no {METADATA}; expected a checkpoint written by "
-                              "--save or tools/convert_checkpoint.py")
+                              "--save, megatron-core or tools/convert_checkpoint.py")
     try:
         return dcp.FileSystemReader(directory).read_metadata()
     except Exception as exc:
@@ -233,7 +358,10 @@ def checkpoint_metadata(directory: str):
 
 
 def read_common(directory: str) -> dict:
+    """common.pt (a dist_checkpointing.save of a model alone may have none: empty)."""
     path = os.path.join(directory, COMMON)
+    if not os.path.exists(path) and is_mcore_checkpoint(directory):
+        return {}
     try:
         return torch.load(path, map_location="cpu", weights_only=False)
     except Exception as exc:
@@ -241,30 +369,19 @@ def read_common(directory: str) -> dict:
 
 
 def load_tensors(directory: str, wanted: dict[str, torch.Tensor],
-                 process_group: dist.ProcessGroup | None = None) -> None:
-    """Fill `wanted` (key -> tensor of the saved shape, any float dtype) in place from
-    `directory`. Collective when torch.distributed is initialized."""
+                 process_group: dist.ProcessGroup | None = None,
+                 model: LlamaConfig | None = None) -> None:
+    """Fill `wanted` (OwnedState key -> tensor of the model's shape, any float dtype) in
+    place from `directory`. A tensor saved in another precision (--master-dtype /
+    --optimizer-state-dtype changed between runs) is converted once: fp32 -> bf16 rounds
+    to nearest even, bf16 -> fp32 widens exactly. Collective when torch.distributed is
+    initialized."""
     metadata = checkpoint_metadata(directory).state_dict_metadata
-    for key, tensor in wanted.items():
-        if key not in metadata:
-            raise CheckpointError(f"{directory}: has no tensor {key!r} (a checkpoint of "
-                                  "another model?)")
-        saved = tuple(getattr(metadata[key], "size", ()))
-        if saved != tuple(tensor.shape):
-            raise CheckpointError(f"{directory}: {key} has shape {list(saved)}, this run's "
-                                  f"model expects {list(tensor.shape)}")
-    # A state saved in another precision (--optimizer-state-dtype / --master-dtype changed
-    # between runs) is read as saved, then converted once: fp32 -> bf16 rounds to nearest
-    # even, bf16 -> fp32 widens exactly.
-    as_saved = {key: torch.empty(tensor.shape, dtype=metadata[key].properties.dtype)
-                if metadata[key].properties.dtype != tensor.dtype else tensor
-                for key, tensor in wanted.items()}
     t0 = time.perf_counter()
-    dcp.load(as_saved, storage_reader=dcp.FileSystemReader(directory),
-             process_group=process_group, no_dist=not dist.is_initialized())
-    for key, tensor in wanted.items():
-        if as_saved[key] is not tensor:
-            tensor.copy_(as_saved[key])
+    if is_mcore_checkpoint(directory):
+        _load_mcore(directory, wanted, metadata, process_group, model)
+    else:
+        _load_format_1(directory, wanted, metadata, process_group)
     seconds = time.perf_counter() - t0
     nbytes = sum(t.numel() * t.element_size() for t in wanted.values())
     rank, _ = _world()
@@ -273,45 +390,128 @@ def load_tensors(directory: str, wanted: dict[str, torch.Tensor],
           f"({nbytes / MiB / max(seconds, 1e-9):.1f} MiB/s)", flush=True)
 
 
+def _load_mcore(directory: str, wanted: dict[str, torch.Tensor], metadata,
+                process_group: dist.ProcessGroup | None, model: LlamaConfig) -> None:
+    from megatron.core.dist_checkpointing import ShardedObject
+    from megatron.core.dist_checkpointing.strategies.torch import (
+        MCoreLoadPlanner,
+        _replace_state_dict_keys_with_sharded_keys,
+        mcore_to_pyt_state_dict,
+    )
+
+    fp32 = any(k.startswith(FP32_MASTER_KEY + ".") for k in metadata)
+    sharded = {k: v for k, v in sharded_state(model, wanted, fp32_masters=fp32).items()
+               if not isinstance(v, ShardedObject)}  # the (empty) extra state: not read
+    tensors = sharded_tensors(sharded)
+    for sh in tensors:
+        if sh.key not in metadata:
+            raise CheckpointError(f"{directory}: has no tensor {sh.key!r} (a checkpoint of "
+                                  "another model?)")
+        saved = tuple(getattr(metadata[sh.key], "size", ()))
+        if saved != tuple(sh.global_shape):
+            raise CheckpointError(f"{directory}: {sh.key} has shape {list(saved)}, this run's "
+                                  f"model expects {list(sh.global_shape)}")
+    # megatron-core's TorchDistLoadShardedStrategy.load, over our group: every chunk lands
+    # in place, in the views of `wanted` the factories and ShardedTensors hold.
+    flat, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded)
+    dcp.load(mcore_to_pyt_state_dict(flat, True),
+             storage_reader=dcp.FileSystemReader(directory),
+             planner=MCoreLoadPlanner(shapes_validation_sharded_tensors=tensors),
+             process_group=process_group, no_dist=not dist.is_initialized())
+
+
+def _load_format_1(directory: str, wanted: dict[str, torch.Tensor], metadata,
+                   process_group: dist.ProcessGroup | None) -> None:
+    """This project's first format: plain DCP, every tensor whole under its OwnedState key."""
+    for key, tensor in wanted.items():
+        if key not in metadata:
+            raise CheckpointError(f"{directory}: has no tensor {key!r} (a checkpoint of "
+                                  "another model?)")
+        saved = tuple(getattr(metadata[key], "size", ()))
+        if saved != tuple(tensor.shape):
+            raise CheckpointError(f"{directory}: {key} has shape {list(saved)}, this run's "
+                                  f"model expects {list(tensor.shape)}")
+    as_saved = {key: torch.empty(tensor.shape, dtype=metadata[key].properties.dtype)
+                if metadata[key].properties.dtype != tensor.dtype else tensor
+                for key, tensor in wanted.items()}
+    dcp.load(as_saved, storage_reader=dcp.FileSystemReader(directory),
+             process_group=process_group, no_dist=not dist.is_initialized())
+    for key, tensor in wanted.items():
+        if as_saved[key] is not tensor:
+            tensor.copy_(as_saved[key])
+
+
 def read_all_tensors(directory: str, prefix: str = "") -> dict[str, torch.Tensor]:
-    """Every tensor under `prefix` (one process: tools and tests)."""
+    """Every tensor under OwnedState key `prefix`, by OwnedState key, whatever format
+    holds them (one process, no process group: tools and tests). megatron-core's stacked
+    layers are unstacked with the layer spec's own key map, inverted."""
     metadata = checkpoint_metadata(directory).state_dict_metadata
-    wanted = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype)
-              for k, m in metadata.items() if k.startswith(prefix) and hasattr(m, "size")}
-    if wanted:
-        dcp.load(wanted, storage_reader=dcp.FileSystemReader(directory), no_dist=True)
-    return wanted
+    tensors = {k: m for k, m in metadata.items() if hasattr(m, "size")}
+    if not is_mcore_checkpoint(directory):
+        wanted = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype)
+                  for k, m in tensors.items() if k.startswith(prefix)}
+        if wanted:
+            dcp.load(wanted, storage_reader=dcp.FileSystemReader(directory), no_dist=True)
+        return wanted
+    fp32 = any(k.startswith(FP32_MASTER_KEY + ".") for k in tensors)
+    where: dict[str, tuple[str, int | None]] = {}  # OwnedState key -> (stored key, layer)
+    for stored, m in tensors.items():
+        if stored.startswith("rng_state.") and stored.startswith(prefix):
+            where[stored] = (stored, None)
+        owned = owned_key(stored, fp32)
+        if owned is None:
+            continue
+        ours, key = owned
+        for name, index in layout.unstacked_names(key, m.size[0]):
+            if (ours + name).startswith(prefix):
+                where[ours + name] = (stored, index)
+    whole = {stored: torch.empty(tuple(tensors[stored].size),
+                                 dtype=tensors[stored].properties.dtype)
+             for stored, _ in where.values()}
+    if whole:
+        dcp.load(whole, storage_reader=dcp.FileSystemReader(directory), no_dist=True)
+    return {k: whole[stored] if layer is None else whole[stored][layer].clone()
+            for k, (stored, layer) in where.items()}
 
 
-def inspect_checkpoint(root: str, finetune: bool = False) -> tuple[str, dict, dict] | None:
-    """(iteration directory, tensor index, common state) of the latest checkpoint under
-    `root`, or None when there is none; CheckpointError when it cannot be loaded."""
-    iteration = latest_iteration(root)
-    if iteration is None:
+def has_optimizer_state(directory: str, metadata) -> bool:
+    if is_mcore_checkpoint(directory):
+        return any(k.startswith(OPTIMIZER_KEYS[EXP_AVG] + ".") for k in metadata)
+    return any(k.startswith((EXP_AVG, EXP_AVG_SQ)) for k in metadata)
+
+
+def inspect_checkpoint(root: str, log: Callable[[str], Any] = print
+                       ) -> tuple[str, dict, dict] | None:
+    """(iteration directory, tensor index, common state) of the checkpoint --load `root`
+    means, or None when there is none; CheckpointError when it cannot be loaded."""
+    found = find_checkpoint(root)
+    if found is None:
         return None
-    directory = iteration_dir(root, iteration)
-    if not os.path.isdir(directory):
-        raise CheckpointError(f"{os.path.join(root, TRACKER)}: names iteration {iteration}, "
-                              f"but {directory} is missing")
+    directory, note = found
+    if note:
+        log(note)
     metadata = checkpoint_metadata(directory).state_dict_metadata
-    common = read_common(directory)
-    if not finetune and not any(k.startswith((EXP_AVG, EXP_AVG_SQ)) for k in metadata):
-        raise CheckpointError(f"{directory}: holds weights only (no optimizer state, e.g. a "
-                              "converted checkpoint); expected --finetune to start from it")
-    return directory, metadata, common
+    return directory, metadata, read_common(directory)
 
 
-def check_resumable(run: RunConfig) -> dict | None:
-    """--load's checkpoint, checked before anything is built: readable, the right kind for
-    --finetune, and saved with this run's --global-batch-size (the data position). Returns
-    its common state (None when --load holds no checkpoint)."""
+def check_resumable(run: RunConfig, log: Callable[[str], Any] = print) -> dict | None:
+    """--load's checkpoint, checked before anything is built: readable, its files as
+    saved (checksums; collective), and saved with this run's --global-batch-size (the
+    data position). Returns its common state (None
+    when --load holds no checkpoint)."""
     c, batch = run.checkpointing, run.training.global_batch_size
-    found = inspect_checkpoint(c.load, c.finetune)
-    if found is None or c.finetune:
-        return None if found is None else found[2]
+    found = inspect_checkpoint(c.load, log)
+    if found is None:
+        return None
+    _, world = _world()
+    verify_checkpoint(found[0], host_group() if world > 1 else None)
+    if c.finetune:
+        return found[2]
     common = found[2]
-    iteration = int(common["iteration"])
-    consumed = int(common.get("consumed_samples", iteration * batch))
+    iteration = int(common.get("iteration", 0))
+    consumed = int(common.get("consumed_samples",
+                              saved_args(common).get("consumed_train_samples",
+                                                     iteration * batch)))
     if consumed != iteration * batch:
         raise CheckpointError(f"--load {c.load}: saved after {consumed} samples in "
                               f"{iteration} iterations; expected --global-batch-size "
@@ -320,26 +520,55 @@ def check_resumable(run: RunConfig) -> dict | None:
     return common
 
 
-def load_checkpoint(root: str, owned: OwnedState, *, finetune: bool = False) -> dict | None:
-    """Fill this rank's `owned` tensors in place from the latest checkpoint under `root`
-    and return its common state (None when `root` holds no checkpoint). With `finetune`
-    only the masters are read and the moments are zeroed. Collective."""
-    found = inspect_checkpoint(root, finetune)
+def checkpoint_model_flags(run: RunConfig, log: Callable[[str], Any] = print) -> RunConfig:
+    """--use-checkpoint-args: the model shape flags of --load's checkpoint replace this
+    run's (Megatron's meaning); without a checkpoint the run's own flags stay."""
+    c = run.checkpointing
+    if not (c.use_checkpoint_args and c.load and os.path.exists(c.load)):
+        return run
+    found = inspect_checkpoint(c.load, lambda _: None)
+    if found is None:
+        log(f"--use-checkpoint-args: no checkpoint in {c.load}; the model flags given apply")
+        return run
+    args = saved_args(found[2])
+    changes = {f: args[f] for f in MODEL_FIELDS if args.get(f) is not None}
+    if not changes:
+        raise ConfigError("--use-checkpoint-args", True,
+                          f"a checkpoint that records its model flags ({found[0]} has no args)")
+    return run.evolve(model={**changes, "name": "custom"})
+
+
+def load_checkpoint(root: str, owned: OwnedState, model: LlamaConfig, *,
+                    finetune: bool = False, load_optim: bool = True, load_rng: bool = True,
+                    verify: bool = True, log: Callable[[str], Any] = print) -> dict | None:
+    """Fill this rank's `owned` tensors in place from the checkpoint `root` means and
+    return its common state (None when `root` holds no checkpoint), after checking its
+    files against their checksums (`verify`). Without the moments
+    (--finetune, --no-load-optim, or a checkpoint without them) they are zeroed and
+    common["optimizer_step"] is 0. Collective."""
+    found = inspect_checkpoint(root, lambda _: None)  # check_resumable said how it chose
     if found is None:
         return None
     directory, metadata, common = found
     rank, world = _world()
-    wanted = {k: v for k, v in owned.tensors.items() if not finetune or k.startswith(MASTER)}
+    if verify:
+        verify_checkpoint(directory, host_group() if world > 1 else None)
+    fresh = finetune or not load_optim or not has_optimizer_state(directory, metadata)
+    if fresh and not finetune and load_optim:
+        log(f"{directory} holds no optimizer state this run can map: the run starts a fresh "
+            "optimizer (as --no-load-optim does)")
+    wanted = {k: v for k, v in owned.tensors.items() if not fresh or k.startswith(MASTER)}
     rng = _rng_key(rank)
-    if common.get("world_size") == world and rng in metadata and not finetune:
+    if (common.get("world_size") == world and rng in metadata and not finetune and load_rng):
         wanted[rng] = torch.get_rng_state()  # per-rank streams mean nothing on another shape
-    load_tensors(directory, wanted, host_group() if world > 1 else None)
+    load_tensors(directory, wanted, host_group() if world > 1 else None, model)
     if rng in wanted:
         torch.set_rng_state(wanted[rng])
-    if finetune:
+    if fresh:
         for key, tensor in owned.tensors.items():
             if not key.startswith(MASTER):
                 tensor.zero_()
+        common = {**common, "optimizer_step": 0}
     return common
 
 
@@ -347,12 +576,27 @@ def restore_run(common: dict, step: TrainStep, schedule: LRSchedule,
                 finetune: bool) -> tuple[int, int]:
     """After check_resumable() and load_checkpoint(): hand the scalars to the step and the
     LR schedule. Returns (the iteration to continue after, skipped iterations so far);
-    (0, 0) with --finetune."""
+    (0, 0) with --finetune. A Megatron checkpoint's scheduler counts samples: its steps
+    are divided by the global batch it was saved with."""
     if finetune:
         step.restored(0, None, 0)
         return 0, 0
-    iteration = int(common["iteration"])
-    step.restored(int(common["optimizer_step"]), common.get("loss_scaler"), iteration,
+    iteration = int(common.get("iteration", 0))
+    step.restored(int(common.get("optimizer_step", 0)), common.get("loss_scaler"), iteration,
                   common.get("speculation"))
-    schedule.load_state_dict(common["lr_schedule"])
+    state = common.get("lr_schedule")
+    if state is not None and common.get("format_version", FORMAT_VERSION) < 3:
+        # formats 1 and 2 counted the schedule in iterations; it counts samples since 3
+        batch = saved_args(common).get("global_batch_size") or 1
+        state = scheduler_units(state, batch)
+    if state is None and "opt_param_scheduler" in common:  # Megatron's: samples, as ours
+        state = common["opt_param_scheduler"]
+    if state is None:
+        state = {**schedule.state_dict(),
+                 "num_steps": iteration * schedule.samples_per_iteration}
+    try:
+        schedule.load_state_dict(state)
+    except AssertionError as exc:  # OptimizerParamScheduler's check of its flags
+        raise CheckpointError(f"the checkpoint's LR schedule differs from this run's: "
+                              f"{exc}") from None
     return iteration, int(common.get("skipped_total", 0))

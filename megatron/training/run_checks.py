@@ -58,11 +58,24 @@ def check_writable_file(flag: str, path: str) -> None:
         raise ConfigError(flag, path, f"its directory is not writable ({exc.expected})") from None
 
 
+def is_auto_resume(run: RunConfig) -> bool:
+    """--save D --load D: the idiom of Megatron's launch scripts (resume if D holds a
+    checkpoint, else start from scratch)."""
+    c = run.checkpointing
+    return bool(c.load and c.save) and os.path.abspath(c.load) == os.path.abspath(c.save)
+
+
 def check_load_dir(run: RunConfig) -> None:
     """--load of a directory that does not exist is a mistake (a typo would silently train
-    from scratch), unless --load-optional asks for Megatron's behaviour."""
+    from scratch), unless it is the --save directory (auto-resume) or --load-optional asks
+    for Megatron's behaviour; --exit-on-missing-checkpoint makes it an error always."""
     c = run.checkpointing
-    if c.load and not os.path.isdir(c.load) and not c.load_optional:
+    if not c.load or os.path.isdir(c.load):
+        return
+    if c.exit_on_missing_checkpoint:
+        raise ConfigError("--load", c.load, "expected an existing checkpoint directory "
+                          "(--exit-on-missing-checkpoint)")
+    if not c.load_optional and not is_auto_resume(run):
         raise ConfigError("--load", c.load,
                           "expected an existing checkpoint directory (add --load-optional "
                           "to start from scratch when it does not exist)")

@@ -29,10 +29,12 @@ from megatron.planning.search import auto_configure
 from megatron.planning.shape import check_pipeline_shape
 from megatron.schedules.cost_model import model_flops_per_token
 from megatron.training.arguments import exit_bad_input, parse_args
+from megatron.training.checkpoint_format import saved_args
 from megatron.training.checkpointing import (
     CheckpointError,
     CheckpointSaver,
     check_resumable,
+    checkpoint_model_flags,
     load_checkpoint,
     restore_run,
 )
@@ -46,6 +48,7 @@ from megatron.training.run_checks import (
     check_checkpoint_model,
     check_load_dir,
     check_output_paths,
+    is_auto_resume,
 )
 from megatron.training.scalar_logging import ScalarSinks, check_scalar_sinks
 from megatron.training.signals import ExitConditions
@@ -110,6 +113,7 @@ class TrainingLoop:
         self.start_iteration = 0
         self.skipped_total = 0
         self.flops_per_token = 0.0  # model FLOPs, for --log-throughput
+        self.model_cfg: LlamaConfig | None = None
 
     # --- setup ---------------------------------------------------------------------------
 
@@ -117,19 +121,25 @@ class TrainingLoop:
         run, log = self.run, self.log
         load = run.checkpointing.load
         with setup_phase("checkpoint read", log, enabled=bool(load)):
+            why = "--save directory: auto-resume" if is_auto_resume(run) else "--load-optional"
             if load and os.path.isdir(load):
-                saved = check_resumable(run)
+                saved = check_resumable(run, log)
+                if saved is None and run.checkpointing.exit_on_missing_checkpoint:
+                    raise CheckpointError(f"--load {load}: holds no checkpoint "
+                                          "(--exit-on-missing-checkpoint)")
                 if saved is None:
-                    log(f"no checkpoint in {load}: starting from scratch")
+                    log(f"no checkpoint in {load}: starting from scratch"
+                        + (" (--save directory: auto-resume)" if is_auto_resume(run) else ""))
                 else:
-                    check_checkpoint_model(run, saved.get("args"), load)
+                    check_checkpoint_model(run, saved_args(saved), load)
             elif load:
-                log(f"{load} does not exist (--load-optional): starting from scratch")
+                log(f"{load} does not exist ({why}): starting from scratch")
         with setup_phase("data", log):
             self.data = prepare_data(run, log=log)
         model_cfg = LlamaConfig.from_model(run.model, self.data.vocab_size, run.training.seed)
         self.flops_per_token = model_flops_per_token(
             replace(run.model, vocab_size=self.data.vocab_size))
+        self.model_cfg = model_cfg
         torch.manual_seed(run.training.seed)
         with setup_phase("model, optimizer and pipeline", log):
             self.step = make_train_step(run, model_cfg, self.dist_info)
@@ -139,7 +149,7 @@ class TrainingLoop:
         if load and os.path.isdir(load):
             self._load(load)
         if run.checkpointing.save:
-            self.saver = CheckpointSaver(run.checkpointing.save,
+            self.saver = CheckpointSaver(run.checkpointing.save, model_cfg,
                                          async_save=run.checkpointing.async_save, log=log)
         self.metrics = MetricsWriter(run.logging.metrics_file if self.is_logger else None)
         self.sinks = ScalarSinks(run, enabled=self.is_logger)
@@ -150,14 +160,18 @@ class TrainingLoop:
         self.exits = ExitConditions(run.exit, self.start_time, agree)
 
     def _load(self, load: str) -> None:
-        finetune = self.run.checkpointing.finetune
+        c = self.run.checkpointing
+        finetune = c.finetune
         with setup_phase("checkpoint load", self.log):
-            common = load_checkpoint(load, self.step.owned_state(), finetune=finetune)
+            common = load_checkpoint(load, self.step.owned_state(), self.model_cfg,
+                                     finetune=finetune, load_optim=not c.no_load_optim,
+                                     load_rng=not c.no_load_rng, log=self.log,
+                                     verify=False)  # check_resumable() verified the files
             if common is not None:
                 self.start_iteration, self.skipped_total = restore_run(
                     common, self.step, self.schedule, finetune)
         if common is not None:
-            self.log(f"loaded checkpoint from {load} at iteration {common['iteration']}"
+            self.log(f"loaded checkpoint from {load} at iteration {common.get('iteration', 0)}"
                      + (" (--finetune: weights only, from iteration 0)" if finetune else ""))
 
     # --- the loop ------------------------------------------------------------------------
@@ -246,7 +260,10 @@ class TrainingLoop:
         run = self.run
         common = {"lr_schedule": self.schedule.state_dict(), "skipped_total": self.skipped_total,
                   "consumed_samples": iteration * run.training.global_batch_size,
-                  "args": run.flags(), "tokenizer_json": self.data.tokenizer.to_json()}
+                  "args": run.flags(), "tokenizer_json": self.data.tokenizer.to_json(),
+                  "padded_vocab_size": self.data.vocab_size,
+                  "num_floating_point_operations_so_far":
+                      iteration * run.tokens_per_iteration * self.flops_per_token}
         blocked = self.saver.save(iteration, self.step.owned_state(), common)
         self.log(f"checkpoint iteration {iteration}: training blocked {blocked:.3f} s"
                  + (", writing in the background" if run.checkpointing.async_save else ""))
@@ -272,6 +289,7 @@ def train(run: RunConfig, dist_info: DistInfo,
     Callable several times in one job (bench/schedules.py runs each schedule);
     `on_step(train_step)` is called once the train step is built."""
     start_time = time.time()
+    run = checkpoint_model_flags(run, print if dist_info.rank == 0 else (lambda *_: None))
     check_before_start(run, dist_info)
     loop = TrainingLoop(run, dist_info, start_time)
     try:

@@ -1,0 +1,161 @@
+"""megatron-core's `torch_dist` format as this project stores it: the sharded state of a
+train step's tensors (GPTModel's sharded keys for the model, megatron-core's optimizer keys
+for Adam's moments), the way back from a stored key to ours, Megatron's common-state keys,
+and the checksums recorded beside the files. checkpointing.py puts them in directories.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import types
+import zlib
+
+import torch
+import torch.distributed as dist
+
+from megatron.models.llama import LlamaConfig
+from megatron.training import checkpoint_layout as layout
+from megatron.training.checkpoint_state import EXP_AVG, EXP_AVG_SQ, MASTER, STATE_PREFIXES
+
+CHECKSUMS = "checksums.json"  # ours: every other file's size and CRC-32, verified at load
+# megatron-core's optimizer-state prefixes (dist_checkpointing.optimizer), ours beside them
+OPTIMIZER_KEYS = {EXP_AVG: "optimizer.state.exp_avg", EXP_AVG_SQ: "optimizer.state.exp_avg_sq"}
+FP32_MASTER_KEY = "optimizer.state.fp32_param"  # a Megatron mixed-precision run's masters
+MiB = 2**20
+
+
+class CheckpointError(ValueError):
+    """A checkpoint or its tracker is missing, unreadable or does not fit this run."""
+
+
+def split_key(key: str) -> tuple[str, str]:
+    """(our prefix, GPTModel name) of an OwnedState key."""
+    for prefix in STATE_PREFIXES:
+        if key.startswith(prefix):
+            return prefix, key[len(prefix):]
+    raise KeyError(key)
+
+
+def sharded_state(model: LlamaConfig, tensors: dict[str, torch.Tensor],
+                  fp32_masters: bool = False) -> dict:
+    """megatron-core's sharded state dict of `tensors` (OwnedState keys; `rng_state.*`
+    kept whole): the model under GPTModel's sharded keys, the moments under
+    megatron-core's optimizer keys, the layers' `_extra_state` objects; factories applied.
+    `fp32_masters`: read the masters from a Megatron mixed-precision run's fp32 copy."""
+    from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
+    from megatron.core.dist_checkpointing.mapping import apply_factories
+
+    named = {k: split_key(k) for k in tensors if not k.startswith("rng_state.")}
+    entries = layout.layout_of(model, {name for _, name in named.values()})
+    out: dict = {name: entry for name, entry in entries.items()
+                 if isinstance(entry, ShardedObject)}
+    for key, tensor in tensors.items():
+        if key not in named:
+            out[key] = ShardedTensor.from_rank_offsets(key, tensor)
+            continue
+        prefix, name = named[key]
+        optimizer = OPTIMIZER_KEYS.get(prefix, FP32_MASTER_KEY if fp32_masters else None)
+        out[key] = layout.with_data(entries[name], tensor, optimizer)
+    apply_factories(out)
+    return out
+
+
+def sharded_tensors(sharded: dict) -> list:
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    return [v for v in nested_values(sharded) if isinstance(v, ShardedTensor)]
+
+
+def saved_args(common: dict | None) -> dict:
+    """The flags a checkpoint was saved with, whoever wrote it (a dict here in format 1, a
+    namespace in Megatron's), with Megatron's implicit query groups made explicit."""
+    args = (common or {}).get("args")
+    args = dict(vars(args)) if hasattr(args, "__dict__") else dict(args or {})
+    if args.get("group_query_attention") is False:
+        args["num_query_groups"] = args.get("num_attention_heads")
+    return args
+
+
+def megatron_common(common: dict, iteration: int) -> dict:
+    """Megatron's common-state keys beside ours: `args` as a namespace (Megatron-LM reads
+    it with getattr), `checkpoint_version`, and `opt_param_scheduler` (both schedulers
+    count samples)."""
+    flags = saved_args(common)
+    global_batch_size = flags.get("global_batch_size") or 1
+    args = types.SimpleNamespace(**{
+        "max_position_embeddings": flags.get("seq_length"), **flags,
+        "padded_vocab_size": common.get("padded_vocab_size", flags.get("vocab_size")),
+        "tensor_model_parallel_size": 1, "group_query_attention": True,
+        "consumed_train_samples": common.get("consumed_samples",
+                                             iteration * global_batch_size),
+        "consumed_valid_samples": 0})
+    out = {**common, "args": args, "checkpoint_version": 3.0,
+           "num_floating_point_operations_so_far":
+               common.get("num_floating_point_operations_so_far", 0)}
+    if "lr_schedule" in common:
+        out["opt_param_scheduler"] = common["lr_schedule"]
+    return out
+
+
+def scheduler_units(state: dict, factor: float) -> dict:
+    """An OptimizerParamScheduler state with its step counts multiplied by `factor`."""
+    return {k: (v * factor if k.endswith("steps") else v) for k, v in state.items()}
+
+
+def owned_key(stored: str, fp32_masters: bool) -> tuple[str, str] | None:
+    """(our prefix, megatron-core key) of a stored tensor; None for what we do not read."""
+    for ours, theirs in OPTIMIZER_KEYS.items():
+        if stored.startswith(theirs + "."):
+            return ours, stored[len(theirs) + 1:]
+    if stored.startswith(FP32_MASTER_KEY + "."):
+        return MASTER, stored[len(FP32_MASTER_KEY) + 1:]
+    if stored.startswith(("optimizer.", "rng_state")) or fp32_masters:
+        return None
+    return MASTER, stored
+
+
+def file_checksum(path: str) -> dict:
+    """{"bytes": size, "crc32": CRC-32} of a file, read in 16 MiB blocks."""
+    crc, size = 0, 0
+    with open(path, "rb") as stream:
+        while block := stream.read(16 * MiB):
+            crc, size = zlib.crc32(block, crc), size + len(block)
+    return {"bytes": size, "crc32": crc}
+
+
+def verify_checkpoint(directory: str, process_group: dist.ProcessGroup | None = None) -> None:
+    """Every file checksums.json lists has its recorded size and CRC-32 (a checkpoint
+    without checksums.json, megatron-core's or an older one of ours, is not checked). With
+    a process group each rank reads its share of the files; all raise together, naming
+    the first damaged file. Collective when `process_group` is given."""
+    path = os.path.join(directory, CHECKSUMS)
+    if not os.path.exists(path):
+        return
+    try:
+        with open(path) as stream:
+            recorded = json.load(stream)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: unreadable ({exc})") from None
+    rank, world = ((dist.get_rank(process_group), dist.get_world_size(process_group))
+                   if process_group is not None else (0, 1))
+    damaged = []
+    for name in sorted(recorded)[rank::world]:
+        file, want = os.path.join(directory, name), recorded[name]
+        if not os.path.exists(file):
+            damaged.append(f"{file}: missing; expected {want['bytes']} bytes")
+            continue
+        got = file_checksum(file)
+        if got["bytes"] != want["bytes"]:
+            damaged.append(f"{file}: {got['bytes']} bytes, expected {want['bytes']} "
+                           "(truncated or damaged)")
+        elif got["crc32"] != want["crc32"]:
+            damaged.append(f"{file}: damaged (CRC-32 {got['crc32']:08x}, expected "
+                           f"{want['crc32']:08x} when saved)")
+    if process_group is not None:
+        gathered: list = [None] * world
+        dist.all_gather_object(gathered, damaged, group=process_group)
+        damaged = [line for part in gathered for line in part]
+    if damaged:
+        raise CheckpointError(damaged[0])
