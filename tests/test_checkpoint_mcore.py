@@ -8,9 +8,11 @@ GPTModel's loss on the run's batch."""
 import argparse
 import multiprocessing
 import os
+import types
 
 import pytest
 import torch
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron.data.run_data import prepare_data
 from megatron.data.sampling import training_micro_batches
@@ -19,7 +21,6 @@ from megatron.training.arguments import parse_args
 from megatron.training.checkpoint_state import EXP_AVG, EXP_AVG_SQ, MASTER, checkpoint_name
 from megatron.training.checkpointing import TRACKER, iteration_dir, read_all_tensors
 from megatron.training.distributed import initialize_distributed, shutdown_distributed
-from megatron.training.lr_schedule import LRSchedule
 from megatron.training.training import train
 from tests.test_pipeline_executor import MODEL, launch, metrics
 
@@ -127,12 +128,16 @@ def test_a_megatron_core_checkpoint_loads_into_a_two_process_run(tmp_path, demo_
     torch.manual_seed(7)  # weights of its own, not the run's initial ones
     gpt = gpt_model(cfg)
     o = config.optimization
-    schedule = LRSchedule(o.lr, o.min_lr, o.lr_warmup_iters, o.lr_decay_iters,
-                          o.lr_decay_style, o.weight_decay)
+    # Megatron-LM's scheduler as its training builds it: steps count samples
+    holder = types.SimpleNamespace(param_groups=[{"lr": 0.0, "weight_decay": o.weight_decay}])
+    megatron_schedule = OptimizerParamScheduler(
+        holder, init_lr=0.0, max_lr=o.lr, min_lr=o.min_lr,
+        lr_warmup_steps=o.lr_warmup_iters * batch, lr_decay_steps=o.lr_decay_iters * batch,
+        lr_decay_style=o.lr_decay_style, start_wd=o.weight_decay, end_wd=o.weight_decay,
+        wd_incr_steps=config.training.train_iters * batch, wd_incr_style="constant")
     for _ in range(3):
-        schedule.step()
-    scheduler = {k: v * batch if k.endswith("steps") else v
-                 for k, v in schedule.state_dict().items()}
+        megatron_schedule.step(increment=batch)
+    scheduler = megatron_schedule.state_dict()
     m = config.model
     args = argparse.Namespace(
         num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_hidden_size,
@@ -151,7 +156,7 @@ def test_a_megatron_core_checkpoint_loads_into_a_two_process_run(tmp_path, demo_
     assert "starts a fresh optimizer" in run.stdout
     first = metrics(run)[0]
     assert first["iteration"] == 4 and first["consumed_samples"] == 4 * batch
-    assert first["lr"] == schedule.lr
+    assert first["lr"] == holder.param_groups[0]["lr"]
 
     data = prepare_data(config, log=lambda *_: None)
     micro_batches = training_micro_batches(data.datasets.train, 4, config)
