@@ -152,6 +152,7 @@ EVAL_AND_LOGGING_ARGS=(
     --load "$CHECKPOINT_PATH"
     --tensorboard-dir "$TENSORBOARD_LOGS_PATH"
     --log-timers-to-tensorboard
+    --ckpt-format torch_dist
 )
 
 cd "$(dirname "$0")/.."

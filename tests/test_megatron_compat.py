@@ -47,6 +47,8 @@ MEGATRON_LLAMA_LAUNCH = [
     "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
     "--distributed-backend", "nccl", "--optimizer", "adam", "--seed", "1234",
     "--log-timers-to-tensorboard", "--exit-signal-handler", "--exit-signal", "SIGUSR1",
+    "--ckpt-format", "torch_dist", "--tokenizer-type", "NullTokenizer", "--vocab-size", "512",
+    "--mock-data",
 ]
 
 
@@ -241,6 +243,23 @@ def test_pipeline_size_one_on_two_processes_is_data_parallel_one_process_trainin
     for got, want in zip(replicas, single):
         assert got["loss"] == pytest.approx(want["loss"], abs=1e-5)
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
+
+
+@pytest.mark.multiproc
+def test_megatrons_llama_launch_trains_on_two_processes(tmp_path):
+    """The whole flag set above, under torchrun's environment on 2 processes: it trains
+    its 10 iterations (40 samples) in bf16 and saves where --save says."""
+    argv = [str(tmp_path / "ckpt") if a == "ckpt" else a for a in MEGATRON_LLAMA_LAUNCH]
+    metrics = tmp_path / "metrics.jsonl"
+    result = forked_ranks.launch("pretrain_llama.py", [
+        *argv, "--data-cache-path", str(tmp_path), "--metrics-file", str(metrics)], 2,
+        env={"OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = _metrics(metrics)
+    assert [r["iteration"] for r in rows] == list(range(1, 11))
+    assert all(math.isfinite(r["loss"]) for r in rows)
+    assert "throughput per GPU (TFLOP/s/GPU)" in result.stdout
+    assert (tmp_path / "ckpt" / "iter_0000010" / "metadata.json").exists()
 
 
 @pytest.mark.multiproc
