@@ -14,10 +14,10 @@ import pytest
 
 from megatron.offload.naming import job_prefix, resolve_job_id
 from megatron.training.checkpointing import TRACKER, iteration_dir
+from tests import slurm_cluster
 from tests.slurm_cluster import ClusterUnavailable, SlurmCluster, free_ports, unavailable
 from tests.test_pipeline_executor import MODEL, ROOT, metrics, start
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 SCRIPT = os.path.join(ROOT, "examples", "slurm_pretrain_llama.sbatch")
 TRAIN_ITERS = 12
 SIGNAL_AFTER = 2  # iterations logged before the signal: the handlers are installed by then
@@ -74,6 +74,18 @@ def _wait(cluster, job_id, log, done, what, timeout=120.0):
                 f"{cluster.logs()}")
 
 
+def test_without_root_or_slurm_the_reason_to_skip_says_what_is_missing(monkeypatch):
+    monkeypatch.setattr(slurm_cluster, "SBIN_PATH", "/nonexistent")
+    monkeypatch.setenv("PATH", "/nonexistent")
+    reason = unavailable()
+    assert reason is not None and "slurmctld" in reason and "sbatch" in reason
+    assert "apt-get install slurm-wlm munge" in reason
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert unavailable().startswith("not root")
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
 def test_a_signal_before_the_time_limit_saves_requeues_and_continues_the_run(
         slurm, tmp_path, demo_cache):
     out = tmp_path / "job"
