@@ -120,7 +120,7 @@ class SlurmCluster:
         open(os.path.join(d, "plugstack.conf"), "w").close()  # not /etc/slurm's plugins
         self._spawn("munged", "munged", "--foreground", "--force", f"--key-file={key}",
                     f"--socket={socket_path}", f"--pid-file={d}/munge/munged.pid",
-                    f"--log-file={d}/munge/munged.log", f"--seed-file={d}/munge/seed")
+                    f"--log-file={d}/munged.log", f"--seed-file={d}/munge/seed")
         self._wait_for(lambda: os.path.exists(socket_path), timeout, "munged's socket")
         self._spawn("slurmctld", "slurmctld", "-D")
         self._spawn("slurmd", "slurmd", "-D", "-N", NODE)
@@ -155,7 +155,9 @@ class SlurmCluster:
         parts = []
         for root, _, files in os.walk(self.directory):
             for name in sorted(files):
-                if name.endswith((".log", ".out")):
+                # a daemon's stderr (.out) repeats its log file, where it got to open one
+                if name.endswith(".log") or (name.endswith(".out")
+                                             and name[:-4] + ".log" not in files):
                     with open(os.path.join(root, name), errors="replace") as f:
                         tail = f.readlines()[-lines:]
                     parts.append(f"--- {name}\n{''.join(tail)}")

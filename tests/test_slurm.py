@@ -103,8 +103,7 @@ def test_a_signal_before_the_time_limit_saves_requeues_and_continues_the_run(
     _wait(slurm, job_id, log, lambda _: len(_read_metrics(metrics_file)) >= SIGNAL_AFTER,
           f"iteration {SIGNAL_AFTER}")
     slurm.run("scancel", "--batch", "--signal=USR1", job_id)
-    _wait(slurm, job_id, log, lambda f: f.get("JobState") == "PENDING"
-          and f.get("Restarts") == "1", "requeued")
+    _wait(slurm, job_id, log, lambda f: f.get("Restarts") == "1", "requeued")
     # the uninterrupted run, on the cores the requeued job leaves idle until it restarts
     reference = start(tmp_path, "reference", 2, *EXTRA, *ADDED_BY_SCRIPT)
     first = log.read_text()
