@@ -89,6 +89,9 @@ MpiDefault=none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SchedulerType=sched/builtin
+# A requeued job becomes eligible when its delay (cred_expire) ends, an event that starts no
+# scheduling: the periodic pass does, every 60 s by default.
+SchedulerParameters=sched_interval=1
 ReturnToService=2
 KillWait=2
 NodeName={NODE} NodeAddr=127.0.0.1 CPUs=2 State=UNKNOWN
