@@ -108,6 +108,7 @@ def test_a_signal_before_the_time_limit_saves_requeues_and_continues_the_run(
     reference = start(tmp_path, "reference", 2, *EXTRA, *ADDED_BY_SCRIPT)
     first = log.read_text()
     stopped = int((ckpt / TRACKER).read_text())
+    assert f"no checkpoint in {ckpt}: starting from scratch" in first  # --load of the empty dir
     assert SIGNAL_AFTER <= stopped < TRAIN_ITERS, first
     assert f"exiting after iteration {stopped}: SIGUSR1 received" in first
     for rank in (0, 1):  # every rank wrote its part of the iteration it stopped after
