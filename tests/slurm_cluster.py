@@ -12,6 +12,7 @@ that mark and removes the directory, whatever happened before.
 from __future__ import annotations
 
 import os
+import random
 import re
 import shutil
 import signal
@@ -46,12 +47,26 @@ def unavailable() -> str | None:
 
 
 def free_ports(count: int) -> list[int]:
-    """`count` distinct ports free on 127.0.0.1 now (held together while chosen)."""
-    sockets = [socket.socket() for _ in range(count)]
+    """`count` distinct ports free on 127.0.0.1 now, below the kernel's ephemeral range: a
+    port chosen now is bound by a daemon or torchrun seconds later, and meanwhile no other
+    process's connection or bind(0) is handed it (an ephemeral one was, on a busy machine:
+    torchrun then found its rendezvous port taken and waited 60 s as a client)."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        ephemeral_low = int(f.read().split()[0])
+    candidates = random.sample(range(max(1024, ephemeral_low // 2), ephemeral_low), 200)
+    sockets: list[socket.socket] = []
     try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
+        for port in candidates:
+            s = socket.socket()
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                s.close()
+                continue
+            sockets.append(s)
+            if len(sockets) == count:
+                return [s.getsockname()[1] for s in sockets]
+        raise OSError(f"no {count} free ports below {ephemeral_low}")
     finally:
         for s in sockets:
             s.close()
