@@ -194,6 +194,14 @@ class TestingConfig:
 
 
 @dataclass(frozen=True)
+class DeviceCheckConfig:
+    """Checks of the CPU device layer's stream order (docs/device-sanitizer.md)."""
+
+    device_sanitizer: bool  # every cross-stream access checked against the declared order
+    device_chaos: int | None  # a seed: copy streams delayed by seeded random amounts
+
+
+@dataclass(frozen=True)
 class RunConfig:
     model: ModelConfig
     training: TrainingConfig
@@ -208,6 +216,7 @@ class RunConfig:
     exit: ExitConfig
     planning: PlanningConfig
     testing: TestingConfig
+    device_checks: DeviceCheckConfig
 
     def __post_init__(self) -> None:
         check_run(self)
@@ -299,7 +308,8 @@ _SECTION_TYPES = {"model": ModelConfig, "training": TrainingConfig,
                   "cpu_optimizer": CpuOptimizerConfig, "data": DataConfig,
                   "evaluation": EvaluationConfig, "parallel": ParallelConfig,
                   "checkpointing": CheckpointConfig, "logging": LoggingConfig,
-                  "exit": ExitConfig, "planning": PlanningConfig, "testing": TestingConfig}
+                  "exit": ExitConfig, "planning": PlanningConfig, "testing": TestingConfig,
+                  "device_checks": DeviceCheckConfig}
 
 
 def _flag_of(section: str, field: str) -> str:

@@ -147,6 +147,7 @@ class PipelineExecutor:
         for index, instr in enumerate(self.program):
             t0 = time.perf_counter()
             before = self.device.compute_stream.record_event() if instr.op in COMPUTE else None
+            self.device.at_instruction(f"rank {self.rank} instruction {index}: {instr}")
             try:
                 if self._fail_at is not None and (iteration, index) >= self._fail_at[:2]:
                     self._inject_failure()
@@ -160,11 +161,13 @@ class PipelineExecutor:
                 computed.append((instr, before, self.device.compute_stream.record_event()))
             elif instr.op in _OPTIMIZER_OPS:
                 waited.append((instr, t0, time.perf_counter()))
+        self.device.at_instruction(f"rank {self.rank} after the program")
         for work, _ in self._isends:
             work.wait()
         for b in list(self._slots):
             self.param_slots.release(self._slots.pop(b))
         result = self.optimizer.end_iteration()
+        self.device.host_threads_joined()
         self.owned.finish_iteration(iteration)  # a stage being corrected publishes later
         self.device.wait_for(self.device.compute_stream)
         iteration_s = time.perf_counter() - start
@@ -230,6 +233,8 @@ class PipelineExecutor:
         training_kept, self._kept_act_ckpts = self._kept_act_ckpts, frozenset()
         try:
             for index, instr in enumerate(schedule.programs[self.rank]):
+                self.device.at_instruction(
+                    f"rank {self.rank} instruction {index} of the forward-only program: {instr}")
                 try:
                     self._execute(instr)
                 except Exception as exc:
@@ -337,10 +342,12 @@ class PipelineExecutor:
 
     def _optimizer_wait_all(self, instr: Instruction) -> None:
         self.optimizer.wait_all()
+        self.device.host_threads_joined()
 
     def _overflow_sync(self, instr: Instruction) -> None:
         self.owned.check_pending(self.optimizer)
         self.optimizer.wait_all()
+        self.device.host_threads_joined()
         self.optimizer.synchronize()
 
     def _post_step_sync(self, instr: Instruction) -> None:
@@ -382,6 +389,12 @@ class PipelineExecutor:
         self.param_slots.bind(slot, stage.module, stage.layout)
         return stage
 
+    def _kernel(self, what: str, b: BackwardStage, grad: torch.Tensor | None = None) -> None:
+        """Tell the device layer what a forward or backward on the compute stream touches:
+        the stage's parameter slot, and the gradient buffer a backward accumulates into."""
+        self.device.kernel(self.device.compute_stream, reads=(self._slots[b].params,),
+                           writes=() if grad is None else (grad,), what=what)
+
     def _forward(self, instr: Instruction) -> None:
         self._run_forward(instr.stage, instr.mb)
 
@@ -395,7 +408,9 @@ class PipelineExecutor:
             for sub in range(self.schedule.backward_split):
                 if (stage, sub) != (0, 0):
                     self._keep_act_ckpt((stage, sub, mb), hidden)
-                hidden = self._bind((stage, sub))(hidden, batch)
+                module = self._bind((stage, sub))
+                self._kernel(f"the forward of {(stage, sub)}", (stage, sub))
+                hidden = module(hidden, batch)
         if stage == self.last_stage:  # accumulated on the device: no host sync per micro-batch
             loss = hidden.detach().to(torch.float64)
             self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
@@ -413,6 +428,7 @@ class PipelineExecutor:
         owner = self.owned[b]
         grad = owner.gradient_buffer(self.grad_buffers)
         bind_gradients(module.module, module.layout, grad)
+        self._kernel(f"the backward of {b}", b, grad)
         if b == (0, 0):
             hidden_in = None
         else:
