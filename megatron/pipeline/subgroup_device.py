@@ -162,7 +162,8 @@ class ResidentSubgroupUpdater:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for tensors in self._state.values() for t in tensors)
+        with self._lock:  # optimizer threads add subgroups while the executor reads this
+            return sum(t.nbytes for tensors in self._state.values() for t in tensors)
 
     def launch(self, p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, grad: torch.Tensor,
                out: torch.Tensor | None, hyper: AdamHyper,
