@@ -28,7 +28,7 @@ CONFIGS = {
 }
 HINTS = {"Resident": "resident", "Subgroup": "subgroups"}  # qualname word -> config first
 RACE = "stream race on "
-CONCURRENT = 4  # runs at once
+CONCURRENT = 6  # runs at once
 
 
 def _configs_for(site):

@@ -76,16 +76,23 @@ class Sanitizer:
         self._clocks: dict[str, Clock] = {}
         self._histories: dict[int, _History] = {}
         self._where = threading.local()
+        self._running = OUTSIDE
         self.checked = 0  # accesses checked (tests assert the sanitizer looked at all)
         self.error: StreamRaceError | None = None  # the first race found
 
     # --- what is running ------------------------------------------------------------------
     def at(self, where: str) -> None:
-        """The instruction the calling thread issues work for from now on."""
+        """The instruction the executor runs from now on (on its thread)."""
         self._where.value = where
+        self._running = where
 
     def _current(self) -> str:
-        return getattr(self._where, "value", OUTSIDE)
+        """Work of another thread (an optimizer task) is named by what the executor runs
+        meanwhile: the task was started by an earlier instruction."""
+        own = getattr(self._where, "value", None)
+        if own is not None:
+            return own
+        return f"{threading.current_thread().name}, while {self._running}"
 
     # --- buffers --------------------------------------------------------------------------
     def register(self, tensor: torch.Tensor, name: str) -> None:

@@ -277,6 +277,7 @@ class PipelineExecutor:
             if b not in self._slots:
                 if b in self.owned:
                     self._correction_wait_s += self.owned[b].wait_for_correction()
+                    self.device.host_threads_joined()  # the correction's thread is done
                 segment = self.store.get(b)
                 segment.wait_version(self._params_version)
                 self._slots[b] = self.param_slots.prefetch(b, segment.params)

@@ -219,8 +219,8 @@ class ResidentSubgroupUpdater:
             if key not in self._host_stale:
                 return
             self.d2h.synchronize()  # the last update of this subgroup is done
-            self.device.kernel(self.d2h, reads=self._state[key][:3], writes=(p, m, v),
-                               what="writing a resident subgroup back")
+            self.device.host_read(*self._state[key][:3],  # a synchronous copy to the host
+                                  what="writing a resident subgroup back")
             for dst, src in zip((p, m, v), self._state[key][:3]):
                 dst.copy_(src)
             self._host_stale.discard(key)
