@@ -202,6 +202,17 @@ class DeviceCheckConfig:
 
 
 @dataclass(frozen=True)
+class ProfilingConfig:
+    """Megatron's profiling flags (megatron/training/profiling.py)."""
+
+    profile: bool
+    use_pytorch_profiler: bool
+    profile_step_start: int  # the first iteration profiled
+    profile_step_end: int  # the first iteration after them
+    profile_ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class RunConfig:
     model: ModelConfig
     training: TrainingConfig
@@ -217,6 +228,7 @@ class RunConfig:
     planning: PlanningConfig
     testing: TestingConfig
     device_checks: DeviceCheckConfig
+    profiling: ProfilingConfig
 
     def __post_init__(self) -> None:
         check_run(self)
@@ -309,7 +321,7 @@ _SECTION_TYPES = {"model": ModelConfig, "training": TrainingConfig,
                   "evaluation": EvaluationConfig, "parallel": ParallelConfig,
                   "checkpointing": CheckpointConfig, "logging": LoggingConfig,
                   "exit": ExitConfig, "planning": PlanningConfig, "testing": TestingConfig,
-                  "device_checks": DeviceCheckConfig}
+                  "device_checks": DeviceCheckConfig, "profiling": ProfilingConfig}
 
 
 def _flag_of(section: str, field: str) -> str:
