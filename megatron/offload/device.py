@@ -18,7 +18,7 @@ or MEGATRON_DEVICE_SANITIZER=1) checks every access to the buffers the layer han
 against the order the streams declare (megatron/offload/sanitizer.py); `chaos_seed`
 (--device-chaos SEED, or MEGATRON_DEVICE_CHAOS=SEED) delays each copy stream's operations
 by seeded random amounts, so that a missing wait shows as wrong numbers. On CUDA,
-`sanitize` turns on torch's CUDA sanitizer instead.
+`sanitize=True` (the flag, not the environment) turns on torch's CUDA sanitizer instead.
 
 Host synchronisations: on a GPU, reading a device value on the host or waiting for the
 device stalls the thread that feeds the GPU. Such reads and waits on the main thread go
@@ -265,11 +265,13 @@ class DeviceLayer:
         if kind not in ("cpu", "cuda"):
             raise ValueError(f"device kind={kind!r}: expected 'cpu' or 'cuda'")
         self.kind = kind
-        sanitize = sanitize or os.environ.get(SANITIZER_ENV, "") == "1"
+        # The environment (set by the tests) acts on the CPU layer only: on a GPU machine
+        # the suite does not run every rank under torch's far slower CUDA sanitizer.
+        checked = sanitize or os.environ.get(SANITIZER_ENV, "") == "1"
         if chaos_seed is None and os.environ.get(CHAOS_ENV):
             chaos_seed = int(os.environ[CHAOS_ENV])
         # None when off: every check below is one `is not None`
-        self.sanitizer: Sanitizer | None = Sanitizer() if sanitize and kind == "cpu" else None
+        self.sanitizer: Sanitizer | None = Sanitizer() if checked and kind == "cpu" else None
         self.chaos_seed = chaos_seed if kind == "cpu" else None
         self._buffers = 0
         if kind == "cuda":
