@@ -72,7 +72,9 @@ def _key(tensor: torch.Tensor) -> int:
 
 class Sanitizer:
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        # re-entrant: a buffer's finalizer (_forget) may run inside a locked section
+        # when a garbage collection happens there
+        self._lock = threading.RLock()
         self._clocks: dict[str, Clock] = {}
         self._histories: dict[int, _History] = {}
         self._where = threading.local()
