@@ -277,8 +277,10 @@ class PipelineExecutor:
         for b in self.schedule.params_of(instr.stage, instr.sub):
             if b not in self._slots:
                 if b in self.owned:
+                    corrected = self.owned[b].correction is not None
                     self._correction_wait_s += self.owned[b].wait_for_correction()
-                    self.device.host_threads_joined()  # the correction's thread is done
+                    if corrected:  # the correction's thread is done: what it waited for too
+                        self.device.host_threads_joined()
                 segment = self.store.get(b)
                 segment.wait_version(self._params_version)
                 self._slots[b] = self.param_slots.prefetch(b, segment.params)
