@@ -124,6 +124,7 @@ class PipelineExecutor:
         self._fail_at = _failure_to_inject(rank)
         self.last_stage = schedule.forward_stages - 1
         self._correction_wait_s = 0.0
+        self._sanitized = device.sanitizer is not None
 
     # --- one iteration -----------------------------------------------------------------
 
@@ -147,7 +148,8 @@ class PipelineExecutor:
         for index, instr in enumerate(self.program):
             t0 = time.perf_counter()
             before = self.device.compute_stream.record_event() if instr.op in COMPUTE else None
-            self.device.at_instruction(f"rank {self.rank} instruction {index}: {instr}")
+            if self._sanitized:  # the text only when someone reads it
+                self.device.at_instruction(f"rank {self.rank} instruction {index}: {instr}")
             try:
                 if self._fail_at is not None and (iteration, index) >= self._fail_at[:2]:
                     self._inject_failure()
@@ -234,8 +236,9 @@ class PipelineExecutor:
         training_kept, self._kept_act_ckpts = self._kept_act_ckpts, frozenset()
         try:
             for index, instr in enumerate(schedule.programs[self.rank]):
-                self.device.at_instruction(
-                    f"rank {self.rank} instruction {index} of the forward-only program: {instr}")
+                if self._sanitized:
+                    self.device.at_instruction(f"rank {self.rank} instruction {index} of the "
+                                               f"forward-only program: {instr}")
                 try:
                     self._execute(instr)
                 except Exception as exc:
@@ -396,6 +399,8 @@ class PipelineExecutor:
     def _kernel(self, what: str, b: BackwardStage, grad: torch.Tensor | None = None) -> None:
         """Tell the device layer what a forward or backward on the compute stream touches:
         the stage's parameter slot, and the gradient buffer a backward accumulates into."""
+        if not self._sanitized:
+            return
         self.device.kernel(self.device.compute_stream, reads=(self._slots[b].params,),
                            writes=() if grad is None else (grad,), what=what)
 
