@@ -46,6 +46,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # What every launched script imports first; a fork finds them loaded.
 PRELOAD = ("torch", "torch._dynamo", "torch.distributed.checkpoint", "torch.utils.tensorboard",
            "megatron.core.optimizer_param_scheduler", "megatron.training.training")
+# Every rank runs the device layer's stream sanitizer (docs/device-sanitizer.md) unless
+# the caller's environment says otherwise: a wait missing in the runtime fails the test
+# that runs it, whatever the timing. Its cost: a few microseconds per device operation.
+RANK_DEFAULTS = {"MEGATRON_DEVICE_SANITIZER": "1"}
 GRACE_S = 5.0  # after SIGTERM to the surviving ranks of a failed job, before SIGKILL
 READY = "ready"
 PR_SET_PDEATHSIG = 1
@@ -326,7 +330,7 @@ class RankJob:
             raise ValueError("several processes need torchrun's environment")
         script = os.path.join(cwd, script)
         self.torchrun = torchrun
-        base = {**os.environ, **env}
+        base = {**RANK_DEFAULTS, **os.environ, **env}
         self.command = ([f"torchrun --nproc-per-node {nproc}"] if torchrun else ["python"]) \
             + [script, *args]
         self.pids: list[int] = []

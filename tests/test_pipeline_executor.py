@@ -24,6 +24,7 @@ from megatron.config.errors import ConfigError
 from megatron.data.run_data import prepare_data
 from megatron.data.sampling import evaluation_micro_batches
 from megatron.models.llama import LlamaConfig, LlamaModel, gpt_model_name
+from megatron.offload.device import CHAOS_ENV
 from megatron.pipeline.replicas import LINK_DELAY_ENV
 from megatron.planning.shape import check_pipeline_shape, generate_schedule
 from megatron.schedules.cost_model import backward_stage_params, calibrated_costs
@@ -176,7 +177,10 @@ def started(request, tmp_path_factory, demo_cache):
         runs["reference"] = start(tmp_path_factory.mktemp("ref"), "single", 1)
     if "two_processes" in needed:
         # 4 micro-batches on 2 processes; decoupled: 4 forward stages split d = 2 (the default)
-        runs["two_processes"] = start_all_schedules(tmp_path_factory, 2)
+        # under chaos (copy streams delayed at random) and the sanitizer: a missing wait
+        # changes the numbers or fails the run (docs/device-sanitizer.md)
+        runs["two_processes"] = start_all_schedules(tmp_path_factory, 2,
+                                                    env={CHAOS_ENV: "1"})
     if "four_processes" in needed:
         # Two simulated nodes of 2 processes: stages whose owner is on the other node are read
         # from replicas that the owner pushes, stage by stage, as it publishes them; each push

@@ -40,6 +40,7 @@ def check_run(run: RunConfig) -> None:
     _check_checkpointing(run)
     _check_parallel(run)
     _check_cpu_optimizer(run)
+    _check_profiling(run)
 
 
 def _positive(value: int | None, field: str) -> None:
@@ -264,3 +265,16 @@ def _check_cpu_optimizer(run: RunConfig) -> None:
                               "fp32 with --pipeline-schedule single (the one-process "
                               "reference keeps torch's fp32 AdamW); bf16 needs the CPU "
                               "optimizer: give a pipeline schedule")
+
+
+def _check_profiling(run: RunConfig) -> None:
+    p = run.profiling
+    if not p.profile:
+        return
+    _positive(p.profile_step_start, "profile_step_start")
+    if p.profile_step_end <= p.profile_step_start:
+        raise ConfigError("--profile-step-end", p.profile_step_end,
+                          f"more than --profile-step-start ({p.profile_step_start})")
+    if p.use_pytorch_profiler and run.logging.tensorboard_dir is None:
+        raise ConfigError("--use-pytorch-profiler", "no --tensorboard-dir",
+                          "a --tensorboard-dir to write the trace to, as Megatron")

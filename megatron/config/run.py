@@ -217,6 +217,25 @@ class TestingConfig:
 
 
 @dataclass(frozen=True)
+class DeviceCheckConfig:
+    """Checks of the CPU device layer's stream order (docs/device-sanitizer.md)."""
+
+    device_sanitizer: bool  # every cross-stream access checked against the declared order
+    device_chaos: int | None  # a seed: copy streams delayed by seeded random amounts
+
+
+@dataclass(frozen=True)
+class ProfilingConfig:
+    """Megatron's profiling flags (megatron/training/profiling.py)."""
+
+    profile: bool
+    use_pytorch_profiler: bool
+    profile_step_start: int  # the first iteration profiled
+    profile_step_end: int  # the first iteration after them
+    profile_ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class RunConfig:
     model: ModelConfig
     training: TrainingConfig
@@ -231,6 +250,8 @@ class RunConfig:
     exit: ExitConfig
     planning: PlanningConfig
     testing: TestingConfig
+    device_checks: DeviceCheckConfig
+    profiling: ProfilingConfig
 
     def __post_init__(self) -> None:
         check_run(self)
@@ -342,7 +363,8 @@ _SECTION_TYPES = {"model": ModelConfig, "training": TrainingConfig,
                   "cpu_optimizer": CpuOptimizerConfig, "data": DataConfig,
                   "evaluation": EvaluationConfig, "parallel": ParallelConfig,
                   "checkpointing": CheckpointConfig, "logging": LoggingConfig,
-                  "exit": ExitConfig, "planning": PlanningConfig, "testing": TestingConfig}
+                  "exit": ExitConfig, "planning": PlanningConfig, "testing": TestingConfig,
+                  "device_checks": DeviceCheckConfig, "profiling": ProfilingConfig}
 
 
 def _flag_of(section: str, field: str) -> str:

@@ -13,6 +13,13 @@ Everything above this module (prefetch, gradient offload, the executor) talks on
 Events carry completion times (`time_s()`, seconds since the device layer was created)
 so that the executor can measure compute, copy and idle times per rank.
 
+Checks (CPU layer only; see docs/device-sanitizer.md): `sanitize=True` (--device-sanitizer,
+or MEGATRON_DEVICE_SANITIZER=1) checks every access to the buffers the layer hands out
+against the order the streams declare (megatron/offload/sanitizer.py); `chaos_seed`
+(--device-chaos SEED, or MEGATRON_DEVICE_CHAOS=SEED) delays each copy stream's operations
+by seeded random amounts, so that a missing wait shows as wrong numbers. On CUDA,
+`sanitize=True` (the flag, not the environment) turns on torch's CUDA sanitizer instead.
+
 Host synchronisations: on a GPU, reading a device value on the host or waiting for the
 device stalls the thread that feeds the GPU. Such reads and waits on the main thread go
 through `read_scalar` and `wait_for`, which count them (`host_syncs`) on both layers, so a
@@ -22,13 +29,21 @@ CPU test can bound what a GPU run would stall on.
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
+import random
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol
 
 import torch
+
+from megatron.offload.sanitizer import Clock, Sanitizer
+
+SANITIZER_ENV = "MEGATRON_DEVICE_SANITIZER"  # "1": as --device-sanitizer
+CHAOS_ENV = "MEGATRON_DEVICE_CHAOS"  # a seed: as --device-chaos SEED
+CHAOS_MAX_DELAY_S = 0.002  # the longest delay chaos puts before a copy stream's operation
 
 
 class Event(Protocol):
@@ -48,11 +63,14 @@ class CopyError(RuntimeError):
 class CpuEvent:
     """Completed by the thread that runs its stream; records the completion time."""
 
-    def __init__(self, origin: float) -> None:
+    def __init__(self, origin: float, sanitizer: Sanitizer | None = None,
+                 clock: Clock | None = None) -> None:
         self._done = threading.Event()
         self._origin = origin
         self._time: float | None = None
         self._error: BaseException | None = None
+        self._sanitizer = sanitizer
+        self._clock = clock  # what the stream had issued when the event was recorded
 
     def _complete(self, error: BaseException | None = None) -> None:
         self._time = time.perf_counter() - self._origin
@@ -60,6 +78,13 @@ class CpuEvent:
         self._done.set()
 
     def wait(self, timeout_s: float | None = None) -> None:
+        """Block the calling host thread until the event completes."""
+        self._block(timeout_s)
+        if self._sanitizer is not None:
+            self._sanitizer.host_wait(self._clock)
+
+    def _block(self, timeout_s: float | None = None) -> None:
+        """Wait without ordering the caller: a stream's worker thread waiting for another."""
         if not self._done.wait(timeout_s):
             raise TimeoutError(f"event not completed after {timeout_s} s")
         if self._error is not None:
@@ -78,7 +103,8 @@ class CpuEvent:
 class CpuStream:
     """A stream on the CPU device: synchronous (compute) or backed by one worker thread."""
 
-    def __init__(self, name: str, origin: float, synchronous: bool) -> None:
+    def __init__(self, name: str, origin: float, synchronous: bool,
+                 sanitizer: Sanitizer | None = None, chaos_seed: int | None = None) -> None:
         self.name = name
         self._origin = origin
         self._synchronous = synchronous
@@ -86,9 +112,19 @@ class CpuStream:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._lock = threading.Lock()
+        self._sanitizer = sanitizer
+        self._chaos = None if chaos_seed is None else random.Random(
+            f"{chaos_seed}/{os.environ.get('RANK', '0')}/{name}")
 
-    def submit(self, op: Callable[[], None]) -> None:
-        """Run `op` after everything submitted before it on this stream."""
+    def submit(self, op: Callable[[], None], reads: Iterable[torch.Tensor] = (),
+               writes: Iterable[torch.Tensor] = (), what: str = "kernel") -> None:
+        """Run `op` after everything submitted before it on this stream. `reads` and
+        `writes`: the buffers it touches, for the sanitizer."""
+        if self._sanitizer is not None:
+            self._sanitizer.submit(self.name, reads, writes, what)
+        self._enqueue(op)
+
+    def _enqueue(self, op: Callable[[], None]) -> None:
         if self._synchronous:
             op()
             return
@@ -102,6 +138,8 @@ class CpuStream:
 
     def _run(self) -> None:
         while (op := self._queue.get()) is not None:
+            if self._chaos is not None:
+                time.sleep(self._chaos.uniform(0.0, CHAOS_MAX_DELAY_S))
             try:
                 op()
             except BaseException as exc:  # reported by every later event of this stream
@@ -109,13 +147,19 @@ class CpuStream:
                     self._error = exc
 
     def record_event(self) -> CpuEvent:
-        event = CpuEvent(self._origin)
-        self.submit(lambda: event._complete(self._error))
+        clock = None if self._sanitizer is None else self._sanitizer.record(self.name)
+        event = CpuEvent(self._origin, self._sanitizer, clock)
+        self._enqueue(lambda: event._complete(self._error))
         return event
 
     def wait_event(self, event: Event) -> None:
         """Later work on this stream starts only after `event` completes."""
-        self.submit(event.wait)
+        if isinstance(event, CpuEvent):
+            if self._sanitizer is not None:
+                self._sanitizer.stream_wait(self.name, event._clock)
+            self._enqueue(event._block)
+        else:
+            self._enqueue(event.wait)
 
     def synchronize(self) -> None:
         self.record_event().wait()
@@ -161,7 +205,8 @@ class CudaStream:
         self._origin = origin
         self.stream = stream
 
-    def submit(self, op: Callable[[], None]) -> None:
+    def submit(self, op: Callable[[], None], reads: Iterable[torch.Tensor] = (),
+               writes: Iterable[torch.Tensor] = (), what: str = "kernel") -> None:
         with torch.cuda.stream(self.stream):
             op()
 
@@ -213,10 +258,22 @@ class MemoryBook:
 class DeviceLayer:
     """Device memory, three streams (compute, h2d, d2h) and events, on CUDA or the CPU."""
 
-    def __init__(self, kind: str = "cpu", index: int = 0) -> None:
+    def __init__(self, kind: str = "cpu", index: int = 0, sanitize: bool = False,
+                 chaos_seed: int | None = None) -> None:
+        """`sanitize`, `chaos_seed`: see the module docstring; the environment variables
+        SANITIZER_ENV and CHAOS_ENV turn them on as well (tests set them)."""
         if kind not in ("cpu", "cuda"):
             raise ValueError(f"device kind={kind!r}: expected 'cpu' or 'cuda'")
         self.kind = kind
+        # The environment (set by the tests) acts on the CPU layer only: on a GPU machine
+        # the suite does not run every rank under torch's far slower CUDA sanitizer.
+        checked = sanitize or os.environ.get(SANITIZER_ENV, "") == "1"
+        if chaos_seed is None and os.environ.get(CHAOS_ENV):
+            chaos_seed = int(os.environ[CHAOS_ENV])
+        # None when off: every check below is one `is not None`
+        self.sanitizer: Sanitizer | None = Sanitizer() if checked and kind == "cpu" else None
+        self.chaos_seed = chaos_seed if kind == "cpu" else None
+        self._buffers = 0
         if kind == "cuda":
             if not torch.cuda.is_available():
                 raise RuntimeError("device kind='cuda' requested but CUDA is not available")
@@ -227,15 +284,22 @@ class DeviceLayer:
             self.compute_stream: Stream = CudaStream("compute", origin, torch.cuda.current_stream())
             self.h2d_stream: Stream = CudaStream("h2d", origin, torch.cuda.Stream())
             self.d2h_stream: Stream = CudaStream("d2h", origin, torch.cuda.Stream())
+            if sanitize:  # torch's own: checks kernels' accesses against CUDA's stream order
+                import torch.cuda._sanitizer as csan
+
+                csan.enable_cuda_sanitizer()
         else:
             self.torch_device = torch.device("cpu")
             origin_s = time.perf_counter()
-            self.compute_stream = CpuStream("compute", origin_s, synchronous=True)
-            self.h2d_stream = CpuStream("h2d", origin_s, synchronous=False)
-            self.d2h_stream = CpuStream("d2h", origin_s, synchronous=False)
+            self.compute_stream = self._cpu_stream("compute", origin_s, synchronous=True)
+            self.h2d_stream = self._cpu_stream("h2d", origin_s, synchronous=False)
+            self.d2h_stream = self._cpu_stream("d2h", origin_s, synchronous=False)
         self.host_syncs = 0  # reads and waits that block the host on the device
         self.memory = MemoryBook()
         self._side_streams: list[Stream] = []
+
+    def _cpu_stream(self, name: str, origin_s: float, synchronous: bool) -> CpuStream:
+        return CpuStream(name, origin_s, synchronous, self.sanitizer, self.chaos_seed)
 
     def bind_current_thread(self) -> None:
         """Make this layer's device the calling thread's current one (CUDA keeps it per
@@ -244,18 +308,27 @@ class DeviceLayer:
             torch.cuda.set_device(self.torch_device)
 
     # memory -------------------------------------------------------------------------
-    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A flat buffer in device memory."""
-        return torch.empty(numel, dtype=dtype, device=self.torch_device)
+    def empty(self, numel: int, dtype: torch.dtype, name: str | None = None) -> torch.Tensor:
+        """A flat buffer in device memory (`name`: what the sanitizer calls it)."""
+        return self._handed_out(torch.empty(numel, dtype=dtype, device=self.torch_device),
+                                name, "device buffer")
 
-    def zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        return torch.zeros(numel, dtype=dtype, device=self.torch_device)
+    def zeros(self, numel: int, dtype: torch.dtype, name: str | None = None) -> torch.Tensor:
+        return self._handed_out(torch.zeros(numel, dtype=dtype, device=self.torch_device),
+                                name, "device buffer")
 
-    def pin_host(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    def pin_host(self, numel: int, dtype: torch.dtype, name: str | None = None) -> torch.Tensor:
         """Page-locked host memory on CUDA; raises if pinning fails. CPU: plain memory."""
         if self.kind == "cuda":
             return torch.empty(numel, dtype=dtype, pin_memory=True)
-        return torch.empty(numel, dtype=dtype)
+        return self._handed_out(torch.empty(numel, dtype=dtype), name, "pinned host buffer")
+
+    def _handed_out(self, tensor: torch.Tensor, name: str | None, kind: str) -> torch.Tensor:
+        if self.sanitizer is not None:
+            self._buffers += 1
+            self.sanitizer.register(tensor, f"{name or kind} #{self._buffers} "
+                                            f"({tensor.numel()} x {tensor.dtype})")
+        return tensor
 
     def allocator_peak_bytes(self) -> int | None:
         """CUDA's caching-allocator peak since the last reset (None on the CPU layer)."""
@@ -277,7 +350,8 @@ class DeviceLayer:
         """Copy `src` into `dst` on `stream`, after earlier work there; returns its event."""
         if dst.numel() != src.numel():
             raise ValueError(f"copy of {src.numel()} elements into a {dst.numel()}-element buffer")
-        stream.submit(lambda: dst.copy_(src.view(dst.shape), non_blocking=True))
+        stream.submit(lambda: dst.copy_(src.view(dst.shape), non_blocking=True),
+                      reads=(src,), writes=(dst,), what=f"copy on {stream.name}")
         return stream.record_event()
 
     def side_stream(self, name: str) -> Stream:
@@ -288,7 +362,7 @@ class DeviceLayer:
             origin = self.compute_stream._origin  # type: ignore[union-attr]
             stream: Stream = CudaStream(name, origin, torch.cuda.Stream(self.torch_device))
         else:
-            stream = CpuStream(name, self.compute_stream._origin, synchronous=False)  # type: ignore[union-attr]
+            stream = self._cpu_stream(name, self.compute_stream._origin, synchronous=False)  # type: ignore[union-attr]
         self._side_streams.append(stream)
         return stream
 
@@ -305,6 +379,35 @@ class DeviceLayer:
         self.host_syncs += 1
         for stream in (self.compute_stream, self.h2d_stream, self.d2h_stream):
             stream.synchronize()
+
+    # what the sanitizer checks ----------------------------------------------------------
+    def kernel(self, stream: Stream, reads: Iterable[torch.Tensor] = (),
+               writes: Iterable[torch.Tensor] = (), what: str = "kernel") -> None:
+        """Declare work launched now by the calling thread on `stream` outside `submit`
+        (the compute stream's forward and backward run inline): checked and recorded."""
+        if self.sanitizer is not None:
+            self.sanitizer.submit(stream.name, reads, writes, what)
+
+    def host_read(self, *tensors: torch.Tensor, what: str = "host read") -> None:
+        """The calling thread is about to read these (pinned) host buffers."""
+        if self.sanitizer is not None:
+            self.sanitizer.host_access(reads=tensors, what=what)
+
+    def host_write(self, *tensors: torch.Tensor, what: str = "host write") -> None:
+        """The calling thread is about to write these (pinned) host buffers."""
+        if self.sanitizer is not None:
+            self.sanitizer.host_access(writes=tensors, what=what)
+
+    def host_threads_joined(self) -> None:
+        """The calling thread has waited for every host thread's tasks (the optimizer's
+        wait_all): what any host thread has waited for is known to all of them."""
+        if self.sanitizer is not None:
+            self.sanitizer.join_host_threads()
+
+    def at_instruction(self, where: str) -> None:
+        """Name the instruction that issues the calling thread's work from now on."""
+        if self.sanitizer is not None:
+            self.sanitizer.at(where)
 
     # host synchronisation ---------------------------------------------------------------
     def read_scalar(self, tensor: torch.Tensor) -> float:
@@ -330,7 +433,8 @@ class DeviceLayer:
         self.close()
 
 
-def get_device(kind: str | None = None, index: int | None = None) -> DeviceLayer:
+def get_device(kind: str | None = None, index: int | None = None, sanitize: bool = False,
+               chaos_seed: int | None = None) -> DeviceLayer:
     """The device layer for this process: CUDA when available (or asked), else the CPU.
 
     `index` defaults to LOCAL_RANK modulo the visible GPUs, as torchrun sets it.
@@ -338,8 +442,6 @@ def get_device(kind: str | None = None, index: int | None = None) -> DeviceLayer
     if kind is None:
         kind = "cuda" if torch.cuda.is_available() else "cpu"
     if index is None:
-        import os
-
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         index = local_rank % max(torch.cuda.device_count(), 1) if kind == "cuda" else 0
-    return DeviceLayer(kind, index)
+    return DeviceLayer(kind, index, sanitize, chaos_seed)

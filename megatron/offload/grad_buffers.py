@@ -25,7 +25,7 @@ class GradientBuffers:
         self.numel = numel
         # (buffer, event after which it may be overwritten): the oldest release first.
         self._free: deque[tuple[torch.Tensor, Event | None]] = deque(
-            (device.empty(numel, dtype), None) for _ in range(count))
+            (device.empty(numel, dtype, name=f"gradient buffer {i}"), None) for i in range(count))
         self.nbytes = sum(buffer.nbytes for buffer, _ in self._free)
 
     def acquire(self, numel: int) -> torch.Tensor:
@@ -39,7 +39,9 @@ class GradientBuffers:
         if freed is not None:  # stream-ordered reuse after the D2H copy out of it
             self.device.compute_stream.wait_event(freed)
         view = buffer[:numel]
-        with self.device.on(self.device.compute_stream):
+        compute = self.device.compute_stream
+        self.device.kernel(compute, writes=(view,), what="zeroing a gradient buffer")
+        with self.device.on(compute):
             view.zero_()
         return view
 

@@ -34,9 +34,15 @@ class GradientsReady:
     event: Event
     _pool: HostBufferPool
 
+    _device: DeviceLayer | None = None
+
     def wait(self) -> None:
-        """Block until `host` holds the stage's gradients."""
+        """Block until `host` holds the stage's gradients: what the optimizer's task calls
+        before it reads them (the sanitizer is told of that read here)."""
         self.event.wait()
+        if self._device is not None:
+            self._device.host_read(self.host, what=f"the optimizer reads stage {self.key}'s "
+                                                    "gradients")
 
     def query(self) -> bool:
         return self.event.query()
@@ -91,7 +97,8 @@ class GradientOffloader:
         """The upcast scratch: one chunk, allocated once (never regrown, so no queued
         conversion can outlive the memory it writes)."""
         if self._upcast is None:
-            self._upcast = self.device.empty(self.upcast_chunk, self.host_dtype)
+            self._upcast = self.device.empty(self.upcast_chunk, self.host_dtype,
+                                             name="gradient upcast scratch")
         return self._upcast
 
     def offload(self, key: BackwardStage, grads: torch.Tensor) -> GradientsReady:
@@ -106,12 +113,13 @@ class GradientOffloader:
         stream.wait_event(computed)
         if grads.dtype == self.host_dtype:
             event = self.device.copy_async(host, grads, stream)
-            return GradientsReady(key, host, event, self.pool)
+            return GradientsReady(key, host, event, self.pool, self.device)
         scratch = self._scratch()
         for lo in range(0, grads.numel(), self.upcast_chunk):
             hi = min(lo + self.upcast_chunk, grads.numel())
             part = scratch[:hi - lo]
             # the conversion: a kernel on the D2H stream, after the previous chunk's copy
-            stream.submit(lambda part=part, lo=lo, hi=hi: part.copy_(grads[lo:hi]))
+            stream.submit(lambda part=part, lo=lo, hi=hi: part.copy_(grads[lo:hi]),
+                          reads=(grads,), writes=(part,), what="gradient upcast")
             event = self.device.copy_async(host[lo:hi], part, stream)
-        return GradientsReady(key, host, event, self.pool)
+        return GradientsReady(key, host, event, self.pool, self.device)

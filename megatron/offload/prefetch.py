@@ -62,7 +62,8 @@ class ParamSlots:
         self.dtype = dtype
         self.budget_bytes = budget_bytes
         self.half_numel = half_numel
-        self.slots = [Slot(i, device.empty(half_numel, dtype)) for i in range(slots)]
+        self.slots = [Slot(i, device.empty(half_numel, dtype, name=f"parameter slot {i}"))
+                      for i in range(slots)]
         self.nbytes = sum(slot.flat.nbytes for slot in self.slots)
 
     def resident(self, key: BackwardStage) -> Slot | None:

@@ -80,7 +80,8 @@ class Pipeline:
         self.eval_schedule = forward_only_schedule(schedule)  # for evaluation
         self.layout = layout = ParallelLayout(config.ranks, config.data_parallel_size, rank)
         self.rank = layout.pipeline_rank
-        self.device = device = get_device()
+        self.device = device = get_device(sanitize=config.device_sanitizer,
+                                          chaos_seed=config.device_chaos)
         self.host_group = host_group()  # the whole world
         self.groups = create_host_groups(layout, self.host_group)
         self.modules = build_stage_modules(model_cfg, schedule.partition,
@@ -376,8 +377,10 @@ class Pipeline:
             self.reducer.close()
         self.optimizer.close()  # the last corrections publish their stages
         self.distributor.close()
-        self.store.close()
+        # the copies still queued (after a failed instruction) read the segments: drain
+        # them before the segments are unmapped, or a copy thread reads unmapped memory
         self.device.close()
+        self.store.close()
 
 
 def stages_used(schedule: Schedule, rank: int) -> set[BackwardStage]:

@@ -88,6 +88,8 @@ class PipelineConfig:
     record_timeline_at: int | None = None  # the iteration whose events are gathered
     p2p_check: bool = False  # testing: a header with each tensor, checked on receipt
     subgroups: SubgroupSettings | None = None  # None: every update on the CPU
+    device_sanitizer: bool = False  # check the device layer's stream order
+    device_chaos: int | None = None  # a seed: delay the copy streams at random
     # Replicas of the pipeline (world = ranks x data_parallel_size) and how they split
     # the host optimizer state (0: not at all, 1: states, 2: states and gradients).
     data_parallel_size: int = 1
@@ -151,6 +153,8 @@ def pipeline_config(run: RunConfig, schedule: Schedule, report: ValidationReport
         record_timeline_at=(run.training.train_iters if logging.timeline or logging.trace
                             else None),
         p2p_check=run.testing.p2p_check,
+        device_sanitizer=run.device_checks.device_sanitizer,
+        device_chaos=run.device_checks.device_chaos,
         subgroups=None if not c.uses_device else SubgroupSettings(
             stride=c.optimizer_gpu_stride, size=c.optimizer_subgroup_size,
             cache_dir=run.data.data_cache_dir,

@@ -59,7 +59,7 @@ from megatron.pipeline.owner import OwnedStages
 from megatron.pipeline.p2p import PointToPoint
 from megatron.pipeline.stage_modules import StageModule
 from megatron.pipeline.subgroup_device import DeviceSubgroups
-from megatron.schedules.grid import format_programs
+from megatron.schedules.grid import cell, format_programs
 from megatron.schedules.instructions import (
     COMPUTE,
     OP_SPECS,
@@ -124,6 +124,7 @@ class PipelineExecutor:
         self._fail_at = _failure_to_inject(rank)
         self.last_stage = schedule.forward_stages - 1
         self._correction_wait_s = 0.0
+        self._sanitized = device.sanitizer is not None
 
     # --- one iteration -----------------------------------------------------------------
 
@@ -147,10 +148,13 @@ class PipelineExecutor:
         for index, instr in enumerate(self.program):
             t0 = time.perf_counter()
             before = self.device.compute_stream.record_event() if instr.op in COMPUTE else None
+            if self._sanitized:  # the text only when someone reads it
+                self.device.at_instruction(f"rank {self.rank} instruction {index}: {instr}")
             try:
                 if self._fail_at is not None and (iteration, index) >= self._fail_at[:2]:
                     self._inject_failure()
-                self._execute(instr)
+                with _profiled(instr):
+                    self._execute(instr)
             except Exception as exc:
                 raise InstructionError(self.schedule, self.rank, index,
                                        f"iteration {iteration}", exc) from exc
@@ -160,11 +164,13 @@ class PipelineExecutor:
                 computed.append((instr, before, self.device.compute_stream.record_event()))
             elif instr.op in _OPTIMIZER_OPS:
                 waited.append((instr, t0, time.perf_counter()))
+        self.device.at_instruction(f"rank {self.rank} after the program")
         for work, _ in self._isends:
             work.wait()
         for b in list(self._slots):
             self.param_slots.release(self._slots.pop(b))
         result = self.optimizer.end_iteration()
+        self.device.host_threads_joined()
         self.owned.finish_iteration(iteration)  # a stage being corrected publishes later
         self.device.wait_for(self.device.compute_stream)
         iteration_s = time.perf_counter() - start
@@ -230,6 +236,9 @@ class PipelineExecutor:
         training_kept, self._kept_act_ckpts = self._kept_act_ckpts, frozenset()
         try:
             for index, instr in enumerate(schedule.programs[self.rank]):
+                if self._sanitized:
+                    self.device.at_instruction(f"rank {self.rank} instruction {index} of the "
+                                               f"forward-only program: {instr}")
                 try:
                     self._execute(instr)
                 except Exception as exc:
@@ -271,7 +280,10 @@ class PipelineExecutor:
         for b in self.schedule.params_of(instr.stage, instr.sub):
             if b not in self._slots:
                 if b in self.owned:
+                    corrected = self.owned[b].correction is not None
                     self._correction_wait_s += self.owned[b].wait_for_correction()
+                    if corrected:  # the correction's thread is done: what it waited for too
+                        self.device.host_threads_joined()
                 segment = self.store.get(b)
                 segment.wait_version(self._params_version)
                 self._slots[b] = self.param_slots.prefetch(b, segment.params)
@@ -337,10 +349,12 @@ class PipelineExecutor:
 
     def _optimizer_wait_all(self, instr: Instruction) -> None:
         self.optimizer.wait_all()
+        self.device.host_threads_joined()
 
     def _overflow_sync(self, instr: Instruction) -> None:
         self.owned.check_pending(self.optimizer)
         self.optimizer.wait_all()
+        self.device.host_threads_joined()
         self.optimizer.synchronize()
 
     def _post_step_sync(self, instr: Instruction) -> None:
@@ -382,6 +396,14 @@ class PipelineExecutor:
         self.param_slots.bind(slot, stage.module, stage.layout)
         return stage
 
+    def _kernel(self, what: str, b: BackwardStage, grad: torch.Tensor | None = None) -> None:
+        """Tell the device layer what a forward or backward on the compute stream touches:
+        the stage's parameter slot, and the gradient buffer a backward accumulates into."""
+        if not self._sanitized:
+            return
+        self.device.kernel(self.device.compute_stream, reads=(self._slots[b].params,),
+                           writes=() if grad is None else (grad,), what=what)
+
     def _forward(self, instr: Instruction) -> None:
         self._run_forward(instr.stage, instr.mb)
 
@@ -395,7 +417,9 @@ class PipelineExecutor:
             for sub in range(self.schedule.backward_split):
                 if (stage, sub) != (0, 0):
                     self._keep_act_ckpt((stage, sub, mb), hidden)
-                hidden = self._bind((stage, sub))(hidden, batch)
+                module = self._bind((stage, sub))
+                self._kernel(f"the forward of {(stage, sub)}", (stage, sub))
+                hidden = module(hidden, batch)
         if stage == self.last_stage:  # accumulated on the device: no host sync per micro-batch
             loss = hidden.detach().to(torch.float64)
             self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
@@ -413,6 +437,7 @@ class PipelineExecutor:
         owner = self.owned[b]
         grad = owner.gradient_buffer(self.grad_buffers)
         bind_gradients(module.module, module.layout, grad)
+        self._kernel(f"the backward of {b}", b, grad)
         if b == (0, 0):
             hidden_in = None
         else:
@@ -431,6 +456,14 @@ class PipelineExecutor:
             self._grads[(b, mb)] = hidden_in.grad
         if self.inject_overflow == (self._iteration, b):
             grad[0] = float("inf")
+
+
+def _profiled(instr: Instruction) -> contextlib.AbstractContextManager:
+    """A `PP:<cell>` range in a torch profiler trace, named as in the error grid; nothing
+    when no profiler records (a range costs ~10 us even then)."""
+    if torch.autograd._profiler_enabled():
+        return torch.profiler.record_function(f"PP:{cell(instr)}")
+    return contextlib.nullcontext()
 
 
 class _SavedBytes:

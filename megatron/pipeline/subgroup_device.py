@@ -23,22 +23,26 @@ from megatron.schedules.subgroup_memory import SUBGROUP_SLOTS, subgroup_slots_by
 
 
 class _Slot:
-    def __init__(self, device: DeviceLayer, numel: int) -> None:
-        self.p, self.m, self.v, self.g = (device.empty(numel, torch.float32) for _ in range(4))
+    def __init__(self, device: DeviceLayer, numel: int, index: int) -> None:
+        self.p, self.m, self.v, self.g = (
+            device.empty(numel, torch.float32, name=f"optimizer slot {index} {what}")
+            for what in ("p", "m", "v", "gradient"))
         self.out: dict[torch.dtype, torch.Tensor] = {}
-        self.flags = device.zeros(2, torch.float64)
+        self.flags = device.zeros(2, torch.float64, name=f"optimizer slot {index} flags")
         self.free: Event | None = None  # the last flush out of this slot
 
 
 class _Launched:
     """One subgroup in flight; result() waits for its flush (on the optimizer's thread)."""
 
-    def __init__(self, flushed: Event, flags: torch.Tensor) -> None:
+    def __init__(self, flushed: Event, flags: torch.Tensor, device: DeviceLayer) -> None:
         self._flushed = flushed
         self._flags = flags
+        self._device = device
 
     def result(self) -> tuple[bool, float]:
         self._flushed.wait()
+        self._device.host_read(self._flags, what="the optimizer reads a subgroup's flags")
         finite = bool(self._flags[0] > 0)
         return finite, float(self._flags[1]) if finite else float("inf")
 
@@ -55,7 +59,7 @@ class DeviceSubgroupUpdater:
         self.h2d = device.side_stream("optimizer-h2d")
         self.update = device.side_stream("optimizer-update")
         self.d2h = device.side_stream("optimizer-d2h")
-        self._slots = [_Slot(device, self.max_numel) for _ in range(self.SLOTS)]
+        self._slots = [_Slot(device, self.max_numel, i) for i in range(self.SLOTS)]
         self._next = 0
         # Groups step concurrently (one optimizer thread each): a slot's reuse and the
         # order of the streams' work are decided under this lock.
@@ -84,13 +88,15 @@ class DeviceSubgroupUpdater:
         n = p.numel()
         if n > self.max_numel:
             raise ValueError(f"subgroup of {n} elements; the device slots hold {self.max_numel}")
-        slot = self._slots[self._next]
+        slot_index = self._next
+        slot = self._slots[slot_index]
         self._next = (self._next + 1) % len(self._slots)
         bp, bm, bv, bg = slot.p[:n], slot.m[:n], slot.v[:n], slot.g[:n]
         bout = None
         if out is not None:
             if out.dtype not in slot.out:
-                slot.out[out.dtype] = self.device.empty(self.max_numel, out.dtype)
+                slot.out[out.dtype] = self.device.empty(self.max_numel, out.dtype,
+                                                        name=f"optimizer slot {slot_index} out")
             bout = slot.out[out.dtype][:n]
         if slot.free is not None:
             self.h2d.wait_event(slot.free)
@@ -98,7 +104,8 @@ class DeviceSubgroupUpdater:
         def load() -> None:
             for dst, src in ((bp, p), (bm, m), (bv, v), (bg, grad)):
                 dst.copy_(src, non_blocking=True)
-        self.h2d.submit(load)
+        self.h2d.submit(load, reads=(p, m, v, grad), writes=(bp, bm, bv, bg),
+                        what="loading a subgroup")
         self.update.wait_event(self.h2d.record_event())
 
         def step() -> None:
@@ -108,9 +115,10 @@ class DeviceSubgroupUpdater:
                 slot.flags[1] = sq
                 if bout is not None:
                     bout.copy_(bp)
-        self.update.submit(step)
+        written = (bp, bm, bv, slot.flags) + (() if bout is None else (bout,))
+        self.update.submit(step, reads=(bg,), writes=written, what="a subgroup's AdamW step")
         self.d2h.wait_event(self.update.record_event())
-        flags = self.device.pin_host(2, torch.float64)
+        flags = self.device.pin_host(2, torch.float64, name="subgroup flags")
 
         def flush() -> None:
             with self.device.on(self.d2h):
@@ -119,10 +127,11 @@ class DeviceSubgroupUpdater:
                 if bout is not None:
                     out.copy_(bout, non_blocking=True)
                 flags.copy_(slot.flags, non_blocking=True)
-        self.d2h.submit(flush)
+        host = (p, m, v, flags) + (() if out is None else (out,))
+        self.d2h.submit(flush, reads=written, writes=host, what="flushing a subgroup")
         slot.free = self.d2h.record_event()
         self.launched += 1
-        return _Launched(slot.free, flags)
+        return _Launched(slot.free, flags, self.device)
 
     def to_host(self, p: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> None:
         """Nothing to do: every update flushed p, m, v before it counted as done."""
@@ -153,7 +162,8 @@ class ResidentSubgroupUpdater:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for tensors in self._state.values() for t in tensors)
+        with self._lock:  # optimizer threads add subgroups while the executor reads this
+            return sum(t.nbytes for tensors in self._state.values() for t in tensors)
 
     def launch(self, p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, grad: torch.Tensor,
                out: torch.Tensor | None, hyper: AdamHyper,
@@ -163,17 +173,21 @@ class ResidentSubgroupUpdater:
             loads: list[tuple[torch.Tensor, torch.Tensor]] = []
             if key not in self._state:
                 n = p.numel()
-                self._state[key] = tuple(self.device.empty(n, torch.float32) for _ in range(4))
+                self._state[key] = tuple(
+                    self.device.empty(n, torch.float32, name=f"resident subgroup {what}")
+                    for what in ("p", "m", "v", "gradient"))
                 loads += list(zip(self._state[key][:3], (p, m, v)))
             dp, dm, dv, dg = self._state[key]
             loads.append((dg, grad))
-            dout = None if out is None else self.device.empty(out.numel(), out.dtype)
-            flags = self.device.zeros(2, torch.float64)
+            dout = None if out is None else self.device.empty(
+                out.numel(), out.dtype, name="resident subgroup out")
+            flags = self.device.zeros(2, torch.float64, name="resident subgroup flags")
 
             def load() -> None:
                 for dst, src in loads:
                     dst.copy_(src, non_blocking=True)
-            self.h2d.submit(load)
+            self.h2d.submit(load, reads=[src for _, src in loads],
+                            writes=[dst for dst, _ in loads], what="loading a subgroup")
             self.update.wait_event(self.h2d.record_event())
 
             def step() -> None:
@@ -182,19 +196,22 @@ class ResidentSubgroupUpdater:
                     flags[0], flags[1] = finite, sq
                     if dout is not None:
                         dout.copy_(dp)
-            self.update.submit(step)
+            written = (dp, dm, dv, flags) + (() if dout is None else (dout,))
+            self.update.submit(step, reads=(dg,), writes=written, what="a subgroup's AdamW step")
             self.d2h.wait_event(self.update.record_event())
-            host_flags = self.device.pin_host(2, torch.float64)
+            host_flags = self.device.pin_host(2, torch.float64, name="subgroup flags")
 
             def flush() -> None:
                 with self.device.on(self.d2h):
                     if dout is not None:
                         out.copy_(dout, non_blocking=True)
                     host_flags.copy_(flags, non_blocking=True)
-            self.d2h.submit(flush)
+            host = (host_flags,) + (() if out is None else (out,))
+            self.d2h.submit(flush, reads=(flags,) + (() if dout is None else (dout,)),
+                            writes=host, what="flushing a subgroup")
             self._host_stale.add(key)
             self.launched += 1
-            return _Launched(self.d2h.record_event(), host_flags)
+            return _Launched(self.d2h.record_event(), host_flags, self.device)
 
     def to_host(self, p: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> None:
         with self._lock:
@@ -202,6 +219,8 @@ class ResidentSubgroupUpdater:
             if key not in self._host_stale:
                 return
             self.d2h.synchronize()  # the last update of this subgroup is done
+            self.device.host_read(*self._state[key][:3],  # a synchronous copy to the host
+                                  what="writing a resident subgroup back")
             for dst, src in zip((p, m, v), self._state[key][:3]):
                 dst.copy_(src)
             self._host_stale.discard(key)

@@ -340,6 +340,27 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--inject-overflow", type=_int_list, default=None, metavar="ITER,STAGE,SUB",
                    help="testing aid: make backward stage (STAGE, SUB)'s gradient non-finite at "
                         "iteration ITER (one process: any stage)")
+    g.add_argument("--device-sanitizer", action="store_true",
+                   help="check every access of the device layer's buffers against the order "
+                        "the streams declare and fail at the first race, naming the buffer, "
+                        "both streams and both instructions (CPU device; on CUDA: torch's "
+                        "CUDA sanitizer)")
+    g.add_argument("--device-chaos", type=int, default=None, metavar="SEED",
+                   help="testing aid (CPU device): delay each copy stream's operations by "
+                        "seeded random amounts, so that a missing wait changes the numbers")
+    g.add_argument("--profile", action="store_true",
+                   help="profile iterations [--profile-step-start, --profile-step-end): with "
+                        "--use-pytorch-profiler a torch profiler trace in --tensorboard-dir, "
+                        "each instruction a PP:<cell> range; alone, the CUDA profiler API "
+                        "for nsys (CUDA only)")
+    g.add_argument("--use-pytorch-profiler", action="store_true",
+                   help="with --profile: torch.profiler instead of nsys")
+    g.add_argument("--profile-step-start", type=int, default=10,
+                   help="the first iteration profiled")
+    g.add_argument("--profile-step-end", type=int, default=12,
+                   help="the first iteration after the profiled ones")
+    g.add_argument("--profile-ranks", type=_int_list, default=[0], metavar="R,R,...",
+                   help="global ranks that profile")
     g = p.add_argument_group("planning")
     g.add_argument("--plan", action="store_true",
                    help="print the memory needed per GPU and per node, whether it fits the "

@@ -44,6 +44,7 @@ from megatron.training.local_step import LocalTrainStep
 from megatron.training.lr_schedule import LRSchedule
 from megatron.training.metrics import MetricsWriter, format_host_memory, format_log_line
 from megatron.training.pipeline_step import PipelineTrainStep
+from megatron.training.profiling import IterationProfiler
 from megatron.training.run_checks import (
     check_checkpoint_model,
     check_load_dir,
@@ -185,22 +186,41 @@ class TrainingLoop:
         if isinstance(self.step, PipelineTrainStep):
             log(format_host_memory(self.step.host_memory()))
         stopped = None
-        for iteration in range(self.start_iteration + 1, t.train_iters + 1):
-            self._iteration(iteration)
-            if due(iteration, run):
-                self.evaluate(self.data.datasets.valid,
-                              iteration // run.eval_interval - 1, iteration,
-                              f"iteration {iteration}", "validation")
-            stopped = self.exits.reason(iteration)
-            if iteration == t.train_iters:
-                stopped = None  # the normal end: its evaluations still run
-            interval = run.checkpointing.save_interval
-            if run.checkpointing.save and (iteration == t.train_iters or stopped is not None
-                                           or (interval and iteration % interval == 0)):
-                self.save(iteration)
-            if stopped is not None:
-                log(f"exiting after iteration {iteration}: {stopped}")
-                break
+        profiler = IterationProfiler(run, self.dist_info.rank)
+        try:
+            for iteration in range(self.start_iteration + 1, t.train_iters + 1):
+                profiler.before(iteration)
+                self._iteration(iteration)
+                profiler.after(iteration)
+                stopped = self._after_iteration(iteration)
+                if stopped is not None:
+                    break
+        finally:
+            profiler.close()
+        self._after_training(stopped)
+
+    def _after_iteration(self, iteration: int) -> str | None:
+        """Evaluation, checkpoint and exit conditions after `iteration`: why training stops
+        (None: it goes on, or ended normally)."""
+        run, log, t = self.run, self.log, self.run.training
+        if due(iteration, run):
+            self.evaluate(self.data.datasets.valid,
+                          iteration // run.eval_interval - 1, iteration,
+                          f"iteration {iteration}", "validation")
+        stopped = self.exits.reason(iteration)
+        if iteration == t.train_iters:
+            stopped = None  # the normal end: its evaluations still run
+        interval = run.checkpointing.save_interval
+        if run.checkpointing.save and (iteration == t.train_iters or stopped is not None
+                                       or (interval and iteration % interval == 0)):
+            self.save(iteration)
+        if stopped is not None:
+            log(f"exiting after iteration {iteration}: {stopped}")
+        return stopped
+
+    def _after_training(self, stopped: str | None) -> None:
+        run = self.run
+        t = run.training
         if stopped is None and run.eval_iters > 0:
             datasets = self.data.datasets
             self.evaluate(datasets.valid, run.evaluations - 1, t.train_iters,
