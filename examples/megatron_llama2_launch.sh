@@ -146,6 +146,9 @@ fi
 EVAL_AND_LOGGING_ARGS=(
     --log-interval 10
     --log-throughput
+    --profile
+    --profile-step-start 4
+    --profile-step-end 6
     --eval-iters 0
     --save-interval 1000
     --save "$CHECKPOINT_PATH"

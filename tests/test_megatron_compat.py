@@ -48,7 +48,7 @@ MEGATRON_LLAMA_LAUNCH = [
     "--distributed-backend", "nccl", "--optimizer", "adam", "--seed", "1234",
     "--log-timers-to-tensorboard", "--exit-signal-handler", "--exit-signal", "SIGUSR1",
     "--ckpt-format", "torch_dist", "--tokenizer-type", "NullTokenizer", "--vocab-size", "512",
-    "--mock-data",
+    "--mock-data", "--profile", "--profile-step-start", "4", "--profile-step-end", "6",
 ]
 
 
