@@ -274,7 +274,8 @@ def _vocab(run):
 
 
 def test_fp16_overflow_skips_the_iteration_on_every_rank(reference, tmp_path):
-    fp16 = ["--fp16", "--initial-loss-scale", "1024", "--inject-overflow", "3,1,0"]
+    fp16 = ["--fp16", "--initial-loss-scale", "1024", "--hysteresis", "1",
+            "--inject-overflow", "3,1,0"]  # hysteresis 1: the first overflow halves the scale
     one = start(tmp_path, "fp16-single", 1, *fp16)
     two = start(tmp_path, "fp16-pipeline", 2, "--pipeline-schedule", "decoupled", *fp16)
     ref, run = one.wait(), two.wait()
