@@ -15,7 +15,7 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
 from megatron.data.cache import default_cache_dir, file_lock
-from megatron.data.checks import check_data_prefix
+from megatron.data.checks import DataError, check_data_prefix
 from megatron.data.tokenizer import HFTokenizer
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
@@ -90,7 +90,8 @@ def build_datasets(
     )
 
     def build() -> list:
-        return BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
+        return BlendedMegatronDatasetBuilder(SplitGPTDataset, sizes, lambda: True,
+                                             config).build()
 
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     if distributed and torch.distributed.get_rank() != 0:
@@ -100,10 +101,27 @@ def build_datasets(
     with file_lock(index_dir + ".lock"):
         try:
             return build()
+        except DataError:
+            raise
         except (ValueError, EOFError, OSError):
             # A killed earlier build can leave a truncated .npy behind: drop and rebuild.
             shutil.rmtree(index_dir, ignore_errors=True)
             return build()
+
+
+class SplitGPTDataset(GPTDataset):
+    """GPTDataset that refuses a split without tokens: megatron-core counts epochs until the
+    split's tokens cover the samples asked of it, which never ends at zero tokens (a tiny
+    corpus whose validation share holds no document, say)."""
+
+    def _get_num_epochs(self, num_tokens_per_epoch: int) -> int:
+        if num_tokens_per_epoch == 0 and self.num_samples:
+            split = self.index_split.name
+            raise DataError(
+                f"its {split} split has no tokens ({len(self.indices)} documents) but "
+                f"{self.num_samples} samples are needed: give --split a larger {split} "
+                "share" + (" or --eval-iters 0" if split != "train" else ""))
+        return super()._get_num_epochs(num_tokens_per_epoch)
 
 
 def build_mock_datasets(tokenizer, seq_length: int, sizes: list[int], seed: int) -> list:
