@@ -86,3 +86,12 @@ def test_a_run_that_cannot_fit_shared_memory_exits_2_before_any_segment(demo_cac
                              "this node's stages need"), err[0]
     assert "GiB free" in err[0]
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
+
+
+def test_an_absurd_global_batch_is_refused_naming_the_flag_and_the_limit(capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["--plan", "--model-preset", "tiny", "--global-batch-size", "40000000"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--global-batch-size 40000000" in err[0]
+    assert "expected at most 100000" in err[0]

@@ -17,6 +17,7 @@ from megatron.schedules.cost_model import model_partition
 from megatron.schedules.generators import (
     ONE_STAGE_PER_RANK,
     RECOMPUTE_BACKWARD_RATIO,
+    ScheduleTooLarge,
     build_schedule,
 )
 from megatron.schedules.grid import format_programs
@@ -114,6 +115,11 @@ def build_run_schedule(run: RunConfig, world_size: int, vocab_size: int,
         schedule = build_schedule(name, world_size, stages, split, run.micro_batches,
                                   partition, backward_ratio=RECOMPUTE_BACKWARD_RATIO,
                                   lower=lower)
+    except ScheduleTooLarge as exc:
+        # the micro-batches come from --global-batch-size; the stages from --forward-stages
+        if run.micro_batches >= stages:
+            return Unbuildable("--global-batch-size", run.training.global_batch_size, str(exc))
+        return Unbuildable("--forward-stages", stages, str(exc))
     except ValueError as exc:
         if "split" in str(exc):
             return Unbuildable("--backward-split", split, str(exc))
