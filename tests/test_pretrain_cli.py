@@ -153,3 +153,38 @@ def test_tiny_preset_learns_on_the_builtin_corpus(learning):
         assert key in rows[0]
     last = [row["loss"] for row in rows[-5:]]  # a mean: one batch's loss is noisy
     assert sum(last) / len(last) < 0.8 * rows[0]["loss"]
+
+
+# --- faults a user meets: progress lost, sizes, messages ------------------------------------
+
+def test_exit_signal_handler_without_save_is_refused_at_start(tmp_path, cache, capsys):
+    metrics = tmp_path / "m.jsonl"
+    code, out, err = run_in_process(capsys, *SMALL, "--exit-signal-handler",
+                                    "--metrics-file", str(metrics), cache=cache)
+    assert code == 2
+    assert err.strip().splitlines() == [err.strip()]  # one line
+    assert "--exit-signal-handler" in err and "needs --save" in err
+    assert not metrics.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_exit_interval_without_save_says_nothing_will_be_saved_and_stops(tmp_path, cache):
+    r = run_cli(*SMALL, "--train-iters", "4", "--exit-interval", "2", cache=cache)
+    assert r.returncode == 0, r.stderr[-2000:]
+    warnings = [line for line in r.stderr.splitlines() if "warning" in line]
+    assert len(warnings) == 1 and "--exit-interval 2 without --save" in warnings[0]
+    assert "nothing will be saved" in warnings[0]
+    assert "exiting after iteration 2" in r.stdout
+
+
+def test_train_iters_below_the_checkpoint_ends_normally_saying_so(tmp_path, cache):
+    ckpt = tmp_path / "ckpt"
+    first = run_cli(*SMALL, "--train-iters", "3", "--save", str(ckpt), cache=cache)
+    assert first.returncode == 0, first.stderr[-2000:]
+    metrics = tmp_path / "again.jsonl"
+    r = run_cli(*SMALL, "--train-iters", "2", "--load", str(ckpt),
+                "--metrics-file", str(metrics), cache=cache)
+    assert r.returncode == 0, r.stderr[-2000:]  # as Megatron: the loop does not run
+    warnings = [line for line in r.stderr.splitlines() if "warning" in line]
+    assert len(warnings) == 1, r.stderr
+    assert f"{ckpt} is already at iteration 3 >= --train-iters 2" in warnings[0]
+    assert not metrics.exists() or not metrics.read_text()

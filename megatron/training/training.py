@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron.config.checks import run_notices
 from megatron.config.errors import ConfigError
 from megatron.config.run import RunConfig
 from megatron.data.run_data import RunData, prepare_data
@@ -153,6 +154,11 @@ class TrainingLoop:
         if common is not None:
             self.log(f"loaded checkpoint from {load} at iteration {common['iteration']}"
                      + (" (--finetune: weights only, from iteration 0)" if finetune else ""))
+        train_iters = self.run.training.train_iters
+        if self.start_iteration >= train_iters:
+            # Megatron's loop does not run and the job ends normally (exit status 0)
+            warn(f"the checkpoint in {load} is already at iteration {self.start_iteration} "
+                 f">= --train-iters {train_iters}: nothing to train", self.dist_info)
 
     # --- the loop ------------------------------------------------------------------------
 
@@ -264,6 +270,8 @@ def train(run: RunConfig, dist_info: DistInfo,
     `on_step(train_step)` is called once the train step is built."""
     start_time = time.time()
     check_before_start(run, dist_info)
+    for line in run_notices(run):
+        warn(line, dist_info)
     loop = TrainingLoop(run, dist_info, start_time)
     try:
         loop.set_up(on_step)
@@ -271,6 +279,12 @@ def train(run: RunConfig, dist_info: DistInfo,
     finally:
         loop.close()
     return loop.records
+
+
+def warn(line: str, dist_info: DistInfo) -> None:
+    """One line on stderr from rank 0: allowed, but probably not what was meant."""
+    if dist_info.rank == 0:
+        print(f"pretrain_llama.py: warning: {line}", file=sys.stderr, flush=True)
 
 
 def eta_seconds(records: list[dict], elapsed: float, remaining: int) -> float:
