@@ -188,3 +188,26 @@ def test_train_iters_below_the_checkpoint_ends_normally_saying_so(tmp_path, cach
     assert len(warnings) == 1, r.stderr
     assert f"{ckpt} is already at iteration 3 >= --train-iters 2" in warnings[0]
     assert not metrics.exists() or not metrics.read_text()
+
+
+@pytest.mark.parametrize("argv,advice", [
+    (["--num-layers", "200", "--hidden-size", "8192", "--ffn-hidden-size", "22016",
+      "--num-attention-heads", "64", "--num-query-groups", "8"], "a smaller model"),
+    (["--seq-length", "1000000"], "a smaller --micro-batch-size or --seq-length"),
+    (["--vocab-size", "1000000000"], "a smaller model"),
+    (["--micro-batch-size", "100000", "--global-batch-size", "100000"],
+     "a smaller --micro-batch-size"),
+])
+def test_a_one_process_run_that_cannot_fit_is_refused_before_allocating(argv, advice, tmp_path,
+                                                                       cache, capsys):
+    """The pipeline's fit check, for one process: one line naming what it needs and what
+    is available, instead of allocating until a traceback or the OOM killer."""
+    metrics = tmp_path / "m.jsonl"
+    code, out, err = run_in_process(capsys, *SMALL, *argv, "--train-iters", "1",
+                                    "--metrics-file", str(metrics), cache=cache)
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert "host memory: the one-process run would need" in lines[0]
+    assert "available (" in lines[0] and "short)" in lines[0] and advice in lines[0]
+    assert not metrics.exists()

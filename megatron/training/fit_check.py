@@ -1,4 +1,4 @@
-"""Refuse a pipeline run that will not fit, before any segment, buffer or module exists.
+"""Refuse a run (a pipeline, or one process) that will not fit, before any segment, buffer or module exists.
 
 The memory model says what this rank's node needs in /dev/shm and host memory and what
 this rank needs on its GPU (megatron/planning/fit.py); this module measures what is free
@@ -15,7 +15,13 @@ from megatron.common.meminfo import available_host_memory
 from megatron.config.run import RunConfig
 from megatron.offload.naming import resolve_procs_per_node
 from megatron.offload.shm_space import DEFAULT_SHM_DIR, free_bytes
-from megatron.planning.fit import FreeMemory, ResourceError, first_shortfall, run_memory_plan
+from megatron.planning.fit import (
+    FreeMemory,
+    ResourceError,
+    first_shortfall,
+    run_memory_plan,
+    single_process_shortfall,
+)
 from megatron.schedules.instructions import Schedule
 
 
@@ -41,5 +47,16 @@ def refuse_what_does_not_fit(run: RunConfig, schedule: Schedule, vocab_size: int
         dist.all_reduce(flag, group=group)
         if flag.item() and error is None:
             error = ResourceError("memory", "another rank's node or GPU cannot fit this run")
+    if error is not None:
+        raise error
+
+
+def refuse_single_process_that_does_not_fit(run: RunConfig, vocab_size: int) -> None:
+    """Raise ResourceError when the one-process run needs more host memory than is
+    available now (the model, its optimizer and one micro-batch's activations)."""
+    host = available_host_memory()
+    if host is None:
+        return  # nothing to measure against (not Linux): the run finds out itself
+    error = single_process_shortfall(run, vocab_size, host)
     if error is not None:
         raise error

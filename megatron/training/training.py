@@ -37,6 +37,7 @@ from megatron.training.checkpointing import (
 )
 from megatron.training.distributed import DistInfo, initialize_distributed, shutdown_distributed
 from megatron.training.evaluation import due, evaluate, evaluation_record, format_evaluation
+from megatron.training.fit_check import refuse_single_process_that_does_not_fit
 from megatron.training.local_step import LocalTrainStep
 from megatron.training.lr_schedule import LRSchedule
 from megatron.training.metrics import MetricsWriter, format_host_memory, format_log_line
@@ -64,6 +65,7 @@ def runs_pipeline(run: RunConfig, world_size: int) -> bool:
 
 def make_train_step(run: RunConfig, model_cfg: LlamaConfig, dist_info: DistInfo) -> TrainStep:
     if not runs_pipeline(run, dist_info.world_size):
+        refuse_single_process_that_does_not_fit(run, model_cfg.vocab_size)
         return LocalTrainStep(model_cfg, run)
     return PipelineTrainStep(model_cfg, run, dist_info)
 
@@ -120,6 +122,10 @@ class TrainingLoop:
                     check_checkpoint_model(run, saved.get("args"), load)
             elif load:
                 log(f"{load} does not exist (--load-optional): starting from scratch")
+        if not runs_pipeline(run, self.dist_info.world_size):
+            # before the data: the vocabulary given, or 1 (a lower bound; checked again
+            # with the tokenizer's below), so that a run far too large stops at once
+            refuse_single_process_that_does_not_fit(run, run.model.vocab_size or 1)
         with setup_phase("data", log):
             self.data = prepare_data(run, log=log)
         model_cfg = LlamaConfig.from_model(run.model, self.data.vocab_size, run.training.seed)
