@@ -113,3 +113,4 @@ def test_a_small_dev_shm_is_reported_in_units_that_show_the_shortfall():
     text = str(error)
     assert f"would need {need / 2**20:.2f} MiB, 1.00 MiB free" in text, text
     assert f"({(need - 2**20) / 2**20:.2f} MiB short)" in text
+

@@ -211,3 +211,25 @@ def test_a_one_process_run_that_cannot_fit_is_refused_before_allocating(argv, ad
     assert "host memory: the one-process run would need" in lines[0]
     assert "available (" in lines[0] and "short)" in lines[0] and advice in lines[0]
     assert not metrics.exists()
+
+
+def test_a_layout_larger_than_the_processes_started_names_both(cache):
+    """DP 2 x PP 2 on 2 processes: the message used to say 1 process was started."""
+    r = forked_ranks.launch("pretrain_llama.py", [
+        *SMALL, "--pipeline-model-parallel-size", "2", "--data-parallel-size", "2",
+        "--data-cache-dir", cache], 2, timeout=300)
+    assert r.returncode != 0
+    lines = [line for line in r.stderr.splitlines() if "error:" in line]
+    assert len(lines) == 1, r.stderr[-2000:]  # rank 0 only
+    assert "2 processes were started" in lines[0] and "--data-parallel-size 2" in lines[0]
+    assert "2 x 2 = 4" in lines[0] and "--nproc-per-node 4" in lines[0]
+
+
+def test_a_binary_schedule_file_is_one_line_naming_it(tmp_path, cache, capsys):
+    path = tmp_path / "s.csv"
+    path.write_bytes(bytes(range(128, 256)))
+    code, _, err = run_in_process(capsys, *SMALL, "--schedule-file", str(path), cache=cache)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert f"--schedule-file {path}" in lines[0] and "is not a UTF-8 CSV" in lines[0]

@@ -122,3 +122,12 @@ def test_many_ranks_simulate_in_time_linear_in_the_instructions():
     assert done.returncode == 0, done.stderr
     assert len(json.loads(done.stdout)["per_rank"]) == 3000
     assert time.monotonic() - t0 < 60
+
+
+def test_a_binary_schedule_file_is_named_as_not_a_utf8_csv(tmp_path):
+    path = tmp_path / "s.csv"
+    path.write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe" * 8)
+    done = run("--schedule-file", str(path))
+    assert done.returncode == 2
+    assert len(done.stderr.strip().splitlines()) == 1
+    assert str(path) in done.stderr and "is not a UTF-8 CSV" in done.stderr
