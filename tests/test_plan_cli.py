@@ -114,3 +114,19 @@ def test_a_small_dev_shm_is_reported_in_units_that_show_the_shortfall():
     assert f"would need {need / 2**20:.2f} MiB, 1.00 MiB free" in text, text
     assert f"({(need - 2**20) / 2**20:.2f} MiB short)" in text
 
+
+
+@pytest.mark.parametrize("content,fragment", [
+    (bytes(range(128, 256)), "byte 0 is not UTF-8"),
+    (b'{"name": "x",', "line 1 column"),
+])
+def test_a_hardware_file_that_is_not_json_is_one_line(content, fragment, tmp_path, capsys):
+    path = tmp_path / "hw.json"
+    path.write_bytes(content)
+    with pytest.raises(SystemExit) as stop:
+        main(["--plan", "--model-preset", "tiny", "--hardware", str(path)])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert f"--hardware {path}" in err[0] and "is not a JSON profile" in err[0]
+    assert fragment in err[0]
