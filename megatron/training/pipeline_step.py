@@ -8,13 +8,17 @@ report into the loop's StepResult and writes the measured timeline files.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import replace
 
 import torch
 
+from megatron.common.units import format_bytes
 from megatron.config.run import RunConfig
 from megatron.models.llama import Batch, LlamaConfig
+from megatron.offload.param_store import sweep_dead_segments
+from megatron.offload.shm_space import DEFAULT_SHM_DIR
 from megatron.pipeline.assembly import Pipeline
 from megatron.pipeline.config import pipeline_config
 from megatron.pipeline.host_group import host_group
@@ -28,6 +32,15 @@ from megatron.training.fit_check import refuse_what_does_not_fit
 from megatron.training.train_step import StepResult
 
 
+def sweep_left_behind() -> None:
+    """Remove the segments of dead processes (any run id: a job whose workers and reapers
+    were killed leaves them) and say how much, once per node."""
+    names, nbytes = sweep_dead_segments()
+    if names:
+        print(f"removed {len(names)} shared-memory segment(s) ({format_bytes(nbytes)}) "
+              f"left by dead processes from {DEFAULT_SHM_DIR}", flush=True)
+
+
 class PipelineTrainStep:
     def __init__(self, model_cfg: LlamaConfig, run: RunConfig, dist_info: DistInfo) -> None:
         self.rank = dist_info.rank
@@ -35,6 +48,9 @@ class PipelineTrainStep:
         self.run = run
         schedule, report = run_schedule(run, dist_info.pipeline_size, model_cfg.vocab_size)
         self.config = pipeline_config(run, schedule, report)
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            # before the fit check, so that what dead runs left counts as free
+            sweep_left_behind()
         refuse_what_does_not_fit(run, schedule, model_cfg.vocab_size,
                                  dist_info.layout.pipeline_rank, host_group())
         self.pipeline = Pipeline(self.config, model_cfg, self.rank)
