@@ -233,3 +233,50 @@ def test_a_binary_schedule_file_is_one_line_naming_it(tmp_path, cache, capsys):
     lines = err.strip().splitlines()
     assert len(lines) == 1, err
     assert f"--schedule-file {path}" in lines[0] and "is not a UTF-8 CSV" in lines[0]
+
+
+@pytest.mark.parametrize("async_save", ["--async-save", "--no-async-save"])
+def test_a_save_the_file_system_refuses_is_one_line(async_save, tmp_path, cache):
+    """The checkpoint's staging directory cannot be created (a file is in its way): one
+    line naming --save and the cause, not a traceback."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "iter_0000001.tmp").write_text("in the way")
+    r = run_cli(*SMALL, "--train-iters", "1", "--save", str(ckpt), async_save, cache=cache)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    errors = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(errors) == 1, r.stderr[-3000:]
+    assert f"--save {ckpt}: writing the checkpoint" in errors[0] and "File exists" in errors[0]
+
+
+def test_two_jobs_with_the_same_run_id_the_second_is_one_line(tmp_path, cache):
+    """Two jobs started with the same --rdzv-id (TORCHELASTIC_RUN_ID) on one node: the
+    second finds the first's live segments and stops in one line, exit 2."""
+    import time
+    import uuid
+
+    from megatron.offload.param_store import job_segments
+    run_id = f"same-{uuid.uuid4().hex}"
+    env = {"TORCHELASTIC_RUN_ID": run_id}
+    flags = [*SMALL, "--data-cache-dir", cache]
+    first = forked_ranks.start("pretrain_llama.py", [*flags, "--train-iters", "5000"], 2,
+                               env=env)
+    try:
+        deadline = time.monotonic() + 240
+        while not job_segments(f"run:{run_id}"):
+            assert first.running() and time.monotonic() < deadline
+            time.sleep(0.05)
+        second = forked_ranks.launch("pretrain_llama.py", [*flags, "--train-iters", "1"], 2,
+                                     env=env, timeout=240)
+    finally:
+        for pid in first.pids:
+            os.kill(pid, 15)
+        first.wait(timeout=120)
+    assert second.returncode != 0, second.stderr[-3000:]
+    errors = [line for line in second.stderr.splitlines()  # the launcher's own lines aside
+              if line.strip() and not line.startswith("[forked_ranks]")]
+    assert "exit status 2" in second.stderr  # every rank stopped with bad input
+    assert len(errors) == 1, second.stderr[-3000:]
+    assert "another job with the same job id" in errors[0] and "--rdzv-id" in errors[0]
+    assert job_segments(f"run:{run_id}") == []

@@ -35,18 +35,21 @@ def free_memory(shm_dir: str = DEFAULT_SHM_DIR) -> FreeMemory:
 
 
 def refuse_what_does_not_fit(run: RunConfig, schedule: Schedule, vocab_size: int,
-                             pipeline_rank: int, group: dist.ProcessGroup | None) -> None:
-    """Raise ResourceError on every rank when any rank's node or GPU lacks memory."""
+                             pipeline_rank: int, group: dist.ProcessGroup | None,
+                             found: Exception | None = None) -> None:
+    """Raise ResourceError on every rank when any rank's node or GPU lacks memory; `found`:
+    another reason this rank cannot start (raised here, the others stop with it)."""
     free = free_memory()
     plan = run_memory_plan(run, schedule, vocab_size,
                            resolve_procs_per_node(run.parallel.procs_per_node),
                            on_cuda=free.device is not None)
-    error = first_shortfall(plan, pipeline_rank, free, run.precision.working_bytes)
+    error = found or first_shortfall(plan, pipeline_rank, free, run.precision.working_bytes)
     if schedule.ranks * run.data_parallel_size > 1 and dist.is_initialized():
         flag = torch.tensor([1.0 if error else 0.0])
         dist.all_reduce(flag, group=group)
         if flag.item() and error is None:
-            error = ResourceError("memory", "another rank's node or GPU cannot fit this run")
+            error = ResourceError("memory", "another rank cannot start this run (its node or "
+                                  "GPU lacks memory, or its node runs a job with this id)")
     if error is not None:
         raise error
 

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron.config.checks import run_notices
 from megatron.config.errors import ConfigError
@@ -22,6 +23,8 @@ from megatron.config.run import RunConfig
 from megatron.data.run_data import RunData, prepare_data
 from megatron.data.sampling import training_micro_batches
 from megatron.models.llama import LlamaConfig
+from megatron.offload.shm import SegmentInUseError
+from megatron.offload.shm_space import ShmSpaceError
 from megatron.pipeline.host_group import host_group
 from megatron.planning.evaluate import plan_hardware
 from megatron.planning.report import candidates_text, model_size, run_plan
@@ -250,14 +253,16 @@ class TrainingLoop:
         common = {"lr_schedule": self.schedule.state_dict(), "skipped_total": self.skipped_total,
                   "consumed_samples": iteration * run.training.global_batch_size,
                   "args": run.flags(), "tokenizer_json": self.data.tokenizer.to_json()}
-        blocked = self.saver.save(iteration, self.step.owned_state(), common)
+        with one_line_save_errors(run.checkpointing.save):
+            blocked = self.saver.save(iteration, self.step.owned_state(), common)
         self.log(f"checkpoint iteration {iteration}: training blocked {blocked:.3f} s"
                  + (", writing in the background" if run.checkpointing.async_save else ""))
 
     def close(self) -> None:
         """Release in reverse order of creation; the last save in flight completes."""
         if self.saver is not None:
-            self.saver.close()
+            with one_line_save_errors(self.run.checkpointing.save):
+                self.saver.close()  # a background write's failure surfaces here
         if self.exits is not None:
             self.exits.close()
         close = getattr(self.step, "close", None)
@@ -285,6 +290,31 @@ def train(run: RunConfig, dist_info: DistInfo,
     finally:
         loop.close()
     return loop.records
+
+
+@contextlib.contextmanager
+def one_line_save_errors(root: str) -> Iterator[None]:
+    """A write the file system refused (now, or in the background: the saver's error then
+    wraps it) as one CheckpointError line naming --save and the cause."""
+    try:
+        yield
+    except CheckpointError as exc:
+        cause = exc.__cause__
+        if not isinstance(cause, (OSError, CheckpointException)):
+            raise
+        raise CheckpointError(f"--save {root}: writing the checkpoint failed "
+                              f"({_first_line(cause)})") from None
+    except (OSError, CheckpointException) as exc:
+        raise CheckpointError(f"--save {root}: writing the checkpoint failed "
+                              f"({_first_line(exc)})") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    """An error's message on one line (dcp's CheckpointException lists every rank's)."""
+    if isinstance(exc, CheckpointException) and exc.failures:
+        exc = next(iter(exc.failures.values()))[0]  # (exception, traceback) per rank
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
 
 
 def warn(line: str, dist_info: DistInfo) -> None:
@@ -346,6 +376,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             shutdown_distributed()
     except (ConfigError, CheckpointError) as exc:
         exit_bad_input(exc)
+    except (SegmentInUseError, ShmSpaceError) as exc:
+        # met by the ranks that create segments, not necessarily rank 0: each says it
+        print(f"pretrain_llama.py: error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
     return 0
 
 
