@@ -280,3 +280,34 @@ def test_two_jobs_with_the_same_run_id_the_second_is_one_line(tmp_path, cache):
     assert len(errors) == 1, second.stderr[-3000:]
     assert "another job with the same job id" in errors[0] and "--rdzv-id" in errors[0]
     assert job_segments(f"run:{run_id}") == []
+
+
+def test_a_save_dir_without_room_for_a_checkpoint_is_refused_at_start(tmp_path, cache,
+                                                                      capsys):
+    """Checked at start, not at the first save after training: a model whose checkpoint
+    (12 bytes per parameter) cannot fit the file system of --save. Nothing is created."""
+    save = tmp_path / "new" / "ckpt"
+    code, _, err = run_in_process(capsys, *SMALL, "--vocab-size", str(10**11),
+                                  "--save", str(save), cache=cache)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert f"--save {save}" in lines[0] and "a checkpoint of this model needs at least" in lines[0]
+    assert "TiB" in lines[0] and "free" in lines[0]
+    assert not (tmp_path / "new").exists()
+
+
+def test_an_error_after_the_output_checks_leaves_no_empty_directories(tmp_path, cache,
+                                                                      capsys):
+    tok = tmp_path / "tok.json"
+    tok.write_text("{}")
+    out = tmp_path / "out"
+    code, _, err = run_in_process(capsys, *SMALL, "--save", str(out / "ckpt"),
+                                  "--tensorboard-dir", str(out / "tb"),
+                                  "--metrics-file", str(out / "logs" / "m.jsonl"),
+                                  "--data-path", str(tmp_path / "none"),
+                                  "--tokenizer-model", str(tok), cache=cache)
+    assert code == 2
+    assert "--data-path" in err.strip().splitlines()[-1]
+    assert not out.exists()  # the checks passed without creating them
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tok.json"]

@@ -101,6 +101,9 @@ class PipelineTrainStep:
         title = (f"measured: {s.name}, {s.ranks} ranks, {s.forward_stages} forward stages, "
                  f"d={s.backward_split}, {s.micro_batches} micro-batches")
         png, trace = self.run.logging.timeline, self.run.logging.trace
+        for path in (png, trace):  # checked writable at start, created only now
+            if path:
+                os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         if png:
             write_timeline_png(events, png, title=title)
         if trace:

@@ -49,6 +49,7 @@ from megatron.training.run_checks import (
     check_checkpoint_model,
     check_load_dir,
     check_output_paths,
+    check_save_space,
 )
 from megatron.training.scalar_logging import ScalarSinks, check_scalar_sinks
 from megatron.training.signals import ExitConditions
@@ -86,6 +87,7 @@ def check_before_start(run: RunConfig, dist_info: DistInfo) -> None:
     check_load_dir(run)  # the checks that create nothing first
     check_scalar_sinks(run)
     check_output_paths(run)
+    check_save_space(run, run.model.vocab_size)
 
 
 class TrainingLoop:
