@@ -311,3 +311,28 @@ def test_an_error_after_the_output_checks_leaves_no_empty_directories(tmp_path, 
     assert "--data-path" in err.strip().splitlines()[-1]
     assert not out.exists()  # the checks passed without creating them
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tok.json"]
+
+
+def test_a_start_removes_what_dead_runs_left_in_shared_memory_and_says_so(tmp_path, cache):
+    """A segment of another run id whose creator is dead (its worker and reaper were
+    killed) is removed by the next start, which says how much."""
+    import struct
+    import subprocess
+    import uuid
+
+    from megatron.offload.shm_header import MAGIC
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    path = f"/dev/shm/mlm-{uuid.uuid4().hex[:12]}-n0-s0-0"
+    with open(path, "wb") as f:  # what a SIGKILLed worker leaves: a complete segment
+        f.write(MAGIC + struct.pack("<6q", 3, 0, dead.pid, 12345, 16, 3)
+                + bytes(4096 - 56 + 32))
+    try:
+        r = run_cli(*SMALL, "--pipeline-schedule", "decoupled", "--train-iters", "1",
+                    cache=cache)
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert not os.path.exists(path)
+        assert "shared-memory segment(s) (" in r.stdout and "left by dead processes" in r.stdout
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
