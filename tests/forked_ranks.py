@@ -343,7 +343,7 @@ class RankJob:
         self._files = [(os.path.join(self._logs.name, f"{r}.out"),
                         os.path.join(self._logs.name, f"{r}.err")) for r in range(nproc)]
         try:
-            run_id = uuid.uuid4().hex
+            run_id = env.get("TORCHELASTIC_RUN_ID") or uuid.uuid4().hex  # --rdzv-id
             for rank, (out, err) in enumerate(self._files):
                 rank_env = base
                 if torchrun:

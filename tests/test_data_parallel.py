@@ -14,9 +14,9 @@ import os
 import pytest
 import torch
 
+from megatron.common.units import format_bytes
 from megatron.pipeline.data_parallel import ParallelLayout, shard_range
 from megatron.training.checkpointing import read_all_tensors
-from megatron.training.metrics import format_bytes
 from megatron.training.training import main
 from tests import forked_ranks
 

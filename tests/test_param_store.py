@@ -114,7 +114,8 @@ def test_stale_segment_of_a_dead_run_is_swept_by_the_next_start(job_id):
     fake_stale_segment(store.path((0, 0)), dead_pid())
     fake_stale_segment(store.path((0, 1)), dead_pid())
     restarted = ParameterStore(job_id=job_id, rank=0)
-    assert restarted.swept == [os.path.basename(store.path(k)) for k in ((0, 0), (0, 1))]
+    ours = {os.path.basename(store.path(k)) for k in ((0, 0), (0, 1))}
+    assert ours <= set(restarted.swept)  # with whatever other dead runs left
     fake_stale_segment(store.path((2, 0)), dead_pid())  # appears after the sweep
     with pytest.warns(RuntimeWarning, match="removing stale shared-memory segment"):
         fresh = restarted.create((2, 0), 16, torch.bfloat16)

@@ -83,8 +83,8 @@ def test_a_run_that_cannot_fit_shared_memory_exits_2_before_any_segment(demo_cac
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1, err
     assert err[0].startswith("pretrain_llama.py: error: /dev/shm: the parameters (fp32) of "
-                             "this node's stages need"), err[0]
-    assert "GiB free" in err[0]
+                             "this node's stages would need"), err[0]
+    assert "GiB free (" in err[0] and "GiB short)" in err[0]
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
 
 
@@ -216,3 +216,47 @@ def test_nodes_for_gpu_memory_are_found_beyond_what_host_memory_implies(capsys):
     assert nearest is not None and nearest["fits"]
     fewer = str(nearest["nodes"] - 1)
     assert plan(capsys, *run, "--nodes", fewer, *STATE_FLAGS[6])[0] == 3
+
+
+def test_an_absurd_global_batch_is_refused_naming_the_flag_and_the_limit(capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["--plan", "--model-preset", "tiny", "--global-batch-size", "40000000"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--global-batch-size 40000000" in err[0]
+    assert "expected at most 100000" in err[0]
+
+
+def test_a_small_dev_shm_is_reported_in_units_that_show_the_shortfall():
+    """A 1 MiB /dev/shm against a few MiB of parameters used to read 'need 0.0 GiB, 0.0 GiB
+    free'."""
+    from megatron.planning.fit import FreeMemory, first_shortfall, run_memory_plan
+    from megatron.planning.shape import generate_schedule
+    from megatron.training.arguments import parse_args
+
+    run = parse_args(["--model-preset", "tiny", "--pipeline-schedule", "decoupled"])
+    schedule = generate_schedule(run, 1, 1000)
+    plan = run_memory_plan(run, schedule, 1000, procs_per_node=1, on_cuda=False)
+    need = plan.per_node[0]["shm_parameters"]
+    assert 2**20 < need < 2**30  # the case: MiB, not GiB
+    error = first_shortfall(plan, 0, FreeMemory(shm=2**20, host=2**40, device=None), 4)
+    text = str(error)
+    assert f"would need {need / 2**20:.2f} MiB, 1.00 MiB free" in text, text
+    assert f"({(need - 2**20) / 2**20:.2f} MiB short)" in text
+
+
+
+@pytest.mark.parametrize("content,fragment", [
+    (bytes(range(128, 256)), "byte 0 is not UTF-8"),
+    (b'{"name": "x",', "line 1 column"),
+])
+def test_a_hardware_file_that_is_not_json_is_one_line(content, fragment, tmp_path, capsys):
+    path = tmp_path / "hw.json"
+    path.write_bytes(content)
+    with pytest.raises(SystemExit) as stop:
+        main(["--plan", "--model-preset", "tiny", "--hardware", str(path)])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert f"--hardware {path}" in err[0] and "is not a JSON profile" in err[0]
+    assert fragment in err[0]

@@ -153,3 +153,186 @@ def test_tiny_preset_learns_on_the_builtin_corpus(learning):
         assert key in rows[0]
     last = [row["loss"] for row in rows[-5:]]  # a mean: one batch's loss is noisy
     assert sum(last) / len(last) < 0.8 * rows[0]["loss"]
+
+
+# --- faults a user meets: progress lost, sizes, messages ------------------------------------
+
+def test_exit_signal_handler_without_save_is_refused_at_start(tmp_path, cache, capsys):
+    metrics = tmp_path / "m.jsonl"
+    code, out, err = run_in_process(capsys, *SMALL, "--exit-signal-handler",
+                                    "--metrics-file", str(metrics), cache=cache)
+    assert code == 2
+    assert err.strip().splitlines() == [err.strip()]  # one line
+    assert "--exit-signal-handler" in err and "needs --save" in err
+    assert not metrics.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_exit_interval_without_save_says_nothing_will_be_saved_and_stops(tmp_path, cache):
+    r = run_cli(*SMALL, "--train-iters", "4", "--exit-interval", "2", cache=cache)
+    assert r.returncode == 0, r.stderr[-2000:]
+    warnings = [line for line in r.stderr.splitlines() if "warning" in line]
+    assert len(warnings) == 1 and "--exit-interval 2 without --save" in warnings[0]
+    assert "nothing will be saved" in warnings[0]
+    assert "exiting after iteration 2" in r.stdout
+
+
+def test_train_iters_below_the_checkpoint_ends_normally_saying_so(tmp_path, cache):
+    ckpt = tmp_path / "ckpt"
+    first = run_cli(*SMALL, "--train-iters", "3", "--save", str(ckpt), cache=cache)
+    assert first.returncode == 0, first.stderr[-2000:]
+    metrics = tmp_path / "again.jsonl"
+    r = run_cli(*SMALL, "--train-iters", "2", "--load", str(ckpt),
+                "--metrics-file", str(metrics), cache=cache)
+    assert r.returncode == 0, r.stderr[-2000:]  # as Megatron: the loop does not run
+    warnings = [line for line in r.stderr.splitlines() if "warning" in line]
+    assert len(warnings) == 1, r.stderr
+    assert f"{ckpt} is already at iteration 3 >= --train-iters 2" in warnings[0]
+    assert not metrics.exists() or not metrics.read_text()
+
+
+@pytest.mark.parametrize("argv,advice", [
+    (["--num-layers", "200", "--hidden-size", "8192", "--ffn-hidden-size", "22016",
+      "--num-attention-heads", "64", "--num-query-groups", "8"], "a smaller model"),
+    (["--seq-length", "1000000"], "a smaller --micro-batch-size or --seq-length"),
+    (["--vocab-size", "1000000000"], "a smaller model"),
+    (["--micro-batch-size", "100000", "--global-batch-size", "100000"],
+     "a smaller --micro-batch-size"),
+])
+def test_a_one_process_run_that_cannot_fit_is_refused_before_allocating(argv, advice, tmp_path,
+                                                                       cache, capsys):
+    """The pipeline's fit check, for one process: one line naming what it needs and what
+    is available, instead of allocating until a traceback or the OOM killer."""
+    metrics = tmp_path / "m.jsonl"
+    code, out, err = run_in_process(capsys, *SMALL, *argv, "--train-iters", "1",
+                                    "--metrics-file", str(metrics), cache=cache)
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert "host memory: the one-process run would need" in lines[0]
+    assert "available (" in lines[0] and "short)" in lines[0] and advice in lines[0]
+    assert not metrics.exists()
+
+
+def test_a_layout_larger_than_the_processes_started_names_both(cache):
+    """DP 2 x PP 2 on 2 processes: the message used to say 1 process was started."""
+    r = forked_ranks.launch("pretrain_llama.py", [
+        *SMALL, "--pipeline-model-parallel-size", "2", "--data-parallel-size", "2",
+        "--data-cache-dir", cache], 2, timeout=300)
+    assert r.returncode != 0
+    lines = [line for line in r.stderr.splitlines() if "error:" in line]
+    assert len(lines) == 1, r.stderr[-2000:]  # rank 0 only
+    assert "2 processes were started" in lines[0] and "--data-parallel-size 2" in lines[0]
+    assert "2 x 2 = 4" in lines[0] and "--nproc-per-node 4" in lines[0]
+
+
+def test_a_binary_schedule_file_is_one_line_naming_it(tmp_path, cache, capsys):
+    path = tmp_path / "s.csv"
+    path.write_bytes(bytes(range(128, 256)))
+    code, _, err = run_in_process(capsys, *SMALL, "--schedule-file", str(path), cache=cache)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert f"--schedule-file {path}" in lines[0] and "is not a UTF-8 CSV" in lines[0]
+
+
+@pytest.mark.parametrize("async_save", ["--async-save", "--no-async-save"])
+def test_a_save_the_file_system_refuses_is_one_line(async_save, tmp_path, cache):
+    """The checkpoint's staging directory cannot be created (a file is in its way): one
+    line naming --save and the cause, not a traceback."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "iter_0000001.tmp").write_text("in the way")
+    r = run_cli(*SMALL, "--train-iters", "1", "--save", str(ckpt), async_save, cache=cache)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    errors = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(errors) == 1, r.stderr[-3000:]
+    assert f"--save {ckpt}: writing the checkpoint" in errors[0] and "File exists" in errors[0]
+
+
+def test_two_jobs_with_the_same_run_id_the_second_is_one_line(tmp_path, cache):
+    """Two jobs started with the same --rdzv-id (TORCHELASTIC_RUN_ID) on one node: the
+    second finds the first's live segments and stops in one line, exit 2."""
+    import time
+    import uuid
+
+    from megatron.offload.param_store import job_segments
+    run_id = f"same-{uuid.uuid4().hex}"
+    env = {"TORCHELASTIC_RUN_ID": run_id}
+    flags = [*SMALL, "--data-cache-dir", cache]
+    first = forked_ranks.start("pretrain_llama.py", [*flags, "--train-iters", "5000"], 2,
+                               env=env)
+    try:
+        deadline = time.monotonic() + 240
+        while not job_segments(f"run:{run_id}"):
+            assert first.running() and time.monotonic() < deadline
+            time.sleep(0.05)
+        second = forked_ranks.launch("pretrain_llama.py", [*flags, "--train-iters", "1"], 2,
+                                     env=env, timeout=240)
+    finally:
+        for pid in first.pids:
+            os.kill(pid, 15)
+        first.wait(timeout=120)
+    assert second.returncode != 0, second.stderr[-3000:]
+    errors = [line for line in second.stderr.splitlines()  # the launcher's own lines aside
+              if line.strip() and not line.startswith("[forked_ranks]")]
+    assert "exit status 2" in second.stderr  # every rank stopped with bad input
+    assert len(errors) == 1, second.stderr[-3000:]
+    assert "another job with the same job id" in errors[0] and "--rdzv-id" in errors[0]
+    assert job_segments(f"run:{run_id}") == []
+
+
+def test_a_save_dir_without_room_for_a_checkpoint_is_refused_at_start(tmp_path, cache,
+                                                                      capsys):
+    """Checked at start, not at the first save after training: a model whose checkpoint
+    (12 bytes per parameter) cannot fit the file system of --save. Nothing is created."""
+    save = tmp_path / "new" / "ckpt"
+    code, _, err = run_in_process(capsys, *SMALL, "--vocab-size", str(10**11),
+                                  "--save", str(save), cache=cache)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert f"--save {save}" in lines[0] and "a checkpoint of this model needs at least" in lines[0]
+    assert "TiB" in lines[0] and "free" in lines[0]
+    assert not (tmp_path / "new").exists()
+
+
+def test_an_error_after_the_output_checks_leaves_no_empty_directories(tmp_path, cache,
+                                                                      capsys):
+    tok = tmp_path / "tok.json"
+    tok.write_text("{}")
+    out = tmp_path / "out"
+    code, _, err = run_in_process(capsys, *SMALL, "--save", str(out / "ckpt"),
+                                  "--tensorboard-dir", str(out / "tb"),
+                                  "--metrics-file", str(out / "logs" / "m.jsonl"),
+                                  "--data-path", str(tmp_path / "none"),
+                                  "--tokenizer-model", str(tok), cache=cache)
+    assert code == 2
+    assert "--data-path" in err.strip().splitlines()[-1]
+    assert not out.exists()  # the checks passed without creating them
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tok.json"]
+
+
+def test_a_start_removes_what_dead_runs_left_in_shared_memory_and_says_so(tmp_path, cache):
+    """A segment of another run id whose creator is dead (its worker and reaper were
+    killed) is removed by the next start, which says how much."""
+    import struct
+    import subprocess
+    import uuid
+
+    from megatron.offload.shm_header import MAGIC
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    path = f"/dev/shm/mlm-{uuid.uuid4().hex[:12]}-n0-s0-0"
+    with open(path, "wb") as f:  # what a SIGKILLed worker leaves: a complete segment
+        f.write(MAGIC + struct.pack("<6q", 3, 0, dead.pid, 12345, 16, 3)
+                + bytes(4096 - 56 + 32))
+    try:
+        r = run_cli(*SMALL, "--pipeline-schedule", "decoupled", "--train-iters", "1",
+                    cache=cache)
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert not os.path.exists(path)
+        assert "shared-memory segment(s) (" in r.stdout and "left by dead processes" in r.stdout
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)

@@ -96,3 +96,38 @@ def test_bad_input_is_one_line_and_exit_status_2(args, needle, tmp_path):
 def test_missing_schedule_file_exits_2(tmp_path):
     done = run("--schedule-file", str(tmp_path / "nope.csv"))
     assert done.returncode == 2 and "does not exist" in done.stderr
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--ranks", "4", "--forward-stages", "8", "--micro-batches", "10000000"],
+     "8 forward stages x 10000000 micro-batches"),
+    (["--ranks", "100000", "--forward-stages", "200000", "--micro-batches", "4"],
+     "200000 forward stages x 4 micro-batches"),
+])
+def test_an_absurd_size_is_refused_at_once_saying_the_limit(args, needle, tmp_path):
+    done = run("--schedule", "decoupled", *args, "--plot", "never.png", cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert needle in done.stderr and len(done.stderr.strip().splitlines()) == 1
+    assert "expected at most" in done.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_many_ranks_simulate_in_time_linear_in_the_instructions():
+    """3000 ranks, one micro-batch: every round of the interpreter used to visit every rank
+    (quadratic: minutes); now the ranks that can move are visited."""
+    import time
+    t0 = time.monotonic()
+    done = run("--schedule", "decoupled", "--ranks", "3000", "--forward-stages", "6000",
+               "--micro-batches", "1", "--json")
+    assert done.returncode == 0, done.stderr
+    assert len(json.loads(done.stdout)["per_rank"]) == 3000
+    assert time.monotonic() - t0 < 60
+
+
+def test_a_binary_schedule_file_is_named_as_not_a_utf8_csv(tmp_path):
+    path = tmp_path / "s.csv"
+    path.write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe" * 8)
+    done = run("--schedule-file", str(path))
+    assert done.returncode == 2
+    assert len(done.stderr.strip().splitlines()) == 1
+    assert str(path) in done.stderr and "is not a UTF-8 CSV" in done.stderr

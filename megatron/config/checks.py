@@ -43,6 +43,18 @@ def check_run(run: RunConfig) -> None:
     _check_profiling(run)
 
 
+def run_notices(run: RunConfig) -> list[str]:
+    """What is allowed but probably not meant, one line each, printed at start."""
+    notices = []
+    if run.checkpointing.save is None:
+        for field in ("exit_interval", "exit_duration_in_mins"):
+            value = getattr(run.exit, field)
+            if value is not None:
+                notices.append(f"{flag_name(field)} {value} without --save: the run may stop "
+                               "early and nothing will be saved")
+    return notices
+
+
 def _positive(value: int | None, field: str) -> None:
     if value is not None and value <= 0:
         raise ConfigError(flag_name(field), value, "expected a positive integer")
@@ -193,6 +205,11 @@ def _check_checkpointing(run: RunConfig) -> None:
     _positive(c.save_interval, "save_interval")
     if c.save_interval is not None and c.save is None:
         raise ConfigError("--save-interval", c.save_interval, "needs --save DIR")
+    if run.exit.exit_signal_handler and c.save is None:
+        # a signal would stop the run early with nothing saved: the progress is lost
+        raise ConfigError("--exit-signal-handler", True,
+                          "needs --save DIR (a signal stops the run early; without a "
+                          "checkpoint its progress is lost)")
     if c.finetune and c.load is None:
         raise ConfigError("--finetune", True, "needs --load DIR")
     _check_tokenizer(run)

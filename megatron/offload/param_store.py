@@ -13,7 +13,8 @@ forward or backward attach to the same memory and wait for the version they need
 
 Cleanup: `close()` (also on `with` exit and at interpreter exit) removes the segments
 this process created; a reaper process removes them if this process is killed; and a
-new store of the same job sweeps segments of its node whose creators are dead.
+new store sweeps every segment of this project whose creator is dead, whatever its job
+(a job killed with its reapers leaves its segments, and the next run has another id).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import weakref
 import torch
 
 from megatron.offload.naming import (
+    SEGMENT_PREFIX,
     job_prefix,
     namespace,
     resolve_job_id,
@@ -65,21 +67,11 @@ class ParameterStore:
         self.shm_dir = shm_dir
         self.namespace = namespace(self.job_id, self.node)
         self._segments: dict[BackwardStage, SharedSegment] = {}
-        self.swept = self.sweep_stale()
+        self.swept, self.swept_bytes = sweep_dead_segments(shm_dir)
         _open_stores.add(self)
 
     def path(self, key: BackwardStage) -> str:
         return os.path.join(self.shm_dir, segment_name(self.job_id, self.node, *key))
-
-    def sweep_stale(self) -> list[str]:
-        """Remove this node's segments of this job whose creating process is dead."""
-        removed = []
-        for name in sorted(os.listdir(self.shm_dir)):
-            if name.startswith(self.namespace):
-                path = os.path.join(self.shm_dir, name)
-                if remove_if_stale(path):
-                    removed.append(name)
-        return removed
 
     def check_capacity(self, sizes: dict[BackwardStage, tuple[int, torch.dtype]]) -> int:
         """Fail before anything is created when /dev/shm cannot hold all these segments."""
@@ -141,3 +133,21 @@ def job_segments(job_id: str, shm_dir: str = DEFAULT_SHM_DIR) -> list[str]:
     """Names of every segment of a job in `shm_dir`, all nodes (for checks and tools)."""
     prefix = job_prefix(job_id)
     return sorted(name for name in os.listdir(shm_dir) if name.startswith(prefix))
+
+
+def sweep_dead_segments(shm_dir: str = DEFAULT_SHM_DIR) -> tuple[list[str], int]:
+    """Remove every segment of this project in `shm_dir` whose creator is dead, whatever
+    its job id: (the names removed, their bytes). A live process's segment, or one whose
+    header is not written yet, is left alone."""
+    removed, nbytes = [], 0
+    for name in sorted(os.listdir(shm_dir)):
+        if name.startswith(SEGMENT_PREFIX):
+            path = os.path.join(shm_dir, name)
+            try:
+                size = os.path.getsize(path)
+            except OSError:
+                continue
+            if remove_if_stale(path):
+                removed.append(name)
+                nbytes += size
+    return removed, nbytes

@@ -9,13 +9,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from megatron.common.units import format_bytes, format_shortfall
 from megatron.config.errors import ConfigError
 from megatron.config.run import RunConfig
 from megatron.schedules.instructions import Schedule
-from megatron.schedules.memory_model import GPU_TERMS, MemoryPlan, plan_memory
+from megatron.schedules.memory_model import (
+    GPU_TERMS,
+    MemoryPlan,
+    plan_memory,
+    single_process_memory,
+)
 from megatron.schedules.replica_plan import node_of
-
-GIB = 2**30
 
 
 class ResourceError(ConfigError):
@@ -65,24 +69,45 @@ def first_shortfall(plan: MemoryPlan, pipeline_rank: int, free: FreeMemory,
     needs = plan.per_node[node]
     what = "16-bit parameters" if itemsize == 2 else "parameters (fp32)"
     if needs["shm_parameters"] > free.shm:
-        return ResourceError(free.shm_dir, f"the {what} of this node's stages need "
-                             f"{needs['shm_parameters'] / GIB:.1f} GiB, {free.shm / GIB:.1f} "
-                             "GiB free: give Docker --shm-size or use more nodes")
+        return ResourceError(free.shm_dir, f"the {what} of this node's stages "
+                             f"would {format_shortfall(needs['shm_parameters'], free.shm)}: give "
+                             "Docker --shm-size or use more nodes")
     host = needs["shm_parameters"] + needs["optimizer_states"] + needs["host_gradients"]
     if free.device is None:  # the CPU device layer's "device memory" is host memory too
         ranks = [r for r in range(len(plan.per_gpu)) if node_of(r, plan.procs_per_node) == node]
         host += sum(plan.gpu_total(r) for r in ranks)
     if host > free.host:
         return ResourceError("host memory", f"this node's optimizer states, gradients and "
-                             f"parameters need {host / GIB:.1f} GiB, {free.host / GIB:.1f} GiB "
-                             "available: use more nodes")
+                             f"parameters would {format_shortfall(host, free.host, 'available')}: "
+                             "use more nodes")
     if free.device is not None:
         need = plan.gpu_total(pipeline_rank)
         if need > free.device:
             parts = ", ".join(f"{t.replace('_', ' ')} "
-                              f"{plan.per_gpu[pipeline_rank][t] / GIB:.1f}" for t in GPU_TERMS)
-            return ResourceError("gpu memory", f"rank {pipeline_rank} needs {need / GIB:.1f} "
-                                 f"GiB ({parts}), {free.device / GIB:.1f} GiB free: use a "
+                              f"{format_bytes(plan.per_gpu[pipeline_rank][t])}"
+                              for t in GPU_TERMS)
+            return ResourceError("gpu memory", f"rank {pipeline_rank} would "
+                                 f"{format_shortfall(need, free.device)} ({parts}): use a "
                                  "smaller --micro-batch-size, more --forward-stages or more "
                                  "nodes (see --plan)")
     return None
+
+
+def single_process_shortfall(run: RunConfig, vocab_size: int,
+                             free_host: int) -> ResourceError | None:
+    """The one-process run (the whole model, torch's AdamW, no recompute) against the host
+    memory available now, as the error to raise (None: it fits)."""
+    terms = single_process_memory(replace(run.model, vocab_size=vocab_size),
+                                  run.training.micro_batch_size, run.model.seq_length,
+                                  run.precision.working_bytes)
+    need = sum(terms.values())
+    if need <= free_host:
+        return None
+    model_states = terms["parameters"] + terms["gradients"] + terms["optimizer_states"]
+    parts = ", ".join(f"{t.replace('_', ' ')} {format_bytes(b)}" for t, b in terms.items())
+    advice = ("a smaller model (--num-layers, --hidden-size, --vocab-size) or a pipeline over "
+              "more processes (torchrun)" if model_states >= need - model_states
+              else "a smaller --micro-batch-size or --seq-length")
+    return ResourceError("host memory", f"the one-process run would "
+                         f"{format_shortfall(need, free_host, 'available')} ({parts}): use "
+                         f"{advice}")

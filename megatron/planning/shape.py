@@ -17,6 +17,7 @@ from megatron.schedules.cost_model import model_partition
 from megatron.schedules.generators import (
     ONE_STAGE_PER_RANK,
     RECOMPUTE_BACKWARD_RATIO,
+    ScheduleTooLarge,
     build_schedule,
 )
 from megatron.schedules.grid import format_programs
@@ -45,9 +46,14 @@ def check_pipeline_shape(run: RunConfig, world_size: int) -> None:
     p, layers = run.parallel, run.model.num_layers
     size = p.pipeline_model_parallel_size
     if size is not None and size != world_size:
+        d = run.data_parallel_size
+        started = world_size * d
+        layout = (f"{started} processes were started, {world_size} pipeline rank(s) with "
+                  f"--data-parallel-size {d}" if d > 1
+                  else f"{started} process(es) were started")
         raise ConfigError("--pipeline-model-parallel-size", size,
-                          f"must equal the number of processes started ({world_size}); "
-                          f"launch with torchrun --nproc-per-node {size}")
+                          f"{layout}; this layout needs {size} x {d} = {size * d}: launch "
+                          f"with torchrun --nproc-per-node {size * d}")
     if p.pipeline_schedule == "single" and world_size > 1:
         raise ConfigError("--pipeline-schedule", "single",
                           f"runs in one process, but {world_size} were started")
@@ -114,6 +120,11 @@ def build_run_schedule(run: RunConfig, world_size: int, vocab_size: int,
         schedule = build_schedule(name, world_size, stages, split, run.micro_batches,
                                   partition, backward_ratio=RECOMPUTE_BACKWARD_RATIO,
                                   lower=lower)
+    except ScheduleTooLarge as exc:
+        # the micro-batches come from --global-batch-size; the stages from --forward-stages
+        if run.micro_batches >= stages:
+            return Unbuildable("--global-batch-size", run.training.global_batch_size, str(exc))
+        return Unbuildable("--forward-stages", stages, str(exc))
     except ValueError as exc:
         if "split" in str(exc):
             return Unbuildable("--backward-split", split, str(exc))

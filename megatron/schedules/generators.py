@@ -23,6 +23,34 @@ ONE_STAGE_PER_RANK: tuple[str, ...] = ("gpipe", "1f1b")  # the others take S = v
 PAPER_BACKWARD_RATIO = 2.0
 RECOMPUTE_BACKWARD_RATIO = 3.0
 
+# A schedule is a list of Python objects per rank: about 5 instructions (transfers, prefetch,
+# release, offload and optimizer around them) per FORWARD or BACKWARD, each built, validated
+# and simulated in Python (about 0.3 ms per compute instruction in all). The bound, checked
+# before anything is built, keeps an absurd size from taking minutes and GBs: at the limit a
+# schedule takes under a minute. Real shapes are far below it (S=32, d=2, M=1024: 98k).
+MAX_COMPUTE_INSTRUCTIONS = 100_000
+
+
+class ScheduleTooLarge(ValueError):
+    """The schedule would have more compute instructions than MAX_COMPUTE_INSTRUCTIONS."""
+
+
+def compute_instructions(forward_stages: int, backward_split: int, micro_batches: int,
+                         forward_only: bool = False) -> int:
+    """FORWARD and BACKWARD instructions of one iteration of every rank together."""
+    return forward_stages * micro_batches * (1 if forward_only else 1 + backward_split)
+
+
+def check_schedule_size(forward_stages: int, backward_split: int, micro_batches: int) -> None:
+    """Raise ScheduleTooLarge, saying the limit and why, before any structure is built."""
+    count = compute_instructions(forward_stages, backward_split, micro_batches)
+    if count > MAX_COMPUTE_INSTRUCTIONS:
+        raise ScheduleTooLarge(
+            f"{forward_stages} forward stages x {micro_batches} micro-batches x (1 + "
+            f"backward split {backward_split}) = {count} FORWARD/BACKWARD instructions per "
+            f"iteration, expected at most {MAX_COMPUTE_INSTRUCTIONS} (the programs are built "
+            "in memory, about 5 instructions each)")
+
 
 def _f(stage: int, mb: int) -> Instruction:
     return Instruction(Op.FORWARD, stage=stage, mb=mb)
@@ -108,9 +136,12 @@ def _decoupled_orders(
     ranks: int, stages: int, micro_batches: int, backward_rank: dict[BackwardStage, int]
 ) -> Orders:
     """Interleaved AFAB forward, then each rank's backward stages in reverse model order."""
+    owned: list[list[BackwardStage]] = [[] for _ in range(ranks)]
+    for piece, owner in backward_rank.items():  # once over the pieces: linear in the ranks
+        owned[owner].append(piece)
     orders = []
     for r in range(ranks):
-        pieces = sorted((p for p, owner in backward_rank.items() if owner == r), reverse=True)
+        pieces = sorted(owned[r], reverse=True)
         orders.append(
             _interleaved_forwards(r, ranks, stages, micro_batches)
             + [_b(stage, sub, mb) for stage, sub in pieces for mb in range(micro_batches)]
@@ -138,6 +169,7 @@ def _check_common(name: str, ranks: int, stages: int, split: int, micro_batches:
                  f"forward_stages is {stages}, expected a multiple of ranks ({ranks})")
     if name != "decoupled":
         _require(split == 1, f"backward_split is {split}, {name} expects 1 (coupled stages)")
+    check_schedule_size(stages, split, micro_batches)
     if name == "interleaved-1f1b" and stages > ranks:
         _require(micro_batches % ranks == 0,
                  f"micro_batches is {micro_batches}, interleaved-1f1b expects a multiple of "
@@ -163,7 +195,8 @@ def build_schedule(
     3 when the recompute is a full extra forward). Any value gives a valid schedule.
     lower: False gives the shape only (assignment and partition, no programs), checked the
     same way: what a planner can bound before paying for the programs.
-    Raises ValueError with a one-line message on inconsistent arguments.
+    Raises ValueError with a one-line message on inconsistent arguments (ScheduleTooLarge
+    on a size past MAX_COMPUTE_INSTRUCTIONS).
     """
     _check_common(name, ranks, forward_stages, backward_split, micro_batches)
     if not backward_ratio > 0:

@@ -79,6 +79,15 @@ def _builtin_profiles() -> dict[str, HardwareProfile]:
 HARDWARE_PROFILES: dict[str, HardwareProfile] = _builtin_profiles()
 
 
+def _decode_problem(exc: ValueError) -> str:
+    """Where and why a file failed to decode as UTF-8 JSON, in a few words."""
+    if isinstance(exc, UnicodeDecodeError):
+        return f"byte {exc.start} is not UTF-8"
+    if isinstance(exc, json.JSONDecodeError):
+        return f"line {exc.lineno} column {exc.colno}: {exc.msg}"
+    return str(exc)
+
+
 def get_hardware(name: str) -> HardwareProfile:
     """A built-in profile by name, or a JSON profile file by path."""
     if name in HARDWARE_PROFILES:
@@ -87,8 +96,11 @@ def get_hardware(name: str) -> HardwareProfile:
         try:
             with open(name, encoding="utf-8") as f:
                 values = json.load(f)
-        except (OSError, json.JSONDecodeError) as exc:
-            raise KeyError(f"hardware profile {name!r} cannot be read: {exc}") from None
+        except OSError as exc:
+            raise KeyError(f"hardware profile {name!r} cannot be read ({exc.strerror})") from None
+        except ValueError as exc:  # not UTF-8 (a binary file), or not JSON
+            raise KeyError(f"hardware profile {name!r} is not a JSON profile from "
+                           f"tools/profile_hardware.py ({_decode_problem(exc)})") from None
         try:
             return profile_from_dict(values, name)
         except (TypeError, ValueError) as exc:

@@ -65,17 +65,21 @@ class Interpreter:
         position = self.position[rank]
         return program[position] if position < len(program) else None
 
-    def _advance_locally(self, rank: int) -> bool:
-        """Run `rank` until it blocks; True if it moved."""
+    def _advance_locally(self, rank: int, woken: set[int]) -> bool:
+        """Run `rank` until it blocks; True if it moved. A rank waiting for a checkpoint
+        this rank posts is added to `woken`."""
         moved = False
         while (ins := self.current(rank)) is not None:
             stepping = OP_SPECS[ins.op].stepping
             if stepping in (Stepping.SEND, Stepping.RECV, Stepping.COLLECTIVE):
                 break
             if stepping == Stepping.WAIT_POSTED and ins.tensor_key not in self.posted_isends:
+                self._waiting_for[ins.tensor_key] = rank
                 break
             if ins.op == Op.ISEND_CKPT:
                 self.posted_isends[ins.tensor_key] = rank
+                if ins.tensor_key in self._waiting_for:
+                    woken.add(self._waiting_for.pop(ins.tensor_key))
             self.local(rank, self.position[rank], ins)
             self.position[rank] += 1
             moved = True
@@ -109,18 +113,44 @@ class Interpreter:
             self.position[rank] += 1
         return True
 
+    def _step(self, rank: int, woken: set[int]) -> None:
+        """Move `rank` as far as it can now; the ranks its moves may unblock go to `woken`."""
+        if self._advance_locally(rank, woken):
+            woken.add(rank)
+        ins = self.current(rank)
+        if ins is None:
+            return
+        stepping = OP_SPECS[ins.op].stepping
+        if stepping == Stepping.SEND:
+            if self._try_rendezvous(rank):
+                woken.update((rank, ins.peer))
+        elif stepping == Stepping.RECV:
+            sender = ins.peer  # the rendezvous is tried from the sender's side
+            if 0 <= sender < self.schedule.ranks and sender != rank:
+                head = self.current(sender)
+                if head is not None and head.peer == rank and self._try_rendezvous(sender):
+                    woken.update((rank, sender))
+        elif stepping == Stepping.COLLECTIVE:
+            self._at_collective.add(rank)
+            if len(self._at_collective) == self.schedule.ranks and self._try_collective():
+                self._at_collective.clear()
+                woken.update(range(self.schedule.ranks))
+
     def run(self) -> None:
-        ranks = range(self.schedule.ranks)
-        while True:
-            moved = False
-            for rank in ranks:
-                moved |= self._advance_locally(rank)
-            for rank in ranks:
-                moved |= self._try_rendezvous(rank)
-            moved |= self._try_collective()
-            if not moved:
-                break
-        blocked = [rank for rank in ranks if self.current(rank) is not None]
+        """Rounds over the ranks that may move (all of them at first, then those woken by
+        the previous round): the work is linear in the instructions, whatever the number of
+        ranks. Which rank runs first does not change the outcome: every condition that
+        lets a rank go on (a posted checkpoint, a peer at the matching receive, every rank
+        at the collective) stays true until that rank goes on."""
+        self._waiting_for: dict[tuple, int] = {}  # checkpoint key -> rank waiting for it
+        self._at_collective: set[int] = set()
+        ready: set[int] = set(range(self.schedule.ranks))
+        while ready:
+            woken: set[int] = set()
+            for rank in sorted(ready):
+                self._step(rank, woken)
+            ready = woken
+        blocked = [rank for rank in range(self.schedule.ranks) if self.current(rank) is not None]
         if blocked:
             self._report_stuck(blocked)
         self.finish()

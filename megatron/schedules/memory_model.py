@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron.config.model import ModelConfig
+from megatron.config.model import ModelConfig, count_parameters
 
 from .cost_model import backward_stage_params
 from .hardware import HardwareProfile
@@ -296,3 +296,29 @@ def shortfalls(plan: MemoryPlan, hardware: HardwareProfile) -> list[Shortfall]:
             found.append(Shortfall("/dev/shm", f"node {node}", terms["shm_parameters"],
                                    hardware.shm_bytes))
     return sorted(found, key=lambda s: (RESOURCE_ORDER.index(s.resource), -s.missing))
+
+
+SINGLE_PROCESS_TERMS = ("parameters", "gradients", "optimizer_states", "activations",
+                        "operator_working")
+
+
+def single_process_memory(model: ModelConfig, micro_batch_size: int, seq_length: int,
+                          itemsize: int) -> dict[str, int]:
+    """What the one-process reference (training/local_step.py) allocates, per term: the
+    whole model in the working dtype plus fp32 masters (built in fp32 first: at least 8
+    bytes per parameter at start), the working and the fp32 master gradients, torch AdamW's
+    two fp32 moments, what autograd saves over one micro-batch with no recompute (every
+    layer, the head and the embedding), and the logits' gradient."""
+    params = count_parameters(model.num_layers, model.hidden_size, model.ffn_hidden_size,
+                              model.num_attention_heads, model.num_query_groups,
+                              model.planned_vocab_size).total
+    tokens = micro_batch_size * seq_length
+    return {
+        "parameters": params * (max(itemsize, FP32) + FP32),
+        "gradients": params * (itemsize + FP32),
+        "optimizer_states": params * 2 * FP32,
+        "activations": (model.num_layers * layer_saved_bytes(model, tokens, seq_length, itemsize)
+                        + head_saved_bytes(model, tokens, itemsize)
+                        + embedding_saved_bytes(tokens)),
+        "operator_working": tokens * model.planned_vocab_size * FP32,
+    }

@@ -137,5 +137,13 @@ def schedule_from_csv(text: str, source: str = "<schedule>") -> Schedule:
 def read_schedule(path: str) -> Schedule:
     if not os.path.isfile(path):
         raise ValueError(f"schedule file {path!r} does not exist")
-    with open(path, encoding="utf-8") as stream:
-        return schedule_from_csv(stream.read(), source=path)
+    try:
+        with open(path, encoding="utf-8") as stream:
+            text = stream.read()
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"schedule file {path!r} is not a UTF-8 CSV (byte {exc.start}: "
+                         f"{exc.reason}); write one with tools/simulate_pipeline.py "
+                         "--schedule-file") from None
+    except OSError as exc:
+        raise ValueError(f"schedule file {path!r} cannot be read ({exc.strerror})") from None
+    return schedule_from_csv(text, source=path)

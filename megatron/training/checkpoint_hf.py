@@ -15,6 +15,8 @@ Where conversions go wrong, and what this does about it:
 
 from __future__ import annotations
 
+import json
+
 import torch
 
 from megatron.models.llama import LlamaConfig
@@ -25,6 +27,26 @@ FIXED = {"rope_theta": 10000.0, "rms_norm_eps": 1e-5, "hidden_act": "silu"}
 
 class ConversionError(ValueError):
     """An input this conversion cannot represent faithfully."""
+
+
+def read_hf_config(path: str) -> dict:
+    """A Hugging Face config.json as a dict; ConversionError (one line naming the file and
+    what is wrong) when it cannot be read, is not UTF-8 JSON or is not a JSON object."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except OSError as exc:
+        raise ConversionError(f"{path}: cannot be read ({exc.strerror})") from None
+    except UnicodeDecodeError as exc:
+        raise ConversionError(f"{path}: not a JSON config (byte {exc.start} is not "
+                              "UTF-8)") from None
+    except json.JSONDecodeError as exc:
+        raise ConversionError(f"{path}: not a JSON config (line {exc.lineno} column "
+                              f"{exc.colno}: {exc.msg})") from None
+    if not isinstance(config, dict):
+        raise ConversionError(f"{path}: expected a JSON object of model settings, found "
+                              f"a {type(config).__name__}")
+    return config
 
 
 def model_config_from_hf(hf: dict, seq_length: int | None = None) -> LlamaConfig:

@@ -1,4 +1,4 @@
-"""Refuse a pipeline run that will not fit, before any segment, buffer or module exists.
+"""Refuse a run (a pipeline, or one process) that will not fit, before any segment, buffer or module exists.
 
 The memory model says what this rank's node needs in /dev/shm and host memory and what
 this rank needs on its GPU (megatron/planning/fit.py); this module measures what is free
@@ -8,6 +8,8 @@ that went on would wait forever for the others' segments).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -15,7 +17,13 @@ from megatron.common.meminfo import available_host_memory
 from megatron.config.run import RunConfig
 from megatron.offload.naming import resolve_procs_per_node
 from megatron.offload.shm_space import DEFAULT_SHM_DIR, free_bytes
-from megatron.planning.fit import FreeMemory, ResourceError, first_shortfall, run_memory_plan
+from megatron.planning.fit import (
+    FreeMemory,
+    ResourceError,
+    first_shortfall,
+    run_memory_plan,
+    single_process_shortfall,
+)
 from megatron.schedules.instructions import Schedule
 
 
@@ -29,17 +37,34 @@ def free_memory(shm_dir: str = DEFAULT_SHM_DIR) -> FreeMemory:
 
 
 def refuse_what_does_not_fit(run: RunConfig, schedule: Schedule, vocab_size: int,
-                             pipeline_rank: int, group: dist.ProcessGroup | None) -> None:
-    """Raise ResourceError on every rank when any rank's node or GPU lacks memory."""
+                             pipeline_rank: int, group: dist.ProcessGroup | None,
+                             found: Exception | None = None) -> None:
+    """Raise ResourceError on every rank when any rank's node or GPU lacks memory; `found`:
+    another reason this rank cannot start (raised here, the others stop with it)."""
     free = free_memory()
     plan = run_memory_plan(run, schedule, vocab_size,
                            resolve_procs_per_node(run.parallel.procs_per_node),
                            on_cuda=free.device is not None)
-    error = first_shortfall(plan, pipeline_rank, free, run.precision.working_bytes)
+    error = found or first_shortfall(plan, pipeline_rank, free, run.precision.working_bytes)
     if schedule.ranks * run.data_parallel_size > 1 and dist.is_initialized():
         flag = torch.tensor([1.0 if error else 0.0])
         dist.all_reduce(flag, group=group)
         if flag.item() and error is None:
-            error = ResourceError("memory", "another rank's node or GPU cannot fit this run")
+            error = ResourceError("memory", "another rank cannot start this run (its node or "
+                                  "GPU lacks memory, or its node runs a job with this id)")
+    if error is not None:
+        raise error
+
+
+def refuse_single_process_that_does_not_fit(run: RunConfig, vocab_size: int) -> None:
+    """Raise ResourceError when the one-process run needs more host memory than is
+    available now (the model, its optimizer and one micro-batch's activations)."""
+    host = available_host_memory()
+    if host is None:
+        return  # nothing to measure against (not Linux): the run finds out itself
+    # data-parallel replicas of the whole model (--pipeline-model-parallel-size 1) share
+    # their node's memory: each gets its share
+    replicas_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    error = single_process_shortfall(run, vocab_size, host // max(replicas_here, 1))
     if error is not None:
         raise error

@@ -8,6 +8,8 @@ import os
 import time
 from typing import Any, TextIO
 
+from megatron.common.units import format_bytes
+
 
 def format_log_line(m: dict[str, Any], train_iters: int, throughput: bool = False) -> str:
     """Megatron's iteration line; `throughput` (--log-throughput) adds the model TFLOP/s
@@ -34,14 +36,6 @@ def format_log_line(m: dict[str, Any], train_iters: int, throughput: bool = Fals
         if m.get(key) is not None:
             parts.append(f"{label}: {m[key] * 1000:.1f}")
     return " | ".join(parts) + " |"
-
-
-def format_bytes(n: float) -> str:
-    """1.50 GiB, 12.00 MiB, 3.00 KiB, 7 B."""
-    for unit, size in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
-        if n >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
 
 
 def format_host_memory(m: dict[str, Any]) -> str:

@@ -8,13 +8,20 @@ report into the loop's StepResult and writes the measured timeline files.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import replace
 
 import torch
 
+from megatron.common.units import format_bytes
 from megatron.config.run import RunConfig
 from megatron.models.llama import Batch, LlamaConfig
+from megatron.offload.naming import resolve_job_id
+from megatron.offload.param_store import job_segments, sweep_dead_segments
+from megatron.offload.shm import SegmentInUseError
+from megatron.offload.shm_header import read_header
+from megatron.offload.shm_space import DEFAULT_SHM_DIR
 from megatron.pipeline.assembly import Pipeline
 from megatron.pipeline.config import pipeline_config
 from megatron.pipeline.host_group import host_group
@@ -28,6 +35,30 @@ from megatron.training.fit_check import refuse_what_does_not_fit
 from megatron.training.train_step import StepResult
 
 
+def sweep_left_behind() -> None:
+    """Remove the segments of dead processes (any run id: a job whose workers and reapers
+    were killed leaves them) and say how much, once per node."""
+    names, nbytes = sweep_dead_segments()
+    if names:
+        print(f"removed {len(names)} shared-memory segment(s) ({format_bytes(nbytes)}) "
+              f"left by dead processes from {DEFAULT_SHM_DIR}", flush=True)
+
+
+def live_job_with_this_id() -> SegmentInUseError | None:
+    """Segments of this job id that survive the sweep belong to a live process: another
+    job started with the same --rdzv-id. Found by each node's local rank 0 before any
+    segment exists, so that the ranks stop together instead of each at its creation."""
+    job_id = resolve_job_id()
+    for name in job_segments(job_id):
+        header = read_header(os.path.join(DEFAULT_SHM_DIR, name))
+        if header is not None:
+            return SegmentInUseError(
+                f"shared-memory segment {DEFAULT_SHM_DIR}/{name} belongs to live process "
+                f"{header['pid']}: another job with the same job id ({job_id}) is running "
+                "on this node; give this job another --rdzv-id or stop the other one")
+    return None
+
+
 class PipelineTrainStep:
     def __init__(self, model_cfg: LlamaConfig, run: RunConfig, dist_info: DistInfo) -> None:
         self.rank = dist_info.rank
@@ -35,8 +66,15 @@ class PipelineTrainStep:
         self.run = run
         schedule, report = run_schedule(run, dist_info.pipeline_size, model_cfg.vocab_size)
         self.config = pipeline_config(run, schedule, report)
+        conflict = None
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            # before the fit check, so that what dead runs left counts as free
+            sweep_left_behind()
+            if dist_info.world_size > 1:
+                conflict = live_job_with_this_id()
+        # every rank stops together, the one that found a problem says it
         refuse_what_does_not_fit(run, schedule, model_cfg.vocab_size,
-                                 dist_info.layout.pipeline_rank, host_group())
+                                 dist_info.layout.pipeline_rank, host_group(), conflict)
         self.pipeline = Pipeline(self.config, model_cfg, self.rank)
 
     def step(self, iteration: int, micro_batches: Sequence[Batch], lr: float,
@@ -63,6 +101,9 @@ class PipelineTrainStep:
         title = (f"measured: {s.name}, {s.ranks} ranks, {s.forward_stages} forward stages, "
                  f"d={s.backward_split}, {s.micro_batches} micro-batches")
         png, trace = self.run.logging.timeline, self.run.logging.trace
+        for path in (png, trace):  # checked writable at start, created only now
+            if path:
+                os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         if png:
             write_timeline_png(events, png, title=title)
         if trace:

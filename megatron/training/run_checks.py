@@ -7,17 +7,18 @@ expected (ConfigError, exit status 2), raised before anything is allocated or wr
 from __future__ import annotations
 
 import os
+import shutil
 
+from megatron.common.units import format_bytes
 from megatron.config.errors import ConfigError, flag_name
-from megatron.config.model import MODEL_FIELDS
+from megatron.config.model import MODEL_FIELDS, count_parameters
 from megatron.config.run import RunConfig
 
 OUTPUT_FILE_FIELDS = ("metrics_file", "timeline", "trace")
 
 
 def check_output_paths(run: RunConfig) -> None:
-    """Every file or directory the run will write is writable now (leaving nothing behind
-    but the directories the run would create anyway)."""
+    """Every file or directory the run will write is writable now (creating nothing)."""
     if run.checkpointing.save:
         check_writable_dir("--save", run.checkpointing.save)
     if run.logging.tensorboard_dir:
@@ -29,21 +30,47 @@ def check_output_paths(run: RunConfig) -> None:
 
 
 def check_writable_dir(flag: str, path: str) -> None:
-    """Create `path` if needed and prove it is writable, leaving nothing behind."""
-    existed = os.path.isdir(path)
+    """`path` is a writable directory, or can be created as one: proven by a probe file in
+    it or in its nearest existing ancestor, removed at once. Nothing is created: a run that
+    stops on a later check leaves no empty directory (the writers create it when they
+    first write)."""
+    existing = nearest_existing(path)
+    if not os.path.isdir(existing):
+        raise ConfigError(flag, path, f"expected a writable directory ({existing} is a file)")
+    probe = os.path.join(existing, f".write-probe-{os.getpid()}")
     try:
-        os.makedirs(path, exist_ok=True)
-        probe = os.path.join(path, f".write-probe-{os.getpid()}")
         with open(probe, "w"):
             pass
         os.remove(probe)
     except OSError as exc:
-        if not existed and os.path.isdir(path):
-            try:
-                os.rmdir(path)
-            except OSError:
-                pass
         raise ConfigError(flag, path, f"expected a writable directory ({exc.strerror})") from None
+
+
+def nearest_existing(path: str) -> str:
+    """`path` itself when it exists, else its nearest ancestor that does."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return path
+
+
+def check_save_space(run: RunConfig, vocab_size: int | None) -> None:
+    """The file system of --save can hold one checkpoint (fp32 masters and Adam's moments
+    of every parameter), checked at start instead of at the first save, after training
+    ran. `vocab_size`: the vocabulary when known, else a lower bound is checked."""
+    save = run.checkpointing.save
+    if not save:
+        return
+    m = run.model
+    params = count_parameters(m.num_layers, m.hidden_size, m.ffn_hidden_size,
+                              m.num_attention_heads, m.num_query_groups,
+                              vocab_size or 1).total
+    need = params * run.precision.optimizer_bytes_per_param
+    free = shutil.disk_usage(nearest_existing(save)).free
+    if need > free:
+        raise ConfigError("--save", save, f"a checkpoint of this model needs at least "
+                                          f"{format_bytes(need)}, its file system has "
+                                          f"{format_bytes(free)} free")
 
 
 def check_writable_file(flag: str, path: str) -> None:

@@ -16,12 +16,16 @@ from dataclasses import replace
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
+from megatron.config.checks import run_notices
 from megatron.config.errors import ConfigError
 from megatron.config.run import RunConfig
 from megatron.data.run_data import RunData, prepare_data
 from megatron.data.sampling import training_micro_batches
 from megatron.models.llama import LlamaConfig
+from megatron.offload.shm import SegmentInUseError
+from megatron.offload.shm_space import ShmSpaceError
 from megatron.pipeline.host_group import host_group
 from megatron.planning.evaluate import plan_hardware
 from megatron.planning.report import candidates_text, model_size, run_plan
@@ -40,6 +44,7 @@ from megatron.training.checkpointing import (
 )
 from megatron.training.distributed import DistInfo, initialize_distributed, shutdown_distributed
 from megatron.training.evaluation import due, evaluate, evaluation_record, format_evaluation
+from megatron.training.fit_check import refuse_single_process_that_does_not_fit
 from megatron.training.local_step import LocalTrainStep
 from megatron.training.lr_schedule import LRSchedule
 from megatron.training.metrics import MetricsWriter, format_host_memory, format_log_line
@@ -49,6 +54,7 @@ from megatron.training.run_checks import (
     check_checkpoint_model,
     check_load_dir,
     check_output_paths,
+    check_save_space,
     is_auto_resume,
 )
 from megatron.training.scalar_logging import ScalarSinks, check_scalar_sinks
@@ -71,6 +77,7 @@ def runs_pipeline(run: RunConfig, world_size: int) -> bool:
 
 def make_train_step(run: RunConfig, model_cfg: LlamaConfig, dist_info: DistInfo) -> TrainStep:
     if not runs_pipeline(run, dist_info.world_size):
+        refuse_single_process_that_does_not_fit(run, model_cfg.vocab_size)
         return LocalTrainStep(model_cfg, run)
     return PipelineTrainStep(model_cfg, run, dist_info)
 
@@ -89,6 +96,7 @@ def check_before_start(run: RunConfig, dist_info: DistInfo) -> None:
     check_load_dir(run)  # the checks that create nothing first
     check_scalar_sinks(run)
     check_output_paths(run)
+    check_save_space(run, run.model.vocab_size)
 
 
 class TrainingLoop:
@@ -135,6 +143,10 @@ class TrainingLoop:
                     check_checkpoint_model(run, saved_args(saved), load)
             elif load:
                 log(f"{load} does not exist ({why}): starting from scratch")
+        if not runs_pipeline(run, self.dist_info.world_size):
+            # before the data: the vocabulary given, or 1 (a lower bound; checked again
+            # with the tokenizer's below), so that a run far too large stops at once
+            refuse_single_process_that_does_not_fit(run, run.model.vocab_size or 1)
         with setup_phase("data", log):
             self.data = prepare_data(run, log=log)
         model_cfg = LlamaConfig.from_model(run.model, self.data.vocab_size, run.training.seed)
@@ -174,6 +186,11 @@ class TrainingLoop:
         if common is not None:
             self.log(f"loaded checkpoint from {load} at iteration {common.get('iteration', 0)}"
                      + (" (--finetune: weights only, from iteration 0)" if finetune else ""))
+        train_iters = self.run.training.train_iters
+        if self.start_iteration >= train_iters:
+            # Megatron's loop does not run and the job ends normally (exit status 0)
+            warn(f"the checkpoint in {load} is already at iteration {self.start_iteration} "
+                 f">= --train-iters {train_iters}: nothing to train", self.dist_info)
 
     # --- the loop ------------------------------------------------------------------------
 
@@ -284,14 +301,16 @@ class TrainingLoop:
                   "padded_vocab_size": self.data.vocab_size,
                   "num_floating_point_operations_so_far":
                       iteration * run.tokens_per_iteration * self.flops_per_token}
-        blocked = self.saver.save(iteration, self.step.owned_state(), common)
+        with one_line_save_errors(run.checkpointing.save):
+            blocked = self.saver.save(iteration, self.step.owned_state(), common)
         self.log(f"checkpoint iteration {iteration}: training blocked {blocked:.3f} s"
                  + (", writing in the background" if run.checkpointing.async_save else ""))
 
     def close(self) -> None:
         """Release in reverse order of creation; the last save in flight completes."""
         if self.saver is not None:
-            self.saver.close()
+            with one_line_save_errors(self.run.checkpointing.save):
+                self.saver.close()  # a background write's failure surfaces here
         if self.exits is not None:
             self.exits.close()
         close = getattr(self.step, "close", None)
@@ -311,6 +330,8 @@ def train(run: RunConfig, dist_info: DistInfo,
     start_time = time.time()
     run = checkpoint_model_flags(run, print if dist_info.rank == 0 else (lambda *_: None))
     check_before_start(run, dist_info)
+    for line in run_notices(run):
+        warn(line, dist_info)
     loop = TrainingLoop(run, dist_info, start_time)
     try:
         loop.set_up(on_step)
@@ -318,6 +339,37 @@ def train(run: RunConfig, dist_info: DistInfo,
     finally:
         loop.close()
     return loop.records
+
+
+@contextlib.contextmanager
+def one_line_save_errors(root: str) -> Iterator[None]:
+    """A write the file system refused (now, or in the background: the saver's error then
+    wraps it) as one CheckpointError line naming --save and the cause."""
+    try:
+        yield
+    except CheckpointError as exc:
+        cause = exc.__cause__
+        if not isinstance(cause, (OSError, CheckpointException)):
+            raise
+        raise CheckpointError(f"--save {root}: writing the checkpoint failed "
+                              f"({_first_line(cause)})") from None
+    except (OSError, CheckpointException) as exc:
+        raise CheckpointError(f"--save {root}: writing the checkpoint failed "
+                              f"({_first_line(exc)})") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    """An error's message on one line (dcp's CheckpointException lists every rank's)."""
+    if isinstance(exc, CheckpointException) and exc.failures:
+        exc = next(iter(exc.failures.values()))[0]  # (exception, traceback) per rank
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def warn(line: str, dist_info: DistInfo) -> None:
+    """One line on stderr from rank 0: allowed, but probably not what was meant."""
+    if dist_info.rank == 0:
+        print(f"pretrain_llama.py: warning: {line}", file=sys.stderr, flush=True)
 
 
 def eta_seconds(records: list[dict], elapsed: float, remaining: int) -> float:
@@ -375,6 +427,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             shutdown_distributed()
     except (ConfigError, CheckpointError) as exc:
         exit_bad_input(exc)
+    except (SegmentInUseError, ShmSpaceError) as exc:
+        # met by the ranks that create segments, not necessarily rank 0: each says it
+        print(f"pretrain_llama.py: error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
     return 0
 
 
