@@ -41,7 +41,8 @@ def main() -> int:
                 out = f"{out}-zero{zero}"
             train(run.evolve(logging={"metrics_file": os.path.join(out, "metrics.jsonl"),
                                       "trace": os.path.join(out, "trace.json"),
-                                      "tensorboard_dir": os.path.join(out, "tb")},
+                                      "tensorboard_dir": os.path.join(out, "tb"),
+                                      "log_timers_to_tensorboard": True},
                              checkpointing={"save": os.path.join(out, "ckpt")}), dist_info)
     finally:
         shutdown_distributed()

@@ -163,8 +163,8 @@ def test_concurrent_processes_build_one_index_and_see_the_same_batches(
     files = [p for p in tmp_path.rglob("*") if p.is_file()]
     index_files = sorted(p.name.split("-", 1)[1] for p in files if p.suffix != ".lock")
     assert index_files == [
-        "GPTDataset-train-description.txt", "GPTDataset-train-document_index.npy",
-        "GPTDataset-train-sample_index.npy", "GPTDataset-train-shuffle_index.npy",
+        "SplitGPTDataset-train-description.txt", "SplitGPTDataset-train-document_index.npy",
+        "SplitGPTDataset-train-sample_index.npy", "SplitGPTDataset-train-shuffle_index.npy",
     ]
     assert len({p.name.split("-", 1)[0] for p in files if p.suffix != ".lock"}) == 1
     assert len(files) == len(index_files) + 1

@@ -126,6 +126,7 @@ def test_forward_stage_on_node_1_sees_each_update_of_its_owner_on_node_0():
 def _create_and_hang(job_id: str, pids) -> None:
     """A worker that creates two segments (starting its reaper) and waits to be killed."""
     from megatron.offload.reaper_client import REAPER
+    torch.set_num_threads(1)  # a forked child must not reuse the parent's OpenMP pool
     store = ParameterStore(job_id=job_id, rank=0, procs_per_node=1)
     for key in ((0, 0), (1, 0)):
         store.create(key, NUMEL, torch.bfloat16).write(pattern(0), version=0)

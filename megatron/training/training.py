@@ -142,7 +142,8 @@ class TrainingLoop:
                 else:
                     check_checkpoint_model(run, saved_args(saved), load)
             elif load:
-                log(f"{load} does not exist ({why}): starting from scratch")
+                log(f"no checkpoint in {load}: starting from scratch ({why}; the directory "
+                    "does not exist yet)")
         if not runs_pipeline(run, self.dist_info.world_size):
             # before the data: the vocabulary given, or 1 (a lower bound; checked again
             # with the tokenizer's below), so that a run far too large stops at once
