@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.setup-stamp
 NPROC ?= 2
 
-.PHONY: setup train test lint clean bench
+.PHONY: setup train test lint clean bench gpu-check
 
 setup: $(STAMP)
 
@@ -32,6 +32,11 @@ train: setup
 test: setup
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
+
+# On a GPU machine, first: the CUDA tests and the offload and optimizer benchmarks, one JSON
+# report (runs/gpu-check/report.json) and a one-line verdict (docs/gpu-validation.md).
+gpu-check: setup
+	$(PY) tools/gpu_check.py --out runs/gpu-check/report.json
 
 lint: setup
 	$(VENV)/bin/ruff check .
