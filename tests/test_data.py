@@ -226,3 +226,15 @@ def test_a_split_without_documents_is_refused_in_one_line_not_a_hang(data, tmp_p
         build_datasets(DataBlend([prefix], None, "969,30,1"), tokenizer, SEQ, [8, 8, 8],
                        seed=1, cache_dir=str(tmp_path))
     assert time.monotonic() - started < 30
+
+
+def test_a_batch_far_too_large_for_the_corpus_is_refused_before_its_index_is_built(
+        data, tmp_path):
+    """Ten billion samples of 120 short documents: megatron-core would build an index of
+    hundreds of GiB; the build stops at once and says why."""
+    prefix, tokenizer, _ = data
+    started = time.monotonic()
+    with pytest.raises(DataError, match="passes over its 120 documents: an index of"):
+        build_datasets(DataBlend([prefix], None, "1,0,0"), tokenizer, SEQ, [10**10, 0, 0],
+                       seed=1, cache_dir=str(tmp_path))
+    assert time.monotonic() - started < 30

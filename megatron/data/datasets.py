@@ -14,6 +14,8 @@ import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
+from megatron.common.meminfo import available_host_memory
+from megatron.common.units import format_bytes
 from megatron.data.cache import default_cache_dir, file_lock
 from megatron.data.checks import DataError, check_data_prefix
 from megatron.data.tokenizer import HFTokenizer
@@ -110,18 +112,38 @@ def build_datasets(
 
 
 class SplitGPTDataset(GPTDataset):
-    """GPTDataset that refuses a split without tokens: megatron-core counts epochs until the
-    split's tokens cover the samples asked of it, which never ends at zero tokens (a tiny
-    corpus whose validation share holds no document, say)."""
+    """GPTDataset that refuses, before building them, the indices it could never finish:
+    megatron-core counts epochs until the split's tokens cover the samples asked of it,
+    which never ends at zero tokens (a tiny corpus whose validation share holds no
+    document), and builds indices of epochs x documents entries, which a global batch far
+    too large for the corpus turns into more memory than the machine has."""
 
     def _get_num_epochs(self, num_tokens_per_epoch: int) -> int:
-        if num_tokens_per_epoch == 0 and self.num_samples:
+        if self.num_samples:
             split = self.index_split.name
-            raise DataError(
-                f"its {split} split has no tokens ({len(self.indices)} documents) but "
-                f"{self.num_samples} samples are needed: give --split a larger {split} "
-                "share" + (" or --eval-iters 0" if split != "train" else ""))
+            if num_tokens_per_epoch == 0:
+                raise DataError(
+                    f"its {split} split has no tokens ({len(self.indices)} documents) but "
+                    f"{self.num_samples} samples are needed: give --split a larger {split} "
+                    "share" + (" or --eval-iters 0" if split != "train" else ""))
+            self._refuse_indices_beyond_memory(num_tokens_per_epoch, split)
         return super()._get_num_epochs(num_tokens_per_epoch)
+
+    def _refuse_indices_beyond_memory(self, num_tokens_per_epoch: int, split: str) -> None:
+        requested = (self.num_samples * self.config.sequence_length
+                     + self.config.add_extra_token_to_sequence)
+        epochs = -(-requested // num_tokens_per_epoch)
+        # the document index (int32 per document per epoch), the sample index (two ints per
+        # sample) and the shuffle index (one per sample), at most 8 bytes each
+        index_bytes = epochs * len(self.indices) * 4 + self.num_samples * 3 * 8
+        free = available_host_memory()
+        if free is not None and index_bytes > free // 2:
+            raise DataError(
+                f"its {split} split would need {self.num_samples} samples, {epochs} passes "
+                f"over its {len(self.indices)} documents: an index of "
+                f"{format_bytes(index_bytes)}, more than half the {format_bytes(free)} "
+                "available; give a smaller --global-batch-size or --train-iters (or "
+                "--eval-iters), or more data")
 
 
 def build_mock_datasets(tokenizer, seq_length: int, sizes: list[int], seed: int) -> list:
