@@ -219,3 +219,20 @@ def test_a_megatron_core_gpt_model_loads_the_checkpoint_directly(hf_model, conve
         got = gpt(x, torch.arange(SEQ).expand(2, SEQ), mask)
         want = hf_model[0](x).logits
     assert (got - want).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("name,content,fragment", [
+    ("config.json", b'{"model_type": "llama",', "config.json: not a JSON config (line 1"),
+    ("model.safetensors.index.json", b'{"metadata": {}}', "expected a \"weight_map\""),
+])
+def test_a_broken_hf_json_file_is_one_line_naming_it(tmp_path, name, content, fragment):
+    model = tmp_path / "hf"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "llama"}')
+    (model / name).write_bytes(content)
+    result = convert("--from", "hf", "--to", "megatron", "--input", str(model),
+                     "--output", str(tmp_path / "out"))
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and fragment in lines[0], lines
+    assert not (tmp_path / "out").exists()

@@ -37,6 +37,7 @@ from megatron.training.checkpoint_hf import (  # noqa: E402
     hf_config_from_model,
     hf_to_gpt,
     model_config_from_hf,
+    read_hf_config,
 )
 from megatron.training.checkpoint_state import MASTER, OwnedState  # noqa: E402
 from megatron.training.checkpointing import (  # noqa: E402
@@ -79,12 +80,14 @@ def read_hf(directory: str) -> tuple[dict, dict[str, torch.Tensor]]:
     if not os.path.isfile(config_path):
         raise ConversionError(f"--input {directory}: no config.json; expected a Hugging Face "
                               "model directory")
-    with open(config_path) as f:
-        config = json.load(f)
+    config = read_hf_config(config_path)
     index = os.path.join(directory, "model.safetensors.index.json")
     if os.path.isfile(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
+        weight_map = read_hf_config(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ConversionError(f"{index}: expected a \"weight_map\" object naming each "
+                                  "tensor's file")
+        files = sorted(set(weight_map.values()))
     elif os.path.isfile(os.path.join(directory, "model.safetensors")):
         files = ["model.safetensors"]
     else:

@@ -30,8 +30,9 @@ class ConversionError(ValueError):
 
 
 def read_hf_config(path: str) -> dict:
-    """A Hugging Face config.json as a dict; ConversionError (one line naming the file and
-    what is wrong) when it cannot be read, is not UTF-8 JSON or is not a JSON object."""
+    """A Hugging Face JSON file (config.json, the safetensors index) as a dict;
+    ConversionError (one line naming the file and what is wrong) when it cannot be read, is
+    not UTF-8 JSON or is not a JSON object."""
     try:
         with open(path, encoding="utf-8") as f:
             config = json.load(f)
