@@ -38,6 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron.common.files import atomic_write, leftover_temporaries
 from megatron.common.meminfo import available_host_memory
@@ -155,6 +156,14 @@ def _world() -> tuple[int, int]:
 # --- saving ------------------------------------------------------------------------------
 
 
+def first_line(exc: BaseException) -> str:
+    """An error's message on one line (dcp's CheckpointException lists every rank's)."""
+    if isinstance(exc, CheckpointException) and exc.failures:
+        exc = next(iter(exc.failures.values()))[0]  # (exception, traceback) per rank
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
 class CheckpointSaver:
     """Saves under `root`; with `async_save` the write runs in a background thread and
     save() returns after the snapshot. Collective: every rank makes one and calls save()
@@ -178,7 +187,11 @@ class CheckpointSaver:
         `iteration`. Returns the seconds training was blocked."""
         t0 = time.perf_counter()
         self.wait()
-        os.makedirs(self.root, exist_ok=True)
+        try:
+            os.makedirs(self.root, exist_ok=True)
+        except OSError as exc:
+            raise CheckpointError(f"--save {self.root}: cannot be created ({exc.strerror})"
+                                  ) from None
         if self.rank == 0:
             for stale in glob.glob(os.path.join(glob.escape(self.root), "iter_*.tmp")):
                 shutil.rmtree(stale, ignore_errors=True)  # of a save killed mid-write
@@ -201,7 +214,11 @@ class CheckpointSaver:
                                             name=f"checkpoint-writer-{iteration}", daemon=True)
             self._thread.start()
         else:
-            self._write(iteration, tensors, common)
+            try:
+                self._write(iteration, tensors, common)
+            except (OSError, CheckpointException) as exc:
+                raise CheckpointError(f"--save {self.root}: writing the checkpoint failed "
+                                      f"({first_line(exc)})") from None
         return time.perf_counter() - t0
 
     def _snapshot(self, tensors: dict[str, torch.Tensor], nbytes: int
@@ -231,7 +248,7 @@ class CheckpointSaver:
         if self._error is not None:
             error, self._error = self._error, None
             raise CheckpointError(f"--save {self.root}: writing the checkpoint failed "
-                                  f"({error})") from error
+                                  f"({first_line(error)})") from error
 
     def close(self) -> None:
         try:

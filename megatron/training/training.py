@@ -16,7 +16,6 @@ from dataclasses import replace
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron.config.checks import run_notices
 from megatron.config.errors import ConfigError
@@ -302,16 +301,14 @@ class TrainingLoop:
                   "padded_vocab_size": self.data.vocab_size,
                   "num_floating_point_operations_so_far":
                       iteration * run.tokens_per_iteration * self.flops_per_token}
-        with one_line_save_errors(run.checkpointing.save):
-            blocked = self.saver.save(iteration, self.step.owned_state(), common)
+        blocked = self.saver.save(iteration, self.step.owned_state(), common)
         self.log(f"checkpoint iteration {iteration}: training blocked {blocked:.3f} s"
                  + (", writing in the background" if run.checkpointing.async_save else ""))
 
     def close(self) -> None:
         """Release in reverse order of creation; the last save in flight completes."""
         if self.saver is not None:
-            with one_line_save_errors(self.run.checkpointing.save):
-                self.saver.close()  # a background write's failure surfaces here
+            self.saver.close()  # a background write's failure surfaces here, in one line
         if self.exits is not None:
             self.exits.close()
         close = getattr(self.step, "close", None)
@@ -340,31 +337,6 @@ def train(run: RunConfig, dist_info: DistInfo,
     finally:
         loop.close()
     return loop.records
-
-
-@contextlib.contextmanager
-def one_line_save_errors(root: str) -> Iterator[None]:
-    """A write the file system refused (now, or in the background: the saver's error then
-    wraps it) as one CheckpointError line naming --save and the cause."""
-    try:
-        yield
-    except CheckpointError as exc:
-        cause = exc.__cause__
-        if not isinstance(cause, (OSError, CheckpointException)):
-            raise
-        raise CheckpointError(f"--save {root}: writing the checkpoint failed "
-                              f"({_first_line(cause)})") from None
-    except (OSError, CheckpointException) as exc:
-        raise CheckpointError(f"--save {root}: writing the checkpoint failed "
-                              f"({_first_line(exc)})") from None
-
-
-def _first_line(exc: BaseException) -> str:
-    """An error's message on one line (dcp's CheckpointException lists every rank's)."""
-    if isinstance(exc, CheckpointException) and exc.failures:
-        exc = next(iter(exc.failures.values()))[0]  # (exception, traceback) per rank
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
 
 
 def warn(line: str, dist_info: DistInfo) -> None:
