@@ -22,7 +22,6 @@ class DesignFlag:
     """A flag whose accepted values are those this design is."""
 
     flag: str
-    default: Any  # what this design is when the flag is left out
     accepted: tuple[Any, ...] | None  # values that describe this design (None: any)
     instead: str  # said when another value is given
     choices: tuple[Any, ...] | None = None  # Megatron's choices (None: any value of its type)
@@ -37,41 +36,41 @@ class DesignFlag:
 # Values the design is; the rest are refused. Defaults are this design (a LLaMA model),
 # where Megatron's pretrain_gpt.py defaults to GPT's (README's table of differences).
 DESIGN_FLAGS = (
-    DesignFlag("--tensor-model-parallel-size", 1, (1,), "tensor parallelism is not supported "
+    DesignFlag("--tensor-model-parallel-size", (1,), "tensor parallelism is not supported "
                "(a stage's layers run whole on one GPU, the model states live in host memory; "
                "use --pipeline-model-parallel-size and data parallelism)", type=int,
                help="1 only (tensor parallelism is not supported)"),
-    DesignFlag("--context-parallel-size", 1, (1,), "context parallelism is not supported (use "
+    DesignFlag("--context-parallel-size", (1,), "context parallelism is not supported (use "
                "a shorter --seq-length or more pipeline stages)", type=int,
                help="1 only (context parallelism is not supported)"),
-    DesignFlag("--expert-model-parallel-size", 1, (1,), "mixture-of-experts models are not "
+    DesignFlag("--expert-model-parallel-size", (1,), "mixture-of-experts models are not "
                "supported", type=int, help="1 only (no mixture of experts)"),
-    DesignFlag("--position-embedding-type", "rope", ("rope",), "LLaMA uses rotary embeddings",
+    DesignFlag("--position-embedding-type", ("rope",), "LLaMA uses rotary embeddings",
                choices=("learned_absolute", "rope", "mrope", "relative", "none"),
                help="rope only (the default here)"),
-    DesignFlag("--normalization", "RMSNorm", ("RMSNorm",), "LLaMA uses RMSNorm", choices=("LayerNorm", "RMSNorm"),
+    DesignFlag("--normalization", ("RMSNorm",), "LLaMA uses RMSNorm", choices=("LayerNorm", "RMSNorm"),
                help="RMSNorm only (the default here)"),
-    DesignFlag("--recompute-granularity", "full", ("full",), "the backward stage recomputes "
+    DesignFlag("--recompute-granularity", ("full",), "the backward stage recomputes "
                "whole layers from the checkpointed activations",
                choices=("full", "selective"), help="full only (always: activations are "
                "recomputed by the backward stage)"),
-    DesignFlag("--transformer-impl", "transformer_engine", ("local", "transformer_engine"),
+    DesignFlag("--transformer-impl", ("local", "transformer_engine"),
                "training uses megatron-core's local or Transformer Engine layers",
                choices=("local", "transformer_engine", "inference_optimized"),
                help="Transformer Engine layers where it imports on CUDA, local otherwise"),
-    DesignFlag("--optimizer", "adam", ("adam",), "the CPU optimizer is AdamW",
+    DesignFlag("--optimizer", ("adam",), "the CPU optimizer is AdamW",
                choices=("adam", "sgd", "muon", "dist_muon"), help="adam only (AdamW, decoupled "
                "weight decay, as Megatron's adam)"),
-    DesignFlag("--distributed-backend", "nccl", None, "",
+    DesignFlag("--distributed-backend", None, "",
                choices=("nccl", "gloo"), help="NCCL on CUDA; the CPU device layer uses gloo"),
-    DesignFlag("--attention-backend", "auto", None, "",
+    DesignFlag("--attention-backend", None, "",
                choices=("flash", "fused", "unfused", "local", "auto"),
                help="accepted; CUDA picks its kernel, the CPU runs unfused attention"),
-    DesignFlag("--recompute-method", None, None, "",
+    DesignFlag("--recompute-method", None, "",
                choices=("uniform", "block"), help="accepted; every layer is recomputed"),
-    DesignFlag("--recompute-num-layers", None, None, "", type=int,
+    DesignFlag("--recompute-num-layers", None, "", type=int,
                help="accepted; every layer is recomputed"),
-    DesignFlag("--num-experts", None, (None,), "mixture-of-experts models are not supported",
+    DesignFlag("--num-experts", (None,), "mixture-of-experts models are not supported",
                type=int, help="not supported (no mixture of experts)"),
 )
 
