@@ -147,6 +147,13 @@ def test_model_flags_must_match_the_checkpoint():
         check_checkpoint_model(run, saved, "/ckpt")
     assert str(exc.value) == "--num-layers 6: the checkpoint in /ckpt was saved with 4"
     check_checkpoint_model(parse_args(TINY), saved, "/ckpt")  # same flags: accepted
+    rope = parse_args([*TINY, "--rotary-base", "500000"])
+    with pytest.raises(ConfigError, match="--rotary-base 500000: the checkpoint in /ckpt was "
+                                          "saved with 10000"):
+        check_checkpoint_model(rope, saved, "/ckpt")
+    # fine-tuning may change it (a longer context's rotary base)
+    finetune = parse_args([*TINY, "--rotary-base", "500000", "--load", "/ckpt", "--finetune"])
+    check_checkpoint_model(finetune, saved, "/ckpt")
 
 
 # --- evaluation ------------------------------------------------------------------------

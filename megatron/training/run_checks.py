@@ -108,10 +108,16 @@ def check_load_dir(run: RunConfig) -> None:
                           "to start from scratch when it does not exist)")
 
 
+# What a resumed run must also keep to compute what was trained (a fine-tuning run may
+# change them: a longer context's rotary base, say).
+RESUMED_ARCHITECTURE = ("kv_channels", "rotary_base", "rotary_percent", "norm_epsilon")
+
+
 def check_checkpoint_model(run: RunConfig, saved: dict | None, where: str) -> None:
     """The model flags of this run equal those the checkpoint in `where` was saved with
     (`saved`: the flags it recorded, RunConfig.flags())."""
-    for field in MODEL_FIELDS:
+    fields = MODEL_FIELDS + (() if run.checkpointing.finetune else RESUMED_ARCHITECTURE)
+    for field in fields:
         theirs, ours = (saved or {}).get(field), getattr(run.model, field)
         if theirs is not None and ours is not None and theirs != ours:
             raise ConfigError(flag_name(field), ours,
