@@ -77,6 +77,12 @@ def test_megatrons_llama_launch_is_accepted_and_its_values_honoured():
 def test_no_prefix_matching_and_loss_scale_is_the_loss_scale(capsys):
     run = parse_args([*SMALL, "--fp16", "--loss-scale", "1"])
     assert run.precision.loss_scale == 1.0 and run.precision.loss_scale_window == 1000
+    from megatron.pipeline.config import LossScaling
+
+    scaler = LossScaling.of(run.precision).build()  # what both train steps use
+    for overflow in (False, True, True, False):
+        scaler.update(overflow)
+        assert scaler.scale == 1.0  # static: neither grows nor backs off
     code, lines = refused(capsys, [*SMALL, "--num-layer", "2", "--hiden-size", "8"])
     assert code == 2 and len(lines) == 1
     assert "--num-layer (did you mean --num-layers?)" in lines[0]
