@@ -100,6 +100,8 @@ def test_no_prefix_matching_and_loss_scale_is_the_loss_scale(capsys):
     (["--apply-layernorm-1p"], "--apply-layernorm-1p", "not supported"),
     (["--use-legacy-models"], "--use-legacy-models", "megatron-core"),
     (["--fp8-format", "hybrid"], "--fp8-format", "--bf16"),
+    (["--rampup-batch-size", "16", "16", "5859375"], "--rampup-batch-size 16 16 5859375",
+     "constant --global-batch-size"),
     (["--optimizer", "sgd"], "--optimizer", "adam"),
     (["--hidden-dropout", "0.1"], "--hidden-dropout", "0 only"),
     (["--transformer-impl", "inference_optimized"], "--transformer-impl", "local"),

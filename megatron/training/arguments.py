@@ -394,8 +394,8 @@ def _add_megatron_design_flags(p: argparse.ArgumentParser) -> None:
         g.add_argument(flag, type=kind, default=default, help=what)
     for flag, why in REFUSED_SWITCHES.items():
         g.add_argument(flag, action="store_true", help=why)
-    for flag, why in REFUSED_VALUES.items():
-        g.add_argument(flag, default=None, help=why)
+    for flag, why in REFUSED_VALUES.items():  # all their values, to refuse them as one
+        g.add_argument(flag, default=None, nargs="+", help=why)
 
 
 def _int_list(text: str) -> list[int]:

@@ -150,7 +150,7 @@ def check_design_flags(values: Mapping[str, Any]) -> None:
     for flag, why in REFUSED_VALUES.items():
         value = values.get(_dest(flag))
         if value is not None:
-            raise ConfigError(flag, value, f"not supported: {why}")
+            raise ConfigError(flag, " ".join(value), f"not supported: {why}")
 
 
 def _dest(flag: str) -> str:
