@@ -137,7 +137,7 @@ class TrainingLoop:
                                           "(--exit-on-missing-checkpoint)")
                 if saved is None:
                     log(f"no checkpoint in {load}: starting from scratch"
-                        + (" (--save directory: auto-resume)" if is_auto_resume(run) else ""))
+                        + (f" ({why})" if is_auto_resume(run) else ""))
                 else:
                     check_checkpoint_model(run, saved_args(saved), load)
             elif load:
