@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron.config.model import ModelConfig, count_parameters
+from megatron.config.model import ModelConfig
 
 from .cost_model import backward_stage_params
 from .hardware import HardwareProfile
@@ -309,9 +309,7 @@ def single_process_memory(model: ModelConfig, micro_batch_size: int, seq_length:
     bytes per parameter at start), the working and the fp32 master gradients, torch AdamW's
     two fp32 moments, what autograd saves over one micro-batch with no recompute (every
     layer, the head and the embedding), and the logits' gradient."""
-    params = count_parameters(model.num_layers, model.hidden_size, model.ffn_hidden_size,
-                              model.num_attention_heads, model.num_query_groups,
-                              model.planned_vocab_size).total
+    params = model.parameters().total
     tokens = micro_batch_size * seq_length
     return {
         "parameters": params * (max(itemsize, FP32) + FP32),

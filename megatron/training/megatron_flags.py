@@ -30,7 +30,7 @@ class DesignFlag:
 
     @property
     def dest(self) -> str:
-        return self.flag[2:].replace("-", "_")
+        return _dest(self.flag)
 
 
 # Values the design is; the rest are refused. Defaults are this design (a LLaMA model),

@@ -11,7 +11,7 @@ import shutil
 
 from megatron.common.units import format_bytes
 from megatron.config.errors import ConfigError, flag_name
-from megatron.config.model import MODEL_FIELDS, count_parameters
+from megatron.config.model import MODEL_FIELDS
 from megatron.config.run import RunConfig
 
 OUTPUT_FILE_FIELDS = ("metrics_file", "timeline", "trace")
@@ -61,10 +61,7 @@ def check_save_space(run: RunConfig, vocab_size: int | None) -> None:
     save = run.checkpointing.save
     if not save:
         return
-    m = run.model
-    params = count_parameters(m.num_layers, m.hidden_size, m.ffn_hidden_size,
-                              m.num_attention_heads, m.num_query_groups,
-                              vocab_size or 1).total
+    params = run.model.parameters(vocab_size or 1).total
     need = params * run.precision.optimizer_bytes_per_param
     free = shutil.disk_usage(nearest_existing(save)).free
     if need > free:
