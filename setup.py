@@ -1,4 +1,5 @@
-"""Builds the C++ CPU optimizer (csrc/) as megatron.optimizer._cpu_adam.
+"""Builds the C++ CPU optimizer (csrc/) as megatron.optimizer._cpu_adam and the state-file
+I/O engine as megatron.optimizer._state_io.
 
 pybind11 on raw pointers, no PyTorch headers, so it builds in seconds:
 `python setup.py build_ext --inplace` (what `make setup` runs).
@@ -31,7 +32,15 @@ ext_modules = [
         cxx_std=17,
         extra_compile_args=["-O3", "-ffp-contract=off", "-fno-math-errno"],
         extra_link_args=["-pthread"],
-    )
+    ),
+    # Optimizer states in files: O_DIRECT pread/pwrite on a thread pool (csrc/state_io.cpp).
+    Pybind11Extension(
+        "megatron.optimizer._state_io",
+        ["csrc/state_io.cpp"],
+        cxx_std=17,
+        extra_compile_args=["-O2"],
+        extra_link_args=["-pthread"],
+    ),
 ]
 
 setup(
