@@ -8,6 +8,7 @@ processes, the file system, the data or a checkpoint run later, where those are 
 from __future__ import annotations
 
 import math
+import os
 from typing import TYPE_CHECKING
 
 from megatron.config.errors import ConfigError, flag_name
@@ -275,6 +276,7 @@ def _check_cpu_optimizer(run: RunConfig) -> None:
                           c.optimizer_gpu_resident_fraction,
                           "the static split excludes --optimizer-gpu-stride (give one of them)")
     _positive(c.cpu_optimizer_threads, "cpu_optimizer_threads")
+    _check_nvme(run)
     p = run.precision
     for field in ("optimizer_state_dtype", "master_dtype"):
         if getattr(p, field) != "fp32" and run.parallel.pipeline_schedule == "single":
@@ -282,6 +284,34 @@ def _check_cpu_optimizer(run: RunConfig) -> None:
                               "fp32 with --pipeline-schedule single (the one-process "
                               "reference keeps torch's fp32 AdamW); bf16 needs the CPU "
                               "optimizer: give a pipeline schedule")
+
+
+def _check_nvme(run: RunConfig) -> None:
+    """The NVMe tier's flags (the free space is checked once the state sizes are known)."""
+    c = run.cpu_optimizer
+    path = c.optimizer_nvme_path
+    if c.optimizer_state_location != "nvme":
+        if path is not None:
+            raise ConfigError("--optimizer-nvme-path", path,
+                              "only with --optimizer-state-location nvme")
+        return
+    if run.parallel.pipeline_schedule == "single":
+        raise ConfigError("--optimizer-state-location", "nvme",
+                          "host with --pipeline-schedule single (the one-process reference "
+                          "keeps torch's AdamW in memory); NVMe states need a pipeline")
+    if c.optimizer_gpu_resident_fraction > 0:
+        raise ConfigError("--optimizer-state-location", "nvme",
+                          "host with --optimizer-gpu-resident-fraction (the static split "
+                          "keeps part of every state on the device for good)")
+    if path is None:
+        raise ConfigError("--optimizer-nvme-path", None,
+                          "a directory on a local drive with --optimizer-state-location nvme")
+    if not os.path.exists(path):
+        raise ConfigError("--optimizer-nvme-path", path, "an existing directory")
+    if not os.path.isdir(path):
+        raise ConfigError("--optimizer-nvme-path", path, "a directory, not a file")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError("--optimizer-nvme-path", path, "a directory this user can write")
 
 
 def _check_profiling(run: RunConfig) -> None:

@@ -107,6 +107,13 @@ class CpuOptimizerConfig:
     optimizer_gpu_stride: int | None  # every k-th subgroup on the device; None: Eq. 1; 0: none
     optimizer_subgroup_size: int | None  # None: from the largest owned stage
     optimizer_gpu_resident_fraction: float  # > 0: the static (Twin-Flow) split instead
+    # Where master, m and v live: "host" memory, or files on an NVMe drive under
+    # optimizer_nvme_path with a window of them in host memory.
+    optimizer_state_location: str = "host"
+    optimizer_nvme_path: str | None = None
+    # Host memory: snapshot each step so rollbacks and clipping corrections are bit-exact
+    # (NVMe states are exact anyway: the file keeps the committed version).
+    optimizer_exact_rollback: bool = False
 
     @property
     def uses_device(self) -> bool:

@@ -1,4 +1,5 @@
-"""Removes a process's shared-memory segments once that process is gone, however it died.
+"""Removes a process's shared-memory segments (and its optimizer state files) once that
+process is gone, however it died.
 
 Run as a separate process (`python -I reaper.py`) in its own session, started by the
 first segment a process creates. It reads lines on stdin: "+PID PATH" tracks a segment,
@@ -11,6 +12,7 @@ and its sibling shm_header.py (stdlib only too), which it finds next to itself.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 
@@ -21,10 +23,20 @@ else:  # run as a script with -I, which leaves the script's own directory off sy
     from shm_header import owner_pid
 
 
+# An optimizer state file (megatron/optimizer/disk_states.py) names its creator's pid; it
+# has no header, since its bytes are read and written with O_DIRECT.
+_STATE_FILE = re.compile(r"\.pid(\d+)\.optstate$")
+
+
+def _file_owner(path: str) -> int | None:
+    match = _STATE_FILE.search(os.path.basename(path))
+    return int(match.group(1)) if match else owner_pid(path)
+
+
 def reap(tracked: dict[str, int]) -> None:
-    """Unlink each tracked segment still owned by the pid that tracked it."""
+    """Unlink each tracked segment or state file still owned by the pid that tracked it."""
     for path, pid in tracked.items():
-        if owner_pid(path) == pid:
+        if _file_owner(path) == pid:
             try:
                 os.unlink(path)
             except FileNotFoundError:

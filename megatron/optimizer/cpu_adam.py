@@ -8,7 +8,9 @@ was. A group that was updated can be rolled back: by the arithmetic inverse of A
 (default, no extra memory, error bound in docs/cpu_optimizer.md) or, with
 `exact_rollback=True`, from a snapshot the step takes of the state it changes
 (as many bytes per parameter again as p, m and v take: 12 in fp32, 6 all in bf16;
-bit-exact).
+bit-exact). With `disk=` the states live in a file instead (disk_states.py): a group is in
+host memory only between its read and its write, and rollbacks are exact without a
+snapshot (the file keeps the committed version).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ except ImportError as error:  # the extension is built in place by `make setup`
         f"(or `make setup`) in the repository root ({error})"
     ) from error
 
+from megatron.optimizer.disk_states import DiskStates  # noqa: E402
 from megatron.optimizer.rounding import (  # noqa: E402
     ElementRun,
     StateFormat,
@@ -151,6 +154,9 @@ class CPUAdamW:
     element_runs: per group, ElementRuns tiling it: which parameter (and which index in
         it) each element is, so that the rounding does not depend on the group layout.
         Default: group i is parameter i.
+    disk: keep p, m, v in this state file (created for these groups' sizes and dtypes)
+        rather than in host memory; each step then needs the program's read
+        (request_read) before it and its write (request_write) after it.
     weight_decay_mults: per group, a factor on weight_decay (0 for a no-decay group).
     isa: 'auto' or one of available_isas().
 
@@ -176,6 +182,7 @@ class CPUAdamW:
         stochastic_rounding: bool = True,
         rounding_seed: int = 0,
         element_runs: Sequence[Sequence[ElementRun]] | None = None,
+        disk: DiskStates | None = None,
     ) -> None:
         for name, dtype in (("state_dtype", state_dtype), ("master_dtype", master_dtype)):
             if dtype not in (torch.float32, torch.bfloat16):
@@ -227,15 +234,27 @@ class CPUAdamW:
         self._snapshot: list[torch.Tensor | None] = []
         self._steps: list[int] = []
         self._last: list[_StepRecord | None] = []
+        self._numel: list[int] = []
+        self.disk = disk
+        if disk is not None:
+            self.exact_rollback = True  # the file's committed version is the snapshot
         for i, p in enumerate(params):
             if not isinstance(p, torch.Tensor) or p.dim() != 1 or p.device.type != "cpu":
                 raise ValueError(f"params[{i}] must be a flat (1-D) host tensor")
             n = p.numel()
-            self._master.append(p.detach().to(master_dtype, copy=True).contiguous())
-            self._exp_avg.append(torch.zeros(n, dtype=state_dtype))
-            self._exp_avg_sq.append(torch.zeros(n, dtype=state_dtype))
-            self._snapshot.append(torch.empty(n * self.bytes_per_param, dtype=torch.uint8)
-                                  if exact_rollback else None)
+            self._numel.append(n)
+            if disk is not None:
+                disk.write_committed(i, p.detach())
+                self._master.append(torch.empty(0, dtype=master_dtype))
+                self._exp_avg.append(torch.empty(0, dtype=state_dtype))
+                self._exp_avg_sq.append(torch.empty(0, dtype=state_dtype))
+                self._snapshot.append(None)
+            else:
+                self._master.append(p.detach().to(master_dtype, copy=True).contiguous())
+                self._exp_avg.append(torch.zeros(n, dtype=state_dtype))
+                self._exp_avg_sq.append(torch.zeros(n, dtype=state_dtype))
+                self._snapshot.append(torch.empty(n * self.bytes_per_param, dtype=torch.uint8)
+                                      if exact_rollback else None)
             self._steps.append(0)
             self._last.append(None)
         # Per group: its subgroups when some are updated on the device (set_subgroups).
@@ -257,27 +276,84 @@ class CPUAdamW:
         return len(self._master)
 
     def master(self, group: int) -> torch.Tensor:
-        return self._master[self._host_state(self._index(group))]
+        """The group's master (on disk: a copy of the committed one)."""
+        return self.states(group)[0]
 
     def exp_avg(self, group: int) -> torch.Tensor:
-        return self._exp_avg[self._host_state(self._index(group))]
+        return self.states(group)[1]
 
     def exp_avg_sq(self, group: int) -> torch.Tensor:
-        return self._exp_avg_sq[self._host_state(self._index(group))]
+        return self.states(group)[2]
+
+    def states(self, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """p, m, v of the group: live buffers in host memory, copies of the committed
+        state when on disk."""
+        i = self._index(group)
+        if self.disk is not None:
+            return self.disk.read_committed(i)
+        self._host_state(i)
+        return self._master[i], self._exp_avg[i], self._exp_avg_sq[i]
+
+    def numel(self, group: int) -> int:
+        return self._numel[self._index(group)]
+
+    def host_state_bytes(self) -> int:
+        """Host bytes this optimizer holds for p, m, v (and snapshots): on disk, the
+        window's and the scratch buffer's."""
+        if self.disk is not None:
+            return self.disk.host_bytes
+        tensors = [*self._master, *self._exp_avg, *self._exp_avg_sq,
+                   *(s for s in self._snapshot if s is not None)]
+        return sum(t.nbytes for t in tensors)
+
+    # --- states on disk: the program's reads and writes ----------------------------------
+
+    def request_read(self, group: int) -> None:
+        """READ_OPTIMIZER_STATES of a group kept on disk (returns at once)."""
+        self._on_disk().request_read(self._index(group))
+
+    def request_write(self, group: int) -> None:
+        """WRITE_OPTIMIZER_STATES: the group's step result goes to the file (at once)."""
+        i = self._index(group)
+        self._on_disk().request_write(i, lambda: self._map(i, None))
+
+    def skip(self, group: int) -> None:
+        """The group is not stepped this iteration (an overflow verdict came first)."""
+        if self.disk is not None:
+            self.disk.stepped(self._index(group), False)
+
+    def reserve(self, group: int) -> None:
+        """A rollback or correction of `group` will run: its next read waits for it."""
+        if self.disk is not None:
+            self.disk.reserve(self._index(group))
+
+    def release(self, group: int) -> None:
+        if self.disk is not None:
+            self.disk.release(self._index(group))
+
+    def _on_disk(self) -> DiskStates:
+        if self.disk is None:
+            raise RuntimeError("optimizer states are in host memory: no reads or writes")
+        return self.disk
+
+    def _map(self, i: int, views: tuple[torch.Tensor, ...] | None) -> None:
+        """Point group i's p, m, v at a buffer holding them (None: at nothing)."""
+        if views is None:
+            views = (torch.empty(0, dtype=self.master_dtype),
+                     torch.empty(0, dtype=self.state_dtype), torch.empty(0, dtype=self.state_dtype))
+        self._master[i], self._exp_avg[i], self._exp_avg_sq[i] = views
 
     def step_count(self, group: int) -> int:
         return self._steps[self._index(group)]
 
     def state_dict(self) -> dict:
         """Checkpointable state (tensors are the live buffers: copy before mutating)."""
-        for i in range(self.num_groups):
-            self._host_state(i)
         return {
             "hyper": {"lr": self.lr, "betas": self.betas, "eps": self.eps,
                       "weight_decay": self.weight_decay},
             "groups": [
                 {"master": p, "exp_avg": m, "exp_avg_sq": v, "step": t}
-                for p, m, v, t in zip(self._master, self._exp_avg, self._exp_avg_sq, self._steps)
+                for (p, m, v), t in zip(map(self.states, range(self.num_groups)), self._steps)
             ],
         }
 
@@ -288,10 +364,14 @@ class CPUAdamW:
         if len(groups) != self.num_groups:
             raise ValueError(f"state has {len(groups)} groups; this optimizer has {self.num_groups}")
         for i, s in enumerate(groups):
-            for key, own in (("master", self._master[i]), ("exp_avg", self._exp_avg[i]),
-                             ("exp_avg_sq", self._exp_avg_sq[i])):
-                _check_flat(f"groups[{i}][{key!r}]", s[key], own.numel(),
+            for key in ("master", "exp_avg", "exp_avg_sq"):
+                _check_flat(f"groups[{i}][{key!r}]", s[key], self._numel[i],
                             [torch.float32, torch.bfloat16])
+            if self.disk is not None:
+                self.disk.write_committed(i, s["master"], s["exp_avg"], s["exp_avg_sq"])
+                self._steps[i] = int(s["step"])
+                self._last[i] = None
+                continue
             self._master[i].copy_(s["master"])
             self._exp_avg[i].copy_(s["exp_avg"])
             self._exp_avg_sq[i].copy_(s["exp_avg_sq"])
@@ -327,11 +407,15 @@ class CPUAdamW:
             raise ValueError(f"lr*weight_decay={self.lr * weight_decay} for group {i} must lie in [0, 1)")
         record = _StepRecord(grad, out, float(inv_scale), self.lr, weight_decay,
                              self._steps[i] + 1, float(clip))
-        if self._subgroups[i] is not None:
-            finite, sq = self._step_subgroups(i, record)
+        if self.disk is None:
+            finite, sq = self._run_step(i, record)
         else:
-            finite, sq = _kernel.step(**self._kernel_args(i, record))
-            self.cpu_done_s = max(self.cpu_done_s, time.perf_counter())
+            finite = False
+            try:
+                self._map(i, self.disk.resident(i))
+                finite, sq = self._run_step(i, record)
+            finally:  # the write goes on (or gives the buffer back) either way
+                self.disk.stepped(i, bool(finite))
         if finite:
             self._steps[i] = record.step
             self._last[i] = record
@@ -339,10 +423,17 @@ class CPUAdamW:
             self._last[i] = None
         return GroupStepResult(group=i, updated=bool(finite), grad_sq_sum=float(sq))
 
+    def _run_step(self, i: int, record: _StepRecord) -> tuple[bool, float]:
+        if self._subgroups[i] is not None:
+            return self._step_subgroups(i, record)
+        finite, sq = _kernel.step(**self._kernel_args(i, record))
+        self.cpu_done_s = max(self.cpu_done_s, time.perf_counter())
+        return finite, sq
+
     def check_inputs(self, group: int, grad: torch.Tensor, out: torch.Tensor | None = None) -> int:
         """Raises a one-line error unless grad (and out) fit the group; returns its index."""
         i = self._index(group)
-        n = self._master[i].numel()
+        n = self._numel[i]
         _check_flat("grad", grad, n, list(_DTYPE_CODES))
         if out is not None:
             _check_flat("out", out, n, list(_DTYPE_CODES))
@@ -354,6 +445,15 @@ class CPUAdamW:
         record = self._last[i]
         if record is None:
             raise RuntimeError(f"group {i} has no update to roll back")
+        if self.disk is not None:  # the committed version is the state before the step
+            self.disk.wait_written(i)
+            self.disk.discard(i)
+            if record.out is not None:
+                with self.disk.scratch(i) as (p, _, _):
+                    record.out.copy_(p)  # the working copy a step writes: p rounded
+            self._steps[i] = record.step - 1
+            self._last[i] = None
+            return
         self._host_state(i)
         for args in self._range_args(i, record):
             _kernel.undo(**args)
@@ -372,6 +472,20 @@ class CPUAdamW:
             raise RuntimeError(f"group {i} has no update to correct")
         _check_clip(clip)
         corrected = replace(record, clip=float(clip))
+        if self.disk is not None:  # the same step again, from the committed state
+            self.disk.wait_written(i)  # its staged bytes are rewritten
+            scratch = self.disk.scratch(i)
+            with scratch as views:
+                self._map(i, views)
+                try:
+                    finite, _ = self._run_step(i, corrected)
+                    if not finite:
+                        raise RuntimeError(f"group {i}: gradient became non-finite after its step")
+                    scratch.stage()
+                finally:
+                    self._map(i, None)
+            self._last[i] = corrected
+            return
         self._host_state(i)
         for args in self._range_args(i, corrected):
             _kernel.correct(**args, undo_clip=record.clip)
@@ -379,8 +493,12 @@ class CPUAdamW:
         self._last[i] = corrected
 
     def commit_group(self, group: int) -> None:
-        """Forget the group's last update (its gradient may be reused from now on)."""
-        self._last[self._index(group)] = None
+        """Forget the group's last update (its gradient may be reused from now on); on
+        disk, its staged state becomes the committed one."""
+        i = self._index(group)
+        if self.disk is not None:
+            self.disk.commit(i)
+        self._last[i] = None
 
     def has_update(self, group: int) -> bool:
         return self._last[self._index(group)] is not None
@@ -398,7 +516,7 @@ class CPUAdamW:
         if self._last[i] is not None:
             raise RuntimeError(f"group {i} has an update pending; commit it first")
         if subgroups is not None:
-            n = self._master[i].numel()
+            n = self._numel[i]
             ends = [(s.lo, s.hi) for s in subgroups]
             if not ends or ends[0][0] != 0 or ends[-1][1] != n or any(
                     a[1] != b[0] or a[0] >= a[1] for a, b in zip(ends, ends[1:])):
@@ -508,7 +626,7 @@ class CPUAdamW:
     def _kernel_args(self, i: int, r: _StepRecord, lo: int = 0, hi: int | None = None,
                      snap: torch.Tensor | None = None) -> dict:
         if hi is None:
-            hi, snap = self._master[i].numel(), self._snapshot[i]
+            hi, snap = self._numel[i], self._snapshot[i]
         fmt = _kernel.StateFormat()
         fmt.master_dtype = _DTYPE_CODES[self.master_dtype]
         fmt.state_dtype = _DTYPE_CODES[self.state_dtype]

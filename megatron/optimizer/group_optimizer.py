@@ -176,6 +176,8 @@ class AsyncGroupOptimizer:
         if self._verdict is not None:
             if not self._verdict.overflow:
                 self._update(group, self._submitted[group], self._verdict.clip, ready)
+            else:
+                self.optimizer.skip(group)
         elif self._iteration_mode == "async":
             self._speculated.add(group)
             self.runner.submit(group, self._speculative_task(group, grad, out), ready)
@@ -237,10 +239,16 @@ class AsyncGroupOptimizer:
 
             def task(mine: tuple[int, ...] = mine, then: Callable[[], None] = then,
                      verdict: _Verdict = self._verdict) -> None:
-                for group in mine:
-                    self._correct_group(group, verdict)
-                    self.optimizer.commit_group(group)
+                try:
+                    for group in mine:
+                        self._correct_group(group, verdict)
+                        self.optimizer.commit_group(group)
+                finally:
+                    for group in mine:
+                        self.optimizer.release(group)
                 then()
+            for group in mine:  # states on disk: the next read of the group waits for it
+                self.optimizer.reserve(group)
             future = self.runner.submit_detached(task)
             for group in mine:
                 self._trailing[group] = future

@@ -21,11 +21,13 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.distributed as dist
 
+from megatron.common.units import format_bytes
 from megatron.models.llama import Batch, LlamaConfig
 from megatron.offload.device import get_device
 from megatron.offload.layout import copy_parameters_into
 from megatron.offload.param_store import ParameterStore
 from megatron.optimizer.cpu_adam import CPUAdamW
+from megatron.optimizer.disk_states import DiskStates, file_bytes, sweep_stale
 from megatron.optimizer.group_optimizer import AsyncGroupOptimizer, IterationResult
 from megatron.optimizer.loss_scaler import ConstantLossScaler, LossScaler
 from megatron.optimizer.subgroups import plan_resident, plan_subgroups
@@ -190,8 +192,32 @@ class Pipeline:
                         threads=o.threads, weight_decay_mults=mults,
                         state_dtype=o.state_dtype, master_dtype=o.master_dtype,
                         stochastic_rounding=o.stochastic_rounding, rounding_seed=o.seed,
-                        element_runs=runs)
+                        element_runs=runs, exact_rollback=o.exact_rollback,
+                        disk=self._disk_states([g.numel() for g in groups]))
         return adam, OwnedStages(owners)
+
+    def _disk_states(self, numels: list[int]) -> DiskStates | None:
+        """States on NVMe: this process's file, with a window of as many stages as the
+        program holds read and not yet written at once (two groups per stage)."""
+        path = self.config.optimizer.nvme_path
+        if path is None:
+            return None
+        peak = self.config.report.peak_optimizer_states
+        if not peak:
+            raise ValueError("optimizer states on NVMe need a program with "
+                             "READ/WRITE_OPTIMIZER_STATES")
+        if self.rank == 0 and self.layout.data_parallel_rank == 0:
+            for stale in sweep_stale(path):
+                print(f"removed the optimizer state file of a finished job: {stale}", flush=True)
+        dtypes = (self.config.optimizer.master_dtype, self.config.optimizer.state_dtype)
+        disk = DiskStates(path, numels, *dtypes, window_groups=2 * max(1, peak[self.rank]),
+                          job=self.store.job_id, rank=self.layout.global_rank(self.rank),
+                          log=lambda line: print(f"rank {self.rank}: {line}", flush=True))
+        print(f"rank {self.rank}: optimizer states on NVMe in {disk.path}: "
+              f"{format_bytes(file_bytes(numels, *dtypes))} on disk, a window of "
+              f"{max(1, peak[self.rank])} stage(s) in host memory "
+              f"({format_bytes(disk.host_bytes)})", flush=True)
+        return disk
 
     def _plan_subgroups(self) -> DeviceSubgroups:
         """Split the groups of the stages this rank's program starts with
@@ -358,9 +384,7 @@ class Pipeline:
         """Host memory this process holds for the optimizer (fp32 master, m, v) and
         the shared memory of the segments per node (max over processes and nodes).
         Collective."""
-        adam = self.cpu_adam
-        state = sum(get(g).nbytes for g in range(adam.num_groups)
-                    for get in (adam.master, adam.exp_avg, adam.exp_avg_sq))
+        state = self.cpu_adam.host_state_bytes()
         nodes = -(-self.layout.world_size // self.store.procs_per_node)
         table = torch.zeros(nodes + 1, dtype=torch.float64)
         table[self.store.node] = sum(seg.params.nbytes for seg in self.store.created())
@@ -376,6 +400,8 @@ class Pipeline:
         if self.reducer is not None:
             self.reducer.close()
         self.optimizer.close()  # the last corrections publish their stages
+        if self.cpu_adam.disk is not None:  # after the last corrections wrote
+            self.cpu_adam.disk.close()
         self.distributor.close()
         # the copies still queued (after a failed instruction) read the segments: drain
         # them before the segments are unmapped, or a copy thread reads unmapped memory

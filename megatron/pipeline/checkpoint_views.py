@@ -5,7 +5,8 @@ the CPU optimizer (no copy), by LlamaModel parameter name; a load fills them in 
 data parallelism under ZeRO, every replica holds a shard of each stage, so `views()` are
 full tensors gathered from the replicas' shards (the checkpoint writer keeps one copy of
 tensors several ranks hold) and `restore` hands each replica its shard of what a load put
-in them.
+in them. With the states on NVMe, `views()` are copies of the committed states read from
+the file, and `restore` writes what a load put in them back as the committed states.
 
 A parameter lies in one of its stage's two optimizer groups (decayed elements first, then
 the others).
@@ -31,23 +32,33 @@ class CheckpointViews:
         self.owned, self.modules, self.adam = owned, modules, adam
         self.zero_stage, self.replicas, self.data_parallel = zero_stage, replicas, data_parallel
         self._gathered: dict[BackwardStage, tuple[torch.Tensor, ...]] = {}
+        self._copies: dict[int, tuple[torch.Tensor, ...]] = {}  # states on disk, by group
 
     def views(self) -> Views:
         """Every owned parameter's (master, exp_avg, exp_avg_sq), fp32 or bf16 as the
         optimizer keeps them. master()/exp_avg() bring subgroups kept on the device back to
         the host; the caller has finished the deferred corrections first."""
+        self._copies = {}
         if self.replicas > 1:
             return self._gathered_views()
-        adam, out = self.adam, {}
+        out = {}
         for b, owner in self.owned.items():
             module = self.modules[b]
             for s, name in zip(module.layout.slices, module.model_names()):
                 group, offset = ((owner.groups[0], s.offset) if s.offset < owner.split
                                  else (owner.groups[1], s.offset - owner.split))
                 out[name] = tuple(buf[offset:offset + s.numel].view(s.shape)
-                                  for buf in (adam.master(group), adam.exp_avg(group),
-                                              adam.exp_avg_sq(group)))
+                                  for buf in self._group_states(group))
         return out
+
+    def _group_states(self, group: int) -> tuple[torch.Tensor, ...]:
+        """The group's p, m, v: the optimizer's live buffers, or (on disk) copies kept
+        until the next views() so that a load's values reach restore()."""
+        if self.adam.disk is None:
+            return self.adam.states(group)
+        if group not in self._copies:
+            self._copies[group] = self.adam.states(group)
+        return self._copies[group]
 
     def _stepped_groups(self) -> list[int]:
         """Groups that hold elements (an empty group is a placeholder that never steps)."""
@@ -64,10 +75,12 @@ class CheckpointViews:
         adam, stepped = self.adam, set(self._stepped_groups())
         if self.replicas > 1:
             self._scatter_gathered()
+        states = [self._group_states(g) for g in range(adam.num_groups)]
         adam.load_state_dict({"groups": [
-            {"master": adam.master(g), "exp_avg": adam.exp_avg(g),
-             "exp_avg_sq": adam.exp_avg_sq(g), "step": optimizer_step if g in stepped else 0}
-            for g in range(adam.num_groups)]})
+            {"master": p, "exp_avg": m, "exp_avg_sq": v,
+             "step": optimizer_step if g in stepped else 0}
+            for g, (p, m, v) in enumerate(states)]})
+        self._copies = {}
 
     def _gathered_views(self) -> Views:
         """Every replica gathers the full master, exp_avg and exp_avg_sq of its stages from
@@ -93,11 +106,10 @@ class CheckpointViews:
 
     def _scatter_gathered(self) -> None:
         """After a load filled the gathered tensors: copy this process's shard back."""
-        adam = self.adam
         for b, owner in self.owned.items():
             full = self._gathered[b]
             for group, (lo, hi) in zip(owner.groups, owner.bounds()):
                 if hi > lo:
-                    for get, tensor in zip((adam.master, adam.exp_avg, adam.exp_avg_sq), full):
-                        get(group).copy_(tensor[lo:hi])
+                    for own, tensor in zip(self._group_states(group), full):
+                        own.copy_(tensor[lo:hi])
         self._gathered = {}

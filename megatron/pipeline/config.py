@@ -35,6 +35,8 @@ class OptimizerSettings:
     master_dtype: torch.dtype = torch.float32  # master weights: float32 or bfloat16
     stochastic_rounding: bool = True  # a bf16 master rounds stochastically (else nearest)
     seed: int = 0  # keys the stochastic rounding's random bits
+    nvme_path: str | None = None  # master, m, v in files there (None: in host memory)
+    exact_rollback: bool = False  # host states: snapshot each step (bit-exact rollbacks)
 
 
 @dataclass(frozen=True)
@@ -146,7 +148,10 @@ def pipeline_config(run: RunConfig, schedule: Schedule, report: ValidationReport
                                     state_dtype=TORCH_DTYPES[p.optimizer_state_dtype],
                                     master_dtype=TORCH_DTYPES[p.master_dtype],
                                     stochastic_rounding=p.master_rounding == "stochastic",
-                                    seed=run.training.seed),
+                                    seed=run.training.seed,
+                                    nvme_path=(c.optimizer_nvme_path
+                                               if c.optimizer_state_location == "nvme" else None),
+                                    exact_rollback=c.optimizer_exact_rollback),
         loss_scaling=LossScaling.of(p),
         procs_per_node=run.parallel.procs_per_node,
         inject_overflow=inject,

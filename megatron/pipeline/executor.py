@@ -26,6 +26,9 @@ interpreter, so they are compared on equal terms. What each instruction does:
 - OPTIMIZER_WAIT_ALL: wait for every optimizer task this rank started.
 - OPTIMIZER_START_SUBGROUPS: OPTIMIZER_START for a stage whose groups the assembly split
   into subgroups, every k-th stepped on the device (megatron/pipeline/subgroup_device.py).
+- READ/WRITE_OPTIMIZER_STATES (states on NVMe): ask for the stage's committed state in
+  the host window / for its step's result to be written; both return at once
+  (megatron/optimizer/disk_states.py).
 
 What an instruction does is chosen from its op (`OP_SPECS[op].method`), never from the schedule's
 name. After the program, the optimizer commits the iteration and updates the loss scale.
@@ -346,6 +349,12 @@ class PipelineExecutor:
     def _optimizer_start_subgroups(self, instr: Instruction) -> None:
         owner = self.owned[BackwardStage(instr.stage, instr.sub)]
         owner.step(self.optimizer, on_device=self.subgroups.updater is not None)
+
+    def _read_optimizer_states(self, instr: Instruction) -> None:
+        self.owned[BackwardStage(instr.stage, instr.sub)].read_states(self.optimizer.optimizer)
+
+    def _write_optimizer_states(self, instr: Instruction) -> None:
+        self.owned[BackwardStage(instr.stage, instr.sub)].write_states(self.optimizer.optimizer)
 
     def _optimizer_wait_all(self, instr: Instruction) -> None:
         self.optimizer.wait_all()

@@ -115,6 +115,20 @@ class BackwardStageOwner:
                                  out=out[lo:hi] if out is not None else None)
         self.submitted = True
 
+    def live_groups(self) -> list[int]:
+        """The optimizer groups that hold elements (an empty one is a placeholder)."""
+        return [g for g, (lo, hi) in zip(self.groups, self.bounds()) if hi > lo]
+
+    def read_states(self, adam: CPUAdamW) -> None:
+        """READ_OPTIMIZER_STATES: the groups' committed states into the host window."""
+        for group in self.live_groups():
+            adam.request_read(group)
+
+    def write_states(self, adam: CPUAdamW) -> None:
+        """WRITE_OPTIMIZER_STATES: the groups' step results to the file, once stepped."""
+        for group in self.live_groups():
+            adam.request_write(group)
+
     def check(self, optimizer: AsyncGroupOptimizer) -> None:
         """Submit the overflow check of both groups' gradients (no update)."""
         ready, grad = self._gradient("the overflow check")

@@ -21,8 +21,9 @@ from megatron.schedules.generators import (
     build_schedule,
 )
 from megatron.schedules.grid import format_programs
-from megatron.schedules.instructions import Schedule
+from megatron.schedules.instructions import STATE_IO, Schedule
 from megatron.schedules.interpreter import ScheduleError
+from megatron.schedules.lowering import place_state_io
 from megatron.schedules.optimizer_placement import place_device_subgroups
 from megatron.schedules.schedule_file import read_schedule
 from megatron.schedules.validator import ValidationReport, validate
@@ -131,6 +132,8 @@ def build_run_schedule(run: RunConfig, world_size: int, vocab_size: int,
         return Unbuildable("--forward-stages", stages, str(exc))
     if lower and run.cpu_optimizer.optimizer_gpu_stride != 0:
         schedule = place_device_subgroups(schedule)  # where updates would be exposed
+    if lower and run.cpu_optimizer.optimizer_state_location == "nvme":
+        schedule = place_state_io(schedule)
     return schedule
 
 
@@ -165,6 +168,13 @@ def load_schedule_file(run: RunConfig, world_size: int) -> tuple[Schedule, Valid
         found = schedule.shape()[key]
         if value is not None and found != value:
             raise ScheduleFileError(path, f"the file has {key}={found}, this run has {value}")
+    on_disk = any(ins.op in STATE_IO for program in schedule.programs for ins in program)
+    if run.cpu_optimizer.optimizer_state_location == "nvme":
+        schedule = place_state_io(schedule)  # where the file does not place them itself
+    elif on_disk:
+        raise ScheduleFileError(path, "no READ/WRITE_OPTIMIZER_STATES: this run keeps the "
+                                      "optimizer states in host memory (give "
+                                      "--optimizer-state-location nvme to keep them on disk)")
     if sum(schedule.partition) != run.model.num_layers:
         raise ScheduleFileError(path, f"the file's partition {list(schedule.partition)} has "
                                       f"{sum(schedule.partition)} layers, --num-layers is "

@@ -40,6 +40,18 @@ class CostModel:
     # a backward stage's 16-bit parameters from its owner's node to another node (empty:
     # no inter-node link is priced; see distribution.py)
     inter_node_transfer: dict[BackwardStage, float] = field(default_factory=dict)
+    # Optimizer states on NVMe: what READ/WRITE_OPTIMIZER_STATES cost (None: in host memory)
+    disk: DiskCosts | None = None
+
+
+@dataclass(frozen=True)
+class DiskCosts:
+    """Seconds to read / write a backward stage's optimizer state (master, m, v) on the
+    drive that `ranks_per_node` consecutive ranks share."""
+
+    read: dict[BackwardStage, float]
+    write: dict[BackwardStage, float]
+    ranks_per_node: int
 
 
 @dataclass(frozen=True)

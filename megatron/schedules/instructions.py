@@ -40,6 +40,8 @@ class Op(str, Enum):
     POST_STEP_SYNC = "POST_STEP_SYNC"
     ROLLBACK_IF_OVERFLOW = "ROLLBACK_IF_OVERFLOW"
     OPTIMIZER_START_SUBGROUPS = "OPTIMIZER_START_SUBGROUPS"
+    READ_OPTIMIZER_STATES = "READ_OPTIMIZER_STATES"
+    WRITE_OPTIMIZER_STATES = "WRITE_OPTIMIZER_STATES"
 
 
 class Stepping(str, Enum):
@@ -59,7 +61,8 @@ class OpSpec:
     moves: the tensor it moves between ranks ("act", "grad", "ckpt") or "" for none.
     stepping: how it blocks (see Stepping).
     resource: the simulated resource it occupies ("compute", "h2d", "d2h", "network",
-    "cpu-optimizer", "host": the rank's main thread, "none": bookkeeping only).
+    "cpu-optimizer", "disk": the node's drive, "host": the rank's main thread, "none":
+    bookkeeping only).
     action: what the executor does, in one line.
     handler: the name every consumer implements for it, as the method `_<handler>` (the
     validator's rule check, the simulator's cost, the executor's action).
@@ -124,9 +127,21 @@ OP_SPECS: dict[Op, OpSpec] = {
                                          "device (copies in and out on the optimizer's own "
                                          "streams) while the CPU updates the others",
                                          "optimizer_start_subgroups"),
+    Op.READ_OPTIMIZER_STATES: OpSpec("", Stepping.LOCAL, "disk",
+                                     "states on NVMe: read the backward stage's committed "
+                                     "optimizer state into a host window buffer (waiting for "
+                                     "a free one off the main thread); its step waits for it",
+                                     "read_optimizer_states"),
+    Op.WRITE_OPTIMIZER_STATES: OpSpec("", Stepping.LOCAL, "disk",
+                                      "states on NVMe: once the stage's step is over, write "
+                                      "its result as the staged version (the verdict commits "
+                                      "or drops it) and give the window buffer back",
+                                      "write_optimizer_states"),
 }
 # The ops that start a backward stage's optimizer step (one per owned stage and iteration).
 OPTIMIZER_STARTS = frozenset({Op.OPTIMIZER_START, Op.OPTIMIZER_START_SUBGROUPS})
+# The disk traffic of optimizer states kept on NVMe (one of each per owned stage).
+STATE_IO = frozenset({Op.READ_OPTIMIZER_STATES, Op.WRITE_OPTIMIZER_STATES})
 
 BLOCKING_SENDS = frozenset(op for op, spec in OP_SPECS.items() if spec.stepping == Stepping.SEND)
 BLOCKING_RECVS = frozenset(op for op, spec in OP_SPECS.items() if spec.stepping == Stepping.RECV)

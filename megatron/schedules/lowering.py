@@ -21,6 +21,8 @@ instructions. This module adds everything else the same way for every schedule:
 - gradients: OFFLOAD_GRAD after a backward stage's last micro-batch on its owner; the
   optimizer either starts right away (post-step overflow check) or after a synchronized
   overflow check at the end.
+- optimizer states on NVMe (place_state_io): each step's read ahead of it, its write
+  right after it, within a window of stages held in host memory.
 """
 
 from __future__ import annotations
@@ -282,3 +284,36 @@ def forward_only_schedule(schedule: Schedule) -> Schedule:
     orders = [[ins for ins in program if ins.op == Op.FORWARD] for program in schedule.programs]
     shape = Schedule(**{**vars(schedule), "programs": (), "forward_only": True})
     return Schedule(**{**vars(shape), "programs": build_programs(shape, orders, NO_OPTIMIZER, 1.0)})
+
+
+def place_state_io(schedule: Schedule, window: int = 2) -> Schedule:
+    """`schedule` with its optimizer states on NVMe: each owned stage's
+    READ_OPTIMIZER_STATES before its first backward (the read hides behind the stage's
+    backwards), but not before the WRITE of the stage stepped `window` starts earlier (at
+    most `window` stages' states in host memory), and its WRITE_OPTIMIZER_STATES right
+    after its OPTIMIZER_START. A program that already holds them (a schedule file) is
+    returned as it is."""
+    if window < 1:
+        raise ValueError(f"window={window} must be >= 1 stage")
+    if any(ins.op in (Op.READ_OPTIMIZER_STATES, Op.WRITE_OPTIMIZER_STATES)
+           for program in schedule.programs for ins in program):
+        return schedule
+    programs = []
+    for program in schedule.programs:
+        first_backward: dict[tuple[int, int], int] = {}
+        starts: list[tuple[int, Instruction]] = []
+        for index, ins in enumerate(program):
+            if ins.op == Op.BACKWARD:
+                first_backward.setdefault((ins.stage, ins.sub), index)
+            elif ins.op in (Op.OPTIMIZER_START, Op.OPTIMIZER_START_SUBGROUPS):
+                starts.append((index, ins))
+        keyed = [((index, 1), ins) for index, ins in enumerate(program)]
+        for j, (index, start) in enumerate(starts):
+            b = (start.stage, start.sub)
+            read_key = (first_backward.get(b, index), 0, j)
+            if j >= window:  # after the write that frees a window buffer
+                read_key = max(read_key, (starts[j - window][0], 3, j))
+            keyed.append((read_key, Instruction(Op.READ_OPTIMIZER_STATES, *b)))
+            keyed.append(((index, 2), Instruction(Op.WRITE_OPTIMIZER_STATES, *b)))
+        programs.append(tuple(ins for _, ins in sorted(keyed, key=lambda item: item[0])))
+    return Schedule(**{**vars(schedule), "programs": tuple(programs)})

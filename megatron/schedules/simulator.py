@@ -6,7 +6,11 @@ communication (a rendezvous: both sides leave at max(arrivals) + transfer). Para
 resources per rank: an H2D stream (PREFETCH_PARAMS, compute waits for its parameters), a
 D2H stream (OFFLOAD_GRAD), and a CPU optimizer lane (OPTIMIZER_START runs once its
 gradients are home, FIFO; the node's CPU throughput is split among its GPUs). Checkpoint
-transfers start when both ISEND and IRECV are posted; links are not contended.
+transfers start when both ISEND and IRECV are posted; links are not contended. Optimizer
+states on NVMe: READ/WRITE_OPTIMIZER_STATES queue on their node's drive (one per node,
+shared by its ranks), a read waits for a free buffer of the rank's window (the
+validator's peak), the step waits for its read, the write follows the step and frees its
+buffer when done.
 
 Bubble ratio of a rank (SysX Eq. 1-3): idle compute time over the iteration time,
 1 - busy / iteration_time. Exposed optimizer time: the part of the optimizer's work (the
@@ -61,7 +65,8 @@ def _label(stage: int, sub: int, split: int) -> str:
 
 class _Simulator(Interpreter):
     def __init__(self, schedule: Schedule, costs: CostModel,
-                 params_arrive: dict[tuple[int, BackwardStage], float] | None = None) -> None:
+                 params_arrive: dict[tuple[int, BackwardStage], float] | None = None,
+                 window: tuple[int, ...] = ()) -> None:
         super().__init__(schedule)
         ranks = range(schedule.ranks)
         self.costs = costs
@@ -77,6 +82,10 @@ class _Simulator(Interpreter):
         self.irecv_time: dict = {}
         self.busy = [0.0 for _ in ranks]
         self.events: list[TimedEvent] = []
+        self.disk_free: dict[int, float] = {}  # per node
+        self.window = [[0.0] * n for n in (window or [0] * schedule.ranks)]
+        self.states_ready: dict[BackwardStage, float] = {}
+        self.step_end: dict[BackwardStage, float] = {}
 
     def _event(self, rank: int, resource: str, start: float, end: float, label: str, kind: str,
                ins: Instruction) -> None:
@@ -144,9 +153,10 @@ class _Simulator(Interpreter):
 
     def _optimizer_start(self, rank: int, ins: Instruction) -> None:
         b = BackwardStage(ins.stage, ins.sub)
-        start = max(self.clock[rank], self.grad_ready[b], self.cpu_free[rank])
+        start = max(self.clock[rank], self.grad_ready[b], self.cpu_free[rank],
+                    self.states_ready.get(b, 0.0))
         end = start + self.costs.optimizer[b]
-        self.cpu_free[rank] = end
+        self.cpu_free[rank] = self.step_end[b] = end
         self._event(rank, "cpu-optimizer", start, end,
                     f"o{_label(*b, self.schedule.backward_split)}", "optimizer", ins)
 
@@ -160,7 +170,7 @@ class _Simulator(Interpreter):
             self._optimizer_start(rank, ins)
             return
         share = 1.0 / device.stride
-        ready = max(self.clock[rank], self.grad_ready[b])
+        ready = max(self.clock[rank], self.grad_ready[b], self.states_ready.get(b, 0.0))
         start = max(ready, self.cpu_free[rank])
         self.cpu_free[rank] = start + self.costs.optimizer[b] * (1.0 - share)
         label = _label(*b, self.schedule.backward_split)
@@ -174,10 +184,34 @@ class _Simulator(Interpreter):
         flush = max(load + update, self.d2h_free[rank])
         self.d2h_free[rank] = flush + moves
         self.device_free[rank] = max(self.device_free[rank], self.d2h_free[rank])
+        self.step_end[b] = max(self.cpu_free[rank], self.d2h_free[rank])
         self._event(rank, "h2d", load, load + moves, f"s{label}", "optimizer", ins)
         self._event(rank, "device-optimizer", load, load + moves + update, f"u{label}",
                     "optimizer", ins)
         self._event(rank, "d2h", flush, flush + moves, f"s{label}", "optimizer", ins)
+
+    def _disk(self, rank: int, ready: float, seconds: float) -> tuple[float, float]:
+        node = rank // max(1, self.costs.disk.ranks_per_node)
+        start = max(ready, self.disk_free.get(node, 0.0))
+        self.disk_free[node] = start + seconds
+        return start, start + seconds
+
+    def _read_optimizer_states(self, rank: int, ins: Instruction) -> None:
+        b = BackwardStage(ins.stage, ins.sub)
+        slots = self.window[rank]
+        slot = slots.index(min(slots))
+        start, end = self._disk(rank, max(self.clock[rank], slots.pop(slot)),
+                                self.costs.disk.read[b])
+        self.states_ready[b] = end
+        self._event(rank, "disk", start, end,
+                    f"r{_label(*b, self.schedule.backward_split)}", "state-io", ins)
+
+    def _write_optimizer_states(self, rank: int, ins: Instruction) -> None:
+        b = BackwardStage(ins.stage, ins.sub)
+        start, end = self._disk(rank, self.step_end[b], self.costs.disk.write[b])
+        self.window[rank].append(end)
+        self._event(rank, "disk", start, end,
+                    f"w{_label(*b, self.schedule.backward_split)}", "state-io", ins)
 
     def _optimizer_wait_all(self, rank: int, ins: Instruction) -> None:
         self.clock[rank] = max(self.clock[rank], self.cpu_free[rank], self.device_free[rank])
@@ -235,7 +269,10 @@ def simulate(schedule: Schedule, cost_model: CostModel,
     of backward stage b is not there yet, so no prefetch of it starts (parameters still on
     their way from another node, see distribution.py); by default all are there at 0."""
     report = report if report is not None else validate(schedule)
-    simulator = _Simulator(schedule, cost_model, params_arrive)
+    if report.peak_optimizer_states and cost_model.disk is None:
+        raise ValueError(f"schedule {schedule.name!r} keeps optimizer states on disk; the "
+                         "cost model prices no disk")
+    simulator = _Simulator(schedule, cost_model, params_arrive, report.peak_optimizer_states)
     simulator.run()
     events = simulator.events
     iteration = max([*simulator.clock, *(e.end for e in events)])

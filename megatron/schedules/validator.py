@@ -10,6 +10,9 @@ and the rule, at the first violation of:
   synchronized overflow check before every optimizer step or a post-step sync + rollback;
 - every send matched by a receive, no deadlock, every produced tensor used, every
   prefetched parameter released by the end;
+- optimizer states on NVMe (a program with READ/WRITE_OPTIMIZER_STATES): each owned
+  stage's state read once before its step and written once after it, on its owner; the
+  report gives the window (stages read and not yet written at once);
 - for every ordered pair of ranks, the sender posts its sends (blocking or not) in the
   order the receiver posts the matching receives: NCCL ignores tags and matches by that
   order, so any other order would swap tensors of the same shape without an error.
@@ -24,6 +27,7 @@ from .instructions import (
     OP_SPECS,
     POSTED_RECEIVES,
     POSTED_SENDS,
+    STATE_IO,
     BackwardStage,
     Instruction,
     Op,
@@ -42,6 +46,7 @@ RULE_RESIDENCY = "parameters prefetched when absent, released when resident and 
 RULE_DANGLING = "every produced tensor used"
 RULE_PAIR_ORDER = "sends and receives between two ranks posted in the same order"
 RULE_FORWARD_ONLY = "a forward-only program has no backward, checkpoint or optimizer work"
+RULE_STATE_IO = "optimizer states on disk read before their step and written after it"
 
 
 @dataclass(frozen=True)
@@ -57,6 +62,9 @@ class ValidationReport:
     peak_params: tuple[int, ...]
     peak_checkpoints: tuple[int, ...]
     peak_gradients: tuple[int, ...] = ()  # device gradient buffers in use at once, per rank
+    # Optimizer states on NVMe: backward stages' states read and not yet written at once,
+    # per rank (the host window); () when the states stay in host memory.
+    peak_optimizer_states: tuple[int, ...] = ()
 
     def peak_params_in_stages(self, backward_split: int) -> tuple[float, ...]:
         return tuple(count / backward_split for count in self.peak_params)
@@ -86,6 +94,11 @@ class _Checker(Interpreter):
         self.post_step_mode = [
             any(ins.op == Op.POST_STEP_SYNC for ins in program) for program in schedule.programs
         ]
+        self.states_on_disk = any(ins.op in STATE_IO for program in schedule.programs
+                                  for ins in program)
+        self.states_read: dict[BackwardStage, int] = {}
+        self.states_written: set[BackwardStage] = set()
+        self.peak_states = [0 for _ in ranks]
 
     def _fail(self, rank: int, index: int, ins: Instruction, rule: str, detail: str):
         raise ScheduleError(rank, index, ins, rule, detail)
@@ -205,7 +218,29 @@ class _Checker(Interpreter):
         if not (self.synced[rank] or self.post_step_mode[rank]):
             self._fail(rank, index, ins, RULE_OPTIMIZER,
                        "no OVERFLOW_SYNC before it and no POST_STEP_SYNC after")
+        if self.states_on_disk and (b not in self.states_read or b in self.states_written):
+            self._fail(rank, index, ins, RULE_STATE_IO,
+                       "no READ_OPTIMIZER_STATES of the stage before it")
         self.stepped[b] = rank
+
+    def _read_optimizer_states(self, rank: int, index: int, ins: Instruction) -> None:
+        b = BackwardStage(ins.stage, ins.sub)
+        if self.schedule.backward_rank.get(b) != rank:
+            self._fail(rank, index, ins, RULE_STATE_IO, "the stage is not owned by this rank")
+        if b in self.states_read:
+            self._fail(rank, index, ins, RULE_STATE_IO, "read twice")
+        self.states_read[b] = rank
+        held = sum(1 for s, r in self.states_read.items()
+                   if r == rank and s not in self.states_written)
+        self.peak_states[rank] = max(self.peak_states[rank], held)
+
+    def _write_optimizer_states(self, rank: int, index: int, ins: Instruction) -> None:
+        b = BackwardStage(ins.stage, ins.sub)
+        if self.stepped.get(b) != rank:
+            self._fail(rank, index, ins, RULE_STATE_IO, "written before its OPTIMIZER_START")
+        if b in self.states_written:
+            self._fail(rank, index, ins, RULE_STATE_IO, "written twice")
+        self.states_written.add(b)
 
     def _optimizer_start_subgroups(self, rank: int, index: int, ins: Instruction) -> None:
         """OPTIMIZER_START's rules: where the update runs does not change when it may."""
@@ -266,6 +301,9 @@ class _Checker(Interpreter):
             if b not in self.stepped:
                 raise ScheduleError(owner, len(s.programs[owner]), None, RULE_OPTIMIZER,
                                     f"backward stage {b} never offloaded and stepped")
+            if self.states_on_disk and b not in self.states_written:
+                raise ScheduleError(owner, len(s.programs[owner]), None, RULE_STATE_IO,
+                                    f"backward stage {b}'s optimizer states never written")
         for key, sender in self.posted_isends.items():
             if key not in self.waited:
                 raise ScheduleError(sender, len(s.programs[sender]), None, RULE_MATCHED,
@@ -290,7 +328,8 @@ class _Checker(Interpreter):
 # Ops a forward-only program must not hold (its transfers are checked by their tensors).
 _TRAINING_ONLY = frozenset({Op.BACKWARD, Op.ISEND_CKPT, Op.IRECV_CKPT, Op.WAIT_CKPT,
                             Op.OFFLOAD_GRAD, Op.OPTIMIZER_START, Op.OPTIMIZER_WAIT_ALL,
-                            Op.OVERFLOW_SYNC, Op.POST_STEP_SYNC, Op.ROLLBACK_IF_OVERFLOW})
+                            Op.OVERFLOW_SYNC, Op.POST_STEP_SYNC, Op.ROLLBACK_IF_OVERFLOW,
+                            *STATE_IO})
 
 
 def _by_peer(program: tuple[Instruction, ...], ops: frozenset) -> dict[int, list]:
@@ -329,4 +368,5 @@ def validate(schedule: Schedule) -> ValidationReport:
         peak_params=tuple(checker.peak_params),
         peak_checkpoints=tuple(checker.peak_ckpts),
         peak_gradients=tuple(checker.peak_gradients),
+        peak_optimizer_states=tuple(checker.peak_states) if checker.states_on_disk else (),
     )

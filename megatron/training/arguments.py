@@ -318,6 +318,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--optimizer-gpu-resident-fraction", type=float, default=0.0, metavar="F",
                    help="the static baseline (Twin-Flow): this fraction of every stage's "
                         "optimizer state lives on the GPU and is always updated there")
+    g.add_argument("--optimizer-state-location", default="host", choices=["host", "nvme"],
+                   help="where master, m and v live: host memory, or files on an NVMe drive "
+                        "(--optimizer-nvme-path) with a window of stages in host memory")
+    g.add_argument("--optimizer-nvme-path", default=None, metavar="DIR",
+                   help="directory on a local drive for the optimizer state files (twice "
+                        "the states: the committed and the staged version)")
+    g.add_argument("--optimizer-exact-rollback", action="store_true",
+                   help="host states: snapshot each step so overflow rollbacks and clipping "
+                        "corrections are bit-exact (as many bytes again as the states); NVMe "
+                        "states are exact without it")
     g.add_argument("--cpu-optimizer-threads", type=int, default=None,
                    help="threads of each process's CPU optimizer (default: cores / processes)")
     g.add_argument("--optimizer-state-dtype", default="fp32", choices=["fp32", "bf16"],

@@ -70,6 +70,22 @@ def check_save_space(run: RunConfig, vocab_size: int | None) -> None:
                                           f"{format_bytes(free)} free")
 
 
+def check_nvme_space(run: RunConfig, vocab_size: int | None) -> None:
+    """--optimizer-nvme-path can hold the optimizer state files: twice the states (the
+    committed and the staged version) of every parameter, whose processes share a node's
+    drive (checked at start for the whole model: the worst case of one node)."""
+    c = run.cpu_optimizer
+    if c.optimizer_state_location != "nvme" or c.optimizer_nvme_path is None:
+        return
+    params = run.model.parameters(vocab_size or 1).total
+    need = 2 * params * run.precision.optimizer_bytes_per_param
+    free = shutil.disk_usage(c.optimizer_nvme_path).free
+    if need > free:
+        raise ConfigError("--optimizer-nvme-path", c.optimizer_nvme_path,
+                          f"room for twice the optimizer states, {format_bytes(need)}; its "
+                          f"file system has {format_bytes(free)} free")
+
+
 def check_writable_file(flag: str, path: str) -> None:
     """`path` can be created or appended to: not a directory, its directory writable."""
     if os.path.isdir(path):

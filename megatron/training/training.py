@@ -52,6 +52,7 @@ from megatron.training.profiling import IterationProfiler
 from megatron.training.run_checks import (
     check_checkpoint_model,
     check_load_dir,
+    check_nvme_space,
     check_output_paths,
     check_save_space,
     is_auto_resume,
@@ -96,6 +97,8 @@ def check_before_start(run: RunConfig, dist_info: DistInfo) -> None:
     check_scalar_sinks(run)
     check_output_paths(run)
     check_save_space(run, run.model.vocab_size)
+    check_nvme_space(run, run.model.vocab_size)
+    check_nvme_space(run, run.model.vocab_size)
 
 
 class TrainingLoop:

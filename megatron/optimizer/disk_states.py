@@ -1,0 +1,405 @@
+"""Optimizer states (master, m, v) kept in a file on an NVMe drive, with a bounded window
+of them in host memory (--optimizer-state-location nvme).
+
+Every group has two versions of its state in the file: the committed one and the staged
+one. A step reads the committed version into a window buffer, updates it in host memory
+and writes the result to the staged version; the iteration's verdict commits it (the two
+versions swap roles: no data moves) or drops it. A rollback therefore re-reads the
+committed bytes, and a clipping correction re-runs the step from them: both are exact,
+with no arithmetic inverse and no host snapshot. The file holds twice the states.
+
+The pipeline's program says when: READ_OPTIMIZER_STATES asks for a group's committed
+state (a reader thread takes a window buffer, waiting for one if all are lent, and starts
+the read), the step waits for the read, WRITE_OPTIMIZER_STATES asks for the staged write
+(a writer thread waits for the step, writes, then gives the buffer back). Both threads
+take requests in program order; a read never waits for a write asked for after it, so
+no request waits on the main thread. Rollbacks and corrections use one scratch buffer of
+their own, so they never wait for the window the next iteration's reads hold.
+
+Layout: per group and version, [p | m | v], each part padded to the I/O alignment.
+Files are named after the host, the job, the rank and the pid, removed on close, by the
+reaper when the process dies, and swept at the next start when their process is gone.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import socket
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from megatron.offload.reaper_client import REAPER
+from megatron.optimizer.state_io import StateFile, aligned_empty, round_up, shared_engine
+
+STATE_FILE_SUFFIX = ".optstate"
+_NAME = re.compile(r"^megatron-(?P<host>[^.]+)\.(?P<job>[^.]+)\.rank(?P<rank>\d+)"
+                   r"\.pid(?P<pid>\d+)" + re.escape(STATE_FILE_SUFFIX) + "$")
+_HOST = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname())[:64] or "host"
+
+
+def state_file_name(job: str, rank: int, pid: int | None = None) -> str:
+    """The file of one rank of one job on this host (two jobs never share a name: the pid
+    is unique among live processes of a host)."""
+    job = re.sub(r"[^A-Za-z0-9_-]", "_", job)[:64] or "job"
+    return f"megatron-{_HOST}.{job}.rank{rank}.pid{os.getpid() if pid is None else pid}" \
+           f"{STATE_FILE_SUFFIX}"
+
+
+def state_file_owner(path: str | os.PathLike) -> int | None:
+    """The pid a state file's name says created it, None for another name or host."""
+    match = _NAME.match(Path(path).name)
+    if match is None or match["host"] != _HOST:
+        return None
+    return int(match["pid"])
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep_stale(directory: str | os.PathLike) -> list[str]:
+    """Remove this host's state files whose process is gone (a job killed before its
+    reaper ran, e.g. by a reboot); returns their paths."""
+    removed = []
+    for entry in os.scandir(directory):
+        pid = state_file_owner(entry.name)
+        if pid is not None and not _alive(pid):
+            try:
+                os.unlink(entry.path)
+                removed.append(entry.path)
+            except FileNotFoundError:
+                pass
+    return removed
+
+
+@dataclass(frozen=True)
+class GroupRegion:
+    """Where one group's two versions lie in the file, and its parts' byte sizes."""
+
+    numel: int
+    offset: int  # of version 0; version 1 follows
+    p_bytes: int
+    s_bytes: int  # of m, and of v
+
+    @property
+    def version_bytes(self) -> int:
+        return round_up(self.p_bytes) + 2 * round_up(self.s_bytes)
+
+    def version_offset(self, version: int) -> int:
+        return self.offset + version * self.version_bytes
+
+
+def layout_regions(numels: Sequence[int], master_dtype: torch.dtype,
+                   state_dtype: torch.dtype) -> list[GroupRegion]:
+    regions, at = [], 0
+    for n in numels:
+        region = GroupRegion(n, at, n * master_dtype.itemsize, n * state_dtype.itemsize)
+        regions.append(region)
+        at += 2 * region.version_bytes
+    return regions
+
+
+def file_bytes(numels: Sequence[int], master_dtype: torch.dtype,
+               state_dtype: torch.dtype) -> int:
+    """The state file's size: both versions of every group."""
+    regions = layout_regions(numels, master_dtype, state_dtype)
+    return sum(2 * r.version_bytes for r in regions)
+
+
+def window_bytes(numels: Sequence[int], master_dtype: torch.dtype, state_dtype: torch.dtype,
+                 window_groups: int) -> int:
+    """Host bytes of the window (window_groups buffers) and the scratch buffer."""
+    largest = max(r.version_bytes for r in layout_regions(numels or [1], master_dtype,
+                                                          state_dtype))
+    return (window_groups + 1) * largest
+
+
+class DiskStateError(RuntimeError):
+    """A read or write of the state file failed (one line naming the path)."""
+
+
+class _GroupState:
+    def __init__(self) -> None:
+        self.committed = 0  # the version that holds the committed state
+        self.staged = False  # the other version holds a step's result awaiting the verdict
+        self.buffer: torch.Tensor | None = None  # window buffer lent to the group
+        self.resident = threading.Event()
+        self.stepped = threading.Event()
+        self.updated = False
+        self.writes = 0  # staged writes asked for and not finished
+        self.corrections = 0  # rollbacks or corrections announced and not finished
+        self.verdict: Callable[[], None] | None = None  # commit/discard once written
+        self.error: BaseException | None = None
+
+
+class DiskStates:
+    """The state file of one process and its host window (see the module docstring)."""
+
+    def __init__(self, directory: str | os.PathLike, numels: Sequence[int],
+                 master_dtype: torch.dtype, state_dtype: torch.dtype, window_groups: int,
+                 job: str, rank: int, log: Callable[[str], None] = print,
+                 io_threads: int = 4) -> None:
+        if window_groups < 1:
+            raise ValueError(f"window_groups={window_groups} must be >= 1")
+        self.master_dtype, self.state_dtype = master_dtype, state_dtype
+        self.regions = layout_regions(numels, master_dtype, state_dtype)
+        self.path = str(Path(directory) / state_file_name(job, rank))
+        self._file = StateFile(self.path, file_bytes(numels, master_dtype, state_dtype),
+                               shared_engine(io_threads))
+        REAPER.track(self.path)  # removed if this process dies without close()
+        if not self._file.direct:
+            log(f"optimizer states: {directory} does not support O_DIRECT; using buffered "
+                "I/O (the page cache then holds copies of the states)")
+        largest = max(r.version_bytes for r in self.regions)
+        self.window_groups = window_groups
+        self._free: queue.Queue[torch.Tensor] = queue.Queue()
+        for _ in range(window_groups):
+            self._free.put(aligned_empty(largest))
+        self._scratch = aligned_empty(largest)
+        self._scratch_lock = threading.Lock()
+        self.host_bytes = (window_groups + 1) * largest
+        self._groups = [_GroupState() for _ in numels]
+        self._cond = threading.Condition()
+        self._reads: queue.Queue = queue.Queue()
+        self._writes: queue.Queue = queue.Queue()
+        self._failure: BaseException | None = None
+        self._threads = [threading.Thread(target=self._serve, args=(q,), daemon=True,
+                                          name=f"optimizer-states-{kind}")
+                         for kind, q in (("read", self._reads), ("write", self._writes))]
+        for thread in self._threads:
+            thread.start()
+        self._closed = False
+
+    # --- typed views of a buffer ---------------------------------------------------------
+
+    def views(self, group: int, buffer: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """p, m, v of `group` inside `buffer` (laid out as one version in the file)."""
+        r = self.regions[group]
+        at, out = 0, []
+        for nbytes, dtype in ((r.p_bytes, self.master_dtype), (r.s_bytes, self.state_dtype),
+                              (r.s_bytes, self.state_dtype)):
+            out.append(buffer[at:at + nbytes].view(dtype))
+            at += round_up(nbytes)
+        return tuple(out)
+
+    def _io(self, group: int, buffer: torch.Tensor, version: int, write: bool) -> None:
+        r = self.regions[group]
+        part = buffer[:r.version_bytes]
+        offset = r.version_offset(version)
+        try:
+            ticket = (self._file.write_from if write else self._file.read_into)(part, offset)
+            ticket.wait()
+        except OSError as error:
+            what = "write" if write else "read"
+            raise DiskStateError(f"optimizer state file {self.path}: {what} failed: "
+                                 f"{error.strerror or error}") from error
+
+    # --- start-up, checkpoints -----------------------------------------------------------
+
+    def write_committed(self, group: int, p: torch.Tensor, m: torch.Tensor | None = None,
+                        v: torch.Tensor | None = None) -> None:
+        """Set the committed state (m, v zero when not given), synchronously."""
+        self._settle(group)
+        with self._scratch_lock:
+            vp, vm, vv = self.views(group, self._scratch)
+            vp.copy_(p)
+            vm.copy_(m) if m is not None else vm.zero_()
+            vv.copy_(v) if v is not None else vv.zero_()
+            state = self._groups[group]
+            self._io(group, self._scratch, state.committed, write=True)
+            state.staged = False
+
+    def read_committed(self, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Copies of the committed p, m, v (after pending writes and corrections)."""
+        self._settle(group)
+        with self._scratch_lock:
+            self._io(group, self._scratch, self._groups[group].committed, write=False)
+            return tuple(t.clone() for t in self.views(group, self._scratch))
+
+    # --- the program's reads and writes --------------------------------------------------
+
+    def request_read(self, group: int) -> None:
+        """READ_OPTIMIZER_STATES: returns at once; the step waits in `resident`."""
+        self._raise_failure()
+        state = self._groups[group]
+        if state.buffer is not None or state.resident.is_set():
+            raise RuntimeError(f"optimizer group {group} read twice before its write")
+        state.stepped.clear()
+        self._reads.put(lambda: self._read(group))
+
+    def _read(self, group: int) -> None:
+        state = self._groups[group]
+        try:
+            self._settle(group)
+            buffer = self._free.get()
+            state.buffer = buffer
+            self._io(group, buffer, state.committed, write=False)
+        except BaseException as error:  # noqa: BLE001 - handed to the step that waits
+            state.error = error
+        state.resident.set()
+
+    def resident(self, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Wait for the group's read; its p, m, v in the window (a step's thread)."""
+        state = self._groups[group]
+        if not state.resident.wait(timeout=None) or state.buffer is None:
+            raise state.error or RuntimeError(f"optimizer group {group} stepped before its "
+                                              "READ_OPTIMIZER_STATES")
+        if state.error is not None:
+            raise state.error
+        return self.views(group, state.buffer)
+
+    def stepped(self, group: int, updated: bool) -> None:
+        """The step is over: `updated` says whether the window holds a new state."""
+        state = self._groups[group]
+        state.updated = updated
+        state.stepped.set()
+
+    def request_write(self, group: int, on_released: Callable[[], None]) -> None:
+        """WRITE_OPTIMIZER_STATES: once the step is over, write its result to the staged
+        version and give the buffer back (then `on_released`)."""
+        self._raise_failure()
+        with self._cond:
+            self._groups[group].writes += 1
+        self._writes.put(lambda: self._write(group, on_released))
+
+    def _write(self, group: int, on_released: Callable[[], None]) -> None:
+        state = self._groups[group]
+        try:
+            state.resident.wait()  # posted after its read: never waits for a later one
+            state.stepped.wait()
+            if state.error is None and state.updated:
+                self._io(group, state.buffer, 1 - state.committed, write=True)
+                state.staged = True
+        except BaseException as error:  # noqa: BLE001 - raised on the main thread
+            self._failure = self._failure or error
+        finally:
+            buffer, state.buffer = state.buffer, None
+            state.resident.clear()
+            state.error = None
+            on_released()
+            if buffer is not None:
+                self._free.put(buffer)
+            with self._cond:
+                state.writes -= 1
+                verdict, state.verdict = state.verdict, None
+                if verdict is not None:
+                    verdict()
+                self._cond.notify_all()
+
+    # --- the verdict ---------------------------------------------------------------------
+
+    def commit(self, group: int) -> None:
+        """The staged state (if any) becomes the committed one: now, or once the staged
+        write in flight is done."""
+        state = self._groups[group]
+
+        def flip() -> None:
+            if state.staged:
+                state.committed, state.staged = 1 - state.committed, False
+        self._when_written(state, flip)
+
+    def discard(self, group: int) -> None:
+        """Drop the staged state: the committed one stays (a rollback)."""
+        state = self._groups[group]
+
+        def drop() -> None:
+            state.staged = False
+        self._when_written(state, drop)
+
+    def _when_written(self, state: _GroupState, verdict: Callable[[], None]) -> None:
+        with self._cond:
+            if state.writes:
+                state.verdict = verdict
+            else:
+                verdict()
+
+    def wait_written(self, group: int) -> None:
+        """Wait for the group's staged write (a correction rewrites the same bytes)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._groups[group].writes <= 0)
+
+    def reserve(self, group: int) -> None:
+        """A correction of `group` will run: reads of it wait until `release`."""
+        with self._cond:
+            self._groups[group].corrections += 1
+
+    def release(self, group: int) -> None:
+        with self._cond:
+            self._groups[group].corrections -= 1
+            self._cond.notify_all()
+
+    def scratch(self, group: int) -> _Scratch:
+        """The committed state read into the scratch buffer, for a rollback or correction
+        (`with states.scratch(g) as (p, m, v):`; `.stage()` writes it as the staged one)."""
+        return _Scratch(self, group)
+
+    def _settle(self, group: int) -> None:
+        """Wait until no write or correction of `group` is pending."""
+        state = self._groups[group]
+        with self._cond:
+            self._cond.wait_for(lambda: state.writes <= 0 and state.corrections <= 0)
+
+    def settle_all(self) -> None:
+        for group in range(len(self._groups)):
+            self._settle(group)
+        self._raise_failure()
+
+    def _raise_failure(self) -> None:
+        if self._failure is not None:
+            raise self._failure
+
+    def _serve(self, requests: queue.Queue) -> None:
+        while True:
+            job = requests.get()
+            if job is None:
+                return
+            job()
+
+    def close(self) -> None:
+        """Stop the threads, remove the file (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        for q in (self._reads, self._writes):
+            q.put(None)
+        for thread in self._threads:
+            thread.join()
+        self._file.close(unlink=True)
+        REAPER.untrack(self.path)
+
+
+class _Scratch:
+    def __init__(self, states: DiskStates, group: int) -> None:
+        self.states, self.group = states, group
+
+    def __enter__(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        s = self.states
+        s._scratch_lock.acquire()
+        try:
+            s._io(self.group, s._scratch, s._groups[self.group].committed, write=False)
+        except BaseException:
+            s._scratch_lock.release()
+            raise
+        return s.views(self.group, s._scratch)
+
+    def stage(self) -> None:
+        """Write the scratch buffer as the group's staged state."""
+        s = self.states
+        state = s._groups[self.group]
+        s._io(self.group, s._scratch, 1 - state.committed, write=True)
+        state.staged = True
+
+    def __exit__(self, *exc: object) -> None:
+        self.states._scratch_lock.release()
