@@ -234,8 +234,10 @@ class ResidentSubgroupUpdater:
 @dataclass(frozen=True)
 class DeviceSubgroups:
     """The share of this rank's optimizer updates the device takes, as the assembly
-    planned it: every `stride`-th subgroup of the stages whose program says
-    OPTIMIZER_START_SUBGROUPS (0: none), through `updater` (None: all on the CPU)."""
+    planned it: the subgroups `stride` places on the device (a split of
+    megatron/schedules/optimizer_stride.py: every K-th, or -N: all but every N-th; 0: none)
+    of the stages whose program says OPTIMIZER_START_SUBGROUPS, through `updater` (None:
+    all on the CPU)."""
 
     stride: int = 0
     updater: DeviceSubgroupUpdater | ResidentSubgroupUpdater | None = None
