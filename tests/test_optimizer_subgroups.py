@@ -268,6 +268,42 @@ def test_every_schedule_with_device_subgroups_matches_one_process(tmp_path, demo
                 assert measured <= planned <= 2 * max(measured, peak), (name, rank["rank"])
 
 
+@pytest.mark.multiproc
+def test_the_gpu_heavy_split_matches_one_process(tmp_path, demo_cache):
+    """2 processes, decoupled, --optimizer-gpu-stride device:3 (2 of every 3 subgroups of the
+    exposed stages on the device), clipping in every iteration: training equals one
+    process, and the device memory the subgroups held is what the memory model plans."""
+    from megatron.data.demo_corpus import ensure_demo_corpus
+    from megatron.data.tokenizer import load_tokenizer
+    from megatron.planning.shape import generate_schedule
+    from megatron.schedules.memory_model import plan_memory
+    from megatron.training.arguments import parse_args
+    from tests.test_pipeline_executor import MODEL, assert_same_training, metrics, start
+
+    clip = ["--clip-grad", "1e-3", "--cpu-optimizer-threads", "1"]
+    heavy = ["--optimizer-gpu-stride", "device:3", "--optimizer-subgroup-size", "2048"]
+    one = start(tmp_path, "single", 1, *clip)
+    two = start(tmp_path, "heavy", 2, *clip, "--pipeline-schedule", "decoupled", *heavy)
+    reference, run = one.wait(), two.wait()
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    assert_same_training(run, reference)
+    rows = metrics(run)
+    assert all(r["optimizer_gpu_stride"] == -3 for r in rows)
+    assert all(r["grad_norm"] > 1e-3 for r in rows)  # clipped in every iteration
+    config = parse_args([*MODEL, "--data-cache-dir", demo_cache, *clip,
+                         "--pipeline-schedule", "decoupled", *heavy])
+    vocab = load_tokenizer(ensure_demo_corpus(cache_dir=demo_cache).tokenizer_path).vocab_size
+    schedule = generate_schedule(config, 2, vocab)
+    plan = plan_memory(schedule, replace(config.model, vocab_size=vocab), 2, 32, 4, 4,
+                       subgroup_stride=config.cpu_optimizer.optimizer_gpu_stride,
+                       subgroup_size=2048)
+    measured = [max(rank["device_memory_at_peak"]["optimizer_subgroups"]
+                    for r in rows for rank in r["per_rank"] if rank["rank"] == k)
+                for k in range(2)]
+    assert any(measured)
+    assert measured == [plan.per_gpu[k]["optimizer_subgroups"] for k in range(2)]
+
+
 # The paper's worked example (4 x V100, as in test_optimizer_stride.py): Eq. 1 gives k = 2.
 PAPER_RATES = {"h2d_params_per_s": 3e9, "gpu_update_params_per_s": 35e9,
                "cpu_update_params_per_s": 2e9, "downscale_params_per_s": 8.7e9}
