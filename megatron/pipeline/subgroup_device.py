@@ -4,7 +4,8 @@ stream, the AdamW step runs on an update stream (adam_step_torch: the C++ kernel
 arithmetic), and p, m, v and the 16-bit copy are flushed back on a dedicated D2H stream.
 Two buffer slots alternate, so one subgroup's flush (D2H) and the next one's load (H2D)
 are in flight at once (full duplex); a slot is reloaded only after its flush (an event,
-no host wait), so consecutive device subgroups (a GPU-heavy split) never hold a third. Device memory: the two slots, fixed at construction, accounted under
+no host wait), so consecutive device subgroups (a GPU-heavy split) never hold a third.
+Device memory: the two slots, fixed at construction, accounted under
 "optimizer_subgroups"; the assembly sizes them to fit in what the gradient buffers hold
 (free once the backward has ended), so the update's device memory stays within that.
 """
