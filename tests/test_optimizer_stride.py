@@ -12,10 +12,16 @@ from megatron.offload.device import DeviceLayer
 from megatron.pipeline.optimizer_calibration import calibrated_update_rates
 from megatron.schedules.hardware import get_hardware, update_rates
 from megatron.schedules.optimizer_stride import (
+    REFERENCE_NUMEL,
+    REFERENCE_SUBGROUP,
     UpdateRates,
+    auto_split,
+    device_share,
     gpu_update_stride,
     interleaved_update_time,
     is_device_subgroup,
+    parse_split,
+    split_flag,
 )
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -88,6 +94,13 @@ def test_the_device_share_balances_both_sides_where_k_is_below_1(profile):
     out = json.loads(subprocess.run(tool, capture_output=True, text=True, check=True).stdout)
     share, b = out["device_share"], rates.h2d_params_per_s
     assert out["k_real"] < 1 and out["k"] == 2 and out["device_share_at_k"] == 0.5
+    # the placement auto takes: the GPU-heavy split next to the balance, predicted faster
+    placement = out["placement"]
+    assert placement["flag"] == {"paper-v100": "device:4", "h100-sxm": "device:3",
+                                 "dgx-h100": "device:5"}[profile]
+    assert placement["predicted_s"][placement["flag"]] == min(placement["predicted_s"].values())
+    assert placement["predicted_s"][placement["flag"]] < placement["predicted_s"]["2"]
+    assert abs(placement["device_share"] - out["device_share"]) < 0.1
     assert 0.5 < share < 1
     cpu = (1 - share) * (1 / rates.cpu_update_params_per_s + 1 / rates.downscale_params_per_s)
     device = share * (3 / b + 1 / rates.gpu_update_params_per_s) + (1 - share) / (2 * b)
@@ -112,3 +125,58 @@ def test_the_device_share_of_the_papers_example_is_below_half():
     model = gpu_update_stride(V100)  # k_real 2.29: 2.29 subgroups on the CPU for each on the device
     assert model.device_share == pytest.approx(1 / (1 + model.k_real), rel=1e-12)
     assert model.device_share < 1 / model.k  # the stride 2 puts more there than Eq. 1 asks
+
+
+def test_the_split_spells_strides_and_gpu_heavy_placements():
+    """K > 0: every K-th subgroup on the device; -N (flag device:N): all but every N-th."""
+    assert [i for i in range(6) if is_device_subgroup(i, -3)] == [0, 1, 3, 4]
+    assert [device_share(s) for s in (0, 2, 4, -2, -3)] == pytest.approx([0, 0.5, 0.25, 0.5, 2 / 3])
+    for text, split in (("auto", None), ("0", 0), ("3", 3), ("device:3", -3)):
+        assert parse_split(text) == split
+        if split is not None:
+            assert split_flag(split) == text
+    for bad in ("device:1", "device:x", "-3", "x", "device:"):
+        with pytest.raises(ValueError, match="device:N with N >= 2"):
+            parse_split(bad)
+    # the timing model counts a partial last subgroup at its size: of 35 in subgroups of
+    # 10, device:3 puts 10 + 10 + 5 on the device, 10 on the CPU (all rates 1 per second)
+    rates = UpdateRates(1.0, 1.0, 1.0, 1.0)
+    assert interleaved_update_time(35, 10, -3, rates) == pytest.approx(
+        max(10 * 2.0, 25 * 4.0 + 10 / 2.0) + 30.0)
+
+
+def _predicted(rates, split):
+    return interleaved_update_time(REFERENCE_NUMEL, REFERENCE_SUBGROUP, split, rates)
+
+
+def test_eq1_below_1_chooses_the_gpu_heavy_split_faster_than_the_stride():
+    """h100-sxm: k_real 0.48, the balance puts 67% on the device; device:3 (2 of 3 there)
+    is predicted about a third faster than the stride 2 and beats device:4; auto takes it."""
+    rates = update_rates(get_hardware("h100-sxm"))
+    choice = auto_split(rates)
+    assert choice.model.k_real == pytest.approx(0.4847, abs=1e-4) and choice.model.k == 2
+    assert choice.split == -3
+    assert set(choice.predicted_s) == {2, -3, -4}
+    assert choice.predicted_s[-3] == _predicted(rates, -3)
+    assert choice.predicted_s[-3] < choice.predicted_s[-4] < choice.predicted_s[2]
+    assert choice.predicted_s[-3] < 0.7 * choice.predicted_s[2]
+    # no stride, no other GPU-heavy split, does better
+    assert all(choice.predicted_s[-3] <= _predicted(rates, s) for s in (1, 3, 4, -2, -5, -6))
+
+
+def test_eq1_at_1_keeps_the_stride_2():
+    """k_real = 1: one on the CPU per one on the device, the half that the stride 2 gives
+    (device:2 gives the same half: a tie keeps the stride)."""
+    rates = UpdateRates(4.0, 4.0, 1.0, 8.0)  # 3/B + 1/Ug = 1 = 1/Uc + 1/Dc - 1/(2B)
+    choice = auto_split(rates)
+    assert choice.model.k_real == pytest.approx(1.0, rel=1e-12)
+    assert choice.split == 2
+    assert all(choice.predicted_s[2] <= _predicted(rates, s) for s in (0, 3, -2, -3))
+
+
+def test_eq1_above_1_keeps_the_stride():
+    """The paper's worked example: k_real 2.29, the stride k = 2; no GPU-heavy split is
+    weighed, and each is predicted slower than the stride (the device is the slow side)."""
+    choice = auto_split(V100)
+    assert choice.model.k_real > 2 and choice.split == 2 and set(choice.predicted_s) == {2}
+    assert all(choice.predicted_s[2] < _predicted(V100, s) for s in (-3, -4))

@@ -11,6 +11,7 @@ from megatron.offload.device import DeviceLayer
 from megatron.optimizer import AsyncGroupOptimizer, CPUAdamW, DynamicLossScaler
 from megatron.optimizer.subgroups import plan_resident, plan_subgroups
 from megatron.pipeline.subgroup_device import DeviceSubgroupUpdater, ResidentSubgroupUpdater
+from megatron.schedules.subgroup_memory import SUBGROUP_SLOTS, subgroup_slots_bytes
 
 
 def test_plan_marks_every_kth_subgroup_and_tiles_the_group():
@@ -18,6 +19,10 @@ def test_plan_marks_every_kth_subgroup_and_tiles_the_group():
     assert [(s.lo, s.hi, s.on_device) for s in plan] == [
         (0, 3, False), (3, 6, True), (6, 9, False), (9, 10, True)]
     assert not any(s.on_device for s in plan_subgroups(10, 3, 0))
+    # GPU-heavy (device:3): every 3rd on the CPU, the others on the device
+    assert [s.on_device for s in plan_subgroups(10, 2, -3)] == [True, True, False, True, True]
+    with pytest.raises(ValueError, match="N >= 2"):
+        plan_subgroups(10, 2, -1)
     resident = plan_resident(10, 4, 0.5)
     assert [(s.lo, s.hi, s.on_device) for s in resident] == [
         (0, 4, True), (4, 5, True), (5, 9, False), (9, 10, False)]
@@ -33,15 +38,18 @@ def _state(opt):
     return [t.clone() for t in (opt.master(0), opt.exp_avg(0), opt.exp_avg_sq(0))]
 
 
+STREAMED = {"interleaved": 2, "gpu-heavy": -3}  # the split: stride 2, device:3
+
+
 def _updater(kind, device, n, size):
-    """Interleaved (every 2nd subgroup streamed through the device) or Twin-Flow (the
-    first 40% resident on the device)."""
-    if kind == "interleaved":
-        return DeviceSubgroupUpdater(device, size), plan_subgroups(n, size, 2)
+    """Interleaved (every 2nd subgroup streamed through the device), GPU-heavy (all but
+    every 3rd streamed) or Twin-Flow (the first 40% resident on the device)."""
+    if kind in STREAMED:
+        return DeviceSubgroupUpdater(device, size), plan_subgroups(n, size, STREAMED[kind])
     return ResidentSubgroupUpdater(device), plan_resident(n, size, 0.4)
 
 
-@pytest.mark.parametrize("kind", ["interleaved", "resident"])
+@pytest.mark.parametrize("kind", ["interleaved", "gpu-heavy", "resident"])
 @pytest.mark.parametrize("exact", [False, True])
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 def test_device_subgroups_match_the_kernel_step_rollback_and_correction(kind, exact, out_dtype):
@@ -71,11 +79,56 @@ def test_device_subgroups_match_the_kernel_step_rollback_and_correction(kind, ex
                 torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
             torch.testing.assert_close(outs[1], outs[0], rtol=1e-2 if out_dtype != torch.float32
                                        else 1e-6, atol=1e-7)
-        on_device = sum(sub.on_device for sub in plan)  # 4 of 8 / 3 of 6
-        assert on_device == (4 if kind == "interleaved" else 3)
+        on_device = sum(sub.on_device for sub in plan)  # 4 of 8 / 6 of 8 / 3 of 6
+        assert on_device == {"interleaved": 4, "gpu-heavy": 6, "resident": 3}[kind]
         assert updater.launched == 4 * on_device
         split.step_group(0, torch.randn(n, generator=gen))  # after the rollback: state back in
-        assert updater.nbytes >= (1 if kind == "interleaved" else 16 * 2000)
+        if kind in STREAMED:  # the two slots, as the memory model counts them
+            assert updater.nbytes == subgroup_slots_bytes(size, out_dtype.itemsize)
+        else:
+            assert updater.nbytes >= 16 * 2000
+
+
+def test_consecutive_device_subgroups_reuse_the_two_slots():
+    """GPU-heavy (device:4: runs of 3 device subgroups), two groups stepping concurrently,
+    under the sanitizer and chaos (copy streams delayed at random): the device buffers are
+    the two slots, allocated once (the memory model's subgroup_slots_bytes), a slot is
+    reloaded only after its flush (else the sanitizer fails the step or the numbers
+    differ), and the results are the kernel's."""
+    n, size = 4200, 300  # 14 subgroups per group, 11 on the device
+    gen = torch.Generator().manual_seed(5)
+    init = [torch.randn(n, generator=gen) for _ in range(2)]
+    grads = [[torch.randn(n, generator=gen) for _ in range(2)] for _ in range(3)]
+    reference, split = (CPUAdamW([t.clone() for t in init], lr=1e-2, weight_decay=0.1, threads=1)
+                        for _ in range(2))
+    with DeviceLayer("cpu", sanitize=True, chaos_seed=7) as device:
+        allocated = []
+        for make in ("empty", "zeros"):
+            original = getattr(device, make)
+
+            def counted(numel, dtype, name=None, original=original):
+                allocated.append(numel * dtype.itemsize)
+                return original(numel, dtype, name=name)
+            setattr(device, make, counted)
+        updater = DeviceSubgroupUpdater(device, size)
+        for group in range(2):
+            split.set_subgroups(group, plan_subgroups(n, size, -4), updater)
+        outs = [[torch.empty(n, dtype=torch.bfloat16) for _ in range(2)] for _ in range(2)]
+        for step_grads in grads:
+            for opt, out in zip((reference, split), outs):
+                with AsyncGroupOptimizer(opt, DynamicLossScaler(1.0), max_workers=2) as run:
+                    for group, grad in enumerate(step_grads):
+                        run.submit(group, grad, out=out[group])
+                    run.wait_all()
+                    run.synchronize()
+                    run.end_iteration()
+                    run.drain()
+        assert updater.launched == 3 * 2 * 11
+        assert len(updater._slots) == SUBGROUP_SLOTS
+        assert sum(allocated) == updater.nbytes == subgroup_slots_bytes(size, 2)
+    for group in range(2):
+        for got, want in zip(_state_of(split, group), _state_of(reference, group)):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("exact", [False, True])
@@ -100,7 +153,7 @@ def test_a_non_finite_gradient_in_any_subgroup_leaves_the_group_unchanged(exact)
                     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("kind", ["interleaved", "resident"])
+@pytest.mark.parametrize("kind", ["interleaved", "gpu-heavy", "resident"])
 @pytest.mark.parametrize("clip_grad", [0.0, 1e-3])
 def test_speculative_iterations_with_fp16_overflow_and_clipping_match_the_cpu_only_run(
         clip_grad, kind):
@@ -215,6 +268,42 @@ def test_every_schedule_with_device_subgroups_matches_one_process(tmp_path, demo
                 assert measured <= planned <= 2 * max(measured, peak), (name, rank["rank"])
 
 
+@pytest.mark.multiproc
+def test_the_gpu_heavy_split_matches_one_process(tmp_path, demo_cache):
+    """2 processes, decoupled, --optimizer-gpu-stride device:3 (2 of every 3 subgroups of the
+    exposed stages on the device), clipping in every iteration: training equals one
+    process, and the device memory the subgroups held is what the memory model plans."""
+    from megatron.data.demo_corpus import ensure_demo_corpus
+    from megatron.data.tokenizer import load_tokenizer
+    from megatron.planning.shape import generate_schedule
+    from megatron.schedules.memory_model import plan_memory
+    from megatron.training.arguments import parse_args
+    from tests.test_pipeline_executor import MODEL, assert_same_training, metrics, start
+
+    clip = ["--clip-grad", "1e-3", "--cpu-optimizer-threads", "1"]
+    heavy = ["--optimizer-gpu-stride", "device:3", "--optimizer-subgroup-size", "2048"]
+    one = start(tmp_path, "single", 1, *clip)
+    two = start(tmp_path, "heavy", 2, *clip, "--pipeline-schedule", "decoupled", *heavy)
+    reference, run = one.wait(), two.wait()
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    assert_same_training(run, reference)
+    rows = metrics(run)
+    assert all(r["optimizer_gpu_stride"] == -3 for r in rows)
+    assert all(r["grad_norm"] > 1e-3 for r in rows)  # clipped in every iteration
+    config = parse_args([*MODEL, "--data-cache-dir", demo_cache, *clip,
+                         "--pipeline-schedule", "decoupled", *heavy])
+    vocab = load_tokenizer(ensure_demo_corpus(cache_dir=demo_cache).tokenizer_path).vocab_size
+    schedule = generate_schedule(config, 2, vocab)
+    plan = plan_memory(schedule, replace(config.model, vocab_size=vocab), 2, 32, 4, 4,
+                       subgroup_stride=config.cpu_optimizer.optimizer_gpu_stride,
+                       subgroup_size=2048)
+    measured = [max(rank["device_memory_at_peak"]["optimizer_subgroups"]
+                    for r in rows for rank in r["per_rank"] if rank["rank"] == k)
+                for k in range(2)]
+    assert any(measured)
+    assert measured == [plan.per_gpu[k]["optimizer_subgroups"] for k in range(2)]
+
+
 # The paper's worked example (4 x V100, as in test_optimizer_stride.py): Eq. 1 gives k = 2.
 PAPER_RATES = {"h2d_params_per_s": 3e9, "gpu_update_params_per_s": 35e9,
                "cpu_update_params_per_s": 2e9, "downscale_params_per_s": 8.7e9}
@@ -252,6 +341,14 @@ def test_placement_gives_device_subgroups_to_the_exposed_updates_and_the_simulat
     assert after.exposed_optimizer_time < before.exposed_optimizer_time
     lanes = {(e.resource, e.kind) for e in after.events}
     assert {("h2d", "optimizer"), ("d2h", "optimizer"), ("device-optimizer", "optimizer")} <= lanes
+    # these rates give k_real 0.33 (the CPU is the slow side): the GPU-heavy device:4 leaves
+    # the CPU lane a quarter of each update (1 s), not half, and exposes less than the stride 2
+    heavy = replace(costs, device_update=replace(costs.device_update, stride=-4))
+    on_heavy = simulate(placed, heavy)
+    assert on_heavy.exposed_optimizer_time < after.exposed_optimizer_time
+    cpu_parts = [e.end - e.start for e in on_heavy.events
+                 if e.resource == "cpu-optimizer" and (e.stage, e.sub) in ops]
+    assert cpu_parts == pytest.approx([costs.optimizer[BackwardStage(0, 0)] / 4] * 2)
     no_device = replace(costs, device_update=None)  # the op then costs what OPTIMIZER_START does
     assert simulate(placed, no_device).exposed_optimizer_time == pytest.approx(
         simulate(schedule, no_device).exposed_optimizer_time)

@@ -119,11 +119,13 @@ def test_search_finds_what_simulating_everything_finds(hardware):
 def test_the_search_compares_the_optimizer_gpu_stride_of_eq1():
     run = _run("--hardware", "paper-v100")
     profile = plan_evaluate.plan_hardware(run)
-    assert plan.searched_strides(run, profile) == (0, 2)  # Eq. 1 over the profile's rates
+    # Eq. 1 over the profile's rates: k_real 0.39 < 1, the GPU-heavy device:4 (3 of 4 there)
+    assert plan.searched_strides(run, profile) == (0, -4)
     ranked = plan.search(run, profile).ranked
     chosen, _ = plan.auto_configure(run, profile)
     # exposed updates are where the V100 node loses
-    assert chosen.cpu_optimizer.optimizer_gpu_stride == 2
+    assert chosen.cpu_optimizer.optimizer_gpu_stride == -4
+    assert "--optimizer-gpu-stride device:4" in ranked[0].config.flags()
     # a stride is offered only where it is predicted faster than the CPU alone
     plain = plan_evaluate.evaluate(run, replace(ranked[0].config, optimizer_gpu_stride=0),
                                    profile)

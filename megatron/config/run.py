@@ -104,7 +104,8 @@ class CpuOptimizerConfig:
     """The host optimizer of a pipeline, and the share of its updates the device takes."""
 
     cpu_optimizer_threads: int | None  # None: this process's share of the usable cores
-    optimizer_gpu_stride: int | None  # every k-th subgroup on the device; None: Eq. 1; 0: none
+    # every K-th subgroup on the device; -N (device:N): all but every N-th; None: Eq. 1; 0: none
+    optimizer_gpu_stride: int | None
     optimizer_subgroup_size: int | None  # None: from the largest owned stage
     optimizer_gpu_resident_fraction: float  # > 0: the static (Twin-Flow) split instead
     # Where master, m and v live: "host" memory, or files on an NVMe drive under

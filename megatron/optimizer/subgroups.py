@@ -1,5 +1,6 @@
 """Optimizer subgroups (Deep Optimizer States): a group's elements cut into runs of
-`size`, every `stride`-th updated on the device while the C++ kernel updates the others.
+`size`, some updated on the device (every K-th, or all but every N-th: the split of
+megatron/schedules/optimizer_stride.py) while the C++ kernel updates the others.
 
 This module holds what does not depend on how the device is reached: the plan (which
 ranges, which on the device), the AdamW arithmetic in torch ops that matches the C++
@@ -17,6 +18,7 @@ from typing import Protocol
 import torch
 
 from megatron.optimizer.rounding import StateFormat, apply_format
+from megatron.schedules.optimizer_stride import is_device_subgroup
 
 
 @dataclass(frozen=True)
@@ -28,16 +30,17 @@ class Subgroup:
     on_device: bool
 
 
-def plan_subgroups(numel: int, size: int, stride: int) -> tuple[Subgroup, ...]:
+def plan_subgroups(numel: int, size: int, split: int) -> tuple[Subgroup, ...]:
     """A group of `numel` elements in subgroups of `size`; subgroup i (0-based) goes to the
-    device when (i + 1) % stride == 0 (Algorithm 1's test; stride 0: none)."""
+    device when is_device_subgroup(i, split): (i + 1) % K == 0 for a stride K > 0
+    (Algorithm 1), (i + 1) % N != 0 for a GPU-heavy split -N, none for 0."""
     if size < 1:
         raise ValueError(f"subgroup size={size} must be >= 1")
-    if stride < 0:
-        raise ValueError(f"stride={stride} must be >= 0")
+    if split == -1:
+        raise ValueError("split=-1: a GPU-heavy split -N needs N >= 2 (use 1: all on the device)")
     count = max(1, math.ceil(numel / size))
-    return tuple(Subgroup(i * size, min(numel, (i + 1) * size),
-                          stride > 0 and (i + 1) % stride == 0) for i in range(count))
+    return tuple(Subgroup(i * size, min(numel, (i + 1) * size), is_device_subgroup(i, split))
+                 for i in range(count))
 
 
 def plan_resident(numel: int, size: int, fraction: float) -> tuple[Subgroup, ...]:

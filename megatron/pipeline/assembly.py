@@ -57,7 +57,7 @@ from megatron.pipeline.subgroup_device import (
 from megatron.pipeline.zero import GradientReducer, publish_shards
 from megatron.schedules.instructions import WHOLE_STAGE, BackwardStage, Op, Schedule
 from megatron.schedules.lowering import forward_only_schedule
-from megatron.schedules.optimizer_stride import gpu_update_stride
+from megatron.schedules.optimizer_stride import auto_split, split_flag
 from megatron.schedules.replica_plan import plan_replicas
 from megatron.schedules.subgroup_memory import default_subgroup_size, planned_subgroup_size
 from megatron.schedules.timeline import TimedEvent
@@ -221,9 +221,9 @@ class Pipeline:
 
     def _plan_subgroups(self) -> DeviceSubgroups:
         """Split the groups of the stages this rank's program starts with
-        OPTIMIZER_START_SUBGROUPS into subgroups, every k-th updated on the device (k from
-        the flag, or Eq. 1 over the calibrated rates); or, for the static baseline, a
-        resident fraction of every owned group."""
+        OPTIMIZER_START_SUBGROUPS into subgroups placed by the split of the flag (every
+        K-th, or all but every N-th, on the device), or by Eq. 1 over the calibrated rates
+        (auto_split); or, for the static baseline, a resident fraction of every owned group."""
         settings = self.config.subgroups
         if settings is not None and settings.resident_fraction > 0:
             return DeviceSubgroups(0, self._plan_resident(settings))
@@ -236,10 +236,15 @@ class Pipeline:
             rates = calibrated_update_rates(
                 self.device, self.cpu_adam.threads, settings.cache_dir,
                 log=lambda line: print(f"rank {self.rank}: {line}", flush=True))
-            model = gpu_update_stride(rates)
-            stride = model.k
-            print(f"rank {self.rank}: optimizer GPU stride k = {stride} (Eq. 1: "
-                  f"{model.k_real:.3g}) for stages {[tuple(b) for b in stages]}", flush=True)
+            choice = auto_split(rates)
+            stride = choice.split
+            predicted = ", ".join(f"{split_flag(s)} {t:.3g} s" for s, t in
+                                  choice.predicted_s.items())
+            what = (f"stride k = {stride}" if stride >= 0
+                    else f"split {split_flag(stride)} (GPU-heavy)")
+            print(f"rank {self.rank}: optimizer GPU {what} (Eq. 1: {choice.model.k_real:.3g}; "
+                  f"predicted per 1e9 parameters: {predicted}) for stages "
+                  f"{[tuple(b) for b in stages]}", flush=True)
         if stride == 0:
             return DeviceSubgroups()
         sizes = [hi - lo for b in stages for lo, hi in self.owned[b].bounds()]

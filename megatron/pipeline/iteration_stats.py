@@ -18,7 +18,9 @@ from megatron.offload.device import MEMORY_CATEGORIES
 from megatron.optimizer.group_optimizer import IterationResult
 from megatron.schedules.timeline import TimedEvent
 
-REDUCTIONS = ("mean", "max", "sum", None)  # None: reported per rank only
+# None: reported per rank only; "nonzero": the first rank's value that is not 0 (a signed
+# code that the ranks which have one share, such as the optimizer's GPU split)
+REDUCTIONS = ("mean", "max", "sum", "nonzero", None)
 
 
 def metric(reduce: str | None, per_rank: bool = False, integer: bool = False,
@@ -55,7 +57,7 @@ class IterationStats:
     clip_corrections_exposed_s: float = metric("mean")
     exposed_optimizer_device_time_s: float = metric("mean")
     exposed_optimizer_cpu_time_s: float = metric("mean")
-    optimizer_gpu_stride: int = metric("max", integer=True)
+    optimizer_gpu_stride: int = metric("nonzero", integer=True)  # split: K, -N (device:N), 0
     # parameter bytes prefetched from the host store into device slots
     h2d_parameter_bytes: int = metric("sum", per_rank=True, integer=True)
 
@@ -107,6 +109,8 @@ def pipeline_report(stats: IterationStats, rank: int, ranks: int, has_loss: bool
             report[f.name] = max(values)
         elif reduce == "sum":
             report[f.name] = sum(values)
+        elif reduce == "nonzero":
+            report[f.name] = next((v for v in values if v), cast(0))
         if f.metadata["per_rank"]:
             for entry, value in zip(report["per_rank"], values):
                 entry[f.name] = value

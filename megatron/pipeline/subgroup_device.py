@@ -4,7 +4,8 @@ stream, the AdamW step runs on an update stream (adam_step_torch: the C++ kernel
 arithmetic), and p, m, v and the 16-bit copy are flushed back on a dedicated D2H stream.
 Two buffer slots alternate, so one subgroup's flush (D2H) and the next one's load (H2D)
 are in flight at once (full duplex); a slot is reloaded only after its flush (an event,
-no host wait). Device memory: the two slots, fixed at construction, accounted under
+no host wait), so consecutive device subgroups (a GPU-heavy split) never hold a third.
+Device memory: the two slots, fixed at construction, accounted under
 "optimizer_subgroups"; the assembly sizes them to fit in what the gradient buffers hold
 (free once the backward has ended), so the update's device memory stays within that.
 """
@@ -234,8 +235,10 @@ class ResidentSubgroupUpdater:
 @dataclass(frozen=True)
 class DeviceSubgroups:
     """The share of this rank's optimizer updates the device takes, as the assembly
-    planned it: every `stride`-th subgroup of the stages whose program says
-    OPTIMIZER_START_SUBGROUPS (0: none), through `updater` (None: all on the CPU)."""
+    planned it: the subgroups `stride` places on the device (a split of
+    megatron/schedules/optimizer_stride.py: every K-th, or -N: all but every N-th; 0: none)
+    of the stages whose program says OPTIMIZER_START_SUBGROUPS, through `updater` (None:
+    all on the CPU)."""
 
     stride: int = 0
     updater: DeviceSubgroupUpdater | ResidentSubgroupUpdater | None = None

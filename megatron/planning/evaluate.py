@@ -23,7 +23,7 @@ from megatron.schedules.hardware import HardwareProfile, get_hardware, update_ra
 from megatron.schedules.instructions import Schedule
 from megatron.schedules.memory_model import MemoryPlan, Shortfall, plan_memory, shortfalls
 from megatron.schedules.optimizer_placement import place_device_subgroups
-from megatron.schedules.optimizer_stride import gpu_update_stride
+from megatron.schedules.optimizer_stride import auto_split, split_flag
 from megatron.schedules.simulator import SimResult, simulate
 from megatron.schedules.validator import ValidationReport, validate
 
@@ -39,7 +39,8 @@ class Configuration:
     backward_split: int | None
     micro_batch_size: int
     nodes: int
-    optimizer_gpu_stride: int | None = 0  # every k-th subgroup on the GPU (None: Eq. 1's k)
+    # the split: every K-th subgroup on the GPU, -N: all but every N-th (None: auto_split)
+    optimizer_gpu_stride: int | None = 0
     # the host optimizer state's precision: Adam's m and v, the master (None: the run's)
     optimizer_state_dtype: str | None = None
     master_dtype: str | None = None
@@ -53,7 +54,8 @@ class Configuration:
         parts += [f"--micro-batch-size {self.micro_batch_size}", f"--nodes {self.nodes}"]
         if self.optimizer_gpu_stride != 0:
             stride = self.optimizer_gpu_stride
-            parts.append(f"--optimizer-gpu-stride {'auto' if stride is None else stride}")
+            parts.append(f"--optimizer-gpu-stride "
+                         f"{'auto' if stride is None else split_flag(stride)}")
         return " ".join(parts + self.precision_flags())
 
     def precision_flags(self) -> list[str]:
@@ -215,7 +217,7 @@ def simulated(run: RunConfig, evaluation: Evaluation, hardware: HardwareProfile
                               run.model.seq_length)
         rates = update_rates(hardware)
         if config.optimizer_gpu_stride != 0 and rates is not None:
-            stride = config.optimizer_gpu_stride or gpu_update_stride(rates).k
+            stride = config.optimizer_gpu_stride or auto_split(rates).split
             params = backward_stage_params(run.model, schedule.partition,
                                            schedule.backward_split)
             costs = replace(costs, device_update=DeviceUpdateCosts(stride, params, rates))

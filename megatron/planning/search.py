@@ -25,7 +25,7 @@ from megatron.schedules.generators import SCHEDULE_NAMES, optimizer_mode
 from megatron.schedules.hardware import HardwareProfile, update_rates
 from megatron.schedules.lowering import SYNCHRONOUS_OPTIMIZER
 from megatron.schedules.memory_model import shape_report
-from megatron.schedules.optimizer_stride import gpu_update_stride
+from megatron.schedules.optimizer_stride import auto_split, device_share
 
 from .evaluate import (
     Configuration,
@@ -66,9 +66,10 @@ def lower_bound(run: RunConfig, config: Configuration, hardware: HardwareProfile
         return None
     costs = derived_costs(shape, run.model, hardware, config.micro_batch_size,
                           run.model.seq_length)
-    stride = max(searched_strides(run, hardware))  # the bound holds for every stride searched
+    # the bound holds for every split searched: the largest device share
+    share = max(device_share(split) for split in searched_strides(run, hardware))
     return iteration_lower_bound(
-        shape, costs, cpu_share=1.0 - 1.0 / stride if stride else 1.0,
+        shape, costs, cpu_share=1.0 - share,
         steps_after_all_compute=optimizer_mode(config.schedule) == SYNCHRONOUS_OPTIMIZER)
 
 
@@ -197,13 +198,14 @@ class SearchResult:
 
 
 def searched_strides(run: RunConfig, hardware: HardwareProfile) -> tuple[int, ...]:
-    """The optimizer GPU strides to compare: all on the CPU, and Eq. 1's k for the profile
-    (when it has the device rates and the static split is not asked for)."""
+    """The optimizer GPU splits to compare: all on the CPU, and auto_split's for the
+    profile (Eq. 1's stride k, or the GPU-heavy split where k < 1; when it has the device
+    rates and the static split is not asked for)."""
     rates = update_rates(hardware)
     if rates is None or run.cpu_optimizer.optimizer_gpu_resident_fraction > 0:
         return (0,)
-    k = gpu_update_stride(rates).k
-    return (0, k) if k else (0,)
+    split = auto_split(rates).split
+    return (0, split) if split else (0,)
 
 
 def searched_configurations(run: RunConfig, hardware: HardwareProfile,

@@ -56,7 +56,8 @@ class DiskCosts:
 
 @dataclass(frozen=True)
 class DeviceUpdateCosts:
-    """Every `stride`-th subgroup of a stage on the device (Deep Optimizer States): its
+    """The subgroups of a stage that the split `stride` places on the device (every K-th,
+    or -N: all but every N-th; see optimizer_stride.py) (Deep Optimizer States): their
     fp32 p, m, v move in and out at `rates.h2d_params_per_s` each way and are updated at
     `rates.gpu_update_params_per_s`; the CPU updates the rest at the CostModel's rate."""
 

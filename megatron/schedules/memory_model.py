@@ -16,9 +16,10 @@ Per GPU (the device layer's categories, `MEMORY_CATEGORIES`):
 - activations: AWM, what autograd saves while one backward stage is recomputed (the
   largest the rank runs), plus the activation and gradient messages in flight;
 - optimizer_subgroups: the device's share of the optimizer step: two subgroup slots
-  (fp32 p, m, v, gradient and the 16-bit copy) on ranks whose program updates subgroups on
-  the device, sized as the runtime sizes them (a stage's largest group taken as the whole
-  stage: an upper bound); or, for the static split, fp32 p, m, v and a gradient buffer per
+  (fp32 p, m, v, gradient and the 16-bit copy; SUBGROUP_SLOTS, for a stride and a
+  GPU-heavy split alike) on ranks whose program updates subgroups on the device, sized
+  as the runtime sizes them (a stage's largest group taken as the whole stage: an upper
+  bound); or, for the static split, fp32 p, m, v and a gradient buffer per
   resident parameter;
 - operator_working: MSWM beyond the slots and buffers: the largest operator's transient
   output gradient (the logits' at the head). Not in the device layer's book.

@@ -13,6 +13,12 @@ going H2D, and the device update at Ug params/s:
 S cancels: k does not depend on the subgroup size. A non-positive denominator means the
 CPU path is no slower than moving a subgroup's 16-bit copy: every subgroup stays on the
 CPU (stride 0). Pure arithmetic, no torch: the simulator and the tools use it too.
+
+A placement ("split") is one signed integer, as the flag, the config and the plan carry it:
+K > 0, every K-th subgroup on the device (Algorithm 1's stride, 1 in K there); -N (N >= 2),
+every N-th subgroup on the CPU and the other N - 1 on the device (GPU-heavy: what the
+balance asks for when k_real < 1, which no stride can give); 0, all on the CPU. The flag
+spells -N as `device:N`.
 """
 
 from __future__ import annotations
@@ -77,21 +83,90 @@ def gpu_update_stride(rates: UpdateRates) -> StrideModel:
                        1.0 / (2.0 * b))
 
 
-def is_device_subgroup(index: int, stride: int) -> bool:
-    """Algorithm 1's test (0-based subgroups, 1-based stride): (i + 1) % k == 0."""
-    return stride > 0 and (index + 1) % stride == 0
+def is_device_subgroup(index: int, split: int) -> bool:
+    """Algorithm 1's test (0-based subgroups, 1-based stride): (i + 1) % k == 0; for a
+    GPU-heavy split -N its complement, (i + 1) % N != 0."""
+    if split < 0:
+        return (index + 1) % -split != 0
+    return split > 0 and (index + 1) % split == 0
 
 
-def interleaved_update_time(numel: int, subgroup: int, stride: int, rates: UpdateRates) -> float:
-    """Seconds to update `numel` parameters in subgroups of `subgroup`, every `stride`-th on
-    the device (0: all on the CPU), the two sides overlapping as in Eq. 1: the slower side's
-    total time, plus the last device subgroup's flush that nothing hides."""
+def device_share(split: int) -> float:
+    """The share of subgroups `split` puts on the device: 1/K, (N - 1)/N, or 0."""
+    if split < 0:
+        return 1.0 - 1.0 / -split
+    return 1.0 / split if split else 0.0
+
+
+def split_flag(split: int) -> str:
+    """`split` as --optimizer-gpu-stride spells it: K, device:N or 0."""
+    return f"device:{-split}" if split < 0 else str(split)
+
+
+def parse_split(text: str) -> int | None:
+    """--optimizer-gpu-stride's value: 'auto' (None), K >= 0, or 'device:N' with N >= 2
+    (-N); ValueError with the expected forms otherwise."""
+    if text == "auto":
+        return None
+    head, _, count = text.partition(":")
+    try:
+        value = int(count if head == "device" else text)
+    except ValueError:
+        value = -1
+    if head == "device" and value >= 2:
+        return -value
+    if head != "device" and value >= 0:
+        return value
+    raise ValueError(f"{text!r}: expected auto, K >= 0 (every K-th subgroup on the GPU) or "
+                     f"device:N with N >= 2 (N-1 of every N subgroups on the GPU)")
+
+
+# The layout auto_split predicts at (100 subgroups: the tail flush weighs 1%); the split
+# it picks is used by the runtime, the planner and the tool alike.
+REFERENCE_NUMEL = 10**9
+REFERENCE_SUBGROUP = 10**7
+
+
+@dataclass(frozen=True)
+class SplitChoice:
+    """The split `--optimizer-gpu-stride auto` takes, and the timing model's prediction
+    (interleaved_update_time at the reference layout) of every candidate weighed."""
+
+    split: int
+    model: StrideModel
+    predicted_s: dict[int, float]
+
+    def as_dict(self) -> dict:
+        return {"split": self.split, "flag": split_flag(self.split),
+                "device_share": device_share(self.split),
+                "predicted_s": {split_flag(s): t for s, t in self.predicted_s.items()}}
+
+
+def auto_split(rates: UpdateRates) -> SplitChoice:
+    """Eq. 1's stride k; where k_real < 1, also the GPU-heavy splits next to the balance
+    (N - 1 on the device per one on the CPU = 1/k_real, N = 1 + 1/k_real, floor and ceil),
+    the fastest predicted taken (the stride on a tie)."""
+    model = gpu_update_stride(rates)
+    candidates = [model.k]
+    if model.k and model.k_real < 1:
+        n = 1.0 + 1.0 / model.k_real
+        candidates += sorted({-max(2, math.floor(n)), -max(2, math.ceil(n))}, reverse=True)
+    predicted = {s: interleaved_update_time(REFERENCE_NUMEL, REFERENCE_SUBGROUP, s, rates)
+                 for s in candidates}
+    return SplitChoice(min(candidates, key=predicted.__getitem__), model, predicted)
+
+
+def interleaved_update_time(numel: int, subgroup: int, split: int, rates: UpdateRates) -> float:
+    """Seconds to update `numel` parameters in subgroups of `subgroup` placed by `split`
+    (see the module docstring; 0: all on the CPU), the two sides overlapping as in Eq. 1:
+    the slower side's total time, plus the last device subgroup's flush that nothing hides."""
     count = max(1, math.ceil(numel / subgroup))
-    on_device = sum(1 for i in range(count) if is_device_subgroup(i, stride))
-    cpu_params = numel - on_device * subgroup if on_device else numel
+    on_device = sum(min(numel, (i + 1) * subgroup) - i * subgroup
+                    for i in range(count) if is_device_subgroup(i, split))
+    cpu_params = numel - on_device
     cpu_s = cpu_params * (1.0 / rates.cpu_update_params_per_s + 1.0 / rates.downscale_params_per_s)
     b = rates.h2d_params_per_s
-    device_s = on_device * subgroup * (3.0 / b + 1.0 / rates.gpu_update_params_per_s)
+    device_s = on_device * (3.0 / b + 1.0 / rates.gpu_update_params_per_s)
     device_s += cpu_params / (2.0 * b)  # the CPU-updated 16-bit copies share the H2D link
     tail = subgroup * 3.0 / b if on_device else 0.0
     return max(cpu_s, device_s) + tail

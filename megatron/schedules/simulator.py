@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from .cost_model import CostModel
 from .instructions import OP_SPECS, WHOLE_STAGE, BackwardStage, Instruction, Op, Schedule
 from .interpreter import Interpreter
+from .optimizer_stride import device_share
 from .timeline import TimedEvent
 from .validator import ValidationReport, validate
 
@@ -161,15 +162,16 @@ class _Simulator(Interpreter):
                     f"o{_label(*b, self.schedule.backward_split)}", "optimizer", ins)
 
     def _optimizer_start_subgroups(self, rank: int, ins: Instruction) -> None:
-        """1/k of the stage on the device: the loads back to back on the H2D stream
-        (after any prefetch queued there), each flush right behind its update on the D2H
-        stream (after any offload), full duplex; the CPU lane does the other (k-1)/k."""
+        """The split's share of the stage on the device (1/K, or (N-1)/N for device:N):
+        the loads back to back on the H2D stream (after any prefetch queued there), each
+        flush right behind its update on the D2H stream (after any offload), full duplex;
+        the CPU lane does the rest."""
         b = BackwardStage(ins.stage, ins.sub)
         device = self.costs.device_update
         if device is None or device.stride == 0:
             self._optimizer_start(rank, ins)
             return
-        share = 1.0 / device.stride
+        share = device_share(device.stride)
         ready = max(self.clock[rank], self.grad_ready[b], self.states_ready.get(b, 0.0))
         start = max(ready, self.cpu_free[rank])
         self.cpu_free[rank] = start + self.costs.optimizer[b] * (1.0 - share)

@@ -11,7 +11,12 @@ their size does not depend on --optimizer-state-dtype or --master-dtype.
 
 from __future__ import annotations
 
-SUBGROUP_SLOTS = 2  # one subgroup flushing (D2H) while the next one loads (H2D)
+# One subgroup flushing (D2H) while the next one loads (H2D). Two whatever the split: with
+# consecutive device subgroups (a GPU-heavy device:N) the load of subgroup i + 2 waits for
+# the flush of i out of the same slot (an event), so no third is ever in flight; and two
+# keep Eq. 1's pace (a subgroup every (load + update + flush) / 2 <= max(load, flush) +
+# update, what Eq. 1 prices per device subgroup).
+SUBGROUP_SLOTS = 2
 FP32_SLOT_BYTES_PER_PARAM = 16  # p, m, v, gradient
 FLAG_BYTES = 16  # per slot: the finite flag and the squared norm, float64
 RESIDENT_BYTES_PER_PARAM = 16  # p, m, v kept, plus the gradient's landing buffer

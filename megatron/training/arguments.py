@@ -23,6 +23,7 @@ from megatron.config.run import RunConfig
 from megatron.config.tokenizer_names import TOKENIZER_TYPES
 from megatron.data.cache import default_cache_dir
 from megatron.schedules.generators import SCHEDULE_NAMES
+from megatron.schedules.optimizer_stride import parse_split
 from megatron.training.megatron_flags import (
     DESIGN_FLAGS,
     DESIGN_SWITCHES,
@@ -308,10 +309,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run this schedule (from tools/simulate_pipeline.py --schedule-file, "
                         "maybe edited by hand) instead of generating one; it is validated "
                         "and must match the run's ranks, micro-batches and layers")
-    g.add_argument("--optimizer-gpu-stride", type=_gpu_stride, default=0, metavar="auto|K|0",
+    g.add_argument("--optimizer-gpu-stride", type=_gpu_stride, default=0,
+                   metavar="auto|K|device:N|0",
                    help="update every K-th optimizer subgroup of the stages whose update would "
-                        "be exposed on the GPU, the others on the CPU (auto: K from the "
-                        "calibrated performance model; 0: all on the CPU)")
+                        "be exposed on the GPU, the others on the CPU; device:N: N-1 of every "
+                        "N on the GPU, the N-th on the CPU (auto: the faster of the two by "
+                        "the calibrated performance model; 0: all on the CPU)")
     g.add_argument("--optimizer-subgroup-size", type=int, default=None, metavar="N",
                    help="parameters per optimizer subgroup (default: an eighth of the "
                         "largest owned stage, at least 4096)")
@@ -526,16 +529,11 @@ def _signal_name(value: str) -> str:
 
 
 def _gpu_stride(text: str) -> int | None:
-    """--optimizer-gpu-stride: 'auto' (None) or an integer >= 0."""
-    if text == "auto":
-        return None
+    """--optimizer-gpu-stride: 'auto' (None), an integer K >= 0, or device:N (-N)."""
     try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected auto or an integer >= 0")
-    return value
+        return parse_split(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def parse_args(argv: Sequence[str] | None = None) -> RunConfig:
