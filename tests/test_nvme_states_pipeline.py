@@ -10,10 +10,9 @@ import os
 
 import pytest
 
+from megatron.training.checkpointing import iteration_dir, read_all_tensors
 from tests.test_bf16_states_pipeline import STATE_PREFIXES
 from tests.test_pipeline_executor import SCHEDULES, ScheduleRun, metrics, start
-
-from megatron.training.checkpointing import iteration_dir, read_all_tensors
 
 pytestmark = pytest.mark.multiproc
 FLAGS = ["--cpu-optimizer-threads", "1", "--eval-iters", "0", "--clip-grad", "0.5",

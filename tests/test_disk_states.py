@@ -1,0 +1,149 @@
+"""Optimizer states in a file (megatron/optimizer/disk_states.py) against the same
+optimizer in host memory with exact snapshots: steps, rollbacks, clipping corrections and
+commits in the order a program issues them give the same bits; host memory stays within
+the window; the file is removed on close, by the reaper after a SIGKILL, and by the sweep
+of the next start when its process is gone."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron.optimizer.cpu_adam import CPUAdamW
+from megatron.optimizer.disk_states import (
+    DiskStates,
+    file_bytes,
+    state_file_name,
+    sweep_stale,
+    window_bytes,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+SIZES = [1000, 37, 5000, 4096, 1]
+
+
+def pair(tmp_path, master_dtype=torch.float32, state_dtype=torch.float32, window=2):
+    torch.manual_seed(0)
+    params = [torch.randn(n) for n in SIZES]
+    disk = DiskStates(tmp_path, SIZES, master_dtype, state_dtype, window_groups=window,
+                      job="test", rank=0)
+    kwargs = dict(lr=1e-2, weight_decay=0.1, threads=1, master_dtype=master_dtype,
+                  state_dtype=state_dtype)
+    return (CPUAdamW(params, exact_rollback=True, **kwargs),
+            CPUAdamW(params, disk=disk, **kwargs), disk)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_steps_rollbacks_and_corrections_equal_host_memory_with_snapshots(tmp_path, dtype):
+    host, nvme, disk = pair(tmp_path, dtype, dtype)
+    outs = {o: [torch.zeros(n, dtype=torch.bfloat16) for n in SIZES] for o in ("host", "nvme")}
+    try:
+        for iteration in range(7):
+            grads = [torch.randn(n) for n in SIZES]
+            if iteration == 4:
+                grads[2][17] = float("inf")  # its own step leaves it; the verdict rolls back
+            for g in range(len(SIZES)):
+                host.step_group(g, grads[g], out=outs["host"][g], clip=0.8)
+                nvme.request_read(g)
+                nvme.step_group(g, grads[g], out=outs["nvme"][g], clip=0.8)
+                nvme.request_write(g)
+            for g in range(len(SIZES)):
+                if iteration in (1, 4) and host.has_update(g):  # an overflow elsewhere
+                    host.rollback_group(g)
+                    nvme.reserve(g)
+                    nvme.rollback_group(g)
+                    nvme.release(g)
+                elif iteration in (2, 5):  # the true clip factor differs
+                    host.correct_group(g, 0.5)
+                    nvme.reserve(g)
+                    nvme.correct_group(g, 0.5)
+                    nvme.release(g)
+                host.commit_group(g)
+                nvme.commit_group(g)
+        for g in range(len(SIZES)):
+            for want, got in zip(host.states(g), nvme.states(g)):
+                assert torch.equal(want, got), g
+            assert torch.equal(outs["host"][g], outs["nvme"][g]), g
+            assert host.step_count(g) == nvme.step_count(g)
+        assert nvme.host_state_bytes() == window_bytes(SIZES, dtype, dtype, 2)
+        assert nvme.host_state_bytes() < host.host_state_bytes()
+        assert os.path.getsize(disk.path) == file_bytes(SIZES, dtype, dtype)
+    finally:
+        disk.close()
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_read_waits_for_a_window_buffer_and_never_exceeds_the_window(tmp_path):
+    host, nvme, disk = pair(tmp_path, window=1)
+    try:
+        grads = [torch.randn(n) for n in SIZES]
+        for g in range(len(SIZES)):  # every read asked for before any step: one buffer
+            nvme.request_read(g)
+        for g in range(len(SIZES)):
+            nvme.step_group(g, grads[g])
+            nvme.request_write(g)
+            host.step_group(g, grads[g])
+        for g in range(len(SIZES)):
+            nvme.commit_group(g)
+            host.commit_group(g)
+        assert all(torch.equal(a, b) for g in range(len(SIZES))
+                   for a, b in zip(host.states(g), nvme.states(g)))
+        assert disk._free.qsize() == 1
+    finally:
+        disk.close()
+
+
+def test_checkpoint_state_round_trips_through_the_file(tmp_path):
+    host, nvme, disk = pair(tmp_path)
+    try:
+        state = host.state_dict()
+        for group in state["groups"]:
+            group["master"] = group["master"] * 2
+            group["step"] = 7
+        nvme.load_state_dict(state)
+        for g in range(len(SIZES)):
+            assert torch.equal(nvme.master(g), state["groups"][g]["master"])
+            assert nvme.step_count(g) == 7
+    finally:
+        disk.close()
+
+
+_HOLDER = """
+import sys, time, torch
+from megatron.optimizer.disk_states import DiskStates
+disk = DiskStates(sys.argv[1], [1 << 16], torch.float32, torch.float32, 1, "killed", 0)
+print(disk.path, flush=True)
+time.sleep(600)
+"""
+
+
+def test_sigkill_leaves_no_state_file(tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(tmp_path)], cwd=REPO,
+                              stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(REPO)})
+    path = holder.stdout.readline().strip()
+    assert os.path.exists(path)
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+    deadline = time.monotonic() + 20
+    while os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not os.path.exists(path)
+
+
+def test_the_next_start_sweeps_files_of_dead_processes_only(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()
+    stale = tmp_path / state_file_name("old", 0, int(dead))
+    live = tmp_path / state_file_name("running", 1)  # this process: alive
+    other = tmp_path / "megatron-otherhost.job.rank0.pid1.optstate"
+    unrelated = tmp_path / "notes.txt"
+    for path in (stale, live, other, unrelated):
+        path.write_bytes(b"x")
+    assert sweep_stale(tmp_path) == [str(stale)]
+    assert sorted(os.listdir(tmp_path)) == sorted(p.name for p in (live, other, unrelated))
