@@ -7,9 +7,12 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import signal
 import subprocess
 import tempfile
 import threading
+import time
+import weakref
 
 import pytest
 import torch
@@ -70,7 +73,9 @@ def mounted(fstype: str, options: str | None = None):
     try:
         yield directory
     finally:
-        subprocess.run(["umount", directory], check=True)
+        # lazily if a failed test left a file open there: detached now, freed when closed
+        if subprocess.run(["umount", directory], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "--lazy", directory], check=True)
         os.rmdir(directory)
 
 
@@ -246,5 +251,55 @@ def test_waits_from_several_threads(tmp_path):
         t.join()
     assert errors == []
     assert torch.equal(torch.cat(pieces), data)
+    f.close()
+    engine.shutdown()
+
+
+def test_forked_child_gets_an_engine_of_its_own(tmp_path):
+    parent = shared_engine(2, CHUNK)
+    with StateFile(tmp_path / "warm.bin", CHUNK, parent) as f:  # the parent's threads run
+        f.write_from(random_bytes(CHUNK, seed=4), 0).wait()
+    pid = os.fork()
+    if pid == 0:  # child: a round trip through the shared engine, reported by exit status
+        ok = False
+        try:
+            torch.set_num_threads(1)  # torch's OpenMP pool does not survive a fork
+            child = shared_engine(2, CHUNK)
+            f = round_trip(str(tmp_path), child, direct=True)
+            f.close()
+            ok = child is not parent
+        finally:
+            os._exit(0 if ok else 1)
+    deadline = time.monotonic() + 60
+    while (status := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if status[0] == 0:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child hung waiting on the parent's engine")
+    assert os.waitstatus_to_exitcode(status[1]) == 0
+    assert shared_engine(2, CHUNK) is parent
+
+
+def test_a_ticket_holds_its_buffer_until_waited(tmp_path):
+    engine = Engine(2, CHUNK)
+    f = StateFile(tmp_path / "s.bin", 64 * CHUNK, engine)
+    data = random_bytes(f.nbytes, seed=6)
+    alive = weakref.ref(data)
+    ticket = f.write_from(data, 0)
+    del data
+    assert alive() is not None  # the threads may still read it
+    ticket.wait()
+    assert alive() is None
+    # a ticket dropped unwaited waits in its destructor: the engine has collected it
+    data = random_bytes(f.nbytes, seed=7)
+    dropped = f.write_from(data, 0)
+    number = dropped._ticket
+    del dropped
+    with pytest.raises(KeyError, match="already waited"):
+        engine.wait(number)
+    back = aligned_empty(f.nbytes)
+    f.read_into(back, 0).wait()
+    assert torch.equal(back, data)
     f.close()
     engine.shutdown()

@@ -64,6 +64,14 @@ class Ticket:
         if self._error is not None:
             raise self._error
 
+    def __del__(self) -> None:
+        # dropped unwaited: the threads may still use the buffer, so hold it until they finish
+        if getattr(self, "_buffer", None) is not None:
+            try:
+                self.wait()
+            except OSError:
+                pass
+
     def done(self) -> bool:
         """Whether the transfer completed, without blocking."""
         if self._buffer is None:
@@ -141,10 +149,25 @@ class StateFile:
 
 _engines: dict[tuple[int, int], Engine] = {}
 _engines_lock = threading.Lock()
+_inherited: list[Engine] = []
+
+
+def _after_fork_in_child() -> None:
+    # A forked child has none of the parent's engine threads: it starts its own engines.
+    # The inherited ones are kept, never destroyed, since their destructor would join
+    # threads that do not exist in the child.
+    global _engines_lock
+    _inherited.extend(_engines.values())
+    _engines.clear()
+    _engines_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def shared_engine(threads: int = 4, chunk_bytes: int = 1 << 20) -> Engine:
-    """The process-wide engine of this configuration, started on first use."""
+    """The process-wide engine of this configuration, started on first use (again in a
+    forked child)."""
     with _engines_lock:
         engine = _engines.get((threads, chunk_bytes))
         if engine is None:
