@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -79,14 +80,25 @@ def test_steps_rollbacks_and_corrections_equal_host_memory_with_snapshots(tmp_pa
 
 
 def test_a_read_waits_for_a_window_buffer_and_never_exceeds_the_window(tmp_path):
+    """Every read and write asked for before any step (the program runs ahead of the
+    optimizer threads): one buffer serves them in turn, and a read waits only for the
+    writes asked for before it, not for its own stage's."""
     host, nvme, disk = pair(tmp_path, window=1)
     try:
         grads = [torch.randn(n) for n in SIZES]
-        for g in range(len(SIZES)):  # every read asked for before any step: one buffer
+        for g in range(len(SIZES)):
             nvme.request_read(g)
         for g in range(len(SIZES)):
-            nvme.step_group(g, grads[g])
             nvme.request_write(g)
+
+        def steps() -> None:
+            for g in range(len(SIZES)):
+                nvme.step_group(g, grads[g])
+        stepper = threading.Thread(target=steps, daemon=True)
+        stepper.start()
+        stepper.join(timeout=60)
+        assert not stepper.is_alive(), "the reads and writes wait on each other"
+        for g in range(len(SIZES)):
             host.step_group(g, grads[g])
         for g in range(len(SIZES)):
             nvme.commit_group(g)

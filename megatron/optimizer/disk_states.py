@@ -138,8 +138,10 @@ class _GroupState:
         self.resident = threading.Event()
         self.stepped = threading.Event()
         self.updated = False
-        self.writes = 0  # staged writes asked for and not finished
-        self.corrections = 0  # rollbacks or corrections announced and not finished
+        # Staged writes and corrections asked for / finished: a read waits for those asked
+        # for before it (not for its own stage's write, asked for later).
+        self.writes_asked = self.writes_done = 0
+        self.corrections_asked = self.corrections_done = 0
         self.verdict: Callable[[], None] | None = None  # commit/discard once written
         self.error: BaseException | None = None
 
@@ -211,7 +213,7 @@ class DiskStates:
     def write_committed(self, group: int, p: torch.Tensor, m: torch.Tensor | None = None,
                         v: torch.Tensor | None = None) -> None:
         """Set the committed state (m, v zero when not given), synchronously."""
-        self._settle(group)
+        self._settle(group, self._asked(group))
         with self._scratch_lock:
             vp, vm, vv = self.views(group, self._scratch)
             vp.copy_(p)
@@ -223,7 +225,7 @@ class DiskStates:
 
     def read_committed(self, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Copies of the committed p, m, v (after pending writes and corrections)."""
-        self._settle(group)
+        self._settle(group, self._asked(group))
         with self._scratch_lock:
             self._io(group, self._scratch, self._groups[group].committed, write=False)
             return tuple(t.clone() for t in self.views(group, self._scratch))
@@ -237,12 +239,13 @@ class DiskStates:
         if state.buffer is not None or state.resident.is_set():
             raise RuntimeError(f"optimizer group {group} read twice before its write")
         state.stepped.clear()
-        self._reads.put(lambda: self._read(group))
+        asked = self._asked(group)
+        self._reads.put(lambda: self._read(group, asked))
 
-    def _read(self, group: int) -> None:
+    def _read(self, group: int, asked: tuple[int, int]) -> None:
         state = self._groups[group]
         try:
-            self._settle(group)
+            self._settle(group, asked)
             buffer = self._free.get()
             state.buffer = buffer
             self._io(group, buffer, state.committed, write=False)
@@ -271,7 +274,7 @@ class DiskStates:
         version and give the buffer back (then `on_released`)."""
         self._raise_failure()
         with self._cond:
-            self._groups[group].writes += 1
+            self._groups[group].writes_asked += 1
         self._writes.put(lambda: self._write(group, on_released))
 
     def _write(self, group: int, on_released: Callable[[], None]) -> None:
@@ -292,7 +295,7 @@ class DiskStates:
             if buffer is not None:
                 self._free.put(buffer)
             with self._cond:
-                state.writes -= 1
+                state.writes_done += 1
                 verdict, state.verdict = state.verdict, None
                 if verdict is not None:
                     verdict()
@@ -320,24 +323,26 @@ class DiskStates:
 
     def _when_written(self, state: _GroupState, verdict: Callable[[], None]) -> None:
         with self._cond:
-            if state.writes:
+            if state.writes_done < state.writes_asked:
                 state.verdict = verdict
             else:
                 verdict()
 
     def wait_written(self, group: int) -> None:
         """Wait for the group's staged write (a correction rewrites the same bytes)."""
+        state = self._groups[group]
         with self._cond:
-            self._cond.wait_for(lambda: self._groups[group].writes <= 0)
+            asked = state.writes_asked
+            self._cond.wait_for(lambda: state.writes_done >= asked)
 
     def reserve(self, group: int) -> None:
         """A correction of `group` will run: reads of it wait until `release`."""
         with self._cond:
-            self._groups[group].corrections += 1
+            self._groups[group].corrections_asked += 1
 
     def release(self, group: int) -> None:
         with self._cond:
-            self._groups[group].corrections -= 1
+            self._groups[group].corrections_done += 1
             self._cond.notify_all()
 
     def scratch(self, group: int) -> _Scratch:
@@ -345,15 +350,21 @@ class DiskStates:
         (`with states.scratch(g) as (p, m, v):`; `.stage()` writes it as the staged one)."""
         return _Scratch(self, group)
 
-    def _settle(self, group: int) -> None:
-        """Wait until no write or correction of `group` is pending."""
+    def _asked(self, group: int) -> tuple[int, int]:
         state = self._groups[group]
         with self._cond:
-            self._cond.wait_for(lambda: state.writes <= 0 and state.corrections <= 0)
+            return state.writes_asked, state.corrections_asked
+
+    def _settle(self, group: int, asked: tuple[int, int]) -> None:
+        """Wait until the writes and corrections of `group` asked for by then are done."""
+        state = self._groups[group]
+        with self._cond:
+            self._cond.wait_for(lambda: state.writes_done >= asked[0]
+                                and state.corrections_done >= asked[1])
 
     def settle_all(self) -> None:
         for group in range(len(self._groups)):
-            self._settle(group)
+            self._settle(group, self._asked(group))
         self._raise_failure()
 
     def _raise_failure(self) -> None:
