@@ -31,7 +31,7 @@ SIZES = [1000, 37, 5000, 4096, 1]
 def pair(tmp_path, master_dtype=torch.float32, state_dtype=torch.float32, window=2):
     torch.manual_seed(0)
     params = [torch.randn(n) for n in SIZES]
-    disk = DiskStates(tmp_path, SIZES, master_dtype, state_dtype, window_groups=window,
+    disk = DiskStates(tmp_path, SIZES, master_dtype, state_dtype, window=window,
                       job="test", rank=0)
     kwargs = dict(lr=1e-2, weight_decay=0.1, threads=1, master_dtype=master_dtype,
                   state_dtype=state_dtype)
@@ -105,7 +105,7 @@ def test_a_read_waits_for_a_window_buffer_and_never_exceeds_the_window(tmp_path)
             host.commit_group(g)
         assert all(torch.equal(a, b) for g in range(len(SIZES))
                    for a, b in zip(host.states(g), nvme.states(g)))
-        assert disk._free.qsize() == 1
+        assert disk._free[0].qsize() == 1
     finally:
         disk.close()
 

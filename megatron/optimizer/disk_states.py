@@ -118,12 +118,21 @@ def file_bytes(numels: Sequence[int], master_dtype: torch.dtype,
     return sum(2 * r.version_bytes for r in regions)
 
 
+def _buffer_sizes(regions: Sequence[GroupRegion], classes: Sequence[int]) -> dict[int, int]:
+    """Per class of groups, the bytes of its largest group (the size of its buffers)."""
+    sizes: dict[int, int] = {}
+    for region, kind in zip(regions, classes):
+        sizes[kind] = max(sizes.get(kind, 0), region.version_bytes)
+    return sizes
+
+
 def window_bytes(numels: Sequence[int], master_dtype: torch.dtype, state_dtype: torch.dtype,
-                 window_groups: int) -> int:
-    """Host bytes of the window (window_groups buffers) and the scratch buffer."""
-    largest = max(r.version_bytes for r in layout_regions(numels or [1], master_dtype,
-                                                          state_dtype))
-    return (window_groups + 1) * largest
+                 window: int, classes: Sequence[int] | None = None) -> int:
+    """Host bytes of the window (`window` buffers per class of groups, each as large as the
+    class's largest group) and of the scratch buffer (the largest group)."""
+    regions = layout_regions(numels or [1], master_dtype, state_dtype)
+    sizes = _buffer_sizes(regions, classes or [0] * len(regions))
+    return window * sum(sizes.values()) + max(sizes.values())
 
 
 class DiskStateError(RuntimeError):
@@ -150,11 +159,14 @@ class DiskStates:
     """The state file of one process and its host window (see the module docstring)."""
 
     def __init__(self, directory: str | os.PathLike, numels: Sequence[int],
-                 master_dtype: torch.dtype, state_dtype: torch.dtype, window_groups: int,
-                 job: str, rank: int, log: Callable[[str], None] = print,
-                 io_threads: int = 4) -> None:
-        if window_groups < 1:
-            raise ValueError(f"window_groups={window_groups} must be >= 1")
+                 master_dtype: torch.dtype, state_dtype: torch.dtype, window: int,
+                 job: str, rank: int, classes: Sequence[int] | None = None,
+                 log: Callable[[str], None] = print, io_threads: int = 4) -> None:
+        """`window` buffers per class of groups (`classes[g]`, default one class): a
+        pipeline stage has two groups, its decayed elements and the others (classes 0 and
+        1), so a window of W stages holds W of each, not 2W of the largest."""
+        if window < 1:
+            raise ValueError(f"window={window} must be >= 1")
         self.master_dtype, self.state_dtype = master_dtype, state_dtype
         self.regions = layout_regions(numels, master_dtype, state_dtype)
         self.path = str(Path(directory) / state_file_name(job, rank))
@@ -164,14 +176,19 @@ class DiskStates:
         if not self._file.direct:
             log(f"optimizer states: {directory} does not support O_DIRECT; using buffered "
                 "I/O (the page cache then holds copies of the states)")
-        largest = max(r.version_bytes for r in self.regions)
-        self.window_groups = window_groups
-        self._free: queue.Queue[torch.Tensor] = queue.Queue()
-        for _ in range(window_groups):
-            self._free.put(aligned_empty(largest))
-        self._scratch = aligned_empty(largest)
+        self.classes = list(classes) if classes is not None else [0] * len(numels)
+        if len(self.classes) != len(numels):
+            raise ValueError(f"classes has {len(self.classes)} entries for {len(numels)} groups")
+        sizes = _buffer_sizes(self.regions, self.classes)
+        self.window = window
+        self._free: dict[int, queue.Queue[torch.Tensor]] = {}
+        for kind, size in sizes.items():
+            self._free[kind] = queue.Queue()
+            for _ in range(window):
+                self._free[kind].put(aligned_empty(size))
+        self._scratch = aligned_empty(max(sizes.values()))
         self._scratch_lock = threading.Lock()
-        self.host_bytes = (window_groups + 1) * largest
+        self.host_bytes = window * sum(sizes.values()) + max(sizes.values())
         self._groups = [_GroupState() for _ in numels]
         self._cond = threading.Condition()
         self._reads: queue.Queue = queue.Queue()
@@ -246,7 +263,7 @@ class DiskStates:
         state = self._groups[group]
         try:
             self._settle(group, asked)
-            buffer = self._free.get()
+            buffer = self._free[self.classes[group]].get()
             state.buffer = buffer
             self._io(group, buffer, state.committed, write=False)
         except BaseException as error:  # noqa: BLE001 - handed to the step that waits
@@ -293,7 +310,7 @@ class DiskStates:
             state.error = None
             on_released()
             if buffer is not None:
-                self._free.put(buffer)
+                self._free[self.classes[group]].put(buffer)
             with self._cond:
                 state.writes_done += 1
                 verdict, state.verdict = state.verdict, None

@@ -198,7 +198,7 @@ class Pipeline:
 
     def _disk_states(self, numels: list[int]) -> DiskStates | None:
         """States on NVMe: this process's file, with a window of as many stages as the
-        program holds read and not yet written at once (two groups per stage)."""
+        program holds read and not yet written at once."""
         path = self.config.optimizer.nvme_path
         if path is None:
             return None
@@ -210,8 +210,9 @@ class Pipeline:
             for stale in sweep_stale(path):
                 print(f"removed the optimizer state file of a finished job: {stale}", flush=True)
         dtypes = (self.config.optimizer.master_dtype, self.config.optimizer.state_dtype)
-        disk = DiskStates(path, numels, *dtypes, window_groups=2 * max(1, peak[self.rank]),
+        disk = DiskStates(path, numels, *dtypes, window=max(1, peak[self.rank]),
                           job=self.store.job_id, rank=self.layout.global_rank(self.rank),
+                          classes=[g % 2 for g in range(len(numels))],  # decayed, others
                           log=lambda line: print(f"rank {self.rank}: {line}", flush=True))
         print(f"rank {self.rank}: optimizer states on NVMe in {disk.path}: "
               f"{format_bytes(file_bytes(numels, *dtypes))} on disk, a window of "

@@ -44,6 +44,8 @@ class Configuration:
     # the host optimizer state's precision: Adam's m and v, the master (None: the run's)
     optimizer_state_dtype: str | None = None
     master_dtype: str | None = None
+    # where master, m and v live: "host" or "nvme" (None: the run's)
+    optimizer_state_location: str | None = None
 
     def flags(self) -> str:
         parts = [f"--pipeline-schedule {self.schedule}"]
@@ -59,10 +61,14 @@ class Configuration:
         return " ".join(parts + self.precision_flags())
 
     def precision_flags(self) -> list[str]:
-        """The flags of the optimizer-state precision it sets ([] for the run's)."""
-        return [f"--{flag} {dtype}" for flag, dtype in (
+        """The flags of the optimizer state's precision and place it sets ([] for the
+        run's)."""
+        flags = [f"--{flag} {dtype}" for flag, dtype in (
             ("optimizer-state-dtype", self.optimizer_state_dtype),
             ("master-dtype", self.master_dtype)) if dtype is not None]
+        if self.optimizer_state_location == "nvme":
+            flags.append("--optimizer-state-location nvme --optimizer-nvme-path DIR")
+        return flags
 
 
 def optimizer_precision(run: RunConfig, config: Configuration) -> tuple[str, str]:
@@ -107,6 +113,10 @@ class Evaluation:
                        bubble_ratio=self.simulation.mean_bubble_ratio,
                        exposed_optimizer_s=self.simulation.exposed_optimizer_time,
                        mfu=self.mfu)
+            if self.memory.disk_per_node:
+                out.update(nvme_bytes_per_node=max(self.memory.disk_per_node),
+                           nvme_busy_s=self.simulation.state_io_busy_time,
+                           exposed_nvme_s=self.simulation.exposed_state_io_time)
         return out
 
 
@@ -124,6 +134,11 @@ def gpus_per_node(run: RunConfig, hardware: HardwareProfile) -> int:
 
 def ranks_of(run: RunConfig, config: Configuration, hardware: HardwareProfile) -> int:
     return config.nodes * gpus_per_node(run, hardware)
+
+
+def state_location(run: RunConfig, config: Configuration) -> str:
+    """Where `config` keeps the optimizer states: "host" or "nvme"."""
+    return config.optimizer_state_location or run.cpu_optimizer.optimizer_state_location
 
 
 def base_configuration(run: RunConfig) -> Configuration:
@@ -146,13 +161,15 @@ def configured(run: RunConfig, config: Configuration, keep_partition: bool = Tru
                   "backward_split": config.backward_split,
                   "stage_layers": run.parallel.stage_layers if own else None},
         training={"micro_batch_size": config.micro_batch_size},
-        cpu_optimizer={"optimizer_gpu_stride": config.optimizer_gpu_stride},
+        cpu_optimizer={"optimizer_gpu_stride": config.optimizer_gpu_stride,
+                       "optimizer_state_location": state_location(run, config)},
         precision={"optimizer_state_dtype": moments, "master_dtype": master},
         planning={"nodes": config.nodes})
 
 
 def shape_of(config: Configuration) -> Configuration:
-    """`config` without what leaves its schedule unchanged (the stride, the precision)."""
+    """`config` without what leaves its schedule unchanged (the stride, the precision; the
+    place of the states is kept: NVMe adds its reads and writes to the programs)."""
     return replace(config, optimizer_gpu_stride=0, optimizer_state_dtype=None,
                    master_dtype=None)
 
@@ -214,7 +231,7 @@ def simulated(run: RunConfig, evaluation: Evaluation, hardware: HardwareProfile
     if evaluation.simulation is None:
         config, schedule = evaluation.config, evaluation.schedule
         costs = derived_costs(schedule, run.model, hardware, config.micro_batch_size,
-                              run.model.seq_length)
+                              run.model.seq_length, optimizer_bytes(run, config))
         rates = update_rates(hardware)
         if config.optimizer_gpu_stride != 0 and rates is not None:
             stride = config.optimizer_gpu_stride or auto_split(rates).split

@@ -84,6 +84,13 @@ def describe(run: RunConfig, evaluation: Evaluation, hardware: HardwareProfile) 
         lines.append(f"predicted iteration {sim.iteration_time:.3f} s, MFU {evaluation.mfu:.3f}, "
                      f"bubble ratio {sim.mean_bubble_ratio:.3f}, exposed optimizer "
                      f"{sim.exposed_optimizer_time:.3f} s")
+        if m.disk_per_node:
+            keeps_up = ("keeps up" if sim.state_io_busy_time <= sim.iteration_time
+                        else "does not keep up")
+            lines.append(f"optimizer states on NVMe: {max(m.disk_per_node) / GIB:.2f} GiB per "
+                         f"node (two versions) of {hardware.nvme_capacity_bytes / GIB:.2f} GiB; "
+                         f"the drive {keeps_up}: busy {sim.state_io_busy_time:.3f} s per "
+                         f"iteration, {sim.exposed_state_io_time:.3f} s after the last compute")
     return "\n".join(lines)
 
 

@@ -16,7 +16,7 @@ from megatron.config.model import ModelConfig
 from megatron.config.presets import get_preset
 
 from .hardware import HardwareProfile, get_hardware
-from .instructions import BackwardStage, Schedule
+from .instructions import STATE_IO, BackwardStage, Schedule
 from .optimizer_stride import UpdateRates
 from .partition import balanced_partition, sub_stage_layers
 
@@ -168,11 +168,14 @@ def derived_costs(
     hardware: HardwareProfile | str,
     micro_batch_size: int,
     seq_length: int | None = None,
+    optimizer_bytes: int = 12,
 ) -> CostModel:
     """Costs of `model` on `hardware` for the schedule's partition (layers per stage).
 
     Backward is twice the forward, recompute equals the forward; parameters and gradients
-    move in 16-bit; the CPU optimizer throughput of a node is shared by its GPUs.
+    move in 16-bit; the CPU optimizer throughput of a node is shared by its GPUs. A
+    schedule with READ/WRITE_OPTIMIZER_STATES reads and writes `optimizer_bytes` per
+    parameter on the node's drives.
     """
     model = get_preset(model) if isinstance(model, str) else model
     hardware = get_hardware(hardware) if isinstance(hardware, str) else hardware
@@ -213,7 +216,24 @@ def derived_costs(
         inter_node_transfer=({piece: 2.0 * n / hardware.inter_node_bytes_per_s
                               for piece, n in params.items()}
                              if hardware.inter_node_bytes_per_s > 0 else {}),
+        disk=_disk_costs(schedule, params, hardware, optimizer_bytes),
     )
+
+
+def _disk_costs(schedule: Schedule, params: dict, hardware: HardwareProfile,
+                optimizer_bytes: int) -> DiskCosts | None:
+    """What the drives cost a schedule that keeps its optimizer states on them (None for
+    one that does not); a profile without drives cannot price it."""
+    if not any(ins.op in STATE_IO for program in schedule.programs for ins in program):
+        return None
+    if hardware.nvme_read_bytes_per_s <= 0 or hardware.nvme_write_bytes_per_s <= 0:
+        raise ValueError(f"hardware {hardware.name!r} states no NVMe bandwidth "
+                         "(nvme_read_bytes_per_s, nvme_write_bytes_per_s)")
+    return DiskCosts(
+        read={b: optimizer_bytes * n / hardware.nvme_read_bytes_per_s for b, n in params.items()},
+        write={b: optimizer_bytes * n / hardware.nvme_write_bytes_per_s
+               for b, n in params.items()},
+        ranks_per_node=hardware.gpus_per_node)
 
 
 def model_partition(

@@ -45,6 +45,11 @@ class HardwareProfile:
     # downscale then follows from host_memory_bytes_per_s at 6 bytes per parameter)
     gpu_update_params_per_s: float = 0.0
     downscale_params_per_s: float = 0.0
+    # The node's drives for optimizer states on NVMe (--optimizer-state-location nvme):
+    # sequential O_DIRECT bandwidth and capacity, all drives together (0: none known)
+    nvme_read_bytes_per_s: float = 0.0
+    nvme_write_bytes_per_s: float = 0.0
+    nvme_capacity_bytes: int = 0
     device_kind: str = "cuda"  # "cpu": the CPU device layer plays the GPUs (tests, CI)
     source: str = ""  # where the figures come from
 

@@ -68,6 +68,9 @@ class MemoryPlan:
     per_node: tuple[dict[str, int], ...]
     per_process: tuple[dict[str, int], ...]  # each rank's share of the node's host terms
     procs_per_node: int
+    # Optimizer states on NVMe: the state files' bytes per node (both versions); () when
+    # the states are in host memory (optimizer_states then counts them, else the window).
+    disk_per_node: tuple[int, ...] = ()
 
     @property
     def pinned_per_process(self) -> tuple[int, ...]:
@@ -225,7 +228,11 @@ def plan_memory(schedule: Schedule, model: ModelConfig, micro_batch_size: int,
             "operator_working": largest_operator if owned else 0,
         })
         owned_params = sum(params[b] for b in owned)
-        per_process.append({"optimizer_states": optimizer_bytes * owned_params,
+        states = optimizer_bytes * owned_params
+        if report.peak_optimizer_states:  # on NVMe: the window of the program and the
+            window = max(1, report.peak_optimizer_states[rank]) + 1  # scratch (a stage each
+            states = min(states, window * optimizer_bytes * largest_owned)  # at most)
+        per_process.append({"optimizer_states": states,
                             "host_gradients": grad_host_bytes * owned_params})
     nodes = -(-schedule.ranks // per_node_procs)
     baseline = hardware.process_baseline_bytes if hardware is not None else 0
@@ -242,7 +249,15 @@ def plan_memory(schedule: Schedule, model: ModelConfig, micro_batch_size: int,
                for term in ("optimizer_states", "host_gradients")},
             "process_baseline": baseline * len(ranks),
         })
-    return MemoryPlan(tuple(per_gpu), tuple(per_node), tuple(per_process), per_node_procs)
+    disk = ()
+    if report.peak_optimizer_states:  # the committed and the staged version of each state
+        disk = tuple(
+            2 * optimizer_bytes * sum(params[b] for rank in range(
+                node * per_node_procs, min(schedule.ranks, (node + 1) * per_node_procs))
+                for b in schedule.owned_by(rank))
+            for node in range(nodes))
+    return MemoryPlan(tuple(per_gpu), tuple(per_node), tuple(per_process), per_node_procs,
+                      disk)
 
 
 @dataclass(frozen=True)
@@ -277,7 +292,7 @@ def pinning_shortfall(plan: MemoryPlan, hardware: HardwareProfile) -> int:
     return max(0, max(plan.pinned_per_process, default=0) - hardware.memlock_bytes)
 
 
-RESOURCE_ORDER = ("host memory", "/dev/shm", "gpu memory")  # per node first
+RESOURCE_ORDER = ("host memory", "/dev/shm", "nvme", "gpu memory")  # per node first
 
 
 def shortfalls(plan: MemoryPlan, hardware: HardwareProfile) -> list[Shortfall]:
@@ -296,6 +311,9 @@ def shortfalls(plan: MemoryPlan, hardware: HardwareProfile) -> list[Shortfall]:
         if hardware.shm_bytes and terms["shm_parameters"] > hardware.shm_bytes:
             found.append(Shortfall("/dev/shm", f"node {node}", terms["shm_parameters"],
                                    hardware.shm_bytes))
+        if plan.disk_per_node and plan.disk_per_node[node] > hardware.nvme_capacity_bytes:
+            found.append(Shortfall("nvme", f"node {node}", plan.disk_per_node[node],
+                                   hardware.nvme_capacity_bytes))
     return sorted(found, key=lambda s: (RESOURCE_ORDER.index(s.resource), -s.missing))
 
 

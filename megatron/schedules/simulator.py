@@ -42,6 +42,10 @@ class SimResult:
     peak_params: tuple[int, ...]  # resident backward stages' parameters, per rank
     peak_checkpoints: tuple[int, ...]
     events: tuple[TimedEvent, ...]
+    # optimizer states on NVMe: the drives' reads and writes after the last compute, and
+    # the busiest node drive's time per iteration (it keeps up while below the iteration)
+    exposed_state_io_time: float = 0.0
+    state_io_busy_time: float = 0.0
 
     def summary(self) -> dict:
         """The JSON object tools/simulate_pipeline.py prints."""
@@ -292,4 +296,16 @@ def simulate(schedule: Schedule, cost_model: CostModel,
         peak_params=report.peak_params,
         peak_checkpoints=report.peak_checkpoints,
         events=tuple(sorted(events, key=lambda e: (e.rank, e.start))),
+        exposed_state_io_time=_union_length_after(
+            [(e.start, e.end) for e in events if e.resource == "disk"], compute_end),
+        state_io_busy_time=_busiest_drive(events, cost_model),
     )
+
+
+def _busiest_drive(events: list[TimedEvent], costs: CostModel) -> float:
+    busy: dict[int, float] = {}
+    for e in events:
+        if e.resource == "disk":
+            node = e.rank // max(1, costs.disk.ranks_per_node)
+            busy[node] = busy.get(node, 0.0) + e.end - e.start
+    return max(busy.values(), default=0.0)
