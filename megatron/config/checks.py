@@ -304,6 +304,8 @@ def _check_nvme(run: RunConfig) -> None:
                           "host with --optimizer-gpu-resident-fraction (the static split "
                           "keeps part of every state on the device for good)")
     if path is None:
+        if run.planning.plan or run.planning.print_model_size:
+            return  # a plan needs no drive here: the profile describes the node's
         raise ConfigError("--optimizer-nvme-path", None,
                           "a directory on a local drive with --optimizer-state-location nvme")
     if not os.path.exists(path):

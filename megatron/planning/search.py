@@ -91,10 +91,13 @@ def cheaper_precisions(run: RunConfig) -> list[Precision]:
 
 def precision_note(run: RunConfig, config: Configuration) -> str:
     """What `config` changes of the run's optimizer state, in words ('' when nothing)."""
-    if config.optimizer_state_dtype is None and config.master_dtype is None:
+    on_disk = (config.optimizer_state_location == "nvme"
+               and run.cpu_optimizer.optimizer_state_location != "nvme")
+    if config.optimizer_state_dtype is None and config.master_dtype is None and not on_disk:
         return ""
     moments, master = optimizer_precision(run, config)
-    return (f"the optimizer state in host memory with m and v in {moments} and the master in "
+    where = "on NVMe (a window of stages in host memory)" if on_disk else "in host memory"
+    return (f"the optimizer state {where} with m and v in {moments} and the master in "
             f"{master}: {optimizer_bytes(run, config)} bytes per parameter instead of "
             f"{run.precision.optimizer_bytes_per_param}")
 
@@ -109,6 +112,19 @@ def repriced(run: RunConfig, evaluation: Evaluation, precision: Precision,
     planned again (cheap: nothing is built)."""
     return planned(run, with_precision(evaluation.config, precision), evaluation.schedule,
                    evaluation.report, hardware)
+
+
+def states_on_nvme(run: RunConfig, evaluation: Evaluation, hardware: HardwareProfile
+                   ) -> Evaluation | None:
+    """`evaluation` with the optimizer states on the node's NVMe drives (a window of stages
+    in host memory), when the profile has drives and the run keeps them in memory."""
+    if (run.cpu_optimizer.optimizer_state_location == "nvme"
+            or evaluation.config.optimizer_state_location == "nvme"
+            or hardware.nvme_read_bytes_per_s <= 0 or hardware.nvme_write_bytes_per_s <= 0):
+        return None
+    found = evaluation_or_reason(
+        run, replace(evaluation.config, optimizer_state_location="nvme"), hardware)
+    return found if isinstance(found, Evaluation) else None
 
 
 def per_node_fits(evaluation: Evaluation) -> bool:
@@ -129,7 +145,8 @@ def nearest_fit(run: RunConfig, base: Evaluation, hardware: HardwareProfile,
     """The closest configuration that fits, one knob at a time, what the run computes kept
     first. Host memory and /dev/shm are per node: at the run's nodes, the optimizer state's
     cheaper precisions (`cheaper_precisions`) are tried first (the same schedule, planned
-    again); when none fits the node, more nodes, from the count the shortfall at the cheapest
+    again), then the states on the node's NVMe drives when the profile has them (the
+    schedule with their reads and writes); when none fits the node, more nodes, from the count the shortfall at the cheapest
     precision implies, each with the run's precision first, then the cheaper ones. GPU
     memory: another backward split, more forward stages (one more per rank, d = 1), a smaller
     micro-batch, then one or two more nodes. At most `max_tries` configurations are built (a
@@ -145,6 +162,16 @@ def nearest_fit(run: RunConfig, base: Evaluation, hardware: HardwareProfile,
                     return simulated(run, cheaper, hardware)
                 base = cheaper  # the GPU knobs from this precision
                 break
+    if not per_node_fits(base):
+        on_disk = states_on_nvme(run, base, hardware)
+        if on_disk is not None:
+            for precision in precisions:  # the same schedule with the disk's reads, writes
+                found = repriced(run, on_disk, precision, hardware)
+                if per_node_fits(found):
+                    if found.fits:
+                        return simulated(run, found, hardware)
+                    base = found
+                    break
     c = base.config
     tries: list[Configuration] = []
     if not per_node_fits(base):
