@@ -7,12 +7,14 @@ states; ZeRO-2 with D = 2 likewise. Host memory holds exact snapshots for the co
 and corrections exact without one. No state file is left behind."""
 
 import os
+import shutil
+import time
 
 import pytest
 
-from megatron.training.checkpointing import iteration_dir, read_all_tensors
+from megatron.training.checkpointing import TRACKER, iteration_dir, read_all_tensors
 from tests.test_bf16_states_pipeline import STATE_PREFIXES
-from tests.test_pipeline_executor import SCHEDULES, ScheduleRun, metrics, start
+from tests.test_pipeline_executor import SCHEDULES, ScheduleRun, launch, metrics, start
 
 pytestmark = pytest.mark.multiproc
 FLAGS = ["--cpu-optimizer-threads", "1", "--eval-iters", "0", "--clip-grad", "0.5",
@@ -36,15 +38,13 @@ def assert_identical(got, want):
         assert got_states[key].equal(tensor), key
 
 
-@pytest.mark.parametrize("extra", [[], ["--optimizer-state-dtype", "bf16", "--master-dtype", "bf16"]],
-                         ids=["fp32", "bf16"])
-def test_every_schedule_with_states_on_disk_equals_host_memory(tmp_path, demo_cache, extra):
+def test_every_schedule_with_states_on_disk_equals_host_memory(tmp_path, demo_cache):
     disk = tmp_path / "drive"
     disk.mkdir()
-    host = start(tmp_path, "host", 2, *FLAGS, *extra, "--optimizer-exact-rollback",
+    host = start(tmp_path, "host", 2, *FLAGS, "--optimizer-exact-rollback",
                  "--schedules", ",".join(SCHEDULES), script="tests/run_schedules.py",
                  timeout=600)
-    nvme = start(tmp_path, "nvme", 2, *FLAGS, *extra, "--optimizer-state-location", "nvme",
+    nvme = start(tmp_path, "nvme", 2, *FLAGS, "--optimizer-state-location", "nvme",
                  "--optimizer-nvme-path", str(disk), "--schedules", ",".join(SCHEDULES),
                  script="tests/run_schedules.py", timeout=600)
     host, nvme = host.wait(), nvme.wait()
@@ -56,6 +56,44 @@ def test_every_schedule_with_states_on_disk_equals_host_memory(tmp_path, demo_ca
     for name in SCHEDULES:
         assert_identical(ScheduleRun(nvme, name), ScheduleRun(host, name))
     assert os.listdir(disk) == []  # every state file removed at the end
+
+
+def test_bf16_states_on_disk_equal_host_memory_and_resume_on_another_shape(tmp_path,
+                                                                         demo_cache):
+    """bf16 m, v and master; the NVMe run's checkpoint of iteration 3 resumed on a 1F1B
+    pipeline with another backward split (states on disk again) continues it exactly."""
+    disk = tmp_path / "drive"
+    disk.mkdir()
+    bf16 = [*FLAGS, "--optimizer-state-dtype", "bf16", "--master-dtype", "bf16"]
+    each = ["--schedules", "decoupled,1f1b", "--save-interval", "3",
+            "--save", str(tmp_path / "ckpt")]  # the harness saves each schedule in its own
+    on_disk = ["--optimizer-state-location", "nvme", "--optimizer-nvme-path", str(disk)]
+    host = start(tmp_path, "host", 2, *bf16, *each, "--optimizer-exact-rollback",
+                 script="tests/run_schedules.py", timeout=600)
+    nvme = start(tmp_path, "nvme", 2, *bf16, *each, *on_disk,
+                 script="tests/run_schedules.py", timeout=600)
+    host, nvme = host.wait(), nvme.wait()
+    assert host.returncode == 0, host.stderr[-4000:]
+    assert nvme.returncode == 0, nvme.stderr[-4000:]
+    for name in ("decoupled", "1f1b"):
+        assert_identical(ScheduleRun(nvme, name), ScheduleRun(host, name))
+
+    uninterrupted = ScheduleRun(nvme, "decoupled")
+    saved = tmp_path / "saved"  # its iteration 3, as if it died there
+    saved.mkdir()
+    shutil.copytree(iteration_dir(str(uninterrupted.out / "ckpt"), 3), saved / "iter_0000003")
+    (saved / TRACKER).write_text("3")
+    resumed = launch(tmp_path, "resumed", 2, *bf16, *on_disk, "--load", str(saved),
+                     "--pipeline-schedule", "1f1b", "--backward-split", "1")
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    want = metrics(uninterrupted)[3:]
+    assert [(m["iteration"], m["loss"]) for m in metrics(resumed)] == \
+        [(m["iteration"], m["loss"]) for m in want]
+    got_states, want_states = final_states(resumed), final_states(uninterrupted)
+    assert got_states.keys() == want_states.keys()
+    for key, tensor in want_states.items():
+        assert got_states[key].equal(tensor), key
+    assert os.listdir(disk) == []
 
 
 def test_zero2_with_states_on_disk_equals_host_memory(tmp_path, demo_cache):
@@ -72,4 +110,47 @@ def test_zero2_with_states_on_disk_equals_host_memory(tmp_path, demo_cache):
     assert host.returncode == 0, host.stderr[-4000:]
     assert nvme.returncode == 0, nvme.stderr[-4000:]
     assert_identical(ScheduleRun(nvme, "decoupled-zero2"), ScheduleRun(host, "decoupled-zero2"))
+    assert os.listdir(disk) == []
+
+
+def host_state_bytes(run):
+    return {m["host_optimizer_state_bytes"] for m in metrics(run)}
+
+
+def test_host_memory_for_states_is_the_window_however_many_stages(tmp_path, demo_cache):
+    """Twice the layers in twice the stages (each stage as large): the NVMe runs hold the
+    same host bytes for optimizer states, the host-memory run twice as many."""
+    disk = tmp_path / "drive"
+    disk.mkdir()
+    on_disk = ["--optimizer-state-location", "nvme", "--optimizer-nvme-path", str(disk)]
+    common = ["--train-iters", "2", "--eval-iters", "0", "--pipeline-schedule", "decoupled",
+              "--backward-split", "2", "--ffn-hidden-size", "1024"]
+    runs = {
+        (layers, where): start(tmp_path, f"{where}{layers}", 2, *common, "--num-layers",
+                               str(layers), "--forward-stages", str(layers // 2),
+                               *(on_disk if where == "nvme" else []))
+        for layers, where in ((16, "nvme"), (32, "nvme"), (16, "host"), (32, "host"))}
+    runs = {key: run.wait() for key, run in runs.items()}
+    for run in runs.values():
+        assert run.returncode == 0, run.stderr[-4000:]
+    nvme16, nvme32 = host_state_bytes(runs[16, "nvme"]), host_state_bytes(runs[32, "nvme"])
+    host16, host32 = host_state_bytes(runs[16, "host"]), host_state_bytes(runs[32, "host"])
+    assert len(nvme16) == len(nvme32) == 1
+    assert nvme16 == nvme32
+    assert min(host32) > 1.8 * max(host16)
+    assert max(nvme32) < max(host32) / 2
+    assert os.listdir(disk) == []
+
+
+def test_a_killed_rank_leaves_no_state_file(tmp_path, demo_cache):
+    disk = tmp_path / "drive"
+    disk.mkdir()
+    run = launch(tmp_path, "killed", 2, "--pipeline-schedule", "decoupled",
+                 "--optimizer-state-location", "nvme", "--optimizer-nvme-path", str(disk),
+                 env={"MEGATRON_SYSX_TEST_FAIL": "1,2,3,kill"}, timeout=120,
+                 real_torchrun=True)
+    assert run.returncode != 0
+    deadline = time.monotonic() + 10  # the reapers run when their processes are gone
+    while os.listdir(disk) and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert os.listdir(disk) == []
