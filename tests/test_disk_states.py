@@ -159,3 +159,17 @@ def test_the_next_start_sweeps_files_of_dead_processes_only(tmp_path):
         path.write_bytes(b"x")
     assert sweep_stale(tmp_path) == [str(stale)]
     assert sorted(os.listdir(tmp_path)) == sorted(p.name for p in (live, other, unrelated))
+
+
+def test_close_after_a_failed_iteration_does_not_wait_for_steps_that_never_run(tmp_path):
+    """Reads and writes asked for, the window full, no step ever runs (the iteration
+    failed): close() wakes the threads and removes the file."""
+    _, nvme, disk = pair(tmp_path, window=1)
+    for g in range(len(SIZES)):
+        nvme.request_read(g)
+        nvme.request_write(g)
+    closer = threading.Thread(target=disk.close, daemon=True)
+    closer.start()
+    closer.join(timeout=30)
+    assert not closer.is_alive()
+    assert os.listdir(tmp_path) == []

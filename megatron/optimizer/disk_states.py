@@ -194,12 +194,12 @@ class DiskStates:
         self._reads: queue.Queue = queue.Queue()
         self._writes: queue.Queue = queue.Queue()
         self._failure: BaseException | None = None
+        self._closed = False
         self._threads = [threading.Thread(target=self._serve, args=(q,), daemon=True,
                                           name=f"optimizer-states-{kind}")
                          for kind, q in (("read", self._reads), ("write", self._writes))]
         for thread in self._threads:
             thread.start()
-        self._closed = False
 
     # --- typed views of a buffer ---------------------------------------------------------
 
@@ -263,8 +263,14 @@ class DiskStates:
         state = self._groups[group]
         try:
             self._settle(group, asked)
-            buffer = self._free[self.classes[group]].get()
-            state.buffer = buffer
+            free = self._free[self.classes[group]]
+            buffer = None if self._closed else free.get()
+            with self._cond:  # close() sets _closed under it: the writer then sees this
+                if buffer is None or self._closed:  # closing: take nothing
+                    if buffer is not None:
+                        free.put(buffer)
+                    raise DiskStateError(f"optimizer state file {self.path}: closed")
+                state.buffer = buffer
             self._io(group, buffer, state.committed, write=False)
         except BaseException as error:  # noqa: BLE001 - handed to the step that waits
             state.error = error
@@ -305,7 +311,8 @@ class DiskStates:
         except BaseException as error:  # noqa: BLE001 - raised on the main thread
             self._failure = self._failure or error
         finally:
-            buffer, state.buffer = state.buffer, None
+            with self._cond:
+                buffer, state.buffer = state.buffer, None
             state.resident.clear()
             state.error = None
             on_released()
@@ -376,8 +383,8 @@ class DiskStates:
         """Wait until the writes and corrections of `group` asked for by then are done."""
         state = self._groups[group]
         with self._cond:
-            self._cond.wait_for(lambda: state.writes_done >= asked[0]
-                                and state.corrections_done >= asked[1])
+            self._cond.wait_for(lambda: self._closed or (state.writes_done >= asked[0]
+                                                          and state.corrections_done >= asked[1]))
 
     def settle_all(self) -> None:
         for group in range(len(self._groups)):
@@ -396,12 +403,22 @@ class DiskStates:
             job()
 
     def close(self) -> None:
-        """Stop the threads, remove the file (idempotent)."""
+        """Stop the threads, remove the file (idempotent). After a failed iteration the
+        threads may wait for a step that will never run: they are woken and give up."""
         if self._closed:
             return
-        self._closed = True
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
         for q in (self._reads, self._writes):
             q.put(None)
+        for free in self._free.values():
+            free.put(None)  # a read waiting for a buffer
+        for state in self._groups:
+            state.error = state.error or DiskStateError(f"optimizer state file {self.path}: "
+                                                        "closed")
+            state.resident.set()
+            state.stepped.set()
         for thread in self._threads:
             thread.join()
         self._file.close(unlink=True)

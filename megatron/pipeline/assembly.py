@@ -405,9 +405,11 @@ class Pipeline:
     def close(self) -> None:
         if self.reducer is not None:
             self.reducer.close()
-        self.optimizer.close()  # the last corrections publish their stages
-        if self.cpu_adam.disk is not None:  # after the last corrections wrote
-            self.cpu_adam.disk.close()
+        try:
+            self.optimizer.close()  # the last corrections publish their stages
+        finally:
+            if self.cpu_adam.disk is not None:  # after the last corrections wrote
+                self.cpu_adam.disk.close()
         self.distributor.close()
         # the copies still queued (after a failed instruction) read the segments: drain
         # them before the segments are unmapped, or a copy thread reads unmapped memory
