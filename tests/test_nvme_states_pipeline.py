@@ -2,7 +2,8 @@
 schedule on 2 processes equals the same run with the states in host memory bit for bit
 (losses, and the final master, exp_avg and exp_avg_sq), with gradient clipping on (a
 clipping correction nearly every iteration), an injected overflow (a rollback) and bf16
-states; ZeRO-2 with D = 2 likewise. Host memory holds exact snapshots for the comparison
+states; ZeRO-2 with D = 2 and device subgroups likewise; a resume on another shape
+continues exactly; host memory for the states stays the window. Host memory holds exact snapshots for the comparison
 (--optimizer-exact-rollback): the file's committed version makes the NVMe run's rollbacks
 and corrections exact without one. No state file is left behind."""
 
@@ -96,11 +97,13 @@ def test_bf16_states_on_disk_equal_host_memory_and_resume_on_another_shape(tmp_p
     assert os.listdir(disk) == []
 
 
-def test_zero2_with_states_on_disk_equals_host_memory(tmp_path, demo_cache):
+def test_zero2_and_device_subgroups_with_states_on_disk_equal_host_memory(tmp_path,
+                                                                        demo_cache):
     disk = tmp_path / "drive"
     disk.mkdir()
     common = [*FLAGS, "--pipeline-model-parallel-size", "2", "--zero-stages", "2",
-              "--schedules", "decoupled"]
+              "--schedules", "decoupled",
+              "--optimizer-gpu-stride", "device:3"]  # device subgroups in the window too
     host = start(tmp_path, "host", 4, *common, "--optimizer-exact-rollback",
                  script="tests/run_schedules.py", timeout=600)
     nvme = start(tmp_path, "nvme", 4, *common, "--optimizer-state-location", "nvme",

@@ -477,10 +477,12 @@ class CPUAdamW:
             scratch = self.disk.scratch(i)
             with scratch as views:
                 self._map(i, views)
-                try:
-                    finite, _ = self._run_step(i, corrected)
-                    if not finite:
-                        raise RuntimeError(f"group {i}: gradient became non-finite after its step")
+                try:  # on the kernel, every subgroup: what a correction in memory does
+                    for args in self._range_args(i, corrected):
+                        finite, _ = _kernel.step(**args)
+                        if not finite:
+                            raise RuntimeError(f"group {i}: gradient became non-finite "
+                                               "after its step")
                     scratch.stage()
                 finally:
                     self._map(i, None)
