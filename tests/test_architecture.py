@@ -181,7 +181,7 @@ def test_every_op_has_a_real_handler_in_each_consumer(consumer):
 
 
 def test_every_op_spec_names_a_simulated_resource():
-    resources = {"compute", "h2d", "d2h", "network", "cpu-optimizer", "host", "none"}
+    resources = {"compute", "h2d", "d2h", "network", "cpu-optimizer", "disk", "host", "none"}
     for op, spec in OP_SPECS.items():
         assert spec.resource in resources, op
         assert spec.action, op

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron.offload.reaper_client import REAPER
 from megatron.optimizer.cpu_adam import CPUAdamW
 from megatron.optimizer.disk_states import (
     DiskStates,
@@ -32,7 +33,7 @@ def pair(tmp_path, master_dtype=torch.float32, state_dtype=torch.float32, window
     torch.manual_seed(0)
     params = [torch.randn(n) for n in SIZES]
     disk = DiskStates(tmp_path, SIZES, master_dtype, state_dtype, window=window,
-                      job="test", rank=0)
+                      job="test", rank=0, tracker=REAPER)
     kwargs = dict(lr=1e-2, weight_decay=0.1, threads=1, master_dtype=master_dtype,
                   state_dtype=state_dtype)
     return (CPUAdamW(params, exact_rollback=True, **kwargs),
@@ -127,8 +128,10 @@ def test_checkpoint_state_round_trips_through_the_file(tmp_path):
 
 _HOLDER = """
 import sys, time, torch
+from megatron.offload.reaper_client import REAPER
 from megatron.optimizer.disk_states import DiskStates
-disk = DiskStates(sys.argv[1], [1 << 16], torch.float32, torch.float32, 1, "killed", 0)
+disk = DiskStates(sys.argv[1], [1 << 16], torch.float32, torch.float32, 1, "killed", 0,
+                  tracker=REAPER)
 print(disk.path, flush=True)
 time.sleep(600)
 """

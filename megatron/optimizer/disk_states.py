@@ -31,10 +31,10 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
-from megatron.offload.reaper_client import REAPER
 from megatron.optimizer.state_io import StateFile, aligned_empty, round_up, shared_engine
 
 STATE_FILE_SUFFIX = ".optstate"
@@ -135,6 +135,15 @@ def window_bytes(numels: Sequence[int], master_dtype: torch.dtype, state_dtype: 
     return window * sum(sizes.values()) + max(sizes.values())
 
 
+class FileTracker(Protocol):
+    """Who removes a file if this process dies without removing it (the pipeline passes
+    the reaper that also removes its shared-memory segments)."""
+
+    def track(self, path: str) -> None: ...
+
+    def untrack(self, path: str) -> None: ...
+
+
 class DiskStateError(RuntimeError):
     """A read or write of the state file failed (one line naming the path)."""
 
@@ -160,8 +169,9 @@ class DiskStates:
 
     def __init__(self, directory: str | os.PathLike, numels: Sequence[int],
                  master_dtype: torch.dtype, state_dtype: torch.dtype, window: int,
-                 job: str, rank: int, classes: Sequence[int] | None = None,
-                 log: Callable[[str], None] = print, io_threads: int = 4) -> None:
+                 job: str, rank: int, tracker: FileTracker,
+                 classes: Sequence[int] | None = None, log: Callable[[str], None] = print,
+                 io_threads: int = 4) -> None:
         """`window` buffers per class of groups (`classes[g]`, default one class): a
         pipeline stage has two groups, its decayed elements and the others (classes 0 and
         1), so a window of W stages holds W of each, not 2W of the largest."""
@@ -172,7 +182,8 @@ class DiskStates:
         self.path = str(Path(directory) / state_file_name(job, rank))
         self._file = StateFile(self.path, file_bytes(numels, master_dtype, state_dtype),
                                shared_engine(io_threads))
-        REAPER.track(self.path)  # removed if this process dies without close()
+        self._tracker = tracker
+        tracker.track(self.path)  # removed if this process dies without close()
         if not self._file.direct:
             log(f"optimizer states: {directory} does not support O_DIRECT; using buffered "
                 "I/O (the page cache then holds copies of the states)")
@@ -422,7 +433,7 @@ class DiskStates:
         for thread in self._threads:
             thread.join()
         self._file.close(unlink=True)
-        REAPER.untrack(self.path)
+        self._tracker.untrack(self.path)
 
 
 class _Scratch:

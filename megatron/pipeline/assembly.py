@@ -26,6 +26,7 @@ from megatron.models.llama import Batch, LlamaConfig
 from megatron.offload.device import get_device
 from megatron.offload.layout import copy_parameters_into
 from megatron.offload.param_store import ParameterStore
+from megatron.offload.reaper_client import REAPER
 from megatron.optimizer.cpu_adam import CPUAdamW
 from megatron.optimizer.disk_states import DiskStates, file_bytes, sweep_stale
 from megatron.optimizer.group_optimizer import AsyncGroupOptimizer, IterationResult
@@ -212,6 +213,7 @@ class Pipeline:
         dtypes = (self.config.optimizer.master_dtype, self.config.optimizer.state_dtype)
         disk = DiskStates(path, numels, *dtypes, window=max(1, peak[self.rank]),
                           job=self.store.job_id, rank=self.layout.global_rank(self.rank),
+                          tracker=REAPER,
                           classes=[g % 2 for g in range(len(numels))],  # decayed, others
                           log=lambda line: print(f"rank {self.rank}: {line}", flush=True))
         print(f"rank {self.rank}: optimizer states on NVMe in {disk.path}: "
