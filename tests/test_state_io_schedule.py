@@ -115,3 +115,16 @@ def test_memory_model_counts_the_window_in_host_memory_and_both_versions_on_the_
     costs = derived_costs(placed, model, hardware, 1)
     b = placed.backward_stages()[0]
     assert costs.disk.read[b] < costs.disk.write[b]  # the profile's drives write slower
+
+
+def test_a_schedule_file_with_the_disk_instructions_round_trips_and_shows_them_in_the_grid():
+    from megatron.schedules.grid import format_programs
+    from megatron.schedules.schedule_file import schedule_from_csv, schedule_to_csv
+
+    placed = place_state_io(_decoupled())
+    again = schedule_from_csv(schedule_to_csv(placed))
+    assert again.programs == placed.programs
+    read = next(i for i, ins in enumerate(placed.programs[0])
+                if ins.op == Op.READ_OPTIMIZER_STATES)
+    grid = format_programs(placed, mark=(0, read))
+    assert "[RS" in grid and "RS=READ_OPTIMIZER_STATES" in grid
