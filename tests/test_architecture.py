@@ -182,6 +182,9 @@ def test_every_op_has_a_real_handler_in_each_consumer(consumer):
 
 def test_every_op_spec_names_a_simulated_resource():
     resources = {"compute", "h2d", "d2h", "network", "cpu-optimizer", "disk", "host", "none"}
+    from megatron.schedules.grid import cell
+    from megatron.schedules.instructions import Instruction
     for op, spec in OP_SPECS.items():
         assert spec.resource in resources, op
         assert spec.action, op
+        assert cell(Instruction(op)), op  # a code in the error grid
