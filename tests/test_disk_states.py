@@ -176,3 +176,31 @@ def test_close_after_a_failed_iteration_does_not_wait_for_steps_that_never_run(t
     closer.join(timeout=30)
     assert not closer.is_alive()
     assert os.listdir(tmp_path) == []
+
+
+def test_the_next_iterations_read_may_be_asked_for_while_the_write_is_still_queued(tmp_path):
+    """The program runs ahead of the writer thread: iteration 2's reads are asked for while
+    iteration 1's writes wait behind another write. They read what iteration 1 wrote and
+    committed."""
+    host, nvme, disk = pair(tmp_path, window=len(SIZES))
+    gate = threading.Event()
+    disk._writes.put(gate.wait)  # the writer is busy with something slow
+    try:
+        for iteration in range(2):
+            grads = [torch.randn(n) for n in SIZES]
+            for g in range(len(SIZES)):
+                nvme.request_read(g)
+            gate.set() if iteration == 1 else None
+            for g in range(len(SIZES)):
+                host.step_group(g, grads[g])
+                nvme.step_group(g, grads[g])
+                nvme.request_write(g)
+            for g in range(len(SIZES)):
+                host.commit_group(g)
+                nvme.commit_group(g)
+        for g in range(len(SIZES)):
+            for want, got in zip(host.states(g), nvme.states(g)):
+                assert torch.equal(want, got), g
+    finally:
+        gate.set()
+        disk.close()

@@ -148,20 +148,30 @@ class DiskStateError(RuntimeError):
     """A read or write of the state file failed (one line naming the path)."""
 
 
+class _Residency:
+    """One read of a group, its step and its write: the window buffer it holds from the
+    read to the end of the write. Its own events: the next iteration's read of the group
+    may be asked for while this write is still going on."""
+
+    def __init__(self) -> None:
+        self.buffer: torch.Tensor | None = None
+        self.resident = threading.Event()  # the read is done (or failed: error)
+        self.stepped = threading.Event()  # the step is over
+        self.updated = False  # the step changed the state
+        self.write_asked = False
+        self.error: BaseException | None = None
+
+
 class _GroupState:
     def __init__(self) -> None:
         self.committed = 0  # the version that holds the committed state
         self.staged = False  # the other version holds a step's result awaiting the verdict
-        self.buffer: torch.Tensor | None = None  # window buffer lent to the group
-        self.resident = threading.Event()
-        self.stepped = threading.Event()
-        self.updated = False
+        self.current: _Residency | None = None  # the latest read asked for
         # Staged writes and corrections asked for / finished: a read waits for those asked
         # for before it (not for its own stage's write, asked for later).
         self.writes_asked = self.writes_done = 0
         self.corrections_asked = self.corrections_done = 0
         self.verdict: Callable[[], None] | None = None  # commit/discard once written
-        self.error: BaseException | None = None
 
 
 class DiskStates:
@@ -264,13 +274,13 @@ class DiskStates:
         """READ_OPTIMIZER_STATES: returns at once; the step waits in `resident`."""
         self._raise_failure()
         state = self._groups[group]
-        if state.buffer is not None or state.resident.is_set():
+        if state.current is not None and not state.current.write_asked:
             raise RuntimeError(f"optimizer group {group} read twice before its write")
-        state.stepped.clear()
+        state.current = residency = _Residency()
         asked = self._asked(group)
-        self._reads.put(lambda: self._read(group, asked))
+        self._reads.put(lambda: self._read(group, residency, asked))
 
-    def _read(self, group: int, asked: tuple[int, int]) -> None:
+    def _read(self, group: int, residency: _Residency, asked: tuple[int, int]) -> None:
         state = self._groups[group]
         try:
             self._settle(group, asked)
@@ -281,51 +291,57 @@ class DiskStates:
                     if buffer is not None:
                         free.put(buffer)
                     raise DiskStateError(f"optimizer state file {self.path}: closed")
-                state.buffer = buffer
+                residency.buffer = buffer
             self._io(group, buffer, state.committed, write=False)
         except BaseException as error:  # noqa: BLE001 - handed to the step that waits
-            state.error = error
-        state.resident.set()
+            residency.error = error
+        residency.resident.set()
 
     def resident(self, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Wait for the group's read; its p, m, v in the window (a step's thread)."""
-        state = self._groups[group]
-        if not state.resident.wait(timeout=None) or state.buffer is None:
-            raise state.error or RuntimeError(f"optimizer group {group} stepped before its "
-                                              "READ_OPTIMIZER_STATES")
-        if state.error is not None:
-            raise state.error
-        return self.views(group, state.buffer)
+        residency = self._groups[group].current
+        if residency is None:
+            raise RuntimeError(f"optimizer group {group} stepped before its "
+                               "READ_OPTIMIZER_STATES")
+        residency.resident.wait()
+        if residency.error is not None:
+            raise residency.error
+        return self.views(group, residency.buffer)
 
     def stepped(self, group: int, updated: bool) -> None:
         """The step is over: `updated` says whether the window holds a new state."""
-        state = self._groups[group]
-        state.updated = updated
-        state.stepped.set()
+        residency = self._groups[group].current
+        if residency is not None:
+            residency.updated = updated
+            residency.stepped.set()
 
     def request_write(self, group: int, on_released: Callable[[], None]) -> None:
         """WRITE_OPTIMIZER_STATES: once the step is over, write its result to the staged
         version and give the buffer back (then `on_released`)."""
         self._raise_failure()
+        state = self._groups[group]
+        residency = state.current
+        if residency is None or residency.write_asked:
+            raise RuntimeError(f"optimizer group {group} written without a read before")
+        residency.write_asked = True
         with self._cond:
-            self._groups[group].writes_asked += 1
-        self._writes.put(lambda: self._write(group, on_released))
+            state.writes_asked += 1
+        self._writes.put(lambda: self._write(group, residency, on_released))
 
-    def _write(self, group: int, on_released: Callable[[], None]) -> None:
+    def _write(self, group: int, residency: _Residency,
+               on_released: Callable[[], None]) -> None:
         state = self._groups[group]
         try:
-            state.resident.wait()  # posted after its read: never waits for a later one
-            state.stepped.wait()
-            if state.error is None and state.updated:
-                self._io(group, state.buffer, 1 - state.committed, write=True)
+            residency.resident.wait()  # posted after its read: never waits for a later one
+            residency.stepped.wait()
+            if residency.error is None and residency.updated:
+                self._io(group, residency.buffer, 1 - state.committed, write=True)
                 state.staged = True
         except BaseException as error:  # noqa: BLE001 - raised on the main thread
             self._failure = self._failure or error
         finally:
             with self._cond:
-                buffer, state.buffer = state.buffer, None
-            state.resident.clear()
-            state.error = None
+                buffer, residency.buffer = residency.buffer, None
             on_released()
             if buffer is not None:
                 self._free[self.classes[group]].put(buffer)
@@ -426,10 +442,12 @@ class DiskStates:
         for free in self._free.values():
             free.put(None)  # a read waiting for a buffer
         for state in self._groups:
-            state.error = state.error or DiskStateError(f"optimizer state file {self.path}: "
-                                                        "closed")
-            state.resident.set()
-            state.stepped.set()
+            residency = state.current
+            if residency is not None:
+                residency.error = residency.error or DiskStateError(
+                    f"optimizer state file {self.path}: closed")
+                residency.resident.set()
+                residency.stepped.set()
         for thread in self._threads:
             thread.join()
         self._file.close(unlink=True)
