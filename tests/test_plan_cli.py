@@ -260,3 +260,25 @@ def test_a_hardware_file_that_is_not_json_is_one_line(content, fragment, tmp_pat
     assert len(err) == 1, err
     assert f"--hardware {path}" in err[0] and "is not a JSON profile" in err[0]
     assert fragment in err[0]
+
+
+def test_the_nvme_tier_is_suggested_before_more_nodes_when_the_node_has_drives(capsys,
+                                                                               tmp_path):
+    """110B on 2 paper nodes (1 layer per stage): no precision fits host memory, the states
+    on the drives with bf16 m and v do, at the same 2 nodes; the same node without drives
+    needs more nodes. The plan with the tier says how busy the drive is."""
+    run = ("--model-preset", "110b", "--bf16", "--hardware", "paper-v100", "--nodes", "2",
+           "--forward-stages", "80", "--backward-split", "1")
+    code, out = plan(capsys, *run)
+    assert code == 3
+    nearest = out["nearest_fit"]
+    assert nearest["fits"] and nearest["nodes"] == 2
+    assert "--optimizer-state-location nvme" in nearest["flags"]
+    assert nearest["nvme_busy_s"] <= nearest["predicted_iteration_s"]
+    assert 0 < nearest["nvme_bytes_per_node"] <= 7.68e12
+    values = dict(vars(get_hardware("paper-v100")), name="no-drives", nvme_read_bytes_per_s=0,
+                  nvme_write_bytes_per_s=0, nvme_capacity_bytes=0)
+    (tmp_path / "no-drives.json").write_text(json.dumps(values))
+    code, out = plan(capsys, *run[:4], str(tmp_path / "no-drives.json"), *run[5:])
+    assert code == 3 and "nvme" not in out["nearest_fit"]["flags"]
+    assert out["nearest_fit"]["nodes"] > 2

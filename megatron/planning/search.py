@@ -146,7 +146,7 @@ def nearest_fit(run: RunConfig, base: Evaluation, hardware: HardwareProfile,
     first. Host memory and /dev/shm are per node: at the run's nodes, the optimizer state's
     cheaper precisions (`cheaper_precisions`) are tried first (the same schedule, planned
     again), then the states on the node's NVMe drives when the profile has them (the
-    schedule with their reads and writes); when none fits the node, more nodes, from the count the shortfall at the cheapest
+    schedule with their reads and writes) if that fits; when none fits the node, more nodes, from the count the shortfall at the cheapest
     precision implies, each with the run's precision first, then the cheaper ones. GPU
     memory: another backward split, more forward stages (one more per rank, d = 1), a smaller
     micro-batch, then one or two more nodes. At most `max_tries` configurations are built (a
@@ -164,14 +164,10 @@ def nearest_fit(run: RunConfig, base: Evaluation, hardware: HardwareProfile,
                 break
     if not per_node_fits(base):
         on_disk = states_on_nvme(run, base, hardware)
-        if on_disk is not None:
-            for precision in precisions:  # the same schedule with the disk's reads, writes
-                found = repriced(run, on_disk, precision, hardware)
-                if per_node_fits(found):
-                    if found.fits:
-                        return simulated(run, found, hardware)
-                    base = found
-                    break
+        for precision in precisions if on_disk is not None else ():
+            found = repriced(run, on_disk, precision, hardware)  # the same schedule's memory
+            if found.fits:  # (GPU memory short too: more nodes, below, help both)
+                return simulated(run, found, hardware)
     c = base.config
     tries: list[Configuration] = []
     if not per_node_fits(base):
