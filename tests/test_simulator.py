@@ -6,8 +6,14 @@ import pytest
 
 from megatron.config.model import count_parameters
 from megatron.config.presets import get_preset
-from megatron.schedules.cost_model import derived_costs, model_partition, uniform_costs
+from megatron.schedules.cost_model import (
+    derived_costs,
+    model_partition,
+    rollback_time,
+    uniform_costs,
+)
 from megatron.schedules.generators import build_schedule
+from megatron.schedules.hardware import HARDWARE_PROFILES, HardwareProfile, get_hardware
 from megatron.schedules.instructions import BLOCKING_RECVS, BLOCKING_SENDS
 from megatron.schedules.simulator import simulate
 from megatron.schedules.timeline import write_chrome_trace, write_timeline_png
@@ -99,13 +105,41 @@ def test_derived_costs_follow_the_parameter_count_and_hardware():
                              preset.vocab_size).total
     # fp16 parameters over ~12 GB/s PCIe; the pieces add up to the whole model.
     assert sum(costs.param_transfer.values()) == pytest.approx(2 * total / 12e9)
-    # Node CPU (1.5e9 params/s) shared by its 4 GPUs.
-    assert sum(costs.optimizer.values()) == pytest.approx(total / (1.5e9 / 4))
+    # The node's CPU Adam rate shared by its 4 GPUs.
+    hardware = get_hardware("paper-v100")
+    assert sum(costs.optimizer.values()) == pytest.approx(
+        total / (hardware.cpu_optimizer_params_per_s / 4))
+    # Every forward and backward pass pays the profile's host overhead once.
+    overhead = hardware.pass_overhead_s
     for piece, backward in costs.backward.items():
-        assert backward == pytest.approx(2 * costs.recompute[piece])
-    assert sum(costs.forward) == pytest.approx(sum(costs.recompute.values()))
+        assert backward == pytest.approx(2 * costs.recompute[piece] + overhead)
+    assert sum(costs.forward) == pytest.approx(sum(costs.recompute.values()) + stages * overhead)
     # The balanced partition evens out the head's extra cost.
     assert max(costs.forward) / min(costs.forward) < 1.25
+
+
+def test_pass_overhead_is_zero_unless_a_profile_sets_it_and_adds_once_per_pass():
+    assert all(HARDWARE_PROFILES[name].pass_overhead_s == 0.0
+               for name in ("h100-sxm", "dgx-h100"))
+    preset = get_preset("10b")
+    schedule = build_schedule("decoupled", 4, 8, 3, 4, model_partition(preset, 8, min_layers=3))
+    base = get_hardware("h100-sxm")
+    plain = derived_costs(schedule, preset, base, micro_batch_size=2)
+    slow = derived_costs(schedule, preset,
+                         HardwareProfile(
+                             **{**vars(base), "pass_overhead_s": 0.05}), micro_batch_size=2)
+    assert slow.forward == pytest.approx([t + 0.05 for t in plain.forward])
+    assert all(slow.backward[b] == pytest.approx(plain.backward[b] + 0.05) for b in plain.backward)
+    assert slow.recompute == plain.recompute and slow.optimizer == plain.optimizer
+
+
+def test_rollback_costs_one_more_optimizer_pass_of_the_slowest_rank():
+    preset = get_preset("10b")
+    schedule = build_schedule("decoupled", 4, 8, 3, 4, model_partition(preset, 8, min_layers=3))
+    costs = derived_costs(schedule, preset, "paper-v100", micro_batch_size=2)
+    per_rank = [sum(costs.optimizer[b] for b in schedule.owned_by(r)) for r in range(4)]
+    assert rollback_time(schedule, costs) == pytest.approx(max(per_rank))
+    assert rollback_time(schedule, uniform_costs(schedule)) == 0.0
 
 
 def test_timeline_png_and_chrome_trace(tmp_path):

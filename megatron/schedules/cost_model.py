@@ -173,9 +173,10 @@ def derived_costs(
     """Costs of `model` on `hardware` for the schedule's partition (layers per stage).
 
     Backward is twice the forward, recompute equals the forward; parameters and gradients
-    move in 16-bit; the CPU optimizer throughput of a node is shared by its GPUs. A
-    schedule with READ/WRITE_OPTIMIZER_STATES reads and writes `optimizer_bytes` per
-    parameter on the node's drives.
+    move in 16-bit; the CPU optimizer throughput of a node is shared by its GPUs; every
+    forward and backward pass adds the profile's `pass_overhead_s`. A schedule with
+    READ/WRITE_OPTIMIZER_STATES reads and writes `optimizer_bytes` per parameter on the
+    node's drives.
     """
     model = get_preset(model) if isinstance(model, str) else model
     hardware = get_hardware(hardware) if isinstance(hardware, str) else hardware
@@ -204,9 +205,13 @@ def derived_costs(
         for stage in range(schedule.forward_stages)
     )
     activation_bytes = 2.0 * tokens * model.hidden_size
+    # One FORWARD per forward stage and one BACKWARD per backward stage pay the per-pass
+    # host overhead (a d-way split pays it d times per micro-batch; the recompute runs in
+    # the backward's pass)
+    overhead = hardware.pass_overhead_s
     return CostModel(
-        forward=forward,
-        backward={piece: 2.0 * t for piece, t in forward_piece.items()},
+        forward=tuple(t + overhead for t in forward),
+        backward={piece: 2.0 * t + overhead for piece, t in forward_piece.items()},
         recompute=dict(forward_piece),
         optimizer={piece: n / optimizer_rate for piece, n in params.items()},
         param_transfer={piece: 2.0 * n / hardware.pcie_bytes_per_s for piece, n in params.items()},
@@ -234,6 +239,15 @@ def _disk_costs(schedule: Schedule, params: dict, hardware: HardwareProfile,
         write={b: optimizer_bytes * n / hardware.nvme_write_bytes_per_s
                for b, n in params.items()},
         ranks_per_node=hardware.gpus_per_node)
+
+
+def rollback_time(schedule: Schedule, costs: CostModel) -> float:
+    """One rollback after a failed post-step check (SysX 3.3): Adam's step is reversed
+    arithmetically, one more pass over every backward stage's parameters on its owner's CPU
+    lane at the optimizer's rate, all ranks at once, nothing on the GPUs to hide it. The
+    time of the slowest rank."""
+    return max((sum(costs.optimizer[b] for b in schedule.owned_by(rank))
+                for rank in range(schedule.ranks)), default=0.0)
 
 
 def model_partition(

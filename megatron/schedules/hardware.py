@@ -50,6 +50,10 @@ class HardwareProfile:
     nvme_read_bytes_per_s: float = 0.0
     nvme_write_bytes_per_s: float = 0.0
     nvme_capacity_bytes: int = 0
+    # Host time of one forward or backward pass of a stage that the GPU does not hide
+    # (Python and Megatron's per-pass work, kernel launches, stream and event syncs), added
+    # to every FORWARD/BACKWARD instruction's compute time (0: none, the ideal launch)
+    pass_overhead_s: float = 0.0
     device_kind: str = "cuda"  # "cpu": the CPU device layer plays the GPUs (tests, CI)
     source: str = ""  # where the figures come from
 
