@@ -24,6 +24,7 @@ from megatron.schedules.hardware import get_hardware, update_rates
 from megatron.schedules.lowering import SYNCHRONOUS_OPTIMIZER
 from megatron.schedules.memory_model import GPU_TERMS, NODE_TERMS, plan_memory, shape_report
 from megatron.schedules.optimizer_placement import place_device_subgroups
+from megatron.schedules.optimizer_stride import auto_split
 from megatron.schedules.simulator import simulate
 from megatron.schedules.validator import validate
 from megatron.training.arguments import parse_args
@@ -119,13 +120,16 @@ def test_search_finds_what_simulating_everything_finds(hardware):
 def test_the_search_compares_the_optimizer_gpu_stride_of_eq1():
     run = _run("--hardware", "paper-v100")
     profile = plan_evaluate.plan_hardware(run)
-    # Eq. 1 over the profile's rates: k_real 0.39 < 1, the GPU-heavy device:4 (3 of 4 there)
-    assert plan.searched_strides(run, profile) == (0, -4)
+    # Eq. 1 over the profile's calibrated rates: k_real 0.80, where the stride 2 and
+    # device:2 tie (half the subgroups on the device) and the stride is kept
+    split = auto_split(update_rates(profile)).split
+    assert split == 2
+    assert plan.searched_strides(run, profile) == (0, split)
     ranked = plan.search(run, profile).ranked
     chosen, _ = plan.auto_configure(run, profile)
     # exposed updates are where the V100 node loses
-    assert chosen.cpu_optimizer.optimizer_gpu_stride == -4
-    assert "--optimizer-gpu-stride device:4" in ranked[0].config.flags()
+    assert chosen.cpu_optimizer.optimizer_gpu_stride == split
+    assert "--optimizer-gpu-stride 2" in ranked[0].config.flags()
     # a stride is offered only where it is predicted faster than the CPU alone
     plain = plan_evaluate.evaluate(run, replace(ranked[0].config, optimizer_gpu_stride=0),
                                    profile)
