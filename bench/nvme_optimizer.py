@@ -22,7 +22,8 @@ request to the last write done. In the same interleaved rounds, on the same dire
 part 1 references write and read a file of the stage's state bytes: the disk's limit for
 the step is state_bytes / read_bw + state_bytes / write_bw (the best reference per
 direction), and ours_over_disk_limit = limit time / our time. The same step with the
-states in host memory (no disk) shows the CPU time the I/O hides.
+states in host memory (no disk) shows the CPU time the I/O hides, and with a window of
+every group (ours_windowG, another file) what the window's bound on host memory costs.
 
 Part 3, iteration(): pretrain_llama.py --pipeline-schedule decoupled on 2 processes
 (torchrun, OMP_NUM_THREADS=1; --train-iters 12 unless --presets says, e.g. small:5) with
@@ -274,88 +275,109 @@ def _host_step(adam: CPUAdamW, grads: list[torch.Tensor], outs: list[torch.Tenso
     return time.perf_counter() - start
 
 
+def _fdatasync(path: str) -> float:
+    """Seconds a flush of the file's data to the drive takes (after O_DIRECT: its cache)."""
+    start = time.perf_counter()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fdatasync(fd)
+    finally:
+        os.close(fd)
+    return time.perf_counter() - start
+
+
 def stage_step(directory: str, params: int = 100_000_000, groups: int = 8, rounds: int = 3,
-               window: int = 2) -> dict:
+               window: int = 2, whole_window: bool = True) -> dict:
     """A stage's optimizer step with its states streamed from and to a file on `directory`
     (DiskStates, as the runtime does) against the disk's limit for the same bytes,
-    measured by the references in the same interleaved rounds."""
+    measured by the references in the same interleaved rounds. With whole_window, the same
+    step again with a window of every group (no read waits for a buffer) shows what the
+    window's bound costs."""
     _require_disk(directory)
     if groups < 1 or params < groups:
         raise ValueError(f"params={params}, groups={groups}: expected 1 <= groups <= params")
     numels = [params // groups + (g < params % groups) for g in range(groups)]
+    windows = [window] + ([groups] if whole_window and groups > window else [])
     scratch = tempfile.mkdtemp(prefix="bench-nvme-stage-", dir=directory)
-    disk: DiskStates | None = None
+    disks: dict[str, DiskStates] = {}
     try:
-        # one class of groups: `window` buffers of the (equal) groups, as the runtime's
-        # window of large decayed groups; the small no-decay groups it also holds are absent
-        disk = DiskStates(scratch, numels, torch.float32, torch.float32, window=window,
-                          job="bench", rank=0, log=lambda line: print(line, file=sys.stderr))
         gen = torch.Generator().manual_seed(0)
         start = [torch.randn(n, generator=gen) for n in numels]
         hyper = dict(lr=1e-4, weight_decay=0.1)
-        on_disk = CPUAdamW(start, disk=disk, **hyper)
+        on_disk: dict[str, CPUAdamW] = {}
+        for w in windows:
+            name = "ours" if w == window else f"ours_window{w}"
+            # one class of groups: `w` buffers of the (equal) groups, as the runtime's window
+            # of large decayed groups (the small no-decay groups it also holds are absent)
+            disks[name] = DiskStates(scratch, numels, torch.float32, torch.float32, window=w,
+                                     job=f"bench-w{w}", rank=0,
+                                     log=lambda line: print(line, file=sys.stderr))
+            on_disk[name] = CPUAdamW(start, disk=disks[name], **hyper)
         in_host = CPUAdamW(start, **hyper)
         del start
         grads = [torch.randn(n, generator=gen).to(torch.bfloat16) for n in numels]
         outs = [torch.empty(n, dtype=torch.bfloat16) for n in numels]
-        state_bytes = sum(r.version_bytes for r in disk.regions)  # read, then written, once
+        # read, then written, once per step
+        state_bytes = sum(r.version_bytes for r in disks["ours"].regions)
         ref_bytes = _whole_dd_blocks(state_bytes)
         ref_path = os.path.join(scratch, "reference.bin")
         StateFile(ref_path, ref_bytes, Engine(1, MiB)).close(unlink=False)
         buf = aligned_empty(ref_bytes)
         buf.copy_(torch.randint(0, 256, (ref_bytes,), dtype=torch.uint8, generator=gen))
         references = reference_methods()
-        names = [*references, "ours", "host_step"]
+        names = [*references, *on_disk, "host_step"]
         ref_times: dict[str, list[tuple[float, float]]] = {name: [] for name in references}
-        ours: list[float] = []
+        ours: dict[str, list[float]] = {name: [] for name in on_disk}
         host: list[float] = []
         sync: list[float] = []
         for round_ in range(rounds):
             k = round_ * len(names) // rounds  # rotate which goes first
             for name in names[k:] + names[:k]:
-                if name == "ours":
-                    ours.append(_disk_step(on_disk, disk, grads, outs))
-                    # the runtime never syncs: what a flush of the drive's cache adds after
-                    t0 = time.perf_counter()
-                    fd = os.open(disk.path, os.O_RDONLY)
-                    try:
-                        os.fdatasync(fd)
-                    finally:
-                        os.close(fd)
-                    sync.append(time.perf_counter() - t0)
-                    said = f"{ours[-1]:.2f} s (+ fdatasync {sync[-1]:.3f} s)"
+                if name in on_disk:
+                    ours[name].append(_disk_step(on_disk[name], disks[name], grads, outs))
+                    said = f"{ours[name][-1]:.2f} s"
+                    if name == "ours":  # the runtime never syncs: what a flush adds after
+                        sync.append(_fdatasync(disks[name].path))
+                        said += f" (+ fdatasync {sync[-1]:.3f} s)"
                 elif name == "host_step":
                     host.append(_host_step(in_host, grads, outs))
                     said = f"{host[-1]:.2f} s"
                 else:
-                    ref_times[name].append(references[name](ref_path, ref_bytes, buf))
-                    said = f"write {ref_times[name][-1][0]:.2f} s read {ref_times[name][-1][1]:.2f} s"
+                    w, r = references[name](ref_path, ref_bytes, buf)
+                    ref_times[name].append((w, r))
+                    said = f"write {w:.2f} s read {r:.2f} s"
                 print(f"stage step round {round_ + 1}: {name} {said}", file=sys.stderr)
-        if any(on_disk.step_count(g) != in_host.step_count(g) for g in range(groups)):
-            raise RuntimeError("the disk and host optimizers took different numbers of steps")
+        for adam in on_disk.values():
+            if any(adam.step_count(g) != in_host.step_count(g) for g in range(groups)):
+                raise RuntimeError("the disk and host optimizers took different numbers of steps")
     finally:
-        if disk is not None:
+        for disk in disks.values():
             disk.close()
         shutil.rmtree(scratch, ignore_errors=True)
     rates = {name: _rates(ref_bytes, t) for name, t in ref_times.items()}
     read_bw = [max(r["read"][i] for r in rates.values()) for i in range(rounds)]
     write_bw = [max(r["write"][i] for r in rates.values()) for i in range(rounds)]
     limit = [state_bytes / r + state_bytes / w for r, w in zip(read_bw, write_bw)]
-    return {
+    report = {
         "params": params, "groups": groups, "window": window,
         "state_bytes": state_bytes, "state_file_bytes": 2 * state_bytes,
         "reference_bytes": ref_bytes, "rounds": rounds,
         "disk_limit_read_bytes_per_s": _rounded(spread(read_bw), None),
         "disk_limit_write_bytes_per_s": _rounded(spread(write_bw), None),
         "disk_limit_s": _rounded(spread(limit), 3),
-        "ours_s": _rounded(spread(ours), 3),
-        "ours_fdatasync_after_s": _rounded(spread(sync), 4),
-        "ours_over_disk_limit": _rounded(spread([lim / t for lim, t in zip(limit, ours)]), 3),
-        "ours_bytes_per_s": _rounded(spread([2 * state_bytes / t for t in ours]), None),
         "host_memory_step_s": _rounded(spread(host), 3),
-        "reference_bytes_per_s": {name: {kind: _rounded(spread(v), None) for kind, v in r.items()
-                                         if kind != "combined"} for name, r in rates.items()},
+        "ours_fdatasync_after_s": _rounded(spread(sync), 4),
     }
+    for name, times in ours.items():
+        report[f"{name}_s"] = _rounded(spread(times), 3)
+        report[f"{name}_over_disk_limit"] = _rounded(
+            spread([lim / t for lim, t in zip(limit, times)]), 3)
+        report[f"{name}_bytes_per_s"] = _rounded(
+            spread([2 * state_bytes / t for t in times]), None)
+    report["reference_bytes_per_s"] = {
+        name: {kind: _rounded(spread(v), None) for kind, v in r.items() if kind != "combined"}
+        for name, r in rates.items()}
+    return report
 
 
 def _train(preset: str, metrics: str, extra: list[str], train_iters: int) -> list[dict]:
@@ -445,6 +467,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="part 2's stage, in fp32 parameters (12 bytes of state each), e.g. 50M")
     p.add_argument("--groups", type=int, default=8, help="part 2's groups of the stage")
     p.add_argument("--window", type=int, default=2, help="part 2's window, in groups")
+    p.add_argument("--no-whole-window", action="store_true",
+                   help="part 2: skip the comparison step with a window of every group")
     p.add_argument("--presets", default="tiny",
                    help="part 3's model presets, comma-separated, each with its training "
                         "iterations after a colon (default 12), e.g. tiny,small:5")
@@ -463,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
         report["disk"] = disk_limit(args.dir, args.bytes, args.rounds)
     if "stage_step" in parts:
         report["stage_step"] = stage_step(args.dir, args.params, args.groups, args.rounds,
-                                          args.window)
+                                          args.window, not args.no_whole_window)
     if "iteration" in parts:
         report["iteration"] = {}
         for item in args.presets.split(","):
