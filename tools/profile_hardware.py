@@ -12,8 +12,10 @@ fp32 -> bf16 conversion (the optimizer GPU stride's rates), the device's matmul 
 shapes: one decoder layer's forward at two micro-batch sizes, fitted to the cost model's
 efficiency curve (on CUDA the GPU's; on the CPU device layer the CPU's), the bandwidth between two
 devices (two GPUs when there are; on the CPU layer the loopback socket gloo would use);
-free /dev/shm, host memory and `ulimit -l`. The fields are those of the built-in profiles
-(megatron/schedules/hardware_profiles/).
+free /dev/shm, host memory and `ulimit -l`. With --nvme-path DIR, the drive for optimizer
+states on NVMe: O_DIRECT sequential write then read of a temporary file in DIR through the
+state-file engine, and DIR's free bytes as the capacity. The fields are those of the
+built-in profiles (megatron/schedules/hardware_profiles/).
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ import argparse
 import mmap
 import os
 import platform
+import re
 import resource
 import socket
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -33,12 +37,20 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from bench.nvme_optimizer import filesystem_of  # noqa: E402
 from megatron.common.files import atomic_write  # noqa: E402
 from megatron.config.presets import get_preset  # noqa: E402
 from megatron.models.llama import LlamaConfig, build_piece  # noqa: E402
 from megatron.offload.device import get_device  # noqa: E402
 from megatron.offload.shm_space import DEFAULT_SHM_DIR, free_bytes  # noqa: E402
 from megatron.optimizer.cpu_adam import CPUAdamW, usable_cores  # noqa: E402
+from megatron.optimizer.state_io import (  # noqa: E402
+    StateFile,
+    aligned_empty,
+    direct_io_supported,
+    disk_free_bytes,
+    shared_engine,
+)
 from megatron.pipeline.optimizer_calibration import device_update_rate, downscale_rate  # noqa: E402
 from megatron.schedules.cost_model import layer_forward_flops_per_token  # noqa: E402
 from megatron.schedules.hardware import HardwareProfile  # noqa: E402
@@ -193,6 +205,44 @@ def gpu_p2p_rate(nbytes: int) -> float:
     return best_rate(run, nbytes)
 
 
+def nvme_rates(directory: str, nbytes: int, repeats: int = 2) -> tuple[float, float]:
+    """O_DIRECT sequential write (until fdatasync) and read bytes/s of a temporary file in
+    `directory`, through the engine the optimizer states use; the best of `repeats`. The
+    file is removed after."""
+    if filesystem_of(directory) in ("tmpfs", "ramfs") or not direct_io_supported(directory):
+        raise ValueError(f"{directory} is not on a drive that takes O_DIRECT: the rate "
+                         "would be memory's, not the drive's")
+    fd, path = tempfile.mkstemp(prefix=".profile-hardware-", suffix=".nvme", dir=directory)
+    os.close(fd)
+    buf = aligned_empty(nbytes)
+    buf.copy_(torch.randint(0, 256, (buf.numel(),), dtype=torch.uint8))  # not all zeros
+    write_s = read_s = float("inf")
+    try:
+        f = StateFile(path, buf.numel(), shared_engine())  # the runtime's engine (4 threads)
+        try:
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                f.write_from(buf, 0).wait()
+                os.fdatasync(f.fd)  # counts until the data is on the drive
+                write_s = min(write_s, time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                f.read_into(buf, 0).wait()
+                read_s = min(read_s, time.perf_counter() - t0)
+        finally:
+            f.close(unlink=False)
+    finally:
+        os.unlink(path)
+    return buf.numel() / write_s, buf.numel() / read_s
+
+
+def parse_mib(text: str) -> int:
+    """'256MiB', '16MiB', '1GiB' -> bytes (at least 1 MiB)."""
+    m = re.fullmatch(r"(\d+)\s*(MiB|GiB)", text.strip())
+    if not m or int(m.group(1)) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected e.g. 256MiB or 1GiB")
+    return int(m.group(1)) * (MIB if m.group(2) == "MiB" else 1024 * MIB)
+
+
 def meminfo(key: str) -> int:
     with open("/proc/meminfo", encoding="ascii") as f:
         for line in f:
@@ -259,6 +309,18 @@ def profile(args: argparse.Namespace) -> HardwareProfile:
     progress(f"host memory {host_total / 2**30:.1f} GiB, /dev/shm free {shm_free / 2**30:.1f} "
              f"GiB, ulimit -l {'unlimited' if memlock is None else memlock}"
              + (f", GPU memory {gpu_memory / 2**30:.1f} GiB" if on_cuda else ""))
+    nvme_read = nvme_write = 0.0
+    nvme_capacity = 0
+    nvme_source = ""
+    if args.nvme_path:
+        nvme_write, nvme_read = nvme_rates(args.nvme_path, args.nvme_bytes)
+        nvme_capacity = disk_free_bytes(args.nvme_path)
+        progress(f"NVMe {args.nvme_path}: O_DIRECT write {nvme_write / 1e9:.2f} GB/s, read "
+                 f"{nvme_read / 1e9:.2f} GB/s ({args.nvme_bytes // MIB} MiB), "
+                 f"{nvme_capacity / 2**30:.1f} GiB free")
+        nvme_source = (f"; NVMe: one drive, {args.nvme_path}, O_DIRECT sequential write "
+                       f"(with fdatasync) then read of {args.nvme_bytes // MIB} MiB through "
+                       "the state-file engine, capacity the free bytes of its file system")
     name = args.name or f"{platform.node()}-{device.kind}"
     what = (torch.cuda.get_device_name(0) if on_cuda else f"CPU device layer on {platform.processor() or platform.machine()}")
     profile = HardwareProfile(
@@ -284,11 +346,14 @@ def profile(args: argparse.Namespace) -> HardwareProfile:
         shm_bytes=shm_free,
         memlock_bytes=memlock,
         process_baseline_bytes=rss_anon(),
+        nvme_read_bytes_per_s=nvme_read,
+        nvme_write_bytes_per_s=nvme_write,
+        nvme_capacity_bytes=nvme_capacity,
         device_kind=device.kind,
         source=f"measured on {time.strftime('%Y-%m-%d')} in "
                f"{time.perf_counter() - started:.0f} s (compute: a decoder layer of the {preset.name} "
                "preset; the C++ AdamW rate is one process's times the GPUs per node, which "
-               "assumes they do not contend for memory bandwidth)",
+               "assumes they do not contend for memory bandwidth)" + nvme_source,
     )
     device.close()
     return profile
@@ -306,7 +371,20 @@ def main(argv: list[str] | None = None) -> int:
                         help="whose layer shapes the matmul uses (default: small)")
     parser.add_argument("--bf16", action="store_true",
                         help="measure the matmul in bf16 on the CPU layer (CUDA: always)")
+    parser.add_argument("--nvme-path", default=None, metavar="DIR",
+                        help="measure the drive for optimizer states on NVMe: a temporary "
+                             "file in DIR (removed after); default: the NVMe fields stay 0")
+    parser.add_argument("--nvme-bytes", type=parse_mib, default=256 * MIB, metavar="SIZE",
+                        help="the temporary file's size (default 256MiB)")
     args = parser.parse_args(argv)
+    if args.nvme_path is not None and not os.path.isdir(args.nvme_path):
+        parser.exit(2, f"{parser.prog}: error: --nvme-path {args.nvme_path}: not a directory\n")
+    if args.nvme_path is not None and (filesystem_of(args.nvme_path) in ("tmpfs", "ramfs")
+                                       or not direct_io_supported(args.nvme_path)):
+        # tmpfs takes O_DIRECT on recent kernels, but it is memory, not a drive
+        parser.exit(2, f"{parser.prog}: error: --nvme-path {args.nvme_path}: on "
+                       f"{filesystem_of(args.nvme_path)}, not a drive that takes O_DIRECT; "
+                       "choose a directory on the drive\n")
     if args.gpus_per_node is not None and args.gpus_per_node < 1:
         parser.exit(2, f"{parser.prog}: error: --gpus-per-node {args.gpus_per_node}: "
                        "expected a positive integer\n")
