@@ -55,6 +55,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from bench.spread import spread  # noqa: E402
+from megatron.offload.reaper_client import REAPER  # noqa: E402
 from megatron.optimizer.cpu_adam import CPUAdamW  # noqa: E402
 from megatron.optimizer.disk_states import DiskStates  # noqa: E402
 from megatron.optimizer.state_io import (  # noqa: E402
@@ -312,7 +313,7 @@ def stage_step(directory: str, params: int = 100_000_000, groups: int = 8, round
             # one class of groups: `w` buffers of the (equal) groups, as the runtime's window
             # of large decayed groups (the small no-decay groups it also holds are absent)
             disks[name] = DiskStates(scratch, numels, torch.float32, torch.float32, window=w,
-                                     job=f"bench-w{w}", rank=0,
+                                     job=f"bench-w{w}", rank=0, tracker=REAPER,
                                      log=lambda line: print(line, file=sys.stderr))
             on_disk[name] = CPUAdamW(start, disk=disks[name], **hyper)
         in_host = CPUAdamW(start, **hyper)
