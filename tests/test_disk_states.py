@@ -204,3 +204,30 @@ def test_the_next_iterations_read_may_be_asked_for_while_the_write_is_still_queu
     finally:
         gate.set()
         disk.close()
+
+
+def test_a_failed_write_is_one_line_naming_the_file_at_the_next_request(tmp_path):
+    """The drive refuses a write (here: ENOSPC injected): the writer thread keeps the error
+    and the program's next request raises it, one line naming the file and the cause."""
+    import errno
+
+    from megatron.optimizer.disk_states import DiskStateError
+
+    _, nvme, disk = pair(tmp_path)
+
+    def full(buffer, offset):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), disk.path)
+    disk._file.write_from = full
+    try:
+        nvme.request_read(0)
+        nvme.step_group(0, torch.randn(SIZES[0]))
+        nvme.request_write(0)
+        nvme.commit_group(0)
+        disk.wait_written(0)
+        with pytest.raises(DiskStateError) as failed:
+            nvme.request_read(0)
+        message = str(failed.value)
+        assert "\n" not in message and disk.path in message
+        assert "No space left on device" in message
+    finally:
+        disk.close()

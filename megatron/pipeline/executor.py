@@ -55,6 +55,7 @@ from megatron.offload.device import DeviceLayer, Event
 from megatron.offload.layout import bind_gradients
 from megatron.offload.param_store import ParameterStore
 from megatron.offload.prefetch import Slot
+from megatron.optimizer.disk_states import DiskStateError
 from megatron.optimizer.group_optimizer import AsyncGroupOptimizer
 from megatron.pipeline.buffers import RankBuffers
 from megatron.pipeline.iteration_stats import IterationStats
@@ -159,6 +160,9 @@ class PipelineExecutor:
                 with _profiled(instr):
                     self._execute(instr)
             except Exception as exc:
+                fault = _state_file_fault(exc)
+                if fault is not None:  # the drive, not the program: one line says it
+                    raise fault from exc
                 raise InstructionError(self.schedule, self.rank, index,
                                        f"iteration {iteration}", exc) from exc
             self._forget_sent_checkpoints()
@@ -502,6 +506,18 @@ def _act_ckpts_kept_locally(program: Sequence[Instruction]) -> frozenset:
     sent = {(i.stage, i.sub, i.mb) for i in program if i.op == Op.ISEND_CKPT}
     local = {(i.stage, i.sub, i.mb) for i in program if i.op == Op.BACKWARD} - received
     return frozenset(sent | local)
+
+
+def _state_file_fault(exc: BaseException) -> DiskStateError | None:
+    """The optimizer state file's I/O error behind `exc` (raised directly or by an
+    optimizer task), if any."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, DiskStateError):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 def _failure_to_inject(rank: int) -> tuple[int, int, str] | None:

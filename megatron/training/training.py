@@ -25,6 +25,7 @@ from megatron.data.sampling import training_micro_batches
 from megatron.models.llama import LlamaConfig
 from megatron.offload.shm import SegmentInUseError
 from megatron.offload.shm_space import ShmSpaceError
+from megatron.optimizer.disk_states import DiskStateError
 from megatron.pipeline.host_group import host_group
 from megatron.planning.evaluate import plan_hardware
 from megatron.planning.report import candidates_text, model_size, run_plan
@@ -403,6 +404,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             shutdown_distributed()
     except (ConfigError, CheckpointError) as exc:
         exit_bad_input(exc)
+    except DiskStateError as exc:  # the drive of --optimizer-nvme-path failed mid-run
+        print(f"pretrain_llama.py: error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
     except (SegmentInUseError, ShmSpaceError) as exc:
         # met by the ranks that create segments, not necessarily rank 0: each says it
         print(f"pretrain_llama.py: error: {exc}", file=sys.stderr, flush=True)
