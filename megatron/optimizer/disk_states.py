@@ -194,6 +194,15 @@ class DiskStates:
                                shared_engine(io_threads))
         self._tracker = tracker
         tracker.track(self.path)  # removed if this process dies without close()
+        try:
+            self._setup(numels, classes, window, directory, log)
+        except BaseException:  # e.g. no memory for the window: nothing left behind
+            self._file.close(unlink=True)
+            tracker.untrack(self.path)
+            raise
+
+    def _setup(self, numels: Sequence[int], classes: Sequence[int] | None, window: int,
+               directory: str | os.PathLike, log: Callable[[str], None]) -> None:
         if not self._file.direct:
             log(f"optimizer states: {directory} does not support O_DIRECT; using buffered "
                 "I/O (the page cache then holds copies of the states)")
