@@ -157,3 +157,40 @@ def test_a_killed_rank_leaves_no_state_file(tmp_path, demo_cache):
     while os.listdir(disk) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert os.listdir(disk) == []
+
+
+@pytest.mark.parametrize("extra,expected", [
+    (["--optimizer-nvme-path", "{missing}"], "an existing directory"),
+    (["--optimizer-nvme-path", "{file}"], "a directory, not a file"),
+    ([], "a directory on a local drive"),
+    (["--optimizer-nvme-path", "{drive}", "--pipeline-schedule", "single"],
+     "NVMe states need a pipeline"),
+    (["--optimizer-nvme-path", "{drive}", "--optimizer-gpu-resident-fraction", "0.5"],
+     "the static split"),
+])
+def test_bad_nvme_flags_are_one_line_and_exit_2(tmp_path, capsys, extra, expected):
+    from megatron.training.arguments import parse_args
+
+    (tmp_path / "file").write_text("x")
+    paths = {"missing": tmp_path / "nope", "file": tmp_path / "file", "drive": tmp_path}
+    argv = ["--model-preset", "tiny", "--optimizer-state-location", "nvme",
+            *[a.format(**paths) for a in extra]]
+    with pytest.raises(SystemExit) as stop:
+        parse_args(argv)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and expected in err[0] and "--optimizer-" in err[0]
+
+
+def test_one_process_with_states_on_disk_runs_its_one_rank_pipeline(tmp_path, demo_cache):
+    """Without a pipeline flag one process trains the whole model with torch's AdamW in
+    memory; with the states on NVMe it runs the one-rank pipeline (the CPU optimizer and
+    its disk tier) instead of ignoring the flag."""
+    disk = tmp_path / "drive"
+    disk.mkdir()
+    run = launch(tmp_path, "one", 1, "--train-iters", "2", "--eval-iters", "0",
+                 "--optimizer-state-location", "nvme", "--optimizer-nvme-path", str(disk))
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert "optimizer states on NVMe in" in run.stdout
+    assert len(metrics(run)) == 2
+    assert os.listdir(disk) == []

@@ -73,7 +73,8 @@ def runs_pipeline(run: RunConfig, world_size: int) -> bool:
             or p.pipeline_schedule not in (None, "single")
             or p.schedule_file is not None
             or "bf16" in (run.precision.optimizer_state_dtype,  # the CPU optimizer only
-                          run.precision.master_dtype))
+                          run.precision.master_dtype)
+            or run.cpu_optimizer.optimizer_state_location == "nvme")  # its disk tier too
 
 
 def make_train_step(run: RunConfig, model_cfg: LlamaConfig, dist_info: DistInfo) -> TrainStep:
