@@ -286,11 +286,11 @@ class CPUAdamW:
         return self.states(group)[2]
 
     def states(self, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """p, m, v of the group: live buffers in host memory, copies of the committed
-        state when on disk."""
+        """p, m, v of the group: live buffers in host memory; on disk, views of the
+        committed state in the mapped file (valid until the group's next commit)."""
         i = self._index(group)
         if self.disk is not None:
-            return self.disk.read_committed(i)
+            return self.disk.committed_views(i)
         self._host_state(i)
         return self._master[i], self._exp_avg[i], self._exp_avg_sq[i]
 

@@ -23,6 +23,7 @@ reaper when the process dies, and swept at the next start when their process is 
 
 from __future__ import annotations
 
+import mmap
 import os
 import queue
 import re
@@ -225,6 +226,7 @@ class DiskStates:
         self._writes: queue.Queue = queue.Queue()
         self._failure: BaseException | None = None
         self._closed = False
+        self._mapped: mmap.mmap | None = None  # the file, mapped for checkpoints
         self._threads = [threading.Thread(target=self._serve, args=(q,), daemon=True,
                                           name=f"optimizer-states-{kind}")
                          for kind, q in (("read", self._reads), ("write", self._writes))]
@@ -261,6 +263,10 @@ class DiskStates:
                         v: torch.Tensor | None = None) -> None:
         """Set the committed state (m, v zero when not given), synchronously."""
         self._settle(group, self._asked(group))
+        if self._is_committed_view(group, p):  # a load into committed_views(): in place
+            self._mapped.flush()  # on the drive before the next O_DIRECT read of it
+            self._groups[group].staged = False
+            return
         with self._scratch_lock:
             vp, vm, vv = self.views(group, self._scratch)
             vp.copy_(p)
@@ -276,6 +282,32 @@ class DiskStates:
         with self._scratch_lock:
             self._io(group, self._scratch, self._groups[group].committed, write=False)
             return tuple(t.clone() for t in self.views(group, self._scratch))
+
+    def committed_views(self, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """p, m, v of the committed version as views of the file mapped into memory, after
+        the group's pending writes and corrections: a checkpoint reads and loads through
+        the page cache, a stage at a time, instead of holding every state in host memory.
+        Valid until the group's next commit; a load into them is made durable by
+        `write_committed` with them."""
+        self._settle(group, self._asked(group))
+        if self._mapped is None:
+            fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
+            try:
+                self._mapped = mmap.mmap(fd, self._file.nbytes)
+            finally:
+                os.close(fd)
+        r = self.regions[group]
+        start = r.version_offset(self._groups[group].committed)
+        region = torch.frombuffer(self._mapped, dtype=torch.uint8, count=r.version_bytes,
+                                  offset=start)
+        return self.views(group, region)
+
+    def _is_committed_view(self, group: int, p: torch.Tensor) -> bool:
+        if self._mapped is None:
+            return False
+        r = self.regions[group]
+        base = torch.frombuffer(self._mapped, dtype=torch.uint8, count=1).data_ptr()
+        return p.data_ptr() == base + r.version_offset(self._groups[group].committed)
 
     # --- the program's reads and writes --------------------------------------------------
 
@@ -459,6 +491,11 @@ class DiskStates:
                 residency.stepped.set()
         for thread in self._threads:
             thread.join()
+        if self._mapped is not None:
+            try:
+                self._mapped.close()
+            except BufferError:  # a checkpoint's views still point into it: unmapped later
+                pass
         self._file.close(unlink=True)
         self._tracker.untrack(self.path)
 

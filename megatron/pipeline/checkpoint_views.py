@@ -5,8 +5,9 @@ the CPU optimizer (no copy), by LlamaModel parameter name; a load fills them in 
 data parallelism under ZeRO, every replica holds a shard of each stage, so `views()` are
 full tensors gathered from the replicas' shards (the checkpoint writer keeps one copy of
 tensors several ranks hold) and `restore` hands each replica its shard of what a load put
-in them. With the states on NVMe, `views()` are copies of the committed states read from
-the file, and `restore` writes what a load put in them back as the committed states.
+in them. With the states on NVMe, `views()` are views of the committed states in the
+state file mapped into memory (read and written through the page cache), and `restore`
+makes what a load put in them durable.
 
 A parameter lies in one of its stage's two optimizer groups (decayed elements first, then
 the others).
@@ -52,8 +53,8 @@ class CheckpointViews:
         return out
 
     def _group_states(self, group: int) -> tuple[torch.Tensor, ...]:
-        """The group's p, m, v: the optimizer's live buffers, or (on disk) copies kept
-        until the next views() so that a load's values reach restore()."""
+        """The group's p, m, v: the optimizer's live buffers, or (on disk) the mapped
+        committed state, kept until the next views() so that a load reaches restore()."""
         if self.adam.disk is None:
             return self.adam.states(group)
         if group not in self._copies:
