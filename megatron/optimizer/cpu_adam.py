@@ -276,7 +276,7 @@ class CPUAdamW:
         return len(self._master)
 
     def master(self, group: int) -> torch.Tensor:
-        """The group's master (on disk: a copy of the committed one)."""
+        """The group's master (on disk: a view of the committed one, see states())."""
         return self.states(group)[0]
 
     def exp_avg(self, group: int) -> torch.Tensor:
@@ -293,9 +293,6 @@ class CPUAdamW:
             return self.disk.committed_views(i)
         self._host_state(i)
         return self._master[i], self._exp_avg[i], self._exp_avg_sq[i]
-
-    def numel(self, group: int) -> int:
-        return self._numel[self._index(group)]
 
     def host_state_bytes(self) -> int:
         """Host bytes this optimizer holds for p, m, v (and snapshots): on disk, the

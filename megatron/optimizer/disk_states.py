@@ -219,7 +219,8 @@ class DiskStates:
                 self._free[kind].put(aligned_empty(size))
         self._scratch = aligned_empty(max(sizes.values()))
         self._scratch_lock = threading.Lock()
-        self.host_bytes = window * sum(sizes.values()) + max(sizes.values())
+        self.host_bytes = window_bytes(numels, self.master_dtype, self.state_dtype, window,
+                                       self.classes)
         self._groups = [_GroupState() for _ in numels]
         self._cond = threading.Condition()
         self._reads: queue.Queue = queue.Queue()
@@ -275,13 +276,6 @@ class DiskStates:
             state = self._groups[group]
             self._io(group, self._scratch, state.committed, write=True)
             state.staged = False
-
-    def read_committed(self, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Copies of the committed p, m, v (after pending writes and corrections)."""
-        self._settle(group, self._asked(group))
-        with self._scratch_lock:
-            self._io(group, self._scratch, self._groups[group].committed, write=False)
-            return tuple(t.clone() for t in self.views(group, self._scratch))
 
     def committed_views(self, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """p, m, v of the committed version as views of the file mapped into memory, after
