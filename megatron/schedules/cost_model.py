@@ -174,7 +174,8 @@ def derived_costs(
 
     Backward is twice the forward, recompute equals the forward; parameters and gradients
     move in 16-bit; the CPU optimizer throughput of a node is shared by its GPUs; every
-    forward and backward pass adds the profile's `pass_overhead_s`. A schedule with
+    forward and backward pass adds the profile's `pass_overhead_s`, every transfer between
+    ranks (activation, gradient, checkpoint) its `p2p_latency_s`. A schedule with
     READ/WRITE_OPTIMIZER_STATES reads and writes `optimizer_bytes` per parameter on the
     node's drives.
     """
@@ -205,6 +206,7 @@ def derived_costs(
         for stage in range(schedule.forward_stages)
     )
     activation_bytes = 2.0 * tokens * model.hidden_size
+    p2p = hardware.p2p_latency_s + activation_bytes / hardware.p2p_bytes_per_s
     # One FORWARD per forward stage and one BACKWARD per backward stage pay the per-pass
     # host overhead (a d-way split pays it d times per micro-batch; the recompute runs in
     # the backward's pass)
@@ -216,8 +218,8 @@ def derived_costs(
         optimizer={piece: n / optimizer_rate for piece, n in params.items()},
         param_transfer={piece: 2.0 * n / hardware.pcie_bytes_per_s for piece, n in params.items()},
         grad_transfer={piece: 2.0 * n / hardware.pcie_bytes_per_s for piece, n in params.items()},
-        p2p_activation=activation_bytes / hardware.p2p_bytes_per_s,
-        p2p_checkpoint=activation_bytes / hardware.p2p_bytes_per_s,
+        p2p_activation=p2p,
+        p2p_checkpoint=p2p,
         inter_node_transfer=({piece: 2.0 * n / hardware.inter_node_bytes_per_s
                               for piece, n in params.items()}
                              if hardware.inter_node_bytes_per_s > 0 else {}),

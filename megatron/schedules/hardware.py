@@ -54,6 +54,10 @@ class HardwareProfile:
     # (Python and Megatron's per-pass work, kernel launches, stream and event syncs), added
     # to every FORWARD/BACKWARD instruction's compute time (0: none, the ideal launch)
     pass_overhead_s: float = 0.0
+    # One small point-to-point message between two GPUs' processes (half a ping-pong round
+    # trip: the communication library's launch, the rendezvous and the wire's latency), added
+    # to every activation, gradient and checkpoint transfer (0: bandwidth alone)
+    p2p_latency_s: float = 0.0
     device_kind: str = "cuda"  # "cpu": the CPU device layer plays the GPUs (tests, CI)
     source: str = ""  # where the figures come from
 
