@@ -168,10 +168,14 @@ def decoder_layer(device, preset, dtype: torch.dtype, micro_batch: int
     return layer, hidden
 
 
-def layer_flops(device, preset, dtype: torch.dtype, micro_batch: int) -> float:
+def layer_flops(device, preset, dtype: torch.dtype, micro_batch: int,
+                ready: Callable[[], None] = lambda: None) -> float:
     """Flops/s of one decoder layer's forward at the preset's shapes, as the cost model counts
-    its flops: the real per-micro-batch cost, small-batch overheads included."""
+    its flops: the real per-micro-batch cost, small-batch overheads included. `ready` is
+    called once the layer is built, before the timing (processes measuring at once meet
+    there)."""
     layer, hidden = decoder_layer(device, preset, dtype, micro_batch)
+    ready()
 
     def run():
         with torch.no_grad():
@@ -184,13 +188,15 @@ def layer_flops(device, preset, dtype: torch.dtype, micro_batch: int) -> float:
                      repeats=9, pick=statistics.median)
 
 
-def pass_times(device, preset, dtype: torch.dtype, micro_batch: int, repeats: int = 9
-               ) -> tuple[float, float]:
+def pass_times(device, preset, dtype: torch.dtype, micro_batch: int, repeats: int = 9,
+               ready: Callable[[], None] = lambda: None) -> tuple[float, float]:
     """Median seconds of a FORWARD and of a BACKWARD instruction of a one-layer stage, as
     the executor runs them: timed between events recorded on the compute stream, the
     forward without autograd, the backward recomputing from its input checkpoint and
-    back-propagating the next stage's gradient into the parameters' gradients."""
+    back-propagating the next stage's gradient into the parameters' gradients. `ready`: as
+    layer_flops'."""
     layer, hidden = decoder_layer(device, preset, dtype, micro_batch)
+    ready()
     grad_out = torch.randn_like(hidden)
     stream = device.compute_stream
 
@@ -212,6 +218,22 @@ def pass_times(device, preset, dtype: torch.dtype, micro_batch: int, repeats: in
         with torch.enable_grad():
             layer(checkpoint, {}).backward(grad_out)
     return timed(forward), timed(backward)
+
+
+def handoff_s(device, repeats: int = 200) -> float:
+    """Median seconds of a one-element copy on the H2D stream, from the host's submit to
+    its wait's return: what a PREFETCH_PARAMS, OFFLOAD_GRAD or an optimizer hand-off costs
+    the host beyond its bytes (on the CPU device layer a worker thread's wake-up, on CUDA
+    a launch and an event synchronization)."""
+    src = device.pin_host(1, torch.float32)
+    dst = device.empty(1, torch.float32)
+    times = []
+    for i in range(repeats + 10):  # 10 warm-up copies
+        t0 = time.perf_counter()
+        device.copy_async(dst, src, device.h2d_stream).wait()
+        if i >= 10:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def p2p_latency(device, peer: int, first: bool, round_trips: int = 200) -> float:
@@ -244,25 +266,24 @@ def _pair_worker(rank: int, world: int, port: int, preset_name: str, dtype: torc
     device = get_device()
     try:
         preset = get_preset(preset_name)
-        flops = []
-        for batch in (1, 4):
-            dist.barrier()
-            flops.append(layer_flops(device, preset, dtype, batch))
+        flops = [layer_flops(device, preset, dtype, batch, dist.barrier) for batch in (1, 4)]
+        forward_s, backward_s = pass_times(device, preset, dtype, micro_batch,
+                                           ready=dist.barrier)
         dist.barrier()
-        forward_s, backward_s = pass_times(device, preset, dtype, micro_batch)
+        handoff = handoff_s(device)
         dist.barrier()
         latency = p2p_latency(device, 1 - rank, rank == 0) if rank < 2 else 0.0
-        results.put((rank, flops, forward_s, backward_s, latency))
+        results.put((rank, flops, forward_s, backward_s, handoff, latency))
     finally:
         device.close()
         shutdown_distributed()
 
 
 def pair_measurements(processes: int, preset_name: str, dtype: torch.dtype, micro_batch: int
-                      ) -> tuple[list[float], float, float, float]:
+                      ) -> tuple[list[float], float, float, float, float]:
     """`processes` workers at once (see _pair_worker): the layer's flops/s at micro-batches
-    1 and 4 and the forward and backward pass times, means over the processes, and the
-    point-to-point latency."""
+    1 and 4, the forward and backward pass times and a stream hand-off's, means over the
+    processes, and the point-to-point latency."""
     context = torch.multiprocessing.get_context("spawn")
     results = context.SimpleQueue()
     with socket.socket() as probe:  # a free port for the rendezvous
@@ -280,8 +301,8 @@ def pair_measurements(processes: int, preset_name: str, dtype: torch.dtype, micr
         raise RuntimeError(f"a measuring process exited with status {failed[0]}")
     rows = [results.get() for _ in workers]
     flops = [statistics.mean(row[1][i] for row in rows) for i in range(2)]
-    return (flops, statistics.mean(row[2] for row in rows),
-            statistics.mean(row[3] for row in rows), max(row[4] for row in rows))
+    return (flops, *(statistics.mean(row[i] for row in rows) for i in (2, 3, 4)),
+            max(row[5] for row in rows))
 
 
 def loopback_rate(nbytes: int) -> float:
@@ -409,12 +430,12 @@ def profile(args: argparse.Namespace) -> HardwareProfile:
     # the processes training runs on this node, each playing one GPU (on CUDA one per GPU)
     processes = gpus if not on_cuda else min(gpus, torch.cuda.device_count())
     if processes > 1:
-        (f_small, f_large), forward_s, backward_s, latency = pair_measurements(
+        (f_small, f_large), forward_s, backward_s, handoff, latency = pair_measurements(
             processes, preset.name, dtype, micro_batch)
     else:
         f_small, f_large = (layer_flops(device, preset, dtype, b) for b in batches)
         forward_s, backward_s = pass_times(device, preset, dtype, micro_batch)
-        latency = 0.0
+        handoff, latency = handoff_s(device), 0.0
     # Fit f(t) = peak * t / (t + k), the cost model's efficiency curve, to the two points.
     t_small, t_large = (b * preset.seq_length for b in batches)
     denominator = f_small * t_large - f_large * t_small
@@ -434,6 +455,7 @@ def profile(args: argparse.Namespace) -> HardwareProfile:
              f"once): FORWARD {forward_s * 1e3:.2f} ms, BACKWARD {backward_s * 1e3:.2f} ms "
              f"against {compute * 1e3:.2f} and {3 * compute * 1e3:.2f} ms priced: "
              f"{pass_overhead * 1e3:.2f} ms per pass")
+    progress(f"a stream hand-off (one-element copy, submit to wait) {handoff * 1e6:.0f} us")
     if processes > 1:
         progress(f"point-to-point latency {latency * 1e6:.0f} us (half a one-element round "
                  f"trip, {'nccl' if on_cuda else 'gloo'})")
@@ -492,6 +514,7 @@ def profile(args: argparse.Namespace) -> HardwareProfile:
         nvme_capacity_bytes=nvme_capacity,
         pass_overhead_s=pass_overhead,
         p2p_latency_s=latency,
+        instruction_overhead_s=handoff,
         device_kind=device.kind,
         source=f"measured on {time.strftime('%Y-%m-%d')} in "
                f"{time.perf_counter() - started:.0f} s (compute: a decoder layer of the {preset.name} "

@@ -34,6 +34,9 @@ class CostModel:
     p2p_activation: float = 0.0  # one activation or gradient between ranks
     p2p_checkpoint: float = 0.0  # one activation checkpoint between ranks
     rollback: float = 0.0  # expected corrections per iteration and rank (0: no overflow)
+    # host seconds of every instruction other than FORWARD/BACKWARD and the blocking
+    # transfers (their time is in `forward`/`backward` and `p2p_activation`)
+    instruction: float = 0.0
     # OPTIMIZER_START_SUBGROUPS: how the device part of a stage's update is priced (None:
     # the instruction costs what OPTIMIZER_START does)
     device_update: DeviceUpdateCosts | None = None
@@ -175,7 +178,8 @@ def derived_costs(
     Backward is twice the forward, recompute equals the forward; parameters and gradients
     move in 16-bit; the CPU optimizer throughput of a node is shared by its GPUs; every
     forward and backward pass adds the profile's `pass_overhead_s`, every transfer between
-    ranks (activation, gradient, checkpoint) its `p2p_latency_s`. A schedule with
+    ranks (activation, gradient, checkpoint) its `p2p_latency_s`, every other instruction
+    its `instruction_overhead_s`. A schedule with
     READ/WRITE_OPTIMIZER_STATES reads and writes `optimizer_bytes` per parameter on the
     node's drives.
     """
@@ -220,6 +224,7 @@ def derived_costs(
         grad_transfer={piece: 2.0 * n / hardware.pcie_bytes_per_s for piece, n in params.items()},
         p2p_activation=p2p,
         p2p_checkpoint=p2p,
+        instruction=hardware.instruction_overhead_s,
         inter_node_transfer=({piece: 2.0 * n / hardware.inter_node_bytes_per_s
                               for piece, n in params.items()}
                              if hardware.inter_node_bytes_per_s > 0 else {}),
