@@ -11,8 +11,9 @@ processes together), host memory bandwidth, AdamW on the device (torch ops) and 
 fp32 -> bf16 conversion (the optimizer GPU stride's rates), the device's matmul throughput at the model's
 shapes: one decoder layer's forward at two micro-batch sizes, fitted to the cost model's
 efficiency curve (on CUDA the GPU's; on the CPU device layer the CPU's, measured by one process
-per GPU at once, as training shares the cores), the time of a one-layer stage's FORWARD and
-BACKWARD instructions beyond what the cost model prices for them (pass_overhead_s), half a
+per GPU at once, as training shares the cores), a one-layer stage's FORWARD and BACKWARD
+instructions: the backward's time over the forward's (backward_over_forward, the recompute
+taken out) and the FORWARD's time beyond what the cost model prices (pass_overhead_s), half a
 small send/recv round trip between two GPUs' processes (p2p_latency_s), the bandwidth between two
 devices (two GPUs when there are; on the CPU layer the loopback socket gloo would use);
 free /dev/shm, host memory and `ulimit -l`. With --nvme-path DIR, the drive for optimizer
@@ -444,17 +445,19 @@ def profile(args: argparse.Namespace) -> HardwareProfile:
     progress(f"{preset.name} decoder layer forward: {f_small / 1e9:.1f} GFLOP/s at micro-batch "
              f"{batches[0]}, {f_large / 1e9:.1f} at {batches[1]}: peak {peak / 1e9:.1f}, half "
              f"of it at {half:.0f} tokens")
-    # The cost model prices a FORWARD at F = one layer's flops over the fitted curve and a
-    # BACKWARD at 3 F (backward 2 F, recompute F): what a pass of the one-layer stage took
-    # beyond that is the per-pass overhead (the mean of the two passes' excess)
+    # A BACKWARD is its recompute (one forward) and the backward proper: their ratio. The
+    # cost model prices a FORWARD at F = one layer's flops over the fitted curve: what the
+    # one-layer stage's FORWARD took beyond it is the per-pass overhead (a BACKWARD, priced
+    # from the measured ratio, has the same excess)
+    backward_ratio = max(0.0, backward_s / forward_s - 1.0)
     tokens_mb = micro_batch * preset.seq_length
     compute = (layer_forward_flops_per_token(preset, preset.seq_length) * tokens_mb
                * (tokens_mb + half) / (peak * tokens_mb))
-    pass_overhead = max(0.0, (forward_s - compute + backward_s - 3 * compute) / 2)
+    pass_overhead = max(0.0, forward_s - compute)
     progress(f"a one-layer stage at micro-batch {micro_batch} ({processes} process(es) at "
-             f"once): FORWARD {forward_s * 1e3:.2f} ms, BACKWARD {backward_s * 1e3:.2f} ms "
-             f"against {compute * 1e3:.2f} and {3 * compute * 1e3:.2f} ms priced: "
-             f"{pass_overhead * 1e3:.2f} ms per pass")
+             f"once): FORWARD {forward_s * 1e3:.2f} ms ({compute * 1e3:.2f} priced: "
+             f"{pass_overhead * 1e3:.2f} ms per pass), BACKWARD {backward_s * 1e3:.2f} ms "
+             f"with its recompute: backward {backward_ratio:.2f} x forward")
     progress(f"a stream hand-off (one-element copy, submit to wait) {handoff * 1e6:.0f} us")
     if processes > 1:
         progress(f"point-to-point latency {latency * 1e6:.0f} us (half a one-element round "
@@ -513,6 +516,7 @@ def profile(args: argparse.Namespace) -> HardwareProfile:
         nvme_write_bytes_per_s=nvme_write,
         nvme_capacity_bytes=nvme_capacity,
         pass_overhead_s=pass_overhead,
+        backward_over_forward=backward_ratio,
         p2p_latency_s=latency,
         instruction_overhead_s=handoff,
         device_kind=device.kind,

@@ -175,7 +175,8 @@ def derived_costs(
 ) -> CostModel:
     """Costs of `model` on `hardware` for the schedule's partition (layers per stage).
 
-    Backward is twice the forward, recompute equals the forward; parameters and gradients
+    Backward is the profile's `backward_over_forward` times the forward (2 unless measured),
+    recompute equals the forward; parameters and gradients
     move in 16-bit; the CPU optimizer throughput of a node is shared by its GPUs; every
     forward and backward pass adds the profile's `pass_overhead_s`, every transfer between
     ranks (activation, gradient, checkpoint) its `p2p_latency_s`, every other instruction
@@ -217,7 +218,8 @@ def derived_costs(
     overhead = hardware.pass_overhead_s
     return CostModel(
         forward=tuple(t + overhead for t in forward),
-        backward={piece: 2.0 * t + overhead for piece, t in forward_piece.items()},
+        backward={piece: hardware.backward_over_forward * t + overhead
+                  for piece, t in forward_piece.items()},
         recompute=dict(forward_piece),
         optimizer={piece: n / optimizer_rate for piece, n in params.items()},
         param_transfer={piece: 2.0 * n / hardware.pcie_bytes_per_s for piece, n in params.items()},
