@@ -189,26 +189,24 @@ def layer_flops(device, preset, dtype: torch.dtype, micro_batch: int,
                      repeats=9, pick=statistics.median)
 
 
-def pass_times(device, preset, dtype: torch.dtype, micro_batch: int, repeats: int = 9,
+def pass_times(device, preset, dtype: torch.dtype, micro_batch: int, budget_s: float = 3.0,
                ready: Callable[[], None] = lambda: None) -> tuple[float, float]:
     """Median seconds of a FORWARD and of a BACKWARD instruction of a one-layer stage, as
     the executor runs them: timed between events recorded on the compute stream, the
     forward without autograd, the backward recomputing from its input checkpoint and
-    back-propagating the next stage's gradient into the parameters' gradients. `ready`: as
-    layer_flops'."""
+    back-propagating the next stage's gradient into the parameters' gradients. The two
+    alternate (a change of the machine's load touches both alike), 9 to 41 pairs, as many
+    as fit in about `budget_s`. `ready`: as layer_flops'."""
     layer, hidden = decoder_layer(device, preset, dtype, micro_batch)
     ready()
     grad_out = torch.randn_like(hidden)
     stream = device.compute_stream
 
     def timed(work: Callable[[], None]) -> float:
-        times = []
-        for _ in range(repeats + 1):  # the first is a warm-up
-            begin = stream.record_event()
-            work()
-            end = stream.record_event()
-            times.append(end.time_s() - begin.time_s())
-        return statistics.median(times[1:])
+        begin = stream.record_event()
+        work()
+        end = stream.record_event()
+        return end.time_s() - begin.time_s()
 
     def forward() -> None:
         with torch.no_grad():
@@ -218,7 +216,10 @@ def pass_times(device, preset, dtype: torch.dtype, micro_batch: int, repeats: in
         checkpoint = hidden.detach().requires_grad_(True)
         with torch.enable_grad():
             layer(checkpoint, {}).backward(grad_out)
-    return timed(forward), timed(backward)
+    first = timed(forward) + timed(backward)  # a warm-up
+    pairs = min(41, max(9, int(budget_s / first)))
+    times = [(timed(forward), timed(backward)) for _ in range(pairs)]
+    return (statistics.median(f for f, _ in times), statistics.median(b for _, b in times))
 
 
 def handoff_s(device, repeats: int = 200) -> float:
