@@ -17,7 +17,10 @@ same configuration, with a cost model calibrated from the measured run (forward 
 backward times per stage, the CPU optimizer's speed, the copy bandwidth).
 
 Rank 0 prints one JSON object (--json) or a table. With --out-dir, each schedule's
-metrics file (and with --save-final its last checkpoint) goes to DIR/<schedule>/.
+metrics file, the last measured iteration's trace (trace.json) and with --save-final its
+last checkpoint go to DIR/<schedule>/. With --hardware FILE (tools/profile_hardware.py's
+profile of this machine) each schedule also gets the prediction priced from the profile
+alone, as --plan prices it, and its ratio to the measured median (predicted_over_measured).
 """
 
 from __future__ import annotations
@@ -47,9 +50,11 @@ from megatron.pipeline.calibration import (  # noqa: E402
 )
 from megatron.planning.shape import with_schedule  # noqa: E402
 from megatron.schedules.generators import SCHEDULE_NAMES  # noqa: E402
+from megatron.schedules.hardware import get_hardware  # noqa: E402
 from megatron.training.arguments import exit_bad_input, parse_args  # noqa: E402
 from megatron.training.distributed import initialize_distributed, shutdown_distributed  # noqa: E402
 from megatron.training.pipeline_step import (  # noqa: E402
+    simulate_from_profile,
     simulate_measured,
     step_backward_stage_params,
 )
@@ -68,6 +73,10 @@ def bench_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.add_argument("--rounds", type=int, default=3,
                    help="rounds of every schedule, interleaved (order rotated each round)")
+    p.add_argument("--hardware", default=None, metavar="FILE.json",
+                   help="a profile from tools/profile_hardware.py on this machine: each "
+                        "schedule's iteration is also predicted from it alone, beside the "
+                        "measurement (predicted_over_measured)")
     p.add_argument("--baseline", default="mobius",
                    help="the schedule each one's speed-up is measured against, per round")
     return p
@@ -88,6 +97,10 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, RunConfig]:
     if bench.save_final and not bench.out_dir:
         exit_bad_input(ConfigError("--save-final", "set", "needs --out-dir"))
     bench.names = names
+    try:
+        bench.profile = get_hardware(bench.hardware) if bench.hardware else None
+    except KeyError as exc:
+        exit_bad_input(ConfigError("--hardware", bench.hardware, str(exc).strip("'\"")))
     return bench, parse_args(rest)
 
 
@@ -135,6 +148,9 @@ def measure(name: str, base: RunConfig, bench: argparse.Namespace, trace: str,
         row["simulated_iteration_time_s"] = sim.iteration_time
         row["simulated_bubble_ratio"] = sim.mean_bubble_ratio
         row["simulated_exposed_optimizer_time_s"] = sim.exposed_optimizer_time
+    if bench.profile is not None:
+        row["predicted_iteration_time_s"] = simulate_from_profile(
+            step, bench.profile).iteration_time
     dist.barrier()
     return row
 
@@ -159,6 +175,9 @@ def summarize(name: str, rows: list[dict], baseline_rows: list[dict] | None) -> 
         ratios = [b["iteration_time_s"] / r["iteration_time_s"]
                   for r, b in zip(rows, baseline_rows)]
         out["speedup_over_baseline"] = spread(ratios)
+    if "predicted_iteration_time_s" in out:
+        out["predicted_over_measured"] = (out["predicted_iteration_time_s"]
+                                          / out["iteration_time_s"])
     return out
 
 
@@ -174,7 +193,8 @@ def run(bench: argparse.Namespace, base: RunConfig) -> dict:
         for round_index in range(bench.rounds):
             shift = round_index % len(bench.names)
             for name in bench.names[shift:] + bench.names[:shift]:
-                trace = os.path.join(traces, f"{name}.json")
+                trace = (os.path.join(bench.out_dir, name, "trace.json") if bench.out_dir
+                         else os.path.join(traces, f"{name}.json"))
                 rows[name].append(measure(name, base, bench, trace, opt_s, copy_s))
     finally:
         shutil.rmtree(traces, ignore_errors=True)
@@ -187,6 +207,7 @@ def run(bench: argparse.Namespace, base: RunConfig) -> dict:
         "rounds": bench.rounds,
         "baseline": bench.baseline if baseline else None,
         "optimizer_s_per_param": opt_s,
+        "hardware": bench.hardware,
         "schedules": [summarize(name, rows[name], baseline) for name in bench.names],
     }
 
@@ -205,14 +226,15 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(summary, indent=2))
     else:
         print(f"{'schedule':>18} {'iter (s)':>9} {'min-max':>13} {'sim (s)':>9} {'gpu (s)':>8} "
-              f"{'bubble':>7} {'sim bubble':>10} {'exposed opt (s)':>15}")
+              f"{'bubble':>7} {'sim bubble':>10} {'exposed opt (s)':>15} {'profile (s)':>11}")
         for r in summary["schedules"]:
             lo, hi = r["iteration_time_s_spread"]["min"], r["iteration_time_s_spread"]["max"]
             print(f"{r['schedule']:>18} {r['iteration_time_s']:9.3f} {lo:6.2f}-{hi:<6.2f} "
                   f"{r.get('simulated_iteration_time_s', float('nan')):9.3f} "
                   f"{r['gpu_time_s']:8.3f} {r['bubble_ratio']:7.1%} "
                   f"{r.get('simulated_bubble_ratio', float('nan')):10.1%} "
-                  f"{r['exposed_optimizer_time_s']:15.4f}")
+                  f"{r['exposed_optimizer_time_s']:15.4f} "
+                  f"{r.get('predicted_iteration_time_s', float('nan')):11.3f}")
     return 0
 
 

@@ -10,7 +10,11 @@ update rate at the thread count training would use (cores / GPUs per node, all G
 processes together), host memory bandwidth, AdamW on the device (torch ops) and the host's
 fp32 -> bf16 conversion (the optimizer GPU stride's rates), the device's matmul throughput at the model's
 shapes: one decoder layer's forward at two micro-batch sizes, fitted to the cost model's
-efficiency curve (on CUDA the GPU's; on the CPU device layer the CPU's), the bandwidth between two
+efficiency curve (on CUDA the GPU's; on the CPU device layer the CPU's, measured by one process
+per GPU at once, as training shares the cores), a one-layer stage's FORWARD and BACKWARD
+instructions: the backward's time over the forward's (backward_over_forward, the recompute
+taken out) and the FORWARD's time beyond what the cost model prices (pass_overhead_s), half a
+small send/recv round trip between two GPUs' processes (p2p_latency_s), the bandwidth between two
 devices (two GPUs when there are; on the CPU layer the loopback socket gloo would use);
 free /dev/shm, host memory and `ulimit -l`. With --nvme-path DIR, the drive for optimizer
 states on NVMe: O_DIRECT sequential write then read of a temporary file in DIR through the
@@ -27,15 +31,18 @@ import platform
 import re
 import resource
 import socket
+import statistics
 import sys
 import tempfile
 import threading
 import time
+import warnings
 from collections.abc import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 from bench.nvme_optimizer import filesystem_of  # noqa: E402
 from megatron.common.files import atomic_write  # noqa: E402
@@ -63,15 +70,17 @@ def progress(text: str) -> None:
     print(f"profile_hardware: {text}", file=sys.stderr, flush=True)
 
 
-def best_rate(work: Callable[[], None], amount: float, repeats: int = 3) -> float:
-    """`amount` per second of the fastest of `repeats` runs after one warm-up."""
+def best_rate(work: Callable[[], None], amount: float, repeats: int = 3,
+              pick: Callable[[list[float]], float] = min) -> float:
+    """`amount` per second of the fastest of `repeats` runs after one warm-up (`pick`:
+    another choice of the runs' seconds, e.g. their median)."""
     work()
-    best = float("inf")
+    times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         work()
-        best = min(best, time.perf_counter() - t0)
-    return amount / best
+        times.append(time.perf_counter() - t0)
+    return amount / pick(times)
 
 
 def copy_rates(device, nbytes: int) -> tuple[float, float, float]:
@@ -145,9 +154,10 @@ def matmul_flops(device, hidden: int, ffn: int, tokens: int, dtype: torch.dtype)
     return best_rate(run, 2.0 * tokens * hidden * ffn)
 
 
-def layer_flops(device, preset, dtype: torch.dtype, micro_batch: int) -> float:
-    """Flops/s of one decoder layer's forward at the preset's shapes, as the cost model counts
-    its flops: the real per-micro-batch cost, small-batch overheads included."""
+def decoder_layer(device, preset, dtype: torch.dtype, micro_batch: int
+                  ) -> tuple[torch.nn.Module, torch.Tensor]:
+    """One decoder layer of the preset on the device and an input of `micro_batch`
+    sequences."""
     cfg = LlamaConfig(num_layers=1, hidden_size=preset.hidden_size,
                       ffn_hidden_size=preset.ffn_hidden_size,
                       num_attention_heads=preset.num_attention_heads,
@@ -156,6 +166,17 @@ def layer_flops(device, preset, dtype: torch.dtype, micro_batch: int) -> float:
     layer = build_piece(cfg, 1).to(device.torch_device, dtype)  # piece 1: decoder layer 0
     hidden = torch.randn(preset.seq_length, micro_batch, preset.hidden_size,
                          device=device.torch_device).to(dtype)
+    return layer, hidden
+
+
+def layer_flops(device, preset, dtype: torch.dtype, micro_batch: int,
+                ready: Callable[[], None] = lambda: None) -> float:
+    """Flops/s of one decoder layer's forward at the preset's shapes, as the cost model counts
+    its flops: the real per-micro-batch cost, small-batch overheads included. `ready` is
+    called once the layer is built, before the timing (processes measuring at once meet
+    there)."""
+    layer, hidden = decoder_layer(device, preset, dtype, micro_batch)
+    ready()
 
     def run():
         with torch.no_grad():
@@ -163,7 +184,127 @@ def layer_flops(device, preset, dtype: torch.dtype, micro_batch: int) -> float:
         if device.kind == "cuda":
             torch.cuda.synchronize()
     tokens = micro_batch * preset.seq_length
-    return best_rate(run, layer_forward_flops_per_token(preset, preset.seq_length) * tokens)
+    # the median, not the fastest: the typical pass of a training run, on a shared machine too
+    return best_rate(run, layer_forward_flops_per_token(preset, preset.seq_length) * tokens,
+                     repeats=9, pick=statistics.median)
+
+
+def pass_times(device, preset, dtype: torch.dtype, micro_batch: int, budget_s: float = 3.0,
+               ready: Callable[[], None] = lambda: None) -> tuple[float, float]:
+    """Median seconds of a FORWARD and of a BACKWARD instruction of a one-layer stage, as
+    the executor runs them: timed between events recorded on the compute stream, the
+    forward without autograd, the backward recomputing from its input checkpoint and
+    back-propagating the next stage's gradient into the parameters' gradients. The two
+    alternate (a change of the machine's load touches both alike), 9 to 41 pairs, as many
+    as fit in about `budget_s`. `ready`: as layer_flops'."""
+    layer, hidden = decoder_layer(device, preset, dtype, micro_batch)
+    ready()
+    grad_out = torch.randn_like(hidden)
+    stream = device.compute_stream
+
+    def timed(work: Callable[[], None]) -> float:
+        begin = stream.record_event()
+        work()
+        end = stream.record_event()
+        return end.time_s() - begin.time_s()
+
+    def forward() -> None:
+        with torch.no_grad():
+            layer(hidden, {})
+
+    def backward() -> None:
+        checkpoint = hidden.detach().requires_grad_(True)
+        with torch.enable_grad():
+            layer(checkpoint, {}).backward(grad_out)
+    first = timed(forward) + timed(backward)  # a warm-up
+    pairs = min(41, max(9, int(budget_s / first)))
+    times = [(timed(forward), timed(backward)) for _ in range(pairs)]
+    return (statistics.median(f for f, _ in times), statistics.median(b for _, b in times))
+
+
+def handoff_s(device, repeats: int = 200) -> float:
+    """Median seconds of a one-element copy on the H2D stream, from the host's submit to
+    its wait's return: what a PREFETCH_PARAMS, OFFLOAD_GRAD or an optimizer hand-off costs
+    the host beyond its bytes (on the CPU device layer a worker thread's wake-up, on CUDA
+    a launch and an event synchronization)."""
+    src = device.pin_host(1, torch.float32)
+    dst = device.empty(1, torch.float32)
+    times = []
+    for i in range(repeats + 10):  # 10 warm-up copies
+        t0 = time.perf_counter()
+        device.copy_async(dst, src, device.h2d_stream).wait()
+        if i >= 10:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def p2p_latency(device, peer: int, first: bool, round_trips: int = 200) -> float:
+    """Half the median round trip of a one-element message with `peer` (dist.send/recv, as
+    the executor's blocking transfers); `first`: this side sends first."""
+    message = torch.zeros(1, device=device.torch_device)
+    times = []
+    for i in range(round_trips + 10):  # 10 warm-up round trips
+        t0 = time.perf_counter()
+        if first:
+            dist.send(message, dst=peer)
+            dist.recv(message, src=peer)
+        else:
+            dist.recv(message, src=peer)
+            dist.send(message, dst=peer)
+        if i >= 10:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times) / 2
+
+
+def _pair_worker(rank: int, world: int, port: int, preset_name: str, dtype: torch.dtype,
+                 micro_batch: int, results) -> None:
+    """One of `world` processes, each playing one GPU as training does: the layer's
+    throughput and a pass's time measured by all at once (on the CPU device layer they
+    share the cores as the training processes do), then ranks 0 and 1 ping-pong."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    warnings.filterwarnings("ignore", category=UserWarning)
+    initialize_distributed()
+    device = get_device()
+    try:
+        preset = get_preset(preset_name)
+        flops = [layer_flops(device, preset, dtype, batch, dist.barrier) for batch in (1, 4)]
+        forward_s, backward_s = pass_times(device, preset, dtype, micro_batch,
+                                           ready=dist.barrier)
+        dist.barrier()
+        handoff = handoff_s(device)
+        dist.barrier()
+        latency = p2p_latency(device, 1 - rank, rank == 0) if rank < 2 else 0.0
+        results.put((rank, flops, forward_s, backward_s, handoff, latency))
+    finally:
+        device.close()
+        shutdown_distributed()
+
+
+def pair_measurements(processes: int, preset_name: str, dtype: torch.dtype, micro_batch: int
+                      ) -> tuple[list[float], float, float, float, float]:
+    """`processes` workers at once (see _pair_worker): the layer's flops/s at micro-batches
+    1 and 4, the forward and backward pass times and a stream hand-off's, means over the
+    processes, and the point-to-point latency."""
+    context = torch.multiprocessing.get_context("spawn")
+    results = context.SimpleQueue()
+    with socket.socket() as probe:  # a free port for the rendezvous
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    workers = [context.Process(target=_pair_worker, args=(
+        rank, processes, port, preset_name, dtype, micro_batch, results))
+        for rank in range(processes)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    failed = [w.exitcode for w in workers if w.exitcode != 0]
+    if failed:
+        raise RuntimeError(f"a measuring process exited with status {failed[0]}")
+    rows = [results.get() for _ in workers]
+    flops = [statistics.mean(row[1][i] for row in rows) for i in range(2)]
+    return (flops, *(statistics.mean(row[i] for row in rows) for i in (2, 3, 4)),
+            max(row[5] for row in rows))
 
 
 def loopback_rate(nbytes: int) -> float:
@@ -287,7 +428,16 @@ def profile(args: argparse.Namespace) -> HardwareProfile:
     progress(f"matmul {preset.hidden_size}x{preset.ffn_hidden_size} ({str(dtype)[6:]}) at "
              f"{tokens} tokens: {matmul / 1e9:.1f} GFLOP/s")
     batches = (1, 4)
-    f_small, f_large = (layer_flops(device, preset, dtype, b) for b in batches)
+    micro_batch = args.micro_batch_size or preset.training.get("micro_batch_size", 1)
+    # the processes training runs on this node, each playing one GPU (on CUDA one per GPU)
+    processes = gpus if not on_cuda else min(gpus, torch.cuda.device_count())
+    if processes > 1:
+        (f_small, f_large), forward_s, backward_s, handoff, latency = pair_measurements(
+            processes, preset.name, dtype, micro_batch)
+    else:
+        f_small, f_large = (layer_flops(device, preset, dtype, b) for b in batches)
+        forward_s, backward_s = pass_times(device, preset, dtype, micro_batch)
+        handoff, latency = handoff_s(device), 0.0
     # Fit f(t) = peak * t / (t + k), the cost model's efficiency curve, to the two points.
     t_small, t_large = (b * preset.seq_length for b in batches)
     denominator = f_small * t_large - f_large * t_small
@@ -296,6 +446,23 @@ def profile(args: argparse.Namespace) -> HardwareProfile:
     progress(f"{preset.name} decoder layer forward: {f_small / 1e9:.1f} GFLOP/s at micro-batch "
              f"{batches[0]}, {f_large / 1e9:.1f} at {batches[1]}: peak {peak / 1e9:.1f}, half "
              f"of it at {half:.0f} tokens")
+    # A BACKWARD is its recompute (one forward) and the backward proper: their ratio. The
+    # cost model prices a FORWARD at F = one layer's flops over the fitted curve: what the
+    # one-layer stage's FORWARD took beyond it is the per-pass overhead (a BACKWARD, priced
+    # from the measured ratio, has the same excess)
+    backward_ratio = max(0.0, backward_s / forward_s - 1.0)
+    tokens_mb = micro_batch * preset.seq_length
+    compute = (layer_forward_flops_per_token(preset, preset.seq_length) * tokens_mb
+               * (tokens_mb + half) / (peak * tokens_mb))
+    pass_overhead = max(0.0, forward_s - compute)
+    progress(f"a one-layer stage at micro-batch {micro_batch} ({processes} process(es) at "
+             f"once): FORWARD {forward_s * 1e3:.2f} ms ({compute * 1e3:.2f} priced: "
+             f"{pass_overhead * 1e3:.2f} ms per pass), BACKWARD {backward_s * 1e3:.2f} ms "
+             f"with its recompute: backward {backward_ratio:.2f} x forward")
+    progress(f"a stream hand-off (one-element copy, submit to wait) {handoff * 1e6:.0f} us")
+    if processes > 1:
+        progress(f"point-to-point latency {latency * 1e6:.0f} us (half a one-element round "
+                 f"trip, {'nccl' if on_cuda else 'gloo'})")
     if on_cuda and torch.cuda.device_count() > 1:
         p2p = gpu_p2p_rate(copy_bytes)
         progress(f"GPU 0 -> GPU 1 {p2p / 1e9:.1f} GB/s")
@@ -349,11 +516,17 @@ def profile(args: argparse.Namespace) -> HardwareProfile:
         nvme_read_bytes_per_s=nvme_read,
         nvme_write_bytes_per_s=nvme_write,
         nvme_capacity_bytes=nvme_capacity,
+        pass_overhead_s=pass_overhead,
+        backward_over_forward=backward_ratio,
+        p2p_latency_s=latency,
+        instruction_overhead_s=handoff,
         device_kind=device.kind,
         source=f"measured on {time.strftime('%Y-%m-%d')} in "
                f"{time.perf_counter() - started:.0f} s (compute: a decoder layer of the {preset.name} "
                "preset; the C++ AdamW rate is one process's times the GPUs per node, which "
-               "assumes they do not contend for memory bandwidth)" + nvme_source,
+               "assumes they do not contend for memory bandwidth; the layer's throughput, "
+               f"a pass's time and the latency measured by {processes} process(es) at once)"
+               + nvme_source,
     )
     device.close()
     return profile
@@ -369,6 +542,9 @@ def main(argv: list[str] | None = None) -> int:
                              "visible, or 2 on the CPU device layer)")
     parser.add_argument("--model-preset", default="small",
                         help="whose layer shapes the matmul uses (default: small)")
+    parser.add_argument("--micro-batch-size", type=int, default=None,
+                        help="the micro-batch of the per-pass overhead's measurement "
+                             "(default: the preset's)")
     parser.add_argument("--bf16", action="store_true",
                         help="measure the matmul in bf16 on the CPU layer (CUDA: always)")
     parser.add_argument("--nvme-path", default=None, metavar="DIR",

@@ -34,6 +34,9 @@ class CostModel:
     p2p_activation: float = 0.0  # one activation or gradient between ranks
     p2p_checkpoint: float = 0.0  # one activation checkpoint between ranks
     rollback: float = 0.0  # expected corrections per iteration and rank (0: no overflow)
+    # host seconds of every instruction other than FORWARD/BACKWARD and the blocking
+    # transfers (their time is in `forward`/`backward` and `p2p_activation`)
+    instruction: float = 0.0
     # OPTIMIZER_START_SUBGROUPS: how the device part of a stage's update is priced (None:
     # the instruction costs what OPTIMIZER_START does)
     device_update: DeviceUpdateCosts | None = None
@@ -172,9 +175,12 @@ def derived_costs(
 ) -> CostModel:
     """Costs of `model` on `hardware` for the schedule's partition (layers per stage).
 
-    Backward is twice the forward, recompute equals the forward; parameters and gradients
+    Backward is the profile's `backward_over_forward` times the forward (2 unless measured),
+    recompute equals the forward; parameters and gradients
     move in 16-bit; the CPU optimizer throughput of a node is shared by its GPUs; every
-    forward and backward pass adds the profile's `pass_overhead_s`. A schedule with
+    forward and backward pass adds the profile's `pass_overhead_s`, every transfer between
+    ranks (activation, gradient, checkpoint) its `p2p_latency_s`, every other instruction
+    its `instruction_overhead_s`. A schedule with
     READ/WRITE_OPTIMIZER_STATES reads and writes `optimizer_bytes` per parameter on the
     node's drives.
     """
@@ -205,19 +211,22 @@ def derived_costs(
         for stage in range(schedule.forward_stages)
     )
     activation_bytes = 2.0 * tokens * model.hidden_size
+    p2p = hardware.p2p_latency_s + activation_bytes / hardware.p2p_bytes_per_s
     # One FORWARD per forward stage and one BACKWARD per backward stage pay the per-pass
     # host overhead (a d-way split pays it d times per micro-batch; the recompute runs in
     # the backward's pass)
     overhead = hardware.pass_overhead_s
     return CostModel(
         forward=tuple(t + overhead for t in forward),
-        backward={piece: 2.0 * t + overhead for piece, t in forward_piece.items()},
+        backward={piece: hardware.backward_over_forward * t + overhead
+                  for piece, t in forward_piece.items()},
         recompute=dict(forward_piece),
         optimizer={piece: n / optimizer_rate for piece, n in params.items()},
         param_transfer={piece: 2.0 * n / hardware.pcie_bytes_per_s for piece, n in params.items()},
         grad_transfer={piece: 2.0 * n / hardware.pcie_bytes_per_s for piece, n in params.items()},
-        p2p_activation=activation_bytes / hardware.p2p_bytes_per_s,
-        p2p_checkpoint=activation_bytes / hardware.p2p_bytes_per_s,
+        p2p_activation=p2p,
+        p2p_checkpoint=p2p,
+        instruction=hardware.instruction_overhead_s,
         inter_node_transfer=({piece: 2.0 * n / hardware.inter_node_bytes_per_s
                               for piece, n in params.items()}
                              if hardware.inter_node_bytes_per_s > 0 else {}),

@@ -54,6 +54,17 @@ class HardwareProfile:
     # (Python and Megatron's per-pass work, kernel launches, stream and event syncs), added
     # to every FORWARD/BACKWARD instruction's compute time (0: none, the ideal launch)
     pass_overhead_s: float = 0.0
+    # A backward pass's time over its forward's, the recompute not counted (2: twice the
+    # flops, the usual figure; the CPU device layer's is measured)
+    backward_over_forward: float = 2.0
+    # One small point-to-point message between two GPUs' processes (half a ping-pong round
+    # trip: the communication library's launch, the rendezvous and the wire's latency), added
+    # to every activation, gradient and checkpoint transfer (0: bandwidth alone)
+    p2p_latency_s: float = 0.0
+    # Host time of every other instruction of a program (a prefetch, an offload, a
+    # release, an optimizer hand-off, a checkpoint's post or wait): the dispatch and the
+    # stream hand-off, added to the issuing rank's clock (0: free)
+    instruction_overhead_s: float = 0.0
     device_kind: str = "cuda"  # "cpu": the CPU device layer plays the GPUs (tests, CI)
     source: str = ""  # where the figures come from
 

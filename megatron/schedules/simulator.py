@@ -1,8 +1,9 @@
 """Discrete-event simulation of one iteration of a schedule under a cost model.
 
 Per rank, the program runs in order on a host thread whose clock advances with compute
-(FORWARD/BACKWARD occupy the compute stream synchronously) and with blocking
-communication (a rendezvous: both sides leave at max(arrivals) + transfer). Parallel
+(FORWARD/BACKWARD occupy the compute stream synchronously), with blocking
+communication (a rendezvous: both sides leave at max(arrivals) + transfer, the latency
+included) and with the cost model's host time of every other instruction. Parallel
 resources per rank: an H2D stream (PREFETCH_PARAMS, compute waits for its parameters), a
 D2H stream (OFFLOAD_GRAD), and a CPU optimizer lane (OPTIMIZER_START runs once its
 gradients are home, FIFO; the node's CPU throughput is split among its GPUs). Checkpoint
@@ -23,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .cost_model import CostModel
-from .instructions import OP_SPECS, WHOLE_STAGE, BackwardStage, Instruction, Op, Schedule
+from .instructions import COMPUTE, OP_SPECS, WHOLE_STAGE, BackwardStage, Instruction, Op, Schedule
 from .interpreter import Interpreter
 from .optimizer_stride import device_share
 from .timeline import TimedEvent
@@ -117,6 +118,8 @@ class _Simulator(Interpreter):
     _forward = _backward = _compute
 
     def local(self, rank: int, index: int, ins: Instruction) -> None:
+        if ins.op not in COMPUTE:  # the host's dispatch and hand-off, before it takes effect
+            self.clock[rank] += self.costs.instruction
         getattr(self, OP_SPECS[ins.op].method)(rank, ins)
 
     def _prefetch(self, rank: int, ins: Instruction) -> None:

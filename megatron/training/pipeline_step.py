@@ -15,7 +15,7 @@ from dataclasses import replace
 import torch
 
 from megatron.common.units import format_bytes
-from megatron.config.run import RunConfig
+from megatron.config.run import DTYPE_BYTES, RunConfig, optimizer_state_bytes
 from megatron.models.llama import Batch, LlamaConfig
 from megatron.offload.naming import resolve_job_id
 from megatron.offload.param_store import job_segments, sweep_dead_segments
@@ -26,7 +26,8 @@ from megatron.pipeline.assembly import Pipeline
 from megatron.pipeline.config import pipeline_config
 from megatron.pipeline.host_group import host_group
 from megatron.planning.shape import run_schedule
-from megatron.schedules.cost_model import backward_stage_params, calibrated_costs
+from megatron.schedules.cost_model import backward_stage_params, calibrated_costs, derived_costs
+from megatron.schedules.hardware import HardwareProfile
 from megatron.schedules.simulator import SimResult, simulate
 from megatron.schedules.timeline import read_chrome_trace, write_chrome_trace, write_timeline_png
 from megatron.training.checkpoint_state import OwnedState, named_tensors
@@ -143,3 +144,18 @@ def simulate_measured(step: PipelineTrainStep, trace_path: str, optimizer_s_per_
     costs = calibrated_costs(schedule, read_chrome_trace(trace_path), params, itemsize,
                              optimizer_s_per_param, copy_s_per_byte)
     return simulate(schedule, costs)
+
+
+def simulate_from_profile(step: PipelineTrainStep, hardware: HardwareProfile) -> SimResult:
+    """The simulator's prediction for `step`'s run priced from a hardware profile alone, as
+    the planner prices a candidate (derived_costs of the run's model, schedule and
+    micro-batch size, then simulate): nothing of the run's own timings is used."""
+    schedule = step.config.schedule
+    run = step.run
+    model = replace(run.model, vocab_size=step.model_cfg.vocab_size)
+    p = run.precision
+    costs = derived_costs(schedule, model, hardware, run.training.micro_batch_size,
+                          model.seq_length,
+                          optimizer_state_bytes(DTYPE_BYTES[p.master_dtype],
+                                                DTYPE_BYTES[p.optimizer_state_dtype]))
+    return simulate(schedule, costs, step.config.report)
