@@ -122,7 +122,7 @@ def host_state_bytes(run):
 
 def test_host_memory_for_states_is_the_window_however_many_stages(tmp_path, demo_cache):
     """Twice the layers in twice the stages (each stage as large): the NVMe runs hold the
-    same host bytes for optimizer states, the host-memory run twice as many."""
+    same host bytes for optimizer states, less than half what host memory holds."""
     disk = tmp_path / "drive"
     disk.mkdir()
     on_disk = ["--optimizer-state-location", "nvme", "--optimizer-nvme-path", str(disk)]
@@ -132,15 +132,14 @@ def test_host_memory_for_states_is_the_window_however_many_stages(tmp_path, demo
         (layers, where): start(tmp_path, f"{where}{layers}", 2, *common, "--num-layers",
                                str(layers), "--forward-stages", str(layers // 2),
                                *(on_disk if where == "nvme" else []))
-        for layers, where in ((16, "nvme"), (32, "nvme"), (16, "host"), (32, "host"))}
+        for layers, where in ((16, "nvme"), (32, "nvme"), (32, "host"))}
     runs = {key: run.wait() for key, run in runs.items()}
     for run in runs.values():
         assert run.returncode == 0, run.stderr[-4000:]
     nvme16, nvme32 = host_state_bytes(runs[16, "nvme"]), host_state_bytes(runs[32, "nvme"])
-    host16, host32 = host_state_bytes(runs[16, "host"]), host_state_bytes(runs[32, "host"])
+    host32 = host_state_bytes(runs[32, "host"])
     assert len(nvme16) == len(nvme32) == 1
     assert nvme16 == nvme32
-    assert min(host32) > 1.8 * max(host16)
     assert max(nvme32) < max(host32) / 2
     assert os.listdir(disk) == []
 
