@@ -21,7 +21,7 @@ from megatron.schedules.generators import (
     build_schedule,
 )
 from megatron.schedules.grid import format_programs
-from megatron.schedules.instructions import STATE_IO, Schedule
+from megatron.schedules.instructions import Schedule
 from megatron.schedules.interpreter import ScheduleError
 from megatron.schedules.lowering import place_state_io
 from megatron.schedules.optimizer_placement import place_device_subgroups
@@ -168,7 +168,7 @@ def load_schedule_file(run: RunConfig, world_size: int) -> tuple[Schedule, Valid
         found = schedule.shape()[key]
         if value is not None and found != value:
             raise ScheduleFileError(path, f"the file has {key}={found}, this run has {value}")
-    on_disk = any(ins.op in STATE_IO for program in schedule.programs for ins in program)
+    on_disk = schedule.states_on_disk
     if run.cpu_optimizer.optimizer_state_location == "nvme":
         schedule = place_state_io(schedule)  # where the file does not place them itself
     elif on_disk:

@@ -16,7 +16,7 @@ from megatron.config.model import ModelConfig
 from megatron.config.presets import get_preset
 
 from .hardware import HardwareProfile, get_hardware
-from .instructions import STATE_IO, BackwardStage, Schedule
+from .instructions import BackwardStage, Schedule
 from .optimizer_stride import UpdateRates
 from .partition import balanced_partition, sub_stage_layers
 
@@ -238,7 +238,7 @@ def _disk_costs(schedule: Schedule, params: dict, hardware: HardwareProfile,
                 optimizer_bytes: int) -> DiskCosts | None:
     """What the drives cost a schedule that keeps its optimizer states on them (None for
     one that does not); a profile without drives cannot price it."""
-    if not any(ins.op in STATE_IO for program in schedule.programs for ins in program):
+    if not schedule.states_on_disk:
         return None
     if hardware.nvme_read_bytes_per_s <= 0 or hardware.nvme_write_bytes_per_s <= 0:
         raise ValueError(f"hardware {hardware.name!r} states no NVMe bandwidth "

@@ -216,6 +216,11 @@ class Schedule:
     # kept, no backward, no optimizer phase (lowering.forward_only_schedule).
     forward_only: bool = False
 
+    @property
+    def states_on_disk(self) -> bool:
+        """Whether the programs read and write optimizer states on NVMe (STATE_IO)."""
+        return any(ins.op in STATE_IO for program in self.programs for ins in program)
+
     def backward_stages(self) -> list[BackwardStage]:
         """All backward stages in model order."""
         return [BackwardStage(i, k) for i in range(self.forward_stages)

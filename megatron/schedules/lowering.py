@@ -295,8 +295,7 @@ def place_state_io(schedule: Schedule, window: int = 2) -> Schedule:
     returned as it is."""
     if window < 1:
         raise ValueError(f"window={window} must be >= 1 stage")
-    if any(ins.op in (Op.READ_OPTIMIZER_STATES, Op.WRITE_OPTIMIZER_STATES)
-           for program in schedule.programs for ins in program):
+    if schedule.states_on_disk:
         return schedule
     programs = []
     for program in schedule.programs:

@@ -94,8 +94,7 @@ class _Checker(Interpreter):
         self.post_step_mode = [
             any(ins.op == Op.POST_STEP_SYNC for ins in program) for program in schedule.programs
         ]
-        self.states_on_disk = any(ins.op in STATE_IO for program in schedule.programs
-                                  for ins in program)
+        self.states_on_disk = schedule.states_on_disk
         self.states_read: dict[BackwardStage, int] = {}
         self.states_written: set[BackwardStage] = set()
         self.peak_states = [0 for _ in ranks]
