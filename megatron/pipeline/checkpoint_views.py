@@ -63,8 +63,7 @@ class CheckpointViews:
 
     def _stepped_groups(self) -> list[int]:
         """Groups that hold elements (an empty group is a placeholder that never steps)."""
-        return [g for owner in self.owned.values()
-                for g, (lo, hi) in zip(owner.groups, owner.bounds()) if hi > lo]
+        return [g for owner in self.owned.values() for g in owner.live_groups()]
 
     def optimizer_step(self) -> int:
         """Adam's step count (every group steps together; skipped iterations do not count)."""

@@ -142,7 +142,7 @@ class BackwardStageOwner:
 
     def state(self, adam: CPUAdamW) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Master, exp_avg and exp_avg_sq of the elements this process steps (copies)."""
-        live = [g for g, (lo, hi) in zip(self.groups, self.bounds()) if hi > lo]
+        live = self.live_groups()
         return tuple(torch.cat([get(g) for g in live]) if live else torch.zeros(0)
                      for get in (adam.master, adam.exp_avg, adam.exp_avg_sq))
 
