@@ -21,11 +21,11 @@ def _send(op, stage, sub, mb, peer):
     return Instruction(op, stage=stage, sub=sub, mb=mb, peer=peer)
 
 
-def _rank_main(rank, port, receive_order, results):
+def _rank_main(rank, port, receive_order, results, staged=False):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
-        p2p = PointToPoint(SHAPE, torch.device("cpu"), rank, checked=True)
+        p2p = PointToPoint(SHAPE, torch.device("cpu"), rank, checked=True, staged=staged)
         # Same shape, different tensors: an activation and a checkpoint of one forward.
         act = torch.full(SHAPE.shape, 1.0)
         ckpt = torch.full(SHAPE.shape, 2.0)
@@ -56,19 +56,22 @@ def _rank_main(rank, port, receive_order, results):
         dist.destroy_process_group()
 
 
-def _run(receive_order):
+def _run(receive_order, staged=False):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.start_processes(_rank_main, args=(port, receive_order, results), nprocs=2,
+        mp.start_processes(_rank_main, args=(port, receive_order, results, staged), nprocs=2,
                            start_method="fork")
         return dict(results)
 
 
-def test_receives_in_the_senders_order_get_the_right_tensors():
-    assert _run(["ckpt", "act"])[1] == (1.0, 2.0)
+@pytest.mark.parametrize("staged", [False, True], ids=["direct", "staged-through-host"])
+def test_receives_in_the_senders_order_get_the_right_tensors(staged):
+    """`staged`: as CUDA ranks sharing a GPU over gloo (--share-gpu) post them: each
+    transfer through a host copy, the receive's device buffer filled when it is waited."""
+    assert _run(["ckpt", "act"], staged)[1] == (1.0, 2.0)
 
 
 def test_receives_out_of_order_fail_naming_what_arrived():

@@ -226,10 +226,12 @@ class TestingConfig:
 
 @dataclass(frozen=True)
 class DeviceCheckConfig:
-    """Checks of the CPU device layer's stream order (docs/device-sanitizer.md)."""
+    """Checks of the device layer's stream order (docs/device-sanitizer.md) and the test
+    mode in which ranks share a GPU."""
 
     device_sanitizer: bool  # every cross-stream access checked against the declared order
     device_chaos: int | None  # a seed: copy streams delayed by seeded random amounts
+    share_gpu: bool = False  # several local ranks on one GPU, over gloo (a test mode)
 
 
 @dataclass(frozen=True)

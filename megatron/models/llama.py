@@ -12,6 +12,7 @@ in one process has the same weights as the same piece built inside the full mode
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
@@ -20,7 +21,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.config.model import ModelConfig
-from megatron.models.cpu_adaptation import adapt_megatron_core_for_host
 
 Batch = dict[str, torch.Tensor]
 
@@ -62,21 +62,32 @@ class LlamaConfig:
         return replace(self, params_dtype=dtype)
 
 
-def _use_transformer_engine() -> bool:
-    """TE's layer spec on CUDA when it imports; the local spec everywhere else."""
-    if not torch.cuda.is_available():
-        return False
+def _importable(module: str) -> bool:
     try:
-        import transformer_engine  # noqa: F401
+        importlib.import_module(module)
     except ImportError:
         return False
     return True
 
 
+def layer_implementation(cuda_available: bool | None = None,
+                         te_importable: bool | None = None) -> str:
+    """"transformer_engine" (TE's layer spec) on CUDA when Transformer Engine imports,
+    "local" (megatron-core's own modules) everywhere else. apex changes nothing: the
+    local spec's RMSNorm is torch's on every device (apex's FusedLayerNorm is LayerNorm
+    only). The arguments stand in for the machine in tests."""
+    if cuda_available is None:
+        cuda_available = torch.cuda.is_available()
+    if not cuda_available:
+        return "local"
+    if te_importable is None:
+        te_importable = _importable("transformer_engine")
+    return "transformer_engine" if te_importable else "local"
+
+
 def transformer_config(cfg: LlamaConfig):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    adapt_megatron_core_for_host()
     return TransformerConfig(
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
@@ -106,12 +117,26 @@ def transformer_config(cfg: LlamaConfig):
     )
 
 
-def layer_spec():
+def layer_spec(implementation: str | None = None):
+    """The decoder layer's megatron-core spec (`implementation`: layer_implementation())."""
     from megatron.core.models.gpt import gpt_layer_specs
 
-    if _use_transformer_engine():
+    if (implementation or layer_implementation()) == "transformer_engine":
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
     return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+
+
+def norm_module(implementation: str | None = None) -> type:
+    """The RMSNorm module of the final norm, the one the layers use: TE's with TE's spec,
+    else torch's (megatron-core's transformer_block would take apex's FusedLayerNorm when
+    apex imports, which asserts LayerNorm)."""
+    if (implementation or layer_implementation()) == "transformer_engine":
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        return TENorm
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    return WrappedTorchNorm
 
 
 class EmbeddingPiece(nn.Module):
@@ -173,9 +198,8 @@ class HeadPiece(nn.Module):
     def __init__(self, cfg: LlamaConfig, tcfg) -> None:
         super().__init__()
         from megatron.core import tensor_parallel
-        from megatron.core.transformer.transformer_block import LayerNormImpl
 
-        self.final_layernorm = LayerNormImpl(
+        self.final_layernorm = norm_module()(
             config=tcfg, hidden_size=cfg.hidden_size, eps=cfg.norm_epsilon
         )
         self.output_layer = tensor_parallel.ColumnParallelLinear(

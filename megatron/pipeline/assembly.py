@@ -83,8 +83,10 @@ class Pipeline:
         self.eval_schedule = forward_only_schedule(schedule)  # for evaluation
         self.layout = layout = ParallelLayout(config.ranks, config.data_parallel_size, rank)
         self.rank = layout.pipeline_rank
-        self.device = device = get_device(sanitize=config.device_sanitizer,
-                                          chaos_seed=config.device_chaos)
+        choice = config.device
+        self.device = device = get_device(
+            kind=choice.kind if choice else None, index=choice.index if choice else None,
+            sanitize=config.device_sanitizer, chaos_seed=config.device_chaos)
         self.host_group = host_group()  # the whole world
         self.groups = create_host_groups(layout, self.host_group)
         self.modules = build_stage_modules(model_cfg, schedule.partition,
@@ -283,8 +285,10 @@ class Pipeline:
     def _p2p(self, model_cfg: LlamaConfig) -> PointToPoint:
         shape = MessageShape((model_cfg.seq_length, self.config.micro_batch_size,
                               model_cfg.hidden_size), self.config.dtype)
+        choice = self.config.device
         return PointToPoint(shape, self.device.torch_device, self.rank,
-                            checked=self.config.p2p_check, peers=self.layout.pipeline_ranks())
+                            checked=self.config.p2p_check, peers=self.layout.pipeline_ranks(),
+                            staged=bool(choice and choice.stages_transfers_through_host))
 
     def _verdict_group(self) -> dist.ProcessGroup | None:
         """Where the overflow flags and squared norms are summed: the whole world when
@@ -299,9 +303,8 @@ class Pipeline:
     def step(self, iteration: int, micro_batches: Sequence[Batch], lr: float,
              weight_decay: float) -> StepReport:
         self.cpu_adam.lr, self.cpu_adam.weight_decay = lr, weight_decay
-        batches = [{k: v.to(self.device.torch_device) for k, v in b.items()} for b in micro_batches]
         stats = self.executor.run_iteration(
-            iteration, batches, record_timeline=iteration == self.config.record_timeline_at)
+            iteration, micro_batches, record_timeline=iteration == self.config.record_timeline_at)
         if self.reducer:  # every shard's corrections must be in before the publish
             self.optimizer.drain()
             self._publish_shards(iteration)
@@ -328,10 +331,8 @@ class Pipeline:
         one host read and one all-reduce for the whole evaluation."""
         total = None
         for micro_batches in batches:
-            moved = [{k: v.to(self.device.torch_device) for k, v in b.items()}
-                     for b in micro_batches]
             loss_sum = self.executor.run_forward_only(self.eval_schedule, self.last_iteration,
-                                                      moved)
+                                                      micro_batches)
             if loss_sum is not None:
                 total = loss_sum if total is None else total + loss_sum
         reduced = torch.tensor([self.device.read_scalar(total) if total is not None else 0.0],

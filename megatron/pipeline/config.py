@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron.config.device_choice import DeviceChoice
 from megatron.config.run import PrecisionConfig, RunConfig
 from megatron.optimizer.cpu_adam import usable_cores
 from megatron.optimizer.loss_scaler import ConstantLossScaler, DynamicLossScaler, LossScaler
@@ -96,6 +97,7 @@ class PipelineConfig:
     # the host optimizer state (0: not at all, 1: states, 2: states and gradients).
     data_parallel_size: int = 1
     zero_stage: int = 0
+    device: DeviceChoice | None = None  # the process's device decision; None: the machine's
 
     @property
     def ranks(self) -> int:
@@ -123,10 +125,10 @@ def working_dtype(precision: PrecisionConfig) -> torch.dtype:
     return TORCH_DTYPES[precision.dtype]
 
 
-def pipeline_config(run: RunConfig, schedule: Schedule, report: ValidationReport
-                    ) -> PipelineConfig:
+def pipeline_config(run: RunConfig, schedule: Schedule, report: ValidationReport,
+                    device: DeviceChoice | None = None) -> PipelineConfig:
     """The runtime's view of `run` executing `schedule` (validated: `report`) in this
-    process."""
+    process, on `device` (the process's device decision)."""
     o, p, c = run.optimization, run.precision, run.cpu_optimizer
     dtype = working_dtype(p)
     # Default threads: this process's share of the cores it may run on (affinity respected).
@@ -166,4 +168,5 @@ def pipeline_config(run: RunConfig, schedule: Schedule, report: ValidationReport
             resident_fraction=c.optimizer_gpu_resident_fraction),
         data_parallel_size=run.data_parallel_size,
         zero_stage=run.parallel.zero_stage,
+        device=device,
     )

@@ -11,6 +11,11 @@ validator checks it). With `checked`, each tensor is preceded by a 4-integer hea
 naming it (role, stage, sub, micro-batch) and the receiver fails, naming what arrived
 instead, when it is not the tensor its instruction expects: a testing aid that costs one
 host synchronisation per message.
+
+With `staged` (CUDA ranks on gloo: --share-gpu, several ranks on one GPU), gloo moves no
+device tensor between ranks, so each transfer goes through a page-locked host copy: the
+sender copies the tensor out before posting, the receiver copies it in when it waits. The
+order of posting is unchanged; each copy is a host synchronisation (a test mode).
 """
 
 from __future__ import annotations
@@ -27,6 +32,9 @@ from megatron.schedules.instructions import Instruction
 TAG = 0  # one tag for everything: matching by order, as under NCCL
 _ROLE_CODES = {"act": 0, "grad": 1, "ckpt": 2}
 _ROLES = {code: role for role, code in _ROLE_CODES.items()}
+# Page-locked where there is a GPU; a CPU-only torch has no pinned allocator (the staged
+# path then runs on the CPU device layer with plain host copies, for its tests).
+_PINNABLE = torch.cuda.is_available()
 
 
 @dataclass(frozen=True)
@@ -54,6 +62,21 @@ class Waitable(Protocol):
     def is_completed(self) -> bool: ...
 
 
+class _StagedWork:
+    """A receive into a host copy: wait() waits for it, then fills the device buffer."""
+
+    def __init__(self, work: Waitable, host: torch.Tensor, device_buffer: torch.Tensor) -> None:
+        self._work, self._host, self._buffer = work, host, device_buffer
+
+    def wait(self) -> bool:
+        self._work.wait()
+        self._buffer.copy_(self._host)
+        return True
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
+
+
 class _CheckedWork:
     """A header and its tensor in flight: wait() waits for both, then checks. It holds the
     tensors so that they live until the transfer is done."""
@@ -76,9 +99,12 @@ class PointToPoint:
     """Sends and receives [s, b, h] tensors between pipeline ranks."""
 
     def __init__(self, shape: MessageShape, device: torch.device, rank: int,
-                 checked: bool = False, peers: list[int] | None = None) -> None:
-        """`peers[r]`: the global rank of pipeline rank r (None: the same)."""
+                 checked: bool = False, peers: list[int] | None = None,
+                 staged: bool = False) -> None:
+        """`peers[r]`: the global rank of pipeline rank r (None: the same); `staged`:
+        transfers through page-locked host copies (a CUDA device on gloo)."""
         self.shape = shape
+        self.staged = staged
         self.peers = peers
         self.device = device
         self.rank = rank
@@ -108,25 +134,44 @@ class PointToPoint:
                 f"{instr.peer}, but {_describe(arrived)} arrived (sends and receives between "
                 "the two ranks are posted in different orders)")
 
+    def _outgoing(self, tensor: torch.Tensor) -> torch.Tensor:
+        """What goes on the wire: the tensor, or its page-locked host copy when staged
+        (complete before it is posted: a blocking copy)."""
+        tensor = tensor.contiguous()
+        if not self.staged:
+            return tensor
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=_PINNABLE)
+        host.copy_(tensor)
+        return host
+
+    def _post_irecv(self, buffer: torch.Tensor, src: int) -> Waitable:
+        if not self.staged:
+            return dist.irecv(buffer, src=src, tag=TAG)
+        host = torch.empty(buffer.shape, dtype=buffer.dtype, pin_memory=_PINNABLE)
+        return _StagedWork(dist.irecv(host, src=src, tag=TAG), host, buffer)
+
     def send(self, instr: Instruction, tensor: torch.Tensor) -> None:
         if self.checked:
-            dist.send(self._header(instr), dst=self._global(instr.peer), tag=TAG)
-        dist.send(tensor.contiguous(), dst=self._global(instr.peer), tag=TAG)
+            dist.send(self._outgoing(self._header(instr)), dst=self._global(instr.peer),
+                      tag=TAG)
+        dist.send(self._outgoing(tensor), dst=self._global(instr.peer), tag=TAG)
 
     def recv(self, instr: Instruction) -> torch.Tensor:
         if self.checked:
             header = self._header_buffer(instr)
-            dist.recv(header, src=self._global(instr.peer), tag=TAG)
+            self._post_irecv(header, self._global(instr.peer)).wait()
             self._verify(instr, header)
         buffer = self.empty()
-        dist.recv(buffer, src=self._global(instr.peer), tag=TAG)
+        self._post_irecv(buffer, self._global(instr.peer)).wait()
         return buffer
 
     def isend(self, instr: Instruction, tensor: torch.Tensor) -> Waitable:
-        tensor = tensor.contiguous()
+        tensor = self._outgoing(tensor)
         if not self.checked:
-            return dist.isend(tensor, dst=self._global(instr.peer), tag=TAG)
-        header = self._header(instr)
+            work = dist.isend(tensor, dst=self._global(instr.peer), tag=TAG)
+            # the staged host copy lives until the send is done
+            return _CheckedWork([work], lambda: None, (tensor,)) if self.staged else work
+        header = self._outgoing(self._header(instr))
         works = [dist.isend(header, dst=self._global(instr.peer), tag=TAG),
                  dist.isend(tensor, dst=self._global(instr.peer), tag=TAG)]
         return _CheckedWork(works, lambda: None, (header, tensor))
@@ -135,9 +180,9 @@ class PointToPoint:
         # A buffer of its own, dropped once its backward has used it (the allocator
         # reuses the memory): only the checkpoints in use occupy the device.
         buffer = self.empty()
+        src = self._global(instr.peer)
         if not self.checked:
-            return dist.irecv(buffer, src=self._global(instr.peer), tag=TAG), buffer
+            return self._post_irecv(buffer, src), buffer
         header = self._header_buffer(instr)
-        works = [dist.irecv(header, src=self._global(instr.peer), tag=TAG),
-                 dist.irecv(buffer, src=self._global(instr.peer), tag=TAG)]
+        works = [self._post_irecv(header, src), self._post_irecv(buffer, src)]
         return _CheckedWork(works, lambda: self._verify(instr, header), (header, buffer)), buffer

@@ -361,6 +361,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device-chaos", type=int, default=None, metavar="SEED",
                    help="testing aid (CPU device): delay each copy stream's operations by "
                         "seeded random amounts, so that a missing wait changes the numbers")
+    g.add_argument("--share-gpu", action="store_true",
+                   help="testing aid: let more processes than GPUs run on a node, the local "
+                        "ranks sharing the GPUs over gloo (point-to-point staged through "
+                        "pinned host buffers); without it that is refused")
     g.add_argument("--profile", action="store_true",
                    help="profile iterations [--profile-step-start, --profile-step-end): with "
                         "--use-pytorch-profiler a torch profiler trace in --tensorboard-dir, "

@@ -19,19 +19,12 @@ from functools import lru_cache
 
 import torch
 
-from megatron.models.llama import LlamaConfig, transformer_config
+from megatron.models.llama import LlamaConfig, layer_spec, norm_module, transformer_config
 
 LAYER = re.compile(r"decoder\.layers\.(\d+)\.")
 EMBEDDING = "embedding.word_embeddings.weight"
 OUTPUT_LAYER = "output_layer.weight"
 FINAL_NORM = "decoder.final_layernorm.weight"
-
-
-def _local_spec():
-    from megatron.core.models.gpt import gpt_layer_specs
-
-    # The checkpoint always uses the local spec's layout (the TE spec's is the same on disk).
-    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
 
 
 @lru_cache(maxsize=4)
@@ -42,16 +35,16 @@ def _meta_modules(cfg: LlamaConfig) -> dict:
         LanguageModelEmbedding,
     )
     from megatron.core.transformer.spec_utils import build_module
-    from megatron.core.transformer.transformer_block import LayerNormImpl
 
+    # The checkpoint always uses the local spec's layout (the TE spec's is the same on disk).
     tcfg = transformer_config(cfg)
     with torch.device("meta"):
         return {
             "embedding": LanguageModelEmbedding(
                 config=tcfg, vocab_size=cfg.vocab_size, max_sequence_length=cfg.seq_length,
                 position_embedding_type="rope"),
-            "layer": build_module(_local_spec(), config=tcfg, layer_number=1),
-            "final_layernorm": LayerNormImpl(config=tcfg, hidden_size=cfg.hidden_size,
+            "layer": build_module(layer_spec("local"), config=tcfg, layer_number=1),
+            "final_layernorm": norm_module("local")(config=tcfg, hidden_size=cfg.hidden_size,
                                              eps=cfg.norm_epsilon),
             "output_layer": tensor_parallel.ColumnParallelLinear(
                 cfg.hidden_size, cfg.vocab_size, config=tcfg, init_method=tcfg.init_method,
@@ -137,7 +130,7 @@ def unstacked_names(key: str, leading: int) -> list[tuple[str, int | None]]:
     if not key.startswith("decoder.layers."):
         return [(key, None)]
     rest = key[len("decoder.layers."):]
-    keys_map = _local_spec().submodules.sharded_state_dict_keys_map
+    keys_map = layer_spec("local").submodules.sharded_state_dict_keys_map
     for ours, theirs in keys_map.items():
         if rest.startswith(theirs):
             rest = ours + rest[len(theirs):]

@@ -1,20 +1,30 @@
-"""Process-group setup: torchrun's environment when present, a one-process group otherwise.
+"""Process start: the device decision applied, then the process groups and megatron-core.
 
-megatron-core's tensor-parallel layers read their groups from parallel_state, so even a single
-process initializes torch.distributed (world size 1) and the model-parallel groups (all size 1).
-Backend: NCCL on CUDA, gloo on the CPU.
+Every process that builds a model starts here, on either device path:
+1. the device decision (megatron/config/device_choice.py): CUDA or the CPU device layer,
+   the GPU index, the backend, refusing more processes per node than GPUs (exit 2)
+   before anything is allocated;
+2. `torch.cuda.set_device` on CUDA, then the process group (torchrun's environment when
+   present, a one-process group otherwise: megatron-core's layers read their groups from
+   parallel_state even in one process) and megatron-core's model-parallel groups;
+3. megatron-core's device-side setup, the same on both paths: its CUDA RNG tracker seeded
+   from --seed as Megatron-LM does on a GPU (on the CPU, after standing a host generator
+   in for CUDA's: megatron/models/cpu_adaptation.py).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from megatron.config.device_choice import DeviceChoice, choose_device
 from megatron.config.errors import ConfigError
+from megatron.models.cpu_adaptation import set_up_megatron_core
 from megatron.pipeline.data_parallel import ParallelLayout
 from megatron.pipeline.host_group import forget_host_group
 
@@ -26,6 +36,12 @@ class DistInfo:
     local_rank: int
     backend: str
     data_parallel_size: int = 1
+    device: DeviceChoice = DeviceChoice("cpu", 0, "gloo")
+
+    @property
+    def torch_device(self) -> torch.device:
+        """Where this process's model, batches and collectives' tensors live."""
+        return torch.device(self.device.torch_device)
 
     @property
     def pipeline_size(self) -> int:
@@ -49,23 +65,41 @@ def check_data_parallel_size(data_parallel_size: int, world_size: int) -> None:
                           "world size = pipeline size x data-parallel size")
 
 
-def default_backend() -> str:
-    return "nccl" if torch.cuda.is_available() else "gloo"
+def decide_device(share_gpu: bool = False) -> DeviceChoice:
+    """This process's device, from what the machine reports and torchrun's environment."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    available = torch.cuda.is_available()
+    return choose_device(available, torch.cuda.device_count() if available else 0,
+                         local_rank, local_world, share_gpu)
 
 
-def initialize_distributed(timeout_s: float = 600.0, data_parallel_size: int = 1) -> DistInfo:
+def apply_device(choice: DeviceChoice, seed: int,
+                 set_cuda_device: Callable[[int], None] | None = None) -> None:
+    """The device-side setup the choice asks for, before the process group: the current
+    CUDA device, then megatron-core's (the same on both paths; tensor and expert parallel
+    ranks are 0, so it needs no process group). `set_cuda_device` stands in for
+    `torch.cuda.set_device` in tests of the CUDA branch."""
+    if choice.kind == "cuda":
+        (set_cuda_device or torch.cuda.set_device)(choice.index)
+    set_up_megatron_core(choice.kind, seed)
+
+
+def initialize_distributed(timeout_s: float = 600.0, data_parallel_size: int = 1,
+                           seed: int = 1234, share_gpu: bool = False) -> DistInfo:
     """Idempotent. Uses torchrun's env (RANK, WORLD_SIZE, MASTER_ADDR/PORT) when set.
     megatron-core's parallel_state gets the real groups: pipeline size = world /
-    `data_parallel_size` (tensor parallel 1)."""
+    `data_parallel_size` (tensor parallel 1). `seed`: --seed (Megatron's default 1234);
+    `share_gpu`: --share-gpu."""
     check_data_parallel_size(data_parallel_size, int(os.environ.get("WORLD_SIZE", "1")))
-    backend = default_backend()
+    choice = decide_device(share_gpu)
+    apply_device(choice, seed)  # before the process group: NCCL binds to the current GPU
     if not dist.is_initialized():
         if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
-            if backend == "nccl":
-                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+            dist.init_process_group(choice.backend, timeout=timedelta(seconds=timeout_s))
         else:
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+            dist.init_process_group(choice.backend, store=dist.HashStore(), rank=0,
+                                    world_size=1)
     from megatron.core import parallel_state
 
     if not parallel_state.model_parallel_is_initialized():
@@ -78,6 +112,7 @@ def initialize_distributed(timeout_s: float = 600.0, data_parallel_size: int = 1
         local_rank=int(os.environ.get("LOCAL_RANK", "0")),
         backend=dist.get_backend(),
         data_parallel_size=parallel_state.get_data_parallel_world_size(),
+        device=choice,
     )
 
 

@@ -11,20 +11,23 @@ from __future__ import annotations
 
 import math
 
+import torch
 from megatron.core import parallel_state
 
 from megatron.config.run import RunConfig
 from megatron.data.sampling import evaluation_micro_batches
-from megatron.training.train_step import TrainStep
+from megatron.training.train_step import TrainStep, on_device
 
 MAX_PPL_EXPONENT = 20  # Megatron prints exp(min(20, loss)) as the perplexity
 
 
-def evaluate(step: TrainStep, dataset, number: int, run: RunConfig) -> float:
-    """Mean lm loss of evaluation `number` on `dataset`."""
+def evaluate(step: TrainStep, dataset, number: int, run: RunConfig,
+             device: torch.device) -> float:
+    """Mean lm loss of evaluation `number` on `dataset` (its batches placed on `device`)."""
     rank = (parallel_state.get_data_parallel_rank()
             if parallel_state.model_parallel_is_initialized() else 0)
-    return step.evaluate(evaluation_micro_batches(dataset, number, run, rank))
+    return step.evaluate([on_device(micro_batches, device) for micro_batches
+                          in evaluation_micro_batches(dataset, number, run, rank)])
 
 
 def perplexity(loss: float) -> float:

@@ -1,9 +1,12 @@
 """The whole model in one process: the reference every pipeline is checked against.
 
-Working parameters in the training dtype, fp32 masters, torch's AdamW; the same loss
-scaling, clipping and no-decay rule as the pipeline's CPU optimizer. With
+Working parameters in the training dtype, fp32 masters, torch's AdamW, all on the process's
+device (the GPU on CUDA: what a user whose model fits would run); the same loss scaling,
+clipping and no-decay rule as the pipeline's CPU optimizer. With
 --pipeline-model-parallel-size 1 on several processes (Megatron's data parallelism), each
-process is one replica: gradients and losses are averaged over the replicas.
+process is one replica: gradients and losses are averaged over the replicas, as device
+tensors on megatron-core's data-parallel group. The host reads two scalars an iteration
+(the loss and the gradient norm, after every micro-batch), none per micro-batch.
 """
 
 from __future__ import annotations
@@ -24,11 +27,15 @@ from megatron.training.train_step import StepResult
 class LocalTrainStep:
     """Whole model in one process: working params in the training dtype, fp32 masters."""
 
-    def __init__(self, model_cfg: LlamaConfig, run: RunConfig) -> None:
+    def __init__(self, model_cfg: LlamaConfig, run: RunConfig,
+                 device: torch.device) -> None:
         self.dtype = working_dtype(run.precision)
         self.model_cfg = model_cfg
-        # Initialize in fp32 so every precision starts from the same master weights.
-        self.model = LlamaModel(model_cfg.with_dtype(torch.float32))
+        self.device = device
+        self._host_states: dict[str, tuple[torch.Tensor, ...]] | None = None  # see owned_state
+        # Initialize in fp32 so every precision starts from the same master weights (built
+        # on the host, each piece from its own seed, then moved: the same on every device).
+        self.model = LlamaModel(model_cfg.with_dtype(torch.float32)).to(device)
         named = [(n, p) for n, p in self.model.named_parameters()]
         self.masters = [p.detach().clone().float() for _, p in named]
         if self.dtype != torch.float32:
@@ -40,6 +47,7 @@ class LocalTrainStep:
         self.optimizer = torch.optim.AdamW(
             [{"params": decay, "wd_mult": 1.0}, {"params": no_decay, "wd_mult": 0.0}],
             lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
+            fused=device.type == "cuda" or None,  # the fused kernel where there is one
         )
         self.clip_grad = o.clip_grad
         inject = run.testing.inject_overflow
@@ -69,19 +77,20 @@ class LocalTrainStep:
         for p in self.params:
             p.grad = None
         scale = self.scaler.scale if self.scaler else 1.0
-        total = 0.0
+        total = torch.zeros(1, dtype=torch.float32, device=self.device)
         for batch in micro_batches:
             loss = self.model(batch) / len(micro_batches)
             (loss * scale).backward()
-            total += float(loss.detach())
+            total += loss.detach().float()
         if self.inject_overflow_at == iteration:
             self.params[0].grad.view(-1)[0] = float("inf")
         grads_fp32 = [p.grad.detach().float() for p in self.params]
         if self.replicas is not None:  # reduced in fp32, whatever the working dtype
             flat = self._mean_over_replicas(torch.cat(
-                [g.reshape(-1) for g in grads_fp32] + [torch.tensor([total])]))
-            total = float(flat[-1])
+                [g.reshape(-1) for g in grads_fp32] + [total]))
+            total = flat[-1:]
             grads_fp32 = list(torch.split(flat[:-1], [g.numel() for g in grads_fp32]))
+        total = float(total)
         for master, grad in zip(self.masters, grads_fp32):
             master.grad = grad.view_as(master).div_(scale)
         grads = [m.grad for m in self.masters]
@@ -106,21 +115,38 @@ class LocalTrainStep:
     def evaluate(self, batches: Sequence[Sequence[Batch]]) -> float:
         """Mean loss over every micro-batch of `batches`, forward only."""
         with torch.no_grad():
-            losses = [float(self.model(batch)) for micro_batches in batches
+            losses = [self.model(batch).double() for micro_batches in batches
                       for batch in micro_batches]
-        mean = torch.tensor([sum(losses) / len(losses)], dtype=torch.float64)
+        mean = (torch.stack(losses).sum() / len(losses)).reshape(1)
         return float(self._mean_over_replicas(mean))
 
-    def owned_state(self) -> OwnedState:
-        """Every parameter: the master and torch AdamW's moments (created as zeros before
-        the first step, as AdamW itself would)."""
+    def _live_states(self) -> dict[str, tuple[torch.Tensor, ...]]:
+        """Every parameter's master and torch AdamW's moments, on the device (the moments
+        created as zeros before the first step, as AdamW itself would)."""
         views = {}
         for (name, _), master in zip(self.model.named_parameters(), self.masters):
             state = self.optimizer.state[master]
             if not state:
-                state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(master),
+                state.update(step=self._step_count(0), exp_avg=torch.zeros_like(master),
                              exp_avg_sq=torch.zeros_like(master))
             views[name] = (master, state["exp_avg"], state["exp_avg_sq"])
+        return views
+
+    def _step_count(self, step: int) -> torch.Tensor:
+        # a fused AdamW keeps its step on the device, the others on the host
+        on = self.device if self.optimizer.defaults.get("fused") else "cpu"
+        return torch.tensor(float(step), device=on)
+
+    def owned_state(self) -> OwnedState:
+        """The masters and moments as host tensors (a checkpoint's are host tensors): the
+        live ones on the CPU device layer, copies kept until `restored()` on a GPU."""
+        live = self._live_states()
+        if self.device.type == "cpu":
+            self._host_states = None
+            views = live
+        else:
+            self._host_states = {name: tuple(t.cpu() for t in ts) for name, ts in live.items()}
+            views = self._host_states
         step = int(self.optimizer.state[self.masters[0]]["step"])
         return OwnedState(named_tensors(self.model_cfg, views), step,
                           self.scaler.state_dict() if self.scaler else None)
@@ -130,8 +156,12 @@ class LocalTrainStep:
         """After a checkpoint load filled `owned_state()`'s tensors in place (torch's AdamW
         does not speculate: `speculation` is not used)."""
         with torch.no_grad():
+            if self._host_states is not None:  # filled copies: put back
+                for name, live in self._live_states().items():
+                    for device_tensor, host in zip(live, self._host_states[name]):
+                        device_tensor.copy_(host)
             for master, p in zip(self.masters, self.params):
-                self.optimizer.state[master]["step"] = torch.tensor(float(optimizer_step))
+                self.optimizer.state[master]["step"] = self._step_count(optimizer_step)
                 p.copy_(master)
         if self.scaler and loss_scaler is not None:
             self.scaler.load_state_dict(loss_scaler)

@@ -66,7 +66,7 @@ class PipelineTrainStep:
         self.model_cfg = model_cfg
         self.run = run
         schedule, report = run_schedule(run, dist_info.pipeline_size, model_cfg.vocab_size)
-        self.config = pipeline_config(run, schedule, report)
+        self.config = pipeline_config(run, schedule, report, dist_info.device)
         conflict = None
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:
             # before the fit check, so that what dead runs left counts as free

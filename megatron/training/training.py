@@ -60,7 +60,7 @@ from megatron.training.run_checks import (
 )
 from megatron.training.scalar_logging import ScalarSinks, check_scalar_sinks
 from megatron.training.signals import ExitConditions
-from megatron.training.train_step import TrainStep
+from megatron.training.train_step import TrainStep, on_device
 
 Log = Callable[[str], object]
 
@@ -80,7 +80,7 @@ def runs_pipeline(run: RunConfig, world_size: int) -> bool:
 def make_train_step(run: RunConfig, model_cfg: LlamaConfig, dist_info: DistInfo) -> TrainStep:
     if not runs_pipeline(run, dist_info.world_size):
         refuse_single_process_that_does_not_fit(run, model_cfg.vocab_size)
-        return LocalTrainStep(model_cfg, run)
+        return LocalTrainStep(model_cfg, run, dist_info.torch_device)
     return PipelineTrainStep(model_cfg, run, dist_info)
 
 
@@ -253,8 +253,10 @@ class TrainingLoop:
 
     def _iteration(self, iteration: int) -> None:
         run, schedule = self.run, self.schedule
-        micro_batches = training_micro_batches(self.data.datasets.train, iteration, run,
-                                               self.dist_info.data_parallel_rank)
+        micro_batches = on_device(
+            training_micro_batches(self.data.datasets.train, iteration, run,
+                                   self.dist_info.data_parallel_rank),
+            self.dist_info.torch_device)
         t0 = time.perf_counter()
         result = self.step.step(iteration, micro_batches, schedule.lr, schedule.weight_decay)
         elapsed = time.perf_counter() - t0
@@ -290,7 +292,7 @@ class TrainingLoop:
                  end: bool = False) -> dict:
         """Evaluation `number` on every rank; the logging rank prints Megatron's block and
         records it (`end`: the one at the end of training)."""
-        loss = evaluate(self.step, dataset, number, self.run)
+        loss = evaluate(self.step, dataset, number, self.run, self.dist_info.torch_device)
         record = evaluation_record(iteration, split, loss, end)
         self.metrics.write(record)
         self.sinks.evaluation(record, iteration * self.run.training.global_batch_size)
@@ -398,7 +400,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             run = configure_automatically(run)
         dist_info = initialize_distributed(
             timeout_s=60.0 * run.parallel.distributed_timeout_minutes,
-            data_parallel_size=run.data_parallel_size)
+            data_parallel_size=run.data_parallel_size, seed=run.training.seed,
+            share_gpu=run.device_checks.share_gpu)
         try:
             train(run, dist_info)
         finally:
