@@ -93,21 +93,22 @@ def first_shortfall(plan: MemoryPlan, pipeline_rank: int, free: FreeMemory,
     return None
 
 
-def single_process_shortfall(run: RunConfig, vocab_size: int,
-                             free_host: int) -> ResourceError | None:
-    """The one-process run (the whole model, torch's AdamW, no recompute) against the host
-    memory available now, as the error to raise (None: it fits)."""
+def single_process_shortfall(run: RunConfig, vocab_size: int, free: int,
+                             where: str = "host memory") -> ResourceError | None:
+    """The one-process run (the whole model, torch's AdamW, no recompute) against the
+    memory available now on its device (`where`: "host memory" on the CPU device layer,
+    "GPU memory" on CUDA), as the error to raise (None: it fits)."""
     terms = single_process_memory(replace(run.model, vocab_size=vocab_size),
                                   run.training.micro_batch_size, run.model.seq_length,
                                   run.precision.working_bytes)
     need = sum(terms.values())
-    if need <= free_host:
+    if need <= free:
         return None
     model_states = terms["parameters"] + terms["gradients"] + terms["optimizer_states"]
     parts = ", ".join(f"{t.replace('_', ' ')} {format_bytes(b)}" for t, b in terms.items())
     advice = ("a smaller model (--num-layers, --hidden-size, --vocab-size) or a pipeline over "
               "more processes (torchrun)" if model_states >= need - model_states
               else "a smaller --micro-batch-size or --seq-length")
-    return ResourceError("host memory", f"the one-process run would "
-                         f"{format_shortfall(need, free_host, 'available')} ({parts}): use "
+    return ResourceError(where, f"the one-process run would "
+                         f"{format_shortfall(need, free, 'available')} ({parts}): use "
                          f"{advice}")

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.common.meminfo import available_host_memory
+from megatron.config.device_choice import DeviceChoice
 from megatron.config.run import RunConfig
 from megatron.offload.naming import resolve_procs_per_node
 from megatron.offload.shm_space import DEFAULT_SHM_DIR, free_bytes
@@ -56,15 +57,24 @@ def refuse_what_does_not_fit(run: RunConfig, schedule: Schedule, vocab_size: int
         raise error
 
 
-def refuse_single_process_that_does_not_fit(run: RunConfig, vocab_size: int) -> None:
-    """Raise ResourceError when the one-process run needs more host memory than is
-    available now (the model, its optimizer and one micro-batch's activations)."""
-    host = available_host_memory()
-    if host is None:
-        return  # nothing to measure against (not Linux): the run finds out itself
-    # data-parallel replicas of the whole model (--pipeline-model-parallel-size 1) share
-    # their node's memory: each gets its share
+def refuse_single_process_that_does_not_fit(run: RunConfig, vocab_size: int,
+                                            device: DeviceChoice) -> None:
+    """Raise ResourceError when the one-process run needs more memory than its device has
+    free now (the model, its optimizer and one micro-batch's activations): the GPU's on
+    CUDA, the host's on the CPU device layer."""
     replicas_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    error = single_process_shortfall(run, vocab_size, host // max(replicas_here, 1))
+    if device.kind == "cuda":
+        free = torch.cuda.mem_get_info(device.index)[0]
+        # ranks sharing a GPU (--share-gpu) share its memory
+        sharing = replicas_here if device.shared_gpu else 1
+        where = "GPU memory"
+    else:
+        free = available_host_memory()
+        if free is None:
+            return  # nothing to measure against (not Linux): the run finds out itself
+        # data-parallel replicas of the whole model (--pipeline-model-parallel-size 1)
+        # share their node's memory: each gets its share
+        sharing, where = replicas_here, "host memory"
+    error = single_process_shortfall(run, vocab_size, free // max(sharing, 1), where)
     if error is not None:
         raise error

@@ -79,7 +79,7 @@ def runs_pipeline(run: RunConfig, world_size: int) -> bool:
 
 def make_train_step(run: RunConfig, model_cfg: LlamaConfig, dist_info: DistInfo) -> TrainStep:
     if not runs_pipeline(run, dist_info.world_size):
-        refuse_single_process_that_does_not_fit(run, model_cfg.vocab_size)
+        refuse_single_process_that_does_not_fit(run, model_cfg.vocab_size, dist_info.device)
         return LocalTrainStep(model_cfg, run, dist_info.torch_device)
     return PipelineTrainStep(model_cfg, run, dist_info)
 
@@ -151,7 +151,8 @@ class TrainingLoop:
         if not runs_pipeline(run, self.dist_info.world_size):
             # before the data: the vocabulary given, or 1 (a lower bound; checked again
             # with the tokenizer's below), so that a run far too large stops at once
-            refuse_single_process_that_does_not_fit(run, run.model.vocab_size or 1)
+            refuse_single_process_that_does_not_fit(run, run.model.vocab_size or 1,
+                                                    self.dist_info.device)
         with setup_phase("data", log):
             self.data = prepare_data(run, log=log)
         model_cfg = LlamaConfig.from_model(run.model, self.data.vocab_size, run.training.seed)
