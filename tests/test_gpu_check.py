@@ -193,3 +193,15 @@ def test_megatron_core_baseline_refuses_full_recompute_on_the_cpu(capsys):
                                    "--recompute", "none,full"])
     assert exit_.value.code == 2
     assert "--recompute full: megatron-core's full recompute needs CUDA" in capsys.readouterr().err
+
+
+def test_the_check_covers_every_schedule_within_8_minutes():
+    import gpu_check_steps
+
+    from megatron.schedules.generators import SCHEDULE_NAMES
+    from tests.test_cuda_pipeline import CASES
+
+    schedules = {"single", *SCHEDULE_NAMES}
+    assert set(gpu_check_steps.SCHEDULE_FLAGS) == schedules  # under the sanitizer
+    assert schedules <= set(CASES)  # against the CPU device layer
+    assert sum(step.timeout_s for step in gpu_check.default_steps("work")) < 8 * 60

@@ -142,7 +142,12 @@ def main(argv: list[str] | None = None) -> int:
     python = venv_python(venv)
     specs = requirement_specs(os.path.join(ROOT, "requirements.txt"))
     have_venv = os.path.exists(python)
-    seen = probe(python if have_venv else sys.executable, specs, not args.dry_run)
+    looked_at = python if have_venv else sys.executable
+    try:
+        seen = probe(looked_at, specs, not args.dry_run)
+    except (OSError, subprocess.CalledProcessError) as error:
+        p.exit(2, f"{PROG}: error: {looked_at}: cannot look into it ({error}); expected a "
+                  f"working python (remove {venv} to make it again)\n")
     if seen["torch"] is None:
         p.exit(2, f"{PROG}: error: {python if have_venv else sys.executable} has no torch: "
                   "gpu-check uses the machine's CUDA torch, expected a python that imports it "
@@ -184,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     for command in [*commands_after_writes, build]:
         subprocess.run(command, cwd=ROOT, check=True)
     os.chdir(ROOT)
-    os.environ.setdefault("GPU_CHECK_COMMAND", "make gpu-check" if "MAKELEVEL" in os.environ
+    make = "make gpu-check" + (f" WHEELS={args.wheels}" if args.wheels else "")
+    os.environ.setdefault("GPU_CHECK_COMMAND", make if "MAKELEVEL" in os.environ
                           else shlex.join([sys.executable, *sys.argv]))
     os.execv(python, check)
     return 0  # not reached
