@@ -158,6 +158,8 @@ def large_run(workdir: str) -> tuple[bool, dict]:
         return False, figures
     mcore = json.loads(baseline.stdout.strip().splitlines()[-1])
     figures["megatron_core"] = mcore
+    ok = ok and all(math.isfinite(loss) for result in mcore["variants"].values()
+                    for loss in result["losses"])
     if ok:
         ours = figures["decoupled"]["iteration_s"]["median"]
         figures["decoupled_over_megatron_core"] = {
