@@ -122,6 +122,17 @@ def install_commands(python: str, missing: list[str], wheels: str | None,
     return ([[*pip, "--no-deps", *alone]] if alone else []) + ([[*pip, *rest]] if rest else [])
 
 
+def _run(command: list[str], parser: argparse.ArgumentParser,
+         missing: list[str] | None = None) -> None:
+    """`command` from the repository root; when it fails, one line after its own output."""
+    status = subprocess.run(command, cwd=ROOT).returncode
+    if status:
+        hint = (f"; without network, give WHEELS=DIR holding wheels of: {' '.join(missing)}"
+                if missing and " pip " in f" {' '.join(command)} " else "")
+        parser.exit(1, f"{PROG}: error: `{shlex.join(command)}` failed (exit status "
+                       f"{status}){hint}\n")
+
+
 def venv_python(venv: str) -> str:
     return os.path.join(venv, "bin", "python")
 
@@ -136,8 +147,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="install what is missing from this directory only (offline)")
     p.add_argument("--dry-run", action="store_true", help="print the commands, run none")
     args = p.parse_args(own)
-    if args.wheels is not None and not os.path.isdir(args.wheels):
-        p.exit(2, f"{PROG}: error: --wheels {args.wheels}: not a directory\n")
+    if args.wheels is not None:
+        if not os.path.isdir(args.wheels):
+            p.exit(2, f"{PROG}: error: --wheels {args.wheels}: not a directory\n")
+        args.wheels = os.path.abspath(args.wheels)
     venv = os.path.abspath(args.venv)
     python = venv_python(venv)
     specs = requirement_specs(os.path.join(ROOT, "requirements.txt"))
@@ -182,12 +195,12 @@ def main(argv: list[str] | None = None) -> int:
             print(shlex.join(command))
         return 0
     for command in commands:
-        subprocess.run(command, check=True)
+        _run(command, p)
     for path, text in writes:
         with open(path, "w") as f:
             f.write(text)
     for command in [*commands_after_writes, build]:
-        subprocess.run(command, cwd=ROOT, check=True)
+        _run(command, p, missing)
     os.chdir(ROOT)
     make = "make gpu-check" + (f" WHEELS={args.wheels}" if args.wheels else "")
     os.environ.setdefault("GPU_CHECK_COMMAND", make if "MAKELEVEL" in os.environ
