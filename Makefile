@@ -33,10 +33,16 @@ test: setup
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
 
-# On a GPU machine, first: the CUDA tests and the offload and optimizer benchmarks, one JSON
-# report (runs/gpu-check/report.json) and a one-line verdict (docs/gpu-validation.md).
-gpu-check: setup
-	$(PY) tools/gpu_check.py --out runs/gpu-check/report.json
+# On a GPU machine, first (docs/gpu-validation.md): in $(GPU_VENV), made from $(PYTHON) with
+# --system-site-packages so that torch is the machine's CUDA build (never the pinned CPU
+# wheel), what is missing of megatron-core and the build and test tools (from the index, or
+# offline from WHEELS=dir), the C++ optimizer, then the checks: one JSON report
+# (runs/gpu-check/report.json) and a one-line verdict. DRY_RUN=1 prints the commands only.
+GPU_VENV ?= .venv-gpu
+WHEELS ?=
+gpu-check:
+	$(PYTHON) tools/gpu_env.py --venv $(GPU_VENV) $(if $(WHEELS),--wheels $(WHEELS)) \
+	    $(if $(DRY_RUN),--dry-run) -- --out runs/gpu-check/report.json $(ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .

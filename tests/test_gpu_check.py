@@ -1,15 +1,38 @@
-"""tools/gpu_check.py (`make gpu-check`): what it says without a GPU, how it reports steps."""
+"""`make gpu-check` without a GPU: the driver's steps, report, verdict and exit statuses
+(tools/gpu_check.py, with stand-in steps), the environment it prepares (tools/gpu_env.py:
+the machine's torch, nothing fetched when nothing is missing), and megatron-core's baseline
+(bench/mcore_baseline.py) at a tiny size on the CPU."""
 
+import json
+import math
 import os
+import subprocess
 import sys
+import time
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "tools"))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+sys.path.insert(0, ROOT)
 import gpu_check  # noqa: E402
+import gpu_env  # noqa: E402
+
+from bench import mcore_baseline  # noqa: E402
+from megatron.schedules.gpu_peaks import datasheet_peak_flops  # noqa: E402
 
 pytestmark = pytest.mark.unit
+
+
+def _python(code: str) -> tuple[str, ...]:
+    return ("-c", code)
+
+
+def _stand_in_gpu(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gpu_check, "gpu_names", lambda: ["Stand-in GPU"])
 
 
 def test_without_a_cuda_device_it_says_so_in_one_line_and_writes_nothing(
@@ -24,12 +47,161 @@ def test_without_a_cuda_device_it_says_so_in_one_line_and_writes_nothing(
     assert not out.exists()
 
 
-def test_a_step_records_its_figures_or_why_it_failed():
-    figures = gpu_check.run_step("json", ["-c", "print('{\"GBps\": 12.5}')"], True, 60)
-    assert figures["passed"] and figures["figures"] == {"GBps": 12.5}
-    failed = gpu_check.run_step("fails", ["-c", "import sys; sys.exit(3)"], False, 60)
-    assert not failed["passed"] and failed["status"] == 3
-    garbled = gpu_check.run_step("garbled", ["-c", "print('not json')"], True, 60)
-    assert not garbled["passed"] and "not one JSON object" in garbled["status"]
-    assert gpu_check.verdict([figures], ["H100"]).startswith("gpu-check: passed")
-    assert "FAILED (fails, garbled)" in gpu_check.verdict([figures, failed, garbled], [])
+def test_a_failed_step_names_itself_and_the_others_still_run(tmp_path, capsys, monkeypatch):
+    _stand_in_gpu(monkeypatch)
+    # a step out of time is killed with the processes it started
+    sleeper = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', "
+               "'import time; time.sleep(60)']); print('child', p.pid, flush=True); "
+               "time.sleep(60)")
+    steps = (
+        gpu_check.Step("fails", _python("import sys; print('boom'); sys.exit(3)"), 30, "json"),
+        gpu_check.Step("hangs", _python(sleeper), 2, "json"),
+        gpu_check.Step("garbled", _python("print('not json')"), 30, "json"),
+        gpu_check.Step("figures", _python("print('{\"GBps\": 12.5}')"), 30, "json"),
+        gpu_check.Step("tests", _python("print('3 passed, 1 skipped in 2.50s')"), 30, "pytest"),
+    )
+    out = tmp_path / "report.json"
+    assert gpu_check.main(["--out", str(out)], steps) == 1
+    report = json.loads(out.read_text())
+    assert {"command", "date", "machine", "commit", "steps", "summary", "verdict"} <= set(report)
+    assert report["machine"]["gpus"] == ["Stand-in GPU"] and report["machine"]["torch"]
+    by_name = {s["step"]: s for s in report["steps"]}
+    assert [s["step"] for s in report["steps"]] == [s.name for s in steps]
+    assert by_name["fails"]["status"] == "failed (exit status 3)"
+    assert "boom" in by_name["fails"]["output_tail"]
+    assert by_name["hangs"]["status"] == "out of time (2 s)"
+    assert by_name["garbled"]["status"] == "failed (no figures in its output)"
+    assert by_name["figures"]["passed"] and by_name["figures"]["figures"] == {"GBps": 12.5}
+    assert by_name["tests"]["figures"] == {"passed": 3, "skipped": 1}
+    child = int(by_name["hangs"]["output_tail"].split()[1])
+    deadline = time.monotonic() + 5
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(child), "the timed-out step's child process survived"
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert printed[-1] == report["verdict"]
+    assert printed[-1].startswith("gpu-check: FAILED (fails, hangs, garbled): 2 of 5 steps")
+    assert str(out) in printed[-1]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_when_every_step_passes_the_exit_status_is_0(tmp_path, capsys, monkeypatch):
+    _stand_in_gpu(monkeypatch)
+    steps = (gpu_check.Step("ok", _python("print('{}')"), 30, "json"),)
+    assert gpu_check.main(["--out", str(tmp_path / "r.json")], steps) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith(
+        "gpu-check: passed: 1 of 1 steps passed")
+
+
+def test_the_summary_sets_the_decoupled_run_beside_megatron_core_and_the_plan():
+    large = {"decoupled": {"iteration_s": {"median": 2.0}, "mfu": 0.15},
+             "megatron_core": {"variants": {"none": {"iteration_s": {"median": 1.6}, "mfu": 0.19},
+                                            "full": {"iteration_s": {"median": 2.5}, "mfu": 0.12}}}}
+    steps = [{"step": "1.35B decoupled vs megatron-core", "figures": large, "passed": True},
+             {"step": "hardware profile and plan", "passed": True,
+              "figures": {"plan": {"predicted_iteration_s": 3.0}}}]
+    figures = gpu_check.summary(steps)
+    assert figures["decoupled_over_megatron_core_none_recompute"] == pytest.approx(1.25)
+    assert figures["decoupled_over_megatron_core_full_recompute"] == pytest.approx(0.8)
+    assert figures["plan_predicted_over_measured"] == pytest.approx(1.5)
+    line = gpu_check.verdict(steps, ["H100"], figures, 300, "r.json")
+    assert "1.35B decoupled 2.00 s/iteration against megatron-core 1.60 s none recompute " \
+           "(x1.25), megatron-core 2.50 s full recompute (x0.80)" in line
+    assert "\n" not in line
+
+
+def test_datasheet_peaks_by_the_name_cuda_reports():
+    assert datasheet_peak_flops("NVIDIA H100 80GB HBM3", "bf16") == 989e12
+    assert datasheet_peak_flops("NVIDIA H100 PCIe", "bf16") == 756e12
+    assert datasheet_peak_flops("NVIDIA H200", "fp16") == 989e12
+    assert datasheet_peak_flops("NVIDIA A100-SXM4-80GB", "bf16") == 312e12
+    assert datasheet_peak_flops("NVIDIA L40S", "bf16") == 362e12
+    assert datasheet_peak_flops("NVIDIA L4", "bf16") == 121e12
+    assert datasheet_peak_flops("Tesla V100-SXM2-32GB", "bf16") is None  # no bf16 cores
+    assert datasheet_peak_flops("Some Future GPU", "bf16") is None
+
+
+def test_the_environment_installs_only_what_is_missing_and_never_torch(tmp_path):
+    specs = gpu_env.requirement_specs(os.path.join(ROOT, "requirements.txt"))
+    assert specs["megatron-core"].startswith("megatron-core==")  # the pinned version
+    assert "torch" not in specs
+    assert gpu_env.satisfied("megatron-core==0.16.1", "0.16.1")
+    assert not gpu_env.satisfied("megatron-core==0.16.1", "0.15.0")
+    assert gpu_env.satisfied("pybind11>=2.12", "2.13.6")
+    assert not gpu_env.satisfied("pybind11>=2.12", "2.11.1") and not gpu_env.satisfied("x", None)
+    assert gpu_env.install_commands("py", [], "wheels", "c.txt") == []  # no pip, no network
+    installed = {name: spec.split("==")[1] if "==" in spec else "99"
+                 for name, spec in specs.items()}
+    missing = gpu_env.missing_specs(specs, {**installed, "megatron-core": None,
+                                            "pybind11": None})
+    assert missing == [specs["megatron-core"], specs["pybind11"]]
+    offline = gpu_env.install_commands("py", missing, "wheels", "c.txt")
+    pip = ["py", "-m", "pip", "install", "-q", "--no-index", "--find-links", "wheels",
+           "--constraint", "c.txt"]
+    assert offline == [[*pip, "--no-deps", specs["megatron-core"]], [*pip, specs["pybind11"]]]
+    online = gpu_env.install_commands("py", missing, None, "c.txt")
+    assert all("--no-index" not in c and "--constraint" in c for c in online)
+
+
+def test_make_gpu_check_dry_run_keeps_the_machines_torch(tmp_path):
+    venv = tmp_path / "venv"
+    proc = subprocess.run(
+        ["make", "-s", "gpu-check", "DRY_RUN=1", f"PYTHON={sys.executable}",
+         f"GPU_VENV={venv}", f"WHEELS={tmp_path}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert any(line.endswith(f"-m venv --system-site-packages {venv}") for line in lines)
+    for line in lines:  # whatever this machine lacks: from the wheels, never torch
+        if " pip install " in line:
+            assert f"--no-index --find-links {tmp_path}" in line
+            assert not any(word.split("=")[0] == "torch" for word in line.split())
+    assert lines[-2] == f"{venv}/bin/python setup.py -q build_ext --inplace"
+    assert lines[-1] == f"{venv}/bin/python tools/gpu_check.py --out runs/gpu-check/report.json"
+    assert not venv.exists()
+
+
+def test_megatron_core_baseline_trains_the_model_on_the_cpu(capsys):
+    assert mcore_baseline.main([
+        "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "160",
+        "--num-attention-heads", "4", "--num-query-groups", "2", "--seq-length", "32",
+        "--micro-batch-size", "2", "--global-batch-size", "4", "--iters", "2",
+        "--vocab-size", "512"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["device"] == "cpu" and result["model"]["vocab_size"] == 512
+    none = result["variants"]["none"]
+    assert len(none["iteration_times_s"]) == 2 and none["iteration_s"]["median"] > 0
+    losses = none["losses"]  # the warm-up's and the 2 timed iterations'
+    assert losses[0] == pytest.approx(math.log(512), rel=0.02)  # near-uniform at init
+    assert losses[-1] < losses[0]
+    assert result["attention"] == "DotProductAttention"  # the local spec's, as our model's
+
+
+def test_megatron_core_baseline_refuses_full_recompute_on_the_cpu(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        mcore_baseline.parse_args(["--num-layers", "2", "--hidden-size", "64",
+                                   "--ffn-hidden-size", "160", "--num-attention-heads", "4",
+                                   "--seq-length", "32", "--micro-batch-size", "2",
+                                   "--global-batch-size", "4", "--device", "cpu",
+                                   "--recompute", "none,full"])
+    assert exit_.value.code == 2
+    assert "--recompute full: megatron-core's full recompute needs CUDA" in capsys.readouterr().err
+
+
+def test_the_check_covers_every_schedule_within_8_minutes():
+    import gpu_check_steps
+
+    from megatron.schedules.generators import SCHEDULE_NAMES
+    from tests.test_cuda_pipeline import CASES
+
+    schedules = {"single", *SCHEDULE_NAMES}
+    assert set(gpu_check_steps.SCHEDULE_FLAGS) == schedules  # under the sanitizer
+    assert schedules <= set(CASES)  # against the CPU device layer
+    assert sum(step.timeout_s for step in gpu_check.default_steps("work")) < 8 * 60

@@ -1,0 +1,254 @@
+"""The steps of `make gpu-check` that are not the cuda-marked tests, one per sub-command.
+
+    python tools/gpu_check_steps.py large-run|sanitizer|checkpoint|profile-plan --workdir DIR
+
+Each runs its training processes, prints one JSON object of figures as its last line and
+exits 0 when what it checks holds, 1 when not (tools/gpu_check.py runs each in its own
+process with its own time limit):
+  large-run     the 1.35B LLaMA (24 x 2048, SwiGLU 5504, 16 heads, seq 2048, GBS 16, MBS 2,
+                bf16), decoupled with 4 forward stages and d = 2, all model states in host
+                memory, then megatron-core training the same model all on the GPU
+                (bench/mcore_baseline.py, with and without full recompute): iteration
+                times (median of iterations 2 on), their ratios, MFU against the datasheet;
+  sanitizer     every schedule at one rank for 2 iterations (tiny preset) under torch's CUDA
+                sanitizer (--device-sanitizer), the pipelines with GPU subgroup updates;
+  checkpoint    a run on the GPU saving at iteration 3, resumed from there on the CPU
+                (CUDA_VISIBLE_DEVICES=""): its losses against the GPU run's;
+  profile-plan  tools/profile_hardware.py on this machine, then --plan's prediction for the
+                1.35B run with that profile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Hashable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron.config.model import ModelConfig  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PRETRAIN = os.path.join(ROOT, "pretrain_llama.py")
+CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}
+# Synthetic data: no corpus to build, nothing to download.
+MOCK_VOCAB = 32000
+MOCK_DATA = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size",
+             str(MOCK_VOCAB), "--eval-iters", "0", "--log-interval", "1"]
+
+LARGE_SHAPE = {"num_layers": 24, "hidden_size": 2048, "ffn_hidden_size": 5504,
+               "num_attention_heads": 16, "num_query_groups": 16, "seq_length": 2048}
+LARGE_BATCH = {"micro_batch_size": 2, "global_batch_size": 16}
+LARGE_ITERS = 6  # the first is the warm-up: the median is over iterations 2-6
+LARGE_RUN = [*(f"--{k.replace('_', '-')}={v}" for k, v in {**LARGE_SHAPE, **LARGE_BATCH}.items()),
+             "--bf16", "--pipeline-schedule", "decoupled", "--forward-stages", "4",
+             "--backward-split", "2", *MOCK_DATA]
+
+TINY = ["--model-preset", "tiny", "--mock-data", "--tokenizer-type", "NullTokenizer",
+        "--vocab-size", "512", "--eval-iters", "0", "--log-interval", "1",
+        "--lr-warmup-iters", "1"]
+# Every schedule at one rank; the pipelines update GPU subgroups too (every 2nd on the GPU).
+SCHEDULE_FLAGS = {
+    "single": [],
+    "gpipe": ["--optimizer-gpu-stride", "2"],
+    "1f1b": ["--optimizer-gpu-stride", "2"],
+    "interleaved-1f1b": ["--forward-stages", "2", "--optimizer-gpu-stride", "2"],
+    "mobius": ["--forward-stages", "2", "--optimizer-gpu-stride", "2"],
+    "decoupled": ["--forward-stages", "2", "--backward-split", "2",
+                  "--optimizer-gpu-stride", "2"],
+}
+LOSS_RTOL = 1e-4  # fp32 losses, GPU against the CPU device layer
+
+
+def run(argv: list[str], env: dict[str, str] | None = None,
+        timeout: float | None = None) -> subprocess.CompletedProcess:
+    """One process from the repository root, its output kept."""
+    return subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def run_concurrently(jobs: dict[Hashable, Callable[[], Any]], parallel: int) -> dict[Hashable, Any]:
+    """Independent runs at once (small ones share the GPU and the cores)."""
+    with ThreadPoolExecutor(max_workers=parallel) as pool:
+        futures = {name: pool.submit(job) for name, job in jobs.items()}
+        return {name: future.result() for name, future in futures.items()}
+
+
+def read_metrics(path: str) -> list[dict]:
+    """The training iterations of a --metrics-file (not the evaluation records)."""
+    with open(path) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    return [r for r in records if "loss" in r and "evaluation" not in r]
+
+
+def train(workdir: str, name: str, flags: list[str], env: dict[str, str] | None = None,
+          launcher: list[str] | None = None, timeout: float | None = None,
+          ) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    """pretrain_llama.py with `flags`; its metrics (empty when it failed before any)."""
+    metrics = os.path.join(workdir, f"{name}.jsonl")
+    if os.path.exists(metrics):
+        os.remove(metrics)
+    proc = run([*(launcher or [sys.executable]), PRETRAIN, *flags, "--metrics-file", metrics,
+                "--data-cache-dir", os.path.join(workdir, "cache")], env, timeout)
+    return proc, read_metrics(metrics) if os.path.exists(metrics) else []
+
+
+def tail(proc: subprocess.CompletedProcess, chars: int = 1500) -> str:
+    return (proc.stdout + proc.stderr)[-chars:]
+
+
+def median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def large_shape() -> ModelConfig:
+    # NullTokenizer adds the end-of-document token to --vocab-size; Megatron pads the rows.
+    return ModelConfig(name="custom", vocab_size=MOCK_VOCAB + 1, **LARGE_SHAPE)
+
+
+def device_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name()
+
+
+def large_run(workdir: str) -> tuple[bool, dict]:
+    from megatron.schedules.cost_model import model_flops_per_token
+    from megatron.schedules.gpu_peaks import datasheet_peak_flops
+
+    shape = large_shape()
+    proc, metrics = train(workdir, "decoupled-1.35b",
+                          [*LARGE_RUN, "--train-iters", str(LARGE_ITERS)])
+    figures: dict = {"decoupled": {"returncode": proc.returncode}}
+    ok = proc.returncode == 0 and len(metrics) == LARGE_ITERS
+    if ok:
+        times = [m["iter_time_s"] for m in metrics[1:]]
+        flops = model_flops_per_token(shape) * LARGE_BATCH["global_batch_size"] * shape.seq_length
+        peak = datasheet_peak_flops(device_name(), "bf16")
+        last = metrics[-1]
+        figures["decoupled"] = {
+            "iteration_s": {"median": median(times), "min": min(times), "max": max(times)},
+            "iteration_times_s": [m["iter_time_s"] for m in metrics],
+            "losses": [m["loss"] for m in metrics],
+            "model_tflops": flops / median(times) / 1e12,
+            "mfu": flops / median(times) / peak if peak else None,
+            **{k: last.get(k) for k in ("device_memory_peak_bytes", "exposed_optimizer_time_s",
+                                        "bubble_ratio", "host_syncs",
+                                        "host_optimizer_state_bytes",
+                                        "host_gradient_pool_bytes")}}
+        ok = all(math.isfinite(loss) for loss in figures["decoupled"]["losses"])
+    else:
+        figures["decoupled"]["output_tail"] = tail(proc)
+    baseline = run([sys.executable, os.path.join(ROOT, "bench", "mcore_baseline.py"),
+                    *(f"--{k.replace('_', '-')}={v}" for k, v in {**LARGE_SHAPE, **LARGE_BATCH}.items()),
+                    f"--vocab-size={shape.planned_vocab_size}", "--dtype", "bf16",
+                    "--iters", str(LARGE_ITERS - 1), "--recompute", "none,full"])
+    if baseline.returncode != 0:
+        figures["megatron_core"] = {"returncode": baseline.returncode,
+                                    "output_tail": tail(baseline)}
+        return False, figures
+    mcore = json.loads(baseline.stdout.strip().splitlines()[-1])
+    figures["megatron_core"] = mcore
+    ok = ok and all(math.isfinite(loss) for result in mcore["variants"].values()
+                    for loss in result["losses"])
+    if ok:
+        ours = figures["decoupled"]["iteration_s"]["median"]
+        figures["decoupled_over_megatron_core"] = {
+            variant: ours / result["iteration_s"]["median"]
+            for variant, result in mcore["variants"].items()}
+    return ok, figures
+
+
+def sanitizer(workdir: str) -> tuple[bool, dict]:
+    jobs = {name: (lambda name=name, flags=flags: train(
+                workdir, f"sanitizer-{name}",
+                [*TINY, "--pipeline-schedule", name, *flags, "--train-iters", "2",
+                 "--device-sanitizer"])[0])
+            for name, flags in SCHEDULE_FLAGS.items()}
+    results = run_concurrently(jobs, parallel=len(jobs))
+    figures = {name: {"returncode": proc.returncode,
+                      **({} if proc.returncode == 0 else {"output_tail": tail(proc)})}
+               for name, proc in results.items()}
+    return all(proc.returncode == 0 for proc in results.values()), figures
+
+
+def checkpoint(workdir: str) -> tuple[bool, dict]:
+    from megatron.training.checkpointing import TRACKER
+
+    save = os.path.join(workdir, "checkpoint")
+    flags = [*TINY, "--pipeline-schedule", "decoupled", "--forward-stages", "2",
+             "--backward-split", "2", "--train-iters", "6"]
+    gpu, gpu_metrics = train(workdir, "checkpoint-gpu",
+                             [*flags, "--save", save, "--save-interval", "3"])
+    if gpu.returncode != 0:
+        return False, {"gpu": {"returncode": gpu.returncode, "output_tail": tail(gpu)}}
+    with open(os.path.join(save, TRACKER), "w") as f:
+        f.write("3")  # resume from the middle one, as after an interruption
+    cpu, cpu_metrics = train(workdir, "checkpoint-cpu", [*flags, "--load", save], CPU_ONLY)
+    if cpu.returncode != 0:
+        return False, {"cpu": {"returncode": cpu.returncode, "output_tail": tail(cpu)}}
+    uninterrupted = {m["iteration"]: m["loss"] for m in gpu_metrics}
+    resumed = {m["iteration"]: m["loss"] for m in cpu_metrics}
+    differences = {it: abs(loss - uninterrupted[it]) / abs(uninterrupted[it])
+                   for it, loss in resumed.items() if it in uninterrupted}
+    figures = {"gpu_losses": uninterrupted, "cpu_resumed_losses": resumed,
+               "largest_relative_difference": max(differences.values(), default=None),
+               "tolerance": LOSS_RTOL}
+    ok = sorted(resumed) == [4, 5, 6] and all(d <= LOSS_RTOL for d in differences.values())
+    return ok, figures
+
+
+def profile_plan(workdir: str) -> tuple[bool, dict]:
+    hardware = os.path.join(workdir, "hardware.json")
+    profile = run([sys.executable, os.path.join(ROOT, "tools", "profile_hardware.py"),
+                   "--out", hardware, "--bf16", "--gpus-per-node", "1"])  # as the run: one GPU
+    if profile.returncode != 0:
+        return False, {"profile": {"returncode": profile.returncode,
+                                   "output_tail": tail(profile)}}
+    with open(hardware) as f:
+        measured = json.load(f)
+    plan = run([sys.executable, PRETRAIN, *LARGE_RUN, "--plan", "--json", "--hardware",
+                hardware, "--nodes", "1", "--gpus-per-node", "1"])
+    figures: dict = {"profile": {k: measured.get(k) for k in (
+        "gpu_peak_flops", "pcie_bytes_per_s", "d2h_bytes_per_s", "h2d_shm_bytes_per_s",
+        "cpu_optimizer_params_per_s", "host_memory_bytes_per_s", "gpu_update_params_per_s",
+        "pass_overhead_s", "backward_over_forward")}, "profile_file": hardware}
+    if plan.returncode not in (0, 3):  # 3: does not fit, still a prediction
+        figures["plan"] = {"returncode": plan.returncode, "output_tail": tail(plan)}
+        return False, figures
+    configuration = json.loads(plan.stdout)["configuration"]
+    figures["plan"] = {"fits": configuration["fits"],
+                       "predicted_iteration_s": configuration["predicted_iteration_s"],
+                       "mfu": configuration["mfu"], "flags": configuration["flags"]}
+    return True, figures
+
+
+STEPS: dict[str, Callable[[str], tuple[bool, dict]]] = {
+    "large-run": large_run, "sanitizer": sanitizer, "checkpoint": checkpoint,
+    "profile-plan": profile_plan}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("step", choices=sorted(STEPS))
+    p.add_argument("--workdir", required=True, help="runs, metrics and checkpoints go here")
+    args = p.parse_args(argv)
+    os.makedirs(args.workdir, exist_ok=True)
+    started = time.perf_counter()
+    ok, figures = STEPS[args.step](os.path.abspath(args.workdir))
+    figures["seconds"] = round(time.perf_counter() - started, 1)
+    print(json.dumps(figures))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
