@@ -140,3 +140,17 @@ def test_head_norm_is_rmsnorm_when_apex_would_give_layernorm(monkeypatch):
     assert isinstance(head.final_layernorm, torch.nn.RMSNorm)
     assert type(head.final_layernorm) is type(layer.layer.input_layernorm)
     assert norm_module("local").__name__ == "WrappedTorchNorm"
+
+
+def test_transformer_engines_fused_norm_names_are_saved_under_the_local_specs():
+    """TE's spec fuses each RMSNorm into the linear after it; checkpoints keep the local
+    spec's names so that a GPU run with TE and a CPU run read each other's."""
+    from megatron.training.checkpoint_state import checkpoint_name
+
+    initialize_distributed()
+    local = {checkpoint_name(CFG, f"pieces.1.{n}") for n, _ in build_piece(CFG, 1).named_parameters()}
+    for te_name, local_name in (
+            ("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"),
+            ("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight")):
+        saved = checkpoint_name(CFG, f"pieces.1.layer.{te_name}")
+        assert saved == f"decoder.layers.0.{local_name}" and saved in local
