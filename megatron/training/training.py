@@ -58,8 +58,9 @@ from megatron.training.run_checks import (
     check_save_space,
     is_auto_resume,
 )
+from megatron.training.save_lock import hold_save_directory
 from megatron.training.scalar_logging import ScalarSinks, check_scalar_sinks
-from megatron.training.signals import ExitConditions
+from megatron.training.signals import INTERRUPT, INTERRUPTED_STATUS, ExitConditions
 from megatron.training.train_step import TrainStep
 
 Log = Callable[[str], object]
@@ -253,6 +254,7 @@ class TrainingLoop:
 
     def _iteration(self, iteration: int) -> None:
         run, schedule = self.run, self.schedule
+        INTERRUPT.iteration = iteration
         micro_batches = training_micro_batches(self.data.datasets.train, iteration, run,
                                                self.dist_info.data_parallel_rank)
         t0 = time.perf_counter()
@@ -306,7 +308,8 @@ class TrainingLoop:
                   "padded_vocab_size": self.data.vocab_size,
                   "num_floating_point_operations_so_far":
                       iteration * run.tokens_per_iteration * self.flops_per_token}
-        blocked = self.saver.save(iteration, self.step.owned_state(), common)
+        with INTERRUPT.deferred():  # a checkpoint is committed whole or not begun
+            blocked = self.saver.save(iteration, self.step.owned_state(), common)
         self.log(f"checkpoint iteration {iteration}: training blocked {blocked:.3f} s"
                  + (", writing in the background" if run.checkpointing.async_save else ""))
 
@@ -335,12 +338,18 @@ def train(run: RunConfig, dist_info: DistInfo,
     check_before_start(run, dist_info)
     for line in run_notices(run):
         warn(line, dist_info)
+    lock = hold_save_directory(run.checkpointing.save, dist_info.rank, dist_info.world_size,
+                               print if dist_info.rank == 0 else (lambda *_: None))
     loop = TrainingLoop(run, dist_info, start_time)
     try:
         loop.set_up(on_step)
         loop.train()
     finally:
-        loop.close()
+        try:
+            loop.close()
+        finally:
+            if lock is not None:
+                lock.release()
     return loop.records
 
 
@@ -384,6 +393,21 @@ def configure_automatically(run: RunConfig) -> RunConfig:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """pretrain_llama.py: a Ctrl-C anywhere ends in one line (signals.Interrupt)."""
+    INTERRUPT.install()
+    try:
+        return _main(argv)
+    except BaseException:
+        if not INTERRUPT.received:
+            raise
+        if os.environ.get("RANK", "0") == "0":
+            print(f"pretrain_llama.py: {INTERRUPT.line()}", file=sys.stderr, flush=True)
+        raise SystemExit(INTERRUPTED_STATUS) from None
+    finally:
+        INTERRUPT.uninstall()
+
+
+def _main(argv: Sequence[str] | None) -> int:
     run = parse_args(argv)
     if run.planning.print_model_size:
         print(model_size(run))
