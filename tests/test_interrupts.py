@@ -1,15 +1,19 @@
 """Ctrl-C ends a run in one line, `interrupted at iteration N`, with exit status 130 and
 no checkpoint of its own; a save it meets is finished first, never left half-written and
-never blamed on the disk. pretrain_llama.py's main() runs in this process."""
+never blamed on the disk. pretrain_llama.py's main() runs in this process. (The saved
+checkpoint also shows the start-up disk check's size is the real one.)"""
 
 import os
 import signal
 
 import pytest
+import torch
 
 from megatron.common.save_lock import LOCK_NAME
 from megatron.training import checkpointing
+from megatron.training.arguments import parse_args
 from megatron.training.checkpointing import TRACKER
+from megatron.training.run_checks import checkpoint_bytes
 from megatron.training.signals import Interrupt
 from megatron.training.training import main
 
@@ -56,4 +60,9 @@ def test_ctrl_c_during_a_save_commits_it_then_ends_in_one_line(tmp_path, demo_ca
     assert sorted(os.listdir(save)) == ["iter_0000001", "iter_0000002", TRACKER]
     assert LOCK_NAME not in os.listdir(save)  # released
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
+    written = sum(f.stat().st_size for f in (save / "iter_0000002").iterdir())
+    vocab = torch.load(save / "iter_0000002" / "common.pt", weights_only=False)[
+        "padded_vocab_size"]
+    estimate = checkpoint_bytes(parse_args(SMALL), vocab)  # what the start-up check asks for
+    assert written <= estimate < written + 2**20
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -29,6 +29,7 @@ import mmap
 import os
 import queue
 import re
+import shutil
 import socket
 import threading
 from collections.abc import Callable, Sequence
@@ -38,6 +39,7 @@ from typing import Protocol
 
 import torch
 
+from megatron.common.units import format_bytes
 from megatron.optimizer.state_io import StateFile, aligned_empty, round_up, shared_engine
 
 STATE_FILE_SUFFIX = ".optstate"
@@ -72,6 +74,13 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _free_space(directory: str | os.PathLike) -> str:
+    try:
+        return format_bytes(shutil.disk_usage(directory).free)
+    except OSError:
+        return "?"
+
+
 def sweep_stale(directory: str | os.PathLike) -> list[str]:
     """Remove this host's state files whose process is gone (a job killed before its
     reaper ran, e.g. by a reboot); returns their paths."""
@@ -82,7 +91,7 @@ def sweep_stale(directory: str | os.PathLike) -> list[str]:
             try:
                 os.unlink(entry.path)
                 removed.append(entry.path)
-            except FileNotFoundError:
+            except (FileNotFoundError, PermissionError):  # gone, or another user's to remove
                 pass
     return removed
 
@@ -193,8 +202,13 @@ class DiskStates:
         self.master_dtype, self.state_dtype = master_dtype, state_dtype
         self.regions = layout_regions(numels, master_dtype, state_dtype)
         self.path = str(Path(directory) / state_file_name(job, rank))
-        self._file = StateFile(self.path, file_bytes(numels, master_dtype, state_dtype),
-                               shared_engine(io_threads))
+        nbytes = file_bytes(numels, master_dtype, state_dtype)
+        try:
+            self._file = StateFile(self.path, nbytes, shared_engine(io_threads))
+        except OSError as error:  # e.g. ENOSPC reserving it: one line, nothing left behind
+            raise DiskStateError(f"optimizer state file {self.path}: cannot be created "
+                                 f"({error.strerror or error}; it takes {format_bytes(nbytes)}, "
+                                 f"{_free_space(directory)} free there)") from None
         self._tracker = tracker
         tracker.track(self.path)  # removed if this process dies without close()
         try:

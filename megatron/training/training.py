@@ -99,8 +99,7 @@ def check_before_start(run: RunConfig, dist_info: DistInfo) -> None:
     check_load_dir(run)  # the checks that create nothing first
     check_scalar_sinks(run)
     check_output_paths(run)
-    check_save_space(run, run.model.vocab_size)
-    check_nvme_space(run, run.model.vocab_size)
+    check_save_space(run, run.model.vocab_size)  # again with the tokenizer's vocabulary
     check_nvme_space(run, run.model.vocab_size)
 
 
@@ -155,6 +154,8 @@ class TrainingLoop:
             refuse_single_process_that_does_not_fit(run, run.model.vocab_size or 1)
         with setup_phase("data", log):
             self.data = prepare_data(run, log=log)
+        check_save_space(run, self.data.vocab_size)  # the real checkpoint's bytes
+        check_nvme_space(run, self.data.vocab_size)
         model_cfg = LlamaConfig.from_model(run.model, self.data.vocab_size, run.training.seed)
         self.flops_per_token = model_flops_per_token(
             replace(run.model, vocab_size=self.data.vocab_size))

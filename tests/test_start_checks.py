@@ -1,0 +1,77 @@
+"""Start-up checks that hold: a --save path through a symbolic link that leads nowhere is
+refused at start (not at the first save); an optimizer state file the drive cannot hold is
+one line naming it, with nothing left behind; the sweep of dead processes' segments leaves
+another user's alone instead of failing."""
+
+import os
+import resource
+import signal
+import stat
+
+import pytest
+import torch
+
+from megatron.offload.reaper_client import REAPER
+from megatron.offload.shm_header import HEADER_BYTES, write_header
+from megatron.offload.shm_owner import remove_if_stale
+from megatron.optimizer.disk_states import DiskStateError, DiskStates
+from tests.test_training_loop import _train_rejects
+
+pytestmark = pytest.mark.unit
+NOBODY = 65534
+
+
+@pytest.mark.parametrize("kind", ["dangling", "loop"])
+def test_a_save_path_through_a_link_that_leads_nowhere_is_refused_at_start(tmp_path, kind):
+    link = tmp_path / "ckpt"
+    if kind == "dangling":
+        link.symlink_to(tmp_path / "gone")
+        reason = f"to {tmp_path / 'gone'}, which does not exist"
+    else:
+        link.symlink_to(link)
+        reason = "that loops"
+    error = _train_rejects(tmp_path, "--save", str(link / "run1"))
+    assert str(error) == (f"--save {link / 'run1'}: expected a writable directory; it is a "
+                          f"symbolic link ({link}) {reason}")
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
+def test_a_state_file_the_drive_cannot_hold_is_one_line_and_leaves_nothing(tmp_path):
+    previous_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    previous = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (2**20, previous[1]))  # a drive of 1 MiB
+    try:
+        with pytest.raises(DiskStateError) as error:
+            DiskStates(tmp_path, [2**20], torch.float32, torch.float32, window=1,
+                       job="full", rank=0, tracker=REAPER)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, previous)
+        signal.signal(signal.SIGXFSZ, previous_handler)
+    line = str(error.value)
+    assert "\n" not in line and "cannot be created (File too large; it takes 24.00 MiB" in line
+    assert os.listdir(tmp_path) == []
+
+
+def test_the_sweep_leaves_another_users_stale_segment_alone(tmp_path):
+    shared = tmp_path / "shm"  # a sticky, world-writable directory, as /dev/shm is
+    shared.mkdir()
+    shared.chmod(0o1777 | stat.S_IRWXU)
+    tmp_path.chmod(0o755)
+    segment = shared / "mlm-stale"
+    header = bytearray(HEADER_BYTES)
+    write_header(header, pid=2**22 + 12345, start_time=1, numel=1, dtype_code=0)  # dead
+    segment.write_bytes(bytes(header))
+    segment.chmod(0o644)
+    child = os.fork()
+    if child == 0:  # as another user: the sweep must neither fail nor remove it
+        code = 3
+        try:
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            code = 0 if remove_if_stale(str(segment)) is False else 1
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert segment.exists()
+    assert remove_if_stale(str(segment)) is True  # its owner's sweep does remove it
