@@ -162,6 +162,9 @@ def check_load_dir(run: RunConfig) -> None:
     c = run.checkpointing
     if not c.load or os.path.isdir(c.load):
         return
+    if os.path.lexists(c.load):  # a file (or a link to nothing) is a mistake, optional or not
+        raise ConfigError("--load", c.load, "expected a checkpoint directory, found "
+                          + ("a file" if os.path.exists(c.load) else "a broken link"))
     if c.exit_on_missing_checkpoint:
         raise ConfigError("--load", c.load, "expected an existing checkpoint directory "
                           "(--exit-on-missing-checkpoint)")

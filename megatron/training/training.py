@@ -40,6 +40,7 @@ from megatron.training.checkpointing import (
     check_resumable,
     checkpoint_model_flags,
     load_checkpoint,
+    reading_checkpoint,
     restore_run,
 )
 from megatron.training.distributed import DistInfo, initialize_distributed, shutdown_distributed
@@ -133,7 +134,8 @@ class TrainingLoop:
     def set_up(self, on_step: Callable[[TrainStep], None] | None = None) -> None:
         run, log = self.run, self.log
         load = run.checkpointing.load
-        with setup_phase("checkpoint read", log, enabled=bool(load)):
+        saved = None
+        with setup_phase("checkpoint read", log, enabled=bool(load)), reading_checkpoint(load):
             why = "--save directory: auto-resume" if is_auto_resume(run) else "--load-optional"
             if load and os.path.isdir(load):
                 saved = check_resumable(run, log)
@@ -156,6 +158,10 @@ class TrainingLoop:
             self.data = prepare_data(run, log=log)
         check_save_space(run, self.data.vocab_size)  # the real checkpoint's bytes
         check_nvme_space(run, self.data.vocab_size)
+        if saved is not None and saved.get("tokenizer_json") not in (
+                None, self.data.tokenizer.to_json()):
+            warn(f"the checkpoint in {load} was saved with another tokenizer (of the same "
+                 "vocabulary size): its token ids stand for other text now", self.dist_info)
         model_cfg = LlamaConfig.from_model(run.model, self.data.vocab_size, run.training.seed)
         self.flops_per_token = model_flops_per_token(
             replace(run.model, vocab_size=self.data.vocab_size))
@@ -182,7 +188,7 @@ class TrainingLoop:
     def _load(self, load: str) -> None:
         c = self.run.checkpointing
         finetune = c.finetune
-        with setup_phase("checkpoint load", self.log):
+        with setup_phase("checkpoint load", self.log), reading_checkpoint(load):
             common = load_checkpoint(load, self.step.owned_state(), self.model_cfg,
                                      finetune=finetune, load_optim=not c.no_load_optim,
                                      load_rng=not c.no_load_rng, log=self.log,
@@ -335,7 +341,8 @@ def train(run: RunConfig, dist_info: DistInfo,
     Callable several times in one job (bench/schedules.py runs each schedule);
     `on_step(train_step)` is called once the train step is built."""
     start_time = time.time()
-    run = checkpoint_model_flags(run, print if dist_info.rank == 0 else (lambda *_: None))
+    with reading_checkpoint(run.checkpointing.load or ""):
+        run = checkpoint_model_flags(run, print if dist_info.rank == 0 else (lambda *_: None))
     check_before_start(run, dist_info)
     for line in run_notices(run):
         warn(line, dist_info)
