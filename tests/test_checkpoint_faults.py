@@ -1,10 +1,13 @@
 """A checkpoint that cannot be read ends in one line naming what, never a traceback: a
 shard cut short in a checkpoint without checksums (megatron-core's have none), a tracker
 that is not text, a --load directory this user may not read, a --load that is a file, a
-recorded iteration below 0."""
+recorded iteration below 0; a save the disk cannot hold is a fault (exit 1) that keeps
+the last checkpoint."""
 
 import os
+import resource
 import shutil
+import signal
 import tempfile
 from pathlib import Path
 
@@ -19,11 +22,13 @@ from megatron.training.checkpointing import (
     TRACKER,
     CheckpointError,
     CheckpointSaver,
+    CheckpointWriteError,
     check_resumable,
     find_checkpoint,
     iteration_dir,
     load_checkpoint,
     reading_checkpoint,
+    write_failure,
 )
 from megatron.training.distributed import initialize_distributed, shutdown_distributed
 from megatron.training.run_checks import check_load_dir
@@ -122,3 +127,32 @@ def test_a_negative_iteration_is_named_as_damage(tmp_path):
         check_resumable(parse_args(["--model-preset", "tiny", "--load", root, "--global-batch-size", "8"]),
                         log=lambda *_: None)
     assert "records iteration -5; expected an iteration >= 0" in str(error.value)
+
+
+def test_a_save_the_disk_cannot_hold_is_a_fault_and_keeps_the_last_checkpoint(tmp_path,
+                                                                           monkeypatch):
+    root = saved(tmp_path)
+    saver = CheckpointSaver(root, MODEL, async_save=False, log=lambda *_: None)
+    previous_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    previous = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (2048, previous[1]))  # files stop at 2 KiB
+    try:
+        with pytest.raises(CheckpointWriteError) as error:
+            saver.save(2, owned(2), {"consumed_samples": 16})
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, previous)
+        signal.signal(signal.SIGXFSZ, previous_handler)
+        saver.close()
+    assert "\n" not in str(error.value)
+    assert str(error.value).startswith(f"--save {root}: writing the checkpoint failed (")
+    assert str(error.value).endswith("the previous checkpoint is intact")
+    assert (tmp_path / "ckpt" / TRACKER).read_text() == "1"
+    target = empty_like(owned(1))
+    assert load_checkpoint(root, target, MODEL)["iteration"] == 1
+    # A disk with a few KiB left shows through torch's zip writer as an internal error.
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: shutil._ntuple_diskusage(1, 1, 4096))
+    internal = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 "
+                            "vs 598")
+    assert str(write_failure(root, internal)) == (
+        f"--save {root}: writing the checkpoint failed (No space left on device: 4 KiB "
+        "free); the previous checkpoint is intact")

@@ -1,7 +1,7 @@
 """Start-up checks that hold: a --save path through a symbolic link that leads nowhere is
 refused at start (not at the first save); an optimizer state file the drive cannot hold is
 one line naming it, with nothing left behind; the sweep of dead processes' segments leaves
-another user's alone instead of failing."""
+another user's alone instead of failing; a data cache this user cannot write is one line."""
 
 import os
 import resource
@@ -11,6 +11,8 @@ import stat
 import pytest
 import torch
 
+from megatron.config.errors import ConfigError
+from megatron.data.cache import file_lock
 from megatron.offload.reaper_client import REAPER
 from megatron.offload.shm_header import HEADER_BYTES, write_header
 from megatron.offload.shm_owner import remove_if_stale
@@ -75,3 +77,33 @@ def test_the_sweep_leaves_another_users_stale_segment_alone(tmp_path):
     assert os.waitstatus_to_exitcode(status) == 0
     assert segment.exists()
     assert remove_if_stale(str(segment)) is True  # its owner's sweep does remove it
+
+
+def test_a_cache_this_user_cannot_write_is_one_line(tmp_path):
+    cache = tmp_path / "cache"  # root's: another user may not create its lock files
+    cache.mkdir()
+    tmp_path.chmod(0o755)
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:
+        code = 3
+        try:
+            os.close(read)
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            try:
+                with file_lock(str(cache / "corpus.lock")):
+                    pass
+            except ConfigError as exc:
+                os.write(write, str(exc).encode())
+                code = 0
+        finally:
+            os._exit(code)
+    os.close(write)
+    message = os.read(read, 4096).decode()
+    os.close(read)
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, message
+    assert message == (f"--data-cache-dir {cache}: expected a cache directory this user can "
+                       "write (Permission denied); give another with --data-cache-dir or "
+                       "$MEGATRON_SYSX_CACHE")

@@ -25,6 +25,7 @@ replaced. A crash before that leaves the previous checkpoint and tracker untouch
 from __future__ import annotations
 
 import contextlib
+import errno
 import glob
 import json
 import os
@@ -188,6 +189,24 @@ def first_line(exc: BaseException) -> str:
     return text[0] if text else type(exc).__name__
 
 
+class CheckpointWriteError(CheckpointError):
+    """A save failed mid-run (a full disk, say): a fault, not bad input (exit status 1);
+    the previous checkpoint and the tracker are untouched."""
+
+
+def write_failure(root: str, exc: BaseException) -> CheckpointWriteError:
+    """The one line of a failed write. A disk that filled up shows through torch as an
+    internal error ('[enforce fail at inline_container.cc] unexpected pos'): say so."""
+    reason = first_line(exc)
+    full = isinstance(exc, OSError) and exc.errno == errno.ENOSPC
+    with contextlib.suppress(OSError):
+        free = shutil.disk_usage(root).free
+        if not full and free < MiB:
+            reason = f"No space left on device: {free // 1024} KiB free"
+    return CheckpointWriteError(f"--save {root}: writing the checkpoint failed ({reason}); "
+                                "the previous checkpoint is intact")
+
+
 class CheckpointSaver:
     """Saves under `root`; with `async_save` the write runs in a background thread and
     save() returns after the snapshot. Collective: every rank makes one and calls save()
@@ -240,9 +259,9 @@ class CheckpointSaver:
         else:
             try:
                 self._write(iteration, tensors, common)
-            except (OSError, CheckpointException) as exc:
-                raise CheckpointError(f"--save {self.root}: writing the checkpoint failed "
-                                      f"({first_line(exc)})") from None
+            except (OSError, CheckpointException, RuntimeError) as exc:
+                # RuntimeError: torch.save's zip writer on a full disk ('unexpected pos')
+                raise write_failure(self.root, exc) from None
         return time.perf_counter() - t0
 
     def _snapshot(self, tensors: dict[str, torch.Tensor], nbytes: int
@@ -271,8 +290,7 @@ class CheckpointSaver:
             self._thread = None
         if self._error is not None:
             error, self._error = self._error, None
-            raise CheckpointError(f"--save {self.root}: writing the checkpoint failed "
-                                  f"({first_line(error)})") from error
+            raise write_failure(self.root, error) from error
 
     def close(self) -> None:
         try:

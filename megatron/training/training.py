@@ -37,6 +37,7 @@ from megatron.training.checkpoint_format import saved_args
 from megatron.training.checkpointing import (
     CheckpointError,
     CheckpointSaver,
+    CheckpointWriteError,
     check_resumable,
     checkpoint_model_flags,
     load_checkpoint,
@@ -435,6 +436,10 @@ def _main(argv: Sequence[str] | None) -> int:
             train(run, dist_info)
         finally:
             shutdown_distributed()
+    except CheckpointWriteError as exc:  # a fault mid-run, met by every rank (collective)
+        if os.environ.get("RANK", "0") == "0":
+            print(f"pretrain_llama.py: error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
     except (ConfigError, CheckpointError) as exc:
         exit_bad_input(exc)
     except DiskStateError as exc:  # the drive of --optimizer-nvme-path failed mid-run
