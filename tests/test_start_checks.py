@@ -1,7 +1,8 @@
 """Start-up checks that hold: a --save path through a symbolic link that leads nowhere is
 refused at start (not at the first save); an optimizer state file the drive cannot hold is
 one line naming it, with nothing left behind; the sweep of dead processes' segments leaves
-another user's alone instead of failing; a data cache this user cannot write is one line."""
+another user's alone instead of failing; a data cache this user cannot write is one line;
+ulimit -n and ulimit -v too low for the run are refused before anything connects."""
 
 import os
 import resource
@@ -17,6 +18,12 @@ from megatron.offload.reaper_client import REAPER
 from megatron.offload.shm_header import HEADER_BYTES, write_header
 from megatron.offload.shm_owner import remove_if_stale
 from megatron.optimizer.disk_states import DiskStateError, DiskStates
+from megatron.training.arguments import parse_args
+from megatron.training.process_limits import (
+    check_address_space,
+    check_open_files,
+    check_process_limits,
+)
 from tests.test_training_loop import _train_rejects
 
 pytestmark = pytest.mark.unit
@@ -107,3 +114,54 @@ def test_a_cache_this_user_cannot_write_is_one_line(tmp_path):
     assert message == (f"--data-cache-dir {cache}: expected a cache directory this user can "
                        "write (Permission denied); give another with --data-cache-dir or "
                        "$MEGATRON_SYSX_CACHE")
+
+
+def _in_child(check) -> str:
+    """Run `check()` in a forked child (the limits it sets stay there); its ConfigError's
+    line, or '' when it raised none."""
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:
+        code = 3
+        try:
+            os.close(read)
+            try:
+                check()
+                code = 0
+            except ConfigError as exc:
+                os.write(write, str(exc).encode())
+                code = 0
+        finally:
+            os._exit(code)
+    os.close(write)
+    message = os.read(read, 4096).decode()
+    os.close(read)
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    return message
+
+
+def test_ulimit_n_and_v_too_low_for_the_run_are_one_line_each():
+    run = parse_args(["--model-preset", "tiny"])
+
+    def few_descriptors():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+        check_process_limits(run, world_size=2)
+
+    def soft_only():  # a soft limit below the hard one is raised: no error
+        hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+        resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))
+        check_open_files(world_size=2)
+        assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] > 64
+
+    def little_address_space():  # room for what is mapped, not for the threads' arenas
+        with open("/proc/self/status") as status:
+            mapped = next(int(line.split()[1]) for line in status if line.startswith("VmSize"))
+        resource.setrlimit(resource.RLIMIT_AS, ((mapped + 100 * 1024) * 1024,
+                                                resource.RLIM_INFINITY))
+        check_address_space(run, own_state_bytes=0)
+
+    assert _in_child(few_descriptors).startswith("open files: ulimit -n 64 is below the ")
+    assert _in_child(soft_only) == ""
+    message = _in_child(little_address_space)
+    assert message.startswith("address space: ulimit -v ") and "malloc arenas" in message

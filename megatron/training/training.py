@@ -51,6 +51,7 @@ from megatron.training.local_step import LocalTrainStep
 from megatron.training.lr_schedule import LRSchedule
 from megatron.training.metrics import MetricsWriter, format_host_memory, format_log_line
 from megatron.training.pipeline_step import PipelineTrainStep
+from megatron.training.process_limits import check_process_limits
 from megatron.training.profiling import IterationProfiler
 from megatron.training.run_checks import (
     check_checkpoint_model,
@@ -429,6 +430,8 @@ def _main(argv: Sequence[str] | None) -> int:
     try:
         if run.planning.auto_config:
             run = configure_automatically(run)
+        # before gloo connects (its sockets count) and any thread starts
+        check_process_limits(run, int(os.environ.get("WORLD_SIZE", "1")))
         dist_info = initialize_distributed(
             timeout_s=60.0 * run.parallel.distributed_timeout_minutes,
             data_parallel_size=run.data_parallel_size)
@@ -444,6 +447,13 @@ def _main(argv: Sequence[str] | None) -> int:
         exit_bad_input(exc)
     except DiskStateError as exc:  # the drive of --optimizer-nvme-path failed mid-run
         print(f"pretrain_llama.py: error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+    except RuntimeError as exc:
+        if "can't start new thread" not in str(exc):
+            raise
+        # past the start-up check: a limit on processes (ulimit -u) or memory
+        print(f"pretrain_llama.py: error: a thread could not be started ({exc}): raise "
+              "ulimit -v / ulimit -u or free memory", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
     except (SegmentInUseError, ShmSpaceError) as exc:
         # met by the ranks that create segments, not necessarily rank 0: each says it
