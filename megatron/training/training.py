@@ -448,17 +448,17 @@ def _main(argv: Sequence[str] | None) -> int:
     except DiskStateError as exc:  # the drive of --optimizer-nvme-path failed mid-run
         print(f"pretrain_llama.py: error: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
-    except RuntimeError as exc:
+    except (SegmentInUseError, ShmSpaceError) as exc:
+        # met by the ranks that create segments, not necessarily rank 0: each says it
+        print(f"pretrain_llama.py: error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+    except RuntimeError as exc:  # last: SegmentInUseError and others are RuntimeErrors
         if "can't start new thread" not in str(exc):
             raise
         # past the start-up check: a limit on processes (ulimit -u) or memory
         print(f"pretrain_llama.py: error: a thread could not be started ({exc}): raise "
               "ulimit -v / ulimit -u or free memory", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
-    except (SegmentInUseError, ShmSpaceError) as exc:
-        # met by the ranks that create segments, not necessarily rank 0: each says it
-        print(f"pretrain_llama.py: error: {exc}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
     return 0
 
 
