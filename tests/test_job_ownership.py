@@ -102,4 +102,4 @@ def test_a_refused_or_finished_job_leaves_no_directory_it_created(tmp_path):
     assert lock.acquire() is None
     assert (save / LOCK_NAME).exists()
     lock.release()
-    assert not save.exists()
+    assert os.listdir(tmp_path) == []  # "new" too

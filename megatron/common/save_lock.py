@@ -52,16 +52,20 @@ class SaveLock:
         self.directory = directory
         self.path = os.path.join(directory, LOCK_NAME)
         self._fd: int | None = None
-        self._created_directory = False
+        self._created: list[str] = []  # the directories acquire() made, deepest first
 
     def acquire(self) -> dict | None:
         """Take the lock (creating the directory when needed); returns the identity of a
         dead holder it took over, None when it was free. Raises LockError when another
         live job holds it (or the directory cannot be written)."""
         if not os.path.isdir(self.directory):
+            missing, path = [], os.path.abspath(self.directory)
+            while not os.path.exists(path):
+                missing.append(path)
+                path = os.path.dirname(path)
             try:
                 os.makedirs(self.directory)
-                self._created_directory = True
+                self._created = missing
             except OSError as exc:
                 raise LockError(self.directory, f"expected a directory that can be created "
                                                 f"({exc.strerror})") from None
@@ -96,17 +100,21 @@ class SaveLock:
                                         "kept being replaced)")
 
     def release(self) -> None:
-        """Remove the lock file and let go (idempotent); the directory, when this job
-        created it and nothing was saved, goes too."""
+        """Remove the lock file and let go (idempotent); the directories this job created
+        go too while they are empty (nothing was saved: a run stopped by a later check
+        leaves no empty directory)."""
         if self._fd is None:
             return
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)  # while still holding it: no one can own the old file
         os.close(self._fd)
         self._fd = None
-        if self._created_directory:
-            with contextlib.suppress(OSError):
-                os.rmdir(self.directory)  # only when empty
+        for directory in self._created:
+            try:
+                os.rmdir(directory)  # only when empty
+            except OSError:
+                break
+        self._created = []
 
 
 def _read(fd: int) -> dict:
