@@ -103,3 +103,24 @@ def test_a_refused_or_finished_job_leaves_no_directory_it_created(tmp_path):
     assert (save / LOCK_NAME).exists()
     lock.release()
     assert os.listdir(tmp_path) == []  # "new" too
+
+
+def test_a_rank_tells_a_gone_peer_from_its_own_fault():
+    """A rank whose peer ended (Ctrl-C to that one process, a kill) meets gloo's closed
+    connection inside an instruction: one line, not its traceback; its own faults are not
+    mistaken for that."""
+    from megatron.pipeline.executor import InstructionError
+    from megatron.training.distributed import peer_gone
+
+    closed = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+                          "[127.0.0.1]:42927. This is typically caused by a remote worker "
+                          "crashing.")
+    try:
+        try:
+            raise closed
+        except RuntimeError as cause:
+            raise RuntimeError("rank 1: instruction 2 (RECV_ACT) failed") from cause
+    except RuntimeError as wrapped:
+        assert peer_gone(wrapped)
+    assert not peer_gone(RuntimeError("rank 1: instruction 3 failed: injected"))
+    assert issubclass(InstructionError, RuntimeError)

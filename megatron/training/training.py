@@ -44,7 +44,12 @@ from megatron.training.checkpointing import (
     reading_checkpoint,
     restore_run,
 )
-from megatron.training.distributed import DistInfo, initialize_distributed, shutdown_distributed
+from megatron.training.distributed import (
+    DistInfo,
+    initialize_distributed,
+    peer_gone,
+    shutdown_distributed,
+)
 from megatron.training.evaluation import due, evaluate, evaluation_record, format_evaluation
 from megatron.training.fit_check import refuse_single_process_that_does_not_fit
 from megatron.training.local_step import LocalTrainStep
@@ -453,6 +458,11 @@ def _main(argv: Sequence[str] | None) -> int:
         print(f"pretrain_llama.py: error: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
     except RuntimeError as exc:  # last: SegmentInUseError and others are RuntimeErrors
+        if peer_gone(exc):  # not this rank's fault: the rank that ended says why
+            print(f"pretrain_llama.py: error: rank {os.environ.get('RANK', '0')}: another "
+                  "rank of this job is gone (its connection closed); stopping",
+                  file=sys.stderr, flush=True)
+            raise SystemExit(1) from None
         if "can't start new thread" not in str(exc):
             raise
         # past the start-up check: a limit on processes (ulimit -u) or memory
