@@ -23,4 +23,9 @@ except ImportError as error:
     sys.exit(2)
 
 if __name__ == "__main__":
+    import os
+
+    from megatron.common.launcher_watch import watch_launcher
+
+    watch_launcher(rank=int(os.environ["RANK"]) if "RANK" in os.environ else None)
     sys.exit(main())

@@ -1,6 +1,7 @@
 """Optimizer states in a file (megatron/optimizer/disk_states.py) against the same
-optimizer in host memory with exact snapshots: steps, rollbacks, clipping corrections and
-commits in the order a program issues them give the same bits; host memory stays within
+optimizer in host memory, with exact rollbacks and without (the arithmetic inverse), in
+every precision: steps, rollbacks, clipping corrections and commits in the order a program
+issues them give the same bits; host memory stays within
 the window; the file is removed on close, by the reaper after a SIGKILL, and by the sweep
 of the next start when its process is gone."""
 
@@ -30,20 +31,25 @@ REPO = Path(__file__).resolve().parents[1]
 SIZES = [1000, 37, 5000, 4096, 1]
 
 
-def pair(tmp_path, master_dtype=torch.float32, state_dtype=torch.float32, window=2):
+def pair(tmp_path, master_dtype=torch.float32, state_dtype=torch.float32, window=2,
+         exact=True):
     torch.manual_seed(0)
     params = [torch.randn(n) for n in SIZES]
     disk = DiskStates(tmp_path, SIZES, master_dtype, state_dtype, window=window,
                       job="test", rank=0, tracker=REAPER)
     kwargs = dict(lr=1e-2, weight_decay=0.1, threads=1, master_dtype=master_dtype,
-                  state_dtype=state_dtype)
-    return (CPUAdamW(params, exact_rollback=True, **kwargs),
-            CPUAdamW(params, disk=disk, **kwargs), disk)
+                  state_dtype=state_dtype, exact_rollback=exact)
+    return CPUAdamW(params, **kwargs), CPUAdamW(params, disk=disk, **kwargs), disk
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_steps_rollbacks_and_corrections_equal_host_memory_with_snapshots(tmp_path, dtype):
-    host, nvme, disk = pair(tmp_path, dtype, dtype)
+F32, BF16 = torch.float32, torch.bfloat16
+
+
+@pytest.mark.parametrize("exact", [True, False], ids=["exact", "inverse"])
+@pytest.mark.parametrize("master,states", [(F32, F32), (F32, BF16), (BF16, BF16)],
+                         ids=["fp32", "bf16-states", "bf16-all"])
+def test_steps_rollbacks_and_corrections_equal_host_memory(tmp_path, master, states, exact):
+    host, nvme, disk = pair(tmp_path, master, states, exact=exact)
     outs = {o: [torch.zeros(n, dtype=torch.bfloat16) for n in SIZES] for o in ("host", "nvme")}
     try:
         for iteration in range(7):
@@ -74,11 +80,13 @@ def test_steps_rollbacks_and_corrections_equal_host_memory_with_snapshots(tmp_pa
             assert torch.equal(outs["host"][g], outs["nvme"][g]), g
             assert host.step_count(g) == nvme.step_count(g)
         # a window of 2 and the scratch buffer, each the largest group's p, m, v padded
-        largest = 3 * round_up(max(SIZES) * dtype.itemsize)
+        largest = round_up(max(SIZES) * master.itemsize) + \
+            2 * round_up(max(SIZES) * states.itemsize)
         assert nvme.host_state_bytes() == 3 * largest
-        assert window_bytes(SIZES, dtype, dtype, 2) == 3 * largest
-        assert nvme.host_state_bytes() < host.host_state_bytes()
-        assert os.path.getsize(disk.path) == file_bytes(SIZES, dtype, dtype)
+        assert window_bytes(SIZES, master, states, 2) == 3 * largest
+        if exact:  # host memory then holds snapshots too
+            assert nvme.host_state_bytes() < host.host_state_bytes()
+        assert os.path.getsize(disk.path) == file_bytes(SIZES, master, states)
     finally:
         disk.close()
     assert os.listdir(tmp_path) == []

@@ -470,3 +470,25 @@ def test_a_corrupt_index_is_named_in_words(tmp_path, corpus, offset, words):
     message = str(err.value)
     assert message.startswith(f"'{idx}': not a readable Megatron index: ") and words in message
     assert "expected -" not in message
+
+
+def test_a_full_disk_while_writing_is_one_line_exit_1_and_leaves_no_files(tmp_path, corpus,
+                                                                          capsys):
+    import resource
+
+    jsonl, tokenizer_path = corpus
+    previous_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    previous = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (256, previous[1]))  # writes past 256 B fail
+    try:
+        rc = preprocess_data.main(["--input", str(jsonl), "--tokenizer-model",
+                                   str(tokenizer_path), "--output-prefix", str(tmp_path / "out"),
+                                   "--workers", "1"])
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, previous)
+        signal.signal(signal.SIGXFSZ, previous_handler)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1
+    assert err == [f"preprocess_data.py: error: writing {tmp_path / 'out'}.bin/.idx failed "
+                   "(File too large); no output written"]
+    assert os.listdir(tmp_path) == []

@@ -149,6 +149,10 @@ def main(argv: list[str] | None = None) -> int:
         )
     except DataError as err:
         return bad_input("--input", args.input, str(err))
+    except OSError as err:  # a full disk, say: a fault, not bad input; staged files removed
+        print(f"{PROG}: error: writing {names} failed ({err.strerror or err}); no output "
+              "written", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted; no output written", file=sys.stderr)
         return 130

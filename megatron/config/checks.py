@@ -312,8 +312,13 @@ def _check_nvme(run: RunConfig) -> None:
         raise ConfigError("--optimizer-nvme-path", path, "an existing directory")
     if not os.path.isdir(path):
         raise ConfigError("--optimizer-nvme-path", path, "a directory, not a file")
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise ConfigError("--optimizer-nvme-path", path, "a directory this user can write")
+    probe = os.path.join(path, f".write-probe-{os.getpid()}")
+    try:  # a probe, not os.access: the error says why (read-only file system, permission)
+        os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+        os.unlink(probe)
+    except OSError as exc:
+        raise ConfigError("--optimizer-nvme-path", path,
+                          f"a directory this user can write ({exc.strerror})") from None
 
 
 def _check_profiling(run: RunConfig) -> None:

@@ -66,7 +66,7 @@ def ensure_demo_corpus(
     corpus = _corpus_in(final_dir)
     if os.path.isdir(final_dir):
         return corpus
-    os.makedirs(cache, exist_ok=True)
+    # file_lock creates the cache directory (one line when it cannot)
     with file_lock(os.path.join(cache, name + ".lock")):
         if os.path.isdir(final_dir):  # another process built it while we waited
             return corpus

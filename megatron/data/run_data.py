@@ -4,6 +4,7 @@ flag (ConfigError) before anything else is built."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -73,6 +74,10 @@ def prepare_data(run: RunConfig, log: Callable[[str], object] = print) -> RunDat
                 cache_dir=d.data_cache_dir,
             )
     except DataError as exc:
+        if default_prefix is not None:  # the demo corpus: the user gave no --data-path
+            raise ConfigError("--data-cache-dir", os.path.dirname(default_prefix),
+                              f"{exc} (the demo corpus's cache; remove it to rebuild it)"
+                              ) from None
         raise ConfigError(flag, " ".join(blend.all_prefixes()), str(exc)) from None
     if train_ds is None:
         raise ConfigError("--split" if d.split else flag, d.split or "missing",

@@ -30,12 +30,13 @@ def owner_alive(pid: int, start_time: int) -> bool:
 
 
 def remove_if_stale(path: str) -> bool:
-    """Unlink a segment whose creator is dead; True if it was removed."""
+    """Unlink a segment whose creator is dead; True if it was removed. Another user's
+    segment in a sticky /dev/shm is theirs to remove (PermissionError): left alone."""
     header = read_header(path)
     if header is None or owner_alive(header["pid"], header["start_time"]):
         return False
     try:
         os.unlink(path)
-    except FileNotFoundError:
+    except (FileNotFoundError, PermissionError):
         return False
     return True

@@ -9,8 +9,10 @@ was. A group that was updated can be rolled back: by the arithmetic inverse of A
 `exact_rollback=True`, from a snapshot the step takes of the state it changes
 (as many bytes per parameter again as p, m and v take: 12 in fp32, 6 all in bf16;
 bit-exact). With `disk=` the states live in a file instead (disk_states.py): a group is in
-host memory only between its read and its write, and rollbacks are exact without a
-snapshot (the file keeps the committed version).
+host memory only between its read and its write. Where the states live never changes the
+numbers: on disk, `exact_rollback=True` costs no snapshot (the file keeps the committed
+version), and without it rollbacks and corrections run the same arithmetic inverse on the
+staged state as in host memory.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import contextlib
 import math
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -236,8 +238,6 @@ class CPUAdamW:
         self._last: list[_StepRecord | None] = []
         self._numel: list[int] = []
         self.disk = disk
-        if disk is not None:
-            self.exact_rollback = True  # the file's committed version is the snapshot
         for i, p in enumerate(params):
             if not isinstance(p, torch.Tensor) or p.dim() != 1 or p.device.type != "cpu":
                 raise ValueError(f"params[{i}] must be a flat (1-D) host tensor")
@@ -407,12 +407,15 @@ class CPUAdamW:
         if self.disk is None:
             finite, sq = self._run_step(i, record)
         else:
-            finite = False
+            finite, ran = False, False
             try:
                 self._map(i, self.disk.resident(i))
                 finite, sq = self._run_step(i, record)
+                ran = True
             finally:  # the write goes on (or gives the buffer back) either way
-                self.disk.stepped(i, bool(finite))
+                # Without exact rollbacks a non-finite step leaves what the kernel's inverse
+                # made of its partial update, as in host memory: that is the state to keep.
+                self.disk.stepped(i, bool(finite) or (ran and not self.exact_rollback))
         if finite:
             self._steps[i] = record.step
             self._last[i] = record
@@ -442,12 +445,17 @@ class CPUAdamW:
         record = self._last[i]
         if record is None:
             raise RuntimeError(f"group {i} has no update to roll back")
-        if self.disk is not None:  # the committed version is the state before the step
-            self.disk.wait_written(i)
+        if self.disk is not None and self.exact_rollback:  # the committed version is the
+            self.disk.wait_written(i)  # state before the step
             self.disk.discard(i)
             if record.out is not None:
                 with self.disk.scratch(i) as (p, _, _):
                     record.out.copy_(p)  # the working copy a step writes: p rounded
+            self._steps[i] = record.step - 1
+            self._last[i] = None
+            return
+        if self.disk is not None:  # the inverse, on the staged state, as in host memory
+            self._on_staged(i, record, lambda args: _kernel.undo(**args))
             self._steps[i] = record.step - 1
             self._last[i] = None
             return
@@ -469,6 +477,11 @@ class CPUAdamW:
             raise RuntimeError(f"group {i} has no update to correct")
         _check_clip(clip)
         corrected = replace(record, clip=float(clip))
+        if self.disk is not None and not self.exact_rollback:  # inverse and step again on
+            self._on_staged(i, corrected,  # the staged state, as in host memory
+                            lambda args: _kernel.correct(**args, undo_clip=record.clip))
+            self._last[i] = corrected
+            return
         if self.disk is not None:  # the same step again, from the committed state
             self.disk.wait_written(i)  # its staged bytes are rewritten
             scratch = self.disk.scratch(i)
@@ -490,6 +503,20 @@ class CPUAdamW:
             _kernel.correct(**args, undo_clip=record.clip)
         self._host_changed(i)
         self._last[i] = corrected
+
+    def _on_staged(self, i: int, record: _StepRecord, run: Callable[[dict], object]) -> None:
+        """`run` over each range's kernel arguments of `record` with group i's staged state
+        read into the scratch buffer, which is then staged again."""
+        self.disk.wait_written(i)  # the step's staged bytes are read, then rewritten
+        scratch = self.disk.scratch(i, staged=True)
+        with scratch as views:
+            self._map(i, views)
+            try:
+                for args in self._range_args(i, record):
+                    run(args)
+                scratch.stage()
+            finally:
+                self._map(i, None)
 
     def commit_group(self, group: int) -> None:
         """Forget the group's last update (its gradient may be reused from now on); on

@@ -4,9 +4,11 @@ of them in host memory (--optimizer-state-location nvme).
 Every group has two versions of its state in the file: the committed one and the staged
 one. A step reads the committed version into a window buffer, updates it in host memory
 and writes the result to the staged version; the iteration's verdict commits it (the two
-versions swap roles: no data moves) or drops it. A rollback therefore re-reads the
-committed bytes, and a clipping correction re-runs the step from them: both are exact,
-with no arithmetic inverse and no host snapshot. The file holds twice the states.
+versions swap roles: no data moves) or drops it. With exact rollbacks a rollback
+therefore re-reads the committed bytes, and a clipping correction re-runs the step from
+them, with no host snapshot; without, both run the arithmetic inverse on the staged
+bytes, as host memory does (the tier never changes the numbers). The file holds twice
+the states.
 
 The pipeline's program says when: READ_OPTIMIZER_STATES asks for a group's committed
 state (a reader thread takes a window buffer, waiting for one if all are lent, and starts
@@ -27,6 +29,7 @@ import mmap
 import os
 import queue
 import re
+import shutil
 import socket
 import threading
 from collections.abc import Callable, Sequence
@@ -36,6 +39,7 @@ from typing import Protocol
 
 import torch
 
+from megatron.common.units import format_bytes
 from megatron.optimizer.state_io import StateFile, aligned_empty, round_up, shared_engine
 
 STATE_FILE_SUFFIX = ".optstate"
@@ -70,6 +74,13 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _free_space(directory: str | os.PathLike) -> str:
+    try:
+        return format_bytes(shutil.disk_usage(directory).free)
+    except OSError:
+        return "?"
+
+
 def sweep_stale(directory: str | os.PathLike) -> list[str]:
     """Remove this host's state files whose process is gone (a job killed before its
     reaper ran, e.g. by a reboot); returns their paths."""
@@ -80,7 +91,7 @@ def sweep_stale(directory: str | os.PathLike) -> list[str]:
             try:
                 os.unlink(entry.path)
                 removed.append(entry.path)
-            except FileNotFoundError:
+            except (FileNotFoundError, PermissionError):  # gone, or another user's to remove
                 pass
     return removed
 
@@ -191,8 +202,13 @@ class DiskStates:
         self.master_dtype, self.state_dtype = master_dtype, state_dtype
         self.regions = layout_regions(numels, master_dtype, state_dtype)
         self.path = str(Path(directory) / state_file_name(job, rank))
-        self._file = StateFile(self.path, file_bytes(numels, master_dtype, state_dtype),
-                               shared_engine(io_threads))
+        nbytes = file_bytes(numels, master_dtype, state_dtype)
+        try:
+            self._file = StateFile(self.path, nbytes, shared_engine(io_threads))
+        except OSError as error:  # e.g. ENOSPC reserving it: one line, nothing left behind
+            raise DiskStateError(f"optimizer state file {self.path}: cannot be created "
+                                 f"({error.strerror or error}; it takes {format_bytes(nbytes)}, "
+                                 f"{_free_space(directory)} free there)") from None
         self._tracker = tracker
         tracker.track(self.path)  # removed if this process dies without close()
         try:
@@ -344,7 +360,8 @@ class DiskStates:
         return self.views(group, residency.buffer)
 
     def stepped(self, group: int, updated: bool) -> None:
-        """The step is over: `updated` says whether the window holds a new state."""
+        """The step is over: `updated` says whether the window holds a state to keep (it is
+        written as the staged version)."""
         residency = self._groups[group].current
         if residency is not None:
             residency.updated = updated
@@ -431,10 +448,13 @@ class DiskStates:
             self._groups[group].corrections_done += 1
             self._cond.notify_all()
 
-    def scratch(self, group: int) -> _Scratch:
-        """The committed state read into the scratch buffer, for a rollback or correction
-        (`with states.scratch(g) as (p, m, v):`; `.stage()` writes it as the staged one)."""
-        return _Scratch(self, group)
+    def scratch(self, group: int, staged: bool = False) -> _Scratch:
+        """The committed state (the staged one when `staged`) read into the scratch buffer,
+        for a rollback or correction (`with states.scratch(g) as (p, m, v):`; `.stage()`
+        writes it as the staged one)."""
+        if staged and not self._groups[group].staged:
+            raise RuntimeError(f"optimizer group {group} has no staged state")
+        return _Scratch(self, group, staged)
 
     def _asked(self, group: int) -> tuple[int, int]:
         state = self._groups[group]
@@ -495,14 +515,16 @@ class DiskStates:
 
 
 class _Scratch:
-    def __init__(self, states: DiskStates, group: int) -> None:
-        self.states, self.group = states, group
+    def __init__(self, states: DiskStates, group: int, staged: bool = False) -> None:
+        self.states, self.group, self.staged = states, group, staged
 
     def __enter__(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         s = self.states
         s._scratch_lock.acquire()
         try:
-            s._io(self.group, s._scratch, s._groups[self.group].committed, write=False)
+            committed = s._groups[self.group].committed
+            s._io(self.group, s._scratch, 1 - committed if self.staged else committed,
+                  write=False)
         except BaseException:
             s._scratch_lock.release()
             raise

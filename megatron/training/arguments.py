@@ -328,9 +328,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="directory on a local drive for the optimizer state files (twice "
                         "the states: the committed and the staged version)")
     g.add_argument("--optimizer-exact-rollback", action="store_true",
-                   help="host states: snapshot each step so overflow rollbacks and clipping "
-                        "corrections are bit-exact (as many bytes again as the states); NVMe "
-                        "states are exact without it")
+                   help="overflow rollbacks and clipping corrections bit-exact instead of "
+                        "inverting AdamW (host states: a snapshot of each step, as many bytes "
+                        "again as the states; NVMe states: free, the file keeps the committed "
+                        "version); the same numbers wherever the states live")
     g.add_argument("--cpu-optimizer-threads", type=int, default=None,
                    help="threads of each process's CPU optimizer (default: cores / processes)")
     g.add_argument("--optimizer-state-dtype", default="fp32", choices=["fp32", "bf16"],

@@ -24,6 +24,8 @@ replaced. A crash before that leaves the previous checkpoint and tracker untouch
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import glob
 import json
 import os
@@ -32,7 +34,7 @@ import shutil
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -94,10 +96,33 @@ def latest_iteration(root: str) -> int | None:
     tracker = os.path.join(root, TRACKER)
     if not os.path.exists(tracker):
         return None
-    text = open(tracker).read().strip()
+    text = read_tracker(tracker)
     if not text.isdigit():
         raise CheckpointError(f"{tracker}: expected an iteration number, found {text!r}")
     return int(text)
+
+
+def read_tracker(tracker: str) -> str:
+    """The tracker's text; a tracker that is not text is one line naming it."""
+    with open(tracker, "rb") as stream:
+        data = stream.read()
+    try:
+        return data.decode("utf-8").strip()
+    except UnicodeDecodeError as exc:
+        raise CheckpointError(f"{tracker}: expected an iteration number, found bytes that "
+                              f"are not text ({data[exc.start:exc.start + 1]!r} at byte "
+                              f"{exc.start})") from None
+
+
+@contextlib.contextmanager
+def reading_checkpoint(root: str) -> Iterator[None]:
+    """A checkpoint this process may not read (a directory or file without read
+    permission) is bad input: one line naming the file, not a traceback."""
+    try:
+        yield
+    except PermissionError as exc:
+        raise CheckpointError(f"--load {root}: {exc.filename or root}: permission denied "
+                              "(expected a checkpoint this user can read)") from None
 
 
 def is_iteration_dir(path: str) -> bool:
@@ -126,7 +151,7 @@ def find_checkpoint(root: str) -> tuple[str, str | None] | None:
     tracker = os.path.join(root, TRACKER)
     release = os.path.join(root, "release")  # Megatron's tracker of a released model
     if (os.path.isdir(release) and os.path.exists(tracker)
-            and open(tracker).read().strip() == "release"):
+            and read_tracker(tracker) == "release"):
         return release, None
     iteration = latest_iteration(root)
     if iteration is not None and os.path.isdir(iteration_dir(root, iteration)):
@@ -162,6 +187,24 @@ def first_line(exc: BaseException) -> str:
         exc = next(iter(exc.failures.values()))[0]  # (exception, traceback) per rank
     text = str(exc).strip().splitlines()
     return text[0] if text else type(exc).__name__
+
+
+class CheckpointWriteError(CheckpointError):
+    """A save failed mid-run (a full disk, say): a fault, not bad input (exit status 1);
+    the previous checkpoint and the tracker are untouched."""
+
+
+def write_failure(root: str, exc: BaseException) -> CheckpointWriteError:
+    """The one line of a failed write. A disk that filled up shows through torch as an
+    internal error ('[enforce fail at inline_container.cc] unexpected pos'): say so."""
+    reason = first_line(exc)
+    full = isinstance(exc, OSError) and exc.errno == errno.ENOSPC
+    with contextlib.suppress(OSError):
+        free = shutil.disk_usage(root).free
+        if not full and free < MiB:
+            reason = f"No space left on device: {free // 1024} KiB free"
+    return CheckpointWriteError(f"--save {root}: writing the checkpoint failed ({reason}); "
+                                "the previous checkpoint is intact")
 
 
 class CheckpointSaver:
@@ -216,9 +259,9 @@ class CheckpointSaver:
         else:
             try:
                 self._write(iteration, tensors, common)
-            except (OSError, CheckpointException) as exc:
-                raise CheckpointError(f"--save {self.root}: writing the checkpoint failed "
-                                      f"({first_line(exc)})") from None
+            except (OSError, CheckpointException, RuntimeError) as exc:
+                # RuntimeError: torch.save's zip writer on a full disk ('unexpected pos')
+                raise write_failure(self.root, exc) from None
         return time.perf_counter() - t0
 
     def _snapshot(self, tensors: dict[str, torch.Tensor], nbytes: int
@@ -247,8 +290,7 @@ class CheckpointSaver:
             self._thread = None
         if self._error is not None:
             error, self._error = self._error, None
-            raise CheckpointError(f"--save {self.root}: writing the checkpoint failed "
-                                  f"({first_line(error)})") from error
+            raise write_failure(self.root, error) from error
 
     def close(self) -> None:
         try:
@@ -395,10 +437,19 @@ def load_tensors(directory: str, wanted: dict[str, torch.Tensor],
     initialized."""
     metadata = checkpoint_metadata(directory).state_dict_metadata
     t0 = time.perf_counter()
-    if is_mcore_checkpoint(directory):
-        _load_mcore(directory, wanted, metadata, process_group, model)
-    else:
-        _load_format_1(directory, wanted, metadata, process_group)
+    try:
+        if is_mcore_checkpoint(directory):
+            _load_mcore(directory, wanted, metadata, process_group, model)
+        else:
+            _load_format_1(directory, wanted, metadata, process_group)
+    except (EOFError, CheckpointException, OSError) as exc:
+        if isinstance(exc, PermissionError):
+            raise
+        # a shard cut short (megatron-core's checkpoints have no checksums to tell it
+        # before): one line, on every rank (dcp hands every rank the failure)
+        why = first_line(exc)
+        why = "a file ends early: truncated" if why in ("EOFError", "") else why
+        raise CheckpointError(f"{directory}: its tensors cannot be read ({why})") from None
     seconds = time.perf_counter() - t0
     nbytes = sum(t.numel() * t.element_size() for t in wanted.values())
     rank, _ = _world()
@@ -526,6 +577,9 @@ def check_resumable(run: RunConfig, log: Callable[[str], Any] = print) -> dict |
         return found[2]
     common = found[2]
     iteration = int(common.get("iteration", 0))
+    if iteration < 0:
+        raise CheckpointError(f"--load {c.load}: {found[0]} records iteration {iteration}; "
+                              "expected an iteration >= 0 (a damaged checkpoint)")
     consumed = int(common.get("consumed_samples",
                               saved_args(common).get("consumed_train_samples",
                                                      iteration * batch)))

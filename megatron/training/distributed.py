@@ -140,3 +140,19 @@ def _check_layout(data_parallel_size: int) -> None:
         raise RuntimeError(f"rank {rank}: megatron-core places it at (pipeline rank, "
                            f"data-parallel rank, data-parallel size) {found}, the runtime at "
                            f"{ours}")
+
+
+# What gloo says when the process at the other end of a connection is gone.
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer")
+
+
+def peer_gone(exc: BaseException) -> bool:
+    """Whether `exc` (or what caused it) is a connection to another rank that closed: that
+    rank ended (killed, interrupted, failed), and said why itself."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if any(text in str(exc) for text in _PEER_GONE):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False

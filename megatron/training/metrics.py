@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import sys
 import time
+from collections.abc import Callable
 from typing import Any, TextIO
 
 from megatron.common.units import format_bytes
@@ -54,21 +57,60 @@ def format_duration(seconds: float) -> str:
 
 
 class MetricsWriter:
-    """Appends one JSON object per iteration; flushed each line so a crash loses nothing."""
+    """Appends one JSON object per iteration; flushed each line so a crash loses nothing.
+    A write that fails (a full disk, a file system gone read-only) stops the metrics with
+    one warning line; training goes on (the metrics are an output, not the run's state)."""
 
-    def __init__(self, path: str | None) -> None:
+    def __init__(self, path: str | None, warn: Callable[[str], object] | None = None) -> None:
         self._file: TextIO | None = None
+        self.path, self._warn = path, warn or warn_line
         if path:
-            parent = os.path.dirname(os.path.abspath(path))
-            os.makedirs(parent, exist_ok=True)
-            self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+            try:
+                parent = os.path.dirname(os.path.abspath(path))
+                os.makedirs(parent, exist_ok=True)
+                self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+            except OSError as exc:
+                self._failed(exc)
 
     def write(self, record: dict[str, Any]) -> None:
         if self._file is not None:
-            self._file.write(json.dumps(record, sort_keys=True) + "\n")
-            self._file.flush()
+            try:
+                self._file.write(json.dumps(record, sort_keys=True) + "\n")
+                self._file.flush()
+            except OSError as exc:
+                self._failed(exc)
+
+    def _failed(self, exc: OSError) -> None:
+        self._close_quietly()
+        self._warn(output_failed("--metrics-file", self.path, exc))
+
+    def _close_quietly(self) -> None:
+        if self._file is not None:
+            file, self._file = self._file, None
+            with contextlib.suppress(OSError):  # what was not flushed fails again
+                file.close()
 
     def close(self) -> None:
         if self._file is not None:
-            self._file.close()
+            try:
+                self._file.close()
+            except OSError as exc:
+                self._file = None
+                self._warn(output_failed("--metrics-file", self.path, exc))
             self._file = None
+
+
+def warn_line(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def output_failed(flag: str, path: str | None, exc: BaseException) -> str:
+    """The one warning line of an output that stopped writing."""
+    reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else first_line(exc)
+    return (f"pretrain_llama.py: warning: {flag} {path}: writing failed ({reason}); nothing "
+            "more is written there, training goes on")
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__

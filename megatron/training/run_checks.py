@@ -6,6 +6,7 @@ expected (ConfigError, exit status 2), raised before anything is allocated or wr
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 
@@ -13,6 +14,7 @@ from megatron.common.units import format_bytes
 from megatron.config.errors import ConfigError, flag_name
 from megatron.config.model import MODEL_FIELDS
 from megatron.config.run import RunConfig
+from megatron.optimizer.state_io import ALIGNMENT
 
 OUTPUT_FILE_FIELDS = ("metrics_file", "timeline", "trace")
 
@@ -33,7 +35,14 @@ def check_writable_dir(flag: str, path: str) -> None:
     """`path` is a writable directory, or can be created as one: proven by a probe file in
     it or in its nearest existing ancestor, removed at once. Nothing is created: a run that
     stops on a later check leaves no empty directory (the writers create it when they
-    first write)."""
+    first write). A symbolic link on the way that leads nowhere (a missing target, a loop)
+    is named: makedirs would fail on it at the first save."""
+    broken = broken_link_on(path)
+    if broken is not None:
+        link, reason = broken
+        where = "" if link == os.path.abspath(path) else f" ({link})"
+        raise ConfigError(flag, path, f"expected a writable directory; it is a symbolic "
+                                      f"link{where} {reason}")
     existing = nearest_existing(path)
     if not os.path.isdir(existing):
         raise ConfigError(flag, path, f"expected a writable directory ({existing} is a file)")
@@ -46,6 +55,28 @@ def check_writable_dir(flag: str, path: str) -> None:
         raise ConfigError(flag, path, f"expected a writable directory ({exc.strerror})") from None
 
 
+def broken_link_on(path: str) -> tuple[str, str] | None:
+    """(the link, why it leads nowhere) for the first symbolic link of `path` or one of its
+    ancestors that resolves to nothing; None when there is none."""
+    path = os.path.abspath(path)
+    chain = []
+    while True:
+        chain.append(path)
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    for candidate in reversed(chain):  # the outermost first
+        if os.path.lexists(candidate) and not os.path.exists(candidate):
+            try:
+                os.stat(candidate)
+            except OSError as exc:
+                if exc.errno == errno.ELOOP:
+                    return candidate, "that loops"
+                return candidate, f"to {os.readlink(candidate)}, which does not exist"
+    return None
+
+
 def nearest_existing(path: str) -> str:
     """`path` itself when it exists, else its nearest ancestor that does."""
     path = os.path.abspath(path)
@@ -54,15 +85,23 @@ def nearest_existing(path: str) -> str:
     return path
 
 
+def checkpoint_bytes(run: RunConfig, vocab_size: int | None) -> int:
+    """The bytes of one checkpoint: the master and Adam's two moments of every parameter
+    (embeddings and output layer of `vocab_size` rows included), each in the precision the
+    run keeps it in, and megatron-core's index and common state (bounded by 1 MiB)."""
+    params = run.model.parameters(vocab_size or 1).total
+    return params * run.precision.optimizer_bytes_per_param + 2**20
+
+
 def check_save_space(run: RunConfig, vocab_size: int | None) -> None:
-    """The file system of --save can hold one checkpoint (fp32 masters and Adam's moments
-    of every parameter), checked at start instead of at the first save, after training
-    ran. `vocab_size`: the vocabulary when known, else a lower bound is checked."""
+    """The file system of --save can hold one checkpoint (checkpoint_bytes), checked at
+    start instead of at the first save, after training ran. `vocab_size`: the padded
+    vocabulary when known (checked again once the tokenizer gives it), else a lower bound
+    is checked."""
     save = run.checkpointing.save
     if not save:
         return
-    params = run.model.parameters(vocab_size or 1).total
-    need = params * run.precision.optimizer_bytes_per_param
+    need = checkpoint_bytes(run, vocab_size)
     free = shutil.disk_usage(nearest_existing(save)).free
     if need > free:
         raise ConfigError("--save", save, f"a checkpoint of this model needs at least "
@@ -70,15 +109,26 @@ def check_save_space(run: RunConfig, vocab_size: int | None) -> None:
                                           f"{format_bytes(free)} free")
 
 
+def state_file_bytes(run: RunConfig, vocab_size: int | None) -> int:
+    """What the optimizer state files of one node take at most (disk_states.file_bytes):
+    both versions (committed, staged) of every parameter's states, as many copies as
+    data-parallel replicas without ZeRO keep, each group's three parts padded to the I/O
+    alignment (a group per backward stage and class: at most two per layer, embedding and
+    output layer)."""
+    params = run.model.parameters(vocab_size or 1).total
+    copies = run.data_parallel_size if run.parallel.zero_stage == 0 else 1
+    groups = 2 * (run.model.num_layers + 2) * copies
+    return 2 * (copies * params * run.precision.optimizer_bytes_per_param
+                + groups * 3 * ALIGNMENT)
+
+
 def check_nvme_space(run: RunConfig, vocab_size: int | None) -> None:
-    """--optimizer-nvme-path can hold the optimizer state files: twice the states (the
-    committed and the staged version) of every parameter, whose processes share a node's
-    drive (checked at start for the whole model: the worst case of one node)."""
+    """--optimizer-nvme-path can hold the optimizer state files (state_file_bytes, for the
+    whole model: the worst case of one node, whose processes share its drive)."""
     c = run.cpu_optimizer
     if c.optimizer_state_location != "nvme" or c.optimizer_nvme_path is None:
         return
-    params = run.model.parameters(vocab_size or 1).total
-    need = 2 * params * run.precision.optimizer_bytes_per_param
+    need = state_file_bytes(run, vocab_size)
     free = shutil.disk_usage(c.optimizer_nvme_path).free
     if need > free:
         raise ConfigError("--optimizer-nvme-path", c.optimizer_nvme_path,
@@ -112,6 +162,9 @@ def check_load_dir(run: RunConfig) -> None:
     c = run.checkpointing
     if not c.load or os.path.isdir(c.load):
         return
+    if os.path.lexists(c.load):  # a file (or a link to nothing) is a mistake, optional or not
+        raise ConfigError("--load", c.load, "expected a checkpoint directory, found "
+                          + ("a file" if os.path.exists(c.load) else "a broken link"))
     if c.exit_on_missing_checkpoint:
         raise ConfigError("--load", c.load, "expected an existing checkpoint directory "
                           "(--exit-on-missing-checkpoint)")

@@ -11,10 +11,13 @@ the logging rank writes.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import threading
 
 from megatron.config.errors import ConfigError
 from megatron.config.run import RunConfig
+from megatron.training.metrics import output_failed, warn_line
 
 # metrics-record key -> scalar name (Megatron's where it has one)
 TRAINING_SCALARS = {
@@ -45,6 +48,20 @@ def check_scalar_sinks(run: RunConfig) -> None:
                           "(pip install wandb), or leave the flag out")
 
 
+def _quiet_event_writer_thread() -> None:
+    """TensorBoard's event writer thread re-raises its failure (a traceback on stderr) and
+    hands it to the next call, which reports it in one line: keep only that line."""
+    previous = threading.excepthook
+    if getattr(previous, "quiets_event_writer", False):
+        return
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if type(args.thread).__name__ != "_AsyncWriterThread":
+            previous(args)
+    hook.quiets_event_writer = True
+    threading.excepthook = hook
+
+
 class ScalarSinks:
     """Where the scalars go: a SummaryWriter under --tensorboard-dir, a W&B run."""
 
@@ -52,6 +69,7 @@ class ScalarSinks:
         self._tensorboard = None
         self._wandb = None
         log = run.logging
+        self._tensorboard_dir = log.tensorboard_dir
         self._scalars = {**TRAINING_SCALARS,
                          **(TIMER_SCALARS if log.log_timers_to_tensorboard else {}),
                          **({"tflops_per_gpu": "throughput"} if log.log_throughput else {})}
@@ -61,7 +79,11 @@ class ScalarSinks:
             # optional dependency: imported only when asked for
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tensorboard = SummaryWriter(log_dir=log.tensorboard_dir, max_queue=1000)
+            _quiet_event_writer_thread()
+            try:
+                self._tensorboard = SummaryWriter(log_dir=log.tensorboard_dir, max_queue=1000)
+            except OSError as exc:
+                warn_line(output_failed("--tensorboard-dir", log.tensorboard_dir, exc))
         if log.wandb_project:
             import wandb
 
@@ -81,16 +103,30 @@ class ScalarSinks:
 
     def _write(self, scalars: dict, iteration: int, samples: int | None) -> None:
         if self._tensorboard is not None:
-            for name, value in scalars.items():
-                self._tensorboard.add_scalar(name, value, iteration)
-                if samples is not None and name in VS_SAMPLES:
-                    self._tensorboard.add_scalar(f"{name} vs samples", value, samples)
+            try:  # the event writer's thread reports its failures at the next call
+                for name, value in scalars.items():
+                    self._tensorboard.add_scalar(name, value, iteration)
+                    if samples is not None and name in VS_SAMPLES:
+                        self._tensorboard.add_scalar(f"{name} vs samples", value, samples)
+            except Exception as exc:  # noqa: BLE001 - any failure of an output stops it only
+                self._tensorboard_failed(exc)
         if self._wandb is not None:
             self._wandb.log(scalars, step=iteration)
 
+    def _tensorboard_failed(self, exc: BaseException) -> None:
+        """A write that failed (a full disk, say) stops TensorBoard with one warning line;
+        training goes on."""
+        writer, self._tensorboard = self._tensorboard, None
+        with contextlib.suppress(Exception):
+            writer.close()
+        warn_line(output_failed("--tensorboard-dir", self._tensorboard_dir, exc))
+
     def close(self) -> None:
         if self._tensorboard is not None:
-            self._tensorboard.close()
+            try:
+                self._tensorboard.close()  # flushes: a late failure surfaces here
+            except Exception as exc:  # noqa: BLE001
+                self._tensorboard_failed(exc)
             self._tensorboard = None
         if self._wandb is not None:
             self._wandb.finish()

@@ -11,9 +11,10 @@ same on every rank and needs no agreement.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -65,3 +66,55 @@ class ExitConditions:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+
+
+class Interrupt:
+    """Ctrl-C (SIGINT, to one process or to torchrun's process group): the run stops where
+    it is, without a checkpoint, and `main` turns whatever it unwinds into one line,
+    `interrupted at iteration N`, and exit status 130 (a shell's code for SIGINT). A save
+    in progress is never cut: `deferred()` around it holds the interrupt until the save
+    returns, so a checkpoint is committed whole or not begun, never blamed on the disk.
+    --exit-signal-handler with --exit-signal SIGINT replaces this handler for its run
+    (Megatron's meaning: finish the iteration, save, exit 0)."""
+
+    def __init__(self) -> None:
+        self.received = False
+        self.iteration = 0  # the iteration in flight
+        self._deferring = 0
+        self._pending = False
+        self._previous: object = None
+
+    def install(self) -> None:
+        self.received, self._pending, self._deferring = False, False, 0
+        self._previous = signal.signal(signal.SIGINT, self._on_signal)
+
+    def uninstall(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
+
+    def _on_signal(self, signum: int, frame) -> None:
+        self.received = True
+        if self._deferring:
+            self._pending = True
+            return
+        raise KeyboardInterrupt
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        """Hold an interrupt that comes in the body until the body returns."""
+        self._deferring += 1
+        try:
+            yield
+        finally:
+            self._deferring -= 1
+            if self._pending and not self._deferring:
+                self._pending = False
+                raise KeyboardInterrupt
+
+    def line(self) -> str:
+        return f"interrupted at iteration {self.iteration}"
+
+
+INTERRUPT = Interrupt()
+INTERRUPTED_STATUS = 130

@@ -37,18 +37,26 @@ from megatron.training.checkpoint_format import saved_args
 from megatron.training.checkpointing import (
     CheckpointError,
     CheckpointSaver,
+    CheckpointWriteError,
     check_resumable,
     checkpoint_model_flags,
     load_checkpoint,
+    reading_checkpoint,
     restore_run,
 )
-from megatron.training.distributed import DistInfo, initialize_distributed, shutdown_distributed
+from megatron.training.distributed import (
+    DistInfo,
+    initialize_distributed,
+    peer_gone,
+    shutdown_distributed,
+)
 from megatron.training.evaluation import due, evaluate, evaluation_record, format_evaluation
 from megatron.training.fit_check import refuse_single_process_that_does_not_fit
 from megatron.training.local_step import LocalTrainStep
 from megatron.training.lr_schedule import LRSchedule
 from megatron.training.metrics import MetricsWriter, format_host_memory, format_log_line
 from megatron.training.pipeline_step import PipelineTrainStep
+from megatron.training.process_limits import check_process_limits
 from megatron.training.profiling import IterationProfiler
 from megatron.training.run_checks import (
     check_checkpoint_model,
@@ -58,8 +66,9 @@ from megatron.training.run_checks import (
     check_save_space,
     is_auto_resume,
 )
+from megatron.training.save_lock import hold_save_directory
 from megatron.training.scalar_logging import ScalarSinks, check_scalar_sinks
-from megatron.training.signals import ExitConditions
+from megatron.training.signals import INTERRUPT, INTERRUPTED_STATUS, ExitConditions
 from megatron.training.train_step import TrainStep, on_device
 
 Log = Callable[[str], object]
@@ -98,8 +107,7 @@ def check_before_start(run: RunConfig, dist_info: DistInfo) -> None:
     check_load_dir(run)  # the checks that create nothing first
     check_scalar_sinks(run)
     check_output_paths(run)
-    check_save_space(run, run.model.vocab_size)
-    check_nvme_space(run, run.model.vocab_size)
+    check_save_space(run, run.model.vocab_size)  # again with the tokenizer's vocabulary
     check_nvme_space(run, run.model.vocab_size)
 
 
@@ -133,7 +141,8 @@ class TrainingLoop:
     def set_up(self, on_step: Callable[[TrainStep], None] | None = None) -> None:
         run, log = self.run, self.log
         load = run.checkpointing.load
-        with setup_phase("checkpoint read", log, enabled=bool(load)):
+        saved = None
+        with setup_phase("checkpoint read", log, enabled=bool(load)), reading_checkpoint(load):
             why = "--save directory: auto-resume" if is_auto_resume(run) else "--load-optional"
             if load and os.path.isdir(load):
                 saved = check_resumable(run, log)
@@ -155,6 +164,12 @@ class TrainingLoop:
                                                     self.dist_info.device)
         with setup_phase("data", log):
             self.data = prepare_data(run, log=log)
+        check_save_space(run, self.data.vocab_size)  # the real checkpoint's bytes
+        check_nvme_space(run, self.data.vocab_size)
+        if saved is not None and saved.get("tokenizer_json") not in (
+                None, self.data.tokenizer.to_json()):
+            warn(f"the checkpoint in {load} was saved with another tokenizer (of the same "
+                 "vocabulary size): its token ids stand for other text now", self.dist_info)
         model_cfg = LlamaConfig.from_model(run.model, self.data.vocab_size, run.training.seed)
         self.flops_per_token = model_flops_per_token(
             replace(run.model, vocab_size=self.data.vocab_size))
@@ -181,7 +196,7 @@ class TrainingLoop:
     def _load(self, load: str) -> None:
         c = self.run.checkpointing
         finetune = c.finetune
-        with setup_phase("checkpoint load", self.log):
+        with setup_phase("checkpoint load", self.log), reading_checkpoint(load):
             common = load_checkpoint(load, self.step.owned_state(), self.model_cfg,
                                      finetune=finetune, load_optim=not c.no_load_optim,
                                      load_rng=not c.no_load_rng, log=self.log,
@@ -254,6 +269,7 @@ class TrainingLoop:
 
     def _iteration(self, iteration: int) -> None:
         run, schedule = self.run, self.schedule
+        INTERRUPT.iteration = iteration
         micro_batches = on_device(
             training_micro_batches(self.data.datasets.train, iteration, run,
                                    self.dist_info.data_parallel_rank),
@@ -309,7 +325,8 @@ class TrainingLoop:
                   "padded_vocab_size": self.data.vocab_size,
                   "num_floating_point_operations_so_far":
                       iteration * run.tokens_per_iteration * self.flops_per_token}
-        blocked = self.saver.save(iteration, self.step.owned_state(), common)
+        with INTERRUPT.deferred():  # a checkpoint is committed whole or not begun
+            blocked = self.saver.save(iteration, self.step.owned_state(), common)
         self.log(f"checkpoint iteration {iteration}: training blocked {blocked:.3f} s"
                  + (", writing in the background" if run.checkpointing.async_save else ""))
 
@@ -334,16 +351,23 @@ def train(run: RunConfig, dist_info: DistInfo,
     Callable several times in one job (bench/schedules.py runs each schedule);
     `on_step(train_step)` is called once the train step is built."""
     start_time = time.time()
-    run = checkpoint_model_flags(run, print if dist_info.rank == 0 else (lambda *_: None))
+    with reading_checkpoint(run.checkpointing.load or ""):
+        run = checkpoint_model_flags(run, print if dist_info.rank == 0 else (lambda *_: None))
     check_before_start(run, dist_info)
     for line in run_notices(run):
         warn(line, dist_info)
+    lock = hold_save_directory(run.checkpointing.save, dist_info.rank, dist_info.world_size,
+                               print if dist_info.rank == 0 else (lambda *_: None))
     loop = TrainingLoop(run, dist_info, start_time)
     try:
         loop.set_up(on_step)
         loop.train()
     finally:
-        loop.close()
+        try:
+            loop.close()
+        finally:
+            if lock is not None:
+                lock.release()
     return loop.records
 
 
@@ -387,6 +411,21 @@ def configure_automatically(run: RunConfig) -> RunConfig:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """pretrain_llama.py: a Ctrl-C anywhere ends in one line (signals.Interrupt)."""
+    INTERRUPT.install()
+    try:
+        return _main(argv)
+    except BaseException:
+        if not INTERRUPT.received:
+            raise
+        if os.environ.get("RANK", "0") == "0":
+            print(f"pretrain_llama.py: {INTERRUPT.line()}", file=sys.stderr, flush=True)
+        raise SystemExit(INTERRUPTED_STATUS) from None
+    finally:
+        INTERRUPT.uninstall()
+
+
+def _main(argv: Sequence[str] | None) -> int:
     run = parse_args(argv)
     if run.planning.print_model_size:
         print(model_size(run))
@@ -399,6 +438,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if run.planning.auto_config:
             run = configure_automatically(run)
+        # before gloo connects (its sockets count) and any thread starts
+        check_process_limits(run, int(os.environ.get("WORLD_SIZE", "1")))
         dist_info = initialize_distributed(
             timeout_s=60.0 * run.parallel.distributed_timeout_minutes,
             data_parallel_size=run.data_parallel_size, seed=run.training.seed,
@@ -407,6 +448,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             train(run, dist_info)
         finally:
             shutdown_distributed()
+    except CheckpointWriteError as exc:  # a fault mid-run, met by every rank (collective)
+        if os.environ.get("RANK", "0") == "0":
+            print(f"pretrain_llama.py: error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
     except (ConfigError, CheckpointError) as exc:
         exit_bad_input(exc)
     except DiskStateError as exc:  # the drive of --optimizer-nvme-path failed mid-run
@@ -416,6 +461,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         # met by the ranks that create segments, not necessarily rank 0: each says it
         print(f"pretrain_llama.py: error: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
+    except RuntimeError as exc:  # last: SegmentInUseError and others are RuntimeErrors
+        if peer_gone(exc):  # not this rank's fault: the rank that ended says why
+            print(f"pretrain_llama.py: error: rank {os.environ.get('RANK', '0')}: another "
+                  "rank of this job is gone (its connection closed); stopping",
+                  file=sys.stderr, flush=True)
+            raise SystemExit(1) from None
+        if "can't start new thread" not in str(exc):
+            raise
+        # past the start-up check: a limit on processes (ulimit -u) or memory
+        print(f"pretrain_llama.py: error: a thread could not be started ({exc}): raise "
+              "ulimit -v / ulimit -u or free memory", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
     return 0
 
 

@@ -1,0 +1,158 @@
+"""A checkpoint that cannot be read ends in one line naming what, never a traceback: a
+shard cut short in a checkpoint without checksums (megatron-core's have none), a tracker
+that is not text, a --load directory this user may not read, a --load that is a file, a
+recorded iteration below 0; a save the disk cannot hold is a fault (exit 1) that keeps
+the last checkpoint."""
+
+import os
+import resource
+import shutil
+import signal
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron.config.errors import ConfigError
+from megatron.training.arguments import parse_args
+from megatron.training.checkpoint_format import CHECKSUMS
+from megatron.training.checkpointing import (
+    COMMON,
+    TRACKER,
+    CheckpointError,
+    CheckpointSaver,
+    CheckpointWriteError,
+    check_resumable,
+    find_checkpoint,
+    iteration_dir,
+    load_checkpoint,
+    reading_checkpoint,
+    write_failure,
+)
+from megatron.training.distributed import initialize_distributed, shutdown_distributed
+from megatron.training.run_checks import check_load_dir
+from tests.test_checkpointing import MODEL, empty_like, owned
+
+pytestmark = pytest.mark.unit
+NOBODY = 65534
+
+
+@pytest.fixture(autouse=True)
+def process_group():
+    initialize_distributed()
+    yield
+    shutdown_distributed()
+
+
+def saved(tmp_path) -> str:
+    root = str(tmp_path / "ckpt")
+    saver = CheckpointSaver(root, MODEL, async_save=False, log=lambda *_: None)
+    saver.save(1, owned(1), {"consumed_samples": 8})
+    saver.close()
+    os.remove(os.path.join(iteration_dir(root, 1), CHECKSUMS))  # as megatron-core's
+    return root
+
+
+def test_a_truncated_shard_without_checksums_is_one_line(tmp_path):
+    root = saved(tmp_path)
+    shard = os.path.join(iteration_dir(root, 1), "__0_0.distcp")
+    os.truncate(shard, os.path.getsize(shard) // 2)
+    with pytest.raises(CheckpointError) as error:
+        load_checkpoint(root, empty_like(owned(1)), MODEL)
+    assert str(error.value) == (f"{iteration_dir(root, 1)}: its tensors cannot be read (a "
+                                "file ends early: truncated)")
+
+
+def test_a_tracker_that_is_not_text_is_one_line(tmp_path):
+    root = saved(tmp_path)
+    (tmp_path / "ckpt" / TRACKER).write_bytes(b"\xff\xfe1")
+    with pytest.raises(CheckpointError) as error:
+        find_checkpoint(root)
+    assert str(error.value) == (f"{root}/{TRACKER}: expected an iteration number, found "
+                                "bytes that are not text (b'\\xff' at byte 0)")
+
+
+def test_a_load_directory_this_user_may_not_read_is_one_line():
+    shared = tempfile.mkdtemp(prefix="megatron-test-")  # reachable by another user
+    os.chmod(shared, 0o755)
+    try:
+        _refused_to_another_user(saved(Path(shared)))
+    finally:
+        shutil.rmtree(shared)
+
+
+def _refused_to_another_user(root: str) -> None:
+    os.chmod(root, 0o700)  # root's: another user may not list it
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:
+        code = 3
+        try:
+            os.close(read)
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            try:
+                with reading_checkpoint(root):
+                    find_checkpoint(root)
+            except CheckpointError as exc:
+                os.write(write, str(exc).encode())
+                code = 0
+        finally:
+            os._exit(code)
+    os.close(write)
+    message = os.read(read, 4096).decode()
+    os.close(read)
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert message == (f"--load {root}: {root}: permission denied (expected a checkpoint "
+                       "this user can read)")
+
+
+def test_a_load_that_is_a_file_is_refused_even_when_optional(tmp_path):
+    path = tmp_path / "model.pt"
+    path.write_bytes(b"x")
+    with pytest.raises(ConfigError) as error:
+        check_load_dir(parse_args(["--model-preset", "tiny", "--load", str(path), "--load-optional"]))
+    assert str(error.value) == f"--load {path}: expected a checkpoint directory, found a file"
+
+
+def test_a_negative_iteration_is_named_as_damage(tmp_path):
+    root = saved(tmp_path)
+    common_pt = os.path.join(iteration_dir(root, 1), COMMON)
+    common = torch.load(common_pt, weights_only=False)
+    torch.save({**common, "iteration": -5}, common_pt)
+    (tmp_path / "ckpt" / TRACKER).unlink()  # the newest complete iteration is taken
+    with pytest.raises(CheckpointError) as error:
+        check_resumable(parse_args(["--model-preset", "tiny", "--load", root, "--global-batch-size", "8"]),
+                        log=lambda *_: None)
+    assert "records iteration -5; expected an iteration >= 0" in str(error.value)
+
+
+def test_a_save_the_disk_cannot_hold_is_a_fault_and_keeps_the_last_checkpoint(tmp_path,
+                                                                           monkeypatch):
+    root = saved(tmp_path)
+    saver = CheckpointSaver(root, MODEL, async_save=False, log=lambda *_: None)
+    previous_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    previous = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (2048, previous[1]))  # files stop at 2 KiB
+    try:
+        with pytest.raises(CheckpointWriteError) as error:
+            saver.save(2, owned(2), {"consumed_samples": 16})
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, previous)
+        signal.signal(signal.SIGXFSZ, previous_handler)
+        saver.close()
+    assert "\n" not in str(error.value)
+    assert str(error.value).startswith(f"--save {root}: writing the checkpoint failed (")
+    assert str(error.value).endswith("the previous checkpoint is intact")
+    assert (tmp_path / "ckpt" / TRACKER).read_text() == "1"
+    target = empty_like(owned(1))
+    assert load_checkpoint(root, target, MODEL)["iteration"] == 1
+    # A disk with a few KiB left shows through torch's zip writer as an internal error.
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: shutil._ntuple_diskusage(1, 1, 4096))
+    internal = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 "
+                            "vs 598")
+    assert str(write_failure(root, internal)) == (
+        f"--save {root}: writing the checkpoint failed (No space left on device: 4 KiB "
+        "free); the previous checkpoint is intact")

@@ -1,0 +1,126 @@
+"""A job's processes never outlive its launcher, and one --save directory belongs to one
+job at a time: a second job is refused in one line naming the holder, the lock of a dead
+job is taken over, and a refused job removes nothing of the holder's."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron.common.save_lock import LOCK_NAME, LockError, SaveLock
+from megatron.config.errors import ConfigError
+from megatron.training.save_lock import hold_save_directory
+
+pytestmark = pytest.mark.unit
+REPO = Path(__file__).resolve().parents[1]
+
+# A launcher (torchrun's agent, in miniature) that starts one worker and waits forever;
+# the worker starts the watch, says so, and would sleep for a minute.
+WORKER = ("import sys, time; sys.path.insert(0, sys.argv[1]); "
+          "from megatron.common.launcher_watch import watch_launcher; "
+          "assert watch_launcher(0.05, rank=3); print('watching', flush=True); time.sleep(60)")
+LAUNCHER = ("import subprocess, sys, time; "
+            "w = subprocess.Popen([sys.executable, '-c', sys.argv[1], sys.argv[2]]); "
+            "print(w.pid, flush=True); time.sleep(60)")
+
+
+def test_a_worker_stops_within_a_second_when_its_launcher_is_killed():
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, WORKER, str(REPO)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        worker = int(launcher.stdout.readline())
+        assert launcher.stdout.readline().strip() == "watching"  # the worker's, inherited
+        os.kill(launcher.pid, signal.SIGKILL)
+        launcher.wait()
+        t0 = time.monotonic()
+        while _alive(worker) and time.monotonic() - t0 < 5:
+            time.sleep(0.02)
+        assert not _alive(worker), "the worker outlived its launcher"
+        assert time.monotonic() - t0 < 1.5
+        stderr = launcher.stderr.read()
+        assert stderr.strip().splitlines() == [
+            f"pretrain_llama.py: error: rank 3: its launcher (pid {launcher.pid}) died; "
+            "stopping"]
+    finally:
+        launcher.kill()
+        launcher.wait()
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie is not: the worker is no child of ours, init reaps it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+HOLDER = ("import sys, time; sys.path.insert(0, sys.argv[1]); "
+          "from megatron.common.save_lock import SaveLock; "
+          "SaveLock(sys.argv[2]).acquire(); print('held', flush=True); time.sleep(60)")
+
+
+def test_a_second_job_is_refused_naming_the_holder_and_a_dead_ones_lock_is_taken(tmp_path):
+    save = tmp_path / "ckpt"
+    staging = save / "iter_0000070.tmp"  # the holder's save in progress
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(REPO), str(save)],
+                              stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "SLURM_JOB_ID": "4242"})
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        staging.mkdir()
+        with pytest.raises(ConfigError) as refused:
+            hold_save_directory(str(save), rank=0, world_size=1)
+        line = str(refused.value)
+        assert "\n" not in line
+        assert line.startswith(f"--save {save}: in use by another running job (job 4242, "
+                               f"pid {holder.pid} on ")
+        assert staging.is_dir()  # nothing of the holder's removed
+        holder.kill()  # as an OOM killer would: its lock goes with it
+        holder.wait()
+        said = []
+        lock = hold_save_directory(str(save), rank=0, world_size=1, log=said.append)
+        assert said == [f"--save {save}: taking over the lock of a job that is gone "
+                        f"(job 4242, pid {holder.pid} on {os.uname().nodename}, started "
+                        + said[0].split("started ")[1]]
+        with pytest.raises(LockError):  # now ours: a third one is refused
+            SaveLock(str(save)).acquire()
+        lock.release()
+        assert not (save / LOCK_NAME).exists()
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_refused_or_finished_job_leaves_no_directory_it_created(tmp_path):
+    save = tmp_path / "new" / "ckpt"
+    lock = SaveLock(str(save))
+    assert lock.acquire() is None
+    assert (save / LOCK_NAME).exists()
+    lock.release()
+    assert os.listdir(tmp_path) == []  # "new" too
+
+
+def test_a_rank_tells_a_gone_peer_from_its_own_fault():
+    """A rank whose peer ended (Ctrl-C to that one process, a kill) meets gloo's closed
+    connection inside an instruction: one line, not its traceback; its own faults are not
+    mistaken for that."""
+    from megatron.pipeline.executor import InstructionError
+    from megatron.training.distributed import peer_gone
+
+    closed = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+                          "[127.0.0.1]:42927. This is typically caused by a remote worker "
+                          "crashing.")
+    try:
+        try:
+            raise closed
+        except RuntimeError as cause:
+            raise RuntimeError("rank 1: instruction 2 (RECV_ACT) failed") from cause
+    except RuntimeError as wrapped:
+        assert peer_gone(wrapped)
+    assert not peer_gone(RuntimeError("rank 1: instruction 3 failed: injected"))
+    assert issubclass(InstructionError, RuntimeError)

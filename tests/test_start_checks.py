@@ -1,0 +1,167 @@
+"""Start-up checks that hold: a --save path through a symbolic link that leads nowhere is
+refused at start (not at the first save); an optimizer state file the drive cannot hold is
+one line naming it, with nothing left behind; the sweep of dead processes' segments leaves
+another user's alone instead of failing; a data cache this user cannot write is one line;
+ulimit -n and ulimit -v too low for the run are refused before anything connects."""
+
+import os
+import resource
+import signal
+import stat
+
+import pytest
+import torch
+
+from megatron.config.errors import ConfigError
+from megatron.data.cache import file_lock
+from megatron.offload.reaper_client import REAPER
+from megatron.offload.shm_header import HEADER_BYTES, write_header
+from megatron.offload.shm_owner import remove_if_stale
+from megatron.optimizer.disk_states import DiskStateError, DiskStates
+from megatron.training.arguments import parse_args
+from megatron.training.process_limits import (
+    check_address_space,
+    check_open_files,
+    check_process_limits,
+)
+from tests.test_training_loop import _train_rejects
+
+pytestmark = pytest.mark.unit
+NOBODY = 65534
+
+
+@pytest.mark.parametrize("kind", ["dangling", "loop"])
+def test_a_save_path_through_a_link_that_leads_nowhere_is_refused_at_start(tmp_path, kind):
+    link = tmp_path / "ckpt"
+    if kind == "dangling":
+        link.symlink_to(tmp_path / "gone")
+        reason = f"to {tmp_path / 'gone'}, which does not exist"
+    else:
+        link.symlink_to(link)
+        reason = "that loops"
+    error = _train_rejects(tmp_path, "--save", str(link / "run1"))
+    assert str(error) == (f"--save {link / 'run1'}: expected a writable directory; it is a "
+                          f"symbolic link ({link}) {reason}")
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
+def test_a_state_file_the_drive_cannot_hold_is_one_line_and_leaves_nothing(tmp_path):
+    previous_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    previous = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (2**20, previous[1]))  # a drive of 1 MiB
+    try:
+        with pytest.raises(DiskStateError) as error:
+            DiskStates(tmp_path, [2**20], torch.float32, torch.float32, window=1,
+                       job="full", rank=0, tracker=REAPER)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, previous)
+        signal.signal(signal.SIGXFSZ, previous_handler)
+    line = str(error.value)
+    assert "\n" not in line and "cannot be created (File too large; it takes 24.00 MiB" in line
+    assert os.listdir(tmp_path) == []
+
+
+def test_the_sweep_leaves_another_users_stale_segment_alone(tmp_path):
+    shared = tmp_path / "shm"  # a sticky, world-writable directory, as /dev/shm is
+    shared.mkdir()
+    shared.chmod(0o1777 | stat.S_IRWXU)
+    tmp_path.chmod(0o755)
+    segment = shared / "mlm-stale"
+    header = bytearray(HEADER_BYTES)
+    write_header(header, pid=2**22 + 12345, start_time=1, numel=1, dtype_code=0)  # dead
+    segment.write_bytes(bytes(header))
+    segment.chmod(0o644)
+    child = os.fork()
+    if child == 0:  # as another user: the sweep must neither fail nor remove it
+        code = 3
+        try:
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            code = 0 if remove_if_stale(str(segment)) is False else 1
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert segment.exists()
+    assert remove_if_stale(str(segment)) is True  # its owner's sweep does remove it
+
+
+def test_a_cache_this_user_cannot_write_is_one_line(tmp_path):
+    cache = tmp_path / "cache"  # root's: another user may not create its lock files
+    cache.mkdir()
+    tmp_path.chmod(0o755)
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:
+        code = 3
+        try:
+            os.close(read)
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            try:
+                with file_lock(str(cache / "corpus.lock")):
+                    pass
+            except ConfigError as exc:
+                os.write(write, str(exc).encode())
+                code = 0
+        finally:
+            os._exit(code)
+    os.close(write)
+    message = os.read(read, 4096).decode()
+    os.close(read)
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, message
+    assert message == (f"--data-cache-dir {cache}: expected a cache directory this user can "
+                       "write (Permission denied); give another with --data-cache-dir or "
+                       "$MEGATRON_SYSX_CACHE")
+
+
+def _in_child(check) -> str:
+    """Run `check()` in a forked child (the limits it sets stay there); its ConfigError's
+    line, or '' when it raised none."""
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:
+        code = 3
+        try:
+            os.close(read)
+            try:
+                check()
+                code = 0
+            except ConfigError as exc:
+                os.write(write, str(exc).encode())
+                code = 0
+        finally:
+            os._exit(code)
+    os.close(write)
+    message = os.read(read, 4096).decode()
+    os.close(read)
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    return message
+
+
+def test_ulimit_n_and_v_too_low_for_the_run_are_one_line_each():
+    run = parse_args(["--model-preset", "tiny"])
+
+    def few_descriptors():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+        check_process_limits(run, world_size=2)
+
+    def soft_only():  # a soft limit below the hard one is raised: no error
+        hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+        resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))
+        check_open_files(world_size=2)
+        assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] > 64
+
+    def little_address_space():  # room for what is mapped, not for the threads' arenas
+        with open("/proc/self/status") as status:
+            mapped = next(int(line.split()[1]) for line in status if line.startswith("VmSize"))
+        resource.setrlimit(resource.RLIMIT_AS, ((mapped + 100 * 1024) * 1024,
+                                                resource.RLIM_INFINITY))
+        check_address_space(run, own_state_bytes=0)
+
+    assert _in_child(few_descriptors).startswith("open files: ulimit -n 64 is below the ")
+    assert _in_child(soft_only) == ""
+    message = _in_child(little_address_space)
+    assert message.startswith("address space: ulimit -v ") and "malloc arenas" in message
