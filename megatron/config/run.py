@@ -151,6 +151,11 @@ class EvaluationConfig:
     eval_iters: int | None  # None: 100 with a validation set, else 0; 0: no evaluation
 
 
+# --pipeline-schedule's one-process reference: the whole model and torch's AdamW in one
+# process, no pipeline schedule (the schedules themselves are megatron/schedules' registry)
+ONE_PROCESS_SCHEDULE = "single"
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """The pipeline's shape and its data-parallel replicas."""
@@ -165,6 +170,16 @@ class ParallelConfig:
     procs_per_node: int | None  # None: the launcher's LOCAL_WORLD_SIZE
     schedule_file: str | None
     distributed_timeout_minutes: int
+
+    @property
+    def one_process(self) -> bool:
+        """--pipeline-schedule single: the one-process reference was asked for."""
+        return self.pipeline_schedule == ONE_PROCESS_SCHEDULE
+
+    @property
+    def names_pipeline_schedule(self) -> bool:
+        """--pipeline-schedule names a pipeline schedule (not single, not left out)."""
+        return self.pipeline_schedule not in (None, ONE_PROCESS_SCHEDULE)
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from megatron.schedules.optimizer_stride import auto_split, split_flag
 from megatron.schedules.simulator import SimResult, simulate
 from megatron.schedules.validator import ValidationReport, validate
 
-from .shape import Unbuildable, build_run_schedule
+from .shape import Unbuildable, build_run_schedule, schedule_name
 
 DEFAULT_HARDWARE = "paper-v100"
 
@@ -144,8 +144,7 @@ def state_location(run: RunConfig, config: Configuration) -> str:
 def base_configuration(run: RunConfig) -> Configuration:
     """The candidate the run's own flags describe."""
     p = run.parallel
-    return Configuration(p.pipeline_schedule if p.pipeline_schedule not in (None, "single")
-                         else "decoupled", p.forward_stages, p.backward_split,
+    return Configuration(schedule_name(run), p.forward_stages, p.backward_split,
                          run.training.micro_batch_size, run.planning.nodes or 1,
                          run.cpu_optimizer.optimizer_gpu_stride)
 

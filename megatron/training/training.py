@@ -70,7 +70,7 @@ def runs_pipeline(run: RunConfig, world_size: int) -> bool:
     (each data-parallel replica, with --pipeline-model-parallel-size 1)."""
     p = run.parallel
     return (world_size // run.data_parallel_size > 1
-            or p.pipeline_schedule not in (None, "single")
+            or p.names_pipeline_schedule
             or p.schedule_file is not None
             or "bf16" in (run.precision.optimizer_state_dtype,  # the CPU optimizer only
                           run.precision.master_dtype)
