@@ -92,6 +92,14 @@ class PrecisionConfig:
     def working_bytes(self) -> int:
         return DTYPE_BYTES[self.dtype]
 
+    def host_gradient_dtype(self, on_cuda: bool) -> str:
+        """The dtype gradients are offloaded to the host in: fp32 on CUDA (upcast on the
+        device, measured faster there), the working dtype on the CPU device layer."""
+        return "fp32" if on_cuda else self.dtype
+
+    def host_gradient_bytes(self, on_cuda: bool) -> int:
+        return DTYPE_BYTES[self.host_gradient_dtype(on_cuda)]
+
     @property
     def optimizer_bytes_per_param(self) -> int:
         """Host bytes per parameter of the master and Adam's two moments (12, 10, 8 or 6)."""

@@ -66,9 +66,6 @@ class ValidationReport:
     # per rank (the host window); () when the states stay in host memory.
     peak_optimizer_states: tuple[int, ...] = ()
 
-    def peak_params_in_stages(self, backward_split: int) -> tuple[float, ...]:
-        return tuple(count / backward_split for count in self.peak_params)
-
 
 class _Checker(Interpreter):
     def __init__(self, schedule: Schedule) -> None:

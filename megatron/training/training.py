@@ -100,7 +100,6 @@ def check_before_start(run: RunConfig, dist_info: DistInfo) -> None:
     check_output_paths(run)
     check_save_space(run, run.model.vocab_size)
     check_nvme_space(run, run.model.vocab_size)
-    check_nvme_space(run, run.model.vocab_size)
 
 
 class TrainingLoop:
