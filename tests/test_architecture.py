@@ -32,6 +32,9 @@ FORBIDDEN = {
     "models": ("planning", "offload", "optimizer", "data", "pipeline", "training"),
     "data": ("planning", "offload", "optimizer", "pipeline", "training"),
     "pipeline": ("data", "training"),
+    # the loop reaches shared memory and its errors through the pipeline's interface
+    # (megatron/pipeline/node_memory.py), never the offload layer's internals
+    "training": ("offload",),
 }
 COMMAND_LINE = "megatron.training.arguments"  # the one module that reads argparse
 
