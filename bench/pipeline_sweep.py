@@ -37,6 +37,7 @@ from megatron.schedules.cost_model import CostModel, rollback_time  # noqa: E402
 from megatron.schedules.generators import (  # noqa: E402
     RECOMPUTE_BACKWARD_RATIO,
     _decoupled_orders,
+    schedule_kind,
 )
 from megatron.schedules.hardware import HardwareProfile, get_hardware  # noqa: E402
 from megatron.schedules.lowering import SYNCHRONOUS_OPTIMIZER, build_programs  # noqa: E402
@@ -79,7 +80,7 @@ def paper_schedule(name: str, model: str, nodes: int, micro_batch_size: int,
     stages = STAGES_PER_GPU * ranks
     partition = [preset.num_layers // stages] * stages
     partition[-1] += preset.num_layers - sum(partition)
-    split = BACKWARD_SPLIT if name == "decoupled" else 1
+    split = BACKWARD_SPLIT if schedule_kind(name).splits_backward else 1
     return build_schedule(name, ranks, stages, split, global_batch // micro_batch_size,
                           partition, backward_ratio=RECOMPUTE_BACKWARD_RATIO)
 

@@ -34,6 +34,7 @@ import statistics
 import sys
 import tempfile
 import warnings
+from dataclasses import replace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.core")
@@ -49,15 +50,18 @@ from megatron.pipeline.calibration import (  # noqa: E402
     optimizer_seconds_per_param,
 )
 from megatron.planning.shape import with_schedule  # noqa: E402
+from megatron.schedules.cost_model import (  # noqa: E402
+    backward_stage_params,
+    calibrated_costs,
+    derived_costs,
+)
 from megatron.schedules.generators import SCHEDULE_NAMES  # noqa: E402
-from megatron.schedules.hardware import get_hardware  # noqa: E402
+from megatron.schedules.hardware import HardwareProfile, get_hardware  # noqa: E402
+from megatron.schedules.simulator import SimResult, simulate  # noqa: E402
+from megatron.schedules.timeline import read_chrome_trace  # noqa: E402
 from megatron.training.arguments import exit_bad_input, parse_args  # noqa: E402
 from megatron.training.distributed import initialize_distributed, shutdown_distributed  # noqa: E402
-from megatron.training.pipeline_step import (  # noqa: E402
-    simulate_from_profile,
-    simulate_measured,
-    step_backward_stage_params,
-)
+from megatron.training.pipeline_step import PipelineTrainStep  # noqa: E402
 from megatron.training.training import train  # noqa: E402
 
 ORDER = ("decoupled", "mobius", "interleaved-1f1b", "1f1b", "gpipe")
@@ -159,6 +163,37 @@ def largest_backward_stage_bytes(step) -> int:
     """Bytes of the largest backward stage's parameters in the training dtype."""
     itemsize = torch.empty((), dtype=step.config.dtype).element_size()
     return max(step_backward_stage_params(step).values()) * itemsize
+
+
+def step_backward_stage_params(step: PipelineTrainStep) -> dict:
+    """Parameters per backward stage of `step`'s model and schedule."""
+    schedule = step.config.schedule
+    model = replace(step.run.model, vocab_size=step.model_cfg.vocab_size)
+    return backward_stage_params(model, schedule.partition, schedule.backward_split)
+
+
+def simulate_measured(step: PipelineTrainStep, trace_path: str, optimizer_s_per_param: float,
+                      copy_s_per_byte: float) -> SimResult:
+    """The simulator's prediction for `step`'s run, with a cost model calibrated from the
+    iteration it traced (`--trace`) and the measured optimizer and copy rates."""
+    schedule = step.config.schedule
+    params = step_backward_stage_params(step)
+    itemsize = step.run.precision.working_bytes
+    costs = calibrated_costs(schedule, read_chrome_trace(trace_path), params, itemsize,
+                             optimizer_s_per_param, copy_s_per_byte)
+    return simulate(schedule, costs)
+
+
+def simulate_from_profile(step: PipelineTrainStep, hardware: HardwareProfile) -> SimResult:
+    """The simulator's prediction for `step`'s run priced from a hardware profile alone, as
+    the planner prices a candidate (derived_costs of the run's model, schedule and
+    micro-batch size, then simulate): nothing of the run's own timings is used."""
+    schedule = step.config.schedule
+    run = step.run
+    model = replace(run.model, vocab_size=step.model_cfg.vocab_size)
+    costs = derived_costs(schedule, model, hardware, run.training.micro_batch_size,
+                          model.seq_length, run.precision.optimizer_bytes_per_param)
+    return simulate(schedule, costs, step.config.report)
 
 
 def summarize(name: str, rows: list[dict], baseline_rows: list[dict] | None) -> dict:

@@ -19,7 +19,7 @@ from megatron.schedules.cost_model import (
     iteration_lower_bound,
     model_partition,
 )
-from megatron.schedules.generators import SCHEDULE_NAMES, build_schedule, optimizer_mode
+from megatron.schedules.generators import SCHEDULE_NAMES, build_schedule, schedule_kind
 from megatron.schedules.hardware import get_hardware, update_rates
 from megatron.schedules.lowering import SYNCHRONOUS_OPTIMIZER
 from megatron.schedules.memory_model import GPU_TERMS, NODE_TERMS, plan_memory, shape_report
@@ -50,7 +50,7 @@ def test_iteration_lower_bound_holds_for_every_schedule(name, ranks, stages, spl
     model, schedule = _built(name, ranks, stages, split)
     costs = derived_costs(schedule, model, hardware, micro_batch_size=2, seq_length=2048)
     report = validate(schedule)
-    synchronous = optimizer_mode(name) == SYNCHRONOUS_OPTIMIZER
+    synchronous = schedule_kind(name).optimizer_mode == SYNCHRONOUS_OPTIMIZER
     result = simulate(schedule, costs, report)
     bound = iteration_lower_bound(schedule, costs, steps_after_all_compute=synchronous)
     assert max(result.busy) < bound <= result.iteration_time * (1 + 1e-9)

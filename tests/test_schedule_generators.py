@@ -2,11 +2,23 @@
 
 import pytest
 
-from megatron.schedules.generators import SCHEDULE_NAMES, build_schedule, decoupled_assignment
-from megatron.schedules.instructions import Op
+from megatron.planning.search import searched_configurations
+from megatron.planning.shape import build_run_schedule
+from megatron.schedules.cost_model import uniform_costs
+from megatron.schedules.generators import (
+    SCHEDULE_KINDS,
+    SCHEDULE_NAMES,
+    ScheduleKind,
+    build_schedule,
+    decoupled_assignment,
+)
+from megatron.schedules.hardware import get_hardware
+from megatron.schedules.instructions import Instruction, Op
 from megatron.schedules.partition import balanced_partition, sub_stage_layers
 from megatron.schedules.schedule_file import read_schedule, schedule_from_csv, write_schedule
+from megatron.schedules.simulator import simulate
 from megatron.schedules.validator import validate
+from megatron.training.arguments import parse_args
 
 
 def compute_order(schedule, rank):
@@ -161,3 +173,36 @@ def test_malformed_csv_names_the_problem(corruption, message, tmp_path):
     text = write_and_read_text(build_schedule("1f1b", 2, 2, 1, 2), tmp_path)
     with pytest.raises(ValueError, match=message):
         schedule_from_csv(corruption(text))
+
+
+def _lifo_orders(ranks, stages, micro_batches, assignment):
+    """GPipe with its backwards last in, first out: the schedule the next test adds."""
+    return [[Instruction(Op.FORWARD, stage=r, mb=mb) for mb in range(micro_batches)]
+            + [Instruction(Op.BACKWARD, stage=r, sub=0, mb=mb)
+               for mb in reversed(range(micro_batches))]
+            for r in range(ranks)]
+
+
+def test_a_new_schedule_is_one_registry_entry(monkeypatch):
+    # docs/schedules.md "Adding a schedule": the orders and one entry in generators.py;
+    # the generator's checks, the lowering, validator, simulator, planner and search
+    # take it from there.
+    kind = ScheduleKind("gpipe-lifo", _lifo_orders, one_stage_per_rank=True,
+                        searched_stages_per_rank=(1,))
+    monkeypatch.setitem(SCHEDULE_KINDS, kind.name, kind)
+    schedule = build_schedule(kind.name, 4, 4, 1, 4)
+    report = validate(schedule)
+    assert compute_order(schedule, 3)[4:] == [(Op.BACKWARD, 3, 0, mb) for mb in (3, 2, 1, 0)]
+    costs = dict(forward_time=1.0, backward_time=2.0, optimizer_time=1.0)
+    gpipe = build_schedule("gpipe", 4, 4, 1, 4)
+    # mirrored micro-batch order, the same critical path as GPipe's
+    assert simulate(schedule, uniform_costs(schedule, **costs), report).iteration_time == \
+        pytest.approx(simulate(gpipe, uniform_costs(gpipe, **costs)).iteration_time)
+    with pytest.raises(ValueError, match="gpipe-lifo expects one stage per rank"):
+        build_schedule(kind.name, 2, 4, 1, 4)
+    run = parse_args(["--model-preset", "tiny", "--plan"]).evolve(
+        parallel={"pipeline_schedule": kind.name})
+    planned = build_run_schedule(run, 2, run.model.planned_vocab_size)
+    assert (planned.name, planned.forward_stages, planned.backward_split) == (kind.name, 2, 1)
+    searched = searched_configurations(run, get_hardware("paper-v100"))
+    assert {c.forward_stages for c in searched if c.schedule == kind.name} == {4}

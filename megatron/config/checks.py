@@ -279,7 +279,7 @@ def _check_cpu_optimizer(run: RunConfig) -> None:
     _check_nvme(run)
     p = run.precision
     for field in ("optimizer_state_dtype", "master_dtype"):
-        if getattr(p, field) != "fp32" and run.parallel.pipeline_schedule == "single":
+        if getattr(p, field) != "fp32" and run.parallel.one_process:
             raise ConfigError(flag_name(field), getattr(p, field),
                               "fp32 with --pipeline-schedule single (the one-process "
                               "reference keeps torch's fp32 AdamW); bf16 needs the CPU "
@@ -295,7 +295,7 @@ def _check_nvme(run: RunConfig) -> None:
             raise ConfigError("--optimizer-nvme-path", path,
                               "only with --optimizer-state-location nvme")
         return
-    if run.parallel.pipeline_schedule == "single":
+    if run.parallel.one_process:
         raise ConfigError("--optimizer-state-location", "nvme",
                           "host with --pipeline-schedule single (the one-process reference "
                           "keeps torch's AdamW in memory); NVMe states need a pipeline")

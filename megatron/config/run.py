@@ -92,6 +92,14 @@ class PrecisionConfig:
     def working_bytes(self) -> int:
         return DTYPE_BYTES[self.dtype]
 
+    def host_gradient_dtype(self, on_cuda: bool) -> str:
+        """The dtype gradients are offloaded to the host in: fp32 on CUDA (upcast on the
+        device, measured faster there), the working dtype on the CPU device layer."""
+        return "fp32" if on_cuda else self.dtype
+
+    def host_gradient_bytes(self, on_cuda: bool) -> int:
+        return DTYPE_BYTES[self.host_gradient_dtype(on_cuda)]
+
     @property
     def optimizer_bytes_per_param(self) -> int:
         """Host bytes per parameter of the master and Adam's two moments (12, 10, 8 or 6)."""
@@ -151,6 +159,11 @@ class EvaluationConfig:
     eval_iters: int | None  # None: 100 with a validation set, else 0; 0: no evaluation
 
 
+# --pipeline-schedule's one-process reference: the whole model and torch's AdamW in one
+# process, no pipeline schedule (the schedules themselves are megatron/schedules' registry)
+ONE_PROCESS_SCHEDULE = "single"
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """The pipeline's shape and its data-parallel replicas."""
@@ -165,6 +178,16 @@ class ParallelConfig:
     procs_per_node: int | None  # None: the launcher's LOCAL_WORLD_SIZE
     schedule_file: str | None
     distributed_timeout_minutes: int
+
+    @property
+    def one_process(self) -> bool:
+        """--pipeline-schedule single: the one-process reference was asked for."""
+        return self.pipeline_schedule == ONE_PROCESS_SCHEDULE
+
+    @property
+    def names_pipeline_schedule(self) -> bool:
+        """--pipeline-schedule names a pipeline schedule (not single, not left out)."""
+        return self.pipeline_schedule not in (None, ONE_PROCESS_SCHEDULE)
 
 
 @dataclass(frozen=True)

@@ -21,13 +21,14 @@ from megatron.schedules.cost_model import (
 )
 from megatron.schedules.hardware import HardwareProfile, get_hardware, update_rates
 from megatron.schedules.instructions import Schedule
-from megatron.schedules.memory_model import MemoryPlan, Shortfall, plan_memory, shortfalls
+from megatron.schedules.memory_model import MemoryPlan, Shortfall, shortfalls
 from megatron.schedules.optimizer_placement import place_device_subgroups
 from megatron.schedules.optimizer_stride import auto_split, split_flag
 from megatron.schedules.simulator import SimResult, simulate
 from megatron.schedules.validator import ValidationReport, validate
 
-from .shape import Unbuildable, build_run_schedule
+from .fit import PlannedShape, memory_plan
+from .shape import Unbuildable, build_run_schedule, schedule_name
 
 DEFAULT_HARDWARE = "paper-v100"
 
@@ -144,8 +145,7 @@ def state_location(run: RunConfig, config: Configuration) -> str:
 def base_configuration(run: RunConfig) -> Configuration:
     """The candidate the run's own flags describe."""
     p = run.parallel
-    return Configuration(p.pipeline_schedule if p.pipeline_schedule not in (None, "single")
-                         else "decoupled", p.forward_stages, p.backward_split,
+    return Configuration(schedule_name(run), p.forward_stages, p.backward_split,
                          run.training.micro_batch_size, run.planning.nodes or 1,
                          run.cpu_optimizer.optimizer_gpu_stride)
 
@@ -211,15 +211,10 @@ def with_stride(run: RunConfig, plain: Evaluation, stride: int | None,
 def planned(run: RunConfig, config: Configuration, schedule: Schedule,
             report: ValidationReport, hardware: HardwareProfile) -> Evaluation:
     """`config`'s memory plan (its schedule given) and what it lacks on `hardware`."""
-    itemsize = run.precision.working_bytes
-    c = run.cpu_optimizer
-    memory = plan_memory(schedule, run.model, config.micro_batch_size, run.model.seq_length,
-                         itemsize, 4 if hardware.device_kind == "cuda" else itemsize,
-                         procs_per_node=gpus_per_node(run, hardware), hardware=hardware,
-                         report=report, subgroup_stride=config.optimizer_gpu_stride,
-                         subgroup_size=c.optimizer_subgroup_size,
-                         resident_fraction=c.optimizer_gpu_resident_fraction,
-                         optimizer_bytes=optimizer_bytes(run, config))
+    memory = memory_plan(run, schedule, PlannedShape(
+        run.model, config.micro_batch_size, procs_per_node=gpus_per_node(run, hardware),
+        on_cuda=hardware.device_kind == "cuda", subgroup_stride=config.optimizer_gpu_stride,
+        optimizer_bytes=optimizer_bytes(run, config), hardware=hardware), report)
     return Evaluation(config, schedule, memory, shortfalls(memory, hardware), report,
                       optimizer_bytes_per_param=optimizer_bytes(run, config))
 

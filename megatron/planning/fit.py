@@ -11,7 +11,9 @@ from dataclasses import dataclass, replace
 
 from megatron.common.units import format_bytes, format_shortfall
 from megatron.config.errors import ConfigError
+from megatron.config.model import ModelConfig
 from megatron.config.run import RunConfig
+from megatron.schedules.hardware import HardwareProfile
 from megatron.schedules.instructions import Schedule
 from megatron.schedules.memory_model import (
     GPU_TERMS,
@@ -20,6 +22,7 @@ from megatron.schedules.memory_model import (
     single_process_memory,
 )
 from megatron.schedules.replica_plan import node_of
+from megatron.schedules.validator import ValidationReport
 
 
 class ResourceError(ConfigError):
@@ -43,23 +46,46 @@ class FreeMemory:
     shm_dir: str = "/dev/shm"
 
 
+@dataclass(frozen=True)
+class PlannedShape:
+    """What planning varies of a run when it asks the memory model: the rest (working and
+    host-gradient precision, sequence, the optimizer's subgroups) is the run's."""
+
+    model: ModelConfig
+    micro_batch_size: int
+    procs_per_node: int
+    on_cuda: bool
+    subgroup_stride: int | None  # None: chosen at start-up
+    optimizer_bytes: int  # host bytes per parameter of the master and Adam's moments
+    hardware: HardwareProfile | None = None  # the profile's device-update rates, if any
+
+
+def memory_plan(run: RunConfig, schedule: Schedule, shape: PlannedShape,
+                report: ValidationReport | None = None) -> MemoryPlan:
+    """The one place planning asks the memory model (`plan_memory`) about `schedule`."""
+    c = run.cpu_optimizer
+    return plan_memory(schedule, shape.model, shape.micro_batch_size, run.model.seq_length,
+                       run.precision.working_bytes,
+                       run.precision.host_gradient_bytes(shape.on_cuda),
+                       procs_per_node=shape.procs_per_node, hardware=shape.hardware,
+                       report=report, subgroup_stride=shape.subgroup_stride,
+                       subgroup_size=c.optimizer_subgroup_size,
+                       resident_fraction=c.optimizer_gpu_resident_fraction,
+                       optimizer_bytes=shape.optimizer_bytes)
+
+
 def run_memory_plan(run: RunConfig, schedule: Schedule, vocab_size: int, procs_per_node: int,
                     on_cuda: bool) -> MemoryPlan:
     """What `run` executing `schedule` needs per GPU, process and node. With data
     parallelism, the memory model's view is one pipeline whose nodes hold the replicas'
     processes (with ZeRO the replicas of a pipeline rank hold its optimizer state once
     between them, as one process would)."""
-    itemsize = run.precision.working_bytes
     c = run.cpu_optimizer
-    # Gradients go to the host in fp32 on CUDA, in the working dtype on the CPU layer.
-    return plan_memory(schedule, replace(run.model, vocab_size=vocab_size),
-                       run.training.micro_batch_size, run.model.seq_length, itemsize,
-                       4 if on_cuda else itemsize,
-                       procs_per_node=max(1, procs_per_node // run.data_parallel_size),
-                       subgroup_stride=c.optimizer_gpu_stride if c.uses_device else 0,
-                       subgroup_size=c.optimizer_subgroup_size,
-                       resident_fraction=c.optimizer_gpu_resident_fraction,
-                       optimizer_bytes=run.precision.optimizer_bytes_per_param)
+    return memory_plan(run, schedule, PlannedShape(
+        replace(run.model, vocab_size=vocab_size), run.training.micro_batch_size,
+        procs_per_node=max(1, procs_per_node // run.data_parallel_size), on_cuda=on_cuda,
+        subgroup_stride=c.optimizer_gpu_stride if c.uses_device else 0,
+        optimizer_bytes=run.precision.optimizer_bytes_per_param))
 
 
 def first_shortfall(plan: MemoryPlan, pipeline_rank: int, free: FreeMemory,

@@ -21,9 +21,8 @@ from megatron.common.workers import cores_per_rank, worker_pool
 from megatron.config.errors import ConfigError
 from megatron.config.run import RunConfig
 from megatron.schedules.cost_model import derived_costs, iteration_lower_bound
-from megatron.schedules.generators import SCHEDULE_NAMES, optimizer_mode
+from megatron.schedules.generators import DEFAULT_SCHEDULE, SCHEDULE_KINDS, schedule_kind
 from megatron.schedules.hardware import HardwareProfile, update_rates
-from megatron.schedules.lowering import SYNCHRONOUS_OPTIMIZER
 from megatron.schedules.memory_model import shape_report
 from megatron.schedules.optimizer_stride import auto_split, device_share
 
@@ -70,7 +69,7 @@ def lower_bound(run: RunConfig, config: Configuration, hardware: HardwareProfile
     share = max(device_share(split) for split in searched_strides(run, hardware))
     return iteration_lower_bound(
         shape, costs, cpu_share=1.0 - share,
-        steps_after_all_compute=optimizer_mode(config.schedule) == SYNCHRONOUS_OPTIMIZER)
+        steps_after_all_compute=not schedule_kind(config.schedule).optimizer_overlaps)
 
 
 PER_NODE = ("host memory", "/dev/shm")  # what only more nodes or less state per node mend
@@ -176,7 +175,7 @@ def nearest_fit(run: RunConfig, base: Evaluation, hardware: HardwareProfile,
                        (precisions[-1], precisions[0]))
         tries += [replace(c, nodes=n) for n in range(first, last + 3)]
     else:
-        if c.schedule == "decoupled":
+        if schedule_kind(c.schedule).splits_backward:
             tries += [replace(c, backward_split=d) for d in (1, 3)
                       if d != base.schedule.backward_split]
         ranks = ranks_of(run, c, hardware)
@@ -233,23 +232,23 @@ def searched_strides(run: RunConfig, hardware: HardwareProfile) -> tuple[int, ..
 
 def searched_configurations(run: RunConfig, hardware: HardwareProfile,
                             precision: Precision = (None, None)) -> list[Configuration]:
-    """schedule x forward stages (1..4 per rank) x d (decoupled: 1..3) x micro-batch sizes
-    dividing the global batch, all on the CPU optimizer (the stride is tried per shape),
-    with the optimizer state in `precision` (None: the run's)."""
+    """schedule x forward stages (the schedule's searched stages per rank) x d (1..3 where
+    its backward stages split) x micro-batch sizes dividing the global batch, all on the
+    CPU optimizer (the stride is tried per shape), with the optimizer state in `precision`
+    (None: the run's)."""
     nodes = run.planning.nodes or 1
     ranks = nodes * gpus_per_node(run, hardware)
     layers = run.model.num_layers
     sizes = [m for m in (1, 2, 4, 8, 16)
-             if batch_divides(run, Configuration("decoupled", None, None, m, nodes))]
+             if batch_divides(run, Configuration(DEFAULT_SCHEDULE, None, None, m, nodes))]
     found = []
-    for name in SCHEDULE_NAMES:
-        per_rank = (1,) if name in ("gpipe", "1f1b") else (1, 2, 3, 4)
-        splits = (1, 2, 3) if name == "decoupled" else (1,)
-        for k in per_rank:
+    for kind in SCHEDULE_KINDS.values():
+        splits = (1, 2, 3) if kind.splits_backward else (1,)
+        for k in kind.searched_stages_per_rank:
             stages = k * ranks
-            if stages > layers or (name == "interleaved-1f1b" and k == 1):
+            if stages > layers:
                 continue
-            found += [Configuration(name, stages, d, mbs, nodes, 0, *precision)
+            found += [Configuration(kind.name, stages, d, mbs, nodes, 0, *precision)
                       for d in splits if d * stages <= layers for mbs in sizes]
     return found
 
@@ -264,7 +263,7 @@ def search(run: RunConfig, hardware: HardwareProfile, top: int = SEARCH_TOP,
         found = search_at(run, hardware, precision, top, workers)
         if found.ranked:
             break
-        tried.append(optimizer_bytes(run, Configuration("decoupled", None, None, 1, 1, 0,
+        tried.append(optimizer_bytes(run, Configuration(DEFAULT_SCHEDULE, None, None, 1, 1, 0,
                                                         *precision)))
     return replace(found, nothing_fits_at=tuple(tried))
 

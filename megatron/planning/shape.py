@@ -15,10 +15,11 @@ from megatron.config.errors import ConfigError
 from megatron.config.run import RunConfig
 from megatron.schedules.cost_model import model_partition
 from megatron.schedules.generators import (
-    ONE_STAGE_PER_RANK,
+    DEFAULT_SCHEDULE,
     RECOMPUTE_BACKWARD_RATIO,
     ScheduleTooLarge,
     build_schedule,
+    schedule_kind,
 )
 from megatron.schedules.grid import format_programs
 from megatron.schedules.instructions import Schedule
@@ -55,8 +56,8 @@ def check_pipeline_shape(run: RunConfig, world_size: int) -> None:
         raise ConfigError("--pipeline-model-parallel-size", size,
                           f"{layout}; this layout needs {size} x {d} = {size * d}: launch "
                           f"with torchrun --nproc-per-node {size * d}")
-    if p.pipeline_schedule == "single" and world_size > 1:
-        raise ConfigError("--pipeline-schedule", "single",
+    if p.one_process and world_size > 1:
+        raise ConfigError("--pipeline-schedule", p.pipeline_schedule,
                           f"runs in one process, but {world_size} were started")
     stages = p.forward_stages
     if stages is not None and stages < world_size:
@@ -96,6 +97,14 @@ def _partition(run: RunConfig, forward_stages: int, vocab_size: int,
         return Unbuildable("--backward-split", min_layers, str(exc))
 
 
+def schedule_name(run: RunConfig) -> str:
+    """The schedule the run's programs are generated with: --pipeline-schedule's, or the
+    default one where it names none (left out, or the one-process reference: planned as
+    the default schedule on one rank)."""
+    p = run.parallel
+    return p.pipeline_schedule if p.names_pipeline_schedule else DEFAULT_SCHEDULE
+
+
 def build_run_schedule(run: RunConfig, world_size: int, vocab_size: int,
                        lower: bool = True) -> Schedule | Unbuildable:
     """The schedule the configuration describes on `world_size` pipeline ranks (its
@@ -103,17 +112,16 @@ def build_run_schedule(run: RunConfig, world_size: int, vocab_size: int,
     --optimizer-gpu-stride asks for them; with `lower` False, its shape only (no programs,
     see build_schedule). Unbuildable when the shape does not exist."""
     p = run.parallel
-    name = p.pipeline_schedule or "decoupled"
-    if name == "single":
-        name = "decoupled"
+    name = schedule_name(run)
+    kind = schedule_kind(name)
     stages = p.forward_stages
     if stages is None:
         stages = p.stage_layers and len(p.stage_layers) or (
-            world_size if name in ONE_STAGE_PER_RANK or run.model.num_layers < 2 * world_size
+            world_size if kind.one_stage_per_rank or run.model.num_layers < 2 * world_size
             else 2 * world_size)
     split = p.backward_split
     if split is None:
-        split = 2 if name == "decoupled" and run.model.num_layers >= 2 * stages else 1
+        split = 2 if kind.splits_backward and run.model.num_layers >= 2 * stages else 1
     partition = _partition(run, stages, vocab_size, min_layers=split)
     if isinstance(partition, Unbuildable):
         return partition
@@ -199,6 +207,6 @@ def run_schedule(run: RunConfig, world_size: int, vocab_size: int
 def with_schedule(run: RunConfig, name: str) -> RunConfig:
     """`run` with another schedule: the coupled baselines take their default split (1)."""
     changes: dict[str, object] = {"pipeline_schedule": name}
-    if name != "decoupled":
+    if not schedule_kind(name).splits_backward:
         changes["backward_split"] = None
     return run.evolve(parallel=changes)

@@ -1,21 +1,24 @@
 """Schedule generators: gpipe, 1f1b, interleaved-1f1b, mobius and decoupled (SysX).
 
-Each generator decides the stage-to-rank assignment and every rank's order of FORWARD and
-BACKWARD instructions; `lowering.build_programs` adds communication, parameter
-movement and the optimizer in the same way for all of them.
+Each schedule is one entry of `SCHEDULE_KINDS`: its stage-to-rank assignment, every
+rank's order of FORWARD and BACKWARD instructions, and the traits the planner, the
+lowering and the checks ask of it (stages per rank, whether backward stages split,
+whether the optimizer overlaps). Nothing outside this module compares schedule names.
+`lowering.build_programs` adds communication, parameter movement and the optimizer in
+the same way for all of them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from .instructions import BackwardStage, Instruction, Op, Schedule
 from .lowering import POST_STEP_OPTIMIZER, SYNCHRONOUS_OPTIMIZER, build_programs
 from .partition import check_partition, sub_stage_layers
 
 Orders = list[list[Instruction]]
-
-ONE_STAGE_PER_RANK: tuple[str, ...] = ("gpipe", "1f1b")  # the others take S = v x ranks
+Assignment = dict[BackwardStage, int]  # the rank that runs each backward stage
 
 # Expected (backward + recompute) / forward time of a stage, used to place blocking
 # transfers: 2 in SysX's figures (the recompute not drawn); a real run recomputes the
@@ -60,8 +63,9 @@ def _b(stage: int, sub: int, mb: int) -> Instruction:
     return Instruction(Op.BACKWARD, stage=stage, sub=sub, mb=mb)
 
 
-def _coupled_backward(forward_rank: tuple[int, ...]) -> dict[BackwardStage, int]:
-    return {(stage, 0): rank for stage, rank in enumerate(forward_rank)}
+def coupled_assignment(ranks: int, forward_stages: int, backward_split: int) -> Assignment:
+    """Each stage's backward on the rank of its forward (stage i on rank i mod R)."""
+    return {(stage, 0): stage % ranks for stage in range(forward_stages)}
 
 
 def _gpipe_orders(ranks: int, micro_batches: int) -> Orders:
@@ -126,15 +130,14 @@ def _mobius_orders(ranks: int, stages: int, micro_batches: int) -> Orders:
     ]
 
 
-def decoupled_assignment(ranks: int, forward_stages: int, backward_split: int) -> dict[BackwardStage, int]:
+def decoupled_assignment(ranks: int, forward_stages: int, backward_split: int) -> Assignment:
     """Backward stages in reverse model order go round-robin to ranks 0, 1, 2, ... (SysX 3.1)."""
     reverse = [(i, k) for i in reversed(range(forward_stages)) for k in reversed(range(backward_split))]
     return {piece: index % ranks for index, piece in enumerate(reverse)}
 
 
-def _decoupled_orders(
-    ranks: int, stages: int, micro_batches: int, backward_rank: dict[BackwardStage, int]
-) -> Orders:
+def _decoupled_orders(ranks: int, stages: int, micro_batches: int,
+                      backward_rank: Assignment) -> Orders:
     """Interleaved AFAB forward, then each rank's backward stages in reverse model order."""
     owned: list[list[BackwardStage]] = [[] for _ in range(ranks)]
     for piece, owner in backward_rank.items():  # once over the pieces: linear in the ranks
@@ -159,20 +162,19 @@ def _check_common(name: str, ranks: int, stages: int, split: int, micro_batches:
                         ("backward_split", split), ("micro_batches", micro_batches)):
         _require(isinstance(value, int) and value >= 1,
                  f"{flag} is {value!r}, expected an integer >= 1")
-    _require(name in SCHEDULE_NAMES,
-             f"schedule {name!r} is unknown, expected one of {', '.join(SCHEDULE_NAMES)}")
-    if name in ONE_STAGE_PER_RANK:
+    kind = schedule_kind(name)
+    if kind.one_stage_per_rank:
         _require(stages == ranks,
                  f"forward_stages is {stages}, {name} expects one stage per rank ({ranks})")
     else:
         _require(stages % ranks == 0,
                  f"forward_stages is {stages}, expected a multiple of ranks ({ranks})")
-    if name != "decoupled":
+    if not kind.splits_backward:
         _require(split == 1, f"backward_split is {split}, {name} expects 1 (coupled stages)")
     check_schedule_size(stages, split, micro_batches)
-    if name == "interleaved-1f1b" and stages > ranks:
+    if kind.micro_batches_in_rank_groups and stages > ranks:
         _require(micro_batches % ranks == 0,
-                 f"micro_batches is {micro_batches}, interleaved-1f1b expects a multiple of "
+                 f"micro_batches is {micro_batches}, {name} expects a multiple of "
                  f"ranks ({ranks}) as Megatron does")
 
 
@@ -204,33 +206,66 @@ def build_schedule(
     partition = tuple(partition) if partition is not None else (backward_split,) * forward_stages
     check_partition(partition, forward_stages)
     sub_stage_layers(partition, backward_split)  # rejects d larger than a stage's layers
+    kind = SCHEDULE_KINDS[name]
     forward_rank = tuple(stage % ranks for stage in range(forward_stages))
-    if name == "decoupled":
-        backward_rank = decoupled_assignment(ranks, forward_stages, backward_split)
-        orders = _decoupled_orders(ranks, forward_stages, micro_batches, backward_rank)
-    else:
-        backward_rank = _coupled_backward(forward_rank)
-        orders = _COUPLED_ORDERS[name](ranks, forward_stages, micro_batches)
+    backward_rank = kind.assignment(ranks, forward_stages, backward_split)
     shape = Schedule(name, ranks, forward_stages, backward_split, micro_batches, partition,
                      forward_rank, backward_rank, programs=())
     if not lower:
         return shape
+    orders = kind.orders(ranks, forward_stages, micro_batches, backward_rank)
     return Schedule(**{**vars(shape), "programs": build_programs(shape, orders,
-                                                                 optimizer_mode(name),
+                                                                 kind.optimizer_mode,
                                                                  backward_ratio)})
 
 
-def optimizer_mode(name: str) -> str:
-    """How the generated programs of schedule `name` step: the decoupled schedule updates
-    each stage as soon as its gradients are home (checked after the step), the coupled ones
-    check and all-reduce first, after every rank's backward (lowering's modes)."""
-    return POST_STEP_OPTIMIZER if name == "decoupled" else SYNCHRONOUS_OPTIMIZER
+@dataclass(frozen=True)
+class ScheduleKind:
+    """One schedule: how it is generated and what the planner, the lowering and the checks
+    ask of it. Adding a schedule is one entry in SCHEDULE_KINDS (and its orders function)."""
+
+    name: str
+    # each rank's FORWARD/BACKWARD order: (ranks, forward stages, micro-batches, assignment)
+    orders: Callable[[int, int, int, Assignment], Orders]
+    # which rank runs each backward stage: (ranks, forward stages, backward split)
+    assignment: Callable[[int, int, int], Assignment] = coupled_assignment
+    # True: exactly one forward stage per rank; False: any multiple of the ranks
+    one_stage_per_rank: bool = False
+    # the forward stages per rank --auto-config tries
+    searched_stages_per_rank: tuple[int, ...] = (1, 2, 3, 4)
+    # a forward stage may be split into d > 1 backward stages (--backward-split)
+    splits_backward: bool = False
+    # each stage steps as soon as its gradients are home, checked after the step, instead
+    # of an overflow check and all-reduce after every rank's backward
+    optimizer_overlaps: bool = False
+    # with several stages per rank, micro-batches go through the stages in groups of R
+    micro_batches_in_rank_groups: bool = False
+
+    @property
+    def optimizer_mode(self) -> str:
+        """The lowering's optimizer mode for this schedule's programs."""
+        return POST_STEP_OPTIMIZER if self.optimizer_overlaps else SYNCHRONOUS_OPTIMIZER
 
 
-_COUPLED_ORDERS: dict[str, Callable[[int, int, int], Orders]] = {
-    "gpipe": lambda ranks, stages, mbs: _gpipe_orders(ranks, mbs),
-    "1f1b": lambda ranks, stages, mbs: _1f1b_orders(ranks, mbs),
-    "interleaved-1f1b": lambda ranks, stages, mbs: _interleaved_orders(ranks, stages // ranks, mbs),
-    "mobius": _mobius_orders,
-}
-SCHEDULE_NAMES: tuple[str, ...] = (*_COUPLED_ORDERS, "decoupled")
+SCHEDULE_KINDS: dict[str, ScheduleKind] = {kind.name: kind for kind in (
+    ScheduleKind("gpipe", lambda ranks, stages, mbs, _: _gpipe_orders(ranks, mbs),
+                 one_stage_per_rank=True, searched_stages_per_rank=(1,)),
+    ScheduleKind("1f1b", lambda ranks, stages, mbs, _: _1f1b_orders(ranks, mbs),
+                 one_stage_per_rank=True, searched_stages_per_rank=(1,)),
+    ScheduleKind("interleaved-1f1b",
+                 lambda ranks, stages, mbs, _: _interleaved_orders(ranks, stages // ranks, mbs),
+                 searched_stages_per_rank=(2, 3, 4),  # one per rank is 1f1b
+                 micro_batches_in_rank_groups=True),
+    ScheduleKind("mobius", lambda ranks, stages, mbs, _: _mobius_orders(ranks, stages, mbs)),
+    ScheduleKind("decoupled", _decoupled_orders, assignment=decoupled_assignment,
+                 splits_backward=True, optimizer_overlaps=True),
+)}
+SCHEDULE_NAMES: tuple[str, ...] = tuple(SCHEDULE_KINDS)
+DEFAULT_SCHEDULE = "decoupled"  # what a pipeline runs when no schedule is named (SysX)
+
+
+def schedule_kind(name: str) -> ScheduleKind:
+    """The registry entry of schedule `name` (ValueError naming the known ones)."""
+    _require(name in SCHEDULE_KINDS,
+             f"schedule {name!r} is unknown, expected one of {', '.join(SCHEDULE_NAMES)}")
+    return SCHEDULE_KINDS[name]

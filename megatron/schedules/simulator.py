@@ -69,6 +69,39 @@ def _label(stage: int, sub: int, split: int) -> str:
     return f"{stage}" if split == 1 or sub < 0 else f"{stage},{sub}"
 
 
+class _StateDrives:
+    """The NVMe tier's part of the simulation: one drive per node that its ranks' reads and
+    writes queue on, and each rank's window of host buffers (the validator's peak), which a
+    read waits for and a completed write frees."""
+
+    def __init__(self, costs: CostModel, window: tuple[int, ...], ranks: int) -> None:
+        self.costs = costs
+        self.free_at: dict[int, float] = {}  # per node
+        self.buffers_free_at = [[0.0] * n for n in (window or [0] * ranks)]
+        self.ready: dict[BackwardStage, float] = {}  # a stage's states in host memory
+
+    def _queue(self, rank: int, ready: float, seconds: float) -> tuple[float, float]:
+        node = rank // max(1, self.costs.disk.ranks_per_node)
+        start = max(ready, self.free_at.get(node, 0.0))
+        self.free_at[node] = start + seconds
+        return start, start + seconds
+
+    def read(self, rank: int, b: BackwardStage, clock: float) -> tuple[float, float]:
+        """A read into the rank's first free buffer, posted at `clock`: (start, end)."""
+        slots = self.buffers_free_at[rank]
+        slot = slots.index(min(slots))
+        start, end = self._queue(rank, max(clock, slots.pop(slot)), self.costs.disk.read[b])
+        self.ready[b] = end
+        return start, end
+
+    def write(self, rank: int, b: BackwardStage, stepped: float) -> tuple[float, float]:
+        """The write after the step that ended at `stepped`: (start, end), which frees its
+        buffer."""
+        start, end = self._queue(rank, stepped, self.costs.disk.write[b])
+        self.buffers_free_at[rank].append(end)
+        return start, end
+
+
 class _Simulator(Interpreter):
     def __init__(self, schedule: Schedule, costs: CostModel,
                  params_arrive: dict[tuple[int, BackwardStage], float] | None = None,
@@ -88,9 +121,7 @@ class _Simulator(Interpreter):
         self.irecv_time: dict = {}
         self.busy = [0.0 for _ in ranks]
         self.events: list[TimedEvent] = []
-        self.disk_free: dict[int, float] = {}  # per node
-        self.window = [[0.0] * n for n in (window or [0] * schedule.ranks)]
-        self.states_ready: dict[BackwardStage, float] = {}
+        self.drives = _StateDrives(costs, window, schedule.ranks)
         self.step_end: dict[BackwardStage, float] = {}
 
     def _event(self, rank: int, resource: str, start: float, end: float, label: str, kind: str,
@@ -162,7 +193,7 @@ class _Simulator(Interpreter):
     def _optimizer_start(self, rank: int, ins: Instruction) -> None:
         b = BackwardStage(ins.stage, ins.sub)
         start = max(self.clock[rank], self.grad_ready[b], self.cpu_free[rank],
-                    self.states_ready.get(b, 0.0))
+                    self.drives.ready.get(b, 0.0))
         end = start + self.costs.optimizer[b]
         self.cpu_free[rank] = self.step_end[b] = end
         self._event(rank, "cpu-optimizer", start, end,
@@ -179,7 +210,7 @@ class _Simulator(Interpreter):
             self._optimizer_start(rank, ins)
             return
         share = device_share(device.stride)
-        ready = max(self.clock[rank], self.grad_ready[b], self.states_ready.get(b, 0.0))
+        ready = max(self.clock[rank], self.grad_ready[b], self.drives.ready.get(b, 0.0))
         start = max(ready, self.cpu_free[rank])
         self.cpu_free[rank] = start + self.costs.optimizer[b] * (1.0 - share)
         label = _label(*b, self.schedule.backward_split)
@@ -199,26 +230,15 @@ class _Simulator(Interpreter):
                     "optimizer", ins)
         self._event(rank, "d2h", flush, flush + moves, f"s{label}", "optimizer", ins)
 
-    def _disk(self, rank: int, ready: float, seconds: float) -> tuple[float, float]:
-        node = rank // max(1, self.costs.disk.ranks_per_node)
-        start = max(ready, self.disk_free.get(node, 0.0))
-        self.disk_free[node] = start + seconds
-        return start, start + seconds
-
     def _read_optimizer_states(self, rank: int, ins: Instruction) -> None:
         b = BackwardStage(ins.stage, ins.sub)
-        slots = self.window[rank]
-        slot = slots.index(min(slots))
-        start, end = self._disk(rank, max(self.clock[rank], slots.pop(slot)),
-                                self.costs.disk.read[b])
-        self.states_ready[b] = end
+        start, end = self.drives.read(rank, b, self.clock[rank])
         self._event(rank, "disk", start, end,
                     f"r{_label(*b, self.schedule.backward_split)}", "state-io", ins)
 
     def _write_optimizer_states(self, rank: int, ins: Instruction) -> None:
         b = BackwardStage(ins.stage, ins.sub)
-        start, end = self._disk(rank, self.step_end[b], self.costs.disk.write[b])
-        self.window[rank].append(end)
+        start, end = self.drives.write(rank, b, self.step_end[b])
         self._event(rank, "disk", start, end,
                     f"w{_label(*b, self.schedule.backward_split)}", "state-io", ins)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from megatron.common.files import atomic_write
 
@@ -113,10 +113,6 @@ def write_timeline_png(
         atomic_write(path, lambda stream: figure.savefig(stream, format="png", dpi=130))
     finally:
         plt.close(figure)
-
-
-def events_to_dicts(events: Iterable[TimedEvent]) -> list[dict]:
-    return [asdict(event) for event in events]
 
 
 def read_chrome_trace(path: str, time_scale: float = 1e6) -> list[TimedEvent]:

@@ -66,8 +66,40 @@ class ValidationReport:
     # per rank (the host window); () when the states stay in host memory.
     peak_optimizer_states: tuple[int, ...] = ()
 
-    def peak_params_in_stages(self, backward_split: int) -> tuple[float, ...]:
-        return tuple(count / backward_split for count in self.peak_params)
+
+class _StateWindow:
+    """RULE_STATE_IO's part of the check (optimizer states on NVMe): which backward stages'
+    states have been read and written, and the most each rank holds read at once (its host
+    window). Each method records an instruction and says what is wrong with it, if anything."""
+
+    def __init__(self, schedule: Schedule) -> None:
+        self.schedule = schedule
+        self.read_by: dict[BackwardStage, int] = {}
+        self.written: set[BackwardStage] = set()
+        self.peak = [0 for _ in range(schedule.ranks)]
+
+    def read(self, rank: int, b: BackwardStage) -> str | None:
+        if self.schedule.backward_rank.get(b) != rank:
+            return "the stage is not owned by this rank"
+        if b in self.read_by:
+            return "read twice"
+        self.read_by[b] = rank
+        held = sum(1 for s, r in self.read_by.items() if r == rank and s not in self.written)
+        self.peak[rank] = max(self.peak[rank], held)
+        return None
+
+    def step(self, b: BackwardStage) -> str | None:
+        if b not in self.read_by or b in self.written:
+            return "no READ_OPTIMIZER_STATES of the stage before it"
+        return None
+
+    def write(self, b: BackwardStage, stepped_here: bool) -> str | None:
+        if not stepped_here:
+            return "written before its OPTIMIZER_START"
+        if b in self.written:
+            return "written twice"
+        self.written.add(b)
+        return None
 
 
 class _Checker(Interpreter):
@@ -95,9 +127,7 @@ class _Checker(Interpreter):
             any(ins.op == Op.POST_STEP_SYNC for ins in program) for program in schedule.programs
         ]
         self.states_on_disk = schedule.states_on_disk
-        self.states_read: dict[BackwardStage, int] = {}
-        self.states_written: set[BackwardStage] = set()
-        self.peak_states = [0 for _ in ranks]
+        self.states = _StateWindow(schedule)
 
     def _fail(self, rank: int, index: int, ins: Instruction, rule: str, detail: str):
         raise ScheduleError(rank, index, ins, rule, detail)
@@ -217,29 +247,21 @@ class _Checker(Interpreter):
         if not (self.synced[rank] or self.post_step_mode[rank]):
             self._fail(rank, index, ins, RULE_OPTIMIZER,
                        "no OVERFLOW_SYNC before it and no POST_STEP_SYNC after")
-        if self.states_on_disk and (b not in self.states_read or b in self.states_written):
-            self._fail(rank, index, ins, RULE_STATE_IO,
-                       "no READ_OPTIMIZER_STATES of the stage before it")
+        problem = self.states.step(b) if self.states_on_disk else None
+        if problem:
+            self._fail(rank, index, ins, RULE_STATE_IO, problem)
         self.stepped[b] = rank
 
     def _read_optimizer_states(self, rank: int, index: int, ins: Instruction) -> None:
-        b = BackwardStage(ins.stage, ins.sub)
-        if self.schedule.backward_rank.get(b) != rank:
-            self._fail(rank, index, ins, RULE_STATE_IO, "the stage is not owned by this rank")
-        if b in self.states_read:
-            self._fail(rank, index, ins, RULE_STATE_IO, "read twice")
-        self.states_read[b] = rank
-        held = sum(1 for s, r in self.states_read.items()
-                   if r == rank and s not in self.states_written)
-        self.peak_states[rank] = max(self.peak_states[rank], held)
+        problem = self.states.read(rank, BackwardStage(ins.stage, ins.sub))
+        if problem:
+            self._fail(rank, index, ins, RULE_STATE_IO, problem)
 
     def _write_optimizer_states(self, rank: int, index: int, ins: Instruction) -> None:
         b = BackwardStage(ins.stage, ins.sub)
-        if self.stepped.get(b) != rank:
-            self._fail(rank, index, ins, RULE_STATE_IO, "written before its OPTIMIZER_START")
-        if b in self.states_written:
-            self._fail(rank, index, ins, RULE_STATE_IO, "written twice")
-        self.states_written.add(b)
+        problem = self.states.write(b, self.stepped.get(b) == rank)
+        if problem:
+            self._fail(rank, index, ins, RULE_STATE_IO, problem)
 
     def _optimizer_start_subgroups(self, rank: int, index: int, ins: Instruction) -> None:
         """OPTIMIZER_START's rules: where the update runs does not change when it may."""
@@ -300,7 +322,7 @@ class _Checker(Interpreter):
             if b not in self.stepped:
                 raise ScheduleError(owner, len(s.programs[owner]), None, RULE_OPTIMIZER,
                                     f"backward stage {b} never offloaded and stepped")
-            if self.states_on_disk and b not in self.states_written:
+            if self.states_on_disk and b not in self.states.written:
                 raise ScheduleError(owner, len(s.programs[owner]), None, RULE_STATE_IO,
                                     f"backward stage {b}'s optimizer states never written")
         for key, sender in self.posted_isends.items():
@@ -367,5 +389,5 @@ def validate(schedule: Schedule) -> ValidationReport:
         peak_params=tuple(checker.peak_params),
         peak_checkpoints=tuple(checker.peak_ckpts),
         peak_gradients=tuple(checker.peak_gradients),
-        peak_optimizer_states=tuple(checker.peak_states) if checker.states_on_disk else (),
+        peak_optimizer_states=tuple(checker.states.peak) if checker.states_on_disk else (),
     )

@@ -19,7 +19,7 @@ from typing import Any, NoReturn
 from megatron.config.errors import ConfigError, flag_name
 from megatron.config.model import ARCHITECTURE_DEFAULTS, MODEL_FIELDS
 from megatron.config.presets import PRESETS, get_preset
-from megatron.config.run import RunConfig
+from megatron.config.run import ONE_PROCESS_SCHEDULE, RunConfig
 from megatron.config.tokenizer_names import TOKENIZER_TYPES
 from megatron.data.cache import default_cache_dir
 from megatron.schedules.generators import SCHEDULE_NAMES
@@ -33,7 +33,7 @@ from megatron.training.megatron_flags import (
     check_design_flags,
 )
 
-SCHEDULES = ("single", *SCHEDULE_NAMES)
+SCHEDULES = (ONE_PROCESS_SCHEDULE, *SCHEDULE_NAMES)
 
 # Defaults of the flags a preset may set (None in argparse, so that "given" can be told from
 # "defaulted"): Megatron-LM's where Megatron has one, ours where Megatron requires the flag.

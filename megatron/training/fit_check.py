@@ -16,8 +16,7 @@ import torch.distributed as dist
 from megatron.common.meminfo import available_host_memory
 from megatron.config.device_choice import DeviceChoice
 from megatron.config.run import RunConfig
-from megatron.offload.naming import resolve_procs_per_node
-from megatron.offload.shm_space import DEFAULT_SHM_DIR, free_bytes
+from megatron.pipeline.node_memory import DEFAULT_SHM_DIR, free_bytes, resolve_procs_per_node
 from megatron.planning.fit import (
     FreeMemory,
     ResourceError,

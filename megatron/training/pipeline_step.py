@@ -10,54 +10,21 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import replace
 
 import torch
 
-from megatron.common.units import format_bytes
-from megatron.config.run import DTYPE_BYTES, RunConfig, optimizer_state_bytes
+from megatron.config.run import RunConfig
 from megatron.models.llama import Batch, LlamaConfig
-from megatron.offload.naming import resolve_job_id
-from megatron.offload.param_store import job_segments, sweep_dead_segments
-from megatron.offload.shm import SegmentInUseError
-from megatron.offload.shm_header import read_header
-from megatron.offload.shm_space import DEFAULT_SHM_DIR
 from megatron.pipeline.assembly import Pipeline
 from megatron.pipeline.config import pipeline_config
 from megatron.pipeline.host_group import host_group
+from megatron.pipeline.node_memory import live_job_with_this_id, sweep_left_behind
 from megatron.planning.shape import run_schedule
-from megatron.schedules.cost_model import backward_stage_params, calibrated_costs, derived_costs
-from megatron.schedules.hardware import HardwareProfile
-from megatron.schedules.simulator import SimResult, simulate
-from megatron.schedules.timeline import read_chrome_trace, write_chrome_trace, write_timeline_png
+from megatron.schedules.timeline import write_chrome_trace, write_timeline_png
 from megatron.training.checkpoint_state import OwnedState, named_tensors
 from megatron.training.distributed import DistInfo
 from megatron.training.fit_check import refuse_what_does_not_fit
 from megatron.training.train_step import StepResult
-
-
-def sweep_left_behind() -> None:
-    """Remove the segments of dead processes (any run id: a job whose workers and reapers
-    were killed leaves them) and say how much, once per node."""
-    names, nbytes = sweep_dead_segments()
-    if names:
-        print(f"removed {len(names)} shared-memory segment(s) ({format_bytes(nbytes)}) "
-              f"left by dead processes from {DEFAULT_SHM_DIR}", flush=True)
-
-
-def live_job_with_this_id() -> SegmentInUseError | None:
-    """Segments of this job id that survive the sweep belong to a live process: another
-    job started with the same --rdzv-id. Found by each node's local rank 0 before any
-    segment exists, so that the ranks stop together instead of each at its creation."""
-    job_id = resolve_job_id()
-    for name in job_segments(job_id):
-        header = read_header(os.path.join(DEFAULT_SHM_DIR, name))
-        if header is not None:
-            return SegmentInUseError(
-                f"shared-memory segment {DEFAULT_SHM_DIR}/{name} belongs to live process "
-                f"{header['pid']}: another job with the same job id ({job_id}) is running "
-                "on this node; give this job another --rdzv-id or stop the other one")
-    return None
 
 
 class PipelineTrainStep:
@@ -125,37 +92,3 @@ class PipelineTrainStep:
 
     def close(self) -> None:
         self.pipeline.close()
-
-
-def step_backward_stage_params(step: PipelineTrainStep) -> dict:
-    """Parameters per backward stage of `step`'s model and schedule."""
-    schedule = step.config.schedule
-    model = replace(step.run.model, vocab_size=step.model_cfg.vocab_size)
-    return backward_stage_params(model, schedule.partition, schedule.backward_split)
-
-
-def simulate_measured(step: PipelineTrainStep, trace_path: str, optimizer_s_per_param: float,
-                      copy_s_per_byte: float) -> SimResult:
-    """The simulator's prediction for `step`'s run, with a cost model calibrated from the
-    iteration it traced (`--trace`) and the measured optimizer and copy rates."""
-    schedule = step.config.schedule
-    params = step_backward_stage_params(step)
-    itemsize = step.run.precision.working_bytes
-    costs = calibrated_costs(schedule, read_chrome_trace(trace_path), params, itemsize,
-                             optimizer_s_per_param, copy_s_per_byte)
-    return simulate(schedule, costs)
-
-
-def simulate_from_profile(step: PipelineTrainStep, hardware: HardwareProfile) -> SimResult:
-    """The simulator's prediction for `step`'s run priced from a hardware profile alone, as
-    the planner prices a candidate (derived_costs of the run's model, schedule and
-    micro-batch size, then simulate): nothing of the run's own timings is used."""
-    schedule = step.config.schedule
-    run = step.run
-    model = replace(run.model, vocab_size=step.model_cfg.vocab_size)
-    p = run.precision
-    costs = derived_costs(schedule, model, hardware, run.training.micro_batch_size,
-                          model.seq_length,
-                          optimizer_state_bytes(DTYPE_BYTES[p.master_dtype],
-                                                DTYPE_BYTES[p.optimizer_state_dtype]))
-    return simulate(schedule, costs, step.config.report)

@@ -55,9 +55,9 @@ def _quiet_event_writer_thread() -> None:
     if getattr(previous, "quiets_event_writer", False):
         return
 
-    def hook(args: threading.ExceptHookArgs) -> None:
-        if type(args.thread).__name__ != "_AsyncWriterThread":
-            previous(args)
+    def hook(failure: threading.ExceptHookArgs) -> None:
+        if type(failure.thread).__name__ != "_AsyncWriterThread":
+            previous(failure)
     hook.quiets_event_writer = True
     threading.excepthook = hook
 

@@ -23,10 +23,9 @@ from megatron.config.run import RunConfig
 from megatron.data.run_data import RunData, prepare_data
 from megatron.data.sampling import training_micro_batches
 from megatron.models.llama import LlamaConfig
-from megatron.offload.shm import SegmentInUseError
-from megatron.offload.shm_space import ShmSpaceError
 from megatron.optimizer.disk_states import DiskStateError
 from megatron.pipeline.host_group import host_group
+from megatron.pipeline.node_memory import SegmentInUseError, ShmSpaceError
 from megatron.planning.evaluate import plan_hardware
 from megatron.planning.report import candidates_text, model_size, run_plan
 from megatron.planning.search import auto_configure
@@ -79,7 +78,7 @@ def runs_pipeline(run: RunConfig, world_size: int) -> bool:
     (each data-parallel replica, with --pipeline-model-parallel-size 1)."""
     p = run.parallel
     return (world_size // run.data_parallel_size > 1
-            or p.pipeline_schedule not in (None, "single")
+            or p.names_pipeline_schedule
             or p.schedule_file is not None
             or "bf16" in (run.precision.optimizer_state_dtype,  # the CPU optimizer only
                           run.precision.master_dtype)
