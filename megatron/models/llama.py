@@ -230,14 +230,6 @@ def uses_weight_decay(name: str, param: torch.Tensor) -> bool:
     return param.dim() > 1 and not name.endswith(".bias")
 
 
-def piece_name(cfg: LlamaConfig, index: int) -> str:
-    if index == 0:
-        return "embedding"
-    if index == cfg.num_layers + 1:
-        return "head"
-    return f"layer{index - 1}"
-
-
 def build_piece(cfg: LlamaConfig, index: int) -> nn.Module:
     """Build piece `index` with weights that depend only on (cfg.seed, index)."""
     if not 0 <= index < cfg.num_pieces:
