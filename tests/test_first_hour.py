@@ -102,3 +102,26 @@ def test_the_megatron_example_finds_the_projects_torchrun_and_says_how_otherwise
     assert "[ -x .venv/bin/torchrun ]" in text and "make setup" in text
     with open(os.path.join(ROOT, ".gitignore")) as f:
         assert "/tensorboard_logs/" in f.read().split()  # the example's default log path
+
+
+def test_the_timeline_says_its_unit_and_what_its_labels_mean(tmp_path):
+    from megatron.schedules.timeline import (
+        TimedEvent,
+        legend_text,
+        time_axis,
+        write_timeline_png,
+    )
+
+    events = [TimedEvent(0, "compute", 0.0, 0.002, "f0", "forward", 0, -1, 0),
+              TimedEvent(0, "compute", 0.002, 0.006, "b0,1", "backward", 0, 1, 0),
+              TimedEvent(0, "cpu-optimizer", 0.006, 0.009, "o0,1", "optimizer", 0, 1)]
+    legend = legend_text(events)
+    for text in ("fS: forward of stage S", "bS,k: backward stage k of forward stage S",
+                 "oS,k: CPU optimizer step", "^m: of micro-batch m"):
+        assert text in legend
+    assert "prefetch" not in legend  # only the labels the picture uses
+    assert time_axis(0.009, "s") == (1000.0, "time (ms)")  # measured seconds
+    assert time_axis(31.5, "cost-model units")[1] == "time (cost-model units)"
+    png = tmp_path / "t.png"
+    write_timeline_png(events, str(png), title="measured; bubble 10.0%")
+    assert png.read_bytes()[:4] == b"\x89PNG"

@@ -99,7 +99,7 @@ def legend_text(events: Iterable[TimedEvent]) -> str:
     return "labels:  " + ";  ".join(parts[:half]) + "\n" + ";  ".join(parts[half:])
 
 
-def _time_axis(end: float, unit: str) -> tuple[float, str]:
+def time_axis(end: float, unit: str) -> tuple[float, str]:
     """(scale, axis label) for times in `unit`: seconds drawn in ms below 10 s."""
     if unit == "s":
         return (1000.0, "time (ms)") if end < 10 else (1.0, "time (s)")
@@ -122,7 +122,7 @@ def write_timeline_png(
                     e.resource) for e in events})
     rows = {(rank, resource): index for index, (rank, _, resource) in enumerate(used)}
     stages = max((e.stage for e in events), default=0) + 1
-    scale, axis_label = _time_axis(max((e.end for e in events), default=1.0), time_unit)
+    scale, axis_label = time_axis(max((e.end for e in events), default=1.0), time_unit)
     end = max((e.end for e in events), default=1.0) * scale
     figure, axes = plt.subplots(figsize=(width, 0.45 * len(rows) + 1.8))
     try:
