@@ -26,6 +26,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import textwrap
 from dataclasses import dataclass
 
 import pytest
@@ -38,7 +39,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGES = ["README.md", *sorted(os.path.relpath(p, ROOT)
                               for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))]
 SHELL_INFO = ("sh", "bash", "shell")
-FENCE = re.compile(r"^```(\S*)[^\n]*\n(.*?)^```", re.M | re.S)
+FENCE = re.compile(r"^( *)```(\S*)[^\n]*\n(.*?)^\1```", re.M | re.S)  # list items indent
 NOT_LINKED = {".git", "runs", "data", "checkpoints", "logs", "tensorboard_logs", "ckpt"}
 # Flags that give a run a validation split: there, a training command without
 # --eval-iters evaluates 1 batch instead of Megatron's default 100
@@ -76,8 +77,9 @@ def shell_blocks() -> list[Block]:
         with open(os.path.join(ROOT, page), encoding="utf-8") as f:
             text = f.read()
         for m in FENCE.finditer(text):
-            if m.group(1) in SHELL_INFO:
-                found.append(Block(page, text.count("\n", 0, m.start()) + 1, m.group(2)))
+            if m.group(2) in SHELL_INFO:
+                found.append(Block(page, text.count("\n", 0, m.start()) + 1,
+                                   textwrap.dedent(m.group(3))))
     return found
 
 
@@ -101,15 +103,14 @@ def stand_ins(demo_cache, tmp_path_factory) -> str:
     """A directory holding STAND_INS, made from the session's demo corpus."""
     from megatron.data.demo_corpus import ensure_demo_corpus
     from megatron.data.indexed_dataset_writer import write_indexed_dataset
-    from megatron.data.jsonl import iter_jsonl_texts
     from megatron.data.tokenizer import load_tokenizer
 
     root = tmp_path_factory.mktemp("stand-ins")
     corpus = ensure_demo_corpus(cache_dir=demo_cache, log=lambda _: None)
-    with open(corpus.corpus_path, encoding="utf-8") as src, \
-            open(root / "owt.jsonl", "w", encoding="utf-8") as dst:
-        for _, line in zip(range(3000), src):
-            dst.write(line)
+    with open(corpus.corpus_path, encoding="utf-8") as src:
+        lines = [line for _, line in zip(range(3000), src)]
+    # 1000 documents: enough for a validation and a test split of 969,30,1
+    (root / "owt.jsonl").write_text("".join(lines[:1000]), encoding="utf-8")
     shutil.copy(corpus.tokenizer_path, root / "tok.json")
     (root / "tokenizer_dir").mkdir()  # as save_pretrained writes it: with its eos token
     shutil.copy(corpus.tokenizer_path, root / "tokenizer_dir" / "tokenizer.json")
@@ -117,7 +118,7 @@ def stand_ins(demo_cache, tmp_path_factory) -> str:
         "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>"}))
     (root / "data").mkdir()
     tokenizer = load_tokenizer(corpus.tokenizer_path)
-    texts = list(iter_jsonl_texts(str(root / "owt.jsonl")))
+    texts = [json.loads(line)["text"] for line in lines]
     for name, part in (("web", texts[:1500]), ("code", texts[1500:2500]),
                        ("heldout", texts[2500:])):
         write_indexed_dataset(part, tokenizer, str(root / "data" / name), log=lambda _: None)
