@@ -9,7 +9,9 @@ readers, "How the commands in these pages are tested"):
   preloaded process with torchrun's environment (tests/forked_ranks.py), not a fresh
   interpreter per rank: the whole module stays within seconds per command.
 - `make TARGET` runs the commands `make -n TARGET` prints; `make test` is this suite, so
-  only its dry run is checked. Anything else (mkdir, echo) runs in bash.
+  only its dry run is checked, and a `pytest` line only collects its selection (a
+  documented `make gpu-check` runs the suite: there, these tests skip). Anything else (mkdir, echo, a line with a pipe or a
+  substitution) runs in bash.
 - A pretrain_llama.py training command without `--train-iters` trains 2 iterations, and
   without `--eval-iters` evaluates 1 batch where its data has a validation split.
 - Inputs a user brings are stood in (STAND_INS); `# prints: TEXT` asserts the block's
@@ -47,6 +49,8 @@ VALIDATION_DATA = {"--data-path", "--split", "--valid-data-path"}
 STAND_INS = ("owt.jsonl", "tok.json", "tokenizer_dir", "data/web", "data/code",
              "data/heldout", "Llama-2-7b-hf")
 ENV_WORD = re.compile(r"^[A-Z_][A-Z0-9_]*=")
+NESTED = "MEGATRON_SYSX_DOC_COMMAND"  # set for the commands: their own test runs skip these
+SHELL_SYNTAX = re.compile(r"\$\(|[|;&<>`]")  # what only a shell runs as written
 
 
 @dataclass(frozen=True)
@@ -182,6 +186,10 @@ def scratch_dir(tmp_path, stand_ins: str, block: Block) -> str:
 # --- running one command --------------------------------------------------------------------
 
 def run_command(line: str, cwd: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    if re.search(r"\bpytest\b", line):  # a test run shown in the docs: its selection only
+        return _bash(line.split(" #", 1)[0] + " --collect-only -q", cwd, env)
+    if SHELL_SYNTAX.search(line.split(" #", 1)[0]):  # substitutions, pipes, redirections
+        return _bash(line, cwd, env)
     words = shlex.split(line, comments=True)
     own_env = dict(env)
     while words and ENV_WORD.match(words[0]):
@@ -202,8 +210,12 @@ def run_command(line: str, cwd: str, env: dict[str, str]) -> subprocess.Complete
         return _forked(words[i], words[i + 1:], nproc, True, cwd, own_env)
     if program == "make":
         return _make(words[1], cwd, own_env)
-    return subprocess.run(["bash", "-euo", "pipefail", "-c", line], cwd=cwd, env=own_env,
-                          capture_output=True, text=True, timeout=300)
+    return _bash(line, cwd, own_env)
+
+
+def _bash(line: str, cwd: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", "-euo", "pipefail", "-c", line], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=1200)
 
 
 def _forked(script: str, args: list[str], nproc: int, torchrun: bool, cwd: str,
@@ -250,8 +262,11 @@ def test_the_pages_have_shell_blocks_and_only_known_marks():
 
 @pytest.mark.parametrize("block", [_param(b) for b in BLOCKS])
 def test_a_documented_block_runs_as_shown(block, tmp_path, stand_ins, demo_cache):
+    if os.environ.get(NESTED):  # a documented command (make gpu-check) runs the suite
+        pytest.skip("inside a documented command's own test run")
     cwd = scratch_dir(tmp_path, stand_ins, block)
-    env = {**os.environ, "MEGATRON_SYSX_CACHE": demo_cache, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "MEGATRON_SYSX_CACHE": demo_cache, "OMP_NUM_THREADS": "1",
+           NESTED: "1"}
     output = ""
     for line in block.commands():
         result = run_command(line, cwd, env)
