@@ -13,13 +13,21 @@ NPROC ?= 2
 
 setup: $(STAMP)
 
+# One line per step before it starts (the slow ones say how long they take), so a quiet
+# minute is never a hang.
 $(STAMP): requirements.txt setup.py $(wildcard csrc/*.cpp csrc/*.h)
-	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -r requirements.txt
-	$(PY) setup.py -q build_ext --inplace
+	@test -x $(PY) || { echo "setup 1/5: creating $(VENV)"; $(PYTHON) -m venv $(VENV); }
+	@echo "setup 2/5: upgrading pip"
+	@$(PY) -m pip install -q --upgrade pip
+	@$(PY) -c "import torch" 2>/dev/null && echo "setup 3/5: torch already installed" || \
+	    { echo "setup 3/5: installing $(TORCH_SPEC) (the largest download: minutes)"; \
+	      $(PY) -m pip install -q "$(TORCH_SPEC)"; }
+	@echo "setup 4/5: installing requirements.txt (megatron-core, pybind11, ...)"
+	@$(PY) -m pip install -q -r requirements.txt
+	@echo "setup 5/5: building the C++ optimizer (csrc/, about a minute on 2 cores)"
+	@$(PY) setup.py -q build_ext --inplace
 	@touch $(STAMP)
+	@echo "setup: done ($(VENV))"
 
 # The tiny preset with the decoupled (SysX) schedule on $(NPROC) CPU processes, each playing
 # one GPU; metrics and the measured timeline of the last iteration go to runs/tiny/.
@@ -29,9 +37,10 @@ train: setup
 	    --metrics-file runs/tiny/metrics.jsonl --timeline runs/tiny/timeline.png \
 	    --trace runs/tiny/trace.json $(ARGS)
 
+# -rs: one line per skipped test with its reason (the cuda tests without a GPU, ...)
 test: setup
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -rs $(PYTEST_ARGS)
 
 # On a GPU machine, first (docs/gpu-validation.md): in $(GPU_VENV), made from $(PYTHON) with
 # --system-site-packages so that torch is the machine's CUDA build (never the pinned CPU

@@ -6,8 +6,14 @@ A pipeline:     torchrun --nproc-per-node 2 pretrain_llama.py --model-preset tin
 See README.md for the flags that matter.
 """
 
+import os
 import sys
 import warnings
+
+from megatron.common.progress import say_starting
+
+if os.environ.get("RANK", "0") == "0":  # the imports take seconds (more on a loaded node)
+    say_starting("pretrain_llama.py: starting (importing torch and megatron-core)")
 
 # megatron-core warns at import that apex / Transformer Engine are absent (optional GPU extras
 # here) and about config defaults we do not use: noise on every run.

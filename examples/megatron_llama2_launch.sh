@@ -159,7 +159,16 @@ EVAL_AND_LOGGING_ARGS=(
 )
 
 cd "$(dirname "$0")/.."
-TORCHRUN=${TORCHRUN:-torchrun}
+# The project's launcher (make setup's .venv), else one on PATH (an activated environment,
+# NVIDIA's image); TORCHRUN overrides both.
+if [ -z "${TORCHRUN:-}" ]; then
+    if [ -x .venv/bin/torchrun ]; then TORCHRUN=.venv/bin/torchrun
+    elif command -v torchrun >/dev/null; then TORCHRUN=torchrun
+    else
+        echo "megatron_llama2_launch.sh: no torchrun: run \`make setup\` (it makes .venv/bin/torchrun), activate an environment with torch, or set TORCHRUN" >&2
+        exit 2
+    fi
+fi
 exec $TORCHRUN "${DISTRIBUTED_ARGS[@]}" pretrain_llama.py \
     "${MODEL_ARGS[@]}" \
     "${TRAINING_ARGS[@]}" \

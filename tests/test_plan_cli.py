@@ -282,3 +282,20 @@ def test_the_nvme_tier_is_suggested_before_more_nodes_when_the_node_has_drives(c
     code, out = plan(capsys, *run[:4], str(tmp_path / "no-drives.json"), *run[5:])
     assert code == 3 and "nvme" not in out["nearest_fit"]["flags"]
     assert out["nearest_fit"]["nodes"] > 2
+
+
+def test_the_text_plan_prints_every_column_header_whole(capsys):
+    from megatron.schedules.memory_model import GPU_TERMS, NODE_TERMS
+
+    code = main(["--plan", "--model-preset", "10b", "--bf16", "--nodes", "1",
+                 "--micro-batch-size", "2", "--global-batch-size", "16"])
+    out = capsys.readouterr().out.splitlines()
+    gpu_head = next(line for line in out if line.startswith("per GPU"))
+    node_head = next(line for line in out if line.startswith("per node"))
+    assert code == 0
+    for term in GPU_TERMS:
+        assert term.replace("_", " ") in gpu_head, gpu_head
+    for term in NODE_TERMS:
+        assert term.replace("_", " ") in node_head, node_head
+    rank0 = next(line for line in out if line.startswith("rank 0"))
+    assert len(rank0.split()) == 2 + len(GPU_TERMS) + 2  # label, terms, total, free

@@ -135,6 +135,10 @@ def test_resume_from_checkpoint_continues_the_same_run(tmp_path, cache, learning
     assert r.returncode == 0, r.stderr[-2000:]
     resumed = read_metrics(part)
     assert [row["iteration"] for row in resumed] == [4, 5, 6]
+    # each run ends saying what it trained and where its files went
+    assert f"checkpoint:  {ckpt}/iter_0000006 (the latest in {ckpt}" in first.stdout
+    assert f"metrics:     {full} " in first.stdout
+    assert "run summary: iterations 4-6 of 6" in r.stdout
     reference = {row["iteration"]: row for row in read_metrics(full)}
     for row in resumed:
         assert row["loss"] == pytest.approx(reference[row["iteration"]]["loss"], rel=1e-6)
@@ -153,6 +157,10 @@ def test_tiny_preset_learns_on_the_builtin_corpus(learning):
         assert key in rows[0]
     last = [row["loss"] for row in rows[-5:]]  # a mean: one batch's loss is noisy
     assert sum(last) / len(last) < 0.8 * rows[0]["loss"]
+    best = min(rows, key=lambda row: row["loss"])
+    assert (f"final lm loss {rows[-1]['loss']:.6E}, best {best['loss']:.6E} at iteration "
+            f"{best['iteration']}") in r.stdout
+    assert f"metrics:     {metrics} (one JSON object per iteration)" in r.stdout
 
 
 # --- faults a user meets: progress lost, sizes, messages ------------------------------------

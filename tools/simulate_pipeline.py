@@ -182,7 +182,9 @@ def main(argv: list[str] | None = None) -> int:
         title = (f"{schedule.name}: {schedule.ranks} ranks, {schedule.forward_stages} forward "
                  f"stages, d={schedule.backward_split}, {schedule.micro_batches} micro-batches; "
                  f"bubble {result.mean_bubble_ratio:.1%}")
-        write_timeline_png(result.events, args.plot, title=title)
+        write_timeline_png(result.events, args.plot, title=title,
+                           time_unit="s" if args.model_preset
+                           else "cost-model units: one stage's forward = 1")
     if args.trace:
         write_chrome_trace(result.events, args.trace,
                            time_scale=1e6 if args.model_preset else 1e3)

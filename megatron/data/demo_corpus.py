@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron.common.files import leftover_temporaries, staged_paths
+from megatron.common.progress import Progress
 from megatron.data.cache import default_cache_dir, file_lock
 from megatron.data.indexed_dataset_writer import Log, write_indexed_dataset
 from megatron.data.jsonl import iter_jsonl_texts
@@ -101,7 +102,7 @@ def _build(source_root: str, vocab_size: int, out_dir: str, log: Log) -> None:
     corpus = _corpus_in(out_dir)
     documents = 0
     with open(corpus.corpus_path, "w", encoding="utf-8") as f:
-        for text in _unique_docstrings(files, log):
+        for text in _unique_docstrings(files):
             f.write(json.dumps({"text": text}, ensure_ascii=False) + "\n")
             documents += 1
     size_mb = os.path.getsize(corpus.corpus_path) / 1e6
@@ -132,17 +133,15 @@ def _source_files(source_root: str) -> list[Path]:
     return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
 
-def _unique_docstrings(files: list[Path], log: Log) -> Iterator[str]:
+def _unique_docstrings(files: list[Path]) -> Iterator[str]:
     seen: set[str] = set()
-    last_report = time.monotonic()
-    for count, path in enumerate(files, start=1):
-        for text in _docstrings(path):
-            if text not in seen:
-                seen.add(text)
-                yield text
-        if time.monotonic() - last_report >= 2.0:
-            log(f"demo corpus: read {count}/{len(files)} files")
-            last_report = time.monotonic()
+    with Progress("demo corpus: reading", total=len(files), unit="files") as progress:
+        for path in files:
+            for text in _docstrings(path):
+                if text not in seen:
+                    seen.add(text)
+                    yield text
+            progress.advance()
 
 
 def _docstrings(path: Path) -> Iterator[str]:

@@ -13,6 +13,7 @@ import numpy
 from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
 from megatron.common.files import remove_dead_temporaries, staged_paths
+from megatron.common.progress import Progress
 from megatron.data.checks import DataError
 from megatron.data.jsonl import Field
 from megatron.data.tokenizer import TokenizerError
@@ -22,7 +23,6 @@ Log = Callable[[str], None]
 Record = tuple[int, Mapping[str, Field]]
 # Documents tokenized per call of the tokenizer's (multi-threaded) batch encoder.
 _ENCODE_CHUNK = 1024
-_PROGRESS_EVERY_S = 2.0
 
 
 @dataclass
@@ -69,7 +69,8 @@ def write_indexed_datasets(
 ) -> PreprocessStats:
     """One indexed dataset per json key (`output_prefixes[key]`), one document per record.
 
-    A progress line every `log_interval` documents (default: every 2 s). The files appear
+    A progress line every `log_interval` documents (default: a count redrawn in place on
+    a terminal, nothing otherwise), and one at the end. The files appear
     only when complete: they are written under temporary names carrying this process's id
     and renamed at the end; on an error or interrupt they are removed, and the temporaries
     a killed earlier run left are removed first.
@@ -84,7 +85,11 @@ def write_indexed_datasets(
         for path in remove_dead_temporaries(target):
             log(f"removed {path}, left by a run that was killed")
     docs = tokens = nbytes = 0
-    start = last_report = time.monotonic()
+    start = time.monotonic()
+    # Megatron's lines every `log_interval` documents when asked for; otherwise a count
+    # redrawn in place on a terminal (nothing in a log file or CI)
+    progress = Progress("processed", unit="documents", enabled=None if not log_interval
+                        else False)
     # The builder opens its outputs by path, hence staged paths rather than atomic_write.
     # The .bin files are renamed first: once an .idx is there, so is its .bin.
     with staged_paths(*bins, *idxs, owned=True) as temporaries:
@@ -99,17 +104,16 @@ def write_indexed_datasets(
                 docs += len(chunk)
                 nbytes += sum(len(t.encode("utf-8")) for _, fields in chunk
                               for value in fields.values() for t in _sentences(value))
-                now = time.monotonic()
-                due = (docs // log_interval > (docs - len(chunk)) // log_interval
-                       if log_interval else now - last_report >= _PROGRESS_EVERY_S)
-                if due:
-                    log(_progress_line(docs, nbytes, tokens, now - start))
-                    last_report = now
+                if log_interval and docs // log_interval > (docs - len(chunk)) // log_interval:
+                    log(_progress_line(docs, nbytes, tokens, time.monotonic() - start))
+                progress.update(docs)
             if docs == 0:
                 raise DataError("no documents in the input (expected at least one)")
+            progress.close()
             for builder, idx_tmp in zip(builders.values(), temporaries[len(keys):]):
                 builder.finalize(idx_tmp)  # closes the .bin
         except BaseException:
+            progress.close()
             for builder in builders.values():
                 builder.data_file.close()
             raise

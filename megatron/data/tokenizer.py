@@ -15,6 +15,7 @@ from megatron.core.tokenizers import MegatronTokenizerBase
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from megatron.common.files import atomic_write
+from megatron.common.progress import progress_enabled
 
 EOD_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
@@ -145,7 +146,7 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, output_path: str)
         special_tokens=[PAD_TOKEN, EOD_TOKEN],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         min_frequency=2,
-        show_progress=False,
+        show_progress=progress_enabled(),  # the tokenizers library's own bars
     )
     tokenizer.train_from_iterator(texts, trainer=trainer)
     text = tokenizer.to_str()

@@ -35,11 +35,15 @@ def _gib(n: int) -> str:
 
 def _table(title: str, names: tuple[str, ...], rows: list[tuple[str, dict, int]],
            capacity_label: str) -> list[str]:
-    head = f"{title:<10}" + "".join(f"{n.replace('_', ' ')[:16]:>17}" for n in names)
+    """Columns as wide as their whole header (a cut header reads as another word)."""
+    headers = [n.replace("_", " ") for n in names]
+    widths = [max(len(h), 8) + 2 for h in headers]
+    head = f"{title:<10}" + "".join(f"{h:>{w}}" for h, w in zip(headers, widths))
     lines = [head + f"{'total':>10}{capacity_label:>10}"]
     for label, terms, capacity in rows:
         total = sum(terms.values())
-        lines.append(f"{label:<10}" + "".join(f"{_gib(terms[n]):>17}" for n in names)
+        lines.append(f"{label:<10}" + "".join(f"{_gib(terms[n]):>{w}}"
+                                              for n, w in zip(names, widths))
                      + f"{_gib(total):>10}" + (f"{_gib(capacity):>10}" if capacity else
                                                f"{'-':>10}"))
     return lines

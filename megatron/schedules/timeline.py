@@ -76,10 +76,43 @@ def _colour(event: TimedEvent, stages: int):
     return palette((2 * event.stage + (sub % 2)) % 20 if stages <= 10 else event.stage % 20)
 
 
+# What a block's label means, by its first letters (the simulator's and the executor's
+# labels); "^m" adds the micro-batch. Drawn under the picture for the letters it uses.
+LABEL_LEGEND = (
+    ("opt", "opt", "optimizer step"), ("f", "fS", "forward of stage S"),
+    ("b", "bS,k", "backward stage k of forward stage S"),
+    ("p", "pS,k", "parameters prefetched to the GPU"), ("g", "gS,k", "gradients offloaded"),
+    ("c", "cS,k", "activation checkpoint sent"), ("o", "oS,k", "CPU optimizer step"),
+    ("u", "uS,k", "GPU optimizer update"), ("s", "sS,k", "optimizer states copied"),
+    ("r", "rS,k", "optimizer states read (NVMe)"), ("w", "wS,k", "optimizer states written"),
+    ("a", "aS", "activations sent"),
+)
+
+
+def legend_text(events: Iterable[TimedEvent]) -> str:
+    """The notation of the labels these events use, in two lines."""
+    used = {next((p for p, _, _ in LABEL_LEGEND if e.label.startswith(p)), None)
+            for e in events}
+    parts = [f"{form}: {meaning}" for p, form, meaning in LABEL_LEGEND if p in used]
+    parts.append("^m: of micro-batch m")
+    half = (len(parts) + 1) // 2
+    return "labels:  " + ";  ".join(parts[:half]) + "\n" + ";  ".join(parts[half:])
+
+
+def time_axis(end: float, unit: str) -> tuple[float, str]:
+    """(scale, axis label) for times in `unit`: seconds drawn in ms below 10 s."""
+    if unit == "s":
+        return (1000.0, "time (ms)") if end < 10 else (1.0, "time (s)")
+    return 1.0, f"time ({unit})"
+
+
 def write_timeline_png(
-    events: Sequence[TimedEvent], path: str, title: str = "", width: float = 14.0
+    events: Sequence[TimedEvent], path: str, title: str = "", width: float = 14.0,
+    time_unit: str = "s",
 ) -> None:
-    """Draw the events as a Gantt chart: per rank a compute row and its other resources."""
+    """Draw the events as a Gantt chart: per rank a compute row and its other resources;
+    `time_unit` is the events' (seconds are drawn in ms or s), a legend of the block
+    labels below."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -89,27 +122,29 @@ def write_timeline_png(
                     e.resource) for e in events})
     rows = {(rank, resource): index for index, (rank, _, resource) in enumerate(used)}
     stages = max((e.stage for e in events), default=0) + 1
-    end = max((e.end for e in events), default=1.0)
-    figure, axes = plt.subplots(figsize=(width, 0.45 * len(rows) + 1.2))
+    scale, axis_label = time_axis(max((e.end for e in events), default=1.0), time_unit)
+    end = max((e.end for e in events), default=1.0) * scale
+    figure, axes = plt.subplots(figsize=(width, 0.45 * len(rows) + 1.8))
     try:
         for event in events:
             row = rows[(event.rank, event.resource)]
-            duration = event.end - event.start
-            axes.barh(row, duration, left=event.start, height=0.8,
+            start, duration = event.start * scale, (event.end - event.start) * scale
+            axes.barh(row, duration, left=start, height=0.8,
                       color=_colour(event, stages), edgecolor="black", linewidth=0.4)
             text = event.label if event.mb < 0 else f"{event.label}^{event.mb}"
             if duration > end / 90:
-                axes.text(event.start + duration / 2, row, text, ha="center", va="center",
+                axes.text(start + duration / 2, row, text, ha="center", va="center",
                           fontsize=6, clip_on=True)
         axes.set_yticks(list(rows.values()))
         axes.set_yticklabels([f"GPU{rank} {resource}" if resource == "compute"
                               else f"  {resource}" for rank, resource in rows])
         axes.invert_yaxis()
         axes.set_xlim(0, end * 1.01)
-        axes.set_xlabel("time")
+        axes.set_xlabel(axis_label)
         if title:
             axes.set_title(title, fontsize=9)
-        figure.tight_layout()
+        figure.tight_layout(rect=(0, 0.06, 1, 1))
+        figure.text(0.01, 0.01, legend_text(events), fontsize=7, va="bottom")
         atomic_write(path, lambda stream: figure.savefig(stream, format="png", dpi=130))
     finally:
         plt.close(figure)

@@ -336,9 +336,11 @@ class CheckpointSaver:
             sums = {k: v for part in gathered for k, v in part.items()}
         seconds = time.perf_counter() - t0
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        # one write per line (the newline in it): every rank prints this at the same
+        # moment, and an unbuffered stdout would otherwise interleave text and newlines
         print(f"checkpoint iteration {iteration}: rank {self.rank} wrote its shard, "
               f"{len(tensors)} tensors, {nbytes / MiB:.1f} MiB in {seconds:.2f} s "
-              f"({nbytes / MiB / max(seconds, 1e-9):.1f} MiB/s)", flush=True)
+              f"({nbytes / MiB / max(seconds, 1e-9):.1f} MiB/s)\n", end="", flush=True)
         if self.rank == 0:  # dcp.save returned: every rank's shard and the index are written
             _commit(self.root, iteration, staging, common, sums)
             self.log(f"committed checkpoint {iteration_dir(self.root, iteration)}")

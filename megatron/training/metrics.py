@@ -14,6 +14,12 @@ from typing import Any, TextIO
 from megatron.common.units import format_bytes
 
 
+def format_tflops(tflops: float) -> str:
+    """Megatron's one decimal where that shows the figure; 3 significant digits below 1
+    (a CPU process does well under 0.05 TFLOP/s, which one decimal would print as 0.0)."""
+    return f"{tflops:.1f}" if tflops >= 1 else f"{tflops:.3g}"
+
+
 def format_log_line(m: dict[str, Any], train_iters: int, throughput: bool = False) -> str:
     """Megatron's iteration line; `throughput` (--log-throughput) adds the model TFLOP/s
     per GPU."""
@@ -21,7 +27,8 @@ def format_log_line(m: dict[str, Any], train_iters: int, throughput: bool = Fals
         f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] iteration {m['iteration']:>8d}/{train_iters:>8d}",
         f"consumed samples: {m['consumed_samples']:>12d}",
         f"elapsed time per iteration (ms): {m['iter_time_s'] * 1000:.1f}",
-        *([f"throughput per GPU (TFLOP/s/GPU): {m['tflops_per_gpu']:.1f}"] if throughput else []),
+        *([f"throughput per GPU (TFLOP/s/GPU): {format_tflops(m['tflops_per_gpu'])}"]
+          if throughput else []),
         f"tokens per second: {m['tokens_per_s']:.0f}",
         f"learning rate: {m['lr']:.6E}",
         f"global batch size: {m['global_batch_size']:>5d}",

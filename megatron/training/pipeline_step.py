@@ -49,7 +49,7 @@ class PipelineTrainStep:
              weight_decay: float) -> StepResult:
         report = self.pipeline.step(iteration, micro_batches, lr, weight_decay)
         if report.events and self.rank == 0:
-            self._write_timeline(report.events)
+            self._write_timeline(report.events, report.breakdown.get("bubble_ratio"))
         r = report.result
         fp16 = self.config.dtype == torch.float16
         return StepResult(report.loss, skipped=r.skipped, grad_norm=r.grad_norm,
@@ -64,10 +64,11 @@ class PipelineTrainStep:
     def evaluate(self, batches: Sequence[Sequence[Batch]]) -> float:
         return self.pipeline.evaluate(batches)
 
-    def _write_timeline(self, events: list) -> None:
+    def _write_timeline(self, events: list, bubble_ratio: float | None) -> None:
         s = self.config.schedule
         title = (f"measured: {s.name}, {s.ranks} ranks, {s.forward_stages} forward stages, "
-                 f"d={s.backward_split}, {s.micro_batches} micro-batches")
+                 f"d={s.backward_split}, {s.micro_batches} micro-batches"
+                 + ("" if bubble_ratio is None else f"; bubble {bubble_ratio:.1%}"))
         png, trace = self.run.logging.timeline, self.run.logging.trace
         for path in (png, trace):  # checked writable at start, created only now
             if path:

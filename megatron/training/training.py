@@ -17,6 +17,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
+from megatron.common.progress import progress_enabled
 from megatron.config.checks import run_notices
 from megatron.config.errors import ConfigError
 from megatron.config.run import RunConfig
@@ -65,6 +66,7 @@ from megatron.training.run_checks import (
     check_save_space,
     is_auto_resume,
 )
+from megatron.training.run_summary import RunOutcome, format_run_summary
 from megatron.training.save_lock import hold_save_directory
 from megatron.training.scalar_logging import ScalarSinks, check_scalar_sinks
 from megatron.training.signals import INTERRUPT, INTERRUPTED_STATUS, ExitConditions
@@ -131,6 +133,7 @@ class TrainingLoop:
         self.sinks: ScalarSinks | None = None
         self.exits: ExitConditions | None = None
         self.start_iteration = 0
+        self.last_saved: int | None = None
         self.skipped_total = 0
         self.flops_per_token = 0.0  # model FLOPs, for --log-throughput
         self.model_cfg: LlamaConfig | None = None
@@ -235,6 +238,10 @@ class TrainingLoop:
         finally:
             profiler.close()
         self._after_training(stopped)
+        outcome = RunOutcome(self.records, self.start_iteration, stopped, self.last_saved,
+                             time.time() - self.start_time,
+                             isinstance(self.step, PipelineTrainStep))
+        log(format_run_summary(run, outcome))
 
     def _after_iteration(self, iteration: int) -> str | None:
         """Evaluation, checkpoint and exit conditions after `iteration`: why training stops
@@ -324,8 +331,11 @@ class TrainingLoop:
                   "padded_vocab_size": self.data.vocab_size,
                   "num_floating_point_operations_so_far":
                       iteration * run.tokens_per_iteration * self.flops_per_token}
+        if progress_enabled():  # a large model's save takes a while: say it started
+            self.log(f"checkpoint iteration {iteration}: saving to {run.checkpointing.save}")
         with INTERRUPT.deferred():  # a checkpoint is committed whole or not begun
             blocked = self.saver.save(iteration, self.step.owned_state(), common)
+        self.last_saved = iteration
         self.log(f"checkpoint iteration {iteration}: training blocked {blocked:.3f} s"
                  + (", writing in the background" if run.checkpointing.async_save else ""))
 
@@ -387,6 +397,8 @@ def eta_seconds(records: list[dict], elapsed: float, remaining: int) -> float:
 def setup_phase(name: str, log: Log, enabled: bool = True) -> Iterator[None]:
     """One line per setup phase with its time (the first iteration of a large model waits
     for segment creation and the pipeline's assembly)."""
+    if enabled and progress_enabled():  # on a terminal, say what the wait is for
+        log(f"setup: {name} ...")
     t0 = time.perf_counter()
     yield
     if enabled:

@@ -1,0 +1,74 @@
+"""The lines rank 0 prints when a run ends: what was trained, how the loss went, how long it
+took and where every file the run wrote went (a newcomer's first question after a run)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from megatron.config.run import RunConfig
+from megatron.training.checkpointing import iteration_dir
+from megatron.training.metrics import format_duration
+
+
+@dataclass
+class RunOutcome:
+    """What the loop knows at the end: its per-iteration records (this run's only), the
+    iteration it resumed from, why it stopped early (None: it ran to --train-iters), the
+    last iteration it saved, the seconds since the run started, and whether it recorded
+    a timeline (only a pipeline does)."""
+
+    records: list[dict]
+    start_iteration: int
+    stopped: str | None
+    last_saved: int | None
+    elapsed_s: float
+    pipeline: bool
+
+
+def format_run_summary(run: RunConfig, outcome: RunOutcome) -> str:
+    """A headline and one line per output (only the outputs this run was asked for)."""
+    return "\n".join([_headline(run, outcome), *_outputs(run, outcome)])
+
+
+def _headline(run: RunConfig, outcome: RunOutcome) -> str:
+    records, train_iters = outcome.records, run.training.train_iters
+    took = f"{outcome.elapsed_s:.1f} s" if outcome.elapsed_s < 60 \
+        else format_duration(outcome.elapsed_s)
+    if not records:
+        return (f"run summary: no iteration to train (resumed at iteration "
+                f"{outcome.start_iteration} of {train_iters}), {took}")
+    first, last = records[0]["iteration"], records[-1]["iteration"]
+    training_s = sum(r["iter_time_s"] for r in records)
+    losses = [(r["loss"], r["iteration"]) for r in records
+              if not r.get("skipped") and math.isfinite(r["loss"])]
+    end = "" if outcome.stopped is None else f", stopped early: {outcome.stopped}"
+    line = (f"run summary: iterations {first}-{last} of {train_iters}, {took} from set-up "
+            f"to the end ({training_s:.1f} s of it in iterations)")
+    if losses:
+        best, at = min(losses)
+        line += f"; final lm loss {losses[-1][0]:.6E}, best {best:.6E} at iteration {at}"
+    skipped = records[-1].get("skipped_total", 0)
+    if skipped:
+        line += f"; {skipped} skipped iterations"
+    return line + end
+
+
+def _outputs(run: RunConfig, outcome: RunOutcome) -> list[str]:
+    logging, save = run.logging, run.checkpointing.save
+    last = outcome.records[-1]["iteration"] if outcome.records else None
+    not_recorded = "not written: one process runs no pipeline to record"
+    rows = [("metrics", logging.metrics_file, "one JSON object per iteration"),
+            ("timeline", logging.timeline, f"the measured iteration {last}"
+             if outcome.pipeline else not_recorded),
+            ("trace", logging.trace, "the same iteration, for chrome://tracing or Perfetto"
+             if outcome.pipeline else not_recorded),
+            ("tensorboard", logging.tensorboard_dir, "scalars under Megatron's names")]
+    if save and outcome.last_saved is not None:
+        rows.append(("checkpoint", iteration_dir(save, outcome.last_saved),
+                     f"the latest in {save}; resume with --load {save}"))
+    elif save:
+        rows.append(("checkpoint", save, "none written by this run"))
+    lines = [f"  {name + ':':<13}{path} ({what})" for name, path, what in rows if path]
+    return lines or ["  no output files (--metrics-file, --timeline, --trace, --save, "
+                     "--tensorboard-dir write them)"]
