@@ -246,9 +246,10 @@ def simulated(run: RunConfig, evaluation: Evaluation, hardware: HardwareProfile
 def model_flops_utilization(run: RunConfig, evaluation: Evaluation,
                             hardware: HardwareProfile) -> float:
     """The model FLOPs of the simulated pipeline's tokens (forward and backward, no
-    recomputation, as --log-throughput counts them) over its GPUs' peak for its iteration."""
+    recomputation, as --log-throughput counts them) over its GPUs' peak for its iteration:
+    the datasheet peak where the profile has it (HardwareProfile.mfu_peak_flops)."""
     s, config = evaluation.schedule, evaluation.config
     tokens = s.micro_batches * config.micro_batch_size * run.model.seq_length
-    peak = ranks_of(run, config, hardware) * hardware.gpu_peak_flops
+    peak = ranks_of(run, config, hardware) * hardware.mfu_peak_flops
     return model_flops_per_token(run.model) * tokens / (
         evaluation.simulation.iteration_time * peak)
