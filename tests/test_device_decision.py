@@ -7,6 +7,8 @@ failed at the first forward pass because megatron-core's RNG tracker was set up 
 CPU path, which no CPU test could see.
 """
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -105,9 +107,10 @@ def test_cuda_branch_seeds_megatron_cores_tracker_as_megatron_does(cuda_stood_in
 
 def test_a_forward_without_the_setup_fails_on_the_cpu_as_it_does_on_cuda():
     """The CPU path keeps megatron-core's real tracker: forgetting the device setup shows
-    here with CUDA's own error, not first on a GPU."""
+    here with CUDA's own error, not first on a GPU. megatron-core's unfused attention reads
+    the tracker (for its dropout); SDPA, without dropout, does not."""
     initialize_distributed()
-    piece = build_piece(CFG, 1)
+    piece = build_piece(replace(CFG, attention_backend="unfused"), 1)
     hidden = torch.randn(CFG.seq_length, 2, CFG.hidden_size)
     mcore_random.initialize_rng_tracker(force_reset=True)
     try:

@@ -28,7 +28,7 @@ TOLERANCE = 0.15
 
 def test_layer_working_memory_is_what_autograd_saves():
     """AWM of one decoder layer (and the head) from the formula vs the saved-tensor hook the
-    executor uses, for a few shapes and both working dtypes."""
+    executor uses, for a few shapes, both working dtypes and both attention kernels."""
     from megatron.models.llama import LlamaConfig
     from megatron.pipeline.executor import _saved_bytes
     from megatron.pipeline.stage_modules import build_stage_modules
@@ -37,12 +37,14 @@ def test_layer_working_memory_is_what_autograd_saves():
 
     initialize_distributed()
     try:
-        for h, ffn, heads, kv, seq, b, dtype in [(64, 160, 4, 2, 32, 2, torch.float32),
-                                                 (128, 352, 8, 2, 64, 1, torch.bfloat16)]:
+        for h, ffn, heads, kv, seq, b, dtype, attention in [
+                (64, 160, 4, 2, 32, 2, torch.float32, "auto"),
+                (64, 160, 4, 2, 32, 2, torch.float32, "unfused"),
+                (128, 352, 8, 2, 64, 1, torch.bfloat16, "auto")]:
             vocab = 384  # a multiple of 128: Megatron's padding leaves it
             cfg = LlamaConfig(num_layers=2, hidden_size=h, ffn_hidden_size=ffn,
                               num_attention_heads=heads, num_query_groups=kv, vocab_size=vocab,
-                              seq_length=seq, seed=1)
+                              seq_length=seq, seed=1, attention_backend=attention)
             modules = build_stage_modules(cfg, (1, 1), 1, [(0, 0), (1, 0)], dtype)
             for m in modules.values():
                 for p in m.module.parameters():
@@ -57,7 +59,7 @@ def test_layer_working_memory_is_what_autograd_saves():
                 with torch.enable_grad(), _saved_bytes(modules[key].module) as saved:
                     modules[key](x, batch)
                 measured[key] = saved.nbytes
-            model = ModelPreset("t", 2, h, ffn, heads, kv, seq, vocab)
+            model = ModelPreset("t", 2, h, ffn, heads, kv, seq, vocab, attention_backend=attention)
             itemsize = torch.empty((), dtype=dtype).element_size()
             predicted = backward_stage_saved_bytes(model, (1, 1), 1, b, seq, itemsize)
             assert predicted == measured

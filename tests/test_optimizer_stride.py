@@ -1,6 +1,7 @@
 """The optimizer-stride model (Eq. 1 of Deep Optimizer States), its tool and the
 start-up calibration of its four throughputs."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -23,6 +24,7 @@ from megatron.schedules.optimizer_stride import (
     parse_split,
     split_flag,
 )
+from megatron.training.training import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 V100 = UpdateRates(3e9, 35e9, 2e9, 8.7e9)  # the paper's 4x V100 machine: k = 2
@@ -159,7 +161,7 @@ def test_eq1_below_1_chooses_the_gpu_heavy_split_faster_than_the_stride():
     choice = auto_split(rates)
     assert choice.model.k_real == pytest.approx(0.4847, abs=1e-4) and choice.model.k == 2
     assert choice.split == -3
-    assert set(choice.predicted_s) == {2, -3, -4}
+    assert set(choice.predicted_s) == {0, 2, -3, -4}
     assert choice.predicted_s[-3] == _predicted(rates, -3)
     assert choice.predicted_s[-3] < choice.predicted_s[-4] < choice.predicted_s[2]
     assert choice.predicted_s[-3] < 0.7 * choice.predicted_s[2]
@@ -181,5 +183,45 @@ def test_eq1_above_1_keeps_the_stride():
     """The paper's worked example: k_real 2.29, the stride k = 2; no GPU-heavy split is
     weighed, and each is predicted slower than the stride (the device is the slow side)."""
     choice = auto_split(V100)
-    assert choice.model.k_real > 2 and choice.split == 2 and set(choice.predicted_s) == {2}
-    assert all(choice.predicted_s[2] < _predicted(V100, s) for s in (-3, -4))
+    assert choice.model.k_real > 2 and choice.split == 2 and set(choice.predicted_s) == {0, 2}
+    assert all(choice.predicted_s[2] < _predicted(V100, s) for s in (0, -3, -4))
+
+
+def test_auto_falls_back_to_the_cpu_where_its_layout_is_not_faster():
+    """Subgroups cut to what the device memory holds: at the paper's rates Eq. 1 still says
+    k = 2, but with 2 subgroups of a stage the device one's flush is exposed whole (the
+    tail): the device split is predicted slower than all on the CPU, and auto keeps 0."""
+    numel = 10**8
+    assert auto_split(V100, numel, numel // 100).split == 2  # small subgroups: the stride
+    choice = auto_split(V100, numel, numel // 2)
+    assert choice.split == 0
+    assert choice.predicted_s[0] <= choice.predicted_s[2]
+
+
+def test_auto_never_loses_to_stride_0_where_the_gpu_cannot_hold_its_subgroups(tmp_path, capsys):
+    """--plan with a GPU that holds stride 0's plan with no room, then 10 MiB of room, beside
+    it: the split Eq. 1 gives at the reference layout (what auto used to take, its slots
+    sized to the gradient buffers) does not fit there; auto, priced with the memory it
+    really has, fits and is never predicted slower than stride 0."""
+    def plan(profile, stride):
+        path = tmp_path / "gpu.json"
+        path.write_text(profile.to_json())
+        code = main(["--plan", "--json", "--model-preset", "small", "--gpus-per-node", "1",
+                     "--global-batch-size", "16", "--bf16", "--hardware", str(path),
+                     "--optimizer-gpu-stride", stride])
+        out = json.loads(capsys.readouterr().out)
+        return code, out
+
+    roomy = dataclasses.replace(get_hardware("h100-sxm"), gpus_per_node=1)
+    _, plain = plan(roomy, "0")
+    used = sum(v for k, v in plain["per_gpu"][0].items() if k != "rank")
+    reference_split = split_flag(auto_split(update_rates(roomy)).split)
+    for room, device_split_fits in ((0, False), (10 * 2**20, True)):
+        tight = dataclasses.replace(roomy, gpu_memory_bytes=roomy.gpu_reserved_bytes + used + room)
+        zero_code, zero = plan(tight, "0")
+        auto_code, auto = plan(tight, "auto")
+        old_code, _ = plan(tight, reference_split)
+        assert zero_code == auto_code == 0 and old_code == 3
+        assert (auto["configuration"]["predicted_iteration_s"]
+                <= zero["configuration"]["predicted_iteration_s"])
+        assert (auto["configuration"]["optimizer_gpu_stride"] != 0) == device_split_fits

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from megatron.config.presets import get_preset
+from megatron.schedules.hardware import layer_shape
 from tests import forked_ranks
 
 REPO = Path(__file__).resolve().parents[1]
@@ -27,6 +29,11 @@ def test_profile_based_prediction_is_near_the_measured_iteration(tmp_path, demo_
     assert done.returncode == 0, done.stderr[-3000:]
     measured = json.loads(profile.read_text())
     assert measured["p2p_latency_s"] > 0 and measured["instruction_overhead_s"] > 0
+    # compute measured at the planned model's layer (the tiny preset: micro-batch 4), with
+    # the spread over its rounds
+    assert measured["compute_shape"] == {**layer_shape(get_preset("tiny")),
+                                         "micro_batch_sizes": [1, 4, 8], "dtype": "float32"}
+    assert measured["compute_spread"] >= 0
     run = forked_ranks.launch(
         "bench/schedules.py",
         ["--model-preset", "tiny", "--train-iters", "4", "--rounds", "1", "--json",

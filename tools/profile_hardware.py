@@ -1,15 +1,19 @@
 #!/usr/bin/env python3
 """Measure this machine and write a hardware profile (JSON) for --plan and --auto-config.
 
-    tools/profile_hardware.py --out hw.json [--gpus-per-node N] [--model-preset small] [--bf16]
-    pretrain_llama.py --plan --hardware hw.json ...
+    tools/profile_hardware.py --out hw.json [--gpus-per-node N] [--rounds R] MODEL FLAGS
+    pretrain_llama.py --plan --hardware hw.json MODEL FLAGS ...
 
-One progress line per measurement on stderr; well under a minute. Measured: host -> device
+MODEL FLAGS are pretrain_llama.py's (`--model-preset 1b --seq-length 2048
+--micro-batch-size 2 --bf16`, or the sizes `--num-layers --hidden-size ...`; default: the
+small preset): compute is measured at that model's decoder layer, which is what --plan
+prices. One progress line per measurement on stderr; well under a minute. Measured: host -> device
 and device -> host copies from pinned and from shared-memory buffers, the C++ CPU AdamW
 update rate at the thread count training would use (cores / GPUs per node, all GPUs'
 processes together), host memory bandwidth, AdamW on the device (torch ops) and the host's
 fp32 -> bf16 conversion (the optimizer GPU stride's rates), the device's matmul throughput at the model's
-shapes: one decoder layer's forward at two micro-batch sizes, fitted to the cost model's
+shapes: one decoder layer's forward at micro-batches 1, the model's and twice it, in
+interleaved rounds (the profile keeps their spread), fitted to the cost model's
 efficiency curve (on CUDA the GPU's; on the CPU device layer the CPU's, measured by one process
 per GPU at once, as training shares the cores), a one-layer stage's FORWARD and BACKWARD
 instructions: the backward's time over the forward's (backward_over_forward, the recompute
@@ -46,7 +50,8 @@ import torch.distributed as dist  # noqa: E402
 
 from bench.nvme_optimizer import filesystem_of  # noqa: E402
 from megatron.common.files import atomic_write  # noqa: E402
-from megatron.config.presets import get_preset  # noqa: E402
+from megatron.config.model import MODEL_FIELDS, ModelConfig  # noqa: E402
+from megatron.config.run import RunConfig  # noqa: E402
 from megatron.models.llama import LlamaConfig, build_piece  # noqa: E402
 from megatron.offload.device import get_device  # noqa: E402
 from megatron.offload.shm_space import DEFAULT_SHM_DIR, free_bytes  # noqa: E402
@@ -60,7 +65,13 @@ from megatron.optimizer.state_io import (  # noqa: E402
 )
 from megatron.pipeline.optimizer_calibration import device_update_rate, downscale_rate  # noqa: E402
 from megatron.schedules.cost_model import layer_forward_flops_per_token  # noqa: E402
-from megatron.schedules.hardware import HardwareProfile  # noqa: E402
+from megatron.schedules.gpu_peaks import datasheet_peak_flops  # noqa: E402
+from megatron.schedules.hardware import (  # noqa: E402
+    HardwareProfile,
+    fit_efficiency_curve,
+    layer_shape,
+)
+from megatron.training.arguments import parse_args  # noqa: E402
 from megatron.training.distributed import initialize_distributed, shutdown_distributed  # noqa: E402
 
 MIB = 2**20
@@ -154,50 +165,70 @@ def matmul_flops(device, hidden: int, ffn: int, tokens: int, dtype: torch.dtype)
     return best_rate(run, 2.0 * tokens * hidden * ffn)
 
 
-def decoder_layer(device, preset, dtype: torch.dtype, micro_batch: int
+def decoder_layer(device, model: ModelConfig, dtype: torch.dtype, micro_batch: int
                   ) -> tuple[torch.nn.Module, torch.Tensor]:
-    """One decoder layer of the preset on the device and an input of `micro_batch`
-    sequences."""
-    cfg = LlamaConfig(num_layers=1, hidden_size=preset.hidden_size,
-                      ffn_hidden_size=preset.ffn_hidden_size,
-                      num_attention_heads=preset.num_attention_heads,
-                      num_query_groups=preset.num_query_groups, vocab_size=preset.vocab_size or 32000,
-                      seq_length=preset.seq_length, seed=1)
+    """One decoder layer of `model` (its sizes and attention kernel) on the device and an
+    input of `micro_batch` sequences."""
+    cfg = LlamaConfig.from_model(model, model.planned_vocab_size, seed=1)
     layer = build_piece(cfg, 1).to(device.torch_device, dtype)  # piece 1: decoder layer 0
-    hidden = torch.randn(preset.seq_length, micro_batch, preset.hidden_size,
-                         device=device.torch_device).to(dtype)
-    return layer, hidden
+    return layer, layer_input(device, model, dtype, micro_batch)
 
 
-def layer_flops(device, preset, dtype: torch.dtype, micro_batch: int,
-                ready: Callable[[], None] = lambda: None) -> float:
-    """Flops/s of one decoder layer's forward at the preset's shapes, as the cost model counts
-    its flops: the real per-micro-batch cost, small-batch overheads included. `ready` is
-    called once the layer is built, before the timing (processes measuring at once meet
-    there)."""
-    layer, hidden = decoder_layer(device, preset, dtype, micro_batch)
+def layer_input(device, model: ModelConfig, dtype: torch.dtype, micro_batch: int) -> torch.Tensor:
+    return torch.randn(model.seq_length, micro_batch, model.hidden_size,
+                       device=device.torch_device).to(dtype)
+
+
+def layer_rates(device, model: ModelConfig, dtype: torch.dtype, batches: tuple[int, ...],
+                rounds: int, budget_s: float = 0.3, ready: Callable[[], None] = lambda: None
+                ) -> dict[int, list[float]]:
+    """Flops/s of one decoder layer's forward at `model`'s shapes, as the cost model counts
+    its flops (the real per-micro-batch cost, small-batch overheads included), per
+    micro-batch size: one rate per round, each the median of as many passes (3 to 50) as
+    fit in about `budget_s`. The sizes take turns within a round, so a change of the
+    machine's load touches them alike. `ready` is called once the layer is built, before
+    the timing (processes measuring at once meet there)."""
+    layer, _ = decoder_layer(device, model, dtype, 1)
+    inputs = {b: layer_input(device, model, dtype, b) for b in batches}
     ready()
 
-    def run():
-        with torch.no_grad():
-            layer(hidden, {})
-        if device.kind == "cuda":
-            torch.cuda.synchronize()
-    tokens = micro_batch * preset.seq_length
-    # the median, not the fastest: the typical pass of a training run, on a shared machine too
-    return best_rate(run, layer_forward_flops_per_token(preset, preset.seq_length) * tokens,
-                     repeats=9, pick=statistics.median)
+    def run(hidden):
+        def forward():
+            with torch.no_grad():
+                layer(hidden, {})
+            if device.kind == "cuda":
+                torch.cuda.synchronize()
+        return forward
+    flops_per_token = layer_forward_flops_per_token(model, model.seq_length)
+    repeats = {}
+    for b in batches:  # a warm-up pass, timed, sizes each point's repeats
+        t0 = time.perf_counter()
+        run(inputs[b])()
+        repeats[b] = min(50, max(3, int(budget_s / (time.perf_counter() - t0))))
+    rates: dict[int, list[float]] = {b: [] for b in batches}
+    for _ in range(rounds):
+        for b in batches:
+            # the median, not the fastest: the typical pass of a training run
+            rates[b].append(best_rate(run(inputs[b]), flops_per_token * b * model.seq_length,
+                                      repeats=repeats[b], pick=statistics.median))
+    return rates
 
 
-def pass_times(device, preset, dtype: torch.dtype, micro_batch: int, budget_s: float = 3.0,
+def spread(values: list[float]) -> float:
+    """(max - min) / median: how far apart repeated measurements of one quantity are."""
+    return (max(values) - min(values)) / statistics.median(values)
+
+
+def pass_times(device, model: ModelConfig, dtype: torch.dtype, micro_batch: int,
+               budget_s: float = 3.0,
                ready: Callable[[], None] = lambda: None) -> tuple[float, float]:
     """Median seconds of a FORWARD and of a BACKWARD instruction of a one-layer stage, as
     the executor runs them: timed between events recorded on the compute stream, the
     forward without autograd, the backward recomputing from its input checkpoint and
     back-propagating the next stage's gradient into the parameters' gradients. The two
     alternate (a change of the machine's load touches both alike), 9 to 41 pairs, as many
-    as fit in about `budget_s`. `ready`: as layer_flops'."""
-    layer, hidden = decoder_layer(device, preset, dtype, micro_batch)
+    as fit in about `budget_s`. `ready`: as layer_rates'."""
+    layer, hidden = decoder_layer(device, model, dtype, micro_batch)
     ready()
     grad_out = torch.randn_like(hidden)
     stream = device.compute_stream
@@ -256,43 +287,53 @@ def p2p_latency(device, peer: int, first: bool, round_trips: int = 200) -> float
     return statistics.median(times) / 2
 
 
-def _pair_worker(rank: int, world: int, port: int, preset_name: str, dtype: torch.dtype,
-                 micro_batch: int, results) -> None:
-    """One of `world` processes, each playing one GPU as training does: the layer's
-    throughput and a pass's time measured by all at once (on the CPU device layer they
-    share the cores as the training processes do), then ranks 0 and 1 ping-pong."""
+def compute_measurements(device, model: ModelConfig, dtype: torch.dtype,
+                         batches: tuple[int, ...], rounds: int, micro_batch: int,
+                         ready: Callable[[], None] = lambda: None
+                         ) -> tuple[dict[int, list[float]], float, float, float]:
+    """The layer's rates per micro-batch and round (layer_rates), the FORWARD and BACKWARD
+    pass times at `micro_batch` (pass_times) and a stream hand-off's (handoff_s)."""
+    rates = layer_rates(device, model, dtype, batches, rounds, ready=ready)
+    forward_s, backward_s = pass_times(device, model, dtype, micro_batch, ready=ready)
+    ready()
+    return rates, forward_s, backward_s, handoff_s(device)
+
+
+def _pair_worker(rank: int, world: int, port: int, model: ModelConfig, dtype: torch.dtype,
+                 batches: tuple[int, ...], rounds: int, micro_batch: int, results) -> None:
+    """One of `world` processes, each playing one GPU as training does: compute_measurements
+    by all at once (on the CPU device layer they share the cores as the training processes
+    do, with torchrun's one thread each unless OMP_NUM_THREADS says otherwise), then ranks
+    0 and 1 ping-pong."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     warnings.filterwarnings("ignore", category=UserWarning)
     initialize_distributed()
     device = get_device()
     try:
-        preset = get_preset(preset_name)
-        flops = [layer_flops(device, preset, dtype, batch, dist.barrier) for batch in (1, 4)]
-        forward_s, backward_s = pass_times(device, preset, dtype, micro_batch,
-                                           ready=dist.barrier)
-        dist.barrier()
-        handoff = handoff_s(device)
+        measured = compute_measurements(device, model, dtype, batches, rounds, micro_batch,
+                                        ready=dist.barrier)
         dist.barrier()
         latency = p2p_latency(device, 1 - rank, rank == 0) if rank < 2 else 0.0
-        results.put((rank, flops, forward_s, backward_s, handoff, latency))
+        results.put((rank, *measured, latency))
     finally:
         device.close()
         shutdown_distributed()
 
 
-def pair_measurements(processes: int, preset_name: str, dtype: torch.dtype, micro_batch: int
-                      ) -> tuple[list[float], float, float, float, float]:
-    """`processes` workers at once (see _pair_worker): the layer's flops/s at micro-batches
-    1 and 4, the forward and backward pass times and a stream hand-off's, means over the
-    processes, and the point-to-point latency."""
+def pair_measurements(processes: int, model: ModelConfig, dtype: torch.dtype,
+                      batches: tuple[int, ...], rounds: int, micro_batch: int
+                      ) -> tuple[dict[int, list[float]], float, float, float, float]:
+    """`processes` workers at once (see _pair_worker): compute_measurements' figures, the
+    means over the processes (the rates round by round), and the point-to-point latency."""
     context = torch.multiprocessing.get_context("spawn")
     results = context.SimpleQueue()
     with socket.socket() as probe:  # a free port for the rendezvous
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     workers = [context.Process(target=_pair_worker, args=(
-        rank, processes, port, preset_name, dtype, micro_batch, results))
+        rank, processes, port, model, dtype, batches, rounds, micro_batch, results))
         for rank in range(processes)]
     for worker in workers:
         worker.start()
@@ -302,8 +343,9 @@ def pair_measurements(processes: int, preset_name: str, dtype: torch.dtype, micr
     if failed:
         raise RuntimeError(f"a measuring process exited with status {failed[0]}")
     rows = [results.get() for _ in workers]
-    flops = [statistics.mean(row[1][i] for row in rows) for i in range(2)]
-    return (flops, *(statistics.mean(row[i] for row in rows) for i in (2, 3, 4)),
+    rates = {b: [statistics.mean(row[1][b][r] for row in rows) for r in range(rounds)]
+             for b in batches}
+    return (rates, *(statistics.mean(row[i] for row in rows) for i in (2, 3, 4)),
             max(row[5] for row in rows))
 
 
@@ -400,13 +442,20 @@ def rss_anon() -> int:
     return 0
 
 
-def profile(args: argparse.Namespace) -> HardwareProfile:
+def measured_dtype(run: RunConfig, on_cuda: bool) -> torch.dtype:
+    """The run's working dtype; on CUDA 16-bit always (bf16 unless --fp16)."""
+    if run.precision.dtype == "fp16":
+        return torch.float16
+    return torch.bfloat16 if (run.precision.dtype == "bf16" or on_cuda) else torch.float32
+
+
+def profile(args: argparse.Namespace, run: RunConfig) -> HardwareProfile:
     started = time.perf_counter()
     device = get_device()
     on_cuda = device.kind == "cuda"
     gpus = args.gpus_per_node or (torch.cuda.device_count() if on_cuda else 2)
-    preset = get_preset(args.model_preset)
-    dtype = torch.bfloat16 if (args.bf16 or on_cuda) else torch.float32
+    model = run.model
+    dtype = measured_dtype(run, on_cuda)
     copy_bytes = (256 if on_cuda else 64) * MIB
 
     h2d, d2h, h2d_shm = copy_rates(device, copy_bytes)
@@ -423,36 +472,38 @@ def profile(args: argparse.Namespace) -> HardwareProfile:
     downscale = downscale_rate(4 * MIB, repeats=3)
     progress(f"AdamW on the device {device_adam / 1e9:.2f} G parameters/s (fp32, torch ops); "
              f"fp32 -> bf16 on the host {downscale / 1e9:.2f} G parameters/s")
-    tokens = preset.seq_length * 4
-    matmul = matmul_flops(device, preset.hidden_size, preset.ffn_hidden_size, tokens, dtype)
-    progress(f"matmul {preset.hidden_size}x{preset.ffn_hidden_size} ({str(dtype)[6:]}) at "
+    micro_batch = run.training.micro_batch_size
+    tokens = model.seq_length * micro_batch
+    matmul = matmul_flops(device, model.hidden_size, model.ffn_hidden_size, tokens, dtype)
+    progress(f"matmul {model.hidden_size}x{model.ffn_hidden_size} ({str(dtype)[6:]}) at "
              f"{tokens} tokens: {matmul / 1e9:.1f} GFLOP/s")
-    batches = (1, 4)
-    micro_batch = args.micro_batch_size or preset.training.get("micro_batch_size", 1)
+    # the run's micro-batch, one sequence and twice the run's: the curve around the run
+    batches = tuple(sorted({1, micro_batch, 2 * micro_batch}))
     # the processes training runs on this node, each playing one GPU (on CUDA one per GPU)
     processes = gpus if not on_cuda else min(gpus, torch.cuda.device_count())
     if processes > 1:
-        (f_small, f_large), forward_s, backward_s, handoff, latency = pair_measurements(
-            processes, preset.name, dtype, micro_batch)
+        rates, forward_s, backward_s, handoff, latency = pair_measurements(
+            processes, model, dtype, batches, args.rounds, micro_batch)
     else:
-        f_small, f_large = (layer_flops(device, preset, dtype, b) for b in batches)
-        forward_s, backward_s = pass_times(device, preset, dtype, micro_batch)
-        handoff, latency = handoff_s(device), 0.0
-    # Fit f(t) = peak * t / (t + k), the cost model's efficiency curve, to the two points.
-    t_small, t_large = (b * preset.seq_length for b in batches)
-    denominator = f_small * t_large - f_large * t_small
-    half = max(0.0, t_small * t_large * (f_large - f_small) / denominator if denominator else 0)
-    peak = f_large * (t_large + half) / t_large
-    progress(f"{preset.name} decoder layer forward: {f_small / 1e9:.1f} GFLOP/s at micro-batch "
-             f"{batches[0]}, {f_large / 1e9:.1f} at {batches[1]}: peak {peak / 1e9:.1f}, half "
-             f"of it at {half:.0f} tokens")
+        rates, forward_s, backward_s, handoff = compute_measurements(
+            device, model, dtype, batches, args.rounds, micro_batch)
+        latency = 0.0
+    peak, half = fit_efficiency_curve({b * model.seq_length: statistics.median(r)
+                                       for b, r in rates.items()})
+    compute_spread = max(spread(r) for r in rates.values())
+    progress(f"{model.name} decoder layer forward ({model.hidden_size} hidden, "
+             f"{model.seq_length} tokens a sequence), GFLOP/s by micro-batch, medians of "
+             f"{args.rounds} rounds: "
+             + ", ".join(f"{statistics.median(r) / 1e9:.1f} at {b} (spread {spread(r):.1%})"
+                         for b, r in rates.items())
+             + f": peak {peak / 1e9:.1f}, half of it at {half:.0f} tokens")
     # A BACKWARD is its recompute (one forward) and the backward proper: their ratio. The
     # cost model prices a FORWARD at F = one layer's flops over the fitted curve: what the
     # one-layer stage's FORWARD took beyond it is the per-pass overhead (a BACKWARD, priced
     # from the measured ratio, has the same excess)
     backward_ratio = max(0.0, backward_s / forward_s - 1.0)
-    tokens_mb = micro_batch * preset.seq_length
-    compute = (layer_forward_flops_per_token(preset, preset.seq_length) * tokens_mb
+    tokens_mb = micro_batch * model.seq_length
+    compute = (layer_forward_flops_per_token(model, model.seq_length) * tokens_mb
                * (tokens_mb + half) / (peak * tokens_mb))
     pass_overhead = max(0.0, forward_s - compute)
     progress(f"a one-layer stage at micro-batch {micro_batch} ({processes} process(es) at "
@@ -521,9 +572,17 @@ def profile(args: argparse.Namespace) -> HardwareProfile:
         p2p_latency_s=latency,
         instruction_overhead_s=handoff,
         device_kind=device.kind,
+        # a GPU's datasheet peak from the table of GPUs; None (the CPU, an unknown GPU):
+        # --plan's MFU is then against the measured `peak`
+        datasheet_peak_flops=(datasheet_peak_flops(what, "fp16" if dtype == torch.float16
+                                                   else "bf16") if on_cuda else None),
+        compute_shape={**layer_shape(model), "micro_batch_sizes": list(batches),
+                       "dtype": str(dtype).removeprefix("torch.")},
+        compute_spread=compute_spread,
         source=f"measured on {time.strftime('%Y-%m-%d')} in "
-               f"{time.perf_counter() - started:.0f} s (compute: a decoder layer of the {preset.name} "
-               "preset; the C++ AdamW rate is one process's times the GPUs per node, which "
+               f"{time.perf_counter() - started:.0f} s (compute: a decoder layer of the model "
+               f"({model.name}) at micro-batches {', '.join(map(str, batches))}, {args.rounds} "
+               "rounds; the C++ AdamW rate is one process's times the GPUs per node, which "
                "assumes they do not contend for memory bandwidth; the layer's throughput, "
                f"a pass's time and the latency measured by {processes} process(es) at once)"
                + nvme_source,
@@ -532,27 +591,38 @@ def profile(args: argparse.Namespace) -> HardwareProfile:
     return profile
 
 
+def planned_run(model_flags: list[str]) -> RunConfig:
+    """The run whose model the compute is measured at: pretrain_llama.py's flags, parsed
+    as training parses them (a bad one exits 2 in one line); the small preset when they
+    name no model."""
+    names = {"--model-preset", *(f"--{field.replace('_', '-')}" for field in MODEL_FIELDS)}
+    if not any(flag.split("=")[0] in names for flag in model_flags):
+        model_flags = ["--model-preset", "small", *model_flags]
+    return parse_args(model_flags)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="Any other flag is pretrain_llama.py's and describes the planned run: "
+               "--model-preset NAME or the sizes (--num-layers --hidden-size ...), "
+               "--seq-length, --micro-batch-size, --bf16/--fp16, --attention-backend "
+               "(default: the small preset)")
     parser.add_argument("--out", default=None, metavar="FILE.json",
                         help="write the profile here (default: print it)")
     parser.add_argument("--name", default=None, help="the profile's name (default: host-device)")
     parser.add_argument("--gpus-per-node", type=int, default=None,
                         help="processes (GPUs) per node training would run (default: the GPUs "
                              "visible, or 2 on the CPU device layer)")
-    parser.add_argument("--model-preset", default="small",
-                        help="whose layer shapes the matmul uses (default: small)")
-    parser.add_argument("--micro-batch-size", type=int, default=None,
-                        help="the micro-batch of the per-pass overhead's measurement "
-                             "(default: the preset's)")
-    parser.add_argument("--bf16", action="store_true",
-                        help="measure the matmul in bf16 on the CPU layer (CUDA: always)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="rounds of the layer's compute measurement (default 3); the "
+                             "profile keeps their spread")
     parser.add_argument("--nvme-path", default=None, metavar="DIR",
                         help="measure the drive for optimizer states on NVMe: a temporary "
                              "file in DIR (removed after); default: the NVMe fields stay 0")
     parser.add_argument("--nvme-bytes", type=parse_mib, default=256 * MIB, metavar="SIZE",
                         help="the temporary file's size (default 256MiB)")
-    args = parser.parse_args(argv)
+    args, model_flags = parser.parse_known_args(argv)
     if args.nvme_path is not None and not os.path.isdir(args.nvme_path):
         parser.exit(2, f"{parser.prog}: error: --nvme-path {args.nvme_path}: not a directory\n")
     if args.nvme_path is not None and (filesystem_of(args.nvme_path) in ("tmpfs", "ramfs")
@@ -564,13 +634,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.gpus_per_node is not None and args.gpus_per_node < 1:
         parser.exit(2, f"{parser.prog}: error: --gpus-per-node {args.gpus_per_node}: "
                        "expected a positive integer\n")
-    try:
-        get_preset(args.model_preset)
-    except KeyError as exc:
-        parser.exit(2, f"{parser.prog}: error: --model-preset {args.model_preset}: {exc}\n")
+    if args.rounds < 1:
+        parser.exit(2, f"{parser.prog}: error: --rounds {args.rounds}: expected a positive "
+                       "integer\n")
+    run = planned_run(model_flags)
     initialize_distributed()  # megatron-core's layers need its (one-process) groups
     try:
-        text = profile(args).to_json()
+        text = profile(args, run).to_json()
     finally:
         shutdown_distributed()
     if args.out:

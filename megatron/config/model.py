@@ -25,7 +25,16 @@ MODEL_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_h
 ARCHITECTURE_DEFAULTS = {"kv_channels": None, "max_position_embeddings": None,
                          "rotary_base": 10000, "rotary_percent": 1.0, "norm_epsilon": 1e-5,
                          "init_method_std": 0.02, "make_vocab_size_divisible_by": 128,
-                         "attention_dropout": 0.0, "hidden_dropout": 0.0}
+                         "attention_dropout": 0.0, "hidden_dropout": 0.0,
+                         "attention_backend": "auto"}
+# --attention-backend values whose kernel materializes every head's sequence x sequence
+# scores and probabilities (megatron-core's DotProductAttention, Transformer Engine's
+# unfused attention); the others run a fused kernel that keeps one value per head and token.
+UNFUSED_ATTENTION_BACKENDS = ("unfused", "local")
+
+
+def materializes_attention_scores(attention_backend: str) -> bool:
+    return attention_backend in UNFUSED_ATTENTION_BACKENDS
 
 
 @dataclass(frozen=True)
@@ -47,6 +56,7 @@ class ModelConfig:
     make_vocab_size_divisible_by: int = 128  # Megatron pads the vocabulary to a multiple
     attention_dropout: float = 0.0
     hidden_dropout: float = 0.0
+    attention_backend: str = "auto"  # Megatron's --attention-backend: the attention kernel
 
     @property
     def head_dim(self) -> int:

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.config.model import ModelConfig
+from megatron.models.attention import SDPAttention, core_attention_kernel, with_sdpa_core_attention
 
 Batch = dict[str, torch.Tensor]
 
@@ -41,6 +42,7 @@ class LlamaConfig:
     init_method_std: float = 0.02
     params_dtype: torch.dtype = torch.float32
     seed: int = 1234
+    attention_backend: str = "auto"  # Megatron's --attention-backend (see layer_spec)
 
     @classmethod
     def from_model(cls, model: ModelConfig, vocab_size: int, seed: int) -> LlamaConfig:
@@ -52,7 +54,7 @@ class LlamaConfig:
                    seq_length=model.seq_length, rope_base=model.rotary_base,
                    rotary_percent=model.rotary_percent, kv_channels=model.kv_channels,
                    norm_epsilon=model.norm_epsilon, init_method_std=model.init_method_std,
-                   seed=seed)
+                   seed=seed, attention_backend=model.attention_backend)
 
     @property
     def num_pieces(self) -> int:
@@ -117,13 +119,21 @@ def transformer_config(cfg: LlamaConfig):
     )
 
 
-def layer_spec(implementation: str | None = None):
-    """The decoder layer's megatron-core spec (`implementation`: layer_implementation())."""
+def layer_spec(implementation: str | None = None, attention_backend: str = "auto"):
+    """The decoder layer's megatron-core spec (`implementation`: layer_implementation()).
+
+    Transformer Engine's spec brings its own attention kernels. The local spec's core
+    attention is torch's SDPA (megatron.models.attention) unless `attention_backend`
+    (Megatron's --attention-backend) asks for the unfused one; parameters are the same.
+    """
     from megatron.core.models.gpt import gpt_layer_specs
 
     if (implementation or layer_implementation()) == "transformer_engine":
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
-    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    if core_attention_kernel(attention_backend) == "sdpa":
+        return with_sdpa_core_attention(spec)
+    return spec
 
 
 def norm_module(implementation: str | None = None) -> type:
@@ -165,7 +175,10 @@ class DecoderLayerPiece(nn.Module):
         from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
         from megatron.core.transformer.spec_utils import build_module
 
-        self.layer = build_module(layer_spec(), config=tcfg, layer_number=layer_number)
+        self.layer = build_module(layer_spec(attention_backend=cfg.attention_backend),
+                                  config=tcfg, layer_number=layer_number)
+        # SDPA attends causally by itself; the other kernels read a sequence x sequence mask.
+        self._needs_mask = not isinstance(self.layer.self_attention.core_attention, SDPAttention)
         # No parameters: the frequencies are recomputed per sequence length and cached.
         self._rotary = RotaryEmbedding(
             kv_channels=tcfg.kv_channels,
@@ -173,16 +186,17 @@ class DecoderLayerPiece(nn.Module):
             rotary_base=cfg.rope_base,
             use_cpu_initialization=True,
         )
-        self._cache: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._cache: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor | None]] = {}
 
-    def _rope_and_mask(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rope_and_mask(self, seq_len: int, device: torch.device
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
         key = (seq_len, str(device))
         if key not in self._cache:
             rope = self._rotary(seq_len).to(device)
             # True = masked: the causal mask as megatron-core's attention expects it.
             mask = torch.triu(
                 torch.ones(1, 1, seq_len, seq_len, dtype=torch.bool, device=device), diagonal=1
-            )
+            ) if self._needs_mask else None
             self._cache = {key: (rope, mask)}
         return self._cache[key]
 

@@ -236,27 +236,28 @@ class Pipeline:
                          if i.op == Op.OPTIMIZER_START_SUBGROUPS})
         if settings is None or not stages:
             return DeviceSubgroups()
+        sizes = [hi - lo for b in stages for lo, hi in self.owned[b].bounds()]
+        wanted = min(settings.size or default_subgroup_size(max(sizes)), max(sizes))
+        # The budget: what the gradient buffers hold, free once the backward has ended.
+        budget = self.buffers.grad_buffers.nbytes
+        size = planned_subgroup_size(settings.size, max(sizes), budget)
         stride = settings.stride
         if stride is None:
             rates = calibrated_update_rates(
                 self.device, self.cpu_adam.threads, settings.cache_dir,
                 log=lambda line: print(f"rank {self.rank}: {line}", flush=True))
-            choice = auto_split(rates)
+            choice = auto_split(rates, max(sizes), size)  # priced at the layout it gets
             stride = choice.split
             predicted = ", ".join(f"{split_flag(s)} {t:.3g} s" for s, t in
                                   choice.predicted_s.items())
             what = (f"stride k = {stride}" if stride >= 0
                     else f"split {split_flag(stride)} (GPU-heavy)")
             print(f"rank {self.rank}: optimizer GPU {what} (Eq. 1: {choice.model.k_real:.3g}; "
-                  f"predicted per 1e9 parameters: {predicted}) for stages "
+                  f"predicted for {max(sizes)} parameters in subgroups of {size}: "
+                  f"{predicted}) for stages "
                   f"{[tuple(b) for b in stages]}", flush=True)
         if stride == 0:
             return DeviceSubgroups()
-        sizes = [hi - lo for b in stages for lo, hi in self.owned[b].bounds()]
-        wanted = min(settings.size or default_subgroup_size(max(sizes)), max(sizes))
-        # The budget: what the gradient buffers hold, free once the backward has ended.
-        budget = self.buffers.grad_buffers.nbytes
-        size = planned_subgroup_size(settings.size, max(sizes), budget)
         if size < wanted:
             print(f"rank {self.rank}: optimizer subgroups of {wanted} parameters would need "
                   f"{DeviceSubgroupUpdater.bytes_needed(wanted)} bytes of device memory, more "

@@ -20,11 +20,16 @@ from megatron.schedules.cost_model import (
     model_flops_per_token,
 )
 from megatron.schedules.hardware import HardwareProfile, get_hardware, update_rates
-from megatron.schedules.instructions import Schedule
+from megatron.schedules.instructions import BackwardStage, Op, Schedule
 from megatron.schedules.memory_model import MemoryPlan, Shortfall, shortfalls
 from megatron.schedules.optimizer_placement import place_device_subgroups
 from megatron.schedules.optimizer_stride import auto_split, split_flag
 from megatron.schedules.simulator import SimResult, simulate
+from megatron.schedules.subgroup_memory import (
+    MIN_SUBGROUP,
+    planned_subgroup_size,
+    subgroup_slots_bytes,
+)
 from megatron.schedules.validator import ValidationReport, validate
 
 from .fit import PlannedShape, memory_plan
@@ -209,12 +214,15 @@ def with_stride(run: RunConfig, plain: Evaluation, stride: int | None,
 
 
 def planned(run: RunConfig, config: Configuration, schedule: Schedule,
-            report: ValidationReport, hardware: HardwareProfile) -> Evaluation:
-    """`config`'s memory plan (its schedule given) and what it lacks on `hardware`."""
+            report: ValidationReport, hardware: HardwareProfile,
+            subgroup_size: int | None = None) -> Evaluation:
+    """`config`'s memory plan (its schedule given) and what it lacks on `hardware`
+    (`subgroup_size`: the device subgroups', default the flag's)."""
     memory = memory_plan(run, schedule, PlannedShape(
         run.model, config.micro_batch_size, procs_per_node=gpus_per_node(run, hardware),
         on_cuda=hardware.device_kind == "cuda", subgroup_stride=config.optimizer_gpu_stride,
-        optimizer_bytes=optimizer_bytes(run, config), hardware=hardware), report)
+        optimizer_bytes=optimizer_bytes(run, config), hardware=hardware,
+        subgroup_size=subgroup_size), report)
     return Evaluation(config, schedule, memory, shortfalls(memory, hardware), report,
                       optimizer_bytes_per_param=optimizer_bytes(run, config))
 
@@ -225,25 +233,69 @@ def simulated(run: RunConfig, evaluation: Evaluation, hardware: HardwareProfile
     are priced from the profile's rates when it has them (else like a CPU update)."""
     if evaluation.simulation is None:
         config, schedule = evaluation.config, evaluation.schedule
+        if config.optimizer_gpu_stride is None:
+            return resolved_auto(run, evaluation, hardware)
         costs = derived_costs(schedule, run.model, hardware, config.micro_batch_size,
                               run.model.seq_length, optimizer_bytes(run, config))
         rates = update_rates(hardware)
         if config.optimizer_gpu_stride != 0 and rates is not None:
-            stride = config.optimizer_gpu_stride or auto_split(rates).split
             params = backward_stage_params(run.model, schedule.partition,
                                            schedule.backward_split)
-            costs = replace(costs, device_update=DeviceUpdateCosts(stride, params, rates))
+            costs = replace(costs, device_update=DeviceUpdateCosts(
+                config.optimizer_gpu_stride, params, rates))
         evaluation.simulation = simulate(schedule, costs, evaluation.report)
         evaluation.mfu = model_flops_utilization(run, evaluation, hardware)
     return evaluation
 
 
+def resolved_auto(run: RunConfig, auto: Evaluation, hardware: HardwareProfile) -> Evaluation:
+    """--optimizer-gpu-stride auto as the plan prices it: the evaluation of the split it
+    resolves to. The subgroups get the device memory that stride 0's plan leaves free on
+    each GPU (their slots live beside the gradient buffers; the runtime caps them at what
+    those hold); Eq. 1's candidates are priced at the subgroup size that memory allows
+    (auto_split), and the split found is simulated against stride 0: it is taken only
+    where it fits as stride 0 does and its iteration is shorter, so auto never loses."""
+    plain = simulated(run, planned(run, replace(auto.config, optimizer_gpu_stride=0),
+                                   auto.schedule, auto.report, hardware), hardware)
+    rates = update_rates(hardware)
+    s = auto.schedule
+    params = backward_stage_params(run.model, s.partition, s.backward_split)
+    largest = {rank: max(params[BackwardStage(i.stage, i.sub)] for i in program
+                         if i.op == Op.OPTIMIZER_START_SUBGROUPS)
+               for rank, program in enumerate(s.programs)
+               if any(i.op == Op.OPTIMIZER_START_SUBGROUPS for i in program)}
+    if rates is None or not largest:
+        return plain
+    gpu_free = hardware.gpu_memory_bytes - hardware.gpu_reserved_bytes
+    sizes = []
+    for rank, numel in largest.items():
+        size = planned_subgroup_size(run.cpu_optimizer.optimizer_subgroup_size, numel,
+                                     auto.memory.per_gpu[rank]["gradient_buffers"])
+        if hardware.gpu_memory_bytes:  # 0: a profile that does not know the GPU's memory
+            beside = gpu_free - plain.memory.gpu_total(rank)
+            size = min(size, max(0, beside) // subgroup_slots_bytes(
+                1, run.precision.working_bytes))
+        sizes.append(size)
+    if min(sizes) < min(MIN_SUBGROUP, min(largest.values())):
+        return plain
+    split = auto_split(rates, max(largest.values()), min(sizes)).split
+    if split == 0:
+        return plain
+    candidate = simulated(run, planned(run, replace(auto.config, optimizer_gpu_stride=split),
+                                       s, auto.report, hardware, min(sizes)), hardware)
+    if candidate.fits >= plain.fits and (candidate.simulation.iteration_time
+                                         < plain.simulation.iteration_time):
+        return candidate
+    return plain
+
+
 def model_flops_utilization(run: RunConfig, evaluation: Evaluation,
                             hardware: HardwareProfile) -> float:
     """The model FLOPs of the simulated pipeline's tokens (forward and backward, no
-    recomputation, as --log-throughput counts them) over its GPUs' peak for its iteration."""
+    recomputation, as --log-throughput counts them) over its GPUs' peak for its iteration:
+    the datasheet peak where the profile has it (HardwareProfile.mfu_peak_flops)."""
     s, config = evaluation.schedule, evaluation.config
     tokens = s.micro_batches * config.micro_batch_size * run.model.seq_length
-    peak = ranks_of(run, config, hardware) * hardware.gpu_peak_flops
+    peak = ranks_of(run, config, hardware) * hardware.mfu_peak_flops
     return model_flops_per_token(run.model) * tokens / (
         evaluation.simulation.iteration_time * peak)

@@ -58,6 +58,7 @@ class PlannedShape:
     subgroup_stride: int | None  # None: chosen at start-up
     optimizer_bytes: int  # host bytes per parameter of the master and Adam's moments
     hardware: HardwareProfile | None = None  # the profile's device-update rates, if any
+    subgroup_size: int | None = None  # the device subgroups' elements; None: the flag's
 
 
 def memory_plan(run: RunConfig, schedule: Schedule, shape: PlannedShape,
@@ -69,7 +70,7 @@ def memory_plan(run: RunConfig, schedule: Schedule, shape: PlannedShape,
                        run.precision.host_gradient_bytes(shape.on_cuda),
                        procs_per_node=shape.procs_per_node, hardware=shape.hardware,
                        report=report, subgroup_stride=shape.subgroup_stride,
-                       subgroup_size=c.optimizer_subgroup_size,
+                       subgroup_size=shape.subgroup_size or c.optimizer_subgroup_size,
                        resident_fraction=c.optimizer_gpu_resident_fraction,
                        optimizer_bytes=shape.optimizer_bytes)
 

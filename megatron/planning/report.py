@@ -12,7 +12,7 @@ from megatron.config.model import (
     count_parameters_full_mha,
 )
 from megatron.config.run import RunConfig
-from megatron.schedules.hardware import HardwareProfile
+from megatron.schedules.hardware import HardwareProfile, shape_differences
 from megatron.schedules.memory_model import GPU_TERMS, NODE_TERMS, pinning_shortfall
 
 from .evaluate import Evaluation, base_configuration, evaluate, gpus_per_node, plan_hardware
@@ -95,7 +95,27 @@ def describe(run: RunConfig, evaluation: Evaluation, hardware: HardwareProfile) 
                          f"node (two versions) of {hardware.nvme_capacity_bytes / GIB:.2f} GiB; "
                          f"the drive {keeps_up}: busy {sim.state_io_busy_time:.3f} s per "
                          f"iteration, {sim.exposed_state_io_time:.3f} s after the last compute")
-    return "\n".join(lines)
+    return "\n".join(lines + profile_notes(run, hardware))
+
+
+def mfu_basis(hardware: HardwareProfile) -> str:
+    return "datasheet peak" if hardware.mfu_against_datasheet else "measured peak rate"
+
+
+def profile_notes(run: RunConfig, hardware: HardwareProfile) -> list[str]:
+    """What a user must know to trust the predictions: an MFU that is not against the
+    datasheet, and compute measured at another layer than the model's."""
+    notes = []
+    if not hardware.mfu_against_datasheet:
+        notes.append(f"MFU is against the profile's measured peak rate "
+                     f"({hardware.gpu_peak_flops / 1e12:.3g} TFLOP/s per GPU): the device's "
+                     "datasheet peak is unknown (datasheet_peak_flops)")
+    differences = shape_differences(hardware, run.model)
+    if differences:
+        notes.append(f"the profile measured compute at another layer shape "
+                     f"({', '.join(differences)}): the compute times are extrapolated; "
+                     "profile with this model's flags (tools/profile_hardware.py --help)")
+    return notes
 
 
 def nearest_text(run: RunConfig, nearest: Evaluation | None) -> str:
@@ -139,6 +159,8 @@ def run_plan(run: RunConfig) -> int:
     nearest = None if evaluation.fits else nearest_fit(run, evaluation, hardware)
     if run.planning.json:
         out = {"fits": evaluation.fits, "hardware": hardware.name,
+               "mfu_against": mfu_basis(hardware),
+               "compute_shape_differences": shape_differences(hardware, run.model),
                "configuration": evaluation.summary(),
                "per_gpu": [dict(t, rank=r) for r, t in enumerate(evaluation.memory.per_gpu)],
                "per_node": [dict(t, node=n) for n, t in enumerate(evaluation.memory.per_node)],

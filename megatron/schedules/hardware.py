@@ -11,7 +11,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import statistics
 from dataclasses import dataclass
+
+from megatron.config.model import ModelConfig, materializes_attention_scores
 
 from .optimizer_stride import UpdateRates
 
@@ -22,7 +25,7 @@ PROFILE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hardware
 class HardwareProfile:
     name: str
     description: str
-    gpu_peak_flops: float  # dense half-precision tensor throughput
+    gpu_peak_flops: float  # the compute model's peak: dense 16-bit throughput, or a fitted rate
     gpu_max_efficiency: float  # fraction of peak reached by large matmuls
     efficiency_half_tokens: int  # tokens per micro-batch at which half of that is reached
     pcie_bytes_per_s: float  # effective host -> device bandwidth per GPU, pinned memory
@@ -67,9 +70,67 @@ class HardwareProfile:
     instruction_overhead_s: float = 0.0
     device_kind: str = "cuda"  # "cpu": the CPU device layer plays the GPUs (tests, CI)
     source: str = ""  # where the figures come from
+    # The device's datasheet peak (dense, 16-bit), what MFU is reported against; None:
+    # unknown (a measured profile of a device without a datasheet figure), and MFU is then
+    # reported against gpu_peak_flops, the profile's own measured rate, and says so
+    datasheet_peak_flops: float | None = None
+    # The decoder layer compute was measured at (tools/profile_hardware.py: layer_shape()
+    # of the model it was given, plus the micro-batch sizes and dtype); None: not measured
+    compute_shape: dict | None = None
+    # The measured layer rate's spread over the profile's rounds: (max - min) / median
+    compute_spread: float = 0.0
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2) + "\n"
+
+    @property
+    def mfu_against_datasheet(self) -> bool:
+        return self.datasheet_peak_flops is not None
+
+    @property
+    def mfu_peak_flops(self) -> float:
+        """A GPU's peak that model FLOPs utilization divides by: the datasheet's where the
+        profile has it, else the profile's own peak rate."""
+        return self.datasheet_peak_flops or self.gpu_peak_flops
+
+
+def layer_shape(model: ModelConfig) -> dict:
+    """What a decoder layer's compute rate depends on, as tools/profile_hardware.py records
+    it in `compute_shape`."""
+    return {"hidden_size": model.hidden_size, "ffn_hidden_size": model.ffn_hidden_size,
+            "num_attention_heads": model.num_attention_heads,
+            "num_query_groups": model.num_query_groups, "head_dim": model.head_dim,
+            "seq_length": model.seq_length,
+            "attention_scores": materializes_attention_scores(model.attention_backend)}
+
+
+def fit_efficiency_curve(points: dict[int, float]) -> tuple[float, float]:
+    """(gpu_peak_flops, efficiency_half_tokens) of a measured profile (gpu_max_efficiency
+    1): the cost model's curve f(t) = peak * t / (t + half) through the rates `points`
+    (tokens per micro-batch -> flops/s), by least squares on 1/f = 1/peak + (half/peak) / t. A
+    rate that does not grow with the tokens gives half = 0 (their harmonic mean); one that
+    grows as if without a limit, the largest rate at half = 0."""
+    xs = [1.0 / t for t in points]
+    ys = [1.0 / f for f in points.values()]
+    mean_x, mean_y = statistics.mean(xs), statistics.mean(ys)
+    var_x = sum((x - mean_x) ** 2 for x in xs)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / var_x if var_x else 0.0
+    intercept = mean_y - slope * mean_x
+    if slope <= 0:
+        return 1.0 / mean_y, 0.0
+    if intercept <= 0:
+        return max(points.values()), 0.0
+    return 1.0 / intercept, slope / intercept
+
+
+def shape_differences(hardware: HardwareProfile, model: ModelConfig) -> list[str]:
+    """The layer-shape fields where `model` differs from the layer the profile measured
+    ("name measured -> model's"); empty when they agree or the profile measured none."""
+    if hardware.compute_shape is None:
+        return []
+    return [f"{name} {hardware.compute_shape.get(name)} -> {value}"
+            for name, value in layer_shape(model).items()
+            if hardware.compute_shape.get(name) != value]
 
 
 def profile_from_dict(values: dict, origin: str = "profile") -> HardwareProfile:

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron.config.model import ModelConfig
+from megatron.config.model import ModelConfig, materializes_attention_scores
 
 from .cost_model import backward_stage_params
 from .hardware import HardwareProfile
@@ -90,15 +90,25 @@ def layer_saved_bytes(model: ModelConfig, tokens: int, seq_length: int, itemsize
     """What autograd saves for one decoder layer over `tokens` (micro-batch x sequence).
 
     Per token: each RMSNorm keeps its input, normalized output and two per-token scalars in
-    fp32 and its output in the working dtype; attention keeps Q, K and V (K and V expanded
-    to all heads), its output, the scores and the probabilities (heads x sequence each);
-    SwiGLU keeps gate, up, their product's input and fc2's input (4 x FFN). Per sequence:
-    the rotary tables (4 x sequence x head dim) and the causal mask (sequence^2 bytes).
+    fp32 and its output in the working dtype; SwiGLU keeps gate, up, their product's input
+    and fc2's input (4 x FFN); attention's output projection keeps its input. Per sequence:
+    the rotary tables (4 x sequence x head dim). Core attention depends on its kernel
+    (--attention-backend): the unfused one keeps Q, K and V (K and V expanded to all heads),
+    the scores and the probabilities (heads x sequence each) and reads the causal mask
+    (sequence^2 bytes); a fused one (SDPA, flash) keeps Q, K and V of the query groups, its
+    output and one fp32 log-sum-exp per head.
     """
     h, ffn, heads = model.hidden_size, model.ffn_hidden_size, model.num_attention_heads
+    q_width = heads * model.head_dim
     fp32_per_token = 2 * (3 * h + 2)
-    working_per_token = 2 * h + 4 * h + 2 * heads * seq_length + 4 * ffn
-    per_sequence = 4 * seq_length * (h // heads) * itemsize + seq_length * seq_length
+    working_per_token = 2 * h + q_width + 4 * ffn
+    per_sequence = 4 * seq_length * (h // heads) * itemsize
+    if materializes_attention_scores(model.attention_backend):
+        working_per_token += 3 * q_width + 2 * heads * seq_length
+        per_sequence += seq_length * seq_length
+    else:
+        working_per_token += 2 * q_width + 2 * model.num_query_groups * model.head_dim
+        fp32_per_token += heads
     return tokens * (fp32_per_token * FP32 + working_per_token * itemsize) + per_sequence
 
 

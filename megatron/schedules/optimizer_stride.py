@@ -142,17 +142,22 @@ class SplitChoice:
                 "predicted_s": {split_flag(s): t for s, t in self.predicted_s.items()}}
 
 
-def auto_split(rates: UpdateRates) -> SplitChoice:
-    """Eq. 1's stride k; where k_real < 1, also the GPU-heavy splits next to the balance
-    (N - 1 on the device per one on the CPU = 1/k_real, N = 1 + 1/k_real, floor and ceil),
-    the fastest predicted taken (the stride on a tie)."""
+def auto_split(rates: UpdateRates, numel: int = REFERENCE_NUMEL,
+               subgroup: int = REFERENCE_SUBGROUP) -> SplitChoice:
+    """All on the CPU (0), Eq. 1's stride k and, where k_real < 1, the GPU-heavy splits next
+    to the balance (N - 1 on the device per one on the CPU = 1/k_real, N = 1 + 1/k_real,
+    floor and ceil), each predicted for `numel` parameters in subgroups of `subgroup` (the
+    layout the device memory allows); the fastest taken, the earlier on a tie: a device
+    split only where it is predicted faster than all on the CPU, so auto never loses to 0
+    by its own prediction."""
     model = gpu_update_stride(rates)
-    candidates = [model.k]
+    candidates = [0]
+    if model.k:
+        candidates.append(model.k)
     if model.k and model.k_real < 1:
         n = 1.0 + 1.0 / model.k_real
         candidates += sorted({-max(2, math.floor(n)), -max(2, math.ceil(n))}, reverse=True)
-    predicted = {s: interleaved_update_time(REFERENCE_NUMEL, REFERENCE_SUBGROUP, s, rates)
-                 for s in candidates}
+    predicted = {s: interleaved_update_time(numel, subgroup, s, rates) for s in candidates}
     return SplitChoice(min(candidates, key=predicted.__getitem__), model, predicted)
 
 

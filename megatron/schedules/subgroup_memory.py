@@ -20,12 +20,13 @@ SUBGROUP_SLOTS = 2
 FP32_SLOT_BYTES_PER_PARAM = 16  # p, m, v, gradient
 FLAG_BYTES = 16  # per slot: the finite flag and the squared norm, float64
 RESIDENT_BYTES_PER_PARAM = 16  # p, m, v kept, plus the gradient's landing buffer
+MIN_SUBGROUP = 4096  # parameters: below it a subgroup's copies are all latency
 
 
 def default_subgroup_size(largest_group: int) -> int:
     """An eighth of the largest group split, at least 4096 parameters: enough subgroups
     for the stride to interleave, each large enough to keep the copies efficient."""
-    return max(4096, -(-largest_group // 8))
+    return max(MIN_SUBGROUP, -(-largest_group // 8))
 
 
 def subgroup_slots_bytes(max_numel: int, out_itemsize: int = 2) -> int:

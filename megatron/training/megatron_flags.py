@@ -65,7 +65,9 @@ DESIGN_FLAGS = (
                choices=("nccl", "gloo"), help="NCCL on CUDA; the CPU device layer uses gloo"),
     DesignFlag("--attention-backend", None, "",
                choices=("flash", "fused", "unfused", "local", "auto"),
-               help="accepted; CUDA picks its kernel, the CPU runs unfused attention"),
+               help="auto, flash, fused: torch's scaled_dot_product_attention (Transformer "
+                    "Engine's own choice where it is used); unfused, local: megatron-core's "
+                    "unfused attention"),
     DesignFlag("--recompute-method", None, "",
                choices=("uniform", "block"), help="accepted; every layer is recomputed"),
     DesignFlag("--recompute-num-layers", None, "", type=int,
