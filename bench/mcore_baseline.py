@@ -23,7 +23,6 @@ import json
 import os
 import sys
 import time
-from datetime import timedelta
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -32,7 +31,6 @@ import torch.distributed as dist  # noqa: E402
 
 from bench.spread import spread  # noqa: E402
 from megatron.config.model import ModelConfig  # noqa: E402
-from megatron.models.cpu_adaptation import import_megatron_core  # noqa: E402
 from megatron.models.llama import (  # noqa: E402
     LlamaConfig,
     layer_spec,
@@ -41,6 +39,7 @@ from megatron.models.llama import (  # noqa: E402
 )
 from megatron.schedules.cost_model import model_flops_per_token  # noqa: E402
 from megatron.schedules.gpu_peaks import datasheet_peak_flops  # noqa: E402
+from megatron.training.distributed import initialize_distributed, shutdown_distributed  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 RECOMPUTE = ("none", "full")
@@ -99,19 +98,15 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
 
 
 def start_megatron_core(device: str, seed: int) -> None:
-    """One-process groups for megatron-core's layers and, on CUDA, its RNG tracker seeded as
-    Megatron-LM's _set_random_seed seeds it (the local spec's attention forks it)."""
-    import_megatron_core()
-    from megatron.core import parallel_state, tensor_parallel
-
-    if device == "cuda":
-        torch.cuda.set_device(0)
-    dist.init_process_group("nccl" if device == "cuda" else "gloo", store=dist.HashStore(),
-                            rank=0, world_size=1, timeout=timedelta(minutes=10))
-    parallel_state.initialize_model_parallel()
+    """The process start every model of this project goes through (the one device
+    decision: set_device, the process group, megatron-core's RNG tracker seeded from
+    `seed` as Megatron-LM does), so the baseline runs where and as our model runs."""
+    choice = initialize_distributed(seed=seed).device
+    if choice.kind != device:
+        raise SystemExit(f"mcore_baseline.py: error: --device {device}: this process was "
+                         f"placed on {choice.torch_device} (hide the GPUs with "
+                         "CUDA_VISIBLE_DEVICES= for the CPU)")
     torch.manual_seed(seed)
-    if device == "cuda":
-        tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
 def build_model(args: argparse.Namespace, shape: ModelConfig):
@@ -266,14 +261,12 @@ def measure(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    started_here = not dist.is_initialized()  # a caller's process group stays its own
     try:
         result = measure(args)
     finally:
-        if dist.is_initialized():
-            from megatron.core import parallel_state
-
-            parallel_state.destroy_model_parallel()
-            dist.destroy_process_group()
+        if started_here:
+            shutdown_distributed()
     print(json.dumps(result))
     return 0
 
