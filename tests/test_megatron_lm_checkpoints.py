@@ -174,3 +174,31 @@ def test_megatron_lm_0_19_resumes_our_checkpoint(tmp_path, one_process):
     with torch.no_grad():
         ours = gpt(tokens, torch.arange(32).expand_as(tokens), mask)
     torch.testing.assert_close(theirs["logits"], ours, rtol=0, atol=1e-5)
+
+
+def test_convert_checkpoint_exports_megatron_lm_0_19s_checkpoint(tmp_path):
+    """tools/convert_checkpoint.py --from megatron on 0.19's layout: the model its args
+    describe, the embedding as torch.distributed.checkpoint reads it from the files."""
+    import importlib.util
+    import json
+
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+
+    spec = importlib.util.spec_from_file_location(
+        "convert_checkpoint", os.path.join(os.path.dirname(FIXTURES), "..", "tools",
+                                           "convert_checkpoint.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    out = tmp_path / "hf"
+    assert tool.main(["--from", "megatron", "--to", "hf", "--input", MCORE019,
+                                    "--output", str(out)]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert (config["num_hidden_layers"], config["hidden_size"], config["intermediate_size"],
+            config["num_attention_heads"], config["num_key_value_heads"],
+            config["vocab_size"]) == (2, 64, 160, 4, 2, 128)
+    stored = {"embedding.word_embeddings.weight": torch.empty(128, 64)}
+    dcp.load(stored, storage_reader=dcp.FileSystemReader(
+        os.path.join(MCORE019, f"iter_{ITERATION:07d}")), no_dist=True)
+    assert torch.equal(load_file(out / "model.safetensors")["model.embed_tokens.weight"],
+                       stored["embedding.word_embeddings.weight"])
