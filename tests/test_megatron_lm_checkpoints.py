@@ -202,3 +202,24 @@ def test_convert_checkpoint_exports_megatron_lm_0_19s_checkpoint(tmp_path):
         os.path.join(MCORE019, f"iter_{ITERATION:07d}")), no_dist=True)
     assert torch.equal(load_file(out / "model.safetensors")["model.embed_tokens.weight"],
                        stored["embedding.word_embeddings.weight"])
+
+
+@pytest.mark.multiproc
+def test_finetune_from_a_megatron_checkpoint_on_a_two_process_pipeline(tmp_path, one_process):
+    """--finetune over the pipeline's version-0 parameters (it crashed: 'publish(version=0)
+    ... already at 0'): iteration 1 on both processes trains the checkpoint's weights, its
+    loss GPTModel's on the same batch."""
+    import json
+
+    from tests import forked_ranks
+
+    metrics = tmp_path / "metrics.jsonl"
+    argv = [*FLAGS, "--train-iters", "1", "--lr-warmup-iters", "0", "--load", MCORE019,
+            "--finetune", "--data-cache-path", str(tmp_path), "--metrics-file", str(metrics)]
+    result = forked_ranks.launch("pretrain_llama.py", argv, 2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    first = json.loads(metrics.read_text().splitlines()[0])
+    assert first["iteration"] == 1
+    assert first["loss"] == pytest.approx(
+        gpt_loss(os.path.join(MCORE019, f"iter_{ITERATION:07d}"), parse_args(argv), 1),
+        abs=1e-5)
