@@ -42,13 +42,13 @@ def one_process():
     shutdown_distributed()
 
 
-def megatron_lr_after(samples: int) -> float:
+def megatron_lr_after(samples: int, train_iters: int = 20) -> float:
     """Megatron-LM's scheduler for FLAGS (steps count samples) after `samples`."""
     holder = types.SimpleNamespace(param_groups=[{"lr": 0.0, "weight_decay": 0.01}])
     scheduler = OptimizerParamScheduler(
         holder, init_lr=0.0, max_lr=1e-3, min_lr=1e-4, lr_warmup_steps=2 * BATCH,
-        lr_decay_steps=20 * BATCH, lr_decay_style="cosine", start_wd=0.01, end_wd=0.01,
-        wd_incr_steps=20 * BATCH, wd_incr_style="constant")
+        lr_decay_steps=train_iters * BATCH, lr_decay_style="cosine", start_wd=0.01,
+        end_wd=0.01, wd_incr_steps=train_iters * BATCH, wd_incr_style="constant")
     scheduler.step(increment=samples)
     return holder.param_groups[0]["lr"]
 
@@ -223,3 +223,21 @@ def test_finetune_from_a_megatron_checkpoint_on_a_two_process_pipeline(tmp_path,
     assert first["loss"] == pytest.approx(
         gpt_loss(os.path.join(MCORE019, f"iter_{ITERATION:07d}"), parse_args(argv), 1),
         abs=1e-5)
+
+
+def test_a_skipped_iteration_leaves_the_lr_schedule_and_is_counted_per_log_interval(
+        tmp_path, capsys, one_process):
+    """fp16, iteration 2's gradient made non-finite: as Megatron, the scheduler steps only
+    after updates, the logged LR is the one after the step, and each log line counts the
+    skipped iterations since the previous one."""
+    argv = [*FLAGS, "--train-iters", "4", "--fp16", "--initial-loss-scale", "1024",
+            "--inject-overflow", "2,0,0",
+            "--log-interval", "2", "--data-cache-path", str(tmp_path)]
+    records = train(parse_args(argv), one_process)
+    assert [r["skipped"] for r in records] == [False, True, False, False]
+    updates = [1, 1, 2, 3]  # successful steps after each iteration
+    assert [r["lr"] for r in records] == pytest.approx(
+        [megatron_lr_after(n * BATCH, train_iters=4) for n in updates], rel=1e-12)
+    lines = [line for line in capsys.readouterr().out.splitlines() if "lm loss" in line]
+    assert [line.split("number of skipped iterations:")[1].split("|")[0].strip()
+            for line in lines] == ["0", "1", "0"]  # iterations 1, 2 and 4

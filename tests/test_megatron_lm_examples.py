@@ -64,3 +64,15 @@ def test_the_llama_example_less_its_refused_flags_is_megatrons_run(tmp_path):
 def test_fp8_recipe_details_without_fp8_format_are_accepted():
     parse_args(["--model-preset", "tiny", *without(FP8, ["--fp8-format",
                                                          "--fp8-param-gather"])])
+
+
+def test_null_tokenizer_has_megatron_0_19s_vocabulary():
+    """The LLaMA example's --vocab-size 128256: 128256 ids, the end of document 128255, and
+    128256 embedding rows as 0.19 builds (0.16: 128257 ids, padded to 128384)."""
+    from megatron.data.run_data import build_run_tokenizer
+
+    run = parse_args(["--model-preset", "tiny", "--mock-data", "--tokenizer-type",
+                      "NullTokenizer", "--vocab-size", "128256"])
+    tokenizer = build_run_tokenizer(run, None)
+    assert (tokenizer.vocab_size, tokenizer.eod) == (128256, 128255)
+    assert run.model.padded_vocab_size(tokenizer.vocab_size) == 128256
