@@ -241,3 +241,17 @@ def test_a_skipped_iteration_leaves_the_lr_schedule_and_is_counted_per_log_inter
     lines = [line for line in capsys.readouterr().out.splitlines() if "lm loss" in line]
     assert [line.split("number of skipped iterations:")[1].split("|")[0].strip()
             for line in lines] == ["0", "1", "0"]  # iterations 1, 2 and 4
+
+
+def test_without_its_tracker_a_0_19_checkpoint_is_still_found(tmp_path):
+    """0.19 writes no common.pt: its metadata.json marks the iteration complete."""
+    from megatron.training.checkpointing import check_resumable
+
+    root = tmp_path / "ckpt"
+    shutil.copytree(MCORE019, root)
+    (root / "latest_checkpointed_iteration.txt").unlink()
+    lines = []
+    common = check_resumable(parse_args([*FLAGS, "--load", str(root)]), lines.append)
+    assert common["iteration"] == ITERATION
+    assert lines == [f"{root}: latest_checkpointed_iteration.txt is missing; loading the "
+                     f"newest complete iteration, {ITERATION}"]
