@@ -156,6 +156,7 @@ def test_a_megatron_core_checkpoint_loads_into_a_two_process_run(tmp_path, demo_
     assert "starts a fresh optimizer" in run.stdout
     first = metrics(run)[0]
     assert first["iteration"] == 4 and first["consumed_samples"] == 4 * batch
+    megatron_schedule.step(increment=batch)  # logged after iteration 4's step, as Megatron
     assert first["lr"] == holder.param_groups[0]["lr"]
 
     data = prepare_data(config, log=lambda *_: None)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import megatron.training.checkpointing as checkpointing
+from megatron.config.presets import get_preset
 from megatron.models.llama import LlamaConfig
 from megatron.training.arguments import parse_args
 from megatron.training.checkpoint_state import EXP_AVG, EXP_AVG_SQ, MASTER, OwnedState
@@ -22,7 +23,6 @@ from megatron.training.checkpointing import (
     CheckpointError,
     CheckpointSaver,
     check_resumable,
-    checkpoint_model_flags,
     find_checkpoint,
     iteration_dir,
     latest_iteration,
@@ -257,7 +257,7 @@ def test_without_host_memory_for_the_snapshot_the_save_runs_synchronously(tmp_pa
 
 def test_a_checkpoint_of_another_global_batch_is_refused_before_anything_is_built(tmp_path):
     saver = CheckpointSaver(str(tmp_path), MODEL, async_save=False)
-    saver.save(3, owned(3), {"consumed_samples": 3 * 8})
+    saver.save(3, owned(3), {"consumed_samples": 3 * 8, "lr_schedule": {"num_steps": 3 * 8}})
     saver.close()
     run = parse_args(["--model-preset", "tiny", "--load", str(tmp_path),
                       "--global-batch-size", "8"])
@@ -323,15 +323,22 @@ def test_this_projects_first_format_still_loads(tmp_path):
 
 
 def test_use_checkpoint_args_takes_the_model_flags_from_the_checkpoint(tmp_path):
-    saved = parse_args(["--model-preset", "tiny", "--num-layers", "2"])
+    """Megatron-LM's meaning: the recorded flags fill those not given (no --num-layers
+    needed), a given size stays, the forced ones (query groups, rotary) are the
+    checkpoint's."""
+    saved = parse_args(["--model-preset", "tiny", "--num-layers", "2", "--num-query-groups",
+                        "2", "--rotary-base", "500000"])
     saver = CheckpointSaver(str(tmp_path), MODEL, async_save=False)
     saver.save(1, owned(1), {"args": saved.flags()})
     saver.close()
-    run = parse_args(["--model-preset", "tiny", "--num-layers", "6", "--load", str(tmp_path),
-                      "--use-checkpoint-args"])
-    assert checkpoint_model_flags(run).model.num_layers == 2
-    assert checkpoint_model_flags(run.evolve(checkpointing={"use_checkpoint_args": False})
-                                  ).model.num_layers == 6
+    load = ["--load", str(tmp_path), "--use-checkpoint-args"]
+    alone = parse_args(load).model
+    assert (alone.num_layers, alone.hidden_size, alone.num_query_groups, alone.rotary_base) \
+        == (2, saved.model.hidden_size, 2, 500000)
+    given = parse_args([*load, "--num-layers", "6", "--num-query-groups", "4"]).model
+    assert (given.num_layers, given.num_query_groups) == (6, 2)
+    assert parse_args(["--model-preset", "tiny", "--load", str(tmp_path)]).model.num_layers \
+        == get_preset("tiny").num_layers
 
 
 @pytest.mark.parametrize("argv,fragment", [

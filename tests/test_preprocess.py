@@ -240,13 +240,15 @@ def megatron_flags(kind, files):
 
 def megatron_tokenizer(kind, files):
     """The tokenizer Megatron-LM 0.16's preprocess_data.py builds (megatron.core's
-    build_tokenizer); GPT2BPETokenizer: the published GPT-2 BPE (Megatron's own asks the hub)."""
+    build_tokenizer); GPT2BPETokenizer: the published GPT-2 BPE (Megatron's own asks the hub);
+    NullTokenizer: 0.19's (--vocab-size N: N ids, the end of document N-1), which is 0.16's
+    built with N-1 (0.16: N ids plus the end of document N)."""
     if kind == "GPT2BPETokenizer":
         return ReferenceGPT2(files.gpt2_vocab, files.gpt2_merges)
     model = {"HuggingFaceTokenizer": files.hf_dir, "NullTokenizer": None}.get(kind, files.sp_model)
     args = argparse.Namespace(
         tokenizer_type=kind, tokenizer_model=model, vocab_file=None, merge_file=None,
-        vocab_size=50, tokenizer_special_tokens=None, tokenizer_sentencepiece_legacy=False,
+        vocab_size=50 - 1 if kind == "NullTokenizer" else 50, tokenizer_special_tokens=None, tokenizer_sentencepiece_legacy=False,
         tokenizer_hf_use_fast=False, trust_remote_code=False,
         tokenizer_hf_include_special_tokens=False, tokenizer_metadata=None)
     return build_megatron_tokenizer(args)

@@ -36,14 +36,15 @@ def tokenizer_flags(kind, files):
 
 
 def expected_vocabulary(kind, files):
-    """The tokenizer's own size, read with its library (NullTokenizer: N ids plus eod)."""
+    """The tokenizer's own size, read with its library (NullTokenizer: Megatron-LM 0.19's
+    N ids, the last the end of document)."""
     if kind == "HuggingFaceTokenizer":
         return len(AutoTokenizer.from_pretrained(files.hf_dir))
     if kind == "GPT2BPETokenizer":
         with open(files.gpt2_vocab) as f:
             return len(json.load(f))
     if kind == "NullTokenizer":
-        return NULL_VOCAB + 1
+        return NULL_VOCAB
     return sentencepiece.SentencePieceProcessor(model_file=files.sp_model).get_piece_size()
 
 
@@ -128,4 +129,4 @@ def test_null_tokenizer_data_with_ids_beyond_vocab_size_is_refused(tmp_path, cap
     assert exc.value.code == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith("pretrain_llama.py: error: --data-path ")
-    assert "token id 90 does not fit the tokenizer's vocabulary of 51" in last
+    assert "token id 90 does not fit the tokenizer's vocabulary of 50" in last

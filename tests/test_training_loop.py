@@ -131,7 +131,7 @@ def test_loading_a_checkpoint_of_another_model_names_both_values(tmp_path):
         tensors = {prefix + "decoder.final_layernorm.weight": torch.ones(4)
                    for prefix in (MASTER, EXP_AVG, EXP_AVG_SQ)}
         saver.save(3, OwnedState(tensors, optimizer_step=3, loss_scaler=None),
-                   {"args": saved.flags(),
+                   {"args": saved.flags(), "lr_schedule": {"num_steps": 3},
                     "consumed_samples": 3 * saved.training.global_batch_size})
         saver.close()
     finally:

@@ -136,9 +136,14 @@ def _model_config(common: dict, tensors: dict[str, torch.Tensor]) -> LlamaConfig
             ffn_hidden_size=a["ffn_hidden_size"], num_attention_heads=a["num_attention_heads"],
             num_query_groups=a["num_query_groups"] or a["num_attention_heads"],
             vocab_size=tensors["embedding.word_embeddings.weight"].shape[0],
-            seq_length=a["seq_length"])
+            seq_length=a["seq_length"], kv_channels=a.get("kv_channels"),
+            rope_base=float(a.get("rotary_base") or 10000),
+            rotary_percent=a.get("rotary_percent") or 1.0,
+            norm_epsilon=a.get("norm_epsilon") or 1e-5)
     except KeyError as exc:
-        raise ConversionError(f"the checkpoint's common.pt names no {exc.args[0]}") from None
+        # ours and Megatron-LM <= 0.18 keep it in common.pt, 0.19 in its `common_state`
+        raise ConversionError(f"the checkpoint's common state (its args) names no "
+                              f"{exc.args[0]}") from None
 
 
 def _shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:

@@ -59,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer's vocab.json")
     g.add_argument("--merge-file", default=None, help="GPT2BPETokenizer's merges.txt")
     g.add_argument("--vocab-size", type=int, default=None,
-                   help="NullTokenizer: ids 0..N-1 in the text, N the end of document")
+                   help="NullTokenizer: ids 0..N-1 in the text, N-1 the end of document "
+                        "(Megatron-LM 0.19)")
     g.add_argument("--tokenizer-hf-use-fast", action="store_true",
                    help="HuggingFaceTokenizer: the fast tokenizer where a slow one exists")
     g.add_argument("--tokenizer-hf-include-special-tokens", action="store_true",

@@ -241,7 +241,7 @@ def _check_tokenizer(run: RunConfig) -> None:
                           "--mock-data (the built-in demo corpus has its own tokenizer)")
     if d.tokenizer_type == "NullTokenizer" and run.model.vocab_size is None:
         raise ConfigError("--vocab-size", "missing", "NullTokenizer needs --vocab-size N "
-                          "(ids 0..N-1 given in the data, N the end of document)")
+                          "(ids 0..N-1 given in the data, N-1 the end of document)")
 
 
 def _check_parallel(run: RunConfig) -> None:

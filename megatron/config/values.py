@@ -11,8 +11,10 @@ from megatron.config.errors import ConfigError
 
 def parse_split(text: str) -> tuple[float, float, float]:
     """Megatron's --split: up to three non-negative weights (missing ones are 0), not all 0;
-    commas or slashes between them."""
-    parts = text.replace("/", ",").split(",")
+    commas or slashes between them. Quotes around them are ignored, as Megatron's parser
+    (which reads only the numbers) ignores them: its launch scripts write "--split '99,1,0'"
+    inside a bash array, and the quotes reach the program."""
+    parts = text.strip().strip("'\"").replace("/", ",").split(",")
     try:
         weights = [float(x) for x in parts]
     except ValueError:

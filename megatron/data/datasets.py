@@ -91,15 +91,21 @@ def build_datasets(
         path_to_cache=index_dir,
     )
 
+    return _build_cached(SplitGPTDataset, sizes, config, index_dir)
+
+
+def _build_cached(dataset_class: type, sizes: list[int], config: GPTDatasetConfig,
+                  index_dir: str) -> list:
+    """megatron-core's builder, its indices cached in `index_dir`. Collective under
+    torch.distributed: rank 0 builds under a file lock, the others read after megatron's
+    barrier (so the lock never spans a collective they must join)."""
     def build() -> list:
-        return BlendedMegatronDatasetBuilder(SplitGPTDataset, sizes, lambda: True,
+        return BlendedMegatronDatasetBuilder(dataset_class, sizes, lambda: True,
                                              config).build()
 
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     if distributed and torch.distributed.get_rank() != 0:
         return build()
-    # Rank 0 (or every process without torch.distributed) builds under the lock; the other
-    # ranks wait in megatron's barrier, so the lock never spans a collective they must join.
     with file_lock(index_dir + ".lock"):
         try:
             return build()
@@ -146,17 +152,21 @@ class SplitGPTDataset(GPTDataset):
                 "--eval-iters), or more data")
 
 
-def build_mock_datasets(tokenizer, seq_length: int, sizes: list[int], seed: int) -> list:
+def build_mock_datasets(tokenizer, seq_length: int, sizes: list[int], seed: int,
+                        cache_dir: str | None = None) -> list:
     """megatron-core's MockGPTDataset for train, validation and test (--mock-data): synthetic
     sequences over the tokenizer's vocabulary with its end of document, split evenly as
-    megatron-core splits mock data."""
+    megatron-core splits mock data. Its indices are cached under `cache_dir`
+    (--data-cache-path, as Megatron does; default: default_cache_dir())."""
     from megatron.core.datasets.gpt_dataset import MockGPTDataset
 
+    index_dir = os.path.join(cache_dir or default_cache_dir(), "gpt-index", "mock")
     config = GPTDatasetConfig(random_seed=seed, sequence_length=seq_length, blend=None,
                               blend_per_split=None, tokenizer=tokenizer,
                               reset_position_ids=False, reset_attention_mask=False,
-                              eod_mask_loss=False, create_attention_mask=False)
-    return BlendedMegatronDatasetBuilder(MockGPTDataset, sizes, lambda: True, config).build()
+                              eod_mask_loss=False, create_attention_mask=False,
+                              path_to_cache=index_dir)
+    return _build_cached(MockGPTDataset, sizes, config, index_dir)
 
 
 def _index_cache_dir(data_prefixes: str, cache_dir: str | None) -> str:

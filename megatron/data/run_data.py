@@ -36,8 +36,8 @@ class Datasets:
 class RunData:
     tokenizer: HFTokenizer | TypedTokenizer
     datasets: Datasets
-    # the model's rows: --vocab-size or the tokenizer's (NullTokenizer: --vocab-size + 1),
-    # padded as Megatron pads them
+    # the model's rows: --vocab-size or the tokenizer's (NullTokenizer: --vocab-size), padded
+    # as Megatron pads them
     vocab_size: int
 
 
@@ -56,7 +56,7 @@ def prepare_data(run: RunConfig, log: Callable[[str], object] = print) -> RunDat
     log(f"tokenizer: {d.tokenizer_type or 'tokenizer JSON'} "
         f"({tokenizer_path or d.vocab_file or 'no files'}), vocabulary {tokenizer.vocab_size}, "
         f"end of document {tokenizer.eod}")
-    # Megatron's NullTokenizer reads --vocab-size as its own size (ids 0..N-1, eod N).
+    # Megatron's NullTokenizer reads --vocab-size as its own size (0.19: ids 0..N-1, eod N-1).
     vocab = (tokenizer.vocab_size if d.tokenizer_type == "NullTokenizer"
              else run.model.vocab_size or tokenizer.vocab_size)
     if vocab < tokenizer.vocab_size:
@@ -67,7 +67,8 @@ def prepare_data(run: RunConfig, log: Callable[[str], object] = print) -> RunDat
     try:
         if d.mock_data:
             train_ds, valid_ds, test_ds = build_mock_datasets(
-                tokenizer, run.model.seq_length, run.split_sizes, run.training.seed)
+                tokenizer, run.model.seq_length, run.split_sizes, run.training.seed,
+                cache_dir=d.data_cache_dir)
         else:
             train_ds, valid_ds, test_ds = build_datasets(
                 blend, tokenizer, run.model.seq_length, run.split_sizes, run.training.seed,

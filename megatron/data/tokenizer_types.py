@@ -1,4 +1,4 @@
-"""Megatron-LM's tokenizers by their `--tokenizer-type` names, with Megatron-LM 0.16's
+"""Megatron-LM's tokenizers by their `--tokenizer-type` names, with Megatron-LM 0.19's
 meanings (the `megatron.core.tokenizers` system its tools/preprocess_data.py uses by
 default), all read from local files:
 
@@ -8,7 +8,7 @@ default), all read from local files:
 | Llama2Tokenizer | --tokenizer-model SentencePiece .model | no BOS (BOS first with --legacy-tokenizer) | eos_id | pieces |
 | GPTSentencePieceTokenizer | --tokenizer-model SentencePiece .model | no BOS | eos_id | pieces |
 | GPT2BPETokenizer | --vocab-file vocab.json, --merge-file merges.txt | GPT-2 byte-level BPE | <|endoftext|> | entries of vocab.json |
-| NullTokenizer | --vocab-size N | the integers of the text ("5 17 3") | N | N + 1 |
+| NullTokenizer | --vocab-size N | the integers of the text ("5 17 3") | N - 1 | N (0.16: eod N, N + 1) |
 
 A wrong combination raises TokenizerFlagError naming the flag, the value and what was
 expected; nothing is ever downloaded.
@@ -55,7 +55,7 @@ class TokenizerSpec:
     tokenizer_model: str | None = None
     vocab_file: str | None = None
     merge_file: str | None = None
-    vocab_size: int | None = None  # NullTokenizer: ids 0..N-1, eod N
+    vocab_size: int | None = None  # NullTokenizer: ids 0..N-1, eod N-1 (Megatron 0.19)
     tokenizer_hf_use_fast: bool = False
     tokenizer_hf_include_special_tokens: bool = False
     legacy_tokenizer: bool = False
@@ -193,8 +193,8 @@ class _GPT2BPE(TypedTokenizer):
 
 class _Null(TypedTokenizer):
     def __init__(self, spec: TokenizerSpec) -> None:
-        n = int(spec.vocab_size)
-        super().__init__(spec.tokenizer_type, [], n + 1, n, None)
+        n = int(spec.vocab_size)  # Megatron-LM 0.19: N ids, the last the end of document
+        super().__init__(spec.tokenizer_type, [], n, n - 1, None)
         self._content_hash = f"null-{n}"
 
     def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
@@ -210,7 +210,8 @@ class _Null(TypedTokenizer):
             if bad:
                 raise TokenizerError(
                     f"NullTokenizer: token id {bad[0]} is outside the vocabulary 0.."
-                    f"{self._vocab_size - 1} (--vocab-size {self._vocab_size - 1} plus eod)")
+                    f"{self._vocab_size - 1} (--vocab-size {self._vocab_size}, the last id "
+                    "the end of document)")
             out.append(ids)
         return out
 
@@ -225,10 +226,10 @@ def build_typed_tokenizer(spec: TokenizerSpec) -> TypedTokenizer:
     if problem:
         raise TokenizerFlagError("--tokenizer-type", kind, problem)
     if kind == "NullTokenizer":
-        if spec.vocab_size is None or spec.vocab_size < 1:
+        if spec.vocab_size is None or spec.vocab_size < 2:
             raise TokenizerFlagError("--vocab-size", spec.vocab_size or "missing",
-                                     "NullTokenizer needs --vocab-size N >= 1 (ids 0..N-1 in "
-                                     "the data, N is the end of document)")
+                                     "NullTokenizer needs --vocab-size N >= 2 (ids 0..N-1 in "
+                                     "the data, N-1 the end of document)")
         return _Null(spec)
     if kind == "GPT2BPETokenizer":
         return _build_gpt2(spec)

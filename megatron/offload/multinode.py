@@ -32,12 +32,14 @@ def push_parameters(
 
 
 def receive_parameters(
-    segment: SharedSegment, src_rank: int, group: dist.ProcessGroup | None = None
+    segment: SharedSegment, src_rank: int, group: dist.ProcessGroup | None = None,
+    republish: bool = False,
 ) -> int:
-    """Receive a pushed version into `segment` (a local replica) and publish it."""
+    """Receive a pushed version into `segment` (a local replica) and publish it
+    (`republish`: the version it holds, see SharedSegment.publish)."""
     version = torch.empty(1, dtype=torch.int64)
     dist.recv(version, src_rank, group=group)
     segment.begin_write()
     dist.recv(segment.params.view(torch.uint8), src_rank, group=group)
-    segment.publish(int(version.item()))
+    segment.publish(int(version.item()), republish)
     return int(version.item())

@@ -170,19 +170,20 @@ class SharedSegment:
         """Mark the parameters as being rewritten (readers wait until `publish`)."""
         self._set("writing", 1)
 
-    def publish(self, version: int) -> None:
-        """Make the written parameters visible as `version` (must increase)."""
+    def publish(self, version: int, republish: bool = False) -> None:
+        """Make the written parameters visible as `version` (must increase; `republish`:
+        or stay, for a checkpoint loaded over version 0 before training reads it)."""
         current = self.version
-        if version <= current:
+        if version < current or (version == current and not republish):
             raise ValueError(f"publish(version={version}) on {self.name}: already at {current}")
         self._set("version", version)
         self._set("writing", 0)
 
-    def write(self, flat: torch.Tensor, version: int) -> None:
+    def write(self, flat: torch.Tensor, version: int, republish: bool = False) -> None:
         """Copy `flat` into the segment and publish it as `version`."""
         self.begin_write()
         self.params.copy_(flat.reshape(-1))
-        self.publish(version)
+        self.publish(version, republish)
 
     def wait_version(self, min_version: int, timeout_s: float = 60.0) -> int:
         """Block until a version >= `min_version` is published; returns that version."""

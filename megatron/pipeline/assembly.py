@@ -347,9 +347,10 @@ class Pipeline:
         dist.all_gather_object(gathered, events, group=self.groups.pipeline)
         return [e for rank_events in gathered for e in rank_events]
 
-    def _publish_shards(self, iteration: int) -> None:
+    def _publish_shards(self, iteration: int, republish: bool = False) -> None:
         publish_shards([owner.segment for owner in self.owned.values()], iteration,
-                       self.groups.data_parallel, first=self.layout.data_parallel_rank == 0)
+                       self.groups.data_parallel, first=self.layout.data_parallel_rank == 0,
+                       republish=republish)
 
     # --- state -------------------------------------------------------------------------
 
@@ -378,17 +379,24 @@ class Pipeline:
         self.views.restore(optimizer_step)
         if speculation is not None:
             self.optimizer.load_state_dict(speculation)
+        # --finetune restores at iteration 0, the version the segments were created with:
+        # its weights replace version 0's before any process reads them (the barrier)
+        republish = iteration == self.last_iteration
         self.last_iteration = iteration
         if self.reducer is None:
             for owner in self.owned.values():
-                owner.segment.write(owner.master(self.cpu_adam), version=iteration)
+                owner.segment.write(owner.master(self.cpu_adam), version=iteration,
+                                    republish=republish)
         else:
             for owner in self.owned.values():
                 if owner.writes_segment:
                     lo, hi = owner.shard
                     owner.segment.params[lo:hi].copy_(owner.master(self.cpu_adam))
-            self._publish_shards(iteration)
-        self.distributor.distribute(iteration)
+            self._publish_shards(iteration, republish)
+        self.distributor.distribute(iteration, republish)
+        if republish:
+            self.distributor.drain()
+            dist.barrier(group=self.host_group)
 
     def _host_memory(self) -> dict:
         """Host memory this process holds for the optimizer (fp32 master, m, v) and

@@ -91,14 +91,15 @@ class ParameterDistributor:
                                             name="param-distribution", daemon=True)
             self._thread.start()
 
-    def distribute(self, version: int) -> None:
-        """Queue the pushes of `version` of every stage (each once its owner publishes it)."""
+    def distribute(self, version: int, republish: bool = False) -> None:
+        """Queue the pushes of `version` of every stage (each once its owner publishes it;
+        `republish`: the version the replicas hold, rewritten by a checkpoint load)."""
         self._raise_failure()
         if self._thread is None:
             return
         with self._done:
             self._pending += 1
-        self._queue.put(version)
+        self._queue.put((version, republish))
 
     def drain(self) -> None:
         with self._done:
@@ -126,18 +127,18 @@ class ParameterDistributor:
     def _run(self, thread_setup: Callable[[], None] | None) -> None:
         if thread_setup is not None:
             thread_setup()
-        while (version := self._queue.get()) is not None:
+        while (item := self._queue.get()) is not None:
             try:
                 if self._error is None:
                     for replica in self.mine:
-                        self._move(replica, version)
+                        self._move(replica, *item)
             except BaseException as exc:  # reported to the main thread by drain/distribute
                 self._error = exc
             with self._done:
                 self._pending -= 1
                 self._done.notify_all()
 
-    def _move(self, replica: Replica, version: int) -> None:
+    def _move(self, replica: Replica, version: int, republish: bool = False) -> None:
         segment = self.store.get(replica.backward_stage)
         sent = self.rank == replica.owner
         if sent:
@@ -148,7 +149,7 @@ class ParameterDistributor:
             push_parameters(segment, list(replica.holders), group=self.group, version=version)
         else:
             start = time.perf_counter()
-            receive_parameters(segment, replica.owner, group=self.group)
+            receive_parameters(segment, replica.owner, group=self.group, republish=republish)
         with self._lock:
             self.transfers.append(Transfer(replica.backward_stage, version, sent, start,
                                            time.perf_counter()))

@@ -114,11 +114,12 @@ class GradientReducer:
 
 
 def publish_shards(segments: Iterable[SharedSegment], iteration: int,
-                   group: dist.ProcessGroup | None, first: bool) -> None:
+                   group: dist.ProcessGroup | None, first: bool,
+                   republish: bool = False) -> None:
     """The replicas of a pipeline rank wrote their shards of its stages into the node's
     `segments`: once all are in (a barrier of the data-parallel group), the first replica
     publishes each one's version."""
     dist.barrier(group=group)
     if first:
         for segment in segments:
-            segment.publish(iteration)
+            segment.publish(iteration, republish)

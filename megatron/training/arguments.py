@@ -211,7 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "with --tokenizer-type: a Hugging Face directory or a SentencePiece model")
     g.add_argument("--tokenizer-type", default=None, metavar="|".join(TOKENIZER_TYPES),
                    help="Megatron's tokenizer names; the model's vocabulary is the tokenizer's "
-                        "(NullTokenizer: --vocab-size N ids plus an end of document)")
+                        "(NullTokenizer: --vocab-size N ids, the last the end of document, as "
+                        "Megatron-LM 0.19)")
     g.add_argument("--vocab-file", default=None, metavar="PATH",
                    help="GPT2BPETokenizer's vocab.json")
     g.add_argument("--merge-file", default=None, metavar="PATH",
@@ -551,10 +552,37 @@ def parse_args(argv: Sequence[str] | None = None) -> RunConfig:
             raise ConfigError(*_unknown_flags(parser, unknown))
         given = _given(parser, argv)
         check_design_flags(vars(args))
+        if args.use_checkpoint_args and args.load:
+            _take_checkpoint_args(args)
         _apply_preset_and_defaults(args, given)
         return RunConfig.from_flags(vars(args))
     except ConfigError as exc:
         exit_bad_input(exc)
+
+
+def _take_checkpoint_args(args: argparse.Namespace) -> None:
+    """--use-checkpoint-args, as Megatron-LM reads it before checking the flags: the model
+    flags --load's checkpoint recorded fill those not given (some replace them)."""
+    from megatron.training.checkpointing import (
+        FORCED_CHECKPOINT_ARGS,
+        CheckpointError,
+        checkpoint_args,
+        reading_checkpoint,
+    )
+
+    try:
+        with reading_checkpoint(args.load):  # an unreadable one: one line, not a traceback
+            saved = checkpoint_args(args.load)
+    except CheckpointError as exc:
+        raise ConfigError("--load", args.load, str(exc)) from None
+    if saved is None:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"--use-checkpoint-args: no checkpoint in {args.load}; the model flags "
+                  "given apply", flush=True)
+        return
+    for name, value in saved.items():
+        if name in FORCED_CHECKPOINT_ARGS or getattr(args, name) is None:
+            setattr(args, name, value)
 
 
 def _given(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[str]:

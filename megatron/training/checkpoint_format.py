@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import types
 import zlib
+from typing import IO, Any
 
 import torch
 import torch.distributed as dist
@@ -27,6 +29,41 @@ MiB = 2**20
 
 class CheckpointError(ValueError):
     """A checkpoint or its tracker is missing, unreadable or does not fit this run."""
+
+
+class _Unresolved:
+    """Stands for a class the saving program had and this one lacks (megatron-core 0.19's
+    enums in Megatron-LM's args, read with 0.16): keeps what it was built from."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.args, self.kwargs = args, kwargs
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__qualname__}{self.args or ''}>"
+
+
+class _TolerantUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        try:
+            return super().find_class(module, name)
+        except (AttributeError, ImportError):
+            return type(f"{module}.{name}", (_Unresolved,), {})
+
+
+TOLERANT_PICKLE = types.ModuleType("tolerant_pickle")  # a pickle_module for torch.load
+TOLERANT_PICKLE.Unpickler = _TolerantUnpickler
+TOLERANT_PICKLE.load = lambda f, **kw: _TolerantUnpickler(f, **kw).load()
+
+
+def load_common_state(source: str | IO[bytes]) -> Any:
+    """torch.load of a common state (common.pt, or megatron-core 0.19's `common_state`
+    bytes) that another megatron-core version wrote: a class this version lacks (an enum
+    among Megatron-LM's args) loads as a stand-in instead of failing the whole load."""
+    return torch.load(source, map_location="cpu", weights_only=False,
+                      pickle_module=TOLERANT_PICKLE)
 
 
 def split_key(key: str) -> tuple[str, str]:
@@ -78,16 +115,35 @@ def saved_args(common: dict | None) -> dict:
     return args
 
 
+# This design's architecture as Megatron-LM's flags: what its --use-checkpoint-args
+# (load_args_from_checkpoint) reads to rebuild the model, with the values that name it.
+MEGATRON_ARCHITECTURE = {
+    "swiglu": True, "normalization": "RMSNorm", "position_embedding_type": "rope",
+    "add_position_embedding": False, "use_rotary_position_embeddings": True,
+    "rotary_interleaved": False, "untie_embeddings_and_output_weights": True,
+    "add_bias_linear": False, "disable_bias_linear": True, "add_qkv_bias": False,
+    "squared_relu": False, "apply_layernorm_1p": False,
+    "apply_query_key_layer_scaling": False, "num_experts": None, "mtp_num_layers": None,
+    "spec": None, "ckpt_format": "torch_dist", "use_legacy_models": False,
+    "tensor_model_parallel_size": 1, "context_parallel_size": 1,
+    "expert_model_parallel_size": 1, "virtual_pipeline_model_parallel_size": None,
+}
+
+
 def megatron_common(common: dict, iteration: int) -> dict:
     """Megatron's common-state keys beside ours: `args` as a namespace (Megatron-LM reads
-    it with getattr), `checkpoint_version`, and `opt_param_scheduler` (both schedulers
-    count samples)."""
+    it with getattr) with the architecture spelled as its flags, `checkpoint_version`, and
+    `opt_param_scheduler` (both schedulers count samples)."""
     flags = saved_args(common)
     global_batch_size = flags.get("global_batch_size") or 1
+    heads = flags.get("num_attention_heads")
     args = types.SimpleNamespace(**{
-        "max_position_embeddings": flags.get("seq_length"), **flags,
+        "max_position_embeddings": flags.get("seq_length"), **flags, **MEGATRON_ARCHITECTURE,
+        "kv_channels": flags.get("kv_channels") or (
+            flags["hidden_size"] // heads if heads and flags.get("hidden_size") else None),
+        "pipeline_model_parallel_size": flags.get("pipeline_model_parallel_size") or 1,
         "padded_vocab_size": common.get("padded_vocab_size", flags.get("vocab_size")),
-        "tensor_model_parallel_size": 1, "group_query_attention": True,
+        "group_query_attention": True,
         "consumed_train_samples": common.get("consumed_samples",
                                              iteration * global_batch_size),
         "consumed_valid_samples": 0})

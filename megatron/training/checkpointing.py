@@ -7,6 +7,11 @@ written without stopping.
     DIR/iter_NNNNNNN/__R_0.distcp              the tensors rank R owned when saving
     DIR/iter_NNNNNNN/common.pt                 iteration, LR schedule, data position, ...
 
+megatron-core 0.19 keeps that common state inside the torch_dist files instead (one object
+under the key `common_state`) and writes no common.pt; it still reads a common.pt first when
+there is one. So a checkpoint of ours carries both (0.16 to 0.18 read common.pt, releases
+that drop it read `common_state`), and a load reads whichever it finds.
+
 Every tensor is a chunk of a global tensor under megatron-core's key, at the offset
 `GPTModel.sharded_state_dict()` gives it (checkpoint_layout: stacked decoder layers), so
 megatron-core's `dist_checkpointing.load` opens the model, and any process of any pipeline
@@ -27,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import glob
+import io
 import json
 import os
 import re
@@ -44,7 +50,6 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron.common.files import atomic_write, leftover_temporaries
 from megatron.common.meminfo import available_host_memory
-from megatron.config.errors import ConfigError
 from megatron.config.model import MODEL_FIELDS
 from megatron.config.run import RunConfig
 from megatron.models.llama import LlamaConfig
@@ -56,6 +61,7 @@ from megatron.training.checkpoint_format import (
     OPTIMIZER_KEYS,
     CheckpointError,
     file_checksum,
+    load_common_state,
     megatron_common,
     owned_key,
     saved_args,
@@ -71,6 +77,7 @@ from megatron.training.train_step import TrainStep
 
 TRACKER = "latest_checkpointed_iteration.txt"
 COMMON = "common.pt"
+COMMON_STATE = "common_state"  # megatron-core 0.19's key of the common state in the DCP files
 METADATA = ".metadata"
 MCORE_CONFIG = "metadata.json"  # megatron-core's marker of a distributed checkpoint
 # 1: plain DCP with `model.NAME` keys; 2: torch_dist; 3: the LR schedule counts samples
@@ -137,7 +144,10 @@ def _complete_iterations(root: str) -> list[int]:
     for entry in os.listdir(root) if os.path.isdir(root) else ():
         match = ITERATION_DIR.match(entry)
         path = os.path.join(root, entry)
-        if match and os.path.exists(os.path.join(path, COMMON)) and is_iteration_dir(path):
+        # committed: common.pt (ours, megatron-core <= 0.18) or metadata.json, which
+        # megatron-core (0.19: no common.pt) writes once every file is in
+        complete = os.path.exists(os.path.join(path, COMMON)) or is_mcore_checkpoint(path)
+        if match and complete and is_iteration_dir(path):
             found.append(int(match.group(1)))
     return sorted(found)
 
@@ -308,6 +318,7 @@ class CheckpointSaver:
             self._error = exc
 
     def _write(self, iteration: int, tensors: dict[str, torch.Tensor], common: dict) -> None:
+        from megatron.core.dist_checkpointing import ShardedObject
         from megatron.core.dist_checkpointing.strategies.torch import (
             MCoreSavePlanner,
             _replace_state_dict_keys_with_sharded_keys,
@@ -320,6 +331,9 @@ class CheckpointSaver:
         # writer thread's collectives must not meet training's): one copy of what several
         # data-parallel replicas hold (keep_only_main_replica), chunks at their offsets.
         sharded = sharded_state(self.model, tensors)
+        # megatron-core 0.19's place of the common state (rank 0's copy is the one kept)
+        sharded[COMMON_STATE] = ShardedObject(COMMON_STATE, common, (1,), (0,),
+                                              replica_id=self.rank)
         flat, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded,
                                                                 keep_only_main_replica=True)
         dcp.save(mcore_to_pyt_state_dict(flat, False),
@@ -419,14 +433,51 @@ def checkpoint_metadata(directory: str):
 
 
 def read_common(directory: str) -> dict:
-    """common.pt (a dist_checkpointing.save of a model alone may have none: empty)."""
+    """The common state: common.pt where there is one (ours; megatron-core up to 0.18, and
+    0.19 reads it first too), else megatron-core 0.19's `common_state` object inside the
+    torch_dist files; empty when there is neither (a dist_checkpointing.save of a model
+    alone)."""
     path = os.path.join(directory, COMMON)
     if not os.path.exists(path) and is_mcore_checkpoint(directory):
-        return {}
+        return _read_common_state(directory)
     try:
-        return torch.load(path, map_location="cpu", weights_only=False)
+        return load_common_state(path)
     except Exception as exc:
         raise CheckpointError(f"{path}: unreadable checkpoint ({exc})") from None
+
+
+def _read_common_state(directory: str) -> dict:
+    """megatron-core 0.19's common state: a ShardedObject `common_state` of one shard, the
+    torch.save bytes of a one-element list ([state]); {} when the checkpoint has none."""
+    metadata = checkpoint_metadata(directory).state_dict_metadata
+    keys = [k for k in metadata if k.split("/")[0] == COMMON_STATE]
+    if not keys:
+        return {}
+    planner = _RawBytesPlanner(flatten_state_dict=False)
+    try:
+        dcp.load({keys[0]: None}, storage_reader=dcp.FileSystemReader(directory),
+                 planner=planner, no_dist=True)
+        loaded = load_common_state(io.BytesIO(planner.objects[keys[0]]))
+    except Exception as exc:
+        raise CheckpointError(f"{directory}: its {COMMON_STATE} (megatron-core 0.19's "
+                              f"common state) is unreadable ({first_line(exc)})") from None
+    state = loaded[0] if isinstance(loaded, list) and loaded else loaded
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{directory}: its {COMMON_STATE} holds a "
+                              f"{type(state).__name__}; expected megatron-core's common "
+                              "state (a dict)")
+    return state
+
+
+class _RawBytesPlanner(dcp.DefaultLoadPlanner):
+    """Hands over a stored object's bytes as they are (the default planner unpickles them
+    itself, and fails on a class this program lacks)."""
+
+    objects: dict[str, bytes]
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        self.objects = {**getattr(self, "objects", {}), read_item.dest_index.fqn:
+                        value.getvalue()}
 
 
 def load_tensors(directory: str, wanted: dict[str, torch.Tensor],
@@ -564,6 +615,26 @@ def inspect_checkpoint(root: str, log: Callable[[str], Any] = print
     return directory, metadata, read_common(directory)
 
 
+def unresumable(common: dict) -> str:
+    """What of the iteration, LR schedule and data position a checkpoint's common state
+    lacks ('' when it has all three). Ours count the data position in iterations of
+    the global batch, which the args record; Megatron's record the samples consumed; a
+    checkpoint at iteration 0 (a converted or released model) has no schedule to resume."""
+    if "iteration" not in common:
+        return "iteration (no common state: neither common.pt nor megatron-core's " \
+               f"{COMMON_STATE})" if not common else "iteration"
+    if int(common["iteration"]) == 0:
+        return ""
+    missing = []
+    if not any(k in common for k in ("lr_schedule", "opt_param_scheduler")):
+        missing.append("LR scheduler state")
+    args = saved_args(common)
+    if "consumed_samples" not in common and "consumed_train_samples" not in args and not (
+            "format_version" in common and args.get("global_batch_size")):
+        missing.append("data position (consumed samples)")
+    return " or ".join(missing)
+
+
 def check_resumable(run: RunConfig, log: Callable[[str], Any] = print) -> dict | None:
     """--load's checkpoint, checked before anything is built: readable, its files as
     saved (checksums; collective), and saved with this run's --global-batch-size (the
@@ -578,7 +649,12 @@ def check_resumable(run: RunConfig, log: Callable[[str], Any] = print) -> dict |
     if c.finetune:
         return found[2]
     common = found[2]
-    iteration = int(common.get("iteration", 0))
+    missing = unresumable(common)
+    if missing:
+        raise CheckpointError(f"--load {c.load}: {found[0]} records no {missing}, so training "
+                              "cannot continue where it stopped; --finetune starts from its "
+                              "weights at iteration 0")
+    iteration = int(common["iteration"])
     if iteration < 0:
         raise CheckpointError(f"--load {c.load}: {found[0]} records iteration {iteration}; "
                               "expected an iteration >= 0 (a damaged checkpoint)")
@@ -593,22 +669,26 @@ def check_resumable(run: RunConfig, log: Callable[[str], Any] = print) -> dict |
     return common
 
 
-def checkpoint_model_flags(run: RunConfig, log: Callable[[str], Any] = print) -> RunConfig:
-    """--use-checkpoint-args: the model shape flags of --load's checkpoint replace this
-    run's (Megatron's meaning); without a checkpoint the run's own flags stay."""
-    c = run.checkpointing
-    if not (c.use_checkpoint_args and c.load and os.path.exists(c.load)):
-        return run
-    found = inspect_checkpoint(c.load, lambda _: None)
+# Megatron-LM's load_args_from_checkpoint: the forced flags replace the run's, the others
+# fill only the flags not given
+FORCED_CHECKPOINT_ARGS = ("num_query_groups", "rotary_base", "rotary_percent",
+                          "attention_dropout", "hidden_dropout")
+CHECKPOINT_ARGS = (*MODEL_FIELDS, "kv_channels", "max_position_embeddings",
+                   *FORCED_CHECKPOINT_ARGS)
+
+
+def checkpoint_args(load: str) -> dict | None:
+    """--use-checkpoint-args: the model flags the checkpoint --load means recorded, by
+    argparse name (ours or Megatron-LM's, any version); None when `load` holds none."""
+    found = inspect_checkpoint(load, lambda _: None) if os.path.isdir(load) else None
     if found is None:
-        log(f"--use-checkpoint-args: no checkpoint in {c.load}; the model flags given apply")
-        return run
+        return None
     args = saved_args(found[2])
-    changes = {f: args[f] for f in MODEL_FIELDS if args.get(f) is not None}
-    if not changes:
-        raise ConfigError("--use-checkpoint-args", True,
-                          f"a checkpoint that records its model flags ({found[0]} has no args)")
-    return run.evolve(model={**changes, "name": "custom"})
+    values = {f: args[f] for f in CHECKPOINT_ARGS if args.get(f) is not None}
+    if not values:
+        raise CheckpointError(f"--use-checkpoint-args: {found[0]} records no model flags "
+                              "(no args in its common state); give the model flags")
+    return values
 
 
 def load_checkpoint(root: str, owned: OwnedState, model: LlamaConfig, *,

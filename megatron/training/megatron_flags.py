@@ -112,6 +112,14 @@ DESIGN_SWITCHES = {
     "--grad-reduce-in-bf16": "accepted; gradients are reduced in fp32 in host memory",
     "--calculate-per-token-loss": "equal to the per-micro-batch mean here: every sample has "
                                   "seq-length loss tokens",
+    "--no-check-for-nan-in-loss-and-grad": "accepted; a non-finite gradient skips the "
+                                           "iteration here either way (Megatron stops)",
+    "--init-model-with-meta-device": "accepted; the model is built once, in host memory",
+    "--use-nccl-ub": "NCCL user buffers (Megatron-FSDP): no effect here",
+    "--fsdp-double-buffer": "Megatron-FSDP buffer tuning: no effect here",
+    "--fsdp-manual-registration": "Megatron-FSDP buffer tuning: no effect here",
+    "--record-memory-history": "accepted; no CUDA memory history is recorded (--trace "
+                               "records the last iteration)",
 }
 
 # Megatron flags with a value that only tunes the runtime: accepted, no effect.
@@ -120,14 +128,28 @@ TUNING_VALUES = {
     "--empty-unused-memory-level": (int, 0, "accepted; device memory is released per "
                                              "instruction"),
     "--tiktoken-pattern": (str, None, "only read by TikTokenizer (not supported)"),
+    # FP8 recipe details: Megatron reads them only with --fp8-format (refused here)
+    "--fp8-amax-history-len": (int, 1, "FP8 recipe detail; no effect without --fp8-format"),
+    "--fp8-amax-compute-algo": (str, "most_recent", "FP8 recipe detail; no effect without "
+                                                    "--fp8-format"),
+    "--logging-level": (int, None, "accepted; this program's log lines are not filtered by "
+                                   "level"),
+    # Megatron-FSDP's ZeRO stage, read only with --use-megatron-fsdp (refused here)
+    "--data-parallel-sharding-strategy": (str, "optim_grads_params", "Megatron-FSDP's sharding; with "
+                                                           "data parallelism use --zero-stage"),
 }
 
 # Megatron switches naming features this design does not have: refused in one line.
 REFUSED_SWITCHES = {
-    "--apply-layernorm-1p": "zero-centred RMSNorm weights are not supported (LLaMA's RMSNorm)",
+    "--apply-layernorm-1p": "zero-centred RMSNorm weights are not supported (LLaMA's "
+                            "RMSNorm): drop --apply-layernorm-1p",
     "--use-legacy-models": "only megatron-core models are supported (drop --use-legacy-models)",
     "--add-qkv-bias": "linear layers have no biases (LLaMA); drop --add-qkv-bias",
     "--fp8-param-gather": "FP8 is not supported: use --bf16",
+    "--use-megatron-fsdp": "Megatron-FSDP is not supported (the model states live in host "
+                           "memory): for ZeRO over the data-parallel replicas use "
+                           "--use-distributed-optimizer with --zero-stage 1 (optim) or 2 "
+                           "(optim_grads; parameters are never sharded)",
 }
 REFUSED_VALUES = {
     "--fp8-format": "FP8 is not supported: use --bf16",
@@ -135,24 +157,36 @@ REFUSED_VALUES = {
     "--decoupled-min-lr": "one learning rate for all parameters: drop --decoupled-min-lr",
     "--rampup-batch-size": "batch-size ramp-up is not supported: give a constant "
                            "--global-batch-size",
+    "--step-batch-size-schedule": "batch-size schedules are not supported: give a constant "
+                                  "--global-batch-size",
 }
 
 
 def check_design_flags(values: Mapping[str, Any]) -> None:
-    """Raise ConfigError for the first Megatron flag whose value this design cannot honour;
+    """Raise ConfigError for the Megatron flags whose values this design cannot honour, all
+    of them in its one line (a launch script learns every change at the first try);
     `values` by argparse name, as given (None: left out)."""
+    refused = []
     for spec in DESIGN_FLAGS:
         value = values.get(spec.dest)
         if value is not None and spec.accepted is not None and value not in spec.accepted:
             accepted = " or ".join(str(a) for a in spec.accepted if a is not None)
-            raise ConfigError(spec.flag, value, f"expected {accepted}: {spec.instead}")
+            refused.append(ConfigError(spec.flag, value, f"expected {accepted}: {spec.instead}"))
     for flag, why in REFUSED_SWITCHES.items():
         if values.get(_dest(flag)):
-            raise ConfigError(flag, True, f"not supported: {why}")
+            refused.append(ConfigError(flag, True, f"not supported: {why}"))
     for flag, why in REFUSED_VALUES.items():
         value = values.get(_dest(flag))
         if value is not None:
-            raise ConfigError(flag, " ".join(value), f"not supported: {why}")
+            refused.append(ConfigError(flag, " ".join(value), f"not supported: {why}"))
+    if values.get("ckpt_format") not in (None, "torch_dist"):  # named with the others
+        refused.append(ConfigError("--ckpt-format", values["ckpt_format"],
+                                   "expected torch_dist (megatron-core's dist_checkpointing, "
+                                   "Megatron's default), the only format supported"))
+    if refused:
+        first, others = refused[0], refused[1:]
+        also = "; also " + "; ".join(str(e) for e in others) if others else ""
+        raise ConfigError(first.flag, first.value, first.expected + also)
 
 
 def _dest(flag: str) -> str:

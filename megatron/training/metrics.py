@@ -38,7 +38,8 @@ def format_log_line(m: dict[str, Any], train_iters: int, throughput: bool = Fals
         parts.append(f"loss scale: {m['loss_scale']:.1f}")
     if m.get("grad_norm") is not None and math.isfinite(m["grad_norm"]):
         parts.append(f"grad norm: {m['grad_norm']:.3f}")
-    parts.append(f"number of skipped iterations: {m.get('skipped_total', 0):>3d}")
+    # Megatron's count: the skipped iterations since the previous line
+    parts.append(f"number of skipped iterations: {m.get('skipped_in_interval', 0):>3d}")
     if m.get("eta_s") is not None:
         parts.append(f"eta: {format_duration(m['eta_s'])}")
     for key, label in (("gpu_time_s", "gpu time (ms)"), ("bubble_time_s", "bubble time (ms)"),

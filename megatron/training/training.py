@@ -39,7 +39,6 @@ from megatron.training.checkpointing import (
     CheckpointSaver,
     CheckpointWriteError,
     check_resumable,
-    checkpoint_model_flags,
     load_checkpoint,
     reading_checkpoint,
     restore_run,
@@ -135,6 +134,7 @@ class TrainingLoop:
         self.start_iteration = 0
         self.last_saved: int | None = None
         self.skipped_total = 0
+        self.skipped_in_interval = 0  # since the last log line (Megatron's count)
         self.flops_per_token = 0.0  # model FLOPs, for --log-throughput
         self.model_cfg: LlamaConfig | None = None
 
@@ -283,14 +283,15 @@ class TrainingLoop:
         t0 = time.perf_counter()
         result = self.step.step(iteration, micro_batches, schedule.lr, schedule.weight_decay)
         elapsed = time.perf_counter() - t0
-        lr_used = schedule.lr
-        schedule.step()
+        if not result.skipped:  # Megatron steps the schedule only after an update
+            schedule.step()
         self.skipped_total += int(result.skipped)
+        self.skipped_in_interval += int(result.skipped)
         batch = run.training.global_batch_size
         record = {
             "iteration": iteration,
             "loss": result.loss,
-            "lr": lr_used,
+            "lr": schedule.lr,  # after the scheduler's step, as Megatron logs it
             "iter_time_s": elapsed,
             "tokens_per_s": run.tokens_per_iteration / elapsed,
             "tflops_per_gpu": run.tokens_per_iteration * self.flops_per_token
@@ -299,6 +300,7 @@ class TrainingLoop:
             "global_batch_size": batch,
             "skipped": result.skipped,
             "skipped_total": self.skipped_total,
+            "skipped_in_interval": self.skipped_in_interval,  # Megatron's logged count
             "loss_scale": result.loss_scale,
             "grad_norm": result.grad_norm,
             "eta_s": eta_seconds(self.records, elapsed, run.training.train_iters - iteration),
@@ -310,6 +312,8 @@ class TrainingLoop:
         if self.is_logger and (iteration % run.logging.log_interval == 0 or iteration == 1):
             print(format_log_line(record, run.training.train_iters,
                                   throughput=run.logging.log_throughput), flush=True)
+        if iteration % run.logging.log_interval == 0 or iteration == 1:
+            self.skipped_in_interval = 0
 
     def evaluate(self, dataset, number: int, iteration: int, where: str, split: str,
                  end: bool = False) -> dict:
@@ -360,8 +364,6 @@ def train(run: RunConfig, dist_info: DistInfo,
     Callable several times in one job (bench/schedules.py runs each schedule);
     `on_step(train_step)` is called once the train step is built."""
     start_time = time.time()
-    with reading_checkpoint(run.checkpointing.load or ""):
-        run = checkpoint_model_flags(run, print if dist_info.rank == 0 else (lambda *_: None))
     check_before_start(run, dist_info)
     for line in run_notices(run):
         warn(line, dist_info)
