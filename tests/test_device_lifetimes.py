@@ -90,15 +90,14 @@ def test_giving_a_buffer_back_needs_the_owners_own_wait(device):
     device.host_free(host)
     # given back, it is a fresh buffer: a new copy into it is ordered by its stream
     device.copy_async(host, grads, device.d2h_stream).wait()
-    # a reader's work (a device subgroup loading the gradient) is ordered by whoever
-    # waited for it, once the threads are joined
+    # a reader's work (a device subgroup loading the gradient) is waited for by the
+    # reader's thread
     loaded = device.copy_async(device.empty(64, torch.float32), host, device.h2d_stream)
     with pytest.raises(StreamRaceError, match="before it waited for the read on h2d"):
         device.host_free(host)
     reader = threading.Thread(target=loaded.wait)
     reader.start()
     reader.join()
-    device.host_threads_joined()
     device.host_free(host)
 
 

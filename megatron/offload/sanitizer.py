@@ -23,8 +23,8 @@ The sanitizer checks the order the streams *declare*, not the order they ran in:
   is a free: the stream work that wrote the buffer must be done *by the freeing thread's
   own waits* (events it waited for, streams it synchronised), not by what it learned from
   joining other threads, since the owner queued that work and must not rely on another
-  component having waited for it; the reads since must be ordered before the free like
-  any access. An operation submitted to a stream may touch only the buffers
+  component having waited for it; the reads since must have been waited for by some host
+  thread (the reader's component). An operation submitted to a stream may touch only the buffers
   it declares (`reads`, `writes`): on CUDA those are what the stream keeps alive until its
   work is done, so an undeclared one could be freed under it (checked on the first run of
   each kind of operation on each stream).
@@ -186,11 +186,15 @@ class Sanitizer:
     def free(self, tensors: Iterable[torch.Tensor], what: str = "") -> None:
         """The calling thread gives these buffers back. The stream work that wrote them
         (the copy their owner queued) must be done by this thread's own waits; the reads
-        since, by its clock (joins included: a reader's component waits for its own
-        work). Afterwards they start a fresh history (as if handed out)."""
+        since, by some host thread's waits (a reader's component waits for its own work,
+        and how host threads hand work over is not modelled). Afterwards they start a
+        fresh history (as if handed out)."""
         name = host_clock_name()
         with self._lock:
-            own, clock = self._own.get(name, {}), self._clock(name)
+            own, clock = self._own.get(name, {}), {}
+            for thread, known in self._clocks.items():
+                if thread.startswith("host "):
+                    self._merge(clock, known)
             for tensor in tensors:
                 history = self._histories.get(_key(tensor))
                 if history is None:

@@ -170,10 +170,13 @@ class ResidentSubgroupUpdater:
         self.d2h = device.side_stream("resident-d2h")
         self._state: dict[int, tuple[torch.Tensor, ...]] = {}  # host p address -> p, m, v, g
         self._host_stale: set[int] = set()
-        # re-entrant: a launch's buffers may be freed (_unstaged) inside a locked section,
-        # when a stream's keep-alive lets go of them during a later launch
-        self._lock = threading.RLock()
+        self._lock = threading.Lock()
         self._staging = 0  # bytes of launches' out and flags not freed yet
+        # Its own lock, held for an addition only: the finalizer that frees a launch's
+        # buffers runs on whichever thread drops them last (a stream's worker, while
+        # to_host waits for that stream under self._lock); re-entrant, as a finalizer may
+        # run inside it
+        self._staging_lock = threading.RLock()
         self.launched = 0
 
     @property
@@ -181,16 +184,18 @@ class ResidentSubgroupUpdater:
         """Device memory held: the resident states and gradients, and the staging of the
         launches whose buffers are still referenced (until their flush has run)."""
         with self._lock:  # optimizer threads add subgroups while the executor reads this
-            return self._staging + sum(t.nbytes for tensors in self._state.values()
-                                       for t in tensors)
+            held = sum(t.nbytes for tensors in self._state.values() for t in tensors)
+        with self._staging_lock:
+            return held + self._staging
 
     def _staged(self, tensor: torch.Tensor) -> None:
         """Count a launch's buffer until its last reference is gone."""
-        self._staging += tensor.nbytes  # under self._lock
+        with self._staging_lock:
+            self._staging += tensor.nbytes
         weakref.finalize(tensor, self._unstaged, tensor.nbytes)
 
     def _unstaged(self, nbytes: int) -> None:
-        with self._lock:
+        with self._staging_lock:
             self._staging -= nbytes
 
     def launch(self, p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, grad: torch.Tensor,
