@@ -24,6 +24,7 @@ from tests.wait_mutants import DROP_ENV, find_waits
 # parameter slots and gradient buffers are reused within the iteration). Subgroups of 4096
 # elements: a few hundred, each group's split into several (both slots reused).
 SHORT = ["--train-iters", "1", "--lr-warmup-iters", "0", "--eval-iters", "0",
+         "--num-layers", "4", "--global-batch-size", "4",
          "--pipeline-schedule", "decoupled", "--cpu-optimizer-threads", "1"]
 CONFIGS = {
     "default": [],
