@@ -55,7 +55,7 @@ def test_a_copy_into_a_buffer_still_read_by_compute_needs_the_release_event(devi
 
 
 def test_a_host_read_of_a_pinned_buffer_before_the_copys_event_raises(device):
-    grads = device.zeros(64, torch.float32)
+    grads = device.zeros(64, torch.float32, stream=device.d2h_stream)
     host = device.pin_host(64, torch.float32, name="host gradients")
     done = device.copy_async(host, grads, device.d2h_stream)
     with pytest.raises(StreamRaceError, match="host gradients.*read on host thread"):
@@ -80,7 +80,7 @@ def _catch(failed, fn, *args):
 
 def test_a_stream_synchronisation_orders_the_host(device):
     host = device.pin_host(8, torch.float32)
-    device.copy_async(host, device.zeros(8, torch.float32), device.d2h_stream)
+    device.copy_async(host, device.zeros(8, torch.float32, stream=device.d2h_stream), device.d2h_stream)
     device.wait_for(device.d2h_stream)
     device.host_write(host)
 
@@ -120,7 +120,7 @@ def test_a_reused_address_starts_a_fresh_history(device):
 
 def test_buffers_not_handed_out_by_the_layer_are_not_tracked(device):
     mine = torch.zeros(8)
-    device.copy_async(mine, device.zeros(8, torch.float32), device.d2h_stream)
+    device.copy_async(mine, device.empty(8, torch.float32), device.d2h_stream)
     device.host_read(mine)
     assert device.sanitizer.checked == 1  # only the device buffer the copy read
 

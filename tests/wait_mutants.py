@@ -1,8 +1,11 @@
 """The runtime's stream waits, found in the source, and how to remove one in a process.
 
 `find_waits()` parses every module under megatron/ except the device layer itself and
-lists each call of `.wait_event(...)` or `.wait_stream(...)`: a wait added to the runtime
-is a new mutant without a change here. `drop_wait(site)` recompiles the site's module with
+lists each call of `.wait_event(...)` or `.wait_stream(...)` (a stream waits) and each
+`.wait()` on what the module declares a device-layer `Event` (a host thread waits: an
+argument, field or variable annotated `Event`, imported from megatron.offload.device, or
+an attribute assigned from such an argument): a wait added to the runtime is a new mutant
+without a change here. `drop_wait(site)` recompiles the site's module with
 that call replaced by `None` and gives the enclosing top-level function (or method) the new
 code, so every caller, wherever it imported the function from, runs the mutant.
 """
@@ -16,7 +19,8 @@ from dataclasses import dataclass
 from types import CodeType
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WAITS = ("wait_event", "wait_stream")
+WAITS = ("wait_event", "wait_stream")  # a stream waits
+HOST_WAIT = "wait"  # on an Event: a host thread waits
 # The device layer implements the waits; what is scanned is the code that calls them.
 DEVICE_LAYER = ("megatron/offload/device.py", "megatron/offload/sanitizer.py")
 DROP_ENV = "MEGATRON_TEST_DROP_WAIT"
@@ -39,9 +43,44 @@ class WaitSite:
         return next(s for s in find_waits() if (s.path, s.line, s.col) == (path, int(line), int(col)))
 
 
+def _is_event(annotation: ast.expr | None) -> bool:
+    return annotation is not None and any(
+        isinstance(node, ast.Name) and node.id == "Event" for node in ast.walk(annotation))
+
+
+def _event_names(tree: ast.Module) -> set[str]:
+    """Names and attributes the module declares to hold a device-layer Event."""
+    imports_event = any(
+        isinstance(node, ast.ImportFrom) and node.module == "megatron.offload.device"
+        and any(alias.name == "Event" for alias in node.names) for node in ast.walk(tree))
+    if not imports_event:
+        return set()
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.AnnAssign) and _is_event(node.annotation):
+            target = node.target
+            names.add(target.attr if isinstance(target, ast.Attribute) else target.id)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            args = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+            params = {a.arg for a in args if _is_event(a.annotation)}
+            names |= params
+            for sub in ast.walk(node):  # self.x = param
+                if (isinstance(sub, ast.Assign) and isinstance(sub.value, ast.Name)
+                        and sub.value.id in params):
+                    names |= {t.attr for t in sub.targets if isinstance(t, ast.Attribute)}
+    return names
+
+
+def _receiver(call: ast.Call) -> str | None:
+    owner = call.func.value  # type: ignore[attr-defined]
+    if isinstance(owner, ast.Attribute):
+        return owner.attr
+    return owner.id if isinstance(owner, ast.Name) else None
+
+
 class _Finder(ast.NodeVisitor):
-    def __init__(self, path: str, lines: list[str]) -> None:
-        self.path, self.lines = path, lines
+    def __init__(self, path: str, lines: list[str], events: set[str]) -> None:
+        self.path, self.lines, self.events = path, lines, events
         self.scope: list[str] = []
         self.sites: list[WaitSite] = []
 
@@ -61,7 +100,9 @@ class _Finder(ast.NodeVisitor):
     visit_AsyncFunctionDef = visit_FunctionDef
 
     def visit_Call(self, node: ast.Call) -> None:
-        if isinstance(node.func, ast.Attribute) and node.func.attr in WAITS:
+        if isinstance(node.func, ast.Attribute) and (
+                node.func.attr in WAITS
+                or (node.func.attr == HOST_WAIT and _receiver(node) in self.events)):
             qualname = ".".join(self.scope[:-1]) if self.scope else "<module>"
             self.sites.append(WaitSite(self.path, node.lineno, node.col_offset, qualname,
                                        self.lines[node.lineno - 1].strip()))
@@ -77,8 +118,9 @@ def find_waits(root: str = ROOT) -> list[WaitSite]:
                 continue
             with open(os.path.join(root, path)) as f:
                 text = f.read()
-            finder = _Finder(path, text.splitlines())
-            finder.visit(ast.parse(text))
+            tree = ast.parse(text)
+            finder = _Finder(path, text.splitlines(), _event_names(tree))
+            finder.visit(tree)
             sites += finder.sites
     return sites
 

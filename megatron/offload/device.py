@@ -20,6 +20,15 @@ against the order the streams declare (megatron/offload/sanitizer.py); `chaos_se
 by seeded random amounts, so that a missing wait shows as wrong numbers. On CUDA,
 `sanitize=True` (the flag, not the environment) turns on torch's CUDA sanitizer instead.
 
+Lifetimes: a tensor a stream's work touches must stay allocated until that work is done.
+On the CPU layer the submitted closure holds it until it has run. On CUDA `submit` runs the
+launch at once, so the stream keeps every tensor the operation declares (`reads`, `writes`)
+until an event recorded after it has completed (`KeepAlive`; released when a later
+submission or a synchronisation finds the event done). That covers device tensors of the
+caching allocator (what `Tensor.record_stream` would do) and pinned host buffers alike.
+The CPU sanitizer checks that an operation touches only the buffers it declares, and that
+whoever gives a buffer back to a pool has itself waited for the streams' work on it.
+
 Host synchronisations: on a GPU, reading a device value on the host or waiting for the
 device stalls the thread that feeds the GPU. Such reads and waits on the main thread go
 through `read_scalar` and `wait_for`, which count them (`host_syncs`) on both layers, so a
@@ -34,6 +43,8 @@ import queue
 import random
 import threading
 import time
+import weakref
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol
 
@@ -121,7 +132,9 @@ class CpuStream:
         """Run `op` after everything submitted before it on this stream. `reads` and
         `writes`: the buffers it touches, for the sanitizer."""
         if self._sanitizer is not None:
+            reads, writes = tuple(reads), tuple(writes)
             self._sanitizer.submit(self.name, reads, writes, what)
+            op = self._sanitizer.declared_only(op, reads, writes, self.name, what)
         self._enqueue(op)
 
     def _enqueue(self, op: Callable[[], None]) -> None:
@@ -199,16 +212,58 @@ class CudaEvent:
         return self._event
 
 
+class KeepAlive:
+    """References held until the work that uses them is done: each batch is released once
+    the event recorded after that work reports completion (checked when more is held, or
+    all at once after a synchronisation), so memory is neither freed under a stream nor
+    held long after it."""
+
+    def __init__(self) -> None:
+        self._pending: deque[tuple[Event, tuple[torch.Tensor, ...]]] = deque()
+        self._lock = threading.Lock()  # several optimizer threads submit to one stream
+
+    def hold(self, done: Event, refs: tuple[torch.Tensor, ...]) -> None:
+        with self._lock:
+            self._release_done()
+            if refs:
+                self._pending.append((done, refs))
+
+    def _release_done(self) -> None:
+        while self._pending and self._pending[0][0].query():
+            self._pending.popleft()
+
+    def release_done(self) -> None:
+        with self._lock:
+            self._release_done()
+
+    def release_all(self) -> None:
+        """After the stream's work is known to be done (a synchronisation)."""
+        with self._lock:
+            self._pending.clear()
+
+    @property
+    def held(self) -> int:
+        """Tensors held now."""
+        with self._lock:
+            return sum(len(refs) for _, refs in self._pending)
+
+
 class CudaStream:
     def __init__(self, name: str, origin: torch.cuda.Event, stream: torch.cuda.Stream) -> None:
         self.name = name
         self._origin = origin
         self.stream = stream
+        self.keep_alive = KeepAlive()
 
     def submit(self, op: Callable[[], None], reads: Iterable[torch.Tensor] = (),
                writes: Iterable[torch.Tensor] = (), what: str = "kernel") -> None:
+        """Launch `op` on this stream now; the tensors it declares stay referenced until
+        the stream has run it (the launch returns before the GPU has)."""
         with torch.cuda.stream(self.stream):
             op()
+        done = torch.cuda.Event()
+        done.record(self.stream)
+        self.keep_alive.hold(done, (*reads, *writes))
 
     def record_event(self) -> CudaEvent:
         return CudaEvent(self._origin, self.stream)
@@ -221,9 +276,10 @@ class CudaStream:
 
     def synchronize(self) -> None:
         self.stream.synchronize()
+        self.keep_alive.release_all()
 
     def close(self) -> None:
-        self.stream.synchronize()
+        self.synchronize()
 
 
 Stream = CpuStream | CudaStream
@@ -238,7 +294,12 @@ class MemoryBook:
 
     The executor reports its holdings at every instruction boundary and inside each
     backward (its working activations), on CUDA and on the CPU alike, so the figures mean
-    the same on both layers; on CUDA the caching allocator's own peak is read beside them.
+    the same on both layers. Its buffers (slots, gradient buffers, the upcast scratch,
+    the optimizer subgroups) are all handed out by the layer (`DeviceLayer.device_bytes`,
+    checked against the book under the sanitizer); activations, checkpoints and messages
+    are the tensors the executor keeps; the working activations are what autograd saves,
+    which depends on the kernels torch picks for the device. CUDA's caching-allocator peak
+    (`allocator_peak_bytes`) is a separate figure.
     """
 
     def __init__(self) -> None:
@@ -274,6 +335,8 @@ class DeviceLayer:
         self.sanitizer: Sanitizer | None = Sanitizer() if checked and kind == "cpu" else None
         self.chaos_seed = chaos_seed if kind == "cpu" else None
         self._buffers = 0
+        self._device_bytes = 0  # live device buffers handed out (see device_bytes)
+        self._device_bytes_lock = threading.RLock()  # finalizers may run inside it
         if kind == "cuda":
             if not torch.cuda.is_available():
                 raise RuntimeError("device kind='cuda' requested but CUDA is not available")
@@ -308,14 +371,44 @@ class DeviceLayer:
             torch.cuda.set_device(self.torch_device)
 
     # memory -------------------------------------------------------------------------
-    def empty(self, numel: int, dtype: torch.dtype, name: str | None = None) -> torch.Tensor:
-        """A flat buffer in device memory (`name`: what the sanitizer calls it)."""
-        return self._handed_out(torch.empty(numel, dtype=dtype, device=self.torch_device),
-                                name, "device buffer")
+    def empty(self, numel: int, dtype: torch.dtype, name: str | None = None,
+              stream: Stream | None = None) -> torch.Tensor:
+        """A flat buffer in device memory (`name`: what the sanitizer calls it). `stream`:
+        the one that uses it first (default: the compute stream). On CUDA the caching
+        allocator hands out memory in the order of the stream it is allocated on, so a
+        buffer first used on a side stream is allocated there."""
+        with self.on(stream or self.compute_stream):
+            tensor = torch.empty(numel, dtype=dtype, device=self.torch_device)
+        return self._device_buffer(tensor, name)
 
-    def zeros(self, numel: int, dtype: torch.dtype, name: str | None = None) -> torch.Tensor:
-        return self._handed_out(torch.zeros(numel, dtype=dtype, device=self.torch_device),
-                                name, "device buffer")
+    def zeros(self, numel: int, dtype: torch.dtype, name: str | None = None,
+              stream: Stream | None = None) -> torch.Tensor:
+        """As `empty`, zero-filled: a kernel on `stream` (default: the compute stream),
+        which later work on other streams must wait for like any write."""
+        stream = stream or self.compute_stream
+        with self.on(stream):
+            tensor = torch.zeros(numel, dtype=dtype, device=self.torch_device)
+        tensor = self._device_buffer(tensor, name)
+        self.kernel(stream, writes=(tensor,), what="zero-filling a new buffer")
+        return tensor
+
+    def _device_buffer(self, tensor: torch.Tensor, name: str | None) -> torch.Tensor:
+        """Counted in `device_bytes` until the last reference to it is gone."""
+        with self._device_bytes_lock:
+            self._device_bytes += tensor.nbytes
+        weakref.finalize(tensor, self._device_buffer_freed, tensor.nbytes)
+        return self._handed_out(tensor, name, "device buffer")
+
+    def _device_buffer_freed(self, nbytes: int) -> None:
+        with self._device_bytes_lock:
+            self._device_bytes -= nbytes
+
+    @property
+    def device_bytes(self) -> int:
+        """Bytes of the device buffers this layer handed out that are still referenced
+        (by their owner or by a stream's keep-alive), on CUDA and the CPU alike."""
+        with self._device_bytes_lock:
+            return self._device_bytes
 
     def pin_host(self, numel: int, dtype: torch.dtype, name: str | None = None) -> torch.Tensor:
         """Page-locked host memory on CUDA; raises if pinning fails. CPU: plain memory."""
@@ -397,6 +490,12 @@ class DeviceLayer:
         """The calling thread is about to write these (pinned) host buffers."""
         if self.sanitizer is not None:
             self.sanitizer.host_access(writes=tensors, what=what)
+
+    def host_free(self, *tensors: torch.Tensor, what: str = "host free") -> None:
+        """The calling thread gives these buffers back (to a pool): the sanitizer checks
+        that it has itself waited for every stream's work on them."""
+        if self.sanitizer is not None:
+            self.sanitizer.free(tensors, what=what)
 
     def host_threads_joined(self) -> None:
         """The calling thread has waited for every host thread's tasks (the optimizer's

@@ -48,8 +48,14 @@ class GradientsReady:
         return self.event.query()
 
     def release(self) -> None:
-        """Give the host buffer back to the pool (after the optimizer has used it)."""
+        """Give the host buffer back to the pool (after the optimizer has used it). The
+        pool hands it out again: the copy into it must be done, as this thread knows by
+        its own wait (the sanitizer checks a free against that, not against what other
+        threads waited for)."""
         self.event.wait()
+        if self._device is not None:
+            self._device.host_free(self.host, what=f"stage {self.key}'s host gradients go "
+                                                   "back to the pool")
         self._pool.release(self.host)
 
 

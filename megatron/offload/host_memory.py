@@ -58,6 +58,7 @@ class HostBufferPool:
             raise ValueError(f"capacity_bytes={capacity_bytes}: expected a positive size")
         self.capacity_bytes = capacity_bytes
         self._pin = pin_fn if pin_fn is not None else device.pin_host
+        self._device = device
         self._try_pin = device.pins_memory or pin_fn is not None
         self._free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
         self._allocated_bytes = 0
@@ -101,6 +102,8 @@ class HostBufferPool:
                 self._try_pin = False
                 self.pinned = False
                 _warn_pin_failure_once(nbytes, exc)
+        if not self._device.pins_memory:  # the CPU layer's host memory: its sanitizer tracks it
+            return self._device.pin_host(numel, dtype, name="pooled host buffer")
         return torch.empty(numel, dtype=dtype)
 
     def release(self, buf: torch.Tensor) -> None:

@@ -19,6 +19,15 @@ The sanitizer checks the order the streams *declare*, not the order they ran in:
 * Host accesses are synchronous: the work a thread submits after one is ordered after it.
   The sanitizer does not look for races between host threads (locks and futures order
   those; they are not the device layer's business).
+* Lifetimes. Giving a buffer back (to a pool that hands it out again, or to the allocator)
+  is a free: the stream work that wrote the buffer must be done *by the freeing thread's
+  own waits* (events it waited for, streams it synchronised), not by what it learned from
+  joining other threads, since the owner queued that work and must not rely on another
+  component having waited for it; the reads since must have been waited for by some host
+  thread (the reader's component). An operation submitted to a stream may touch only the buffers
+  it declares (`reads`, `writes`): on CUDA those are what the stream keeps alive until its
+  work is done, so an undeclared one could be freed under it (checked on the first run of
+  each kind of operation on each stream).
 
 A race raises StreamRaceError naming the buffer, both streams and both instructions (the
 executor says which instruction is running: `at`).
@@ -28,10 +37,12 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
 
 Clock = dict[str, int]
 OUTSIDE = "outside the program"
@@ -76,6 +87,9 @@ class Sanitizer:
         # when a garbage collection happens there
         self._lock = threading.RLock()
         self._clocks: dict[str, Clock] = {}
+        # per host thread: what it has waited for itself (no joins), for frees
+        self._own: dict[str, Clock] = {}
+        self._ops_checked: set[tuple[str, str]] = set()  # (stream, what) watched once
         self._histories: dict[int, _History] = {}
         self._where = threading.local()
         self._running = OUTSIDE
@@ -153,8 +167,10 @@ class Sanitizer:
         """The calling thread has seen the event complete."""
         if event_clock is None:
             return
+        name = host_clock_name()
         with self._lock:
-            self._merge(self._clock(host_clock_name()), event_clock)
+            self._merge(self._clock(name), event_clock)
+            self._merge(self._own.setdefault(name, {}), event_clock)
 
     def join_host_threads(self) -> None:
         """A barrier of the host threads (the caller waited for every task of the others):
@@ -166,6 +182,70 @@ class Sanitizer:
                 self._merge(joined, clock)
             for clock in hosts:
                 self._merge(clock, joined)
+
+    def free(self, tensors: Iterable[torch.Tensor], what: str = "") -> None:
+        """The calling thread gives these buffers back. The stream work that wrote them
+        (the copy their owner queued) must be done by this thread's own waits; the reads
+        since, by some host thread's waits (a reader's component waits for its own work,
+        and how host threads hand work over is not modelled). Afterwards they start a
+        fresh history (as if handed out)."""
+        name = host_clock_name()
+        with self._lock:
+            own, clock = self._own.get(name, {}), {}
+            for thread, known in self._clocks.items():
+                if thread.startswith("host "):
+                    self._merge(clock, known)
+            for tensor in tensors:
+                history = self._histories.get(_key(tensor))
+                if history is None:
+                    continue
+                self.checked += 1
+                free = Access(name, 0, True, what, self._current())
+                earlier = [(own, history.last_write)] if history.last_write else []
+                for known, before in [*earlier, *((clock, r) for r in history.reads.values())]:
+                    if before.stream != name and known.get(before.stream, 0) < before.position:
+                        self._race(history, free, before, verb="freed by")
+                history.last_write, history.reads = None, {}
+
+    def declared_only(self, op: Callable[[], None], reads: Iterable[torch.Tensor],
+                      writes: Iterable[torch.Tensor], stream: str,
+                      what: str) -> Callable[[], None]:
+        """`op`, checking as it runs that each buffer of the layer it touches is one it
+        declared (written ones among `writes`). Watching every torch call costs about a
+        millisecond, so each kind of operation (`what`) is checked the first time it runs
+        on a stream: its code, hence what it touches, is the same every time."""
+        with self._lock:
+            if (stream, what) in self._ops_checked:
+                return op
+            self._ops_checked.add((stream, what))
+        declared_writes = {_key(t) for t in writes}
+        declared = declared_writes | {_key(t) for t in reads}
+        where = self._current()
+
+        def checked() -> None:
+            with _DeclaredOnly(self, declared, declared_writes, stream, what, where):
+                op()
+        return checked
+
+    def _undeclared(self, tensor: torch.Tensor, write: bool, declared: set[int],
+                    declared_writes: set[int], stream: str, what: str, where: str) -> None:
+        if tensor.untyped_storage().nbytes() == 0:  # no memory to race on
+            return
+        key = _key(tensor)
+        if key in (declared_writes if write else declared):
+            return
+        with self._lock:
+            history = self._histories.get(key)
+        if history is None:  # not handed out by the device layer
+            return
+        error = StreamRaceError(
+            f"undeclared access on {history.name}: {what} on {stream} ({where}) "
+            f"{'writes' if write else 'reads'} it without declaring it in its "
+            f"{'writes' if write else 'reads or writes'}: on CUDA the stream would not "
+            "keep it alive until the work is done, nor would the sanitizer order it")
+        if self.error is None:
+            self.error = error
+        raise error
 
     # --- the check ------------------------------------------------------------------------
     def _access(self, stream: str, clock: Clock, reads: Iterable[torch.Tensor],
@@ -190,10 +270,46 @@ class Sanitizer:
                 else:
                     history.reads[stream] = access
 
-    def _race(self, history: _History, access: Access, before: Access) -> None:
-        error = StreamRaceError(
-            f"stream race on {history.name}: {access.describe()} is not ordered after the "
-            f"{before.describe()}: no event wait, stream wait or synchronisation orders them")
+    def _race(self, history: _History, access: Access, before: Access,
+              verb: str = "") -> None:
+        if verb:  # a free: the owner gave the buffer back too early
+            error = StreamRaceError(
+                f"stream race on {history.name}: {verb} {access.stream} ({access.what}; "
+                f"{access.where}) before it waited for the {before.describe()}: the "
+                "memory may be handed out again while that stream still uses it")
+        else:
+            error = StreamRaceError(
+                f"stream race on {history.name}: {access.describe()} is not ordered after "
+                f"the {before.describe()}: no event wait, stream wait or synchronisation "
+                "orders them")
         if self.error is None:
             self.error = error
         raise error
+
+
+class _DeclaredOnly(TorchFunctionMode):
+    """Checks the tensors every torch call made inside gets (this thread only: the mode
+    stack is per thread). A call writes its first argument when it is in place (`copy_`,
+    `fill_`, `x[i] = ...`) and its `out=`; it reads the others. A function mode, not a
+    dispatch mode: it sees the calls the operation makes, and costs no import of torch's
+    compiler."""
+
+    def __init__(self, sanitizer: Sanitizer, declared: set[int], declared_writes: set[int],
+                 stream: str, what: str, where: str) -> None:
+        super().__init__()
+        self._check = lambda tensor, write: sanitizer._undeclared(
+            tensor, write, declared, declared_writes, stream, what, where)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        in_place = name == "__setitem__" or (name.endswith("_") and not name.startswith("_"))
+        for index, arg in enumerate(args):
+            for tensor in tree_flatten(arg)[0]:
+                if isinstance(tensor, torch.Tensor):
+                    self._check(tensor, in_place and index == 0)
+        for key, arg in kwargs.items():
+            for tensor in tree_flatten(arg)[0]:
+                if isinstance(tensor, torch.Tensor):
+                    self._check(tensor, key == "out")
+        return func(*args, **kwargs)

@@ -197,6 +197,7 @@ class PipelineExecutor:
             host_syncs=self.device.host_syncs - syncs_before,
             device_memory_peak_bytes=memory.peak_bytes,
             device_memory_at_peak=dict(memory.peak_breakdown),
+            device_allocator_peak_bytes=self.device.allocator_peak_bytes(),
             clip_corrections_exposed_s=self._correction_wait_s + sum(
                 end - begin for instr, begin, end in waited
                 if instr.op == Op.ROLLBACK_IF_OVERFLOW),
@@ -390,12 +391,19 @@ class PipelineExecutor:
         checkpoints += sum(t.nbytes for _, t in self._isends)
         activations = sum(t.nbytes for t in self._acts.values())
         activations += sum(t.nbytes for t in self._grads.values() if t is not None)
-        self.device.memory.observe({
+        held = {
             "parameter_slots": self.param_slots.nbytes,
             "gradient_buffers": self.grad_buffers.nbytes + upcast,
+            "optimizer_subgroups": self.subgroups.nbytes,
+        }
+        if self._sanitized and sum(held.values()) != self.device.device_bytes:
+            # what the layer handed out is what the book says the runtime holds
+            raise RuntimeError(f"device memory book: {held} ({sum(held.values())} bytes) "
+                               f"but the device layer holds {self.device.device_bytes}")
+        self.device.memory.observe({
+            **held,
             "activation_checkpoints": checkpoints,
             "activations": activations + working,
-            "optimizer_subgroups": self.subgroups.nbytes,
         })
 
     # --- compute -------------------------------------------------------------------------

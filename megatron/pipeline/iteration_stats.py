@@ -24,13 +24,17 @@ REDUCTIONS = ("mean", "max", "sum", "nonzero", None)
 
 
 def metric(reduce: str | None, per_rank: bool = False, integer: bool = False,
-           keys: Sequence[str] = ()) -> dict:
+           keys: Sequence[str] = (), optional: bool = False) -> dict:
     """A metric field: how it is reduced over the ranks, whether it is also reported per
-    rank, whether it is a count, and (for a dict of figures) its keys."""
+    rank, whether it is a count, (for a dict of figures) its keys, and whether a rank may
+    have none (None: left out of the reduction; None where no rank has one)."""
     if reduce not in REDUCTIONS:
         raise ValueError(f"reduce={reduce!r}, expected one of {REDUCTIONS}")
-    return field(default=0, metadata={"reduce": reduce, "per_rank": per_rank,
-                                      "integer": integer, "keys": tuple(keys)})
+    if optional and (keys or reduce not in ("max", None)):
+        raise ValueError("an optional metric is a single figure reduced by max (or not)")
+    return field(default=None if optional else 0,
+                 metadata={"reduce": reduce, "per_rank": per_rank, "integer": integer,
+                           "keys": tuple(keys), "optional": optional})
 
 
 @dataclass
@@ -51,6 +55,10 @@ class IterationStats:
     device_memory_peak_bytes: int = metric("max", per_rank=True, integer=True)  # MemoryBook
     device_memory_at_peak: dict = metric(None, per_rank=True, integer=True,
                                          keys=MEMORY_CATEGORIES)  # by category, at the peak
+    # CUDA's caching allocator's own peak (everything torch allocated on the GPU, the
+    # kernels' temporaries included); None on the CPU device layer
+    device_allocator_peak_bytes: int | None = metric("max", per_rank=True, integer=True,
+                                                     optional=True)
     # Of the exposed optimizer time: the main thread waiting for the previous iteration's
     # deferred clipping corrections / rollbacks (before a forward of a stage not yet
     # corrected); waiting after the CPU's part was done, for device subgroups; the rest.
@@ -70,6 +78,9 @@ def _row(stats: IterationStats) -> list[float]:
     row = []
     for f in _metrics():
         value = getattr(stats, f.name)
+        if value is None:  # an optional metric this rank does not have
+            row.append(float("nan"))
+            continue
         row += [float(value[k]) for k in f.metadata["keys"]] if f.metadata["keys"] \
             else [float(value)]
     return row
@@ -84,7 +95,8 @@ def _unpack(values: torch.Tensor) -> dict:
             out[f.name] = {k: cast(values[at + i]) for i, k in enumerate(keys)}
             at += len(keys)
         else:
-            out[f.name] = cast(values[at])
+            value = float(values[at])
+            out[f.name] = None if value != value else cast(value)  # NaN: none on this rank
             at += 1
     return out
 
@@ -106,7 +118,8 @@ def pipeline_report(stats: IterationStats, rank: int, ranks: int, has_loss: bool
         if reduce == "mean":
             report[f.name] = cast(sum(values) / ranks)
         elif reduce == "max":
-            report[f.name] = max(values)
+            present = [v for v in values if v is not None]
+            report[f.name] = max(present) if present else None
         elif reduce == "sum":
             report[f.name] = sum(values)
         elif reduce == "nonzero":

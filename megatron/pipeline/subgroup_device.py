@@ -8,28 +8,38 @@ no host wait), so consecutive device subgroups (a GPU-heavy split) never hold a 
 Device memory: the two slots, fixed at construction, accounted under
 "optimizer_subgroups"; the assembly sizes them to fit in what the gradient buffers hold
 (free once the backward has ended), so the update's device memory stays within that.
+
+Every buffer is allocated on the stream that first uses it (empty, never zero-filled: a
+fill would be a kernel on the caller's stream that the update stream does not wait for),
+and every operation declares what it touches, so that on CUDA the stream keeps the
+buffers a launch dropped alive until it has run (see megatron/offload/device.py).
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import dataclass
 
 import torch
 
-from megatron.offload.device import DeviceLayer, Event
+from megatron.offload.device import DeviceLayer, Event, Stream
 from megatron.optimizer.rounding import StateFormat
 from megatron.optimizer.subgroups import AdamHyper, adam_step_torch
 from megatron.schedules.subgroup_memory import SUBGROUP_SLOTS, subgroup_slots_bytes
 
 
 class _Slot:
-    def __init__(self, device: DeviceLayer, numel: int, index: int) -> None:
+    def __init__(self, device: DeviceLayer, numel: int, index: int, loaded_on: Stream,
+                 written_on: Stream) -> None:
         self.p, self.m, self.v, self.g = (
-            device.empty(numel, torch.float32, name=f"optimizer slot {index} {what}")
+            device.empty(numel, torch.float32, name=f"optimizer slot {index} {what}",
+                         stream=loaded_on)
             for what in ("p", "m", "v", "gradient"))
         self.out: dict[torch.dtype, torch.Tensor] = {}
-        self.flags = device.zeros(2, torch.float64, name=f"optimizer slot {index} flags")
+        # written by each step before it is read
+        self.flags = device.empty(2, torch.float64, name=f"optimizer slot {index} flags",
+                                  stream=written_on)
         self.free: Event | None = None  # the last flush out of this slot
 
 
@@ -60,7 +70,8 @@ class DeviceSubgroupUpdater:
         self.h2d = device.side_stream("optimizer-h2d")
         self.update = device.side_stream("optimizer-update")
         self.d2h = device.side_stream("optimizer-d2h")
-        self._slots = [_Slot(device, self.max_numel, i) for i in range(self.SLOTS)]
+        self._slots = [_Slot(device, self.max_numel, i, self.h2d, self.update)
+                       for i in range(self.SLOTS)]
         self._next = 0
         # Groups step concurrently (one optimizer thread each): a slot's reuse and the
         # order of the streams' work are decided under this lock.
@@ -96,8 +107,9 @@ class DeviceSubgroupUpdater:
         bout = None
         if out is not None:
             if out.dtype not in slot.out:
-                slot.out[out.dtype] = self.device.empty(self.max_numel, out.dtype,
-                                                        name=f"optimizer slot {slot_index} out")
+                slot.out[out.dtype] = self.device.empty(
+                    self.max_numel, out.dtype, name=f"optimizer slot {slot_index} out",
+                    stream=self.update)
             bout = slot.out[out.dtype][:n]
         if slot.free is not None:
             self.h2d.wait_event(slot.free)
@@ -159,12 +171,32 @@ class ResidentSubgroupUpdater:
         self._state: dict[int, tuple[torch.Tensor, ...]] = {}  # host p address -> p, m, v, g
         self._host_stale: set[int] = set()
         self._lock = threading.Lock()
+        self._staging = 0  # bytes of launches' out and flags not freed yet
+        # Its own lock, held for an addition only: the finalizer that frees a launch's
+        # buffers runs on whichever thread drops them last (a stream's worker, while
+        # to_host waits for that stream under self._lock); re-entrant, as a finalizer may
+        # run inside it
+        self._staging_lock = threading.RLock()
         self.launched = 0
 
     @property
     def nbytes(self) -> int:
+        """Device memory held: the resident states and gradients, and the staging of the
+        launches whose buffers are still referenced (until their flush has run)."""
         with self._lock:  # optimizer threads add subgroups while the executor reads this
-            return sum(t.nbytes for tensors in self._state.values() for t in tensors)
+            held = sum(t.nbytes for tensors in self._state.values() for t in tensors)
+        with self._staging_lock:
+            return held + self._staging
+
+    def _staged(self, tensor: torch.Tensor) -> None:
+        """Count a launch's buffer until its last reference is gone."""
+        with self._staging_lock:
+            self._staging += tensor.nbytes
+        weakref.finalize(tensor, self._unstaged, tensor.nbytes)
+
+    def _unstaged(self, nbytes: int) -> None:
+        with self._staging_lock:
+            self._staging -= nbytes
 
     def launch(self, p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, grad: torch.Tensor,
                out: torch.Tensor | None, hyper: AdamHyper,
@@ -175,14 +207,20 @@ class ResidentSubgroupUpdater:
             if key not in self._state:
                 n = p.numel()
                 self._state[key] = tuple(
-                    self.device.empty(n, torch.float32, name=f"resident subgroup {what}")
+                    self.device.empty(n, torch.float32, name=f"resident subgroup {what}",
+                                      stream=self.h2d)
                     for what in ("p", "m", "v", "gradient"))
                 loads += list(zip(self._state[key][:3], (p, m, v)))
             dp, dm, dv, dg = self._state[key]
             loads.append((dg, grad))
+            # dout and flags: written by the step, read by the flush; dropped when this
+            # returns (the streams' keep-alive holds them until the flush has run)
             dout = None if out is None else self.device.empty(
-                out.numel(), out.dtype, name="resident subgroup out")
-            flags = self.device.zeros(2, torch.float64, name="resident subgroup flags")
+                out.numel(), out.dtype, name="resident subgroup out", stream=self.update)
+            flags = self.device.empty(2, torch.float64, name="resident subgroup flags",
+                                      stream=self.update)
+            for staged in (flags,) if dout is None else (flags, dout):
+                self._staged(staged)
 
             def load() -> None:
                 for dst, src in loads:
