@@ -93,5 +93,11 @@ def test_the_gpu_trains_as_the_cpu_device_layer(runs, case):
         assert math.isfinite(a["loss"])
         assert a["loss"] == pytest.approx(b["loss"], rel=rtol), (a["iteration"], a["loss"],
                                                                  b["loss"])
-        for books in ("host_syncs", "skipped", "device_memory_peak_bytes"):
+        for books in ("host_syncs", "skipped"):
             assert a.get(books) == b.get(books), (a["iteration"], books)
+        # The same tensors are counted on both layers, except what autograd saves for
+        # RMSNorm: CUDA's fused kernel keeps the input and one scalar per row, the CPU's
+        # composite more (docs/gpu-validation.md, CPU/CUDA divergences): never fewer.
+        if b.get("device_memory_peak_bytes") is not None:
+            assert a["device_memory_peak_bytes"] <= b["device_memory_peak_bytes"], \
+                (a["iteration"], a["device_memory_peak_bytes"], b["device_memory_peak_bytes"])

@@ -24,6 +24,13 @@ from megatron.config.values import parse_split
 
 # Bytes per element of the precisions a flag can name.
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def host_gradient_dtype(working_dtype: str, on_cuda: bool) -> str:
+    """The dtype gradients are offloaded to the host in: fp32 on CUDA (upcast on the
+    device, measured faster there), the working dtype on the CPU device layer. The one
+    rule the offload, the memory plans and the fit check follow."""
+    return "fp32" if on_cuda else working_dtype
 CUSTOM_MODEL = "custom"
 DEFAULT_EVAL_ITERS = 100  # Megatron's
 
@@ -93,9 +100,7 @@ class PrecisionConfig:
         return DTYPE_BYTES[self.dtype]
 
     def host_gradient_dtype(self, on_cuda: bool) -> str:
-        """The dtype gradients are offloaded to the host in: fp32 on CUDA (upcast on the
-        device, measured faster there), the working dtype on the CPU device layer."""
-        return "fp32" if on_cuda else self.dtype
+        return host_gradient_dtype(self.dtype, on_cuda)
 
     def host_gradient_bytes(self, on_cuda: bool) -> int:
         return DTYPE_BYTES[self.host_gradient_dtype(on_cuda)]

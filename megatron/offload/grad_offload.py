@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron.config.run import host_gradient_dtype
 from megatron.offload.device import DeviceLayer, Event
 from megatron.offload.host_memory import HostBufferPool
 from megatron.schedules.instructions import BackwardStage
@@ -59,9 +60,14 @@ class GradientsReady:
         self._pool.release(self.host)
 
 
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 def default_grad_host_dtype(device: DeviceLayer, training_dtype: torch.dtype) -> torch.dtype:
-    """The measured-faster host gradient dtype for this device (see the module docstring)."""
-    return torch.float32 if device.kind == "cuda" else training_dtype
+    """The measured-faster host gradient dtype for this device (see the module docstring;
+    the rule is megatron.config.run.host_gradient_dtype's)."""
+    name = {dtype: n for n, dtype in _DTYPES.items()}[training_dtype]
+    return _DTYPES[host_gradient_dtype(name, device.kind == "cuda")]
 
 
 class GradientOffloader:
