@@ -67,9 +67,9 @@ def test_gpt2_bpe_matches_the_reference_bpe(files):
     assert tok.detokenize(tok.tokenize(UNSEEN)) == UNSEEN
 
 
-def test_null_tokenizer_reads_ids_and_adds_one_for_eod():
+def test_null_tokenizer_has_vocab_size_ids_with_eod_the_last_as_megatron_019():
     tok = build_typed_tokenizer(TokenizerSpec("NullTokenizer", vocab_size=100))
-    assert (tok.vocab_size, tok.eod) == (101, 100)
+    assert (tok.vocab_size, tok.eod) == (100, 99)
     assert tok.tokenize("5 17 99") == [5, 17, 99]
     with pytest.raises(ValueError, match="outside the vocabulary"):
         tok.tokenize("5 101")

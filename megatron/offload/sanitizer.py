@@ -300,11 +300,11 @@ class _DeclaredOnly(TorchFunctionMode):
         self._check = lambda tensor, write: sanitizer._undeclared(
             tensor, write, declared, declared_writes, stream, what, where)
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+    def __torch_function__(self, func, types, operands=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
         in_place = name == "__setitem__" or (name.endswith("_") and not name.startswith("_"))
-        for index, arg in enumerate(args):
+        for index, arg in enumerate(operands):
             for tensor in tree_flatten(arg)[0]:
                 if isinstance(tensor, torch.Tensor):
                     self._check(tensor, in_place and index == 0)
@@ -312,4 +312,4 @@ class _DeclaredOnly(TorchFunctionMode):
             for tensor in tree_flatten(arg)[0]:
                 if isinstance(tensor, torch.Tensor):
                     self._check(tensor, key == "out")
-        return func(*args, **kwargs)
+        return func(*operands, **kwargs)

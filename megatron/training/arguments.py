@@ -24,6 +24,12 @@ from megatron.config.tokenizer_names import TOKENIZER_TYPES
 from megatron.data.cache import default_cache_dir
 from megatron.schedules.generators import SCHEDULE_NAMES
 from megatron.schedules.optimizer_stride import parse_split
+from megatron.training.checkpointing import (
+    FORCED_CHECKPOINT_ARGS,
+    CheckpointError,
+    checkpoint_args,
+    reading_checkpoint,
+)
 from megatron.training.megatron_flags import (
     DESIGN_FLAGS,
     DESIGN_SWITCHES,
@@ -563,13 +569,6 @@ def parse_args(argv: Sequence[str] | None = None) -> RunConfig:
 def _take_checkpoint_args(args: argparse.Namespace) -> None:
     """--use-checkpoint-args, as Megatron-LM reads it before checking the flags: the model
     flags --load's checkpoint recorded fill those not given (some replace them)."""
-    from megatron.training.checkpointing import (
-        FORCED_CHECKPOINT_ARGS,
-        CheckpointError,
-        checkpoint_args,
-        reading_checkpoint,
-    )
-
     try:
         with reading_checkpoint(args.load):  # an unreadable one: one line, not a traceback
             saved = checkpoint_args(args.load)

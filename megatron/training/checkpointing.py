@@ -649,15 +649,16 @@ def check_resumable(run: RunConfig, log: Callable[[str], Any] = print) -> dict |
     if c.finetune:
         return found[2]
     common = found[2]
+    recorded = common.get("iteration")
+    if recorded is not None and int(recorded) < 0:
+        raise CheckpointError(f"--load {c.load}: {found[0]} records iteration {recorded}; "
+                              "expected an iteration >= 0 (a damaged checkpoint)")
     missing = unresumable(common)
     if missing:
         raise CheckpointError(f"--load {c.load}: {found[0]} records no {missing}, so training "
                               "cannot continue where it stopped; --finetune starts from its "
                               "weights at iteration 0")
     iteration = int(common["iteration"])
-    if iteration < 0:
-        raise CheckpointError(f"--load {c.load}: {found[0]} records iteration {iteration}; "
-                              "expected an iteration >= 0 (a damaged checkpoint)")
     consumed = int(common.get("consumed_samples",
                               saved_args(common).get("consumed_train_samples",
                                                      iteration * batch)))
