@@ -16,7 +16,8 @@ readers, "How the commands in these pages are tested"):
   without `--eval-iters` evaluates 1 batch where its data has a validation split.
 - Inputs a user brings are stood in (STAND_INS); `# prints: TEXT` asserts the block's
   output contains TEXT; a block whose first line is `# needs: cuda` (`, slurm`) runs only
-  under the `cuda` marker (and where sbatch exists).
+  under the `cuda` marker (and where sbatch exists); `# needs: network` (installs from the
+  package index) only with MEGATRON_SYSX_NETWORK_TESTS=1.
 """
 
 from __future__ import annotations
@@ -87,6 +88,9 @@ def shell_blocks() -> list[Block]:
     return found
 
 
+NETWORK_ENV = "MEGATRON_SYSX_NETWORK_TESTS"
+
+
 def _param(block: Block):
     marks = []
     if "cuda" in block.needs:
@@ -94,6 +98,10 @@ def _param(block: Block):
     if "slurm" in block.needs:
         marks.append(pytest.mark.skipif(shutil.which("sbatch") is None,
                                         reason="needs a Slurm cluster (sbatch)"))
+    if "network" in block.needs:  # installs from the package index: minutes, not the suite's
+        marks.append(pytest.mark.skipif(
+            os.environ.get(NETWORK_ENV) != "1",
+            reason=f"installs packages from the index: set {NETWORK_ENV}=1 to run it"))
     return pytest.param(block, marks=marks, id=f"{block.page}:{block.line}")
 
 
@@ -255,7 +263,8 @@ def _make(target: str, cwd: str, env: dict[str, str]) -> subprocess.CompletedPro
 def test_the_pages_have_shell_blocks_and_only_known_marks():
     assert len(BLOCKS) >= 10 and any(b.page == "README.md" for b in BLOCKS)
     for block in BLOCKS:
-        assert block.needs <= {"cuda", "slurm"}, f"{block.page}:{block.line}: {block.needs}"
+        assert block.needs <= {"cuda", "slurm", "network"}, \
+            f"{block.page}:{block.line}: {block.needs}"
         for line in block.commands():
             assert "..." not in line, f"{block.page}:{block.line}: not runnable as shown: {line}"
 
