@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
 def run(*args: str) -> subprocess.CompletedProcess:
     # the tiny preset and a small file keep the whole profile to a few seconds
-    return subprocess.run([sys.executable, TOOL, "--model-preset", "tiny", *args],
+    return subprocess.run([sys.executable, TOOL, "--model-preset", "tiny", "--rounds", "1", *args],
                           capture_output=True, text=True, cwd=REPO, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
 
