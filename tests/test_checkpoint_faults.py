@@ -32,10 +32,10 @@ from megatron.training.checkpointing import (
 )
 from megatron.training.distributed import initialize_distributed, shutdown_distributed
 from megatron.training.run_checks import check_load_dir
+from tests.in_child import as_nobody, error_line_in_child
 from tests.test_checkpointing import MODEL, empty_like, owned
 
 pytestmark = pytest.mark.unit
-NOBODY = 65534
 
 
 @pytest.fixture(autouse=True)
@@ -84,27 +84,13 @@ def test_a_load_directory_this_user_may_not_read_is_one_line():
 
 def _refused_to_another_user(root: str) -> None:
     os.chmod(root, 0o700)  # root's: another user may not list it
-    read, write = os.pipe()
-    child = os.fork()
-    if child == 0:
-        code = 3
-        try:
-            os.close(read)
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
-            try:
-                with reading_checkpoint(root):
-                    find_checkpoint(root)
-            except CheckpointError as exc:
-                os.write(write, str(exc).encode())
-                code = 0
-        finally:
-            os._exit(code)
-    os.close(write)
-    message = os.read(read, 4096).decode()
-    os.close(read)
-    _, status = os.waitpid(child, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
+
+    def find_as_nobody() -> None:
+        as_nobody()
+        with reading_checkpoint(root):
+            find_checkpoint(root)
+
+    message = error_line_in_child(find_as_nobody, (CheckpointError,))
     assert message == (f"--load {root}: {root}: permission denied (expected a checkpoint "
                        "this user can read)")
 

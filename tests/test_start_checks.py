@@ -24,10 +24,10 @@ from megatron.training.process_limits import (
     check_open_files,
     check_process_limits,
 )
+from tests.in_child import as_nobody, error_line_in_child
 from tests.test_training_loop import _train_rejects
 
 pytestmark = pytest.mark.unit
-NOBODY = 65534
 
 
 @pytest.mark.parametrize("kind", ["dangling", "loop"])
@@ -75,8 +75,7 @@ def test_the_sweep_leaves_another_users_stale_segment_alone(tmp_path):
     if child == 0:  # as another user: the sweep must neither fail nor remove it
         code = 3
         try:
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
+            as_nobody()
             code = 0 if remove_if_stale(str(segment)) is False else 1
         finally:
             os._exit(code)
@@ -90,27 +89,13 @@ def test_a_cache_this_user_cannot_write_is_one_line(tmp_path):
     cache = tmp_path / "cache"  # root's: another user may not create its lock files
     cache.mkdir()
     tmp_path.chmod(0o755)
-    read, write = os.pipe()
-    child = os.fork()
-    if child == 0:
-        code = 3
-        try:
-            os.close(read)
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
-            try:
-                with file_lock(str(cache / "corpus.lock")):
-                    pass
-            except ConfigError as exc:
-                os.write(write, str(exc).encode())
-                code = 0
-        finally:
-            os._exit(code)
-    os.close(write)
-    message = os.read(read, 4096).decode()
-    os.close(read)
-    _, status = os.waitpid(child, 0)
-    assert os.waitstatus_to_exitcode(status) == 0, message
+
+    def lock_as_nobody() -> None:
+        as_nobody()
+        with file_lock(str(cache / "corpus.lock")):
+            pass
+
+    message = error_line_in_child(lock_as_nobody, (ConfigError,))
     assert message == (f"--data-cache-dir {cache}: expected a cache directory this user can "
                        "write (Permission denied); give another with --data-cache-dir or "
                        "$MEGATRON_SYSX_CACHE")
@@ -119,26 +104,7 @@ def test_a_cache_this_user_cannot_write_is_one_line(tmp_path):
 def _in_child(check) -> str:
     """Run `check()` in a forked child (the limits it sets stay there); its ConfigError's
     line, or '' when it raised none."""
-    read, write = os.pipe()
-    child = os.fork()
-    if child == 0:
-        code = 3
-        try:
-            os.close(read)
-            try:
-                check()
-                code = 0
-            except ConfigError as exc:
-                os.write(write, str(exc).encode())
-                code = 0
-        finally:
-            os._exit(code)
-    os.close(write)
-    message = os.read(read, 4096).decode()
-    os.close(read)
-    _, status = os.waitpid(child, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
-    return message
+    return error_line_in_child(check, (ConfigError,))
 
 
 def test_ulimit_n_and_v_too_low_for_the_run_are_one_line_each():
