@@ -239,9 +239,12 @@ def _forked(script: str, args: list[str], nproc: int, torchrun: bool, cwd: str,
 
 
 def _make(target: str, cwd: str, env: dict[str, str]) -> subprocess.CompletedProcess:
-    # -o: the setup stamp counts as done (setup is `make setup`'s business, not this test's)
-    dry = subprocess.run(["make", "-n", "-o", ".venv/.setup-stamp", target], cwd=cwd, env=env,
-                         capture_output=True, text=True, timeout=60)
+    # -o: the setup stamp counts as done (setup is `make setup`'s business, not this test's).
+    # Under `make test` this runs as a sub-make, which would print "make[1]: Entering
+    # directory" into the recipe: the outer make's variables stay out, as in a user's shell.
+    env = {k: v for k, v in env.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+    dry = subprocess.run(["make", "--no-print-directory", "-n", "-o", ".venv/.setup-stamp",
+                          target], cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
     assert dry.returncode == 0, dry.stderr
     recipe = [line for line in dry.stdout.replace("\\\n", " ").splitlines() if line.strip()]
     assert not any("pip install" in line for line in recipe), \
