@@ -1,9 +1,9 @@
 """bf16 optimizer states and masters on real processes: schedules on 2 processes equal
 one-process training with the same flags bit for bit (losses and the final master,
 exp_avg and exp_avg_sq, saved in bf16), and a checkpoint of the one-process run resumed
-on a 2-process 1F1B pipeline with another backward split continues it exactly. Every
-schedule runs in one job (tests/run_schedules.py: the start-up is paid once, each further
-schedule costs about a second of training); the rounding's independence of groups,
+on a 2-process 1F1B pipeline with another backward split continues it exactly. The
+decoupled and the interleaved schedule (FEATURE_SCHEDULES) run in one job
+(tests/run_schedules.py: the start-up is paid once); the rounding's independence of groups,
 subgroups and threads is unit-tested in test_cpu_adam_bf16.py."""
 
 import shutil
@@ -13,7 +13,7 @@ import torch
 
 from megatron.training.checkpoint_state import EXP_AVG, EXP_AVG_SQ, MASTER
 from megatron.training.checkpointing import TRACKER, iteration_dir, read_all_tensors
-from tests.test_pipeline_executor import SCHEDULES, ScheduleRun, launch, metrics, start
+from tests.test_pipeline_executor import FEATURE_SCHEDULES, ScheduleRun, launch, metrics, start
 
 pytestmark = pytest.mark.multiproc
 BF16_STATES = ["--optimizer-state-dtype", "bf16", "--master-dtype", "bf16",
@@ -36,17 +36,17 @@ def assert_identical(got_run_metrics, want_metrics, got_states, want_states):
         assert torch.equal(got_states[key], tensor), key
 
 
-def test_bf16_states_on_every_schedule_and_a_resume_on_another_shape_equal_one_process(
+def test_bf16_states_on_a_speculative_and_an_interleaved_schedule_and_a_resume_equal_one_process(
         tmp_path, demo_cache):
     one = start(tmp_path, "one", 1, *BF16_STATES, "--save-interval", "3")
-    two = start(tmp_path, "two", 2, *BF16_STATES, "--schedules", ",".join(SCHEDULES),
+    two = start(tmp_path, "two", 2, *BF16_STATES, "--schedules", ",".join(FEATURE_SCHEDULES),
                 script="tests/run_schedules.py", timeout=600)
     one, two = one.wait(), two.wait()  # started together: one's bubbles are the other's compute
     assert one.returncode == 0, one.stderr[-4000:]
     reference = metrics(one)
     assert [m["iteration"] for m in reference] == [1, 2, 3, 4, 5]
     assert two.returncode == 0, two.stderr[-4000:]
-    for name in SCHEDULES:
+    for name in FEATURE_SCHEDULES:
         run = ScheduleRun(two, name)
         assert_identical(metrics(run), reference, states(run.out / "ckpt", 5),
                          states(one.out / "ckpt", 5))

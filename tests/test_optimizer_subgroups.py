@@ -194,8 +194,8 @@ def _state_of(adam, group):
 
 
 @pytest.mark.multiproc
-def test_every_schedule_with_device_subgroups_matches_one_process(tmp_path, demo_cache):
-    """2 processes, every schedule in one job, --optimizer-gpu-stride auto with the rates
+def test_schedules_with_device_subgroups_match_one_process(tmp_path, demo_cache):
+    """2 processes, the decoupled and the interleaved schedule in one job, --optimizer-gpu-stride auto with the rates
     of the paper's worked example cached (Eq. 1: k = 2), clipping in every iteration (the
     corrections of device-updated subgroups and of the stages updated on the CPU alone
     included): training equals one process."""
@@ -209,8 +209,8 @@ def test_every_schedule_with_device_subgroups_matches_one_process(tmp_path, demo
     from megatron.schedules.memory_model import plan_memory
     from megatron.training.arguments import parse_args
     from tests.test_pipeline_executor import (
+        FEATURE_SCHEDULES,
         MODEL,
-        SCHEDULES,
         ScheduleRun,
         assert_same_training,
         metrics,
@@ -226,14 +226,14 @@ def test_every_schedule_with_device_subgroups_matches_one_process(tmp_path, demo
     clip = ["--clip-grad", "1e-3", "--cpu-optimizer-threads", "1"]
     one = start(tmp_path, "single", 1, *clip)
     two = start(tmp_path, "subgroups", 2, *clip, "--optimizer-gpu-stride", "auto",
-                "--optimizer-subgroup-size", "2048", "--schedules", ",".join(SCHEDULES),
+                "--optimizer-subgroup-size", "2048", "--schedules", ",".join(FEATURE_SCHEDULES),
                 script="tests/run_schedules.py", timeout=600)
     reference, run = one.wait(), two.wait()
     assert reference.returncode == 0, reference.stderr[-3000:]
     assert run.returncode == 0, run.stderr[-4000:]
     assert "optimizer GPU stride k = 2" in run.stdout + run.stderr
     vocab = load_tokenizer(ensure_demo_corpus(cache_dir=cache_dir).tokenizer_path).vocab_size
-    for name in SCHEDULES:
+    for name in FEATURE_SCHEDULES:
         one = ScheduleRun(run, name)
         assert_same_training(one, reference)
         rows = metrics(one)

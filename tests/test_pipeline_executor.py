@@ -48,6 +48,11 @@ MODEL = ["--num-layers", "8", "--hidden-size", "64", "--ffn-hidden-size", "160",
          "--p2p-check",  # every transfer checked: the tensor that arrives is the one expected
          "--eval-interval", "5", "--eval-iters", "2", "--split", "90,8,2"]
 SCHEDULES = ["decoupled", "mobius", "interleaved-1f1b", "1f1b", "gpipe"]
+# What a feature below the schedule (where and in what precision the optimizer states live,
+# device subgroups) is checked on: the schedule whose CPU steps overlap the next iteration
+# speculatively (decoupled) and one stepping several stages per rank after the flush
+# (interleaved-1f1b). Every schedule's training is checked against one process here.
+FEATURE_SCHEDULES = ["decoupled", "interleaved-1f1b"]
 SLOW_LINK_S = 0.1  # the simulated inter-node link's delay per push (two-node runs)
 
 
@@ -312,8 +317,15 @@ def _job_segments():
 
 @pytest.mark.parametrize("how", ["raise", "kill"])
 def test_a_failing_rank_ends_the_job_and_leaves_shm_clean(how, reference, tmp_path):
+    """A rank that raises, or is killed under torchrun (the killed run keeps its optimizer
+    states on NVMe): the job ends, and neither a shared-memory segment nor a state file
+    outlives it."""
     before = set(_job_segments())
+    drive = tmp_path / "drive"
+    drive.mkdir()
+    on_disk = ["--optimizer-state-location", "nvme", "--optimizer-nvme-path", str(drive)]
     run = launch(tmp_path, f"fail-{how}", 2, "--pipeline-schedule", "decoupled",
+                 *(on_disk if how == "kill" else []),
                  env={"MEGATRON_SYSX_TEST_FAIL": f"1,2,3,{how}"}, timeout=120,
                  real_torchrun=how == "kill")  # what torchrun does about a killed worker
     assert run.returncode != 0
@@ -329,10 +341,11 @@ def test_a_failing_rank_ends_the_job_and_leaves_shm_clean(how, reference, tmp_pa
         assert LEGEND in run.stderr
     else:
         assert "rank" in run.stderr and "-9" in run.stderr or "SIGKILL" in run.stderr
-    deadline = time.monotonic() + 10  # the reaper runs when its parent is gone
-    while set(_job_segments()) - before and time.monotonic() < deadline:
+    deadline = time.monotonic() + 10  # the reapers run when their processes are gone
+    while (set(_job_segments()) - before or os.listdir(drive)) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not set(_job_segments()) - before
+    assert os.listdir(drive) == []
 
 
 @pytest.mark.parametrize(

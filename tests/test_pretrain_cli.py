@@ -111,11 +111,11 @@ def test_print_model_size_reports_count_and_model_state_memory(capsys):
 
 @pytest.fixture(scope="module")
 def learning(tmp_path_factory, cache):
-    """60 iterations of the tiny preset, started once the module's first test that asks for
+    """30 iterations of the tiny preset, started once the module's first test that asks for
     it runs (the resume test runs beside it)."""
     metrics = tmp_path_factory.mktemp("learn") / "metrics.jsonl"
     job = forked_ranks.start("pretrain_llama.py", [
-        "--model-preset", "tiny", "--train-iters", "60", "--log-interval", "30",
+        "--model-preset", "tiny", "--train-iters", "30", "--log-interval", "15",
         "--metrics-file", str(metrics), "--data-cache-dir", cache])
     yield metrics, job
     job.wait(timeout=300)  # gone even when no test waited for it
@@ -152,11 +152,13 @@ def test_tiny_preset_learns_on_the_builtin_corpus(learning):
     assert r.returncode == 0, r.stderr[-3000:]
     assert "lm loss" in r.stdout and "tokens per second" in r.stdout
     rows = read_metrics(metrics)
-    assert [row["iteration"] for row in rows] == list(range(1, 61))
+    assert [row["iteration"] for row in rows] == list(range(1, 31))
     for key in ("iteration", "loss", "lr", "iter_time_s", "tokens_per_s"):
         assert key in rows[0]
-    last = [row["loss"] for row in rows[-5:]]  # a mean: one batch's loss is noisy
-    assert sum(last) / len(last) < 0.8 * rows[0]["loss"]
+    # a mean: one batch's loss is noisy. The tiny preset on the demo corpus falls from 8.3
+    # to about 6.6 in 25 iterations, then slowly.
+    last = [row["loss"] for row in rows[-5:]]
+    assert sum(last) / len(last) < 0.85 * rows[0]["loss"]
     best = min(rows, key=lambda row: row["loss"])
     assert (f"final lm loss {rows[-1]['loss']:.6E}, best {best['loss']:.6E} at iteration "
             f"{best['iteration']}") in r.stdout

@@ -1,33 +1,47 @@
-"""A prediction a user can trust: tools/profile_hardware.py's profile of this machine prices
-a real 2-process run of the tiny preset (bench/schedules.py --hardware) near its measured
-iteration. The margin is generous (0.5-2): the profile and the run share a machine with
-whatever else runs on it; docs/schedules.md has the figures over rounds."""
+"""tools/profile_hardware.py as a user runs it. A prediction a user can trust: its profile
+of this machine prices a real 2-process run of the tiny preset (bench/schedules.py
+--hardware) near its measured iteration. The margin is generous (0.5-2): the profile and
+the run share a machine with whatever else runs on it; docs/schedules.md has the figures
+over rounds. The same profile measures a drive for NVMe states (--nvme-path) and removes
+its file."""
 
 import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
+from bench.nvme_optimizer import filesystem_of
 from megatron.config.presets import get_preset
+from megatron.optimizer.state_io import direct_io_supported
 from megatron.schedules.hardware import layer_shape
 from tests import forked_ranks
 
-REPO = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
 
+def profile_hardware(*args: str):
+    """`python tools/profile_hardware.py ARGS` (a fork of the session's preloaded zygote)."""
+    return forked_ranks.launch("tools/profile_hardware.py", ["--model-preset", "tiny", *args],
+                               env={"OMP_NUM_THREADS": "1"}, timeout=300)
+
+
 def test_profile_based_prediction_is_near_the_measured_iteration(tmp_path, demo_cache):
-    profile = tmp_path / "cpu.json"
-    done = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "profile_hardware.py"), "--model-preset", "tiny",
-         "--gpus-per-node", "2", "--out", str(profile)],
-        capture_output=True, text=True, cwd=REPO, timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1"})
+    profile, drive = tmp_path / "cpu.json", tmp_path / "drive"
+    drive.mkdir()
+    on_a_drive = filesystem_of(str(drive)) not in ("tmpfs", "ramfs") and \
+        direct_io_supported(str(drive))  # else the NVMe part is tested where it can be
+    done = profile_hardware("--gpus-per-node", "2", "--out", str(profile),
+                            *(["--nvme-path", str(drive), "--nvme-bytes", "16MiB"]
+                              if on_a_drive else []))
     assert done.returncode == 0, done.stderr[-3000:]
     measured = json.loads(profile.read_text())
+    if on_a_drive:
+        assert measured["nvme_read_bytes_per_s"] > 0
+        assert measured["nvme_write_bytes_per_s"] > 0
+        assert measured["nvme_capacity_bytes"] > 0
+        assert "NVMe" in measured["source"]
+        assert [line for line in done.stderr.splitlines() if "profile_hardware: NVMe" in line]
+        assert os.listdir(drive) == []  # the temporary file is gone
     assert measured["p2p_latency_s"] > 0 and measured["instruction_overhead_s"] > 0
     # compute measured at the planned model's layer (the tiny preset: micro-batch 4), with
     # the spread over its rounds
@@ -47,3 +61,11 @@ def test_profile_based_prediction_is_near_the_measured_iteration(tmp_path, demo_
         ratio = row["predicted_over_measured"]
         assert 0.5 < ratio < 2, (row["schedule"], row["predicted_iteration_time_s"],
                                  row["iteration_time_s"])
+
+
+def test_nvme_path_on_tmpfs_is_refused_in_one_line():
+    if not os.path.isdir("/dev/shm") or filesystem_of("/dev/shm") != "tmpfs":
+        pytest.skip("no tmpfs at /dev/shm")
+    done = profile_hardware("--nvme-path", "/dev/shm")  # refused before anything is measured
+    assert done.returncode == 2
+    assert "tmpfs" in done.stderr.strip().splitlines()[-1]
