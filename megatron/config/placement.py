@@ -18,7 +18,8 @@ The device's share of the updates (`DeviceShare`) is one of:
 
 Adding a placement takes three files: a `DeviceShare` subclass here (its checks and the
 flags it stands for), its device memory and update time in placement_cost.py, and its
-execution in the assembly (`Assembly._device_updates`). docs/architecture.md shows one.
+execution in megatron/pipeline/assembly.py (a case in `Pipeline._device_updates`).
+docs/architecture.md shows one.
 """
 
 from __future__ import annotations
