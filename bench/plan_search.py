@@ -30,11 +30,11 @@ from megatron.training.arguments import parse_args  # noqa: E402
 
 def every_shape(run: RunConfig, hardware) -> tuple[list, int]:
     """Every shape built and simulated with every stride: the ranking and the count."""
-    strides = plan.searched_strides(run, hardware)
+    shares = plan.searched_updates(run, hardware)
     shapes = plan.searched_configurations(run, hardware)
-    found = [e for config in shapes for e in plan.evaluate_shape((run, config, strides, hardware))]
+    found = [e for config in shapes for e in plan.evaluate_shape((run, config, shares, hardware))]
     found.sort(key=plan.rank_key)
-    return found, len(shapes) * len(strides)
+    return found, len(shapes) * len(shares)
 
 
 def main(argv: list[str] | None = None) -> int:

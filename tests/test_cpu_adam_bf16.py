@@ -294,7 +294,7 @@ def test_the_planner_counts_host_bytes_per_parameter_of_the_chosen_precisions():
     from megatron.schedules.cost_model import backward_stage_params, model_partition
     from megatron.schedules.generators import build_schedule
     from megatron.schedules.hardware import get_hardware
-    from megatron.schedules.memory_model import plan_memory
+    from megatron.schedules.memory_model import MemoryShape, plan_memory
 
     preset, hardware = get_preset("110b"), get_hardware("paper-v100")
     partition = model_partition(preset, 16, min_layers=2)
@@ -305,8 +305,8 @@ def test_the_planner_counts_host_bytes_per_parameter_of_the_chosen_precisions():
                                      (torch.float32, BF16, 8), (BF16, BF16, 6)):
         opt = CPUAdamW([torch.zeros(10)], threads=1, master_dtype=master, state_dtype=states)
         assert opt.bytes_per_param == expected
-        plan = plan_memory(schedule, preset, 2, 1024, 2, 4, procs_per_node=4,
-                           hardware=hardware, optimizer_bytes=opt.bytes_per_param)
+        plan = plan_memory(schedule, MemoryShape(preset, 2, 1024, 2, 4, opt.bytes_per_param,
+                                                 procs_per_node=4), hardware=hardware)
         total = sum(node["optimizer_states"] for node in plan.per_node)
         assert total == expected * params
         node_states.append(max(node["optimizer_states"] for node in plan.per_node))

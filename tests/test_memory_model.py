@@ -17,6 +17,7 @@ from megatron.schedules.generators import build_schedule
 from megatron.schedules.hardware import get_hardware
 from megatron.schedules.instructions import Op
 from megatron.schedules.memory_model import (
+    MemoryShape,
     layer_saved_bytes,
     plan_memory,
     shortfalls,
@@ -77,7 +78,8 @@ def test_paper_node_fits_10b_but_not_110b_on_two_nodes():
         from megatron.schedules.cost_model import model_partition
         partition = model_partition(preset, 2 * ranks, min_layers=2)
         schedule = build_schedule("decoupled", ranks, 2 * ranks, 2, 8 * nodes, partition)
-        plan = plan_memory(schedule, preset, 2, 1024, 2, 4, procs_per_node=4, hardware=hardware)
+        plan = plan_memory(schedule, MemoryShape(preset, 2, 1024, 2, 4, procs_per_node=4),
+                           hardware=hardware)
         missing = shortfalls(plan, hardware)
         assert (not missing) == fits, missing
         if not fits:
@@ -108,9 +110,9 @@ def test_memory_model_matches_the_runtime_on_two_processes(tmp_path, demo_cache)
 
     run = parse_args(flags)
     schedule = generate_schedule(run, 2, vocab)
-    plan = plan_memory(schedule, replace(get_preset("small"), vocab_size=vocab),
-                       run.training.micro_batch_size, run.model.seq_length, param_bytes=4,
-                       grad_host_bytes=4, procs_per_node=2)
+    plan = plan_memory(schedule, MemoryShape(replace(get_preset("small"), vocab_size=vocab),
+                                             run.training.micro_batch_size, run.model.seq_length,
+                                             param_bytes=4, grad_host_bytes=4, procs_per_node=2))
 
     def close(predicted, actual, what):
         assert abs(predicted - actual) <= TOLERANCE * actual, (what, predicted, actual)

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from megatron.config.placement import parse_gpu_stride, split_flag
 from megatron.offload.device import DeviceLayer
 from megatron.pipeline.optimizer_calibration import calibrated_update_rates
 from megatron.schedules.hardware import get_hardware, update_rates
@@ -21,8 +22,6 @@ from megatron.schedules.optimizer_stride import (
     gpu_update_stride,
     interleaved_update_time,
     is_device_subgroup,
-    parse_split,
-    split_flag,
 )
 from megatron.training.training import main
 
@@ -137,12 +136,12 @@ def test_the_split_spells_strides_and_gpu_heavy_placements():
     assert [i for i in range(6) if is_device_subgroup(i, -3)] == [0, 1, 3, 4]
     assert [device_share(s) for s in (0, 2, 4, -2, -3)] == pytest.approx([0, 0.5, 0.25, 0.5, 2 / 3])
     for text, split in (("auto", None), ("0", 0), ("3", 3), ("device:3", -3)):
-        assert parse_split(text) == split
+        assert parse_gpu_stride(text) == split
         if split is not None:
             assert split_flag(split) == text
     for bad in ("device:1", "device:x", "-3", "x", "device:"):
         with pytest.raises(ValueError, match="device:N with N >= 2"):
-            parse_split(bad)
+            parse_gpu_stride(bad)
     # the timing model counts a partial last subgroup at its size: of 35 in subgroups of
     # 10, device:3 puts 10 + 10 + 5 on the device, 10 on the CPU (all rates 1 per second)
     rates = UpdateRates(1.0, 1.0, 1.0, 1.0)

@@ -206,7 +206,7 @@ def test_schedules_with_device_subgroups_match_one_process(tmp_path, demo_cache)
     from megatron.data.tokenizer import load_tokenizer
     from megatron.pipeline.optimizer_calibration import CACHE_VERSION, machine_key
     from megatron.planning.shape import generate_schedule
-    from megatron.schedules.memory_model import plan_memory
+    from megatron.schedules.memory_model import MemoryShape, plan_memory
     from megatron.training.arguments import parse_args
     from tests.test_pipeline_executor import (
         FEATURE_SCHEDULES,
@@ -252,8 +252,9 @@ def test_schedules_with_device_subgroups_match_one_process(tmp_path, demo_cache)
                              "--pipeline-schedule", name, "--optimizer-gpu-stride", "auto",
                              "--optimizer-subgroup-size", "2048"])
         schedule = generate_schedule(config, 2, vocab)
-        plan = plan_memory(schedule, replace(config.model, vocab_size=vocab), 2, 32, 4, 4,
-                           subgroup_stride=None, subgroup_size=2048)
+        plan = plan_memory(schedule,
+                           MemoryShape(replace(config.model, vocab_size=vocab), 2, 32, 4, 4),
+                           config.cpu_optimizer.placement)
         for r in rows:
             for rank in r["per_rank"]:
                 planned = plan.per_gpu[rank["rank"]]["optimizer_subgroups"]
@@ -269,7 +270,7 @@ def test_the_gpu_heavy_split_matches_one_process(tmp_path, demo_cache):
     from megatron.data.demo_corpus import ensure_demo_corpus
     from megatron.data.tokenizer import load_tokenizer
     from megatron.planning.shape import generate_schedule
-    from megatron.schedules.memory_model import plan_memory
+    from megatron.schedules.memory_model import MemoryShape, plan_memory
     from megatron.training.arguments import parse_args
     from tests.test_pipeline_executor import MODEL, assert_same_training, metrics, start
 
@@ -287,9 +288,8 @@ def test_the_gpu_heavy_split_matches_one_process(tmp_path, demo_cache):
                          "--pipeline-schedule", "decoupled", *heavy])
     vocab = load_tokenizer(ensure_demo_corpus(cache_dir=demo_cache).tokenizer_path).vocab_size
     schedule = generate_schedule(config, 2, vocab)
-    plan = plan_memory(schedule, replace(config.model, vocab_size=vocab), 2, 32, 4, 4,
-                       subgroup_stride=config.cpu_optimizer.optimizer_gpu_stride,
-                       subgroup_size=2048)
+    plan = plan_memory(schedule, MemoryShape(replace(config.model, vocab_size=vocab), 2, 32, 4, 4),
+                       config.cpu_optimizer.placement)
     measured = [max(rank["device_memory_at_peak"]["optimizer_subgroups"]
                     for r in rows for rank in r["per_rank"] if rank["rank"] == k)
                 for k in range(2)]

@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import pytest
 
+from megatron.config.placement import ON_HOST, Interleaved, Resident
 from megatron.config.presets import get_preset
 from megatron.planning import evaluate as plan_evaluate
 from megatron.planning import search as plan
@@ -22,7 +23,13 @@ from megatron.schedules.cost_model import (
 from megatron.schedules.generators import SCHEDULE_NAMES, build_schedule, schedule_kind
 from megatron.schedules.hardware import get_hardware, update_rates
 from megatron.schedules.lowering import SYNCHRONOUS_OPTIMIZER
-from megatron.schedules.memory_model import GPU_TERMS, NODE_TERMS, plan_memory, shape_report
+from megatron.schedules.memory_model import (
+    GPU_TERMS,
+    NODE_TERMS,
+    MemoryShape,
+    plan_memory,
+    shape_report,
+)
 from megatron.schedules.optimizer_placement import place_device_subgroups
 from megatron.schedules.optimizer_stride import auto_split
 from megatron.schedules.simulator import simulate
@@ -77,8 +84,8 @@ def test_shape_memory_is_a_lower_bound_of_every_term(name, ranks, stages, split)
     model, schedule = _built(name, ranks, stages, split)
     shape = build_schedule(name, ranks, stages, split, 8, schedule.partition, lower=False)
     assert shape.programs == ()
-    full = plan_memory(schedule, model, 2, 2048, 2, 4, procs_per_node=2)
-    least = plan_memory(shape, model, 2, 2048, 2, 4, procs_per_node=2,
+    full = plan_memory(schedule, MemoryShape(model, 2, 2048, 2, 4, procs_per_node=2))
+    least = plan_memory(shape, MemoryShape(model, 2, 2048, 2, 4, procs_per_node=2),
                         report=shape_report(shape))
     for low, high in zip(least.per_gpu, full.per_gpu):
         assert all(low[t] <= high[t] for t in GPU_TERMS)
@@ -95,9 +102,9 @@ def _run(*extra):
 
 def _brute_force(run, hardware):
     """Every shape built, checked and simulated with every stride: what fits, fastest first."""
-    strides = plan.searched_strides(run, hardware)
+    shares = plan.searched_updates(run, hardware)
     found = [e for config in plan.searched_configurations(run, hardware)
-             for e in plan.evaluate_shape((run, config, strides, hardware))]
+             for e in plan.evaluate_shape((run, config, shares, hardware))]
     return sorted(found, key=plan.rank_key)
 
 
@@ -124,18 +131,18 @@ def test_the_search_compares_the_optimizer_gpu_stride_of_eq1():
     # device:2 tie (half the subgroups on the device) and the stride is kept
     split = auto_split(update_rates(profile)).split
     assert split == 2
-    assert plan.searched_strides(run, profile) == (0, split)
+    assert plan.searched_updates(run, profile) == (ON_HOST, Interleaved(split))
     ranked = plan.search(run, profile).ranked
     chosen, _ = plan.auto_configure(run, profile)
     # exposed updates are where the V100 node loses
     assert chosen.cpu_optimizer.optimizer_gpu_stride == split
     assert "--optimizer-gpu-stride 2" in ranked[0].config.flags()
     # a stride is offered only where it is predicted faster than the CPU alone
-    plain = plan_evaluate.evaluate(run, replace(ranked[0].config, optimizer_gpu_stride=0),
-                                   profile)
+    plain = plan_evaluate.evaluate(run, replace(ranked[0].config, updates=ON_HOST), profile)
     assert ranked[0].simulation.iteration_time < plain.simulation.iteration_time
     # a profile without the device's update rate cannot price the device path: not searched
     no_rate = replace(profile, gpu_update_params_per_s=0.0)
-    assert plan.searched_strides(run, no_rate) == (0,)
-    assert plan.searched_strides(_run("--hardware", "paper-v100",
-                               "--optimizer-gpu-resident-fraction", "0.5"), profile) == (0,)
+    assert plan.searched_updates(run, no_rate) == (ON_HOST,)
+    assert plan.searched_updates(_run("--hardware", "paper-v100",
+                                      "--optimizer-gpu-resident-fraction", "0.5"),
+                                 profile) == (Resident(0.5),)

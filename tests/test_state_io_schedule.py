@@ -14,7 +14,7 @@ from megatron.schedules.hardware import get_hardware
 from megatron.schedules.instructions import STATE_IO, BackwardStage, Instruction, Op
 from megatron.schedules.interpreter import ScheduleError
 from megatron.schedules.lowering import place_state_io
-from megatron.schedules.memory_model import plan_memory, shortfalls
+from megatron.schedules.memory_model import MemoryShape, plan_memory, shortfalls
 from megatron.schedules.simulator import simulate
 from megatron.schedules.validator import validate
 
@@ -103,9 +103,9 @@ def test_memory_model_counts_the_window_in_host_memory_and_both_versions_on_the_
     model = get_preset("10b")
     hardware = get_hardware("dgx-h100")
     shape = build_schedule("decoupled", 4, 48, 1, 8, partition=tuple([1] * 48))
-    host = plan_memory(shape, model, 1, hardware=hardware)
+    host = plan_memory(shape, MemoryShape(model, 1), hardware=hardware)
     placed = place_state_io(shape)
-    nvme = plan_memory(placed, model, 1, hardware=hardware)
+    nvme = plan_memory(placed, MemoryShape(model, 1), hardware=hardware)
     states = sum(p["optimizer_states"] for p in host.per_process)
     # 12 stages per rank: a window of 2 and the scratch buffer hold at most 3 of them
     assert sum(p["optimizer_states"] for p in nvme.per_process) <= states * 3 / 12 * 1.05

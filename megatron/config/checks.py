@@ -17,6 +17,7 @@ from megatron.config.tokenizer_names import tokenizer_type_problem
 from megatron.config.values import parse_data_path, parse_split
 
 if TYPE_CHECKING:
+    from megatron.config.placement import StateStorage
     from megatron.config.run import RunConfig
 
 REQUIRED_MODEL_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size",
@@ -267,16 +268,9 @@ def _check_parallel(run: RunConfig) -> None:
 
 def _check_cpu_optimizer(run: RunConfig) -> None:
     c = run.cpu_optimizer
-    _positive(c.optimizer_subgroup_size, "optimizer_subgroup_size")
-    if not 0.0 <= c.optimizer_gpu_resident_fraction <= 1.0:
-        raise ConfigError("--optimizer-gpu-resident-fraction",
-                          c.optimizer_gpu_resident_fraction, "expected a value in [0, 1]")
-    if c.optimizer_gpu_resident_fraction > 0 and c.optimizer_gpu_stride != 0:
-        raise ConfigError("--optimizer-gpu-resident-fraction",
-                          c.optimizer_gpu_resident_fraction,
-                          "the static split excludes --optimizer-gpu-stride (give one of them)")
     _positive(c.cpu_optimizer_threads, "cpu_optimizer_threads")
-    _check_nvme(run)
+    # the placement's flags are read and checked once, here (megatron/config/placement.py)
+    _check_nvme(run, c.placement.states)
     p = run.precision
     for field in ("optimizer_state_dtype", "master_dtype"):
         if getattr(p, field) != "fp32" and run.parallel.one_process:
@@ -286,23 +280,16 @@ def _check_cpu_optimizer(run: RunConfig) -> None:
                               "optimizer: give a pipeline schedule")
 
 
-def _check_nvme(run: RunConfig) -> None:
-    """The NVMe tier's flags (the free space is checked once the state sizes are known)."""
-    c = run.cpu_optimizer
-    path = c.optimizer_nvme_path
-    if c.optimizer_state_location != "nvme":
-        if path is not None:
-            raise ConfigError("--optimizer-nvme-path", path,
-                              "only with --optimizer-state-location nvme")
+def _check_nvme(run: RunConfig, states: StateStorage) -> None:
+    """What the NVMe tier needs of the run and the drive (the placement checked its flags;
+    the free space is checked once the state sizes are known)."""
+    if not states.on_nvme:
         return
+    path = states.nvme_path
     if run.parallel.one_process:
         raise ConfigError("--optimizer-state-location", "nvme",
                           "host with --pipeline-schedule single (the one-process reference "
                           "keeps torch's AdamW in memory); NVMe states need a pipeline")
-    if c.optimizer_gpu_resident_fraction > 0:
-        raise ConfigError("--optimizer-state-location", "nvme",
-                          "host with --optimizer-gpu-resident-fraction (the static split "
-                          "keeps part of every state on the device for good)")
     if path is None:
         if run.planning.plan or run.planning.print_model_size:
             return  # a plan needs no drive here: the profile describes the node's

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
+from functools import cached_property
 from typing import Any
 
 from megatron.config.checks import check_run
 from megatron.config.model import ModelConfig
+from megatron.config.placement import Placement
 from megatron.config.values import parse_split
 
 # Bytes per element of the precisions a flag can name.
@@ -129,9 +131,10 @@ class CpuOptimizerConfig:
     # (NVMe states are exact anyway: the file keeps the committed version).
     optimizer_exact_rollback: bool = False
 
-    @property
-    def uses_device(self) -> bool:
-        return self.optimizer_gpu_stride != 0 or self.optimizer_gpu_resident_fraction > 0
+    @cached_property
+    def placement(self) -> Placement:
+        """These flags as one value, read (and checked) once per configuration."""
+        return Placement.of(self)
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.common.units import format_bytes
+from megatron.config.placement import AutoSplit, Interleaved, OnHost, Resident
 from megatron.models.llama import Batch, LlamaConfig
 from megatron.offload.device import get_device
 from megatron.offload.layout import copy_parameters_into
@@ -34,7 +35,7 @@ from megatron.optimizer.loss_scaler import ConstantLossScaler, LossScaler
 from megatron.optimizer.subgroups import plan_resident, plan_subgroups
 from megatron.pipeline.buffers import rank_buffers
 from megatron.pipeline.checkpoint_views import CheckpointViews, Views
-from megatron.pipeline.config import LossScaling, PipelineConfig, SubgroupSettings
+from megatron.pipeline.config import LossScaling, PipelineConfig
 from megatron.pipeline.data_parallel import ParallelLayout, create_host_groups
 from megatron.pipeline.element_runs import group_element_runs
 from megatron.pipeline.executor import PipelineExecutor
@@ -121,7 +122,7 @@ class Pipeline:
         self.buffers = rank_buffers(device, config.dtype, self.rank,
                                     max(m.layout.numel for m in self.modules.values()),
                                     self.owned, config.report, validate(self.eval_schedule))
-        self.subgroups = self._plan_subgroups()
+        self.subgroups = self._device_updates()
         # Each replica's backward divides by the replicas too: their sum is the mean.
         replica_count = layout.data_parallel_size
         self.executor = PipelineExecutor(
@@ -202,7 +203,7 @@ class Pipeline:
     def _disk_states(self, numels: list[int]) -> DiskStates | None:
         """States on NVMe: this process's file, with a window of as many stages as the
         program holds read and not yet written at once."""
-        path = self.config.optimizer.nvme_path
+        path = self.config.placement.states.nvme_path
         if path is None:
             return None
         peak = self.config.report.peak_optimizer_states
@@ -224,27 +225,37 @@ class Pipeline:
               f"({format_bytes(disk.host_bytes)})", flush=True)
         return disk
 
-    def _plan_subgroups(self) -> DeviceSubgroups:
+    def _device_updates(self) -> DeviceSubgroups:
+        """The placement's device share of the updates, executed (megatron/config/placement.py:
+        a new placement adds its case here)."""
+        match self.config.placement.updates:
+            case OnHost():
+                return DeviceSubgroups()
+            case Interleaved() | AutoSplit() as updates:
+                return self._interleaved_subgroups(updates.split)
+            case Resident(fraction=fraction):
+                return DeviceSubgroups(0, self._resident_subgroups(fraction))
+            case other:
+                raise TypeError(f"the pipeline cannot execute the placement {other!r}")
+
+    def _interleaved_subgroups(self, stride: int | None) -> DeviceSubgroups:
         """Split the groups of the stages this rank's program starts with
-        OPTIMIZER_START_SUBGROUPS into subgroups placed by the split of the flag (every
-        K-th, or all but every N-th, on the device), or by Eq. 1 over the calibrated rates
-        (auto_split); or, for the static baseline, a resident fraction of every owned group."""
-        settings = self.config.subgroups
-        if settings is not None and settings.resident_fraction > 0:
-            return DeviceSubgroups(0, self._plan_resident(settings))
+        OPTIMIZER_START_SUBGROUPS into subgroups placed by `stride` (every K-th, or all but
+        every N-th, on the device), or (None) by Eq. 1 over the calibrated rates
+        (auto_split)."""
         stages = sorted({BackwardStage(i.stage, i.sub) for i in self.schedule.programs[self.rank]
                          if i.op == Op.OPTIMIZER_START_SUBGROUPS})
-        if settings is None or not stages:
+        if not stages:
             return DeviceSubgroups()
+        requested = self.config.placement.subgroup_size
         sizes = [hi - lo for b in stages for lo, hi in self.owned[b].bounds()]
-        wanted = min(settings.size or default_subgroup_size(max(sizes)), max(sizes))
+        wanted = min(requested or default_subgroup_size(max(sizes)), max(sizes))
         # The budget: what the gradient buffers hold, free once the backward has ended.
         budget = self.buffers.grad_buffers.nbytes
-        size = planned_subgroup_size(settings.size, max(sizes), budget)
-        stride = settings.stride
+        size = planned_subgroup_size(requested, max(sizes), budget)
         if stride is None:
             rates = calibrated_update_rates(
-                self.device, self.cpu_adam.threads, settings.cache_dir,
+                self.device, self.cpu_adam.threads, self.config.rates_cache_dir,
                 log=lambda line: print(f"rank {self.rank}: {line}", flush=True))
             choice = auto_split(rates, max(sizes), size)  # priced at the layout it gets
             stride = choice.split
@@ -271,16 +282,16 @@ class Pipeline:
                                                 updater)
         return DeviceSubgroups(stride, updater)
 
-    def _plan_resident(self, settings: SubgroupSettings) -> ResidentSubgroupUpdater:
-        """Twin-Flow: the first `resident_fraction` of every owned group on the device."""
+    def _resident_subgroups(self, fraction: float) -> ResidentSubgroupUpdater:
+        """Twin-Flow: the first `fraction` of every owned group on the device."""
         updater = ResidentSubgroupUpdater(self.device)
         sizes = [hi - lo for owner in self.owned.values() for lo, hi in owner.bounds()]
-        size = settings.size or default_subgroup_size(max(sizes))
+        size = self.config.placement.subgroup_size or default_subgroup_size(max(sizes))
         for owner in self.owned.values():
             for group, (lo, hi) in zip(owner.groups, owner.bounds()):
                 if hi > lo:
                     self.cpu_adam.set_subgroups(
-                        group, plan_resident(hi - lo, size, settings.resident_fraction), updater)
+                        group, plan_resident(hi - lo, size, fraction), updater)
         return updater
 
     def _p2p(self, model_cfg: LlamaConfig) -> PointToPoint:

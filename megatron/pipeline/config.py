@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron.config.device_choice import DeviceChoice
+from megatron.config.placement import DEFAULT_PLACEMENT, Placement
 from megatron.config.run import PrecisionConfig, RunConfig
 from megatron.optimizer.cpu_adam import usable_cores
 from megatron.optimizer.loss_scaler import ConstantLossScaler, DynamicLossScaler, LossScaler
@@ -36,21 +37,7 @@ class OptimizerSettings:
     master_dtype: torch.dtype = torch.float32  # master weights: float32 or bfloat16
     stochastic_rounding: bool = True  # a bf16 master rounds stochastically (else nearest)
     seed: int = 0  # keys the stochastic rounding's random bits
-    nvme_path: str | None = None  # master, m, v in files there (None: in host memory)
     exact_rollback: bool = False  # host states: snapshot each step (bit-exact rollbacks)
-
-
-@dataclass(frozen=True)
-class SubgroupSettings:
-    """Optimizer subgroups updated on the device (Deep Optimizer States) for the stages
-    whose program says OPTIMIZER_START_SUBGROUPS."""
-
-    stride: int | None  # every stride-th subgroup on the device; None: Eq. 1 (calibrated)
-    size: int | None = None  # parameters per subgroup; None: from the largest such stage
-    cache_dir: str = ""  # where the calibrated rates are cached (stride None)
-    # > 0: the static baseline instead: this fraction of every owned stage's optimizer
-    # state lives on the device and is always updated there (stride is then ignored)
-    resident_fraction: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -90,7 +77,9 @@ class PipelineConfig:
     inject_overflow: tuple[int, BackwardStage] | None = None  # testing: (iteration, stage)
     record_timeline_at: int | None = None  # the iteration whose events are gathered
     p2p_check: bool = False  # testing: a header with each tensor, checked on receipt
-    subgroups: SubgroupSettings | None = None  # None: every update on the CPU
+    # where the optimizer's updates run and its states live (the assembly executes it)
+    placement: Placement = DEFAULT_PLACEMENT
+    rates_cache_dir: str = ""  # where --optimizer-gpu-stride auto caches calibrated rates
     device_sanitizer: bool = False  # check the device layer's stream order
     device_chaos: int | None = None  # a seed: delay the copy streams at random
     # Replicas of the pipeline (world = ranks x data_parallel_size) and how they split
@@ -151,8 +140,6 @@ def pipeline_config(run: RunConfig, schedule: Schedule, report: ValidationReport
                                     master_dtype=TORCH_DTYPES[p.master_dtype],
                                     stochastic_rounding=p.master_rounding == "stochastic",
                                     seed=run.training.seed,
-                                    nvme_path=(c.optimizer_nvme_path
-                                               if c.optimizer_state_location == "nvme" else None),
                                     exact_rollback=c.optimizer_exact_rollback),
         loss_scaling=LossScaling.of(p),
         procs_per_node=run.parallel.procs_per_node,
@@ -162,10 +149,8 @@ def pipeline_config(run: RunConfig, schedule: Schedule, report: ValidationReport
         p2p_check=run.testing.p2p_check,
         device_sanitizer=run.device_checks.device_sanitizer,
         device_chaos=run.device_checks.device_chaos,
-        subgroups=None if not c.uses_device else SubgroupSettings(
-            stride=c.optimizer_gpu_stride, size=c.optimizer_subgroup_size,
-            cache_dir=run.data.data_cache_dir,
-            resident_fraction=c.optimizer_gpu_resident_fraction),
+        placement=c.placement,
+        rates_cache_dir=run.data.data_cache_dir,
         data_parallel_size=run.data_parallel_size,
         zero_stage=run.parallel.zero_stage,
         device=device,

@@ -2,9 +2,9 @@
 profile, and (when asked) its simulated iteration.
 
 A candidate (`Configuration`) is the part of a run the planner varies: schedule, forward
-stages, backward split d, micro-batch size, node count, the optimizer's GPU stride and the
-precision of the optimizer state in host memory. Everything else (the model, the global
-batch, the working precision) is the run configuration's.
+stages, backward split d, micro-batch size, node count, the device's share of the optimizer
+updates and where and in what precision the optimizer state lives. Everything else (the
+model, the global batch, the working precision) is the run configuration's.
 """
 
 from __future__ import annotations
@@ -12,9 +12,16 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from megatron.config.errors import ConfigError
+from megatron.config.placement import (
+    ON_HOST,
+    AutoSplit,
+    DeviceShare,
+    Interleaved,
+    Placement,
+    StateStorage,
+)
 from megatron.config.run import DTYPE_BYTES, RunConfig, optimizer_state_bytes
 from megatron.schedules.cost_model import (
-    DeviceUpdateCosts,
     backward_stage_params,
     derived_costs,
     model_flops_per_token,
@@ -23,7 +30,8 @@ from megatron.schedules.hardware import HardwareProfile, get_hardware, update_ra
 from megatron.schedules.instructions import BackwardStage, Op, Schedule
 from megatron.schedules.memory_model import MemoryPlan, Shortfall, shortfalls
 from megatron.schedules.optimizer_placement import place_device_subgroups
-from megatron.schedules.optimizer_stride import auto_split, split_flag
+from megatron.schedules.optimizer_stride import auto_split
+from megatron.schedules.placement_cost import device_update_costs
 from megatron.schedules.simulator import SimResult, simulate
 from megatron.schedules.subgroup_memory import (
     MIN_SUBGROUP,
@@ -45,13 +53,12 @@ class Configuration:
     backward_split: int | None
     micro_batch_size: int
     nodes: int
-    # the split: every K-th subgroup on the GPU, -N: all but every N-th (None: auto_split)
-    optimizer_gpu_stride: int | None = 0
+    # the device's share of the optimizer updates (megatron/config/placement.py)
+    updates: DeviceShare = ON_HOST
     # the host optimizer state's precision: Adam's m and v, the master (None: the run's)
     optimizer_state_dtype: str | None = None
     master_dtype: str | None = None
-    # where master, m and v live: "host" or "nvme" (None: the run's)
-    optimizer_state_location: str | None = None
+    states: StateStorage | None = None  # where master, m and v live (None: the run's)
 
     def flags(self) -> str:
         parts = [f"--pipeline-schedule {self.schedule}"]
@@ -60,10 +67,8 @@ class Configuration:
         if self.backward_split is not None:
             parts.append(f"--backward-split {self.backward_split}")
         parts += [f"--micro-batch-size {self.micro_batch_size}", f"--nodes {self.nodes}"]
-        if self.optimizer_gpu_stride != 0:
-            stride = self.optimizer_gpu_stride
-            parts.append(f"--optimizer-gpu-stride "
-                         f"{'auto' if stride is None else split_flag(stride)}")
+        if self.updates.planned_flags():
+            parts.append(self.updates.planned_flags())
         return " ".join(parts + self.precision_flags())
 
     def precision_flags(self) -> list[str]:
@@ -72,9 +77,20 @@ class Configuration:
         flags = [f"--{flag} {dtype}" for flag, dtype in (
             ("optimizer-state-dtype", self.optimizer_state_dtype),
             ("master-dtype", self.master_dtype)) if dtype is not None]
-        if self.optimizer_state_location == "nvme":
+        if self.states is not None and self.states.on_nvme:
             flags.append("--optimizer-state-location nvme --optimizer-nvme-path DIR")
         return flags
+
+    def placement(self, run: RunConfig) -> Placement:
+        """Where this candidate's optimizer updates run and its states live."""
+        own = run.cpu_optimizer.placement
+        return replace(own, updates=self.updates, states=self.states or own.states)
+
+
+def plain_updates(updates: DeviceShare) -> DeviceShare:
+    """`updates` without device subgroups where the lowering would mark them (the plan
+    every split of a shape is compared against)."""
+    return ON_HOST if updates.marks_exposed_stages else updates
 
 
 def optimizer_precision(run: RunConfig, config: Configuration) -> tuple[str, str]:
@@ -111,7 +127,7 @@ class Evaluation:
                "backward_split": s.backward_split,
                "micro_batch_size": self.config.micro_batch_size,
                "micro_batches": s.micro_batches, "nodes": self.config.nodes,
-               "optimizer_gpu_stride": self.config.optimizer_gpu_stride,
+               "optimizer_gpu_stride": self.config.updates.split,
                "optimizer_bytes_per_param": self.optimizer_bytes_per_param,
                "fits": self.fits, "flags": self.config.flags()}
         if self.simulation is not None:
@@ -142,17 +158,12 @@ def ranks_of(run: RunConfig, config: Configuration, hardware: HardwareProfile) -
     return config.nodes * gpus_per_node(run, hardware)
 
 
-def state_location(run: RunConfig, config: Configuration) -> str:
-    """Where `config` keeps the optimizer states: "host" or "nvme"."""
-    return config.optimizer_state_location or run.cpu_optimizer.optimizer_state_location
-
-
 def base_configuration(run: RunConfig) -> Configuration:
     """The candidate the run's own flags describe."""
     p = run.parallel
     return Configuration(schedule_name(run), p.forward_stages, p.backward_split,
                          run.training.micro_batch_size, run.planning.nodes or 1,
-                         run.cpu_optimizer.optimizer_gpu_stride)
+                         run.cpu_optimizer.placement.updates)
 
 
 def configured(run: RunConfig, config: Configuration, keep_partition: bool = True
@@ -166,16 +177,16 @@ def configured(run: RunConfig, config: Configuration, keep_partition: bool = Tru
                   "backward_split": config.backward_split,
                   "stage_layers": run.parallel.stage_layers if own else None},
         training={"micro_batch_size": config.micro_batch_size},
-        cpu_optimizer={"optimizer_gpu_stride": config.optimizer_gpu_stride,
-                       "optimizer_state_location": state_location(run, config)},
+        cpu_optimizer=config.placement(run).flags(),
         precision={"optimizer_state_dtype": moments, "master_dtype": master},
         planning={"nodes": config.nodes})
 
 
 def shape_of(config: Configuration) -> Configuration:
-    """`config` without what leaves its schedule unchanged (the stride, the precision; the
-    place of the states is kept: NVMe adds its reads and writes to the programs)."""
-    return replace(config, optimizer_gpu_stride=0, optimizer_state_dtype=None,
+    """`config` without what leaves its schedule unchanged (the device subgroups, the
+    precision; the place of the states is kept: NVMe adds its reads and writes to the
+    programs)."""
+    return replace(config, updates=plain_updates(config.updates), optimizer_state_dtype=None,
                    master_dtype=None)
 
 
@@ -192,25 +203,25 @@ def evaluate(run: RunConfig, config: Configuration, hardware: HardwareProfile,
 def evaluation_or_reason(run: RunConfig, config: Configuration, hardware: HardwareProfile
                          ) -> Evaluation | Unbuildable:
     """evaluate() without the simulation, or why `config` cannot be built."""
-    base = replace(config, optimizer_gpu_stride=0)
+    base = replace(config, updates=plain_updates(config.updates))
     shaped = configured(run, shape_of(config))
     schedule = build_run_schedule(shaped, ranks_of(run, config, hardware),
                                   run.model.planned_vocab_size)
     if isinstance(schedule, Unbuildable):
         return schedule
     evaluation = planned(run, base, schedule, validate(schedule), hardware)
-    if config.optimizer_gpu_stride != 0:
-        evaluation = with_stride(run, evaluation, config.optimizer_gpu_stride, hardware)
+    if config.updates.marks_exposed_stages:
+        evaluation = with_subgroups(run, evaluation, config.updates, hardware)
     return evaluation
 
 
-def with_stride(run: RunConfig, plain: Evaluation, stride: int | None,
-                hardware: HardwareProfile) -> Evaluation:
-    """`plain` (all updates on the CPU) with device subgroups every `stride`-th where an
+def with_subgroups(run: RunConfig, plain: Evaluation, updates: DeviceShare,
+                   hardware: HardwareProfile) -> Evaluation:
+    """`plain` (all updates on the CPU) with device subgroups placed by `updates` where an
     update would be exposed; only optimizer starts change, so its validation holds."""
     placed = place_device_subgroups(plain.schedule, report=plain.report)
-    return planned(run, replace(plain.config, optimizer_gpu_stride=stride), placed,
-                   plain.report, hardware)
+    return planned(run, replace(plain.config, updates=updates), placed, plain.report,
+                   hardware)
 
 
 def planned(run: RunConfig, config: Configuration, schedule: Schedule,
@@ -218,11 +229,13 @@ def planned(run: RunConfig, config: Configuration, schedule: Schedule,
             subgroup_size: int | None = None) -> Evaluation:
     """`config`'s memory plan (its schedule given) and what it lacks on `hardware`
     (`subgroup_size`: the device subgroups', default the flag's)."""
+    placement = config.placement(run)
+    if subgroup_size is not None:
+        placement = replace(placement, subgroup_size=subgroup_size)
     memory = memory_plan(run, schedule, PlannedShape(
         run.model, config.micro_batch_size, procs_per_node=gpus_per_node(run, hardware),
-        on_cuda=hardware.device_kind == "cuda", subgroup_stride=config.optimizer_gpu_stride,
-        optimizer_bytes=optimizer_bytes(run, config), hardware=hardware,
-        subgroup_size=subgroup_size), report)
+        on_cuda=hardware.device_kind == "cuda", placement=placement,
+        optimizer_bytes=optimizer_bytes(run, config), hardware=hardware), report)
     return Evaluation(config, schedule, memory, shortfalls(memory, hardware), report,
                       optimizer_bytes_per_param=optimizer_bytes(run, config))
 
@@ -233,16 +246,16 @@ def simulated(run: RunConfig, evaluation: Evaluation, hardware: HardwareProfile
     are priced from the profile's rates when it has them (else like a CPU update)."""
     if evaluation.simulation is None:
         config, schedule = evaluation.config, evaluation.schedule
-        if config.optimizer_gpu_stride is None:
+        if isinstance(config.updates, AutoSplit):
             return resolved_auto(run, evaluation, hardware)
         costs = derived_costs(schedule, run.model, hardware, config.micro_batch_size,
                               run.model.seq_length, optimizer_bytes(run, config))
         rates = update_rates(hardware)
-        if config.optimizer_gpu_stride != 0 and rates is not None:
+        if config.updates.uses_device and rates is not None:
             params = backward_stage_params(run.model, schedule.partition,
                                            schedule.backward_split)
-            costs = replace(costs, device_update=DeviceUpdateCosts(
-                config.optimizer_gpu_stride, params, rates))
+            costs = replace(costs, device_update=device_update_costs(config.updates, params,
+                                                                     rates))
         evaluation.simulation = simulate(schedule, costs, evaluation.report)
         evaluation.mfu = model_flops_utilization(run, evaluation, hardware)
     return evaluation
@@ -255,7 +268,7 @@ def resolved_auto(run: RunConfig, auto: Evaluation, hardware: HardwareProfile) -
     those hold); Eq. 1's candidates are priced at the subgroup size that memory allows
     (auto_split), and the split found is simulated against stride 0: it is taken only
     where it fits as stride 0 does and its iteration is shorter, so auto never loses."""
-    plain = simulated(run, planned(run, replace(auto.config, optimizer_gpu_stride=0),
+    plain = simulated(run, planned(run, replace(auto.config, updates=ON_HOST),
                                    auto.schedule, auto.report, hardware), hardware)
     rates = update_rates(hardware)
     s = auto.schedule
@@ -281,7 +294,7 @@ def resolved_auto(run: RunConfig, auto: Evaluation, hardware: HardwareProfile) -
     split = auto_split(rates, max(largest.values()), min(sizes)).split
     if split == 0:
         return plain
-    candidate = simulated(run, planned(run, replace(auto.config, optimizer_gpu_stride=split),
+    candidate = simulated(run, planned(run, replace(auto.config, updates=Interleaved(split)),
                                        s, auto.report, hardware, min(sizes)), hardware)
     if candidate.fits >= plain.fits and (candidate.simulation.iteration_time
                                          < plain.simulation.iteration_time):

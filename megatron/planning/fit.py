@@ -12,12 +12,14 @@ from dataclasses import dataclass, replace
 from megatron.common.units import format_bytes, format_shortfall
 from megatron.config.errors import ConfigError
 from megatron.config.model import ModelConfig
+from megatron.config.placement import Placement
 from megatron.config.run import RunConfig
 from megatron.schedules.hardware import HardwareProfile
 from megatron.schedules.instructions import Schedule
 from megatron.schedules.memory_model import (
     GPU_TERMS,
     MemoryPlan,
+    MemoryShape,
     plan_memory,
     single_process_memory,
 )
@@ -49,30 +51,25 @@ class FreeMemory:
 @dataclass(frozen=True)
 class PlannedShape:
     """What planning varies of a run when it asks the memory model: the rest (working and
-    host-gradient precision, sequence, the optimizer's subgroups) is the run's."""
+    host-gradient precision, sequence) is the run's."""
 
     model: ModelConfig
     micro_batch_size: int
     procs_per_node: int
     on_cuda: bool
-    subgroup_stride: int | None  # None: chosen at start-up
+    placement: Placement  # where the optimizer's updates run and its states live
     optimizer_bytes: int  # host bytes per parameter of the master and Adam's moments
     hardware: HardwareProfile | None = None  # the profile's device-update rates, if any
-    subgroup_size: int | None = None  # the device subgroups' elements; None: the flag's
 
 
 def memory_plan(run: RunConfig, schedule: Schedule, shape: PlannedShape,
                 report: ValidationReport | None = None) -> MemoryPlan:
     """The one place planning asks the memory model (`plan_memory`) about `schedule`."""
-    c = run.cpu_optimizer
-    return plan_memory(schedule, shape.model, shape.micro_batch_size, run.model.seq_length,
-                       run.precision.working_bytes,
-                       run.precision.host_gradient_bytes(shape.on_cuda),
-                       procs_per_node=shape.procs_per_node, hardware=shape.hardware,
-                       report=report, subgroup_stride=shape.subgroup_stride,
-                       subgroup_size=shape.subgroup_size or c.optimizer_subgroup_size,
-                       resident_fraction=c.optimizer_gpu_resident_fraction,
-                       optimizer_bytes=shape.optimizer_bytes)
+    p = run.precision
+    return plan_memory(schedule, MemoryShape(
+        shape.model, shape.micro_batch_size, run.model.seq_length, p.working_bytes,
+        p.host_gradient_bytes(shape.on_cuda), shape.optimizer_bytes, shape.procs_per_node),
+        shape.placement, shape.hardware, report)
 
 
 def run_memory_plan(run: RunConfig, schedule: Schedule, vocab_size: int, procs_per_node: int,
@@ -81,11 +78,10 @@ def run_memory_plan(run: RunConfig, schedule: Schedule, vocab_size: int, procs_p
     parallelism, the memory model's view is one pipeline whose nodes hold the replicas'
     processes (with ZeRO the replicas of a pipeline rank hold its optimizer state once
     between them, as one process would)."""
-    c = run.cpu_optimizer
     return memory_plan(run, schedule, PlannedShape(
         replace(run.model, vocab_size=vocab_size), run.training.micro_batch_size,
         procs_per_node=max(1, procs_per_node // run.data_parallel_size), on_cuda=on_cuda,
-        subgroup_stride=c.optimizer_gpu_stride if c.uses_device else 0,
+        placement=run.cpu_optimizer.placement,
         optimizer_bytes=run.precision.optimizer_bytes_per_param))
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 
 from megatron.common.workers import cores_per_rank, worker_pool
 from megatron.config.errors import ConfigError
+from megatron.config.placement import ON_HOST, DeviceShare, Interleaved, StateStorage
 from megatron.config.run import RunConfig
 from megatron.schedules.cost_model import derived_costs, iteration_lower_bound
 from megatron.schedules.generators import DEFAULT_SCHEDULE, SCHEDULE_KINDS, schedule_kind
@@ -34,10 +35,11 @@ from .evaluate import (
     gpus_per_node,
     optimizer_bytes,
     optimizer_precision,
+    plain_updates,
     planned,
     ranks_of,
     simulated,
-    with_stride,
+    with_subgroups,
 )
 from .shape import Unbuildable, build_run_schedule
 
@@ -60,13 +62,13 @@ def lower_bound(run: RunConfig, config: Configuration, hardware: HardwareProfile
                                run.model.planned_vocab_size, lower=False)
     if isinstance(shape, Unbuildable):
         return None
-    if planned(run, replace(config, optimizer_gpu_stride=0), shape, shape_report(shape),
-               hardware).missing:
+    if planned(run, replace(config, updates=plain_updates(config.updates)), shape,
+               shape_report(shape), hardware).missing:
         return None
     costs = derived_costs(shape, run.model, hardware, config.micro_batch_size,
                           run.model.seq_length)
     # the bound holds for every split searched: the largest device share
-    share = max(device_share(split) for split in searched_strides(run, hardware))
+    share = max(device_share(updates.split) for updates in searched_updates(run, hardware))
     return iteration_lower_bound(
         shape, costs, cpu_share=1.0 - share,
         steps_after_all_compute=not schedule_kind(config.schedule).optimizer_overlaps)
@@ -90,8 +92,8 @@ def cheaper_precisions(run: RunConfig) -> list[Precision]:
 
 def precision_note(run: RunConfig, config: Configuration) -> str:
     """What `config` changes of the run's optimizer state, in words ('' when nothing)."""
-    on_disk = (config.optimizer_state_location == "nvme"
-               and run.cpu_optimizer.optimizer_state_location != "nvme")
+    on_disk = (config.states is not None and config.states.on_nvme
+               and not run.cpu_optimizer.placement.states.on_nvme)
     if config.optimizer_state_dtype is None and config.master_dtype is None and not on_disk:
         return ""
     moments, master = optimizer_precision(run, config)
@@ -117,12 +119,11 @@ def states_on_nvme(run: RunConfig, evaluation: Evaluation, hardware: HardwarePro
                    ) -> Evaluation | None:
     """`evaluation` with the optimizer states on the node's NVMe drives (a window of stages
     in host memory), when the profile has drives and the run keeps them in memory."""
-    if (run.cpu_optimizer.optimizer_state_location == "nvme"
-            or evaluation.config.optimizer_state_location == "nvme"
+    if (evaluation.config.placement(run).states.on_nvme
             or hardware.nvme_read_bytes_per_s <= 0 or hardware.nvme_write_bytes_per_s <= 0):
         return None
     found = evaluation_or_reason(
-        run, replace(evaluation.config, optimizer_state_location="nvme"), hardware)
+        run, replace(evaluation.config, states=StateStorage(on_nvme=True)), hardware)
     return found if isinstance(found, Evaluation) else None
 
 
@@ -219,26 +220,29 @@ class SearchResult:
     nothing_fits_at: tuple[int, ...] = ()
 
 
-def searched_strides(run: RunConfig, hardware: HardwareProfile) -> tuple[int, ...]:
-    """The optimizer GPU splits to compare: all on the CPU, and auto_split's for the
-    profile (Eq. 1's stride k, or the GPU-heavy split where k < 1; when it has the device
-    rates and the static split is not asked for)."""
+def searched_updates(run: RunConfig, hardware: HardwareProfile) -> tuple[DeviceShare, ...]:
+    """The device shares of the optimizer updates to compare: the run's without device
+    subgroups (all on the CPU, or the static split when asked for), and, from there,
+    auto_split's split for the profile (Eq. 1's stride k, or the GPU-heavy split where
+    k < 1; when it has the device rates)."""
+    plain = plain_updates(run.cpu_optimizer.placement.updates)
     rates = update_rates(hardware)
-    if rates is None or run.cpu_optimizer.optimizer_gpu_resident_fraction > 0:
-        return (0,)
+    if rates is None or plain.uses_device:
+        return (plain,)
     split = auto_split(rates).split
-    return (0, split) if split else (0,)
+    return (plain, Interleaved(split)) if split else (plain,)
 
 
 def searched_configurations(run: RunConfig, hardware: HardwareProfile,
                             precision: Precision = (None, None)) -> list[Configuration]:
     """schedule x forward stages (the schedule's searched stages per rank) x d (1..3 where
     its backward stages split) x micro-batch sizes dividing the global batch, all on the
-    CPU optimizer (the stride is tried per shape), with the optimizer state in `precision`
-    (None: the run's)."""
+    CPU optimizer (the device subgroups are tried per shape), with the optimizer state in
+    `precision` (None: the run's)."""
     nodes = run.planning.nodes or 1
     ranks = nodes * gpus_per_node(run, hardware)
     layers = run.model.num_layers
+    plain = plain_updates(run.cpu_optimizer.placement.updates)
     sizes = [m for m in (1, 2, 4, 8, 16)
              if batch_divides(run, Configuration(DEFAULT_SCHEDULE, None, None, m, nodes))]
     found = []
@@ -248,7 +252,7 @@ def searched_configurations(run: RunConfig, hardware: HardwareProfile,
             stages = k * ranks
             if stages > layers:
                 continue
-            found += [Configuration(kind.name, stages, d, mbs, nodes, 0, *precision)
+            found += [Configuration(kind.name, stages, d, mbs, nodes, plain, *precision)
                       for d in splits if d * stages <= layers for mbs in sizes]
     return found
 
@@ -263,8 +267,8 @@ def search(run: RunConfig, hardware: HardwareProfile, top: int = SEARCH_TOP,
         found = search_at(run, hardware, precision, top, workers)
         if found.ranked:
             break
-        tried.append(optimizer_bytes(run, Configuration(DEFAULT_SCHEDULE, None, None, 1, 1, 0,
-                                                        *precision)))
+        tried.append(optimizer_bytes(run, Configuration(DEFAULT_SCHEDULE, None, None, 1, 1,
+                                                        ON_HOST, *precision)))
     return replace(found, nothing_fits_at=tuple(tried))
 
 
@@ -275,11 +279,11 @@ def search_at(run: RunConfig, hardware: HardwareProfile, precision: Precision,
     (memory and time, from its shape alone) set aside what cannot fit, then shapes are
     built in order of their time bound, `workers` at a time (default: the cores this rank
     may use), until the next bound is above the `top`-th fastest found. A built shape is
-    simulated with each optimizer GPU stride of `searched_strides`. The ranked evaluations
+    simulated with each device share of `searched_updates`. The ranked evaluations
     keep their schedule's shape, not its programs, and their simulation's figures, not its
     events."""
     shapes = searched_configurations(run, hardware, precision)
-    strides = searched_strides(run, hardware)
+    shares = searched_updates(run, hardware)
     bounded = []
     for config in shapes:
         bound = lower_bound(run, config, hardware)
@@ -299,12 +303,12 @@ def search_at(run: RunConfig, hardware: HardwareProfile, precision: Precision,
                 break  # sorted by bound: nothing later can beat the cutoff either
             built += len(wave)
             for evaluations in run_all(evaluate_shape,
-                                       [(run, config, strides, hardware) for config in wave]):
+                                       [(run, config, shares, hardware) for config in wave]):
                 ranked += evaluations
             ranked.sort(key=rank_key)
-    return SearchResult(ranked, len(shapes) * len(strides),
-                        (len(shapes) - len(bounded)) * len(strides),
-                        (len(bounded) - built) * len(strides), built * len(strides))
+    return SearchResult(ranked, len(shapes) * len(shares),
+                        (len(shapes) - len(bounded)) * len(shares),
+                        (len(bounded) - built) * len(shares), built * len(shares))
 
 
 def rank_key(evaluation: Evaluation) -> tuple[float, str]:
@@ -315,11 +319,11 @@ def rank_key(evaluation: Evaluation) -> tuple[float, str]:
 
 def evaluate_shape(job: tuple) -> list[Evaluation]:
     """One shape's fitting evaluations, simulated, light enough to come back from a worker.
-    A stride is kept only where it is predicted faster than every update on the CPU (where
+    A split is kept only where it is predicted faster than every update on the CPU (where
     no update is exposed it changes nothing but the device memory it takes)."""
-    run, config, strides, hardware = job
+    run, config, shares, hardware = job
     out: list[Evaluation] = []
-    for evaluation in _strided(run, config, strides, hardware):
+    for evaluation in _with_each(run, config, shares, hardware):
         if not evaluation.fits:
             continue
         evaluation = simulated(run, evaluation, hardware)
@@ -331,18 +335,19 @@ def evaluate_shape(job: tuple) -> list[Evaluation]:
     return out
 
 
-def _strided(run: RunConfig, config: Configuration, strides: tuple[int, ...],
-             hardware: HardwareProfile) -> list[Evaluation]:
-    """`config` evaluated (memory only) with each stride, its programs built and checked once."""
+def _with_each(run: RunConfig, config: Configuration, shares: tuple[DeviceShare, ...],
+               hardware: HardwareProfile) -> list[Evaluation]:
+    """`config` evaluated (memory only) with each device share, its programs built and
+    checked once."""
     plain = evaluation_or_reason(run, config, hardware)
     if isinstance(plain, Unbuildable):
         return []
     out = [plain]
-    for stride in strides:
-        if stride:
-            strided = with_stride(run, plain, stride, hardware)
-            if strided.schedule.programs != plain.schedule.programs:  # else the same run
-                out.append(strided)
+    for updates in shares:
+        if updates.marks_exposed_stages:
+            placed = with_subgroups(run, plain, updates, hardware)
+            if placed.schedule.programs != plain.schedule.programs:  # else the same run
+                out.append(placed)
     return out
 
 

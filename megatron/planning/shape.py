@@ -138,9 +138,10 @@ def build_run_schedule(run: RunConfig, world_size: int, vocab_size: int,
         if "split" in str(exc):
             return Unbuildable("--backward-split", split, str(exc))
         return Unbuildable("--forward-stages", stages, str(exc))
-    if lower and run.cpu_optimizer.optimizer_gpu_stride != 0:
+    placement = run.cpu_optimizer.placement
+    if lower and placement.updates.marks_exposed_stages:
         schedule = place_device_subgroups(schedule)  # where updates would be exposed
-    if lower and run.cpu_optimizer.optimizer_state_location == "nvme":
+    if lower and placement.states.on_nvme:
         schedule = place_state_io(schedule)
     return schedule
 
@@ -177,7 +178,7 @@ def load_schedule_file(run: RunConfig, world_size: int) -> tuple[Schedule, Valid
         if value is not None and found != value:
             raise ScheduleFileError(path, f"the file has {key}={found}, this run has {value}")
     on_disk = schedule.states_on_disk
-    if run.cpu_optimizer.optimizer_state_location == "nvme":
+    if run.cpu_optimizer.placement.states.on_nvme:
         schedule = place_state_io(schedule)  # where the file does not place them itself
     elif on_disk:
         raise ScheduleFileError(path, "no READ/WRITE_OPTIMIZER_STATES: this run keeps the "

@@ -15,12 +15,12 @@ Per GPU (the device layer's categories, `MEMORY_CATEGORIES`):
   (`checkpoints_held`), each micro-batch x sequence x hidden;
 - activations: AWM, what autograd saves while one backward stage is recomputed (the
   largest the rank runs), plus the activation and gradient messages in flight;
-- optimizer_subgroups: the device's share of the optimizer step: two subgroup slots
-  (fp32 p, m, v, gradient and the 16-bit copy; SUBGROUP_SLOTS, for a stride and a
-  GPU-heavy split alike) on ranks whose program updates subgroups on the device, sized
-  as the runtime sizes them (a stage's largest group taken as the whole stage: an upper
-  bound); or, for the static split, fp32 p, m, v and a gradient buffer per
-  resident parameter;
+- optimizer_subgroups: the device's share of the optimizer step, as the placement prices
+  it (megatron/schedules/placement_cost.py): two subgroup slots (fp32 p, m, v, gradient
+  and the 16-bit copy; SUBGROUP_SLOTS, for a stride and a GPU-heavy split alike) on ranks
+  whose program updates subgroups on the device, sized as the runtime sizes them (a
+  stage's largest group taken as the whole stage: an upper bound); or, for the static
+  split, fp32 p, m, v and a gradient buffer per resident parameter;
 - operator_working: MSWM beyond the slots and buffers: the largest operator's transient
   output gradient (the logits' at the head). Not in the device layer's book.
 
@@ -40,12 +40,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron.config.model import ModelConfig, materializes_attention_scores
+from megatron.config.placement import DEFAULT_PLACEMENT, Placement
 
 from .cost_model import backward_stage_params
 from .hardware import HardwareProfile
 from .instructions import WHOLE_STAGE, BackwardStage, Op, Schedule
 from .partition import sub_stage_layers
-from .subgroup_memory import RESIDENT_BYTES_PER_PARAM, planned_subgroup_size, subgroup_slots_bytes
+from .placement_cost import RankOptimizer, device_optimizer_bytes
 from .validator import ValidationReport, validate
 
 # Elements the gradient offload upcasts to fp32 at a time, through one device scratch
@@ -182,92 +183,118 @@ def shape_report(schedule: Schedule) -> ValidationReport:
                             peak_gradients=zeros)
 
 
-def plan_memory(schedule: Schedule, model: ModelConfig, micro_batch_size: int,
-                seq_length: int | None = None, param_bytes: int = 2, grad_host_bytes: int = 4,
-                procs_per_node: int | None = None,
-                hardware: HardwareProfile | None = None,
-                report: ValidationReport | None = None, subgroup_stride: int | None = 0,
-                subgroup_size: int | None = None,
-                resident_fraction: float = 0.0,
-                optimizer_bytes: int = OPTIMIZER_BYTES_PER_PARAM) -> MemoryPlan:
-    """The memory `schedule` needs for `model` (see the module docstring).
+@dataclass(frozen=True)
+class MemoryShape:
+    """What the memory model prices of a run besides its schedule and its optimizer's
+    placement: the model, one micro-batch, the precisions and the ranks per node."""
 
-    `param_bytes`: the working dtype's size (2 for bf16/fp16, 4 for fp32);
-    `grad_host_bytes`: the offloaded gradients' (4 on CUDA, the working dtype's on the CPU
-    device layer); `procs_per_node`: default all ranks on one node; `report`: the
-    schedule's validation, when already done; `subgroup_stride` (None: chosen at start-up),
-    `subgroup_size`, `resident_fraction`: the optimizer's device share, as the flags give it;
-    `optimizer_bytes`: host bytes per parameter of the master and Adam's moments (12 in
-    fp32, 8 with bf16 m and v, 6 all in bf16).
-    """
-    seq = seq_length or model.seq_length
-    per_node_procs = procs_per_node or schedule.ranks
+    model: ModelConfig
+    micro_batch_size: int
+    seq_length: int | None = None  # None: the model's
+    param_bytes: int = 2  # the working dtype's size (2 for bf16/fp16, 4 for fp32)
+    # the offloaded gradients' (4 on CUDA, the working dtype's on the CPU device layer)
+    grad_host_bytes: int = 4
+    # host bytes per parameter of the master and Adam's moments (12 in fp32, 8 with bf16
+    # m and v, 6 all in bf16)
+    optimizer_bytes: int = OPTIMIZER_BYTES_PER_PARAM
+    procs_per_node: int | None = None  # None: all ranks on one node
+
+
+@dataclass(frozen=True)
+class _Sizes:
+    """The schedule's sizes every term is made of."""
+
+    params: dict[BackwardStage, int]  # of each backward stage
+    saved: dict[BackwardStage, int]  # AWM of each backward stage
+    tokens: int  # of one micro-batch
+    message: int  # bytes of one activation, gradient or checkpoint
+
+    @classmethod
+    def of(cls, schedule: Schedule, shape: MemoryShape) -> _Sizes:
+        model, seq = shape.model, shape.seq_length or shape.model.seq_length
+        tokens = shape.micro_batch_size * seq
+        return cls(backward_stage_params(model, schedule.partition, schedule.backward_split),
+                   backward_stage_saved_bytes(model, schedule.partition,
+                                              schedule.backward_split, shape.micro_batch_size,
+                                              seq, shape.param_bytes),
+                   tokens, tokens * model.hidden_size * shape.param_bytes)
+
+
+def plan_memory(schedule: Schedule, shape: MemoryShape, placement: Placement = DEFAULT_PLACEMENT,
+                hardware: HardwareProfile | None = None,
+                report: ValidationReport | None = None) -> MemoryPlan:
+    """The memory `schedule` needs for `shape` with the optimizer placed by `placement`
+    (see the module docstring); `report`: the schedule's validation, when already done."""
     report = report if report is not None else validate(schedule)
-    params = backward_stage_params(model, schedule.partition, schedule.backward_split)
-    saved = backward_stage_saved_bytes(model, schedule.partition, schedule.backward_split,
-                                       micro_batch_size, seq, param_bytes)
-    tokens = micro_batch_size * seq
-    message = tokens * model.hidden_size * param_bytes  # one activation, gradient or checkpoint
-    vocab = model.planned_vocab_size
-    per_gpu, per_process = [], []
-    for rank in range(schedule.ranks):
-        used = _stages_used(schedule, rank)
-        owned = schedule.owned_by(rank)
-        largest_owned = max((params[b] for b in owned), default=0)
-        slots = max(2, report.peak_params[rank])
-        buffers = min(report.peak_gradients[rank] + 1, max(1, len(owned))) if owned else 0
-        upcast = UPCAST_CHUNK * grad_host_bytes if grad_host_bytes != param_bytes else 0
-        head = schedule.head in owned
-        largest_operator = max(tokens * vocab * FP32 if head else 0,
-                               tokens * 2 * model.ffn_hidden_size * param_bytes)
-        gradient_buffers = buffers * largest_owned * param_bytes
-        if resident_fraction > 0:
-            on_device = RESIDENT_BYTES_PER_PARAM * round(
-                resident_fraction * sum(params[b] for b in owned))
-        else:
-            split = [params[b] for b in _stages_updating_subgroups(schedule, rank)]
-            on_device = (subgroup_slots_bytes(planned_subgroup_size(
-                subgroup_size, max(split), gradient_buffers), param_bytes)
-                if split and subgroup_stride != 0 else 0)
-        per_gpu.append({
-            "parameter_slots": slots * max(params[b] for b in used) * param_bytes,
-            "gradient_buffers": gradient_buffers + upcast,
-            "optimizer_subgroups": on_device,
-            "activation_checkpoints": checkpoints_held(schedule, rank, report) * message,
-            "activations": max((saved[b] for b in owned), default=0) + 2 * message,
-            "operator_working": largest_operator if owned else 0,
-        })
-        owned_params = sum(params[b] for b in owned)
-        states = optimizer_bytes * owned_params
-        if report.peak_optimizer_states:  # on NVMe: the window of the program and the
-            window = max(1, report.peak_optimizer_states[rank]) + 1  # scratch (a stage each
-            states = min(states, window * optimizer_bytes * largest_owned)  # at most)
-        per_process.append({"optimizer_states": states,
-                            "host_gradients": grad_host_bytes * owned_params})
-    nodes = -(-schedule.ranks // per_node_procs)
+    sizes = _Sizes.of(schedule, shape)
+    per_gpu = tuple(_gpu_terms(schedule, rank, shape, sizes, placement, report)
+                    for rank in range(schedule.ranks))
+    per_process = tuple(_host_terms(schedule, rank, shape, sizes, report)
+                        for rank in range(schedule.ranks))
+    per_node_procs = shape.procs_per_node or schedule.ranks
+    nodes = [range(first, min(schedule.ranks, first + per_node_procs))
+             for first in range(0, schedule.ranks, per_node_procs)]
     baseline = hardware.process_baseline_bytes if hardware is not None else 0
-    per_node = []
-    for node in range(nodes):
-        ranks = range(node * per_node_procs, min(schedule.ranks, (node + 1) * per_node_procs))
-        segments = set()
-        for rank in ranks:
-            segments |= _stages_read(schedule, rank) | set(schedule.owned_by(rank))
-        per_node.append({
-            "shm_parameters": sum(SEGMENT_HEADER_BYTES + params[b] * param_bytes
-                                  for b in segments),
-            **{term: sum(per_process[rank][term] for rank in ranks)
-               for term in ("optimizer_states", "host_gradients")},
-            "process_baseline": baseline * len(ranks),
-        })
+    per_node = tuple(_node_terms(schedule, ranks, shape, sizes, per_process, baseline)
+                     for ranks in nodes)
     disk = ()
     if report.peak_optimizer_states:  # the committed and the staged version of each state
-        disk = tuple(
-            2 * optimizer_bytes * sum(params[b] for rank in range(
-                node * per_node_procs, min(schedule.ranks, (node + 1) * per_node_procs))
-                for b in schedule.owned_by(rank))
-            for node in range(nodes))
-    return MemoryPlan(tuple(per_gpu), tuple(per_node), tuple(per_process), per_node_procs,
-                      disk)
+        disk = tuple(2 * shape.optimizer_bytes * sum(sizes.params[b] for rank in ranks
+                                                     for b in schedule.owned_by(rank))
+                     for ranks in nodes)
+    return MemoryPlan(per_gpu, per_node, per_process, per_node_procs, disk)
+
+
+def _gpu_terms(schedule: Schedule, rank: int, shape: MemoryShape, sizes: _Sizes,
+               placement: Placement, report: ValidationReport) -> dict[str, int]:
+    params, param_bytes, model = sizes.params, shape.param_bytes, shape.model
+    owned = schedule.owned_by(rank)
+    largest_owned = max((params[b] for b in owned), default=0)
+    slots = max(2, report.peak_params[rank])
+    buffers = min(report.peak_gradients[rank] + 1, max(1, len(owned))) if owned else 0
+    upcast = UPCAST_CHUNK * shape.grad_host_bytes if shape.grad_host_bytes != param_bytes else 0
+    largest_operator = max(sizes.tokens * model.planned_vocab_size * FP32
+                           if schedule.head in owned else 0,
+                           sizes.tokens * 2 * model.ffn_hidden_size * param_bytes)
+    gradient_buffers = buffers * largest_owned * param_bytes
+    optimizer = RankOptimizer(
+        sum(params[b] for b in owned),
+        tuple(params[b] for b in _stages_updating_subgroups(schedule, rank)),
+        gradient_buffers, param_bytes, placement.subgroup_size)
+    return {
+        "parameter_slots": slots * max(params[b] for b in _stages_used(schedule, rank))
+        * param_bytes,
+        "gradient_buffers": gradient_buffers + upcast,
+        "optimizer_subgroups": device_optimizer_bytes(placement.updates, optimizer),
+        "activation_checkpoints": checkpoints_held(schedule, rank, report) * sizes.message,
+        "activations": max((sizes.saved[b] for b in owned), default=0) + 2 * sizes.message,
+        "operator_working": largest_operator if owned else 0,
+    }
+
+
+def _host_terms(schedule: Schedule, rank: int, shape: MemoryShape, sizes: _Sizes,
+                report: ValidationReport) -> dict[str, int]:
+    """The rank's optimizer states and offloaded gradients in host memory."""
+    owned = [sizes.params[b] for b in schedule.owned_by(rank)]
+    states = shape.optimizer_bytes * sum(owned)
+    if report.peak_optimizer_states:  # on NVMe: the window of the program and the
+        window = max(1, report.peak_optimizer_states[rank]) + 1  # scratch (a stage each
+        states = min(states, window * shape.optimizer_bytes * max(owned, default=0))  # at most)
+    return {"optimizer_states": states, "host_gradients": shape.grad_host_bytes * sum(owned)}
+
+
+def _node_terms(schedule: Schedule, ranks: range, shape: MemoryShape, sizes: _Sizes,
+                per_process: tuple[dict[str, int], ...], baseline: int) -> dict[str, int]:
+    segments = set()
+    for rank in ranks:
+        segments |= _stages_read(schedule, rank) | set(schedule.owned_by(rank))
+    return {
+        "shm_parameters": sum(SEGMENT_HEADER_BYTES + sizes.params[b] * shape.param_bytes
+                              for b in segments),
+        **{term: sum(per_process[rank][term] for rank in ranks)
+           for term in ("optimizer_states", "host_gradients")},
+        "process_baseline": baseline * len(ranks),
+    }
 
 
 @dataclass(frozen=True)

@@ -18,13 +18,15 @@ A placement ("split") is one signed integer, as the flag, the config and the pla
 K > 0, every K-th subgroup on the device (Algorithm 1's stride, 1 in K there); -N (N >= 2),
 every N-th subgroup on the CPU and the other N - 1 on the device (GPU-heavy: what the
 balance asks for when k_real < 1, which no stride can give); 0, all on the CPU. The flag
-spells -N as `device:N`.
+spells -N as `device:N` (megatron/config/placement.py reads and writes it).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+
+from megatron.config.placement import split_flag
 
 
 @dataclass(frozen=True)
@@ -96,29 +98,6 @@ def device_share(split: int) -> float:
     if split < 0:
         return 1.0 - 1.0 / -split
     return 1.0 / split if split else 0.0
-
-
-def split_flag(split: int) -> str:
-    """`split` as --optimizer-gpu-stride spells it: K, device:N or 0."""
-    return f"device:{-split}" if split < 0 else str(split)
-
-
-def parse_split(text: str) -> int | None:
-    """--optimizer-gpu-stride's value: 'auto' (None), K >= 0, or 'device:N' with N >= 2
-    (-N); ValueError with the expected forms otherwise."""
-    if text == "auto":
-        return None
-    head, _, count = text.partition(":")
-    try:
-        value = int(count if head == "device" else text)
-    except ValueError:
-        value = -1
-    if head == "device" and value >= 2:
-        return -value
-    if head != "device" and value >= 0:
-        return value
-    raise ValueError(f"{text!r}: expected auto, K >= 0 (every K-th subgroup on the GPU) or "
-                     f"device:N with N >= 2 (N-1 of every N subgroups on the GPU)")
 
 
 # The layout auto_split predicts at (100 subgroups: the tail flush weighs 1%); the split

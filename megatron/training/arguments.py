@@ -18,12 +18,12 @@ from typing import Any, NoReturn
 
 from megatron.config.errors import ConfigError, flag_name
 from megatron.config.model import ARCHITECTURE_DEFAULTS, MODEL_FIELDS
+from megatron.config.placement import parse_gpu_stride
 from megatron.config.presets import PRESETS, get_preset
 from megatron.config.run import ONE_PROCESS_SCHEDULE, RunConfig
 from megatron.config.tokenizer_names import TOKENIZER_TYPES
 from megatron.data.cache import default_cache_dir
 from megatron.schedules.generators import SCHEDULE_NAMES
-from megatron.schedules.optimizer_stride import parse_split
 from megatron.training.checkpointing import (
     FORCED_CHECKPOINT_ARGS,
     CheckpointError,
@@ -543,7 +543,7 @@ def _signal_name(value: str) -> str:
 def _gpu_stride(text: str) -> int | None:
     """--optimizer-gpu-stride: 'auto' (None), an integer K >= 0, or device:N (-N)."""
     try:
-        return parse_split(text)
+        return parse_gpu_stride(text)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
 

@@ -125,13 +125,13 @@ def state_file_bytes(run: RunConfig, vocab_size: int | None) -> int:
 def check_nvme_space(run: RunConfig, vocab_size: int | None) -> None:
     """--optimizer-nvme-path can hold the optimizer state files (state_file_bytes, for the
     whole model: the worst case of one node, whose processes share its drive)."""
-    c = run.cpu_optimizer
-    if c.optimizer_state_location != "nvme" or c.optimizer_nvme_path is None:
+    path = run.cpu_optimizer.placement.states.nvme_path
+    if path is None:  # in host memory, or a plan
         return
     need = state_file_bytes(run, vocab_size)
-    free = shutil.disk_usage(c.optimizer_nvme_path).free
+    free = shutil.disk_usage(path).free
     if need > free:
-        raise ConfigError("--optimizer-nvme-path", c.optimizer_nvme_path,
+        raise ConfigError("--optimizer-nvme-path", path,
                           f"room for twice the optimizer states, {format_bytes(need)}; its "
                           f"file system has {format_bytes(free)} free")
 

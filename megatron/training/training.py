@@ -83,7 +83,7 @@ def runs_pipeline(run: RunConfig, world_size: int) -> bool:
             or p.schedule_file is not None
             or "bf16" in (run.precision.optimizer_state_dtype,  # the CPU optimizer only
                           run.precision.master_dtype)
-            or run.cpu_optimizer.optimizer_state_location == "nvme")  # its disk tier too
+            or run.cpu_optimizer.placement.states.on_nvme)  # its disk tier too
 
 
 def make_train_step(run: RunConfig, model_cfg: LlamaConfig, dist_info: DistInfo) -> TrainStep:
