@@ -327,6 +327,13 @@ def test_the_megatron_style_example_launch_trains_and_resumes(tmp_path, demo_cac
     assert "starting from scratch" in first.stdout + first.stderr
     assert "throughput per GPU (TFLOP/s/GPU)" in first.stdout
     assert [r["iteration"] for r in _metrics(tmp_path / "first.jsonl")] == [1, 2]
-    second = launch(3, "second.jsonl")
+    # The resume: the script's own command line (TORCHRUN=echo prints it) on ranks forked
+    # from the session's zygote, not a second torchrun start-up.
+    env["TORCHRUN"] = "echo"
+    printed = launch(3, "second.jsonl").stdout.split()
+    second = forked_ranks.launch("pretrain_llama.py",
+                                 printed[printed.index("pretrain_llama.py") + 1:], 2,
+                                 env={"OMP_NUM_THREADS": "1"}, timeout=300)
     assert second.returncode == 0, second.stderr[-3000:]
+    assert f"loaded checkpoint from {ckpt} at iteration 2" in second.stdout + second.stderr
     assert [r["iteration"] for r in _metrics(tmp_path / "second.jsonl")] == [3]

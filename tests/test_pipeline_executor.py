@@ -503,7 +503,8 @@ def test_host_syncs_per_iteration_do_not_grow_with_micro_batches(two_processes, 
     pipeline: the loss is read once per iteration, not per micro-batch."""
     four = metrics(ScheduleRun(two_processes, "decoupled"))  # 4 micro-batches
     run = launch(tmp_path, "eight", 2, "--pipeline-schedule", "decoupled",
-                 "--global-batch-size", "16")  # 8 micro-batches
+                 "--global-batch-size", "16",  # 8 micro-batches
+                 "--train-iters", "2", "--eval-iters", "0")
     assert run.returncode == 0, run.stderr[-3000:]
     eight = metrics(run)
     for rows in (four, eight):
