@@ -367,9 +367,9 @@ class DiskStates:
             residency.updated = updated
             residency.stepped.set()
 
-    def request_write(self, group: int, on_released: Callable[[], None]) -> None:
+    def request_write(self, group: int, on_released: Callable[[], None] | None = None) -> None:
         """WRITE_OPTIMIZER_STATES: once the step is over, write its result to the staged
-        version and give the buffer back (then `on_released`)."""
+        version and give the buffer back (then `on_released`, if given)."""
         self._raise_failure()
         state = self._groups[group]
         residency = state.current
@@ -381,7 +381,7 @@ class DiskStates:
         self._writes.put(lambda: self._write(group, residency, on_released))
 
     def _write(self, group: int, residency: _Residency,
-               on_released: Callable[[], None]) -> None:
+               on_released: Callable[[], None] | None) -> None:
         state = self._groups[group]
         try:
             residency.resident.wait()  # posted after its read: never waits for a later one
@@ -394,7 +394,8 @@ class DiskStates:
         finally:
             with self._cond:
                 buffer, residency.buffer = residency.buffer, None
-            on_released()
+            if on_released is not None:
+                on_released()
             if buffer is not None:
                 self._free[self.classes[group]].put(buffer)
             with self._cond:

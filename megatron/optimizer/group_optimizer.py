@@ -143,7 +143,7 @@ class AsyncGroupOptimizer:
     def device_tail(self) -> tuple[float, float]:
         """(when the CPU's part of the latest steps ended, when their device subgroups
         did), in time.perf_counter() seconds: between the two only the device worked."""
-        return self.optimizer.cpu_done_s, self.optimizer.device_done_s
+        return self.optimizer.device_tail()
 
     def current_mode(self) -> str:
         """The schedule the next (or current) iteration runs with."""
