@@ -15,7 +15,7 @@ import torch
 
 try:
     from megatron.optimizer import _cpu_adam as _kernel
-    from megatron.optimizer.worker_pool import WorkerPool, shared_pool
+    from megatron.optimizer.worker_pool import shared_pool
 except ImportError as error:  # the extension is built in place by `make setup`
     if "CPU_ADAM_" in str(error):  # built, but a tuning variable is invalid
         raise ImportError(f"the CPU optimizer's tuning environment is invalid: {error}") from error
@@ -116,18 +116,19 @@ def check_gradient(
 class AdamKernel:
     """The kernel with one optimizer's constants: betas, eps, the dtypes of the master
     and of the moments, the stochastic rounding's element layout (`runs[g]` per group)
-    and seed, the thread pool and the ISA. Every call names the group, the range
-    [lo, hi) of it, its p, m, v and the StepRecord of the step concerned."""
+    and seed, the thread pool (the process's shared one for `threads` pinned to `cores`)
+    and the ISA. Every call names the group, the range [lo, hi) of it, its p, m, v and
+    the StepRecord of the step concerned."""
 
     def __init__(self, betas: tuple[float, float], eps: float, master_dtype: torch.dtype,
                  state_dtype: torch.dtype, runs: Sequence[Sequence[ElementRun]],
-                 stochastic_rounding: bool, rounding_seed: int, pool: WorkerPool,
-                 isa: str) -> None:
+                 stochastic_rounding: bool, rounding_seed: int, threads: int,
+                 cores: Sequence[int], isa: str) -> None:
         self.betas, self.eps = betas, eps
         self.master_dtype, self.state_dtype = master_dtype, state_dtype
         self.runs = [tuple(r) for r in runs]
         self.stochastic_rounding, self.rounding_seed = stochastic_rounding, rounding_seed
-        self.pool, self.isa = pool, isa
+        self.pool, self.isa = shared_pool(threads, cores), isa
 
     def rounding_rows(self, group: int, lo: int, hi: int, step: int) -> list[list[int]] | None:
         """The stochastic-rounding rows for elements [lo, hi) of the group (None: the
@@ -159,16 +160,16 @@ class AdamKernel:
         )
 
     @staticmethod
-    def step(args: dict) -> tuple[bool, float]:
+    def step(call: dict) -> tuple[bool, float]:
         """One step; (finite, sum of squares of the unscaled gradient)."""
-        return _kernel.step(**args)
+        return _kernel.step(**call)
 
     @staticmethod
-    def undo(args: dict) -> None:
+    def undo(call: dict) -> None:
         """The step's inverse (from the snapshot when the arguments name one)."""
-        _kernel.undo(**args)
+        _kernel.undo(**call)
 
     @staticmethod
-    def correct(args: dict, undo_clip: float) -> None:
+    def correct(call: dict, undo_clip: float) -> None:
         """Replace a step made with clip `undo_clip` by the one with the arguments' clip."""
-        _kernel.correct(**args, undo_clip=undo_clip)
+        _kernel.correct(**call, undo_clip=undo_clip)

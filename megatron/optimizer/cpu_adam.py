@@ -45,7 +45,6 @@ from megatron.optimizer.state_storage import DiskStorage, HostStorage, StateStor
 from megatron.optimizer.step_ledger import StepLedger
 from megatron.optimizer.subgroup_share import SubgroupShare
 from megatron.optimizer.subgroups import DeviceUpdater, Subgroup
-from megatron.optimizer.worker_pool import shared_pool
 
 # What callers import from here (the kernel binding's helpers live in adam_kernel.py).
 __all__ = ["CPUAdamW", "GroupStepResult", "available_isas", "check_gradient", "kernel_tuning",
@@ -176,7 +175,8 @@ class CPUAdamW:
         self._numel = [p.numel() for p in params]
         self._kernel = AdamKernel(self.betas, self.eps, master_dtype, state_dtype, runs,
                                   self.stochastic_rounding, self.rounding_seed,
-                                  shared_pool(self.threads, self.cores), isa)
+                                  self.threads, self.cores, isa)
+        self._pool = self._kernel.pool
         # On disk the file keeps the committed version: no snapshot needed for exactness.
         snapshot = self.bytes_per_param if exact_rollback and disk is None else 0
         self._ledger = StepLedger(self._numel, snapshot)

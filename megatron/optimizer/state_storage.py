@@ -92,16 +92,16 @@ class HostStorage:
         return run(self._tensors[group])
 
     def rollback(self, group: int, record: StepRecord) -> None:
-        self._redo(group, record, lambda args: self._kernel.undo(args))
+        self._redo(group, record, lambda call: self._kernel.undo(call))
 
     def correct(self, group: int, record: StepRecord, corrected: StepRecord) -> None:
-        self._redo(group, corrected, lambda args: self._kernel.correct(args, record.clip))
+        self._redo(group, corrected, lambda call: self._kernel.correct(call, record.clip))
 
     def _redo(self, group: int, record: StepRecord, run: Callable[[dict], object]) -> None:
         """`run` over each range's kernel arguments of `record`, on current host state."""
         tensors = self.states(group)
-        for args in self._share.kernel_args(group, tensors, record):
-            run(args)
+        for call in self._share.kernel_args(group, tensors, record):
+            run(call)
         self._share.changed(group, tensors)
 
     def commit(self, group: int) -> None:
@@ -158,7 +158,7 @@ class DiskStorage:
 
     def rollback(self, group: int, record: StepRecord) -> None:
         if not self._exact:  # the inverse, on the staged state, as in host memory
-            self._on_staged(group, record, lambda args: self._kernel.undo(args))
+            self._on_staged(group, record, lambda call: self._kernel.undo(call))
             return
         self.disk.wait_written(group)  # the committed version is the state before the step
         self.disk.discard(group)
@@ -169,13 +169,13 @@ class DiskStorage:
     def correct(self, group: int, record: StepRecord, corrected: StepRecord) -> None:
         if not self._exact:  # inverse and step again on the staged state, as in host memory
             self._on_staged(group, corrected,
-                            lambda args: self._kernel.correct(args, record.clip))
+                            lambda call: self._kernel.correct(call, record.clip))
             return
         self.disk.wait_written(group)  # the same step again, from the committed state:
         scratch = self.disk.scratch(group)  # its staged bytes are rewritten
         with scratch as tensors:  # on the kernel, every subgroup: what a correction in
-            for args in self._share.kernel_args(group, tensors, corrected):  # memory does
-                finite, _ = self._kernel.step(args)
+            for call in self._share.kernel_args(group, tensors, corrected):  # memory does
+                finite, _ = self._kernel.step(call)
                 if not finite:
                     raise RuntimeError(f"group {group}: gradient became non-finite "
                                        "after its step")
@@ -187,8 +187,8 @@ class DiskStorage:
         self.disk.wait_written(group)  # the step's staged bytes are read, then rewritten
         scratch = self.disk.scratch(group, staged=True)
         with scratch as tensors:
-            for args in self._share.kernel_args(group, tensors, record):
-                run(args)
+            for call in self._share.kernel_args(group, tensors, record):
+                run(call)
             scratch.stage()
 
     def commit(self, group: int) -> None:

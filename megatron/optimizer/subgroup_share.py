@@ -87,9 +87,9 @@ class SubgroupShare:
         subgroups = self._subgroups[group] or ()
         launched = [(s, self._launch(group, tensors, r, s)) for s in subgroups if s.on_device]
         results = []
-        for s, args in zip([s for s in subgroups if not s.on_device],
+        for s, call in zip([s for s in subgroups if not s.on_device],
                            self.kernel_args(group, tensors, r, on_device=False)):
-            results.append((s, *self._kernel.step(args)))
+            results.append((s, *self._kernel.step(call)))
         self.cpu_done_s = max(self.cpu_done_s, time.perf_counter())
         results += [(s, *update.result()) for s, update in launched]
         if launched:
@@ -98,9 +98,9 @@ class SubgroupShare:
             return True, sum(sq for _, _, sq in results)
         self.to_host(group, tensors)
         updated = {s for s, finite, _ in results if finite}
-        for s, args in zip(subgroups, self.kernel_args(group, tensors, r)):
+        for s, call in zip(subgroups, self.kernel_args(group, tensors, r)):
             if s in updated:
-                self._kernel.undo(args)
+                self._kernel.undo(call)
         self.changed(group, tensors)
         return False, math.inf
 
