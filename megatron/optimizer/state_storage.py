@@ -161,7 +161,7 @@ class DiskStorage:
             self._on_staged(group, record, lambda call: self._kernel.undo(call))
             return
         self.disk.wait_written(group)  # the committed version is the state before the step
-        self.disk.discard(group)
+        self.disk.versions.discard(group)
         if record.out is not None:
             with self.disk.scratch(group) as (p, _, _):
                 record.out.copy_(p)  # the working copy a step writes: p rounded
@@ -193,7 +193,7 @@ class DiskStorage:
 
     def commit(self, group: int) -> None:
         """The staged state becomes the committed one."""
-        self.disk.commit(group)
+        self.disk.versions.commit(group)
 
     def request_read(self, group: int) -> None:
         self.disk.request_read(group)
@@ -206,7 +206,7 @@ class DiskStorage:
         self.disk.stepped(group, False)
 
     def reserve(self, group: int) -> None:
-        self.disk.reserve(group)
+        self.disk.versions.reserve(group)
 
     def release(self, group: int) -> None:
-        self.disk.release(group)
+        self.disk.versions.release(group)
