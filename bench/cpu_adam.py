@@ -18,6 +18,10 @@ master/m/v, 16-bit working copy out.
   torch.amp uses), fused AdamW, copy_ to 16 bits.
 - torch_composed_isfinite: the same with mul_ and torch.isfinite(g).all() as the check.
 - torch_fused_adamw: torch's fused AdamW on fp32 gradients alone (less work than ours).
+- ours_fp32_grad: our kernel on torch_fused_adamw's inputs and outputs (fp32 gradient in,
+  no working copy out, scale 1: the same 28 bytes per parameter; ours still checks the
+  gradient and sums its squares); `ours_same_work_over_torch_fused` compares the two
+  kernels on equal bytes at --threads threads each.
 - deepspeed: DeepSpeedCPUAdam in place of the fused AdamW in torch_composed.
 - bandwidth_gb_s: torch.add(a, b, out=c) over fp32 buffers (3 x 4 bytes per element).
 """
@@ -66,7 +70,7 @@ def seconds_interleaved(steps: dict[str, Callable[[], object]], repeats: int
 # Bytes each variant reads and writes per parameter: p, m, v read and written in their
 # dtypes, the 16-bit gradient read, the 16-bit working copy written.
 BYTES_PER_PARAM = {"ours_bf16": 28, "ours_fp16": 28, "ours_bf16_states": 20,
-                   "ours_bf16_all": 16, "fused": 28}
+                   "ours_bf16_all": 16, "ours_fp32_grad": 28, "fused": 28}
 
 
 def fp32_param(n: int, gen: torch.Generator) -> torch.nn.Parameter:
@@ -76,18 +80,20 @@ def fp32_param(n: int, gen: torch.Generator) -> torch.nn.Parameter:
 def ours_step(
     n: int, threads: int, dtype: torch.dtype, gen, exact: bool = False, rollback: bool = False,
     state_dtype: torch.dtype = torch.float32, master_dtype: torch.dtype = torch.float32,
-    cores: Sequence[int] = (),
+    cores: Sequence[int] = (), working_copy: bool = True,
 ) -> Callable[[], None]:
     """Our full step; with rollback=True the step and then its rollback. cores: pin the
-    kernel threads (none: unpinned)."""
+    kernel threads (none: unpinned). working_copy=False: no 16-bit copy out and no loss
+    scale (torch's fused AdamW's work, with an fp32 `dtype`)."""
     opt = CPUAdamW([torch.randn(n, generator=gen)], lr=LR, weight_decay=0.1, threads=threads,
                    cores=cores, exact_rollback=exact, state_dtype=state_dtype,
                    master_dtype=master_dtype)
-    grad = (torch.randn(n, generator=gen) * 1024).to(dtype)
-    out = torch.empty(n, dtype=dtype)
+    scale = 1024 if working_copy else 1
+    grad = (torch.randn(n, generator=gen) * scale).to(dtype)
+    out = torch.empty(n, dtype=dtype) if working_copy else None
 
     def step() -> None:
-        opt.step_group(0, grad, inv_scale=INV_SCALE, out=out)
+        opt.step_group(0, grad, inv_scale=1.0 / scale, out=out)
         if rollback:
             opt.rollback_group(0)
         else:
@@ -190,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
                                    master_dtype=torch.bfloat16),
         "ours_exact": ours_step(n, threads, torch.bfloat16, gen, exact=True),
         "ours_step_rollback": ours_step(n, threads, torch.bfloat16, gen, rollback=True),
+        "ours_fp32_grad": ours_step(n, threads, torch.float32, gen, working_copy=False),
         "composed": composed_step(n, torch.bfloat16, gen, torch_fused),
         "composed_isfinite": composed_step(n, torch.bfloat16, gen, torch_fused, "isfinite"),
         "fused": torch_fused_fp32_step(n, gen),
@@ -228,7 +235,10 @@ def main(argv: list[str] | None = None) -> int:
         "bandwidth_gb_s": bandwidth,
         # 4 reads (p, m, v: 4 B, grad: 2 B) and 4 writes (p, m, v: 4 B, copy: 2 B)
         "ours_gb_s": ours_bf16 * 28 / 1e9,
+        "ours_fp32_grad_params_per_s": rate["ours_fp32_grad"],
         "ours_over_torch_fused": ours_bf16 / fused,
+        # the two kernels on equal work and bytes (fp32 gradient, no copy out)
+        "ours_same_work_over_torch_fused": rate["ours_fp32_grad"] / fused,
         "ours_over_torch_composed": ours_bf16 / composed,
         "ours_over_torch_composed_isfinite": ours_bf16 / composed_isfinite,
         "fp16_over_bf16": ours_fp16 / ours_bf16,

@@ -18,9 +18,11 @@ take requests in program order; a read never waits for a write asked for after i
 no request waits on the main thread. Rollbacks and corrections use one scratch buffer of
 their own, so they never wait for the window the next iteration's reads hold.
 
-Layout: per group and version, [p | m | v], each part padded to the I/O alignment.
-Files are named after the host, the job, the rank and the pid, removed on close, by the
-reaper when the process dies, and swept at the next start when their process is gone.
+Layout: per group and version, [p | m | v], each part padded to the I/O alignment
+(state_layout.py). Files are named after the host, the job, the rank and the pid
+(state_file_names.py), removed on close, by the reaper when the process dies, and swept
+at the next start when their process is gone. Which version is committed, and the order
+of writes, corrections and verdicts, is the version book's (state_versions.py).
 """
 
 from __future__ import annotations
@@ -28,50 +30,29 @@ from __future__ import annotations
 import mmap
 import os
 import queue
-import re
 import shutil
-import socket
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 import torch
 
 from megatron.common.units import format_bytes
-from megatron.optimizer.state_io import StateFile, aligned_empty, round_up, shared_engine
+from megatron.optimizer.state_file_names import state_file_name, sweep_stale
+from megatron.optimizer.state_io import StateFile, aligned_empty, shared_engine
+from megatron.optimizer.state_layout import (
+    buffer_sizes,
+    file_bytes,
+    layout_regions,
+    region_views,
+    window_bytes,
+)
+from megatron.optimizer.state_versions import VersionBook
 
-STATE_FILE_SUFFIX = ".optstate"
-_NAME = re.compile(r"^megatron-(?P<host>[^.]+)\.(?P<job>[^.]+)\.rank(?P<rank>\d+)"
-                   r"\.pid(?P<pid>\d+)" + re.escape(STATE_FILE_SUFFIX) + "$")
-_HOST = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname())[:64] or "host"
-
-
-def state_file_name(job: str, rank: int, pid: int | None = None) -> str:
-    """The file of one rank of one job on this host (two jobs never share a name: the pid
-    is unique among live processes of a host)."""
-    job = re.sub(r"[^A-Za-z0-9_-]", "_", job)[:64] or "job"
-    return f"megatron-{_HOST}.{job}.rank{rank}.pid{os.getpid() if pid is None else pid}" \
-           f"{STATE_FILE_SUFFIX}"
-
-
-def state_file_owner(path: str | os.PathLike) -> int | None:
-    """The pid a state file's name says created it, None for another name or host."""
-    match = _NAME.match(Path(path).name)
-    if match is None or match["host"] != _HOST:
-        return None
-    return int(match["pid"])
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+# Callers import the file's names and sizes from here with the states themselves.
+__all__ = ["DiskStateError", "DiskStates", "FileTracker", "file_bytes", "state_file_name",
+           "sweep_stale", "window_bytes"]
 
 
 def _free_space(directory: str | os.PathLike) -> str:
@@ -79,72 +60,6 @@ def _free_space(directory: str | os.PathLike) -> str:
         return format_bytes(shutil.disk_usage(directory).free)
     except OSError:
         return "?"
-
-
-def sweep_stale(directory: str | os.PathLike) -> list[str]:
-    """Remove this host's state files whose process is gone (a job killed before its
-    reaper ran, e.g. by a reboot); returns their paths."""
-    removed = []
-    for entry in os.scandir(directory):
-        pid = state_file_owner(entry.name)
-        if pid is not None and not _alive(pid):
-            try:
-                os.unlink(entry.path)
-                removed.append(entry.path)
-            except (FileNotFoundError, PermissionError):  # gone, or another user's to remove
-                pass
-    return removed
-
-
-@dataclass(frozen=True)
-class GroupRegion:
-    """Where one group's two versions lie in the file, and its parts' byte sizes."""
-
-    numel: int
-    offset: int  # of version 0; version 1 follows
-    p_bytes: int
-    s_bytes: int  # of m, and of v
-
-    @property
-    def version_bytes(self) -> int:
-        return round_up(self.p_bytes) + 2 * round_up(self.s_bytes)
-
-    def version_offset(self, version: int) -> int:
-        return self.offset + version * self.version_bytes
-
-
-def layout_regions(numels: Sequence[int], master_dtype: torch.dtype,
-                   state_dtype: torch.dtype) -> list[GroupRegion]:
-    regions, at = [], 0
-    for n in numels:
-        region = GroupRegion(n, at, n * master_dtype.itemsize, n * state_dtype.itemsize)
-        regions.append(region)
-        at += 2 * region.version_bytes
-    return regions
-
-
-def file_bytes(numels: Sequence[int], master_dtype: torch.dtype,
-               state_dtype: torch.dtype) -> int:
-    """The state file's size: both versions of every group."""
-    regions = layout_regions(numels, master_dtype, state_dtype)
-    return sum(2 * r.version_bytes for r in regions)
-
-
-def _buffer_sizes(regions: Sequence[GroupRegion], classes: Sequence[int]) -> dict[int, int]:
-    """Per class of groups, the bytes of its largest group (the size of its buffers)."""
-    sizes: dict[int, int] = {}
-    for region, kind in zip(regions, classes):
-        sizes[kind] = max(sizes.get(kind, 0), region.version_bytes)
-    return sizes
-
-
-def window_bytes(numels: Sequence[int], master_dtype: torch.dtype, state_dtype: torch.dtype,
-                 window: int, classes: Sequence[int] | None = None) -> int:
-    """Host bytes of the window (`window` buffers per class of groups, each as large as the
-    class's largest group) and of the scratch buffer (the largest group)."""
-    regions = layout_regions(numels or [1], master_dtype, state_dtype)
-    sizes = _buffer_sizes(regions, classes or [0] * len(regions))
-    return window * sum(sizes.values()) + max(sizes.values())
 
 
 class FileTracker(Protocol):
@@ -174,20 +89,10 @@ class _Residency:
         self.error: BaseException | None = None
 
 
-class _GroupState:
-    def __init__(self) -> None:
-        self.committed = 0  # the version that holds the committed state
-        self.staged = False  # the other version holds a step's result awaiting the verdict
-        self.current: _Residency | None = None  # the latest read asked for
-        # Staged writes and corrections asked for / finished: a read waits for those asked
-        # for before it (not for its own stage's write, asked for later).
-        self.writes_asked = self.writes_done = 0
-        self.corrections_asked = self.corrections_done = 0
-        self.verdict: Callable[[], None] | None = None  # commit/discard once written
-
-
 class DiskStates:
-    """The state file of one process and its host window (see the module docstring)."""
+    """The state file of one process and its host window (see the module docstring).
+    `versions`: the book of each group's committed and staged versions (its verdicts,
+    reserve and release are asked of it directly)."""
 
     def __init__(self, directory: str | os.PathLike, numels: Sequence[int],
                  master_dtype: torch.dtype, state_dtype: torch.dtype, window: int,
@@ -226,7 +131,7 @@ class DiskStates:
         self.classes = list(classes) if classes is not None else [0] * len(numels)
         if len(self.classes) != len(numels):
             raise ValueError(f"classes has {len(self.classes)} entries for {len(numels)} groups")
-        sizes = _buffer_sizes(self.regions, self.classes)
+        sizes = buffer_sizes(self.regions, self.classes)
         self.window = window
         self._free: dict[int, queue.Queue[torch.Tensor]] = {}
         for kind, size in sizes.items():
@@ -237,12 +142,12 @@ class DiskStates:
         self._scratch_lock = threading.Lock()
         self.host_bytes = window_bytes(numels, self.master_dtype, self.state_dtype, window,
                                        self.classes)
-        self._groups = [_GroupState() for _ in numels]
-        self._cond = threading.Condition()
+        self.versions = VersionBook(len(numels))
+        self._cond = self.versions.cond  # also guards the hand-over of window buffers
+        self._current: list[_Residency | None] = [None] * len(numels)  # latest read asked
         self._reads: queue.Queue = queue.Queue()
         self._writes: queue.Queue = queue.Queue()
         self._failure: BaseException | None = None
-        self._closed = False
         self._mapped: mmap.mmap | None = None  # the file, mapped for checkpoints
         self._threads = [threading.Thread(target=self._serve, args=(q,), daemon=True,
                                           name=f"optimizer-states-{kind}")
@@ -250,17 +155,9 @@ class DiskStates:
         for thread in self._threads:
             thread.start()
 
-    # --- typed views of a buffer ---------------------------------------------------------
-
     def views(self, group: int, buffer: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """p, m, v of `group` inside `buffer` (laid out as one version in the file)."""
-        r = self.regions[group]
-        at, out = 0, []
-        for nbytes, dtype in ((r.p_bytes, self.master_dtype), (r.s_bytes, self.state_dtype),
-                              (r.s_bytes, self.state_dtype)):
-            out.append(buffer[at:at + nbytes].view(dtype))
-            at += round_up(nbytes)
-        return tuple(out)
+        return region_views(self.regions[group], buffer, self.master_dtype, self.state_dtype)
 
     def _io(self, group: int, buffer: torch.Tensor, version: int, write: bool) -> None:
         r = self.regions[group]
@@ -279,19 +176,18 @@ class DiskStates:
     def write_committed(self, group: int, p: torch.Tensor, m: torch.Tensor | None = None,
                         v: torch.Tensor | None = None) -> None:
         """Set the committed state (m, v zero when not given), synchronously."""
-        self._settle(group, self._asked(group))
+        self.versions.settle(group)
         if self._is_committed_view(group, p):  # a load into committed_views(): in place
             self._mapped.flush()  # on the drive before the next O_DIRECT read of it
-            self._groups[group].staged = False
+            self.versions.set_staged(group, False)
             return
         with self._scratch_lock:
             vp, vm, vv = self.views(group, self._scratch)
             vp.copy_(p)
             vm.copy_(m) if m is not None else vm.zero_()
             vv.copy_(v) if v is not None else vv.zero_()
-            state = self._groups[group]
-            self._io(group, self._scratch, state.committed, write=True)
-            state.staged = False
+            self._io(group, self._scratch, self.versions.committed(group), write=True)
+            self.versions.set_staged(group, False)
 
     def committed_views(self, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """p, m, v of the committed version as views of the file mapped into memory, after
@@ -299,7 +195,7 @@ class DiskStates:
         the page cache, a stage at a time, instead of holding every state in host memory.
         Valid until the group's next commit; a load into them is made durable by
         `write_committed` with them."""
-        self._settle(group, self._asked(group))
+        self.versions.settle(group)
         if self._mapped is None:
             fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
             try:
@@ -307,7 +203,7 @@ class DiskStates:
             finally:
                 os.close(fd)
         r = self.regions[group]
-        start = r.version_offset(self._groups[group].committed)
+        start = r.version_offset(self.versions.committed(group))
         region = torch.frombuffer(self._mapped, dtype=torch.uint8, count=r.version_bytes,
                                   offset=start)
         return self.views(group, region)
@@ -317,40 +213,39 @@ class DiskStates:
             return False
         r = self.regions[group]
         base = torch.frombuffer(self._mapped, dtype=torch.uint8, count=1).data_ptr()
-        return p.data_ptr() == base + r.version_offset(self._groups[group].committed)
+        return p.data_ptr() == base + r.version_offset(self.versions.committed(group))
 
     # --- the program's reads and writes --------------------------------------------------
 
     def request_read(self, group: int) -> None:
         """READ_OPTIMIZER_STATES: returns at once; the step waits in `resident`."""
         self._raise_failure()
-        state = self._groups[group]
-        if state.current is not None and not state.current.write_asked:
+        current = self._current[group]
+        if current is not None and not current.write_asked:
             raise RuntimeError(f"optimizer group {group} read twice before its write")
-        state.current = residency = _Residency()
-        asked = self._asked(group)
+        self._current[group] = residency = _Residency()
+        asked = self.versions.asked(group)
         self._reads.put(lambda: self._read(group, residency, asked))
 
     def _read(self, group: int, residency: _Residency, asked: tuple[int, int]) -> None:
-        state = self._groups[group]
         try:
-            self._settle(group, asked)
+            self.versions.settle(group, asked)
             free = self._free[self.classes[group]]
-            buffer = None if self._closed else free.get()
-            with self._cond:  # close() sets _closed under it: the writer then sees this
-                if buffer is None or self._closed:  # closing: take nothing
+            buffer = None if self.versions.closed else free.get()
+            with self._cond:  # close() sets closed under it: the writer then sees this
+                if buffer is None or self.versions.closed:  # closing: take nothing
                     if buffer is not None:
                         free.put(buffer)
                     raise DiskStateError(f"optimizer state file {self.path}: closed")
                 residency.buffer = buffer
-            self._io(group, buffer, state.committed, write=False)
+            self._io(group, buffer, self.versions.committed(group), write=False)
         except BaseException as error:  # noqa: BLE001 - handed to the step that waits
             residency.error = error
         residency.resident.set()
 
     def resident(self, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Wait for the group's read; its p, m, v in the window (a step's thread)."""
-        residency = self._groups[group].current
+        residency = self._current[group]
         if residency is None:
             raise RuntimeError(f"optimizer group {group} stepped before its "
                                "READ_OPTIMIZER_STATES")
@@ -362,115 +257,57 @@ class DiskStates:
     def stepped(self, group: int, updated: bool) -> None:
         """The step is over: `updated` says whether the window holds a state to keep (it is
         written as the staged version)."""
-        residency = self._groups[group].current
+        residency = self._current[group]
         if residency is not None:
             residency.updated = updated
             residency.stepped.set()
 
-    def request_write(self, group: int, on_released: Callable[[], None]) -> None:
+    def request_write(self, group: int, on_released: Callable[[], None] | None = None) -> None:
         """WRITE_OPTIMIZER_STATES: once the step is over, write its result to the staged
-        version and give the buffer back (then `on_released`)."""
+        version and give the buffer back (then `on_released`, if given)."""
         self._raise_failure()
-        state = self._groups[group]
-        residency = state.current
+        residency = self._current[group]
         if residency is None or residency.write_asked:
             raise RuntimeError(f"optimizer group {group} written without a read before")
         residency.write_asked = True
-        with self._cond:
-            state.writes_asked += 1
+        self.versions.write_asked(group)
         self._writes.put(lambda: self._write(group, residency, on_released))
 
     def _write(self, group: int, residency: _Residency,
-               on_released: Callable[[], None]) -> None:
-        state = self._groups[group]
+               on_released: Callable[[], None] | None) -> None:
         try:
             residency.resident.wait()  # posted after its read: never waits for a later one
             residency.stepped.wait()
             if residency.error is None and residency.updated:
-                self._io(group, residency.buffer, 1 - state.committed, write=True)
-                state.staged = True
+                self._io(group, residency.buffer, 1 - self.versions.committed(group),
+                         write=True)
+                self.versions.set_staged(group, True)
         except BaseException as error:  # noqa: BLE001 - raised on the main thread
             self._failure = self._failure or error
         finally:
             with self._cond:
                 buffer, residency.buffer = residency.buffer, None
-            on_released()
+            if on_released is not None:
+                on_released()
             if buffer is not None:
                 self._free[self.classes[group]].put(buffer)
-            with self._cond:
-                state.writes_done += 1
-                verdict, state.verdict = state.verdict, None
-                if verdict is not None:
-                    verdict()
-                self._cond.notify_all()
-
-    # --- the verdict ---------------------------------------------------------------------
-
-    def commit(self, group: int) -> None:
-        """The staged state (if any) becomes the committed one: now, or once the staged
-        write in flight is done."""
-        state = self._groups[group]
-
-        def flip() -> None:
-            if state.staged:
-                state.committed, state.staged = 1 - state.committed, False
-        self._when_written(state, flip)
-
-    def discard(self, group: int) -> None:
-        """Drop the staged state: the committed one stays (a rollback)."""
-        state = self._groups[group]
-
-        def drop() -> None:
-            state.staged = False
-        self._when_written(state, drop)
-
-    def _when_written(self, state: _GroupState, verdict: Callable[[], None]) -> None:
-        with self._cond:
-            if state.writes_done < state.writes_asked:
-                state.verdict = verdict
-            else:
-                verdict()
+            self.versions.write_done(group)
 
     def wait_written(self, group: int) -> None:
         """Wait for the group's staged write (a correction rewrites the same bytes)."""
-        state = self._groups[group]
-        with self._cond:
-            asked = state.writes_asked
-            self._cond.wait_for(lambda: state.writes_done >= asked)
-
-    def reserve(self, group: int) -> None:
-        """A correction of `group` will run: reads of it wait until `release`."""
-        with self._cond:
-            self._groups[group].corrections_asked += 1
-
-    def release(self, group: int) -> None:
-        with self._cond:
-            self._groups[group].corrections_done += 1
-            self._cond.notify_all()
+        self.versions.wait_written(group)
 
     def scratch(self, group: int, staged: bool = False) -> _Scratch:
         """The committed state (the staged one when `staged`) read into the scratch buffer,
         for a rollback or correction (`with states.scratch(g) as (p, m, v):`; `.stage()`
         writes it as the staged one)."""
-        if staged and not self._groups[group].staged:
+        if staged and not self.versions.staged(group):
             raise RuntimeError(f"optimizer group {group} has no staged state")
         return _Scratch(self, group, staged)
 
-    def _asked(self, group: int) -> tuple[int, int]:
-        state = self._groups[group]
-        with self._cond:
-            return state.writes_asked, state.corrections_asked
-
-    def _settle(self, group: int, asked: tuple[int, int]) -> None:
-        """Wait until the writes and corrections of `group` asked for by then are done."""
-        state = self._groups[group]
-        with self._cond:
-            self._cond.wait_for(lambda: self._closed or (state.writes_done >= asked[0]
-                                                          and state.corrections_done >= asked[1]))
-
     def settle_all(self) -> None:
-        for group in range(len(self._groups)):
-            self._settle(group, self._asked(group))
+        for group in range(len(self.versions)):
+            self.versions.settle(group)
         self._raise_failure()
 
     def _raise_failure(self) -> None:
@@ -487,17 +324,14 @@ class DiskStates:
     def close(self) -> None:
         """Stop the threads, remove the file (idempotent). After a failed iteration the
         threads may wait for a step that will never run: they are woken and give up."""
-        if self._closed:
+        if self.versions.closed:
             return
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
+        self.versions.close()
         for q in (self._reads, self._writes):
             q.put(None)
         for free in self._free.values():
             free.put(None)  # a read waiting for a buffer
-        for state in self._groups:
-            residency = state.current
+        for residency in self._current:
             if residency is not None:
                 residency.error = residency.error or DiskStateError(
                     f"optimizer state file {self.path}: closed")
@@ -522,7 +356,7 @@ class _Scratch:
         s = self.states
         s._scratch_lock.acquire()
         try:
-            committed = s._groups[self.group].committed
+            committed = s.versions.committed(self.group)
             s._io(self.group, s._scratch, 1 - committed if self.staged else committed,
                   write=False)
         except BaseException:
@@ -533,9 +367,8 @@ class _Scratch:
     def stage(self) -> None:
         """Write the scratch buffer as the group's staged state."""
         s = self.states
-        state = s._groups[self.group]
-        s._io(self.group, s._scratch, 1 - state.committed, write=True)
-        state.staged = True
+        s._io(self.group, s._scratch, 1 - s.versions.committed(self.group), write=True)
+        s.versions.set_staged(self.group, True)
 
     def __exit__(self, *exc: object) -> None:
         self.states._scratch_lock.release()

@@ -23,28 +23,27 @@ speculative step by the clipped one. Speculating with a factor close to the true
 that correction small, hence well-conditioned (docs/cpu_optimizer.md, "Clipping"). The
 corrected bits depend on the factor speculated, so the prediction is checkpointed state
 (state_dict()), like the moments.
+
+Parts: the verdict (iteration_verdict.py), what the next iteration speculates with
+(speculation.py), the corrections that run past their iteration (deferred_corrections.py);
+AsyncGroupOptimizer holds the iteration in progress and runs its phases.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from megatron.optimizer.cpu_adam import CPUAdamW, check_gradient
-from megatron.optimizer.group_tasks import (
-    GroupTaskError,
-    GroupTaskRunner,
-    ReadySignal,
-    wait_ready,
-)
+from megatron.optimizer.deferred_corrections import Batch, DeferredCorrections
+from megatron.optimizer.group_tasks import GroupTaskError, GroupTaskRunner, ReadySignal
+from megatron.optimizer.iteration_verdict import Verdict, reach_verdict
 from megatron.optimizer.loss_scaler import LossScaler
-
-MODES = ("async", "sync")
+from megatron.optimizer.speculation import Speculation
 
 
 @dataclass(frozen=True)
@@ -59,20 +58,62 @@ class IterationResult:
     corrected_groups: tuple[int, ...] = ()  # local groups whose speculative step was re-clipped
 
 
-@dataclass(frozen=True)
-class _Verdict:
-    """What the overflow all-reduce decided for the whole iteration."""
-
-    overflow: bool
-    grad_norm: float
-    clip: float  # the clip factor (1.0: no clipping)
-    overflow_groups: tuple[int, ...]  # local groups whose gradient was not finite
-
-
 @dataclass
 class _Submission:
     grad: torch.Tensor
     out: torch.Tensor | None
+
+
+@dataclass
+class _Round:
+    """The iteration in progress, from its first submit() or check() to end_iteration()."""
+
+    mode: str  # the schedule it runs with
+    scale: float  # the loss scale its gradients were computed with
+    spec_clip: float  # the clip factor its speculative steps use
+    submitted: dict[int, _Submission] = field(default_factory=dict)
+    speculated: set[int] = field(default_factory=set)  # groups stepped before the verdict
+    checks: dict[int, tuple[bool, float]] = field(default_factory=dict)  # finite, sum of sq.
+    verdict: Verdict | None = None
+    rolled_back: tuple[int, ...] = ()
+    corrected: tuple[int, ...] = ()
+
+    def needing_correction(self, optimizer: CPUAdamW) -> list[int]:
+        """The speculative updates the verdict changes (recorded for the result)."""
+        verdict = self.verdict
+        if verdict is None:
+            raise RuntimeError("correct() before synchronize()")
+        if not verdict.overflow and verdict.clip == self.spec_clip:
+            return []
+        updated = tuple(s for s in sorted(self.speculated) if optimizer.has_update(s))
+        if verdict.overflow:
+            self.rolled_back = updated
+        else:
+            self.corrected = updated
+        return list(updated)
+
+
+def _correct_group(optimizer: CPUAdamW, group: int, verdict: Verdict) -> None:
+    if verdict.overflow:
+        optimizer.rollback_group(group)
+    else:
+        optimizer.correct_group(group, verdict.clip)
+
+
+def _speculative_task(optimizer: CPUAdamW, group: int, grad: torch.Tensor,
+                      out: torch.Tensor | None, inv_scale: float,
+                      clip: float) -> Callable[[], tuple[bool, float]]:
+    def task() -> tuple[bool, float]:
+        result = optimizer.step_group(group, grad, inv_scale=inv_scale, out=out, clip=clip)
+        return result.updated, result.grad_sq_sum
+    return task
+
+
+def _check_task(optimizer: CPUAdamW, grad: torch.Tensor,
+                inv_scale: float) -> Callable[[], tuple[bool, float]]:
+    def task() -> tuple[bool, float]:
+        return check_gradient(grad, inv_scale, optimizer.threads, optimizer.isa, optimizer.cores)
+    return task
 
 
 class AsyncGroupOptimizer:
@@ -92,49 +133,23 @@ class AsyncGroupOptimizer:
         process_group: dist.ProcessGroup | None = None,
         thread_setup: Callable[[], None] | None = None,
     ) -> None:
-        if mode not in MODES:
-            raise ValueError(f"mode={mode!r}; expected one of {MODES}")
-        if post_validation_after < 0:
-            raise ValueError(f"post_validation_after={post_validation_after} must be >= 0")
-        if clip_grad < 0.0:
-            raise ValueError(f"clip_grad={clip_grad} must be >= 0 (0 disables clipping)")
+        self.speculation = Speculation(mode, post_validation_after, clip_grad)
         self.optimizer = optimizer
         self.scaler = scaler
-        self.mode = mode
-        self.post_validation_after = int(post_validation_after)
-        self.clip_grad = float(clip_grad)
         self.process_group = process_group
         self.runner = GroupTaskRunner(max_workers=max_workers, thread_setup=thread_setup)
-        self._clean_in_a_row = 0
-        self._submitted: dict[int, _Submission] = {}
-        self._speculated: set[int] = set()  # groups stepped before the verdict
-        self._checks: dict[int, tuple[bool, float]] = {}  # finite, sum of squares
-        self._verdict: _Verdict | None = None
-        self._rolled_back: tuple[int, ...] = ()
-        self._iteration_mode: str | None = None
-        self._scale = 1.0
-        # The clip factor of the last iteration that did not overflow: what a speculative
-        # step assumes, so that its correction is small (1.0 until a norm is known).
-        self.predicted_clip = 1.0
-        self._spec_clip = 1.0  # the factor this iteration's speculative steps use
-        self._corrected: tuple[int, ...] = ()
-        # Corrections still running past the end of their iteration, by group: the group's
-        # next task waits for its own (see correct_deferred).
-        self._trailing: dict[int, Future] = {}
+        self.deferred = DeferredCorrections(optimizer, self.runner)
+        self._round: _Round | None = None
 
     def state_dict(self) -> dict:
         """What decides how the next iteration speculates, for a checkpoint: the clip factor
         its speculative steps assume and the clean iterations in a row (post-validation).
         A resumed run without it would speculate with 1.0 and correct with the inverse,
         which is within a few ulps of the uninterrupted run's correction, not equal."""
-        return {"predicted_clip": self.predicted_clip, "clean_in_a_row": self._clean_in_a_row}
+        return self.speculation.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        clip = float(state["predicted_clip"])
-        if not 0.0 < clip <= 1.0:
-            raise ValueError(f"predicted_clip={clip} must lie in (0, 1]")
-        self.predicted_clip = clip
-        self._clean_in_a_row = int(state["clean_in_a_row"])
+        self.speculation.load_state_dict(state)
 
     def has_subgroups(self, groups: Sequence[int]) -> bool:
         """Whether any of `groups` is stepped in subgroups (some on the device)."""
@@ -143,15 +158,11 @@ class AsyncGroupOptimizer:
     def device_tail(self) -> tuple[float, float]:
         """(when the CPU's part of the latest steps ended, when their device subgroups
         did), in time.perf_counter() seconds: between the two only the device worked."""
-        return self.optimizer.cpu_done_s, self.optimizer.device_done_s
+        return self.optimizer.device_tail()
 
     def current_mode(self) -> str:
         """The schedule the next (or current) iteration runs with."""
-        if self._iteration_mode is not None:
-            return self._iteration_mode
-        if self.mode == "async" and self._clean_in_a_row < self.post_validation_after:
-            return "sync"
-        return self.mode
+        return self._round.mode if self._round is not None else self.speculation.next_mode()
 
     def submit(
         self,
@@ -167,158 +178,97 @@ class AsyncGroupOptimizer:
         its own gradient ("async"), or only the check when the optimizer runs "sync" through
         finish_iteration(); after the verdict it is the deferred update, skipped on overflow
         and scaled by the clip factor."""
-        if group in self._submitted:
+        if self._round is not None and group in self._round.submitted:
             raise ValueError(f"group {group} was already submitted in this iteration")
         self.optimizer.check_inputs(group, grad, out)  # fail here, not in a task
-        self._begin()
-        ready = self._after_trailing(group, ready)
-        self._submitted[group] = _Submission(grad, out)
-        if self._verdict is not None:
-            if not self._verdict.overflow:
-                self._update(group, self._submitted[group], self._verdict.clip, ready)
+        r = self._begin()
+        ready = self.deferred.after(group, ready)
+        r.submitted[group] = _Submission(grad, out)
+        if r.verdict is not None:
+            if not r.verdict.overflow:
+                self._update(group, r.submitted[group], r.verdict.clip, ready)
             else:
                 self.optimizer.skip(group)
-        elif self._iteration_mode == "async":
-            self._speculated.add(group)
-            self.runner.submit(group, self._speculative_task(group, grad, out), ready)
+        elif r.mode == "async":
+            r.speculated.add(group)
+            self.runner.submit(group, _speculative_task(
+                self.optimizer, group, grad, out, 1.0 / r.scale, r.spec_clip), ready)
         else:
-            self.runner.submit(group, self._check_task(grad), ready)
+            self.runner.submit(group, _check_task(self.optimizer, grad, 1.0 / r.scale), ready)
 
     def check(self, group: int, grad: torch.Tensor, ready: ReadySignal = None) -> None:
         """Start the overflow check and sum of squares of a gradient that is not stepped
         before the verdict (the synchronous schedules' check as gradients land)."""
         self.optimizer.check_inputs(group, grad)
-        self._begin()
-        self.runner.submit(group, self._check_task(grad), self._after_trailing(group, ready))
+        r = self._begin()
+        self.runner.submit(group, _check_task(self.optimizer, grad, 1.0 / r.scale),
+                           self.deferred.after(group, ready))
 
     def wait_all(self) -> None:
         """Wait for every started task; a failed task undoes the updates of this round."""
         for group, (ok, sq) in self._wait_all_or_undo().items():
             if ok is not None:  # a check or a speculative step: its verdict counts
-                self._checks[group] = (ok, sq)
+                self._round.checks[group] = (ok, sq)
 
     def synchronize(self) -> float:
         """One all-reduce of the overflow flags and squared norms over the process group:
         the verdict every later submit() and correct() follows. Returns the global norm."""
-        self._begin()
-        overflow_groups = tuple(s for s, (finite, _) in sorted(self._checks.items()) if not finite)
-        local_sq = sum(sq for finite, sq in self._checks.values() if finite)
-        overflow, global_sq = self._all_reduce(len(overflow_groups) > 0, local_sq)
-        grad_norm = math.inf if overflow else math.sqrt(global_sq)
-        self._verdict = _Verdict(overflow, grad_norm, self._clip_factor(grad_norm),
-                                 overflow_groups)
-        return grad_norm
+        r = self._begin()
+        r.verdict = reach_verdict(r.checks, self.speculation.clip_grad, self.process_group)
+        return r.verdict.grad_norm
 
     def correct(self, order: Sequence[int] | None = None) -> None:
         """After the verdict: undo every speculative update when it says overflow, and
         re-clip them in one fused pass each when the true clip factor differs from the
         predicted one; returns when all are done. `order`: the groups in the order they are
         needed next; the others follow in group order."""
-        needed = self._needing_correction()
+        r = self._current("correct()")
+        needed = r.needing_correction(self.optimizer)
         first = [s for s in (order or ()) if s in needed]
         for group in dict.fromkeys(first + needed):
-            self.runner.submit(group, lambda s=group, v=self._verdict: self._correct_group(s, v))
+            self.runner.submit(group, lambda s=group, v=r.verdict: _correct_group(
+                self.optimizer, s, v))
         self.runner.wait_all()
 
-    def correct_deferred(
-        self, batches: Sequence[tuple[Sequence[int], Callable[[], None]]],
-    ) -> list[Future | None]:
+    def correct_deferred(self, batches: Sequence[Batch]) -> list[Future | None]:
         """correct() without waiting: one task per batch of groups, in the order given (the
         next iteration's forward order), that corrects those of its groups that need it,
         commits them, then calls the batch's `then` (e.g. publish the stage's parameters).
         A batch with nothing to correct gets None: its caller runs `then` itself. The
         next submit() or check() of a group waits for its correction; drain() waits for
         all (before anything reads the state)."""
-        needed = set(self._needing_correction())
-        futures: list[Future | None] = []
-        for groups, then in batches:
-            mine = tuple(g for g in groups if g in needed)
-            if not mine:
-                futures.append(None)
-                continue
-
-            def task(mine: tuple[int, ...] = mine, then: Callable[[], None] = then,
-                     verdict: _Verdict = self._verdict) -> None:
-                try:
-                    for group in mine:
-                        self._correct_group(group, verdict)
-                        self.optimizer.commit_group(group)
-                finally:
-                    for group in mine:
-                        self.optimizer.release(group)
-                then()
-            for group in mine:  # states on disk: the next read of the group waits for it
-                self.optimizer.reserve(group)
-            future = self.runner.submit_detached(task)
-            for group in mine:
-                self._trailing[group] = future
-            futures.append(future)
-        return futures
+        r = self._current("correct()")
+        needed = set(r.needing_correction(self.optimizer))
+        return self.deferred.start(batches, needed, lambda group, v=r.verdict: _correct_group(
+            self.optimizer, group, v))
 
     def drain(self) -> None:
         """Wait for every deferred correction; raises GroupTaskError for a failed one."""
-        trailing, self._trailing = self._trailing, {}
-        for group, future in sorted(trailing.items()):
-            try:
-                future.result()
-            except BaseException as error:
-                raise GroupTaskError(group, error, {}) from error
-
-    def _needing_correction(self) -> list[int]:
-        """The speculative updates the verdict changes (recorded for the result)."""
-        verdict = self._verdict
-        if verdict is None:
-            raise RuntimeError("correct() before synchronize()")
-        if not verdict.overflow and verdict.clip == self._spec_clip:
-            return []
-        updated = tuple(s for s in sorted(self._speculated) if self.optimizer.has_update(s))
-        if verdict.overflow:
-            self._rolled_back = updated
-        else:
-            self._corrected = updated
-        return list(updated)
-
-    def _correct_group(self, group: int, verdict: _Verdict) -> None:
-        if verdict.overflow:
-            self.optimizer.rollback_group(group)
-        else:
-            self.optimizer.correct_group(group, verdict.clip)
-
-    def _after_trailing(self, group: int, ready: ReadySignal) -> ReadySignal:
-        """`ready`, preceded by the group's deferred correction if one is running."""
-        future = self._trailing.pop(group, None)
-        if future is None:
-            return ready
-
-        def wait() -> None:
-            future.result()
-            wait_ready(ready)
-        return wait
+        self.deferred.drain()
 
     def end_iteration(self) -> IterationResult:
         """Commit this iteration's updates, adjust the loss scale, report."""
-        verdict = self._verdict
+        r = self._current("end_iteration()")
+        verdict = r.verdict
         if verdict is None:
             raise RuntimeError("end_iteration() before synchronize()")
         if self.runner.pending_groups:
             raise RuntimeError(f"optimizer tasks of groups {self.runner.pending_groups} "
                                "were never waited for")
-        mode = "async" if self._speculated else "sync"
         result = IterationResult(
-            skipped=verdict.overflow, mode=mode, loss_scale=self._scale,
-            grad_norm=verdict.grad_norm, overflow_groups=verdict.overflow_groups,
-            rolled_back_groups=self._rolled_back if verdict.overflow else (),
+            skipped=verdict.overflow, mode="async" if r.speculated else "sync",
+            loss_scale=r.scale, grad_norm=verdict.grad_norm,
+            overflow_groups=verdict.overflow_groups,
+            rolled_back_groups=r.rolled_back if verdict.overflow else (),
             clipped=not verdict.overflow and verdict.clip < 1.0,
-            corrected_groups=self._corrected,
+            corrected_groups=r.corrected,
         )
-        if not verdict.overflow:
-            self.predicted_clip = verdict.clip
-        for group in self._submitted:
-            if group not in self._trailing:  # a deferred correction commits its own
+        self.speculation.ended(verdict.overflow, verdict.clip)
+        for group in r.submitted:
+            if not self.deferred.running(group):  # a deferred correction commits its own
                 self.optimizer.commit_group(group)
-        self._reset()
+        self._round = None
         self.scaler.update(verdict.overflow)
-        self._clean_in_a_row = 0 if verdict.overflow else self._clean_in_a_row + 1
         return result
 
     def finish_iteration(self) -> IterationResult:
@@ -326,15 +276,16 @@ class AsyncGroupOptimizer:
         updates, and adjusts the loss scale (the whole optimizer phase in one call)."""
         try:
             self.wait_all()
+            r = self._begin()
             self.synchronize()
-            if self._speculated:
+            if r.speculated:
                 self.correct()
-            elif not self._verdict.overflow:
-                for group, sub in self._submitted.items():
-                    self._update(group, sub, self._verdict.clip)
+            elif not r.verdict.overflow:
+                for group, sub in r.submitted.items():
+                    self._update(group, sub, r.verdict.clip)
                 self.runner.wait_all()
         except BaseException:
-            self._reset()
+            self._round = None
             raise
         return self.end_iteration()
 
@@ -352,41 +303,21 @@ class AsyncGroupOptimizer:
 
     # --- the pieces of an iteration ----------------------------------------------------
 
-    def _begin(self) -> None:
-        if self._iteration_mode is None:
-            self._iteration_mode = self.current_mode()
-            self._scale = self.scaler.scale
-            self._spec_clip = self.predicted_clip if self.clip_grad > 0.0 else 1.0
+    def _begin(self) -> _Round:
+        """The iteration in progress, started now if none is."""
+        if self._round is None:
+            self._round = _Round(self.speculation.next_mode(), self.scaler.scale,
+                                 self.speculation.speculative_clip())
+        return self._round
 
-    def _reset(self) -> None:
-        self._submitted = {}
-        self._speculated = set()
-        self._checks = {}
-        self._verdict = None
-        self._rolled_back = ()
-        self._corrected = ()
-        self._iteration_mode = None
-        self._scale = 1.0
-
-    def _speculative_task(self, group: int, grad: torch.Tensor, out: torch.Tensor | None):
-        inv_scale, clip = 1.0 / self._scale, self._spec_clip
-
-        def task() -> tuple[bool, float]:
-            result = self.optimizer.step_group(group, grad, inv_scale=inv_scale, out=out,
-                                               clip=clip)
-            return result.updated, result.grad_sq_sum
-        return task
-
-    def _check_task(self, grad: torch.Tensor):
-        adam, inv_scale = self.optimizer, 1.0 / self._scale
-
-        def task() -> tuple[bool, float]:
-            return check_gradient(grad, inv_scale, adam.threads, adam.isa, adam.cores)
-        return task
+    def _current(self, what: str) -> _Round:
+        if self._round is None:
+            raise RuntimeError(f"{what} before synchronize()")
+        return self._round
 
     def _update(self, group: int, sub: _Submission, clip: float,
                 ready: ReadySignal = None) -> None:
-        inv_scale = 1.0 / self._scale
+        inv_scale = 1.0 / self._round.scale
 
         def task() -> tuple[None, float]:
             result = self.optimizer.step_group(group, sub.grad, inv_scale=inv_scale,
@@ -405,16 +336,5 @@ class AsyncGroupOptimizer:
             for group in error.results:
                 if self.optimizer.has_update(group):
                     self.optimizer.rollback_group(group)
-            self._reset()
+            self._round = None
             raise
-
-    def _all_reduce(self, local_overflow: bool, local_sq: float) -> tuple[bool, float]:
-        flags = torch.tensor([1.0 if local_overflow else 0.0, local_sq], dtype=torch.float64)
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(flags, op=dist.ReduceOp.SUM, group=self.process_group)
-        return bool(flags[0].item() > 0), float(flags[1].item())
-
-    def _clip_factor(self, grad_norm: float) -> float:
-        if self.clip_grad <= 0.0 or not math.isfinite(grad_norm) or grad_norm <= self.clip_grad:
-            return 1.0
-        return self.clip_grad / (grad_norm + 1e-6)  # Megatron's clip coefficient
