@@ -256,9 +256,9 @@ def _disk_step(adam: CPUAdamW, disk: DiskStates, grads: list[torch.Tensor],
     the last write done, and of them those after the last group's step (the writes left)."""
     start = time.perf_counter()
     for g in range(adam.num_groups):
-        adam.request_read(g)
+        adam.storage.request_read(g)
     for g in range(adam.num_groups):
-        adam.request_write(g)
+        adam.storage.request_write(g)
     for g in range(adam.num_groups):
         adam.step_group(g, grads[g], out=outs[g])
     stepped = time.perf_counter()

@@ -58,20 +58,20 @@ def test_steps_rollbacks_and_corrections_equal_host_memory(tmp_path, master, sta
                 grads[2][17] = float("inf")  # its own step leaves it; the verdict rolls back
             for g in range(len(SIZES)):
                 host.step_group(g, grads[g], out=outs["host"][g], clip=0.8)
-                nvme.request_read(g)
+                nvme.storage.request_read(g)
                 nvme.step_group(g, grads[g], out=outs["nvme"][g], clip=0.8)
-                nvme.request_write(g)
+                nvme.storage.request_write(g)
             for g in range(len(SIZES)):
                 if iteration in (1, 4) and host.has_update(g):  # an overflow elsewhere
                     host.rollback_group(g)
-                    nvme.reserve(g)
+                    nvme.storage.reserve(g)
                     nvme.rollback_group(g)
-                    nvme.release(g)
+                    nvme.storage.release(g)
                 elif iteration in (2, 5):  # the true clip factor differs
                     host.correct_group(g, 0.5)
-                    nvme.reserve(g)
+                    nvme.storage.reserve(g)
                     nvme.correct_group(g, 0.5)
-                    nvme.release(g)
+                    nvme.storage.release(g)
                 host.commit_group(g)
                 nvme.commit_group(g)
         for g in range(len(SIZES)):
@@ -100,9 +100,9 @@ def test_a_read_waits_for_a_window_buffer_and_never_exceeds_the_window(tmp_path)
     try:
         grads = [torch.randn(n) for n in SIZES]
         for g in range(len(SIZES)):
-            nvme.request_read(g)
+            nvme.storage.request_read(g)
         for g in range(len(SIZES)):
-            nvme.request_write(g)
+            nvme.storage.request_write(g)
 
         def steps() -> None:
             for g in range(len(SIZES)):
@@ -181,8 +181,8 @@ def test_close_after_a_failed_iteration_does_not_wait_for_steps_that_never_run(t
     failed): close() wakes the threads and removes the file."""
     _, nvme, disk = pair(tmp_path, window=1)
     for g in range(len(SIZES)):
-        nvme.request_read(g)
-        nvme.request_write(g)
+        nvme.storage.request_read(g)
+        nvme.storage.request_write(g)
     closer = threading.Thread(target=disk.close, daemon=True)
     closer.start()
     closer.join(timeout=30)
@@ -201,12 +201,12 @@ def test_the_next_iterations_read_may_be_asked_for_while_the_write_is_still_queu
         for iteration in range(2):
             grads = [torch.randn(n) for n in SIZES]
             for g in range(len(SIZES)):
-                nvme.request_read(g)
+                nvme.storage.request_read(g)
             gate.set() if iteration == 1 else None
             for g in range(len(SIZES)):
                 host.step_group(g, grads[g])
                 nvme.step_group(g, grads[g])
-                nvme.request_write(g)
+                nvme.storage.request_write(g)
             for g in range(len(SIZES)):
                 host.commit_group(g)
                 nvme.commit_group(g)
@@ -231,13 +231,13 @@ def test_a_failed_write_is_one_line_naming_the_file_at_the_next_request(tmp_path
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), disk.path)
     disk._file.write_from = full
     try:
-        nvme.request_read(0)
+        nvme.storage.request_read(0)
         nvme.step_group(0, torch.randn(SIZES[0]))
-        nvme.request_write(0)
+        nvme.storage.request_write(0)
         nvme.commit_group(0)
         disk.wait_written(0)
         with pytest.raises(DiskStateError) as failed:
-            nvme.request_read(0)
+            nvme.storage.request_read(0)
         message = str(failed.value)
         assert "\n" not in message and disk.path in message
         assert "No space left on device" in message

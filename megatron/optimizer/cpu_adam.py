@@ -182,7 +182,9 @@ class CPUAdamW:
         self._ledger = StepLedger(self._numel, snapshot)
         self._share = SubgroupShare(self._numel, self._kernel, self._ledger)
         self.disk = disk
-        self._storage: StateStorage = (
+        # Where p, m and v live; on disk it also takes the program's reads and writes
+        # (READ/WRITE_OPTIMIZER_STATES, skip, and the reserve/release of a correction).
+        self.storage: StateStorage = (
             HostStorage(params, self._kernel, self._share, self._ledger) if disk is None
             else DiskStorage(params, disk, self._kernel, self._share, self.exact_rollback))
 
@@ -210,12 +212,12 @@ class CPUAdamW:
     def states(self, group: int) -> GroupTensors:
         """p, m, v of the group: live buffers in host memory; on disk, views of the
         committed state in the mapped file (valid until the group's next commit)."""
-        return self._storage.states(self._index(group))
+        return self.storage.states(self._index(group))
 
     def host_state_bytes(self) -> int:
         """Host bytes this optimizer holds for p, m, v (and snapshots): on disk, the
         window's and the scratch buffer's."""
-        return self._storage.host_bytes()
+        return self.storage.host_bytes()
 
     def step_count(self, group: int) -> int:
         return self._ledger.step_count(self._index(group))
@@ -241,32 +243,11 @@ class CPUAdamW:
             for key in ("master", "exp_avg", "exp_avg_sq"):
                 check_flat(f"groups[{i}][{key!r}]", s[key], self._numel[i],
                            [torch.float32, torch.bfloat16])
-            self._storage.load(i, s["master"], s["exp_avg"], s["exp_avg_sq"])
+            self.storage.load(i, s["master"], s["exp_avg"], s["exp_avg_sq"])
             self._ledger.load(i, int(s["step"]))
         hyper = state.get("hyper", {})
         self.lr = float(hyper.get("lr", self.lr))
         self.weight_decay = float(hyper.get("weight_decay", self.weight_decay))
-
-    # --- states on disk: the program's reads and writes ----------------------------------
-
-    def request_read(self, group: int) -> None:
-        """READ_OPTIMIZER_STATES of a group kept on disk (returns at once)."""
-        self._storage.request_read(self._index(group))
-
-    def request_write(self, group: int) -> None:
-        """WRITE_OPTIMIZER_STATES: the group's step result goes to the file (at once)."""
-        self._storage.request_write(self._index(group))
-
-    def skip(self, group: int) -> None:
-        """The group is not stepped this iteration (an overflow verdict came first)."""
-        self._storage.skip(self._index(group))
-
-    def reserve(self, group: int) -> None:
-        """A rollback or correction of `group` will run: its next read waits for it."""
-        self._storage.reserve(self._index(group))
-
-    def release(self, group: int) -> None:
-        self._storage.release(self._index(group))
 
     # --- steps -------------------------------------------------------------------------
 
@@ -293,7 +274,7 @@ class CPUAdamW:
             raise ValueError(f"lr*weight_decay={self.lr * weight_decay} for group {i} must lie in [0, 1)")
         record = StepRecord(grad, out, float(inv_scale), self.lr, weight_decay,
                             self._ledger.next_step(i), float(clip))
-        finite, sq = self._storage.step(i, lambda tensors: self._share.step(i, tensors, record))
+        finite, sq = self.storage.step(i, lambda tensors: self._share.step(i, tensors, record))
         self._ledger.stepped(i, record, bool(finite))
         return GroupStepResult(group=i, updated=bool(finite), grad_sq_sum=float(sq))
 
@@ -310,7 +291,7 @@ class CPUAdamW:
         """Undo the group's last update (p, m, v, the step count and the working copy)."""
         i = self._index(group)
         record = self._ledger.pending(i, "roll back")
-        self._storage.rollback(i, record)
+        self.storage.rollback(i, record)
         self._ledger.rolled_back(i, record)
 
     def correct_group(self, group: int, clip: float) -> None:
@@ -322,14 +303,14 @@ class CPUAdamW:
         record = self._ledger.pending(i, "correct")
         check_clip(clip)
         corrected = replace(record, clip=float(clip))
-        self._storage.correct(i, record, corrected)
+        self.storage.correct(i, record, corrected)
         self._ledger.corrected(i, corrected)
 
     def commit_group(self, group: int) -> None:
         """Forget the group's last update (its gradient may be reused from now on); on
         disk, its staged state becomes the committed one."""
         i = self._index(group)
-        self._storage.commit(i)
+        self.storage.commit(i)
         self._ledger.commit(i)
 
     def has_update(self, group: int) -> bool:

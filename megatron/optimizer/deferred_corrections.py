@@ -38,10 +38,10 @@ class DeferredCorrections:
                         self.optimizer.commit_group(group)
                 finally:
                     for group in mine:
-                        self.optimizer.release(group)
+                        self.optimizer.storage.release(group)
                 then()
             for group in mine:  # states on disk: the next read of the group waits for it
-                self.optimizer.reserve(group)
+                self.optimizer.storage.reserve(group)
             future = self.runner.submit_detached(task)
             for group in mine:
                 self._trailing[group] = future

@@ -188,7 +188,7 @@ class AsyncGroupOptimizer:
             if not r.verdict.overflow:
                 self._update(group, r.submitted[group], r.verdict.clip, ready)
             else:
-                self.optimizer.skip(group)
+                self.optimizer.storage.skip(group)
         elif r.mode == "async":
             r.speculated.add(group)
             self.runner.submit(group, _speculative_task(

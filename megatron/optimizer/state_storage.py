@@ -50,15 +50,21 @@ class StateStorage(Protocol):
     def commit(self, group: int) -> None:
         """The group's update is final."""
 
-    def request_read(self, group: int) -> None: ...
+    # The program's traffic of states on disk (no-ops in host memory):
+    def request_read(self, group: int) -> None:
+        """READ_OPTIMIZER_STATES of the group (returns at once)."""
 
-    def request_write(self, group: int) -> None: ...
+    def request_write(self, group: int) -> None:
+        """WRITE_OPTIMIZER_STATES: the group's step result goes to the file (at once)."""
 
-    def skip(self, group: int) -> None: ...
+    def skip(self, group: int) -> None:
+        """The group is not stepped this iteration (an overflow verdict came first)."""
 
-    def reserve(self, group: int) -> None: ...
+    def reserve(self, group: int) -> None:
+        """A rollback or correction of the group will run: its next read waits for it."""
 
-    def release(self, group: int) -> None: ...
+    def release(self, group: int) -> None:
+        """That rollback or correction is done."""
 
 
 class HostStorage:

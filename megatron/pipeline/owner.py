@@ -122,12 +122,12 @@ class BackwardStageOwner:
     def read_states(self, adam: CPUAdamW) -> None:
         """READ_OPTIMIZER_STATES: the groups' committed states into the host window."""
         for group in self.live_groups():
-            adam.request_read(group)
+            adam.storage.request_read(group)
 
     def write_states(self, adam: CPUAdamW) -> None:
         """WRITE_OPTIMIZER_STATES: the groups' step results to the file, once stepped."""
         for group in self.live_groups():
-            adam.request_write(group)
+            adam.storage.request_write(group)
 
     def check(self, optimizer: AsyncGroupOptimizer) -> None:
         """Submit the overflow check of both groups' gradients (no update)."""
