@@ -155,7 +155,7 @@ class PipelineExecutor:
             t0 = time.perf_counter()
             before = self.device.compute_stream.record_event() if instr.op in COMPUTE else None
             if self._sanitized:  # the text only when someone reads it
-                self.device.at_instruction(f"rank {self.rank} instruction {index}: {instr}")
+                self.device.checks.at_instruction(f"rank {self.rank} instruction {index}: {instr}")
             try:
                 if self._fail_at is not None and (iteration, index) >= self._fail_at[:2]:
                     self._inject_failure()
@@ -173,13 +173,13 @@ class PipelineExecutor:
                 computed.append((instr, before, self.device.compute_stream.record_event()))
             elif instr.op in _OPTIMIZER_OPS:
                 waited.append((instr, t0, time.perf_counter()))
-        self.device.at_instruction(f"rank {self.rank} after the program")
+        self.device.checks.at_instruction(f"rank {self.rank} after the program")
         for work, _ in self._isends:
             work.wait()
         for b in list(self._slots):
             self.param_slots.release(self._slots.pop(b))
         result = self.optimizer.end_iteration()
-        self.device.host_threads_joined()
+        self.device.checks.host_threads_joined()
         self.owned.finish_iteration(iteration)  # a stage being corrected publishes later
         self.device.wait_for(self.device.compute_stream)
         iteration_s = time.perf_counter() - start
@@ -252,7 +252,7 @@ class PipelineExecutor:
         try:
             for index, instr in enumerate(schedule.programs[self.rank]):
                 if self._sanitized:
-                    self.device.at_instruction(f"rank {self.rank} instruction {index} of the "
+                    self.device.checks.at_instruction(f"rank {self.rank} instruction {index} of the "
                                                f"forward-only program: {instr}")
                 try:
                     self._execute(instr)
@@ -300,7 +300,7 @@ class PipelineExecutor:
                     corrected = self.owned[b].correction is not None
                     self._correction_wait_s += self.owned[b].wait_for_correction()
                     if corrected:  # the correction's thread is done: what it waited for too
-                        self.device.host_threads_joined()
+                        self.device.checks.host_threads_joined()
                 segment = self.store.get(b)
                 segment.wait_version(self._params_version)
                 self._slots[b] = self.param_slots.prefetch(b, segment.params)
@@ -384,12 +384,12 @@ class PipelineExecutor:
 
     def _optimizer_wait_all(self, instr: Instruction) -> None:
         self.optimizer.wait_all()
-        self.device.host_threads_joined()
+        self.device.checks.host_threads_joined()
 
     def _overflow_sync(self, instr: Instruction) -> None:
         self.owned.check_pending(self.optimizer)
         self.optimizer.wait_all()
-        self.device.host_threads_joined()
+        self.device.checks.host_threads_joined()
         self.optimizer.synchronize()
 
     def _post_step_sync(self, instr: Instruction) -> None:
@@ -444,7 +444,7 @@ class PipelineExecutor:
         the stage's parameter slot, and the gradient buffer a backward accumulates into."""
         if not self._sanitized:
             return
-        self.device.kernel(self.device.compute_stream, reads=(self._slots[b].params,),
+        self.device.checks.kernel(self.device.compute_stream, reads=(self._slots[b].params,),
                            writes=() if grad is None else (grad,), what=what)
 
     def _forward(self, instr: Instruction) -> None:
