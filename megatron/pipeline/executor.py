@@ -155,7 +155,8 @@ class PipelineExecutor:
             t0 = time.perf_counter()
             before = self.device.compute_stream.record_event() if instr.op in COMPUTE else None
             if self._sanitized:  # the text only when someone reads it
-                self.device.checks.at_instruction(f"rank {self.rank} instruction {index}: {instr}")
+                self.device.checks.at_instruction(
+                    f"rank {self.rank} instruction {index}: {instr}")
             try:
                 if self._fail_at is not None and (iteration, index) >= self._fail_at[:2]:
                     self._inject_failure()
@@ -220,10 +221,11 @@ class PipelineExecutor:
     def _begin(self, params_version: int, micro_batches: Sequence[Batch],
                program: Sequence[Instruction]) -> None:
         self._params_version = params_version  # what PREFETCH_PARAMS waits for
-        self._batch_ends = frozenset(program[batch[-1]] for batch in transfer_batches(program))
-        # the batch of blocking transfers being gathered: (instruction, tensor sent,
-        # (books, key) where a received tensor goes)
-        self._batch: list[tuple[Instruction, torch.Tensor | None, tuple | None]] = []
+        # the last instruction of each batch of blocking transfers, and the batch being
+        # gathered: (instruction, tensor sent, (books, key) where a received tensor goes)
+        self._transfer_batch_ends = frozenset(program[batch[-1]]
+                                              for batch in transfer_batches(program))
+        self._transfers: list[tuple[Instruction, torch.Tensor | None, tuple | None]] = []
         self._batches = micro_batches
         self._slots: dict[BackwardStage, Slot] = {}
         self._acts: dict[tuple[int, int], torch.Tensor] = {}
@@ -252,8 +254,9 @@ class PipelineExecutor:
         try:
             for index, instr in enumerate(schedule.programs[self.rank]):
                 if self._sanitized:
-                    self.device.checks.at_instruction(f"rank {self.rank} instruction {index} of the "
-                                               f"forward-only program: {instr}")
+                    self.device.checks.at_instruction(
+                        f"rank {self.rank} instruction {index} of the forward-only program: "
+                        f"{instr}")
                 try:
                     self._execute(instr)
                 except Exception as exc:
@@ -288,8 +291,8 @@ class PipelineExecutor:
 
     def _execute(self, instr: Instruction) -> None:
         getattr(self, OP_SPECS[instr.op].method)(instr)
-        if instr in self._batch_ends:
-            self._post_batch()
+        if instr in self._transfer_batch_ends:
+            self._post_transfers()
 
     # --- parameters ------------------------------------------------------------------------
 
@@ -318,21 +321,21 @@ class PipelineExecutor:
     # one posts it all and waits (_execute), before the next instruction runs.
 
     def _send_activation(self, instr: Instruction) -> None:
-        self._batch.append((instr, self._acts.pop((instr.stage, instr.mb)), None))
+        self._transfers.append((instr, self._acts.pop((instr.stage, instr.mb)), None))
 
     def _recv_activation(self, instr: Instruction) -> None:
-        self._batch.append((instr, None, (self._acts, (instr.stage, instr.mb))))
+        self._transfers.append((instr, None, (self._acts, (instr.stage, instr.mb))))
 
     def _send_gradient(self, instr: Instruction) -> None:
         tensor = self._grads.pop((BackwardStage(instr.stage, instr.sub), instr.mb))
-        self._batch.append((instr, tensor, None))
+        self._transfers.append((instr, tensor, None))
 
     def _recv_gradient(self, instr: Instruction) -> None:
-        self._batch.append((instr, None, (self._grads, (BackwardStage(instr.stage, instr.sub),
-                                                        instr.mb))))
+        key = (BackwardStage(instr.stage, instr.sub), instr.mb)
+        self._transfers.append((instr, None, (self._grads, key)))
 
-    def _post_batch(self) -> None:
-        batch, self._batch = self._batch, []
+    def _post_transfers(self) -> None:
+        batch, self._transfers = self._transfers, []
         received = self.p2p.exchange([(instr, tensor) for instr, tensor, _ in batch])
         for (books, key), tensor in zip((into for *_, into in batch if into is not None),
                                         received):
@@ -411,7 +414,7 @@ class PipelineExecutor:
         checkpoints += sum(buffer.nbytes for _, buffer in self._pending_act_ckpts.values())
         checkpoints += sum(t.nbytes for _, t in self._isends)
         activations = sum(t.nbytes for t in self._acts.values())
-        activations += sum(t.nbytes for _, t, _ in self._batch if t is not None)
+        activations += sum(t.nbytes for _, t, _ in self._transfers if t is not None)
         activations += sum(t.nbytes for t in self._grads.values() if t is not None)
         held = {
             "parameter_slots": self.param_slots.nbytes,
