@@ -6,6 +6,9 @@ program has with one peer (instructions.transfer_batches) are posted together as
 transfers) and waited for together, so a send and a receive crossing between two ranks
 in one step meet. Activation checkpoints go alone with isend/irecv, posted at the same
 step on both sides and waited on only before the recompute that needs them (S section 4).
+Under NCCL a batch runs on the group's communicator (whose first use every rank joins:
+each reaches its first batch without waiting on another), a lone checkpoint transfer on
+the two ranks' own; gloo has no groups and posts a batch's isend/irecv one by one.
 
 Matching is by posting order only, as NCCL does it (NCCL ignores tags): every message
 between two ranks carries the same tag, so gloo, too, pairs the k-th send with the k-th

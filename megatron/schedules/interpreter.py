@@ -108,8 +108,10 @@ class Interpreter:
                              else (self._posted_sends, self._posted_recvs))
             if waiting.get(key):
                 other = waiting[key].pop(0)
-                sender, receiver = ((rank, index), (peer, other)) if sending else ((peer, other), (rank, index))
-                self.rendezvous(*sender, *receiver)
+                if sending:
+                    self.rendezvous(rank, index, peer, other)
+                else:
+                    self.rendezvous(peer, other, rank, index)
                 self._matched(peer, other, woken)
                 self._matched(rank, index, woken)
             else:
@@ -156,7 +158,7 @@ class Interpreter:
         """Rounds over the ranks that may move (all of them at first, then those woken by
         the previous round): the work is linear in the instructions, whatever the number of
         ranks. Which rank runs first does not change the outcome: every condition that
-        lets a rank go on (a posted checkpoint, a peer at the matching receive, every rank
+        lets a rank go on (a posted checkpoint, a transfer its peer has posted, every rank
         at the collective) stays true until that rank goes on."""
         self._waiting_for: dict[tuple, int] = {}  # checkpoint key -> rank waiting for it
         # Blocking transfers posted and not matched yet: (sender, receiver, tensor key) ->
