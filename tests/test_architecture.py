@@ -196,8 +196,10 @@ def test_every_op_has_a_real_handler_in_each_consumer(consumer):
     (its cost) and the executor (its action) each implement it, none as a no-op."""
     assert set(OP_SPECS) == set(Op)
     assert len({spec.handler for spec in OP_SPECS.values()}) == len(Op)
+    parts = (consumer, *getattr(consumer, "handler_parts", ()))  # a consumer's helpers
     for op, spec in OP_SPECS.items():
-        handler = getattr(consumer, spec.method, None)
+        handler = next((getattr(part, spec.method) for part in parts
+                        if hasattr(part, spec.method)), None)
         assert callable(handler), f"{consumer.__name__}: {op.value} -> missing {spec.method}"
         assert not _is_empty(handler), f"{consumer.__name__}: {op.value} -> {spec.method} is empty"
 

@@ -79,26 +79,26 @@ def test_giving_a_buffer_back_needs_the_owners_own_wait(device):
     copied = device.copy_async(host, grads, device.d2h_stream)
     with pytest.raises(StreamRaceError, match="host gradients #2 .*: freed by host thread "
                                               "'MainThread'.*before it waited for the write on d2h"):
-        device.host_free(host, what="back to the pool")
+        device.checks.host_free(host, what="back to the pool")
     reader = threading.Thread(target=copied.wait)
     reader.start()
     reader.join()
-    device.host_threads_joined()
+    device.checks.host_threads_joined()
     with pytest.raises(StreamRaceError, match="freed by"):
-        device.host_free(host)
+        device.checks.host_free(host)
     copied.wait()
-    device.host_free(host)
+    device.checks.host_free(host)
     # given back, it is a fresh buffer: a new copy into it is ordered by its stream
     device.copy_async(host, grads, device.d2h_stream).wait()
     # a reader's work (a device subgroup loading the gradient) is waited for by the
     # reader's thread
     loaded = device.copy_async(device.empty(64, torch.float32), host, device.h2d_stream)
     with pytest.raises(StreamRaceError, match="before it waited for the read on h2d"):
-        device.host_free(host)
+        device.checks.host_free(host)
     reader = threading.Thread(target=loaded.wait)
     reader.start()
     reader.join()
-    device.host_free(host)
+    device.checks.host_free(host)
 
 
 def test_a_zero_fill_is_a_write_on_the_allocating_stream(device):

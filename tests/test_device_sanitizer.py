@@ -21,11 +21,11 @@ def device():
 def test_a_write_on_one_stream_then_a_read_on_another_without_a_wait_raises(device):
     src = device.pin_host(64, torch.float32, name="staging")
     slot = device.empty(64, torch.float32, name="slot")
-    device.at_instruction("rank 0 instruction 3: PREFETCH_PARAMS")
+    device.checks.at_instruction("rank 0 instruction 3: PREFETCH_PARAMS")
     device.copy_async(slot, src, device.h2d_stream)
-    device.at_instruction("rank 0 instruction 4: FORWARD")
+    device.checks.at_instruction("rank 0 instruction 4: FORWARD")
     with pytest.raises(StreamRaceError) as raised:
-        device.kernel(device.compute_stream, reads=(slot,), what="forward")
+        device.checks.kernel(device.compute_stream, reads=(slot,), what="forward")
     message = str(raised.value)
     # the buffer, both streams and both instructions
     assert "slot #2" in message
@@ -39,7 +39,7 @@ def test_with_wait_event_the_same_read_is_ordered(device):
     slot = device.empty(64, torch.float32)
     ready = device.copy_async(slot, src, device.h2d_stream)
     device.compute_stream.wait_event(ready)
-    device.kernel(device.compute_stream, reads=(slot,))
+    device.checks.kernel(device.compute_stream, reads=(slot,))
     assert device.sanitizer.checked == 3 and device.sanitizer.error is None
 
 
@@ -47,7 +47,7 @@ def test_a_copy_into_a_buffer_still_read_by_compute_needs_the_release_event(devi
     """The double buffer's rule: a prefetch into a half waits for the compute that used it."""
     src = device.pin_host(64, torch.float32)
     slot = device.empty(64, torch.float32)
-    device.kernel(device.compute_stream, reads=(slot,), what="forward")
+    device.checks.kernel(device.compute_stream, reads=(slot,), what="forward")
     with pytest.raises(StreamRaceError, match="write on h2d .* not ordered after the read on compute"):
         device.copy_async(slot, src, device.h2d_stream)
     device.h2d_stream.wait_event(device.compute_stream.record_event())
@@ -59,12 +59,12 @@ def test_a_host_read_of_a_pinned_buffer_before_the_copys_event_raises(device):
     host = device.pin_host(64, torch.float32, name="host gradients")
     done = device.copy_async(host, grads, device.d2h_stream)
     with pytest.raises(StreamRaceError, match="host gradients.*read on host thread"):
-        device.host_read(host, what="the optimizer")
+        device.checks.host_read(host, what="the optimizer")
     done.wait()
-    device.host_read(host, what="the optimizer")
+    device.checks.host_read(host, what="the optimizer")
     # the wait ordered this thread only: another host thread has not seen the event
     failed = []
-    thread = threading.Thread(target=lambda: _catch(failed, device.host_write, host))
+    thread = threading.Thread(target=lambda: _catch(failed, device.checks.host_write, host))
     device.copy_async(host, grads, device.d2h_stream).wait()  # a second copy, waited here
     thread.start()
     thread.join()
@@ -82,12 +82,12 @@ def test_a_stream_synchronisation_orders_the_host(device):
     host = device.pin_host(8, torch.float32)
     device.copy_async(host, device.zeros(8, torch.float32, stream=device.d2h_stream), device.d2h_stream)
     device.wait_for(device.d2h_stream)
-    device.host_write(host)
+    device.checks.host_write(host)
 
 
 def test_views_share_their_base_history(device):
     base = device.empty(100, torch.float32, name="gradient buffer")
-    device.kernel(device.compute_stream, writes=(base[10:20],), what="backward")
+    device.checks.kernel(device.compute_stream, writes=(base[10:20],), what="backward")
     host = device.pin_host(50, torch.float32)
     with pytest.raises(StreamRaceError, match="gradient buffer"):
         device.copy_async(host, base[50:], device.d2h_stream)  # another view of the same base
@@ -114,14 +114,14 @@ def test_a_reused_address_starts_a_fresh_history(device):
     again = device.empty(1 << 12, torch.float32)
     if again.data_ptr() != address:
         pytest.skip("the allocator did not reuse the address")
-    device.kernel(device.compute_stream, writes=(again,))
+    device.checks.kernel(device.compute_stream, writes=(again,))
     assert device.sanitizer.error is None
 
 
 def test_buffers_not_handed_out_by_the_layer_are_not_tracked(device):
     mine = torch.zeros(8)
     device.copy_async(mine, device.empty(8, torch.float32), device.d2h_stream)
-    device.host_read(mine)
+    device.checks.host_read(mine)
     assert device.sanitizer.checked == 1  # only the device buffer the copy read
 
 
@@ -150,6 +150,6 @@ def test_chaos_delays_copies_but_waited_results_are_exact():
             outs.append((host, layer.copy_async(host, dev, layer.d2h_stream)))
         for host, done in outs:
             done.wait()
-            layer.host_read(host)
+            layer.checks.host_read(host)
             assert torch.equal(host, data)
         assert time.perf_counter() - t0 > 20 * 2 * 0.0002  # the copies were held back

@@ -1,4 +1,5 @@
-"""Point-to-point transfers match by posting order only (as NCCL), and the checked mode
+"""Point-to-point transfers match by posting order only (as NCCL), a batch of transfers with
+one peer goes out at once (a send and a receive crossing in it meet), and the checked mode
 names the tensor that arrived when it is not the one the instruction expects."""
 
 import os
@@ -26,29 +27,35 @@ def _rank_main(rank, port, receive_order, results, staged=False):
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
         p2p = PointToPoint(SHAPE, torch.device("cpu"), rank, checked=True, staged=staged)
-        # Same shape, different tensors: an activation and a checkpoint of one forward.
+        # Same shape, different tensors: an activation and a checkpoint of one forward,
+        # and a gradient that crosses the activation in the same step.
         act = torch.full(SHAPE.shape, 1.0)
         ckpt = torch.full(SHAPE.shape, 2.0)
+        grad = torch.full(SHAPE.shape, 3.0)
         if rank == 0:
             work = p2p.isend(_send(Op.ISEND_CKPT, 1, 1, 0, 1), ckpt)
-            p2p.send(_send(Op.SEND_ACT, 1, -1, 0, 1), act)
+            (got,) = p2p.exchange([(_send(Op.SEND_ACT, 1, -1, 0, 1), act),
+                                   (_send(Op.RECV_GRAD, 1, 0, 0, 1), None)])
             work.wait()
-            results[0] = "sent"
+            results[0] = float(got[0, 0, 0])
             return
         posted = {}
         for kind in receive_order:
             if kind == "ckpt":
                 posted["ckpt"] = p2p.irecv(_send(Op.IRECV_CKPT, 1, 1, 0, 0))
-            else:
-                try:
-                    posted["act"] = p2p.recv(_send(Op.RECV_ACT, 1, -1, 0, 0))
-                except WrongMessageError as error:
-                    results[1] = str(error)
-                    # Drain what rank 0 still sends (the checkpoint, the activation's
-                    # header and the activation) so that it finishes cleanly.
-                    for drained in (p2p.empty(), torch.empty(4, dtype=torch.int64), p2p.empty()):
-                        dist.recv(drained, src=0)
-                    return
+                continue
+            # The send first: as two blocking calls, both ranks would be sending.
+            batch = [(_send(Op.SEND_GRAD, 1, 0, 0, 0), grad),
+                     (_send(Op.RECV_ACT, 1, -1, 0, 0), None)]
+            try:
+                (posted["act"],) = p2p.exchange(batch)
+            except WrongMessageError as error:
+                results[1] = str(error)
+                # Drain what rank 0 still sends (the activation's header and the
+                # activation) so that it finishes cleanly.
+                for drained in (torch.empty(4, dtype=torch.int64), p2p.empty()):
+                    dist.recv(drained, src=0)
+                return
         work, buffer = posted["ckpt"]
         work.wait()
         results[1] = (float(posted["act"][0, 0, 0]), float(buffer[0, 0, 0]))
@@ -71,7 +78,9 @@ def _run(receive_order, staged=False):
 def test_receives_in_the_senders_order_get_the_right_tensors(staged):
     """`staged`: as CUDA ranks sharing a GPU over gloo (--share-gpu) post them: each
     transfer through a host copy, the receive's device buffer filled when it is waited."""
-    assert _run(["ckpt", "act"], staged)[1] == (1.0, 2.0)
+    results = _run(["ckpt", "act"], staged)
+    assert results[1] == (1.0, 2.0)
+    assert results[0] == 3.0  # the gradient sent in the same batch
 
 
 def test_receives_out_of_order_fail_naming_what_arrived():

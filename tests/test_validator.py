@@ -6,7 +6,7 @@ import random
 import pytest
 
 from megatron.schedules.generators import SCHEDULE_NAMES, build_schedule
-from megatron.schedules.instructions import Instruction, Op
+from megatron.schedules.instructions import Instruction, Op, transfer_batches
 from megatron.schedules.interpreter import ScheduleError
 from megatron.schedules.validator import validate
 
@@ -203,24 +203,56 @@ def test_send_to_a_rank_without_matching_receive_is_rejected():
     expect(with_program(s, 0, p), 0, "every send matched by a receive", Op.SEND_ACT)
 
 
-def test_crossed_blocking_sends_deadlock():
-    # Rank 1 sends its first gradient before receiving the second activation while rank 0
-    # sends that activation before receiving the gradient: both sends wait forever.
+def test_a_send_and_a_receive_crossed_within_one_step_are_one_batch():
+    # Rank 1 sends its first gradient right before receiving the second activation, while
+    # rank 0 sends that activation right before receiving the gradient: as blocking calls
+    # both sends would wait forever, but each rank posts its two transfers with the peer
+    # as one batch (batch_isend_irecv), so they meet.
     s = build_schedule("1f1b", 2, 2, 1, 2)
     p = s.programs[1]
     recv = index_of(p, Op.RECV_ACT, mb=1)
     send = index_of(p, Op.SEND_GRAD, mb=0)
     p = moved(p, recv, send)
-    assert index_of(p, Op.RECV_ACT, mb=1) > index_of(p, Op.SEND_GRAD, mb=0)
+    assert index_of(p, Op.RECV_ACT, mb=1) == index_of(p, Op.SEND_GRAD, mb=0) + 1
+    assert range(send - 1, send + 1) in transfer_batches(p)
+    validate(with_program(s, 1, p))
+
+
+def test_ranks_waiting_for_each_other_across_steps_deadlock():
+    # Rank 0 waits for the first gradient before its second forward, whose activation rank
+    # 1 waits for before the backward that produces that gradient.
+    s = build_schedule("1f1b", 2, 2, 1, 2)
+    p = s.programs[0]
+    p = moved(p, index_of(p, Op.RECV_GRAD, mb=0), index_of(p, Op.FORWARD, mb=1))
     with pytest.raises(ScheduleError, match="no deadlock under blocking send/recv") as error:
-        validate(with_program(s, 1, p))
-    assert "SEND" in str(error.value)
+        validate(with_program(s, 0, p))
+    assert "RECV_GRAD stage=1 sub=0 mb=0 peer=1" in str(error.value)
+    assert "rank 1 waits at #3 (RECV_ACT stage=0 mb=1 peer=0)" in str(error.value)
 
 
 def test_receive_posted_but_never_used_is_dangling():
     s = build_schedule("decoupled", 2, 4, 2, 2)
     p = list(s.programs[0]) + [Instruction(Op.IRECV_CKPT, stage=3, sub=0, mb=9, peer=1)]
     expect(with_program(s, 0, p), 0, "every produced tensor used")
+
+
+def test_receives_swapped_within_one_batch_are_rejected():
+    """A batch is posted in program order, and NCCL matches a pair's transfers by that
+    order inside a group too: two receives swapped in a batch would swap the tensors."""
+    s = build_schedule("decoupled", 3, 6, 3, 6)
+    for rank, program in enumerate(s.programs):
+        for batch in transfer_batches(program):
+            receives = [i for i in batch if program[i].op in (Op.RECV_ACT, Op.RECV_GRAD)]
+            if len(receives) < 2:
+                continue
+            swapped = list(program)
+            first, second = receives[:2]
+            swapped[first], swapped[second] = swapped[second], swapped[first]
+            assert transfer_batches(swapped) == transfer_batches(program)
+            expect(with_program(s, rank, swapped), rank,
+                   "sends and receives between two ranks posted in the same order")
+            return
+    raise AssertionError("no batch of two receives from one peer")
 
 
 def pair_orders(schedule):

@@ -316,6 +316,82 @@ class MemoryBook:
         self.__init__()
 
 
+class AccessChecks:
+    """What the CPU sanitizer is told beyond the streams' own `submit`s: the buffers handed
+    out, work launched inline, the host's reads, writes and frees, and where the program
+    is. Each call costs one `is not None` when the sanitizer is off (always on CUDA)."""
+
+    def __init__(self, sanitizer: Sanitizer | None) -> None:
+        self.sanitizer = sanitizer
+        self._buffers = 0
+
+    def register(self, tensor: torch.Tensor, name: str | None, kind: str) -> torch.Tensor:
+        """A buffer the layer hands out, under `name` (or `kind`) in the sanitizer's words."""
+        if self.sanitizer is not None:
+            self._buffers += 1
+            self.sanitizer.register(tensor, f"{name or kind} #{self._buffers} "
+                                            f"({tensor.numel()} x {tensor.dtype})")
+        return tensor
+
+    def kernel(self, stream: Stream, reads: Iterable[torch.Tensor] = (),
+               writes: Iterable[torch.Tensor] = (), what: str = "kernel") -> None:
+        """Declare work launched now by the calling thread on `stream` outside `submit`
+        (the compute stream's forward and backward run inline): checked and recorded."""
+        if self.sanitizer is not None:
+            self.sanitizer.submit(stream.name, reads, writes, what)
+
+    def host_read(self, *tensors: torch.Tensor, what: str = "host read") -> None:
+        """The calling thread is about to read these (pinned) host buffers."""
+        if self.sanitizer is not None:
+            self.sanitizer.host_access(reads=tensors, what=what)
+
+    def host_write(self, *tensors: torch.Tensor, what: str = "host write") -> None:
+        """The calling thread is about to write these (pinned) host buffers."""
+        if self.sanitizer is not None:
+            self.sanitizer.host_access(writes=tensors, what=what)
+
+    def host_free(self, *tensors: torch.Tensor, what: str = "host free") -> None:
+        """The calling thread gives these buffers back (to a pool): the sanitizer checks
+        that it has itself waited for every stream's work on them."""
+        if self.sanitizer is not None:
+            self.sanitizer.free(tensors, what=what)
+
+    def host_threads_joined(self) -> None:
+        """The calling thread has waited for every host thread's tasks (the optimizer's
+        wait_all): what any host thread has waited for is known to all of them."""
+        if self.sanitizer is not None:
+            self.sanitizer.join_host_threads()
+
+    def at_instruction(self, where: str) -> None:
+        """Name the instruction that issues the calling thread's work from now on."""
+        if self.sanitizer is not None:
+            self.sanitizer.at(where)
+
+
+class LiveBytes:
+    """The bytes of the device buffers handed out that are still referenced: each counts
+    until the last reference to it is gone."""
+
+    def __init__(self) -> None:
+        self._nbytes = 0
+        self._lock = threading.RLock()  # finalizers may run inside it
+
+    def count(self, tensor: torch.Tensor) -> torch.Tensor:
+        with self._lock:
+            self._nbytes += tensor.nbytes
+        weakref.finalize(tensor, self._freed, tensor.nbytes)
+        return tensor
+
+    def _freed(self, nbytes: int) -> None:
+        with self._lock:
+            self._nbytes -= nbytes
+
+    @property
+    def nbytes(self) -> int:
+        with self._lock:
+            return self._nbytes
+
+
 class DeviceLayer:
     """Device memory, three streams (compute, h2d, d2h) and events, on CUDA or the CPU."""
 
@@ -334,9 +410,8 @@ class DeviceLayer:
         # None when off: every check below is one `is not None`
         self.sanitizer: Sanitizer | None = Sanitizer() if checked and kind == "cpu" else None
         self.chaos_seed = chaos_seed if kind == "cpu" else None
-        self._buffers = 0
-        self._device_bytes = 0  # live device buffers handed out (see device_bytes)
-        self._device_bytes_lock = threading.RLock()  # finalizers may run inside it
+        self.checks = AccessChecks(self.sanitizer)
+        self._live = LiveBytes()  # device buffers handed out (see device_bytes)
         if kind == "cuda":
             if not torch.cuda.is_available():
                 raise RuntimeError("device kind='cuda' requested but CUDA is not available")
@@ -389,39 +464,24 @@ class DeviceLayer:
         with self.on(stream):
             tensor = torch.zeros(numel, dtype=dtype, device=self.torch_device)
         tensor = self._device_buffer(tensor, name)
-        self.kernel(stream, writes=(tensor,), what="zero-filling a new buffer")
+        self.checks.kernel(stream, writes=(tensor,), what="zero-filling a new buffer")
         return tensor
 
     def _device_buffer(self, tensor: torch.Tensor, name: str | None) -> torch.Tensor:
         """Counted in `device_bytes` until the last reference to it is gone."""
-        with self._device_bytes_lock:
-            self._device_bytes += tensor.nbytes
-        weakref.finalize(tensor, self._device_buffer_freed, tensor.nbytes)
-        return self._handed_out(tensor, name, "device buffer")
-
-    def _device_buffer_freed(self, nbytes: int) -> None:
-        with self._device_bytes_lock:
-            self._device_bytes -= nbytes
+        return self.checks.register(self._live.count(tensor), name, "device buffer")
 
     @property
     def device_bytes(self) -> int:
         """Bytes of the device buffers this layer handed out that are still referenced
         (by their owner or by a stream's keep-alive), on CUDA and the CPU alike."""
-        with self._device_bytes_lock:
-            return self._device_bytes
+        return self._live.nbytes
 
     def pin_host(self, numel: int, dtype: torch.dtype, name: str | None = None) -> torch.Tensor:
         """Page-locked host memory on CUDA; raises if pinning fails. CPU: plain memory."""
         if self.kind == "cuda":
             return torch.empty(numel, dtype=dtype, pin_memory=True)
-        return self._handed_out(torch.empty(numel, dtype=dtype), name, "pinned host buffer")
-
-    def _handed_out(self, tensor: torch.Tensor, name: str | None, kind: str) -> torch.Tensor:
-        if self.sanitizer is not None:
-            self._buffers += 1
-            self.sanitizer.register(tensor, f"{name or kind} #{self._buffers} "
-                                            f"({tensor.numel()} x {tensor.dtype})")
-        return tensor
+        return self.checks.register(torch.empty(numel, dtype=dtype), name, "pinned host buffer")
 
     def allocator_peak_bytes(self) -> int | None:
         """CUDA's caching-allocator peak since the last reset (None on the CPU layer)."""
@@ -472,41 +532,6 @@ class DeviceLayer:
         self.host_syncs += 1
         for stream in (self.compute_stream, self.h2d_stream, self.d2h_stream):
             stream.synchronize()
-
-    # what the sanitizer checks ----------------------------------------------------------
-    def kernel(self, stream: Stream, reads: Iterable[torch.Tensor] = (),
-               writes: Iterable[torch.Tensor] = (), what: str = "kernel") -> None:
-        """Declare work launched now by the calling thread on `stream` outside `submit`
-        (the compute stream's forward and backward run inline): checked and recorded."""
-        if self.sanitizer is not None:
-            self.sanitizer.submit(stream.name, reads, writes, what)
-
-    def host_read(self, *tensors: torch.Tensor, what: str = "host read") -> None:
-        """The calling thread is about to read these (pinned) host buffers."""
-        if self.sanitizer is not None:
-            self.sanitizer.host_access(reads=tensors, what=what)
-
-    def host_write(self, *tensors: torch.Tensor, what: str = "host write") -> None:
-        """The calling thread is about to write these (pinned) host buffers."""
-        if self.sanitizer is not None:
-            self.sanitizer.host_access(writes=tensors, what=what)
-
-    def host_free(self, *tensors: torch.Tensor, what: str = "host free") -> None:
-        """The calling thread gives these buffers back (to a pool): the sanitizer checks
-        that it has itself waited for every stream's work on them."""
-        if self.sanitizer is not None:
-            self.sanitizer.free(tensors, what=what)
-
-    def host_threads_joined(self) -> None:
-        """The calling thread has waited for every host thread's tasks (the optimizer's
-        wait_all): what any host thread has waited for is known to all of them."""
-        if self.sanitizer is not None:
-            self.sanitizer.join_host_threads()
-
-    def at_instruction(self, where: str) -> None:
-        """Name the instruction that issues the calling thread's work from now on."""
-        if self.sanitizer is not None:
-            self.sanitizer.at(where)
 
     # host synchronisation ---------------------------------------------------------------
     def read_scalar(self, tensor: torch.Tensor) -> float:

@@ -40,7 +40,7 @@ class GradientBuffers:
             self.device.compute_stream.wait_event(freed)
         view = buffer[:numel]
         compute = self.device.compute_stream
-        self.device.kernel(compute, writes=(view,), what="zeroing a gradient buffer")
+        self.device.checks.kernel(compute, writes=(view,), what="zeroing a gradient buffer")
         with self.device.on(compute):
             view.zero_()
         return view

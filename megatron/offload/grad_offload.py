@@ -42,7 +42,7 @@ class GradientsReady:
         before it reads them (the sanitizer is told of that read here)."""
         self.event.wait()
         if self._device is not None:
-            self._device.host_read(self.host, what=f"the optimizer reads stage {self.key}'s "
+            self._device.checks.host_read(self.host, what=f"the optimizer reads stage {self.key}'s "
                                                     "gradients")
 
     def query(self) -> bool:
@@ -55,7 +55,7 @@ class GradientsReady:
         threads waited for)."""
         self.event.wait()
         if self._device is not None:
-            self._device.host_free(self.host, what=f"stage {self.key}'s host gradients go "
+            self._device.checks.host_free(self.host, what=f"stage {self.key}'s host gradients go "
                                                    "back to the pool")
         self._pool.release(self.host)
 

@@ -12,8 +12,9 @@ interpreter, so they are compared on equal terms. What each instruction does:
 - BACKWARD (stage, sub, mb): recompute from the activation checkpoint at the backward stage's input,
   then back-propagate the gradient from the next backward stage (or the loss); parameter
   gradients accumulate in the owner's flat device gradient buffer over micro-batches.
-- SEND/RECV_ACT, SEND/RECV_GRAD: blocking; ISEND/IRECV_CKPT: asynchronous, WAIT_CKPT just
-  before the recompute that needs it.
+- SEND/RECV_ACT, SEND/RECV_GRAD: blocking, in batches (consecutive ones with one peer go
+  out as one batch_isend_irecv, see p2p.py); ISEND/IRECV_CKPT: asynchronous, WAIT_CKPT
+  just before the recompute that needs it.
 - OFFLOAD_GRAD: D2H copy of the stage's accumulated gradients; its event is the "ready"
   signal of the stage's CPU optimizer task.
 - OPTIMIZER_START: the stage's CPU AdamW task starts as soon as its gradients have
@@ -71,6 +72,7 @@ from megatron.schedules.instructions import (
     Instruction,
     Op,
     Schedule,
+    transfer_batches,
 )
 from megatron.schedules.timeline import TimedEvent
 
@@ -138,7 +140,7 @@ class PipelineExecutor:
             raise ValueError(f"{len(micro_batches)} micro-batches, the schedule has "
                              f"{self.schedule.micro_batches}")
         self._iteration = iteration
-        self._begin(iteration - 1, micro_batches)
+        self._begin(iteration - 1, micro_batches, self.program)
         self._correction_wait_s = 0.0
         syncs_before = self.device.host_syncs
         self.device.reset_peak_memory()
@@ -153,7 +155,8 @@ class PipelineExecutor:
             t0 = time.perf_counter()
             before = self.device.compute_stream.record_event() if instr.op in COMPUTE else None
             if self._sanitized:  # the text only when someone reads it
-                self.device.at_instruction(f"rank {self.rank} instruction {index}: {instr}")
+                self.device.checks.at_instruction(
+                    f"rank {self.rank} instruction {index}: {instr}")
             try:
                 if self._fail_at is not None and (iteration, index) >= self._fail_at[:2]:
                     self._inject_failure()
@@ -171,13 +174,13 @@ class PipelineExecutor:
                 computed.append((instr, before, self.device.compute_stream.record_event()))
             elif instr.op in _OPTIMIZER_OPS:
                 waited.append((instr, t0, time.perf_counter()))
-        self.device.at_instruction(f"rank {self.rank} after the program")
+        self.device.checks.at_instruction(f"rank {self.rank} after the program")
         for work, _ in self._isends:
             work.wait()
         for b in list(self._slots):
             self.param_slots.release(self._slots.pop(b))
         result = self.optimizer.end_iteration()
-        self.device.host_threads_joined()
+        self.device.checks.host_threads_joined()
         self.owned.finish_iteration(iteration)  # a stage being corrected publishes later
         self.device.wait_for(self.device.compute_stream)
         iteration_s = time.perf_counter() - start
@@ -215,8 +218,14 @@ class PipelineExecutor:
         return sum(max(0.0, min(end, device_done) - max(begin, cpu_done))
                    for instr, begin, end in waited if instr.op == Op.OPTIMIZER_WAIT_ALL)
 
-    def _begin(self, params_version: int, micro_batches: Sequence[Batch]) -> None:
+    def _begin(self, params_version: int, micro_batches: Sequence[Batch],
+               program: Sequence[Instruction]) -> None:
         self._params_version = params_version  # what PREFETCH_PARAMS waits for
+        # the last instruction of each batch of blocking transfers, and the batch being
+        # gathered: (instruction, tensor sent, (books, key) where a received tensor goes)
+        self._transfer_batch_ends = frozenset(program[batch[-1]]
+                                              for batch in transfer_batches(program))
+        self._transfers: list[tuple[Instruction, torch.Tensor | None, tuple | None]] = []
         self._batches = micro_batches
         self._slots: dict[BackwardStage, Slot] = {}
         self._acts: dict[tuple[int, int], torch.Tensor] = {}
@@ -240,13 +249,14 @@ class PipelineExecutor:
         if len(micro_batches) != schedule.micro_batches:
             raise ValueError(f"{len(micro_batches)} micro-batches, the schedule has "
                              f"{schedule.micro_batches}")
-        self._begin(params_version, micro_batches)
+        self._begin(params_version, micro_batches, schedule.programs[self.rank])
         training_kept, self._kept_act_ckpts = self._kept_act_ckpts, frozenset()
         try:
             for index, instr in enumerate(schedule.programs[self.rank]):
                 if self._sanitized:
-                    self.device.at_instruction(f"rank {self.rank} instruction {index} of the "
-                                               f"forward-only program: {instr}")
+                    self.device.checks.at_instruction(
+                        f"rank {self.rank} instruction {index} of the forward-only program: "
+                        f"{instr}")
                 try:
                     self._execute(instr)
                 except Exception as exc:
@@ -281,6 +291,8 @@ class PipelineExecutor:
 
     def _execute(self, instr: Instruction) -> None:
         getattr(self, OP_SPECS[instr.op].method)(instr)
+        if instr in self._transfer_batch_ends:
+            self._post_transfers()
 
     # --- parameters ------------------------------------------------------------------------
 
@@ -291,7 +303,7 @@ class PipelineExecutor:
                     corrected = self.owned[b].correction is not None
                     self._correction_wait_s += self.owned[b].wait_for_correction()
                     if corrected:  # the correction's thread is done: what it waited for too
-                        self.device.host_threads_joined()
+                        self.device.checks.host_threads_joined()
                 segment = self.store.get(b)
                 segment.wait_version(self._params_version)
                 self._slots[b] = self.param_slots.prefetch(b, segment.params)
@@ -305,17 +317,29 @@ class PipelineExecutor:
 
     # --- communication ---------------------------------------------------------------------
 
+    # A blocking transfer joins its batch (instructions.transfer_batches); the batch's last
+    # one posts it all and waits (_execute), before the next instruction runs.
+
     def _send_activation(self, instr: Instruction) -> None:
-        self.p2p.send(instr, self._acts.pop((instr.stage, instr.mb)))
+        self._transfers.append((instr, self._acts.pop((instr.stage, instr.mb)), None))
 
     def _recv_activation(self, instr: Instruction) -> None:
-        self._acts[(instr.stage, instr.mb)] = self.p2p.recv(instr)
+        self._transfers.append((instr, None, (self._acts, (instr.stage, instr.mb))))
 
     def _send_gradient(self, instr: Instruction) -> None:
-        self.p2p.send(instr, self._grads.pop((BackwardStage(instr.stage, instr.sub), instr.mb)))
+        tensor = self._grads.pop((BackwardStage(instr.stage, instr.sub), instr.mb))
+        self._transfers.append((instr, tensor, None))
 
     def _recv_gradient(self, instr: Instruction) -> None:
-        self._grads[(BackwardStage(instr.stage, instr.sub), instr.mb)] = self.p2p.recv(instr)
+        key = (BackwardStage(instr.stage, instr.sub), instr.mb)
+        self._transfers.append((instr, None, (self._grads, key)))
+
+    def _post_transfers(self) -> None:
+        batch, self._transfers = self._transfers, []
+        received = self.p2p.exchange([(instr, tensor) for instr, tensor, _ in batch])
+        for (books, key), tensor in zip((into for *_, into in batch if into is not None),
+                                        received):
+            books[key] = tensor
 
     def _isend_act_ckpt(self, instr: Instruction) -> None:
         tensor = self._act_ckpts.pop((instr.stage, instr.sub, instr.mb))
@@ -363,12 +387,12 @@ class PipelineExecutor:
 
     def _optimizer_wait_all(self, instr: Instruction) -> None:
         self.optimizer.wait_all()
-        self.device.host_threads_joined()
+        self.device.checks.host_threads_joined()
 
     def _overflow_sync(self, instr: Instruction) -> None:
         self.owned.check_pending(self.optimizer)
         self.optimizer.wait_all()
-        self.device.host_threads_joined()
+        self.device.checks.host_threads_joined()
         self.optimizer.synchronize()
 
     def _post_step_sync(self, instr: Instruction) -> None:
@@ -390,6 +414,7 @@ class PipelineExecutor:
         checkpoints += sum(buffer.nbytes for _, buffer in self._pending_act_ckpts.values())
         checkpoints += sum(t.nbytes for _, t in self._isends)
         activations = sum(t.nbytes for t in self._acts.values())
+        activations += sum(t.nbytes for _, t, _ in self._transfers if t is not None)
         activations += sum(t.nbytes for t in self._grads.values() if t is not None)
         held = {
             "parameter_slots": self.param_slots.nbytes,
@@ -422,7 +447,7 @@ class PipelineExecutor:
         the stage's parameter slot, and the gradient buffer a backward accumulates into."""
         if not self._sanitized:
             return
-        self.device.kernel(self.device.compute_stream, reads=(self._slots[b].params,),
+        self.device.checks.kernel(self.device.compute_stream, reads=(self._slots[b].params,),
                            writes=() if grad is None else (grad,), what=what)
 
     def _forward(self, instr: Instruction) -> None:

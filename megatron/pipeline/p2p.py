@@ -1,8 +1,14 @@
 """Point-to-point communication of activations, gradients and activation checkpoints.
 
-Blocking send/recv for activations and gradients (they are on the critical path anyway);
-isend/irecv for activation checkpoints, posted at the same step on both sides and waited
-on only before the recompute that needs them (S section 4).
+Activations and gradients go in batches: the consecutive blocking transfers a rank's
+program has with one peer (instructions.transfer_batches) are posted together as one
+`batch_isend_irecv` (an NCCL group, as torch.distributed.pipelining posts a step's
+transfers) and waited for together, so a send and a receive crossing between two ranks
+in one step meet. Activation checkpoints go alone with isend/irecv, posted at the same
+step on both sides and waited on only before the recompute that needs them (S section 4).
+Under NCCL a batch runs on the group's communicator (whose first use every rank joins:
+each reaches its first batch without waiting on another), a lone checkpoint transfer on
+the two ranks' own; gloo has no groups and posts a batch's isend/irecv one by one.
 
 Matching is by posting order only, as NCCL does it (NCCL ignores tags): every message
 between two ranks carries the same tag, so gloo, too, pairs the k-th send with the k-th
@@ -20,7 +26,7 @@ order of posting is unchanged; each copy is a host synchronisation (a test mode)
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -150,20 +156,48 @@ class PointToPoint:
         host = torch.empty(buffer.shape, dtype=buffer.dtype, pin_memory=_PINNABLE)
         return _StagedWork(dist.irecv(host, src=src, tag=TAG), host, buffer)
 
-    def send(self, instr: Instruction, tensor: torch.Tensor) -> None:
-        if self.checked:
-            dist.send(self._outgoing(self._header(instr)), dst=self._global(instr.peer),
-                      tag=TAG)
-        dist.send(self._outgoing(tensor), dst=self._global(instr.peer), tag=TAG)
+    def exchange(self, batch: Sequence[tuple[Instruction, torch.Tensor | None]]
+                 ) -> list[torch.Tensor]:
+        """Post one batch of blocking transfers with one peer (instructions.transfer_batches:
+        a send with its tensor, a receive with None) in program order as one
+        `batch_isend_irecv` (an NCCL group), and wait for all of it. Returns the received
+        tensors in order."""
+        ops: list[dist.P2POp] = []
+        arrivals: list[tuple[Instruction, torch.Tensor, torch.Tensor | None]] = []
+        copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (host, device): staged only
+        for instr, tensor in batch:
+            peer = self._global(instr.peer)
+            if tensor is not None:
+                if self.checked:
+                    ops.append(dist.P2POp(dist.isend, self._outgoing(self._header(instr)),
+                                          peer, tag=TAG))
+                ops.append(dist.P2POp(dist.isend, self._outgoing(tensor), peer, tag=TAG))
+                continue
+            header = self._header_buffer(instr) if self.checked else None
+            buffer = self.empty()
+            for target in (header, buffer):
+                if target is not None:
+                    ops.append(dist.P2POp(dist.irecv, self._incoming(target, copies), peer,
+                                          tag=TAG))
+            arrivals.append((instr, buffer, header))
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        for host, device_buffer in copies:
+            device_buffer.copy_(host)
+        for instr, _, header in arrivals:
+            if header is not None:
+                self._verify(instr, header)
+        return [buffer for _, buffer, _ in arrivals]
 
-    def recv(self, instr: Instruction) -> torch.Tensor:
-        if self.checked:
-            header = self._header_buffer(instr)
-            self._post_irecv(header, self._global(instr.peer)).wait()
-            self._verify(instr, header)
-        buffer = self.empty()
-        self._post_irecv(buffer, self._global(instr.peer)).wait()
-        return buffer
+    def _incoming(self, buffer: torch.Tensor,
+                  copies: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Where a receive lands: `buffer`, or when staged a page-locked host copy, noted in
+        `copies` to fill `buffer` from once the batch is done."""
+        if not self.staged:
+            return buffer
+        host = torch.empty(buffer.shape, dtype=buffer.dtype, pin_memory=_PINNABLE)
+        copies.append((host, buffer))
+        return host
 
     def isend(self, instr: Instruction, tensor: torch.Tensor) -> Waitable:
         tensor = self._outgoing(tensor)

@@ -53,7 +53,7 @@ class _Launched:
 
     def result(self) -> tuple[bool, float]:
         self._flushed.wait()
-        self._device.host_read(self._flags, what="the optimizer reads a subgroup's flags")
+        self._device.checks.host_read(self._flags, what="the optimizer reads a subgroup's flags")
         finite = bool(self._flags[0] > 0)
         return finite, float(self._flags[1]) if finite else float("inf")
 
@@ -258,7 +258,7 @@ class ResidentSubgroupUpdater:
             if key not in self._host_stale:
                 return
             self.d2h.synchronize()  # the last update of this subgroup is done
-            self.device.host_read(*self._state[key][:3],  # a synchronous copy to the host
+            self.device.checks.host_read(*self._state[key][:3],  # a synchronous copy to the host
                                   what="writing a resident subgroup back")
             for dst, src in zip((p, m, v), self._state[key][:3]):
                 dst.copy_(src)

@@ -7,6 +7,7 @@ See docs/schedules.md ("Executor contract") for what each instruction does.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import NamedTuple
@@ -145,6 +146,7 @@ STATE_IO = frozenset({Op.READ_OPTIMIZER_STATES, Op.WRITE_OPTIMIZER_STATES})
 
 BLOCKING_SENDS = frozenset(op for op, spec in OP_SPECS.items() if spec.stepping == Stepping.SEND)
 BLOCKING_RECVS = frozenset(op for op, spec in OP_SPECS.items() if spec.stepping == Stepping.RECV)
+BLOCKING_TRANSFERS = BLOCKING_SENDS | BLOCKING_RECVS
 # Everything that posts a send or a receive between two ranks (NCCL matches them in order).
 POSTED_SENDS = BLOCKING_SENDS | {Op.ISEND_CKPT}
 POSTED_RECEIVES = BLOCKING_RECVS | {Op.IRECV_CKPT}
@@ -193,6 +195,24 @@ class Instruction:
 
 
 _PARAM_OPS = frozenset({Op.PREFETCH_PARAMS, Op.RELEASE_PARAMS})
+
+
+def transfer_batches(program: Sequence[Instruction]) -> list[range]:
+    """The positions of each batch of blocking transfers in `program`: a run of consecutive
+    SEND/RECV_ACT and SEND/RECV_GRAD with one peer. A batch is posted at once, in program
+    order (torch.distributed.batch_isend_irecv: one NCCL group), and the rank goes on when
+    all of it is done; the interpreter steps it the same way. Checkpoint transfers are not
+    batched: each is waited on alone, right before its recompute."""
+    batches: list[range] = []
+    start = None
+    for index, ins in enumerate((*program, None)):
+        if start is not None and (ins is None or ins.op not in BLOCKING_TRANSFERS
+                                  or ins.peer != program[start].peer):
+            batches.append(range(start, index))
+            start = None
+        if start is None and ins is not None and ins.op in BLOCKING_TRANSFERS:
+            start = index
+    return batches
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,10 @@
 
 Shared by the validator (which checks rules) and the simulator (which keeps clocks).
 Semantics modelled (each op's `Stepping` in instructions.OP_SPECS):
-- a blocking send and its receive form a rendezvous: neither completes until both ranks
-  have reached them (gloo's send/recv);
+- blocking transfers go in batches (instructions.transfer_batches: consecutive ones with
+  one peer, as the executor posts them with batch_isend_irecv): a rank posts its whole
+  batch, each send completes together with its receive once both are posted (a
+  rendezvous), and the rank goes on when every transfer of the batch is done;
 - ISEND_CKPT and IRECV_CKPT never block; WAIT_CKPT blocks until the peer's matching
   ISEND_CKPT has been posted;
 - OVERFLOW_SYNC and POST_STEP_SYNC are all-reduces: every rank must reach the same one.
@@ -20,6 +22,7 @@ from .instructions import (
     Op,
     Schedule,
     Stepping,
+    transfer_batches,
 )
 
 
@@ -45,6 +48,8 @@ class Interpreter:
         self.schedule = schedule
         self.position = [0] * schedule.ranks
         self.posted_isends: dict[tuple, int] = {}  # tensor key -> sending rank
+        self._batches = [{batch.start: batch for batch in transfer_batches(program)}
+                         for program in schedule.programs]
 
     # Hooks -------------------------------------------------------------------------
     def local(self, rank: int, index: int, ins: Instruction) -> None:
@@ -85,22 +90,41 @@ class Interpreter:
             moved = True
         return moved
 
-    def _try_rendezvous(self, rank: int) -> bool:
-        ins = self.current(rank)
-        if ins is None or ins.op not in BLOCKING_SENDS:
-            return False
-        peer = ins.peer
-        if not 0 <= peer < self.schedule.ranks or peer == rank:
-            raise ScheduleError(rank, self.position[rank], ins, RULE_MATCHED,
-                                f"peer {peer} is not another rank")
-        other = self.current(peer)
-        if (other is None or other.op != _MATCHING_RECV[ins.op] or other.peer != rank
-                or other.tensor_key != ins.tensor_key):
-            return False
-        self.rendezvous(rank, self.position[rank], peer, self.position[peer])
-        self.position[rank] += 1
-        self.position[peer] += 1
-        return True
+    def _post_batch(self, rank: int, woken: set[int]) -> None:
+        """Post the batch of blocking transfers `rank` is at (instructions.transfer_batches)
+        and match each with what its peer has posted; the rank goes on when all are matched."""
+        program = self.schedule.programs[rank]
+        batch = self._batches[rank][self.position[rank]]
+        self._open[rank] = (batch, set(batch))
+        for index in batch:
+            ins = program[index]
+            peer = ins.peer
+            if not 0 <= peer < self.schedule.ranks or peer == rank:
+                raise ScheduleError(rank, index, ins, RULE_MATCHED,
+                                    f"peer {peer} is not another rank")
+            sending = ins.op in BLOCKING_SENDS
+            key = (rank, peer, ins.tensor_key) if sending else (peer, rank, ins.tensor_key)
+            waiting, mine = ((self._posted_recvs, self._posted_sends) if sending
+                             else (self._posted_sends, self._posted_recvs))
+            if waiting.get(key):
+                other = waiting[key].pop(0)
+                if sending:
+                    self.rendezvous(rank, index, peer, other)
+                else:
+                    self.rendezvous(peer, other, rank, index)
+                self._matched(peer, other, woken)
+                self._matched(rank, index, woken)
+            else:
+                mine.setdefault(key, []).append(index)
+
+    def _matched(self, rank: int, index: int, woken: set[int]) -> None:
+        """One transfer of `rank`'s open batch is done; the last one closes the batch."""
+        batch, unmatched = self._open[rank]
+        unmatched.discard(index)
+        if not unmatched:
+            del self._open[rank]
+            self.position[rank] = batch.stop
+            woken.add(rank)
 
     def _try_collective(self) -> bool:
         heads = [self.current(rank) for rank in range(self.schedule.ranks)]
@@ -121,15 +145,9 @@ class Interpreter:
         if ins is None:
             return
         stepping = OP_SPECS[ins.op].stepping
-        if stepping == Stepping.SEND:
-            if self._try_rendezvous(rank):
-                woken.update((rank, ins.peer))
-        elif stepping == Stepping.RECV:
-            sender = ins.peer  # the rendezvous is tried from the sender's side
-            if 0 <= sender < self.schedule.ranks and sender != rank:
-                head = self.current(sender)
-                if head is not None and head.peer == rank and self._try_rendezvous(sender):
-                    woken.update((rank, sender))
+        if stepping in (Stepping.SEND, Stepping.RECV):
+            if rank not in self._open:
+                self._post_batch(rank, woken)
         elif stepping == Stepping.COLLECTIVE:
             self._at_collective.add(rank)
             if len(self._at_collective) == self.schedule.ranks and self._try_collective():
@@ -140,9 +158,15 @@ class Interpreter:
         """Rounds over the ranks that may move (all of them at first, then those woken by
         the previous round): the work is linear in the instructions, whatever the number of
         ranks. Which rank runs first does not change the outcome: every condition that
-        lets a rank go on (a posted checkpoint, a peer at the matching receive, every rank
+        lets a rank go on (a posted checkpoint, a transfer its peer has posted, every rank
         at the collective) stays true until that rank goes on."""
         self._waiting_for: dict[tuple, int] = {}  # checkpoint key -> rank waiting for it
+        # Blocking transfers posted and not matched yet: (sender, receiver, tensor key) ->
+        # their indices in the sender's / the receiver's program.
+        self._posted_sends: dict[tuple, list[int]] = {}
+        self._posted_recvs: dict[tuple, list[int]] = {}
+        # rank -> (its batch of blocking transfers being posted, the indices not matched)
+        self._open: dict[int, tuple[range, set[int]]] = {}
         self._at_collective: set[int] = set()
         ready: set[int] = set(range(self.schedule.ranks))
         while ready:
@@ -155,10 +179,17 @@ class Interpreter:
             self._report_stuck(blocked)
         self.finish()
 
+    def _waiting_at(self, rank: int) -> tuple[int, Instruction | None]:
+        """Where `rank` waits: the first unmatched transfer of its open batch, else its
+        current instruction."""
+        if rank in self._open:
+            index = min(self._open[rank][1])
+            return index, self.schedule.programs[rank][index]
+        return self.position[rank], self.current(rank)
+
     def _report_stuck(self, blocked: list[int]) -> None:
         rank = blocked[0]
-        ins = self.current(rank)
-        index = self.position[rank]
+        index, ins = self._waiting_at(rank)
         if ins.op in COLLECTIVES:
             waiting = {r: str(self.current(r)) for r in range(self.schedule.ranks)
                        if self.current(r) != ins}
@@ -182,6 +213,6 @@ class Interpreter:
                        and other.tensor_key == ins.tensor_key for other in remaining):
                 raise ScheduleError(rank, index, ins, RULE_MATCHED,
                                     f"rank {peer} has no matching {partner.value} left")
+        peer_index, peer_ins = self._waiting_at(peer)
         raise ScheduleError(rank, index, ins, RULE_DEADLOCK,
-                            f"blocked while rank {peer} waits at "
-                            f"#{self.position[peer]} ({self.current(peer)})")
+                            f"blocked while rank {peer} waits at #{peer_index} ({peer_ins})")

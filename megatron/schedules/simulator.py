@@ -102,7 +102,91 @@ class _StateDrives:
         return start, end
 
 
+class _OptimizerLane:
+    """The optimizer's part of the simulation: each rank's CPU optimizer lane (FIFO, a
+    step starts once its gradients are home), the device subgroups' copies and updates,
+    and the states' reads and writes on the node's drive. The handlers are the
+    simulator's, for the optimizer's ops; the rank's clock and copy streams are the
+    simulator's."""
+
+    def __init__(self, simulator: _Simulator, window: tuple[int, ...]) -> None:
+        ranks = range(simulator.schedule.ranks)
+        self.sim = simulator
+        self.cpu_free = [0.0 for _ in ranks]
+        self.device_free = [0.0 for _ in ranks]  # device subgroups flushed
+        self.drives = _StateDrives(simulator.costs, window, simulator.schedule.ranks)
+        self.step_end: dict[BackwardStage, float] = {}
+
+    def _optimizer_start(self, rank: int, ins: Instruction) -> None:
+        b = BackwardStage(ins.stage, ins.sub)
+        start = max(self.sim.clock[rank], self.sim.grad_ready[b], self.cpu_free[rank],
+                    self.drives.ready.get(b, 0.0))
+        end = start + self.sim.costs.optimizer[b]
+        self.cpu_free[rank] = self.step_end[b] = end
+        self.sim.event(rank, "cpu-optimizer", start, end,
+                       f"o{_label(*b, self.sim.schedule.backward_split)}", "optimizer", ins)
+
+    def _optimizer_start_subgroups(self, rank: int, ins: Instruction) -> None:
+        """The split's share of the stage on the device (1/K, or (N-1)/N for device:N):
+        the loads back to back on the H2D stream (after any prefetch queued there), each
+        flush right behind its update on the D2H stream (after any offload), full duplex;
+        the CPU lane does the rest."""
+        b = BackwardStage(ins.stage, ins.sub)
+        device = self.sim.costs.device_update
+        if device is None or device.stride == 0:
+            self._optimizer_start(rank, ins)
+            return
+        share = device_share(device.stride)
+        ready = max(self.sim.clock[rank], self.sim.grad_ready[b], self.drives.ready.get(b, 0.0))
+        start = max(ready, self.cpu_free[rank])
+        self.cpu_free[rank] = start + self.sim.costs.optimizer[b] * (1.0 - share)
+        label = _label(*b, self.sim.schedule.backward_split)
+        self.sim.event(rank, "cpu-optimizer", start, self.cpu_free[rank], f"o{label}",
+                       "optimizer", ins)
+        on_device = device.params[b] * share
+        moves = 3.0 * on_device / device.rates.h2d_params_per_s
+        update = on_device / device.rates.gpu_update_params_per_s
+        load = max(ready, self.sim.h2d_free[rank])
+        self.sim.h2d_free[rank] = load + moves
+        flush = max(load + update, self.sim.d2h_free[rank])
+        self.sim.d2h_free[rank] = flush + moves
+        self.device_free[rank] = max(self.device_free[rank], self.sim.d2h_free[rank])
+        self.step_end[b] = max(self.cpu_free[rank], self.sim.d2h_free[rank])
+        self.sim.event(rank, "h2d", load, load + moves, f"s{label}", "optimizer", ins)
+        self.sim.event(rank, "device-optimizer", load, load + moves + update, f"u{label}",
+                       "optimizer", ins)
+        self.sim.event(rank, "d2h", flush, flush + moves, f"s{label}", "optimizer", ins)
+
+    def _read_optimizer_states(self, rank: int, ins: Instruction) -> None:
+        b = BackwardStage(ins.stage, ins.sub)
+        start, end = self.drives.read(rank, b, self.sim.clock[rank])
+        self.sim.event(rank, "disk", start, end,
+                       f"r{_label(*b, self.sim.schedule.backward_split)}", "state-io", ins)
+
+    def _write_optimizer_states(self, rank: int, ins: Instruction) -> None:
+        b = BackwardStage(ins.stage, ins.sub)
+        start, end = self.drives.write(rank, b, self.step_end[b])
+        self.sim.event(rank, "disk", start, end,
+                       f"w{_label(*b, self.sim.schedule.backward_split)}", "state-io", ins)
+
+    def _optimizer_wait_all(self, rank: int, ins: Instruction) -> None:
+        self.sim.clock[rank] = max(self.sim.clock[rank], self.cpu_free[rank],
+                                   self.device_free[rank])
+
+    def _rollback_if_overflow(self, rank: int, ins: Instruction) -> None:
+        """The expected cost of corrections (cost model's `rollback`, 0: no overflow)."""
+        start = max(self.sim.clock[rank], self.cpu_free[rank])
+        end = start + self.sim.costs.rollback
+        self.sim.clock[rank] = self.cpu_free[rank] = end
+        self.sim.event(rank, "cpu-optimizer", start, end, "rb", "optimizer", ins)
+
+
 class _Simulator(Interpreter):
+    """The clocks: compute, transfers, prefetches and offloads per rank; the optimizer's
+    ops are `_OptimizerLane`'s."""
+
+    handler_parts = (_OptimizerLane,)
+
     def __init__(self, schedule: Schedule, costs: CostModel,
                  params_arrive: dict[tuple[int, BackwardStage], float] | None = None,
                  window: tuple[int, ...] = ()) -> None:
@@ -113,19 +197,21 @@ class _Simulator(Interpreter):
         self.clock = [0.0 for _ in ranks]
         self.h2d_free = [0.0 for _ in ranks]
         self.d2h_free = [0.0 for _ in ranks]
-        self.cpu_free = [0.0 for _ in ranks]
-        self.device_free = [0.0 for _ in ranks]  # device subgroups flushed
         self.param_ready = [{} for _ in ranks]
         self.grad_ready: dict = {}
         self.isend_time: dict = {}
         self.irecv_time: dict = {}
         self.busy = [0.0 for _ in ranks]
         self.events: list[TimedEvent] = []
-        self.drives = _StateDrives(costs, window, schedule.ranks)
-        self.step_end: dict[BackwardStage, float] = {}
+        self.optimizer = _OptimizerLane(self, window)
 
-    def _event(self, rank: int, resource: str, start: float, end: float, label: str, kind: str,
-               ins: Instruction) -> None:
+    def _handler(self, op: Op):
+        """The simulator's own cost for `op`, or the optimizer lane's for its ops."""
+        method = OP_SPECS[op].method
+        return getattr(self, method, None) or getattr(self.optimizer, method)
+
+    def event(self, rank: int, resource: str, start: float, end: float, label: str, kind: str,
+              ins: Instruction) -> None:
         if end > start:
             self.events.append(TimedEvent(rank, resource, start, end, label, kind,
                                           ins.stage, ins.sub, ins.mb))
@@ -144,14 +230,14 @@ class _Simulator(Interpreter):
         start = max([self.clock[rank]] + [self.param_ready[rank][b] for b in uses])
         self.clock[rank] = start + duration
         self.busy[rank] += duration
-        self._event(rank, "compute", start, start + duration, label, kind, ins)
+        self.event(rank, "compute", start, start + duration, label, kind, ins)
 
     _forward = _backward = _compute
 
     def local(self, rank: int, index: int, ins: Instruction) -> None:
         if ins.op not in COMPUTE:  # the host's dispatch and hand-off, before it takes effect
             self.clock[rank] += self.costs.instruction
-        getattr(self, OP_SPECS[ins.op].method)(rank, ins)
+        self._handler(ins.op)(rank, ins)
 
     def _prefetch(self, rank: int, ins: Instruction) -> None:
         s, c = self.schedule, self.costs
@@ -163,7 +249,7 @@ class _Simulator(Interpreter):
         for b in covered:
             self.param_ready[rank][b] = end
         label = f"p{_label(ins.stage, ins.sub, s.backward_split)}"
-        self._event(rank, "h2d", start, end, label, "prefetch", ins)
+        self.event(rank, "h2d", start, end, label, "prefetch", ins)
 
     def _release(self, rank: int, ins: Instruction) -> None:
         for b in self.schedule.params_of(ins.stage, ins.sub):  # the slot is free again
@@ -178,8 +264,8 @@ class _Simulator(Interpreter):
     def _wait_act_ckpt(self, rank: int, ins: Instruction) -> None:
         start = max(self.isend_time[ins.tensor_key], self.irecv_time[ins.tensor_key])
         arrival = start + self.costs.p2p_checkpoint
-        self._event(ins.peer, "network", start, arrival,
-                    f"c{_label(ins.stage, ins.sub, self.schedule.backward_split)}", "p2p", ins)
+        self.event(ins.peer, "network", start, arrival,
+                   f"c{_label(ins.stage, ins.sub, self.schedule.backward_split)}", "p2p", ins)
         self.clock[rank] = max(self.clock[rank], arrival)
 
     def _offload(self, rank: int, ins: Instruction) -> None:
@@ -187,70 +273,8 @@ class _Simulator(Interpreter):
         start = max(self.clock[rank], self.d2h_free[rank])
         end = start + self.costs.grad_transfer[b]
         self.d2h_free[rank] = self.grad_ready[b] = end
-        self._event(rank, "d2h", start, end,
-                    f"g{_label(*b, self.schedule.backward_split)}", "offload", ins)
-
-    def _optimizer_start(self, rank: int, ins: Instruction) -> None:
-        b = BackwardStage(ins.stage, ins.sub)
-        start = max(self.clock[rank], self.grad_ready[b], self.cpu_free[rank],
-                    self.drives.ready.get(b, 0.0))
-        end = start + self.costs.optimizer[b]
-        self.cpu_free[rank] = self.step_end[b] = end
-        self._event(rank, "cpu-optimizer", start, end,
-                    f"o{_label(*b, self.schedule.backward_split)}", "optimizer", ins)
-
-    def _optimizer_start_subgroups(self, rank: int, ins: Instruction) -> None:
-        """The split's share of the stage on the device (1/K, or (N-1)/N for device:N):
-        the loads back to back on the H2D stream (after any prefetch queued there), each
-        flush right behind its update on the D2H stream (after any offload), full duplex;
-        the CPU lane does the rest."""
-        b = BackwardStage(ins.stage, ins.sub)
-        device = self.costs.device_update
-        if device is None or device.stride == 0:
-            self._optimizer_start(rank, ins)
-            return
-        share = device_share(device.stride)
-        ready = max(self.clock[rank], self.grad_ready[b], self.drives.ready.get(b, 0.0))
-        start = max(ready, self.cpu_free[rank])
-        self.cpu_free[rank] = start + self.costs.optimizer[b] * (1.0 - share)
-        label = _label(*b, self.schedule.backward_split)
-        self._event(rank, "cpu-optimizer", start, self.cpu_free[rank], f"o{label}",
-                    "optimizer", ins)
-        on_device = device.params[b] * share
-        moves = 3.0 * on_device / device.rates.h2d_params_per_s
-        update = on_device / device.rates.gpu_update_params_per_s
-        load = max(ready, self.h2d_free[rank])
-        self.h2d_free[rank] = load + moves
-        flush = max(load + update, self.d2h_free[rank])
-        self.d2h_free[rank] = flush + moves
-        self.device_free[rank] = max(self.device_free[rank], self.d2h_free[rank])
-        self.step_end[b] = max(self.cpu_free[rank], self.d2h_free[rank])
-        self._event(rank, "h2d", load, load + moves, f"s{label}", "optimizer", ins)
-        self._event(rank, "device-optimizer", load, load + moves + update, f"u{label}",
-                    "optimizer", ins)
-        self._event(rank, "d2h", flush, flush + moves, f"s{label}", "optimizer", ins)
-
-    def _read_optimizer_states(self, rank: int, ins: Instruction) -> None:
-        b = BackwardStage(ins.stage, ins.sub)
-        start, end = self.drives.read(rank, b, self.clock[rank])
-        self._event(rank, "disk", start, end,
-                    f"r{_label(*b, self.schedule.backward_split)}", "state-io", ins)
-
-    def _write_optimizer_states(self, rank: int, ins: Instruction) -> None:
-        b = BackwardStage(ins.stage, ins.sub)
-        start, end = self.drives.write(rank, b, self.step_end[b])
-        self._event(rank, "disk", start, end,
-                    f"w{_label(*b, self.schedule.backward_split)}", "state-io", ins)
-
-    def _optimizer_wait_all(self, rank: int, ins: Instruction) -> None:
-        self.clock[rank] = max(self.clock[rank], self.cpu_free[rank], self.device_free[rank])
-
-    def _rollback_if_overflow(self, rank: int, ins: Instruction) -> None:
-        """The expected cost of corrections (cost model's `rollback`, 0: no overflow)."""
-        start = max(self.clock[rank], self.cpu_free[rank])
-        end = start + self.costs.rollback
-        self.clock[rank] = self.cpu_free[rank] = end
-        self._event(rank, "cpu-optimizer", start, end, "rb", "optimizer", ins)
+        self.event(rank, "d2h", start, end,
+                   f"g{_label(*b, self.schedule.backward_split)}", "offload", ins)
 
     def rendezvous(self, sender: int, send_index: int, receiver: int, recv_index: int) -> None:
         ins = self.schedule.programs[sender][send_index]
@@ -261,7 +285,7 @@ class _Simulator(Interpreter):
         end = start + self.costs.p2p_activation
         self.clock[sender] = self.clock[receiver] = end
         label = "a" if ins.role == "act" else "g"
-        self._event(sender, "network", start, end, f"{label}{ins.stage}", "p2p", ins)
+        self.event(sender, "network", start, end, f"{label}{ins.stage}", "p2p", ins)
 
     # A receive is timed together with its send, in the rendezvous.
     _send_activation = _send_gradient = _recv_activation = _recv_gradient = _transfer

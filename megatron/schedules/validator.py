@@ -102,7 +102,99 @@ class _StateWindow:
         return None
 
 
+class _OptimizerRules:
+    """RULE_OPTIMIZER's and RULE_STATE_IO's part of the check: each owned stage's step after
+    its offload and an overflow check (an OVERFLOW_SYNC before it, or OPTIMIZER_WAIT_ALL,
+    POST_STEP_SYNC and ROLLBACK_IF_OVERFLOW after it), and its states on NVMe read before it
+    and written after it. The handlers are the checker's, for the optimizer's ops."""
+
+    def __init__(self, schedule: Schedule) -> None:
+        ranks = range(schedule.ranks)
+        self.offloaded: dict = {}  # backward stage -> the rank that offloaded it
+        self.stepped: dict = {}
+        self.synced = [False for _ in ranks]
+        self.waited_all = [False for _ in ranks]
+        self.post_synced = [False for _ in ranks]
+        self.rolled_back = [False for _ in ranks]
+        self.post_step_mode = [
+            any(ins.op == Op.POST_STEP_SYNC for ins in program) for program in schedule.programs
+        ]
+        self.states_on_disk = schedule.states_on_disk
+        self.states = _StateWindow(schedule)
+
+    def _optimizer_start(self, rank: int, index: int, ins: Instruction) -> None:
+        b = BackwardStage(ins.stage, ins.sub)
+        if self.offloaded.get(b) != rank:
+            raise ScheduleError(rank, index, ins, RULE_OPTIMIZER,
+                                "gradients not offloaded on this rank")
+        if b in self.stepped:
+            raise ScheduleError(rank, index, ins, RULE_OPTIMIZER, "optimizer started twice")
+        if not (self.synced[rank] or self.post_step_mode[rank]):
+            raise ScheduleError(rank, index, ins, RULE_OPTIMIZER,
+                                "no OVERFLOW_SYNC before it and no POST_STEP_SYNC after")
+        problem = self.states.step(b) if self.states_on_disk else None
+        if problem:
+            raise ScheduleError(rank, index, ins, RULE_STATE_IO, problem)
+        self.stepped[b] = rank
+
+    def _read_optimizer_states(self, rank: int, index: int, ins: Instruction) -> None:
+        problem = self.states.read(rank, BackwardStage(ins.stage, ins.sub))
+        if problem:
+            raise ScheduleError(rank, index, ins, RULE_STATE_IO, problem)
+
+    def _write_optimizer_states(self, rank: int, index: int, ins: Instruction) -> None:
+        b = BackwardStage(ins.stage, ins.sub)
+        problem = self.states.write(b, self.stepped.get(b) == rank)
+        if problem:
+            raise ScheduleError(rank, index, ins, RULE_STATE_IO, problem)
+
+    def _optimizer_start_subgroups(self, rank: int, index: int, ins: Instruction) -> None:
+        """OPTIMIZER_START's rules: where the update runs does not change when it may."""
+        self._optimizer_start(rank, index, ins)
+
+    def _optimizer_wait_all(self, rank: int, index: int, ins: Instruction) -> None:
+        self.waited_all[rank] = True
+
+    def _rollback_if_overflow(self, rank: int, index: int, ins: Instruction) -> None:
+        if not self.post_synced[rank]:
+            raise ScheduleError(rank, index, ins, RULE_OPTIMIZER,
+                                "rollback before POST_STEP_SYNC")
+        self.rolled_back[rank] = True
+
+    def _overflow_sync(self, rank: int, index: int, ins: Instruction) -> None:
+        self.synced[rank] = True
+
+    def _post_step_sync(self, rank: int, index: int, ins: Instruction) -> None:
+        if not self.waited_all[rank]:
+            raise ScheduleError(rank, index, ins, RULE_OPTIMIZER,
+                                "post-step sync before OPTIMIZER_WAIT_ALL")
+        self.post_synced[rank] = True
+
+    def finish_stage(self, b: BackwardStage, owner: int, end: int) -> None:
+        """At the end: `b` (owned by `owner`, whose program has `end` instructions) was
+        stepped, and its states written when they live on NVMe."""
+        if b not in self.stepped:
+            raise ScheduleError(owner, end, None, RULE_OPTIMIZER,
+                                f"backward stage {b} never offloaded and stepped")
+        if self.states_on_disk and b not in self.states.written:
+            raise ScheduleError(owner, end, None, RULE_STATE_IO,
+                                f"backward stage {b}'s optimizer states never written")
+
+    def finish_rank(self, rank: int, end: int) -> None:
+        """At the end of `rank`'s program: speculative steps were synced and corrected."""
+        if self.post_step_mode[rank] and not self.post_synced[rank]:
+            raise ScheduleError(rank, end, None, RULE_OPTIMIZER, "no POST_STEP_SYNC ran")
+        if self.post_step_mode[rank] and not self.rolled_back[rank]:
+            raise ScheduleError(rank, end, None, RULE_OPTIMIZER,
+                                "speculative steps without a ROLLBACK_IF_OVERFLOW after "
+                                "the POST_STEP_SYNC")
+
+
 class _Checker(Interpreter):
+    """Every rule but the optimizer's, which `_OptimizerRules` checks (its ops' handlers)."""
+
+    handler_parts = (_OptimizerRules,)
+
     def __init__(self, schedule: Schedule) -> None:
         super().__init__(schedule)
         ranks = range(schedule.ranks)
@@ -116,18 +208,13 @@ class _Checker(Interpreter):
         self.peak_gradients = [0 for _ in ranks]
         self.computed: set[Instruction] = set()
         self.backward_counts = [Counter() for _ in ranks]
-        self.offloaded: dict = {}
-        self.stepped: dict = {}
-        self.synced = [False for _ in ranks]
-        self.waited_all = [False for _ in ranks]
-        self.post_synced = [False for _ in ranks]
-        self.rolled_back = [False for _ in ranks]
         self.waited: set[tuple] = set()
-        self.post_step_mode = [
-            any(ins.op == Op.POST_STEP_SYNC for ins in program) for program in schedule.programs
-        ]
-        self.states_on_disk = schedule.states_on_disk
-        self.states = _StateWindow(schedule)
+        self.optimizer = _OptimizerRules(schedule)
+
+    def _handler(self, op: Op):
+        """The checker's own rule for `op`, or the optimizer rules' for the optimizer's ops."""
+        method = OP_SPECS[op].method
+        return getattr(self, method, None) or getattr(self.optimizer, method)
 
     def _fail(self, rank: int, index: int, ins: Instruction, rule: str, detail: str):
         raise ScheduleError(rank, index, ins, rule, detail)
@@ -194,7 +281,7 @@ class _Checker(Interpreter):
     def local(self, rank: int, index: int, ins: Instruction) -> None:
         if self.schedule.forward_only and ins.op in _TRAINING_ONLY:
             self._fail(rank, index, ins, RULE_FORWARD_ONLY, f"{ins.op.value} in it")
-        getattr(self, OP_SPECS[ins.op].method)(rank, index, ins)
+        self._handler(ins.op)(rank, index, ins)
         self._measure(rank)
 
     _forward = _backward = _compute
@@ -233,47 +320,10 @@ class _Checker(Interpreter):
         if s.backward_rank.get(b) != rank or done != s.micro_batches:
             self._fail(rank, index, ins, RULE_GRADIENTS,
                        f"{done} of {s.micro_batches} micro-batches' backward done here")
-        if b in self.offloaded:
+        if b in self.optimizer.offloaded:
             self._fail(rank, index, ins, RULE_GRADIENTS, "offloaded twice")
-        self.offloaded[b] = rank
+        self.optimizer.offloaded[b] = rank
         self.live_gradients[rank] -= 1
-
-    def _optimizer_start(self, rank: int, index: int, ins: Instruction) -> None:
-        b = BackwardStage(ins.stage, ins.sub)
-        if self.offloaded.get(b) != rank:
-            self._fail(rank, index, ins, RULE_OPTIMIZER, "gradients not offloaded on this rank")
-        if b in self.stepped:
-            self._fail(rank, index, ins, RULE_OPTIMIZER, "optimizer started twice")
-        if not (self.synced[rank] or self.post_step_mode[rank]):
-            self._fail(rank, index, ins, RULE_OPTIMIZER,
-                       "no OVERFLOW_SYNC before it and no POST_STEP_SYNC after")
-        problem = self.states.step(b) if self.states_on_disk else None
-        if problem:
-            self._fail(rank, index, ins, RULE_STATE_IO, problem)
-        self.stepped[b] = rank
-
-    def _read_optimizer_states(self, rank: int, index: int, ins: Instruction) -> None:
-        problem = self.states.read(rank, BackwardStage(ins.stage, ins.sub))
-        if problem:
-            self._fail(rank, index, ins, RULE_STATE_IO, problem)
-
-    def _write_optimizer_states(self, rank: int, index: int, ins: Instruction) -> None:
-        b = BackwardStage(ins.stage, ins.sub)
-        problem = self.states.write(b, self.stepped.get(b) == rank)
-        if problem:
-            self._fail(rank, index, ins, RULE_STATE_IO, problem)
-
-    def _optimizer_start_subgroups(self, rank: int, index: int, ins: Instruction) -> None:
-        """OPTIMIZER_START's rules: where the update runs does not change when it may."""
-        self._optimizer_start(rank, index, ins)
-
-    def _optimizer_wait_all(self, rank: int, index: int, ins: Instruction) -> None:
-        self.waited_all[rank] = True
-
-    def _rollback_if_overflow(self, rank: int, index: int, ins: Instruction) -> None:
-        if not self.post_synced[rank]:
-            self._fail(rank, index, ins, RULE_OPTIMIZER, "rollback before POST_STEP_SYNC")
-        self.rolled_back[rank] = True
 
     def rendezvous(self, sender: int, send_index: int, receiver: int, recv_index: int) -> None:
         getattr(self, OP_SPECS[self.schedule.programs[sender][send_index].op].method)(
@@ -293,15 +343,7 @@ class _Checker(Interpreter):
             self._fail(0, indices[0], self.schedule.programs[0][indices[0]], RULE_FORWARD_ONLY,
                        f"{op.value} in it")
         for rank, index in enumerate(indices):
-            getattr(self, OP_SPECS[op].method)(rank, index, self.schedule.programs[rank][index])
-
-    def _overflow_sync(self, rank: int, index: int, ins: Instruction) -> None:
-        self.synced[rank] = True
-
-    def _post_step_sync(self, rank: int, index: int, ins: Instruction) -> None:
-        if not self.waited_all[rank]:
-            self._fail(rank, index, ins, RULE_OPTIMIZER, "post-step sync before OPTIMIZER_WAIT_ALL")
-        self.post_synced[rank] = True
+            self._handler(op)(rank, index, self.schedule.programs[rank][index])
 
     def finish(self) -> None:
         s = self.schedule
@@ -319,12 +361,7 @@ class _Checker(Interpreter):
                                             f"{ins} never runs")
         for b in [] if s.forward_only else s.backward_stages():
             owner = s.backward_rank[b]
-            if b not in self.stepped:
-                raise ScheduleError(owner, len(s.programs[owner]), None, RULE_OPTIMIZER,
-                                    f"backward stage {b} never offloaded and stepped")
-            if self.states_on_disk and b not in self.states.written:
-                raise ScheduleError(owner, len(s.programs[owner]), None, RULE_STATE_IO,
-                                    f"backward stage {b}'s optimizer states never written")
+            self.optimizer.finish_stage(b, owner, len(s.programs[owner]))
         for key, sender in self.posted_isends.items():
             if key not in self.waited:
                 raise ScheduleError(sender, len(s.programs[sender]), None, RULE_MATCHED,
@@ -338,12 +375,7 @@ class _Checker(Interpreter):
             if leftovers:
                 raise ScheduleError(rank, end, None, RULE_DANGLING,
                                     f"tensors {leftovers} produced or posted but never used")
-            if self.post_step_mode[rank] and not self.post_synced[rank]:
-                raise ScheduleError(rank, end, None, RULE_OPTIMIZER, "no POST_STEP_SYNC ran")
-            if self.post_step_mode[rank] and not self.rolled_back[rank]:
-                raise ScheduleError(rank, end, None, RULE_OPTIMIZER,
-                                    "speculative steps without a ROLLBACK_IF_OVERFLOW after "
-                                    "the POST_STEP_SYNC")
+            self.optimizer.finish_rank(rank, end)
 
 
 # Ops a forward-only program must not hold (its transfers are checked by their tensors).
@@ -389,5 +421,6 @@ def validate(schedule: Schedule) -> ValidationReport:
         peak_params=tuple(checker.peak_params),
         peak_checkpoints=tuple(checker.peak_ckpts),
         peak_gradients=tuple(checker.peak_gradients),
-        peak_optimizer_states=tuple(checker.states.peak) if checker.states_on_disk else (),
+        peak_optimizer_states=(tuple(checker.optimizer.states.peak)
+                               if checker.optimizer.states_on_disk else ()),
     )
