@@ -24,7 +24,11 @@ from megatron.models.llama import (
     norm_module,
 )
 from megatron.training import distributed
-from megatron.training.distributed import apply_device, initialize_distributed
+from megatron.training.distributed import (
+    apply_device,
+    initialize_distributed,
+    process_group_options,
+)
 
 MEGATRON_STATES = {"model-parallel-rng", "data-parallel-rng", "expert-parallel-rng"}
 CFG = LlamaConfig(num_layers=1, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
@@ -36,6 +40,15 @@ def test_one_gpu_per_process_over_nccl():
         "cuda", 3, "nccl")
     assert choose_device(False, 0, local_rank=3, local_world_size=4) == DeviceChoice(
         "cpu", 0, "gloo")
+
+
+def test_nccl_is_bound_to_the_ranks_gpu_at_init():
+    """Eager NCCL init: the world communicator exists before the first batched
+    point-to-point exchange (torch requires every rank in a group's first operation)."""
+    nccl = choose_device(True, 8, local_rank=3, local_world_size=8)
+    assert process_group_options(nccl) == {"device_id": torch.device("cuda", 3)}
+    assert process_group_options(choose_device(False, 0, 3, 4)) == {}
+    assert process_group_options(choose_device(True, 1, 1, 2, share_gpu=True)) == {}
 
 
 def test_more_processes_than_gpus_is_refused_in_one_line():

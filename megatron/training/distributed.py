@@ -85,6 +85,13 @@ def apply_device(choice: DeviceChoice, seed: int,
     set_up_megatron_core(choice.kind, seed)
 
 
+def process_group_options(choice: DeviceChoice) -> dict:
+    """init_process_group's device binding. NCCL is bound to the rank's GPU, which creates
+    the world communicator at once (eager): a batched point-to-point exchange on it is then
+    never its first use, which torch requires every rank to join."""
+    return {"device_id": torch.device(choice.torch_device)} if choice.backend == "nccl" else {}
+
+
 def initialize_distributed(timeout_s: float = 600.0, data_parallel_size: int = 1,
                            seed: int = 1234, share_gpu: bool = False) -> DistInfo:
     """Idempotent. Uses torchrun's env (RANK, WORLD_SIZE, MASTER_ADDR/PORT) when set.
@@ -96,7 +103,8 @@ def initialize_distributed(timeout_s: float = 600.0, data_parallel_size: int = 1
     apply_device(choice, seed)  # before the process group: NCCL binds to the current GPU
     if not dist.is_initialized():
         if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
-            dist.init_process_group(choice.backend, timeout=timedelta(seconds=timeout_s))
+            dist.init_process_group(choice.backend, timeout=timedelta(seconds=timeout_s),
+                                    **process_group_options(choice))
         else:
             dist.init_process_group(choice.backend, store=dist.HashStore(), rank=0,
                                     world_size=1)
