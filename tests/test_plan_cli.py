@@ -246,6 +246,39 @@ def test_a_small_dev_shm_is_reported_in_units_that_show_the_shortfall():
 
 
 
+def test_auto_starts_where_stride_0_fits_and_its_subgroups_get_only_what_is_left():
+    """A GPU that holds stride 0's plan but not the subgroups besides (the case that made
+    auto lose on an H100): the start does not refuse auto, whose subgroups get the bytes
+    left beyond the plan (the assembly caps them there, or resolves to stride 0)."""
+    from megatron.planning.fit import (
+        FreeMemory,
+        device_headroom,
+        first_shortfall,
+        run_memory_plan,
+    )
+    from megatron.planning.shape import generate_schedule
+    from megatron.training.arguments import parse_args
+
+    base = ["--model-preset", "tiny", "--pipeline-schedule", "decoupled"]
+    auto = parse_args([*base, "--optimizer-gpu-stride", "auto"])
+    split = parse_args([*base, "--optimizer-gpu-stride", "2"])
+    schedule = generate_schedule(auto, 2, 1000)
+    start = run_memory_plan(auto, schedule, 1000, procs_per_node=2, on_cuda=True)
+    with_subgroups = run_memory_plan(split, schedule, 1000, procs_per_node=2, on_cuda=True)
+    rank = next(r for r in range(2) if with_subgroups.gpu_total(r) > start.gpu_total(r))
+    tight = FreeMemory(shm=2**40, host=2**40, device=start.gpu_total(rank) + 1000)
+    assert first_shortfall(with_subgroups, rank, tight, 4) is not None
+    assert first_shortfall(start, rank, tight, 4) is None
+    assert device_headroom(start, rank, tight) == 1000
+    # the CPU device layer: the rank's share of the node's host memory beyond the plan
+    cpu = run_memory_plan(auto, schedule, 1000, procs_per_node=2, on_cuda=False)
+    host_need = (sum(cpu.per_node[0][k] for k in ("shm_parameters", "optimizer_states",
+                                                  "host_gradients"))
+                 + cpu.gpu_total(0) + cpu.gpu_total(1))
+    on_cpu = FreeMemory(shm=2**40, host=host_need + 2000, device=None)
+    assert device_headroom(cpu, rank, on_cpu) == 1000
+
+
 @pytest.mark.parametrize("content,fragment", [
     (bytes(range(128, 256)), "byte 0 is not UTF-8"),
     (b'{"name": "x",', "line 1 column"),

@@ -61,7 +61,11 @@ from megatron.schedules.instructions import WHOLE_STAGE, BackwardStage, Op, Sche
 from megatron.schedules.lowering import forward_only_schedule
 from megatron.schedules.optimizer_stride import auto_split, split_flag
 from megatron.schedules.replica_plan import plan_replicas
-from megatron.schedules.subgroup_memory import default_subgroup_size, planned_subgroup_size
+from megatron.schedules.subgroup_memory import (
+    MIN_SUBGROUP,
+    default_subgroup_size,
+    planned_subgroup_size,
+)
 from megatron.schedules.timeline import TimedEvent
 from megatron.schedules.validator import validate
 
@@ -250,9 +254,17 @@ class Pipeline:
         requested = self.config.placement.subgroup_size
         sizes = [hi - lo for b in stages for lo, hi in self.owned[b].bounds()]
         wanted = min(requested or default_subgroup_size(max(sizes)), max(sizes))
-        # The budget: what the gradient buffers hold, free once the backward has ended.
+        # The budget: what the gradient buffers hold, free once the backward has ended;
+        # auto's subgroups also no more than the GPU has free beyond the run's plan.
         budget = self.buffers.grad_buffers.nbytes
+        headroom = self.config.device_headroom_bytes
+        if stride is None and headroom is not None:
+            budget = min(budget, headroom)
         size = planned_subgroup_size(requested, max(sizes), budget)
+        if stride is None and size < min(wanted, MIN_SUBGROUP):  # memory left too little
+            print(f"rank {self.rank}: optimizer GPU stride k = 0 (auto): {format_bytes(budget)} "
+                  "of device memory beyond the run's needs hold no useful subgroup", flush=True)
+            stride = 0
         if stride is None:
             rates = calibrated_update_rates(
                 self.device, self.cpu_adam.threads, self.config.rates_cache_dir,

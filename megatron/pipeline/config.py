@@ -80,6 +80,9 @@ class PipelineConfig:
     # where the optimizer's updates run and its states live (the assembly executes it)
     placement: Placement = DEFAULT_PLACEMENT
     rates_cache_dir: str = ""  # where --optimizer-gpu-stride auto caches calibrated rates
+    # device bytes free beyond the run's plan (the fit check's device_headroom): auto's
+    # subgroups stay within them; None: not measured (no limit)
+    device_headroom_bytes: int | None = None
     device_sanitizer: bool = False  # check the device layer's stream order
     device_chaos: int | None = None  # a seed: delay the copy streams at random
     # Replicas of the pipeline (world = ranks x data_parallel_size) and how they split

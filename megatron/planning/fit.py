@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from megatron.common.units import format_bytes, format_shortfall
 from megatron.config.errors import ConfigError
 from megatron.config.model import ModelConfig
-from megatron.config.placement import Placement
+from megatron.config.placement import ON_HOST, AutoSplit, Placement
 from megatron.config.run import RunConfig
 from megatron.schedules.hardware import HardwareProfile
 from megatron.schedules.instructions import Schedule
@@ -74,15 +74,50 @@ def memory_plan(run: RunConfig, schedule: Schedule, shape: PlannedShape,
 
 def run_memory_plan(run: RunConfig, schedule: Schedule, vocab_size: int, procs_per_node: int,
                     on_cuda: bool) -> MemoryPlan:
-    """What `run` executing `schedule` needs per GPU, process and node. With data
+    """What `run` executing `schedule` needs per GPU, process and node to start (auto's
+    subgroups take only what is left: start_placement). With data
     parallelism, the memory model's view is one pipeline whose nodes hold the replicas'
     processes (with ZeRO the replicas of a pipeline rank hold its optimizer state once
     between them, as one process would)."""
     return memory_plan(run, schedule, PlannedShape(
         replace(run.model, vocab_size=vocab_size), run.training.micro_batch_size,
         procs_per_node=max(1, procs_per_node // run.data_parallel_size), on_cuda=on_cuda,
-        placement=run.cpu_optimizer.placement,
+        placement=start_placement(run.cpu_optimizer.placement),
         optimizer_bytes=run.precision.optimizer_bytes_per_param))
+
+
+def start_placement(placement: Placement) -> Placement:
+    """The placement a run must fit at its start. `--optimizer-gpu-stride auto` needs no
+    device memory of its own: its subgroups take what the run leaves free on the GPU
+    (`device_headroom`), or it resolves to stride 0, as --plan prices it."""
+    if isinstance(placement.updates, AutoSplit):
+        return replace(placement, updates=ON_HOST)
+    return placement
+
+
+def device_headroom(plan: MemoryPlan, pipeline_rank: int, free: FreeMemory) -> int:
+    """The device bytes this rank has free beyond its plan: its GPU's; on the CPU device
+    layer, whose device memory is host memory, its share of what the node's host memory
+    keeps free beyond the node's plan."""
+    if free.device is not None:
+        return max(0, free.device - plan.gpu_total(pipeline_rank))
+    ranks = _ranks_on_node(plan, pipeline_rank)
+    return max(0, free.host - _host_need(plan, pipeline_rank, cpu_device=True)) // len(ranks)
+
+
+def _ranks_on_node(plan: MemoryPlan, pipeline_rank: int) -> list[int]:
+    node = node_of(pipeline_rank, plan.procs_per_node)
+    return [r for r in range(len(plan.per_gpu)) if node_of(r, plan.procs_per_node) == node]
+
+
+def _host_need(plan: MemoryPlan, pipeline_rank: int, cpu_device: bool) -> int:
+    """Host bytes the rank's node needs: parameters, optimizer states, host gradients and,
+    on the CPU device layer, every local rank's device memory."""
+    needs = plan.per_node[node_of(pipeline_rank, plan.procs_per_node)]
+    host = needs["shm_parameters"] + needs["optimizer_states"] + needs["host_gradients"]
+    if cpu_device:
+        host += sum(plan.gpu_total(r) for r in _ranks_on_node(plan, pipeline_rank))
+    return host
 
 
 def first_shortfall(plan: MemoryPlan, pipeline_rank: int, free: FreeMemory,
@@ -95,10 +130,8 @@ def first_shortfall(plan: MemoryPlan, pipeline_rank: int, free: FreeMemory,
         return ResourceError(free.shm_dir, f"the {what} of this node's stages "
                              f"would {format_shortfall(needs['shm_parameters'], free.shm)}: give "
                              "Docker --shm-size or use more nodes")
-    host = needs["shm_parameters"] + needs["optimizer_states"] + needs["host_gradients"]
-    if free.device is None:  # the CPU device layer's "device memory" is host memory too
-        ranks = [r for r in range(len(plan.per_gpu)) if node_of(r, plan.procs_per_node) == node]
-        host += sum(plan.gpu_total(r) for r in ranks)
+    # the CPU device layer's "device memory" is host memory too
+    host = _host_need(plan, pipeline_rank, cpu_device=free.device is None)
     if host > free.host:
         return ResourceError("host memory", f"this node's optimizer states, gradients and "
                              f"parameters would {format_shortfall(host, free.host, 'available')}: "

@@ -20,6 +20,7 @@ from megatron.pipeline.node_memory import DEFAULT_SHM_DIR, free_bytes, resolve_p
 from megatron.planning.fit import (
     FreeMemory,
     ResourceError,
+    device_headroom,
     first_shortfall,
     run_memory_plan,
     single_process_shortfall,
@@ -38,9 +39,11 @@ def free_memory(shm_dir: str = DEFAULT_SHM_DIR) -> FreeMemory:
 
 def refuse_what_does_not_fit(run: RunConfig, schedule: Schedule, vocab_size: int,
                              pipeline_rank: int, group: dist.ProcessGroup | None,
-                             found: Exception | None = None) -> None:
+                             found: Exception | None = None) -> int:
     """Raise ResourceError on every rank when any rank's node or GPU lacks memory; `found`:
-    another reason this rank cannot start (raised here, the others stop with it)."""
+    another reason this rank cannot start (raised here, the others stop with it). Returns
+    the device bytes this rank has free beyond its plan (device_headroom): what
+    --optimizer-gpu-stride auto's subgroups may take."""
     free = free_memory()
     plan = run_memory_plan(run, schedule, vocab_size,
                            resolve_procs_per_node(run.parallel.procs_per_node),
@@ -54,6 +57,7 @@ def refuse_what_does_not_fit(run: RunConfig, schedule: Schedule, vocab_size: int
                                   "GPU lacks memory, or its node runs a job with this id)")
     if error is not None:
         raise error
+    return device_headroom(plan, pipeline_rank, free)
 
 
 def refuse_single_process_that_does_not_fit(run: RunConfig, vocab_size: int,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
@@ -41,8 +42,10 @@ class PipelineTrainStep:
             if dist_info.world_size > 1:
                 conflict = live_job_with_this_id()
         # every rank stops together, the one that found a problem says it
-        refuse_what_does_not_fit(run, schedule, model_cfg.vocab_size,
-                                 dist_info.layout.pipeline_rank, host_group(), conflict)
+        headroom = refuse_what_does_not_fit(run, schedule, model_cfg.vocab_size,
+                                            dist_info.layout.pipeline_rank, host_group(),
+                                            conflict)
+        self.config = replace(self.config, device_headroom_bytes=headroom)
         self.pipeline = Pipeline(self.config, model_cfg, self.rank)
 
     def step(self, iteration: int, micro_batches: Sequence[Batch], lr: float,
