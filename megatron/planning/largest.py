@@ -2,8 +2,8 @@
 
 "Which model does my one GPU train?" is the first question of a user whose GPU is small
 beside the host. The answer is the run's plan with the model swapped: each LLaMA-2 shape
-(Touvron et al. 2023, Table 1; 13B and 70B published, the paper sizes of the SysX presets
-between them), in size order, keeps the run's schedule, sequence, batch and precision, and
+(the released 7B, 13B and 70B of Touvron et al. 2023, and the SysX paper's sizes between
+them), in size order, keeps the run's schedule, sequence, batch and precision, and
 its memory is planned on the same hardware; where it does not fit, the planner's own
 nearest fit (a cheaper optimizer state, the states on the node's NVMe drives, another
 split or more forward stages) is tried on the same nodes, never more of them. Only memory

@@ -1,6 +1,6 @@
 """What `--plan`, `--auto-config` and `--print-model-size` print: tables of memory per GPU
 and per node, whether the run fits and what to change if not, the candidates compared,
-the model's size. Text for people, one JSON object with --json.
+on one GPU the largest LLaMA-2 shape it trains (largest.py), the model's size. Text for people, one JSON object with --json.
 """
 
 from __future__ import annotations
