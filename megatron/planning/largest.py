@@ -89,10 +89,12 @@ def shape_flags(shape: ModelConfig) -> str:
 
 def with_model(run: RunConfig, shape: ModelConfig) -> RunConfig:
     """`run` training `shape` (its sequence and the run's other fields kept): a plan has no
-    tokenizer, so the vocabulary is the shape's."""
+    tokenizer, so the vocabulary is the shape's; a schedule file and a hand partition are
+    the run's model's, not this one's."""
     return run.evolve(model={f: getattr(shape, f) for f in (
         "name", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-        "num_query_groups", "vocab_size")} | {"kv_channels": None})
+        "num_query_groups", "vocab_size")} | {"kv_channels": None},
+        parallel={"schedule_file": None, "stage_layers": None})
 
 
 def stage_ladder(run: RunConfig, ranks: int) -> list[int | None]:
