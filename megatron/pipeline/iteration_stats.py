@@ -46,7 +46,8 @@ class IterationStats:
 
     # --- metrics ---------------------------------------------------------------------
     gpu_time_s: float = metric("mean", per_rank=True)  # on the compute stream
-    # the main thread waiting for optimizer work (the rest is bubbles)
+    # the main thread waiting for optimizer work (the rest is bubbles); the report moves a
+    # rank's wait for its peers at the verdict to its bubble (attribute_peer_waits)
     exposed_optimizer_time_s: float = metric("mean", per_rank=True)
     bubble_time_s: float = metric("mean", per_rank=True)
     # S Eq. 1-3 (as the simulator): the share of the iteration the GPU is not computing
