@@ -73,6 +73,7 @@ class LargestModel:
         out["next"] = (None if self.next_shape is None else
                        {"model": self.next_shape.name,
                         "parameters": self.next_shape.parameters().total,
+                        "shape": shape_flags(self.next_shape),
                         "does_not_fit": self.next_short})
         return out
 
