@@ -205,3 +205,56 @@ def test_the_check_covers_every_schedule_within_8_minutes():
     assert set(gpu_check_steps.SCHEDULE_FLAGS) == schedules  # under the sanitizer
     assert schedules <= set(CASES)  # against the CPU device layer
     assert sum(step.timeout_s for step in gpu_check.default_steps("work")) < 8 * 60
+
+
+def test_large_adds_the_7b_step_after_the_default_ones(tmp_path, monkeypatch):
+    _stand_in_gpu(monkeypatch)
+    ran = []
+
+    def record(step):
+        ran.append(step.name)
+        return {"step": step.name, "passed": True, "status": "passed", "seconds": 0.0,
+                "figures": {}}
+    monkeypatch.setattr(gpu_check, "run_step", record)
+    defaults = [s.name for s in gpu_check.default_steps("work")]
+    assert gpu_check.main(["--out", str(tmp_path / "r.json")]) == 0
+    assert ran == defaults  # not in the default run (its 8 minutes)
+    ran.clear()
+    assert gpu_check.main(["--out", str(tmp_path / "r.json"), "--large"]) == 0
+    assert ran == [*defaults, gpu_check.LARGE_MODEL_STEP]
+
+
+def test_the_7b_step_plans_then_trains_what_fits_one_h100_with_128_gib(tmp_path, capsys):
+    """Its dry run prints the plan and the run; the plan's flags fit the one-GPU profile."""
+    import gpu_check_steps
+
+    from megatron.training.training import main as pretrain
+
+    assert gpu_check_steps.main(["large-model", "--workdir", str(tmp_path), "--dry-run"]) == 0
+    plan, train = capsys.readouterr().out.strip().splitlines()
+    assert not os.listdir(tmp_path)  # ran nothing, wrote nothing
+    flags = plan.split()[2:]  # after the interpreter and pretrain_llama.py
+    run_flags = flags[:flags.index("--plan")]
+    assert train.split()[2:2 + len(run_flags)] == run_flags  # the same run, trained
+    assert "--train-iters 5" in train and "--plan" not in train
+    assert pretrain(flags) == 0  # fits: the largest it names is at least this one
+    out = json.loads(capsys.readouterr().out)
+    assert out["largest_model"]["parameters"] >= 6.7e9
+
+
+def test_the_7b_step_times_the_mean_of_iterations_3_to_5():
+    import gpu_check_steps
+
+    shape = gpu_check_steps.llama2_7b()
+    metrics = [{"iteration": i, "iter_time_s": t} for i, t in
+               enumerate([40.0, 15.0, 13.0, 14.0, 15.0], start=1)]
+    figures = gpu_check_steps.timed_figures(metrics, shape, 16, 989e12)
+    assert figures["iteration_s"] == {"mean": 14.0, "min": 13.0, "max": 15.0}
+    # Megatron's estimate: 6 flops per parameter and token, and the attention scores
+    params, layers, hidden = shape.parameters().total, shape.num_layers, shape.hidden_size
+    reference = (6 * params + 12 * layers * hidden * shape.seq_length) * 16 * 4096 / 14.0
+    assert figures["model_tflops"] == pytest.approx(reference / 1e12, rel=0.02)
+    assert figures["mfu"] == pytest.approx(figures["model_tflops"] / 989, rel=1e-9)
+    assert figures["meets_target"] is False  # about 216 TFLOP/s; 250 needs about 12 s
+    with pytest.raises(ValueError, match="iterations 3-5"):
+        gpu_check_steps.timed_figures(metrics[:4], shape, 16, None)

@@ -316,6 +316,21 @@ def test_exposed_optimizer_time_is_lower_with_the_decoupled_schedule(tmp_path, r
     assert exposed["decoupled"] < exposed["mobius"], exposed
 
 
+def test_waiting_at_the_verdict_for_the_other_rank_is_reported_as_bubble(two_processes):
+    # Every schedule ends with the verdict's all-reduce; the rank that joins it last waits
+    # only for the reduction, the other's wait beyond that is its bubble, not its optimizer.
+    for schedule in SCHEDULES:
+        for row in metrics(ScheduleRun(two_processes, schedule)):
+            ranks = row["per_rank"]
+            assert min(r["verdict_peer_wait_s"] for r in ranks) == 0.0, (schedule, ranks)
+            for r in ranks:
+                assert 0.0 <= r["verdict_peer_wait_s"] <= r["verdict_wait_s"]
+                # the reduction itself stays exposed
+                assert r["exposed_optimizer_time_s"] >= (
+                    r["verdict_wait_s"] - r["verdict_peer_wait_s"] - 1e-9)
+                assert r["bubble_time_s"] >= r["verdict_peer_wait_s"] - 1e-9
+
+
 def _job_segments():
     return [name for name in os.listdir("/dev/shm") if name.startswith("mlm-")]
 

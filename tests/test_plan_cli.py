@@ -332,3 +332,42 @@ def test_the_text_plan_prints_every_column_header_whole(capsys):
         assert term.replace("_", " ") in node_head, node_head
     rank0 = next(line for line in out if line.startswith("rank 0"))
     assert len(rank0.split()) == 2 + len(GPU_TERMS) + 2  # label, terms, total, free
+
+
+LLAMA2_7B = ("--num-layers", "32", "--hidden-size", "4096", "--ffn-hidden-size", "11008",
+             "--num-attention-heads", "32", "--seq-length", "4096", "--vocab-size", "32000",
+             "--micro-batch-size", "1", "--global-batch-size", "4", "--bf16")
+
+
+def test_a_one_gpu_plan_names_the_largest_llama2_shape_it_trains(capsys, tmp_path):
+    """One H100 with 128 GiB of host memory: LLaMA-2 7B fits with its states in host
+    memory, and the plan names the largest shape that does and why the next does not. A
+    user planning that answer with the flags it gives sees it fit, and the next one not
+    even with the cheapest optimizer state."""
+    code, out = plan(capsys, *LLAMA2_7B, "--hardware", "h100-host128")
+    assert code == 0 and out["fits"]
+    largest, following = out["largest_model"], out["largest_model"]["next"]
+    # at least the 7B just planned (its 16-bit parameters are what /dev/shm holds)
+    assert largest["parameters"] >= out["per_node"][0]["shm_parameters"] / 2 >= 6.7e9
+    assert largest["predicted_iteration_s"] > 0 and 0 < largest["mfu"] < 1
+    assert following["parameters"] > largest["parameters"]
+    assert following["does_not_fit"].startswith("host memory")
+    sequence = ("--seq-length", "4096", "--vocab-size", "32000", "--global-batch-size", "4",
+                "--bf16", "--hardware", "h100-host128")
+    assert main(["--plan", *largest["shape"].split(), *largest["flags"].split(),
+                 *sequence]) == 0
+    assert "fits: yes" in capsys.readouterr().out
+    code, out = plan(capsys, *following["shape"].split(), *sequence,
+                     "--optimizer-state-dtype", "bf16", "--master-dtype", "bf16")
+    assert code == 3 and out["resource"] == "host memory"
+    # with a drive, the optimizer states on NVMe take it further
+    drive = dict(vars(get_hardware("h100-host128")), name="with-drive",
+                 nvme_read_bytes_per_s=6.4e9, nvme_write_bytes_per_s=4e9,
+                 nvme_capacity_bytes=3_840_000_000_000)
+    (tmp_path / "drive.json").write_text(json.dumps(drive))
+    code, out = plan(capsys, *LLAMA2_7B, "--hardware", str(tmp_path / "drive.json"))
+    assert out["largest_model"]["parameters"] > largest["parameters"]
+    assert "--optimizer-state-location nvme" in out["largest_model"]["flags"]
+    # the question is one GPU's: a plan for two does not ask it
+    code, out = plan(capsys, *LLAMA2_7B, "--hardware", "h100-sxm", "--gpus-per-node", "2")
+    assert "largest_model" not in out

@@ -1,6 +1,7 @@
 """`make gpu-check`: what a user with a GPU machine runs first (docs/gpu-validation.md).
 
     python tools/gpu_check.py [--out runs/gpu-check/report.json] [--workdir runs/gpu-check]
+                              [--large]
 
 (`make gpu-check` prepares the environment first: tools/gpu_env.py.) Runs, each step in its
 own process with its own time limit, on the CUDA device:
@@ -14,6 +15,10 @@ own process with its own time limit, on the CUDA device:
   gpu checkpoint resumed on the cpu a checkpoint saved on the GPU resumed on the CPU
   hardware profile and plan         tools/profile_hardware.py and --plan's prediction for
                                     the 1.35B run, beside its measured time
+and with --large, after them and outside their 8 minutes (up to 15 more):
+  LLaMA-2 7B on one GPU             the largest LLaMA-2 one H100 with 128 GiB of host
+                                    memory trains, 5 iterations: model TFLOP/s of the mean
+                                    of iterations 3-5, against the datasheet peak
 A step that fails or runs out of time is named, and the others still run. Writes one JSON
 report (command, date, machine, versions, commit, each step's status, time, figures and the
 end of its output) and prints one verdict line. Exit status 0 when every step passed, 1
@@ -61,6 +66,16 @@ def default_steps(workdir: str) -> tuple[Step, ...]:
         Step("hardware profile and plan",
              (steps, "profile-plan", "--workdir", workdir), 75, "json"),
     )
+
+
+LARGE_MODEL_STEP = "LLaMA-2 7B on one GPU"
+
+
+def large_steps(workdir: str) -> tuple[Step, ...]:
+    """What --large adds: minutes of setup (7B parameters and their states built in host
+    memory) and 5 iterations of about 11 s on one H100."""
+    return (Step(LARGE_MODEL_STEP, (os.path.join("tools", "gpu_check_steps.py"),
+                                    "large-model", "--workdir", workdir), 900, "json"),)
 
 
 def run_step(step: Step) -> dict:
@@ -123,6 +138,10 @@ def summary(steps: list[dict]) -> dict:
         if ours is not None:
             out[f"decoupled_over_megatron_core_{variant}_recompute"] = (
                 ours / result["iteration_s"]["median"])
+    large_model = figures.get(LARGE_MODEL_STEP, {}).get("run", {})
+    if "model_tflops" in large_model:
+        out["llama2_7b_model_tflops"] = large_model["model_tflops"]
+        out["llama2_7b_mfu"] = large_model.get("mfu")
     predicted = figures.get("hardware profile and plan", {}).get("plan", {}).get(
         "predicted_iteration_s")
     if predicted is not None:
@@ -144,6 +163,9 @@ def verdict(steps: list[dict], gpus: list[str], figures: dict, seconds: float, o
                   if f"decoupled_over_megatron_core_{v}_recompute" in figures]
         parts.append(f"1.35B decoupled {figures['decoupled_iteration_s']:.2f} s/iteration"
                      + (f" against {', '.join(ratios)}" if ratios else ""))
+    if "llama2_7b_model_tflops" in figures:
+        parts.append(f"LLaMA-2 7B {figures['llama2_7b_model_tflops']:.0f} TFLOP/s of model "
+                     "flops (iterations 3-5)")
     parts.append(f"report: {out}")
     return "; ".join(parts)
 
@@ -196,6 +218,9 @@ def main(argv: list[str] | None = None, steps: tuple[Step, ...] | None = None) -
                    help="where the JSON report goes")
     p.add_argument("--workdir", default=None,
                    help="the steps' runs, metrics and checkpoints (default: beside --out)")
+    p.add_argument("--large", action="store_true",
+                   help="also train LLaMA-2 7B on one GPU for 5 iterations (up to 15 more "
+                        "minutes)")
     args = p.parse_args(argv)
     import torch
 
@@ -211,7 +236,9 @@ def main(argv: list[str] | None = None, steps: tuple[Step, ...] | None = None) -
                                         " ".join(["python", "tools/gpu_check.py", *(argv or sys.argv[1:])])),
               "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "machine": machine(), "commit": commit(), "steps": []}
-    for step in steps or default_steps(workdir):
+    if steps is None:
+        steps = default_steps(workdir) + (large_steps(workdir) if args.large else ())
+    for step in steps:
         result = run_step(step)
         report["steps"].append(result)
         print(f"gpu-check: {step.name}: {result['status']} ({result['seconds']:.0f} s)",

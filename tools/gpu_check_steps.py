@@ -1,6 +1,7 @@
 """The steps of `make gpu-check` that are not the cuda-marked tests, one per sub-command.
 
-    python tools/gpu_check_steps.py large-run|sanitizer|checkpoint|profile-plan --workdir DIR
+    python tools/gpu_check_steps.py large-run|sanitizer|checkpoint|profile-plan|large-model \
+        --workdir DIR [--dry-run]
 
 Each runs its training processes, prints one JSON object of figures as its last line and
 exits 0 when what it checks holds, 1 when not (tools/gpu_check.py runs each in its own
@@ -15,7 +16,12 @@ process with its own time limit):
   checkpoint    a run on the GPU saving at iteration 3, resumed from there on the CPU
                 (CUDA_VISIBLE_DEVICES=""): its losses against the GPU run's;
   profile-plan  tools/profile_hardware.py on this machine, then --plan's prediction for the
-                1.35B run with that profile.
+                1.35B run with that profile;
+  large-model   (only with `gpu_check.py --large`) LLaMA-2 7B on one GPU, model states in
+                host memory with m and v in bf16 (what one H100 with 128 GiB of host memory
+                trains: --plan --hardware h100-host128), 5 iterations: model TFLOP/s and MFU
+                of the mean of iterations 3-5, beside --plan's prediction for it.
+--dry-run prints the commands a step would run, one per line, and runs nothing.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.config.model import ModelConfig  # noqa: E402
+from megatron.schedules.cost_model import model_flops_per_token  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRETRAIN = os.path.join(ROOT, "pretrain_llama.py")
@@ -50,6 +57,22 @@ LARGE_ITERS = 6  # the first is the warm-up: the median is over iterations 2-6
 LARGE_RUN = [*(f"--{k.replace('_', '-')}={v}" for k, v in {**LARGE_SHAPE, **LARGE_BATCH}.items()),
              "--bf16", "--pipeline-schedule", "decoupled", "--forward-stages", "4",
              "--backward-split", "2", *MOCK_DATA]
+
+# LLaMA-2 7B (Touvron et al. 2023): the largest released shape one H100 with 128 GiB of host
+# memory trains with its states in host memory; m and v in bf16 keep the host memory it
+# really takes (about 17 bytes per parameter measured with them, 21 with fp32) under 128 GiB.
+LLAMA2_7B_SHAPE = {"num_layers": 32, "hidden_size": 4096, "ffn_hidden_size": 11008,
+                   "num_attention_heads": 32, "num_query_groups": 32, "seq_length": 4096}
+LLAMA2_7B_BATCH = {"micro_batch_size": 1, "global_batch_size": 16}
+LARGE_MODEL_ITERS = 5
+LARGE_MODEL_TIMED = (3, 5)  # the iterations whose mean is timed (the first two warm up)
+LARGE_MODEL_TARGET_TFLOPS = 250.0  # the issue's goal for one H100
+LARGE_MODEL_RUN = [*(f"--{k.replace('_', '-')}={v}"
+                     for k, v in {**LLAMA2_7B_SHAPE, **LLAMA2_7B_BATCH}.items()),
+                   "--bf16", "--optimizer-state-dtype", "bf16", "--pipeline-schedule",
+                   "decoupled", *MOCK_DATA]
+LARGE_MODEL_TRAIN = [*LARGE_MODEL_RUN, "--train-iters", str(LARGE_MODEL_ITERS)]
+LARGE_MODEL_PROFILE = "h100-host128"
 
 TINY = ["--model-preset", "tiny", "--mock-data", "--tokenizer-type", "NullTokenizer",
         "--vocab-size", "512", "--eval-iters", "0", "--log-interval", "1",
@@ -92,12 +115,22 @@ def train(workdir: str, name: str, flags: list[str], env: dict[str, str] | None 
           launcher: list[str] | None = None, timeout: float | None = None,
           ) -> tuple[subprocess.CompletedProcess, list[dict]]:
     """pretrain_llama.py with `flags`; its metrics (empty when it failed before any)."""
-    metrics = os.path.join(workdir, f"{name}.jsonl")
+    metrics = metrics_path(workdir, name)
     if os.path.exists(metrics):
         os.remove(metrics)
-    proc = run([*(launcher or [sys.executable]), PRETRAIN, *flags, "--metrics-file", metrics,
-                "--data-cache-dir", os.path.join(workdir, "cache")], env, timeout)
+    proc = run(train_command(workdir, name, flags, launcher), env, timeout)
     return proc, read_metrics(metrics) if os.path.exists(metrics) else []
+
+
+def metrics_path(workdir: str, name: str) -> str:
+    return os.path.join(workdir, f"{name}.jsonl")
+
+
+def train_command(workdir: str, name: str, flags: list[str],
+                  launcher: list[str] | None = None) -> list[str]:
+    """What train() runs."""
+    return [*(launcher or [sys.executable]), PRETRAIN, *flags, "--metrics-file",
+            metrics_path(workdir, name), "--data-cache-dir", os.path.join(workdir, "cache")]
 
 
 def tail(proc: subprocess.CompletedProcess, chars: int = 1500) -> str:
@@ -122,7 +155,6 @@ def device_name() -> str:
 
 
 def large_run(workdir: str) -> tuple[bool, dict]:
-    from megatron.schedules.cost_model import model_flops_per_token
     from megatron.schedules.gpu_peaks import datasheet_peak_flops
 
     shape = large_shape()
@@ -232,16 +264,86 @@ def profile_plan(workdir: str) -> tuple[bool, dict]:
     return True, figures
 
 
+def llama2_7b() -> ModelConfig:
+    return ModelConfig(name="custom", vocab_size=MOCK_VOCAB + 1, **LLAMA2_7B_SHAPE)
+
+
+def timed_figures(metrics: list[dict], shape: ModelConfig, global_batch: int,
+                  peak_flops: float | None) -> dict:
+    """Model TFLOP/s and MFU of the mean iteration time of LARGE_MODEL_TIMED (iterations
+    counted from 1), from a run's metrics."""
+    first, last = LARGE_MODEL_TIMED
+    times = [m["iter_time_s"] for m in metrics if first <= m["iteration"] <= last]
+    if len(times) != last - first + 1:
+        raise ValueError(f"iterations {first}-{last} are not all in the metrics")
+    mean = sum(times) / len(times)
+    flops = model_flops_per_token(shape) * global_batch * shape.seq_length
+    return {"timed_iterations": [first, last], "iteration_s": {"mean": mean,
+            "min": min(times), "max": max(times)},
+            "model_tflops": flops / mean / 1e12,
+            "mfu": flops / mean / peak_flops if peak_flops else None,
+            "meets_target": flops / mean / 1e12 >= LARGE_MODEL_TARGET_TFLOPS,
+            "target_tflops": LARGE_MODEL_TARGET_TFLOPS}
+
+
+def large_model_commands(workdir: str) -> dict[str, list[str]]:
+    """The plan, then the run, of the large-model step."""
+    return {"plan": [sys.executable, PRETRAIN, *LARGE_MODEL_RUN, "--plan", "--json",
+                     "--hardware", LARGE_MODEL_PROFILE],
+            "train": train_command(workdir, "llama2-7b", LARGE_MODEL_TRAIN)}
+
+
+def large_model(workdir: str) -> tuple[bool, dict]:
+    from megatron.schedules.gpu_peaks import datasheet_peak_flops
+
+    commands = large_model_commands(workdir)
+    plan = run(commands["plan"])
+    figures: dict = {"plan": {"returncode": plan.returncode}}
+    if plan.returncode in (0, 3):
+        out = json.loads(plan.stdout)
+        figures["plan"] = {"profile": LARGE_MODEL_PROFILE, "fits": out["fits"],
+                           **{k: out["configuration"].get(k) for k in (
+                               "predicted_iteration_s", "mfu", "flags")},
+                           "largest_model": out.get("largest_model")}
+    proc, metrics = train(workdir, "llama2-7b", LARGE_MODEL_TRAIN)
+    figures["run"] = {"returncode": proc.returncode}
+    if proc.returncode != 0 or len(metrics) != LARGE_MODEL_ITERS:
+        figures["run"]["output_tail"] = tail(proc)
+        return False, figures
+    shape = llama2_7b()
+    last = metrics[-1]
+    figures["run"] = {
+        **timed_figures(metrics, shape, LLAMA2_7B_BATCH["global_batch_size"],
+                        datasheet_peak_flops(device_name(), "bf16")),
+        "iteration_times_s": [m["iter_time_s"] for m in metrics],
+        "losses": [m["loss"] for m in metrics], "parameters": shape.parameters().total,
+        **{k: last.get(k) for k in ("device_memory_peak_bytes", "exposed_optimizer_time_s",
+                                    "bubble_ratio", "host_optimizer_state_bytes",
+                                    "host_gradient_pool_bytes")}}
+    return all(math.isfinite(loss) for loss in figures["run"]["losses"]), figures
+
+
 STEPS: dict[str, Callable[[str], tuple[bool, dict]]] = {
     "large-run": large_run, "sanitizer": sanitizer, "checkpoint": checkpoint,
-    "profile-plan": profile_plan}
+    "profile-plan": profile_plan, "large-model": large_model}
+# What --dry-run prints for a step (the steps without an entry run only cuda processes)
+DRY_RUN: dict[str, Callable[[str], dict[str, list[str]]]] = {"large-model": large_model_commands}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("step", choices=sorted(STEPS))
     p.add_argument("--workdir", required=True, help="runs, metrics and checkpoints go here")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the commands the step runs, one per line; run nothing")
     args = p.parse_args(argv)
+    if args.dry_run:
+        if args.step not in DRY_RUN:
+            p.error(f"--dry-run: step {args.step!r} has no command list; expected one of "
+                    f"{', '.join(DRY_RUN)}")
+        for command in DRY_RUN[args.step](os.path.abspath(args.workdir)).values():
+            print(" ".join(command))
+        return 0
     os.makedirs(args.workdir, exist_ok=True)
     started = time.perf_counter()
     ok, figures = STEPS[args.step](os.path.abspath(args.workdir))

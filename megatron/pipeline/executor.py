@@ -80,6 +80,11 @@ Batch = dict[str, torch.Tensor]
 # Ops whose time on the main thread counts as optimizer time the GPUs are not hidden by.
 _OPTIMIZER_OPS = frozenset(op for op, spec in OP_SPECS.items()
                            if spec.resource in ("cpu-optimizer", "host"))
+# How the main thread's waits of the iteration's tail are labelled on the timeline (the
+# legend in megatron/schedules/timeline.py): waiting for its own steps, in the verdict's
+# all-reduce (for every rank's), for the corrections; the others are "oS,k".
+_WAIT_LABELS = {Op.OPTIMIZER_WAIT_ALL: "wait", Op.OVERFLOW_SYNC: "sync",
+                Op.POST_STEP_SYNC: "sync", Op.ROLLBACK_IF_OVERFLOW: "fix"}
 
 
 class InstructionError(RuntimeError):
@@ -130,6 +135,7 @@ class PipelineExecutor:
         self._fail_at = _failure_to_inject(rank)
         self.last_stage = schedule.forward_stages - 1
         self._correction_wait_s = 0.0
+        self._verdict_wait_s = 0.0
         self._sanitized = device.sanitizer is not None
 
     # --- one iteration -----------------------------------------------------------------
@@ -142,6 +148,7 @@ class PipelineExecutor:
         self._iteration = iteration
         self._begin(iteration - 1, micro_batches, self.program)
         self._correction_wait_s = 0.0
+        self._verdict_wait_s = 0.0
         syncs_before = self.device.host_syncs
         self.device.reset_peak_memory()
         self.owned.start_iteration()
@@ -206,6 +213,7 @@ class PipelineExecutor:
                 if instr.op == Op.ROLLBACK_IF_OVERFLOW),
             exposed_optimizer_device_time_s=device_wait_s,
             exposed_optimizer_cpu_time_s=optimizer_s - device_wait_s,
+            verdict_wait_s=self._verdict_wait_s,
             optimizer_gpu_stride=self.subgroups.stride,
             h2d_parameter_bytes=self._h2d_parameter_bytes)
 
@@ -278,7 +286,7 @@ class PipelineExecutor:
                                      end.time_s() - origin_event_s, label, instr.op.value.lower(),
                                      instr.stage, instr.sub, instr.mb))
         for instr, begin, end in waited:
-            label = "opt" if instr.stage < 0 else f"o{instr.stage},{instr.sub}"
+            label = _WAIT_LABELS.get(instr.op, f"o{instr.stage},{instr.sub}")
             events.append(TimedEvent(self.rank, "cpu-optimizer", begin - origin_host_s,
                                      end - origin_host_s, label, "optimizer",
                                      instr.stage, instr.sub))
@@ -393,10 +401,17 @@ class PipelineExecutor:
         self.owned.check_pending(self.optimizer)
         self.optimizer.wait_all()
         self.device.checks.host_threads_joined()
-        self.optimizer.synchronize()
+        self._synchronize()
 
     def _post_step_sync(self, instr: Instruction) -> None:
+        self._synchronize()
+
+    def _synchronize(self) -> None:
+        """The verdict's all-reduce, timed apart: a rank that gets there first waits in it
+        for its peers' last backwards and steps (see iteration_stats.attribute_peer_waits)."""
+        t0 = time.perf_counter()
         self.optimizer.synchronize()
+        self._verdict_wait_s += time.perf_counter() - t0
 
     def _rollback_if_overflow(self, instr: Instruction) -> None:
         """Corrections run past the end of the iteration; each owned stage's publishes it

@@ -1,6 +1,6 @@
 """What `--plan`, `--auto-config` and `--print-model-size` print: tables of memory per GPU
 and per node, whether the run fits and what to change if not, the candidates compared,
-the model's size. Text for people, one JSON object with --json.
+on one GPU the largest LLaMA-2 shape it trains (largest.py), the model's size. Text for people, one JSON object with --json.
 """
 
 from __future__ import annotations
@@ -15,7 +15,15 @@ from megatron.config.run import RunConfig
 from megatron.schedules.hardware import HardwareProfile, shape_differences
 from megatron.schedules.memory_model import GPU_TERMS, NODE_TERMS, pinning_shortfall
 
-from .evaluate import Evaluation, base_configuration, evaluate, gpus_per_node, plan_hardware
+from .evaluate import (
+    Evaluation,
+    base_configuration,
+    evaluate,
+    gpus_per_node,
+    plan_hardware,
+    ranks_of,
+)
+from .largest import largest_model, largest_text
 from .search import (
     SEARCH_TOP,
     SearchResult,
@@ -157,6 +165,9 @@ def run_plan(run: RunConfig) -> int:
             run, _ = auto_configure(run, hardware, found=candidates)
     evaluation = evaluate(run, base_configuration(run), hardware)
     nearest = None if evaluation.fits else nearest_fit(run, evaluation, hardware)
+    # On one GPU, the next question is which model it trains (well under a second)
+    one_gpu = ranks_of(run, evaluation.config, hardware) == 1
+    largest = largest_model(run, hardware) if one_gpu else None
     if run.planning.json:
         out = {"fits": evaluation.fits, "hardware": hardware.name,
                "mfu_against": mfu_basis(hardware),
@@ -172,6 +183,8 @@ def run_plan(run: RunConfig) -> int:
                        available=worst.available, short_by=worst.missing,
                        shortfalls=[vars(s) | {"short_by": s.missing} for s in evaluation.missing],
                        nearest_fit=nearest.summary() if nearest else None)
+        if largest is not None:
+            out["largest_model"] = largest.summary()
         if run.planning.auto_config:
             out["candidates"] = [e.summary() for e in candidates.ranked[:SEARCH_TOP]]
             out["search"] = {"configurations": candidates.configurations,
@@ -185,6 +198,8 @@ def run_plan(run: RunConfig) -> int:
         print(describe(run, evaluation, hardware))
         if not evaluation.fits:
             print(nearest_text(run, nearest))
+        if largest is not None:
+            print(largest_text(run, hardware, largest))
     return EXIT_FITS if evaluation.fits else EXIT_DOES_NOT_FIT
 
 

@@ -77,9 +77,13 @@ def _colour(event: TimedEvent, stages: int):
 
 
 # What a block's label means, by its first letters (the simulator's and the executor's
-# labels); "^m" adds the micro-batch. Drawn under the picture for the letters it uses.
+# labels; a longer prefix before a shorter one it starts with); "^m" adds the micro-batch.
+# Drawn under the picture for the letters it uses.
 LABEL_LEGEND = (
-    ("opt", "opt", "optimizer step"), ("f", "fS", "forward of stage S"),
+    ("wait", "wait", "waiting for the rank's optimizer steps"),
+    ("sync", "sync", "overflow and norm all-reduce (waits for every rank)"),
+    ("fix", "fix", "deferred clipping corrections or rollbacks"),
+    ("f", "fS", "forward of stage S"),
     ("b", "bS,k", "backward stage k of forward stage S"),
     ("p", "pS,k", "parameters prefetched to the GPU"), ("g", "gS,k", "gradients offloaded"),
     ("c", "cS,k", "activation checkpoint sent"), ("o", "oS,k", "CPU optimizer step"),

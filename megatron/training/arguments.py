@@ -400,8 +400,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--gpus-per-node", type=int, default=None,
                    help="GPUs per node to plan for (default: the hardware profile's)")
     g.add_argument("--hardware", default=None, metavar="PROFILE",
-                   help="a built-in hardware profile (paper-v100, h100-sxm) or a JSON file "
-                        "from tools/profile_hardware.py (default: paper-v100)")
+                   help="a built-in hardware profile (paper-v100, h100-sxm, dgx-h100, "
+                        "h100-host128) or a JSON file from tools/profile_hardware.py "
+                        "(default: paper-v100)")
     _add_megatron_design_flags(p)
     return p
 
