@@ -28,7 +28,6 @@ from .evaluate import (
     optimizer_precision,
     ranks_of,
     simulated,
-    state_location,
 )
 from .search import nearest_fit
 
@@ -147,7 +146,7 @@ def changes(run: RunConfig, config: Configuration) -> str:
     parts = [f"{what} in {dtype}" for what, dtype, own in (
         ("m and v", moments, p.optimizer_state_dtype), ("master", master, p.master_dtype))
         if dtype != own]
-    if state_location(run, config) != run.cpu_optimizer.optimizer_state_location:
+    if config.placement(run).states.on_nvme and not run.cpu_optimizer.placement.states.on_nvme:
         parts.append("the optimizer states on NVMe")
     return ", ".join(parts)
 
