@@ -100,6 +100,7 @@ def test_memory_model_matches_the_runtime_on_two_processes(tmp_path, demo_cache)
     # Built here first, so that the ranks' host memory is the run's, not the corpus build's.
     vocab = load_tokenizer(ensure_demo_corpus(cache_dir=cache).tokenizer_path).vocab_size
     flags = ["--model-preset", "small", "--train-iters", "2", "--global-batch-size", "8",
+             "--seq-length", "64",
              "--data-cache-dir", cache]
     proc = forked_ranks.launch("tests/run_memory_probe.py", ["--out-dir", str(tmp_path), *flags],
                                2, env={"OMP_NUM_THREADS": "1"}, timeout=400)

@@ -69,7 +69,9 @@ def test_bf16_states_on_disk_equal_host_memory_and_resume_on_another_shape(tmp_p
     disk = tmp_path / "drive"
     disk.mkdir()
     bf16 = [*FLAGS, "--optimizer-state-dtype", "bf16", "--master-dtype", "bf16"]
-    each = ["--schedules", "decoupled,1f1b", "--save-interval", "3",
+    # decoupled: speculative steps in bf16 on disk (the direct steps of the coupled
+    # schedules on disk: the fp32 test above)
+    each = ["--schedules", "decoupled", "--save-interval", "3",
             "--save", str(tmp_path / "ckpt")]  # the harness saves each schedule in its own
     on_disk = ["--optimizer-state-location", "nvme", "--optimizer-nvme-path", str(disk)]
     host = start(tmp_path, "host", 2, *bf16, *each, script="tests/run_schedules.py", timeout=600)
@@ -78,8 +80,7 @@ def test_bf16_states_on_disk_equal_host_memory_and_resume_on_another_shape(tmp_p
     host, nvme = host.wait(), nvme.wait()
     assert host.returncode == 0, host.stderr[-4000:]
     assert nvme.returncode == 0, nvme.stderr[-4000:]
-    for name in ("decoupled", "1f1b"):
-        assert_identical(ScheduleRun(nvme, name), ScheduleRun(host, name))
+    assert_identical(ScheduleRun(nvme, "decoupled"), ScheduleRun(host, "decoupled"))
 
     uninterrupted = ScheduleRun(nvme, "decoupled")
     saved = tmp_path / "saved"  # its iteration 3, as if it died there

@@ -271,6 +271,9 @@ def test_the_measured_iteration_calibrates_the_simulation_of_each_schedule(
 
 
 def args_for_schedule_argv(name, *extra):
+    if "--schedules" in extra:  # tests/run_schedules.py's own flag
+        at = extra.index("--schedules")
+        extra = extra[:at] + extra[at + 2:]
     argv = [*MODEL, *extra, "--pipeline-schedule", name]
     if name != "decoupled":  # the baselines are coupled: their own default split
         argv = [a for i, a in enumerate(argv)
