@@ -19,7 +19,7 @@ from tests.slurm_cluster import ClusterUnavailable, SlurmCluster, free_ports, un
 from tests.test_pipeline_executor import MODEL, ROOT, metrics, start
 
 SCRIPT = os.path.join(ROOT, "examples", "slurm_pretrain_llama.sbatch")
-TRAIN_ITERS = 12
+TRAIN_ITERS = 8
 SIGNAL_AFTER = 2  # iterations logged before the signal: the handlers are installed by then
 EXTRA = ["--train-iters", str(TRAIN_ITERS)]
 ADDED_BY_SCRIPT = ["--pipeline-schedule", "decoupled", "--bf16"]  # besides save/load/signals
