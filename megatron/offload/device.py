@@ -184,10 +184,6 @@ class CpuStream:
             self._queue.put(None)
             thread.join()
 
-    @property
-    def has_thread(self) -> bool:
-        return self._thread is not None
-
 
 class CudaEvent:
     """A CUDA timing event; `time_s` is measured against the layer's origin event."""
