@@ -57,7 +57,7 @@ PR_SET_PDEATHSIG = 1
 
 # --- the zygote (its own process) ---------------------------------------------------------
 
-def zygote_main() -> None:
+def zygote_main(preload: Sequence[str] = PRELOAD) -> None:
     """Preload, then serve request lines on stdin: fork a child (reporting its pid and,
     later, its exit status on stdout) or signal a child not reaped yet. At the end of its
     input it kills its children and exits. Returns only in a child, after setting it up:
@@ -70,7 +70,7 @@ def zygote_main() -> None:
     quiet = os.open(os.devnull, os.O_WRONLY)
     os.dup2(quiet, 1)  # nothing an import prints may reach the protocol
     os.close(quiet)
-    for module in PRELOAD:
+    for module in preload:
         __import__(module)
     _say(responses, READY)
     children: set[int] = set()
@@ -191,9 +191,9 @@ def _exit_status(code: object) -> int:
 class _Zygote:
     """The session's zygote process and the bookkeeping of the children it forked."""
 
-    def __init__(self) -> None:
+    def __init__(self, preload: Sequence[str] = PRELOAD) -> None:
         code = (f"import sys; sys.path.insert(0, {ROOT!r}); import tests.forked_ranks as z; "
-                "z.zygote_main(); z.run_request_script()")
+                f"z.zygote_main({tuple(preload)!r}); z.run_request_script()")
         self._errors = tempfile.TemporaryFile()  # what a failed preload printed
         # -P: no current directory on sys.path, as for `python script.py`
         self.proc = subprocess.Popen([sys.executable, "-P", "-c", code], cwd=ROOT,
