@@ -23,6 +23,7 @@ from megatron.models.llama import (
     layer_implementation,
     norm_module,
 )
+from megatron.models.rms_norm import RMSNorm
 from megatron.training import distributed
 from megatron.training.distributed import (
     apply_device,
@@ -155,7 +156,7 @@ def test_head_norm_is_rmsnorm_when_apex_would_give_layernorm(monkeypatch):
     layer = build_piece(CFG, 1)
     assert isinstance(head.final_layernorm, torch.nn.RMSNorm)
     assert type(head.final_layernorm) is type(layer.layer.input_layernorm)
-    assert norm_module("local").__name__ == "WrappedTorchNorm"
+    assert norm_module("local") is RMSNorm
 
 
 def test_transformer_engines_fused_norm_names_are_saved_under_the_local_specs():

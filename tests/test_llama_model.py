@@ -11,6 +11,7 @@ from megatron.models.llama import (
     build_piece,
     gpt_model_name,
     layer_spec,
+    norm_module,
     run_pieces,
     to_gpt_model_state_dict,
     transformer_config,
@@ -42,8 +43,13 @@ def _batch(cfg, b=2, seed=0):
 
 def _gpt_model(cfg, pieces):
     from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-    gpt = GPTModel(config=transformer_config(cfg), transformer_layer_spec=layer_spec(),
+    # the decoder block with this project's layer spec and its RMSNorm as the final norm
+    # (megatron-core's default final norm is torch's own module)
+    block = TransformerBlockSubmodules(layer_specs=[layer_spec()] * cfg.num_layers,
+                                       layer_norm=norm_module())
+    gpt = GPTModel(config=transformer_config(cfg), transformer_layer_spec=block,
                    vocab_size=cfg.vocab_size, max_sequence_length=cfg.seq_length,
                    position_embedding_type="rope", share_embeddings_and_output_weights=False)
     result = gpt.load_state_dict(to_gpt_model_state_dict(cfg, pieces), strict=False)

@@ -22,6 +22,7 @@ from torch import nn
 
 from megatron.config.model import ModelConfig
 from megatron.models.attention import SDPAttention, core_attention_kernel, with_sdpa_core_attention
+from megatron.models.rms_norm import RMSNorm
 
 Batch = dict[str, torch.Tensor]
 
@@ -131,6 +132,9 @@ def layer_spec(implementation: str | None = None, attention_backend: str = "auto
     if (implementation or layer_implementation()) == "transformer_engine":
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
     spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    # the norms autograd records alike on every device (megatron.models.rms_norm)
+    spec = replace(spec, submodules=replace(spec.submodules, input_layernorm=RMSNorm,
+                                            pre_mlp_layernorm=RMSNorm))
     if core_attention_kernel(attention_backend) == "sdpa":
         return with_sdpa_core_attention(spec)
     return spec
@@ -138,15 +142,13 @@ def layer_spec(implementation: str | None = None, attention_backend: str = "auto
 
 def norm_module(implementation: str | None = None) -> type:
     """The RMSNorm module of the final norm, the one the layers use: TE's with TE's spec,
-    else torch's (megatron-core's transformer_block would take apex's FusedLayerNorm when
-    apex imports, which asserts LayerNorm)."""
+    else megatron.models.rms_norm's (megatron-core's transformer_block would take apex's
+    FusedLayerNorm when apex imports, which asserts LayerNorm)."""
     if (implementation or layer_implementation()) == "transformer_engine":
         from megatron.core.extensions.transformer_engine import TENorm
 
         return TENorm
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
-
-    return WrappedTorchNorm
+    return RMSNorm
 
 
 class EmbeddingPiece(nn.Module):

@@ -90,9 +90,10 @@ class MemoryPlan:
 def layer_saved_bytes(model: ModelConfig, tokens: int, seq_length: int, itemsize: int) -> int:
     """What autograd saves for one decoder layer over `tokens` (micro-batch x sequence).
 
-    Per token: each RMSNorm keeps its input, normalized output and two per-token scalars in
-    fp32 and its output in the working dtype; SwiGLU keeps gate, up, their product's input
-    and fc2's input (4 x FFN); attention's output projection keeps its input. Per sequence:
+    Per token: each RMSNorm keeps its input and one fp32 scalar (megatron.models.rms_norm,
+    alike on every device) and the linear after it its output; SwiGLU keeps gate, up,
+    their product's input and fc2's input (4 x FFN); attention's output projection keeps
+    its input. Per sequence:
     the rotary tables (4 x sequence x head dim). Core attention depends on its kernel
     (--attention-backend): the unfused one keeps Q, K and V (K and V expanded to all heads),
     the scores and the probabilities (heads x sequence each) and reads the causal mask
@@ -101,8 +102,8 @@ def layer_saved_bytes(model: ModelConfig, tokens: int, seq_length: int, itemsize
     """
     h, ffn, heads = model.hidden_size, model.ffn_hidden_size, model.num_attention_heads
     q_width = heads * model.head_dim
-    fp32_per_token = 2 * (3 * h + 2)
-    working_per_token = 2 * h + q_width + 4 * ffn
+    fp32_per_token = 2
+    working_per_token = 4 * h + q_width + 4 * ffn
     per_sequence = 4 * seq_length * (h // heads) * itemsize
     if materializes_attention_scores(model.attention_backend):
         working_per_token += 3 * q_width + 2 * heads * seq_length
@@ -114,10 +115,10 @@ def layer_saved_bytes(model: ModelConfig, tokens: int, seq_length: int, itemsize
 
 
 def head_saved_bytes(model: ModelConfig, tokens: int, itemsize: int) -> int:
-    """Final norm (as in a layer), the output layer's input, fp32 logits, labels (int64),
-    loss mask (bool) and per-token losses (fp32)."""
+    """Final norm (as in a layer: its input and one fp32 scalar), the output layer's input,
+    fp32 logits, labels (int64), loss mask (bool) and per-token losses (fp32)."""
     vocab = model.planned_vocab_size
-    return tokens * ((3 * model.hidden_size + 2) * FP32 + model.hidden_size * itemsize
+    return tokens * (FP32 + 2 * model.hidden_size * itemsize
                      + vocab * FP32 + 8 + 1 + FP32) + FP32
 
 
