@@ -37,10 +37,12 @@ train: setup
 	    --metrics-file runs/tiny/metrics.jsonl --timeline runs/tiny/timeline.png \
 	    --trace runs/tiny/trace.json $(ARGS)
 
+# The suite as two pytest sessions at once (tests/run_suite.py): the one-process tier beside
+# the multi-process one. PYTEST_ARGS=...: one pytest session with them (a selection).
 # -rs: one line per skipped test with its reason (the cuda tests without a GPU, ...)
 test: setup
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q -rs $(PYTEST_ARGS)
+	$(PY) tests/run_suite.py $(PYTEST_ARGS)
 
 # On a GPU machine, first (docs/gpu-validation.md): in $(GPU_VENV), made from $(PYTHON) with
 # --system-site-packages so that torch is the machine's CUDA build (never the pinned CPU
