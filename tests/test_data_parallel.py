@@ -10,11 +10,14 @@ of the working parameters whatever the number of replicas.
 
 import json
 import os
+import uuid
 
 import pytest
 import torch
 
 from megatron.common.units import format_bytes
+from megatron.offload.naming import resolve_job_id
+from megatron.offload.param_store import job_segments
 from megatron.pipeline.data_parallel import ParallelLayout, shard_range
 from megatron.training.checkpointing import read_all_tensors
 from megatron.training.training import main
@@ -205,11 +208,13 @@ def test_bad_data_parallel_flags_exit_2_naming_the_flag(extra, env, flag, monkey
                                                        tmp_path):
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    before = set(os.listdir("/dev/shm"))
+    # this run's segments would carry this job id (others may run beside this test)
+    job = f"refused-{uuid.uuid4().hex}"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", job)
     with pytest.raises(SystemExit) as exit_info:
         main([*MODEL, "--data-cache-dir", str(tmp_path), *extra])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and flag in err[0], err
-    assert set(os.listdir("/dev/shm")) == before  # nothing allocated
+    assert job_segments(resolve_job_id()) == []  # nothing allocated
     assert not os.listdir(tmp_path)  # not even the data cache

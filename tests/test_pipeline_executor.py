@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -25,6 +26,7 @@ from megatron.data.run_data import prepare_data
 from megatron.data.sampling import evaluation_micro_batches
 from megatron.models.llama import LlamaConfig, LlamaModel, gpt_model_name
 from megatron.offload.device import CHAOS_ENV
+from megatron.offload.param_store import job_segments
 from megatron.pipeline.replicas import LINK_DELAY_ENV
 from megatron.planning.shape import check_pipeline_shape, generate_schedule
 from megatron.schedules.cost_model import backward_stage_params, calibrated_costs
@@ -105,8 +107,11 @@ def launch(tmp_path, name, nproc, *extra, env=None, timeout=300, script="pretrai
                      script=script).wait()
     out = tmp_path / name
     out.mkdir()
-    cmd = [TORCHRUN, "--standalone", "--nproc-per-node", str(nproc), os.path.join(ROOT, script),
-           *_arguments(out, extra, script)]
+    # --standalone with the run id the test names (its job's shared-memory segments)
+    run_id = (env or {}).get("TORCHELASTIC_RUN_ID") or uuid.uuid4().hex
+    cmd = [TORCHRUN, "--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+           "localhost:0", "--rdzv-id", run_id, "--nproc-per-node", str(nproc),
+           os.path.join(ROOT, script), *_arguments(out, extra, script)]
     t0 = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
                           env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
@@ -334,8 +339,11 @@ def test_waiting_at_the_verdict_for_the_other_rank_is_reported_as_bubble(two_pro
                 assert r["bubble_time_s"] >= r["verdict_peer_wait_s"] - 1e-9
 
 
-def _job_segments():
-    return [name for name in os.listdir("/dev/shm") if name.startswith("mlm-")]
+def _own_job() -> tuple[dict, list]:
+    """A run id for a job the test starts, and the names of that job's segments in /dev/shm
+    (a callable): the tests running beside this one have segments of their own."""
+    run_id = f"test-{uuid.uuid4().hex}"
+    return {"TORCHELASTIC_RUN_ID": run_id}, lambda: job_segments(f"run:{run_id}")
 
 
 @pytest.mark.parametrize("how", ["raise", "kill"])
@@ -343,13 +351,13 @@ def test_a_failing_rank_ends_the_job_and_leaves_shm_clean(how, reference, tmp_pa
     """A rank that raises, or is killed under torchrun (the killed run keeps its optimizer
     states on NVMe): the job ends, and neither a shared-memory segment nor a state file
     outlives it."""
-    before = set(_job_segments())
+    job, segments = _own_job()
     drive = tmp_path / "drive"
     drive.mkdir()
     on_disk = ["--optimizer-state-location", "nvme", "--optimizer-nvme-path", str(drive)]
     run = launch(tmp_path, f"fail-{how}", 2, "--pipeline-schedule", "decoupled",
                  *(on_disk if how == "kill" else []),
-                 env={"MEGATRON_SYSX_TEST_FAIL": f"1,2,3,{how}"}, timeout=120,
+                 env={"MEGATRON_SYSX_TEST_FAIL": f"1,2,3,{how}", **job}, timeout=120,
                  real_torchrun=how == "kill")  # what torchrun does about a killed worker
     assert run.returncode != 0
     assert run.elapsed < 120
@@ -365,9 +373,9 @@ def test_a_failing_rank_ends_the_job_and_leaves_shm_clean(how, reference, tmp_pa
     else:
         assert "rank" in run.stderr and "-9" in run.stderr or "SIGKILL" in run.stderr
     deadline = time.monotonic() + 10  # the reapers run when their processes are gone
-    while (set(_job_segments()) - before or os.listdir(drive)) and time.monotonic() < deadline:
+    while (segments() or os.listdir(drive)) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not set(_job_segments()) - before
+    assert not segments()
     assert os.listdir(drive) == []
 
 
@@ -461,13 +469,14 @@ def test_schedule_files_train_like_the_generated_schedule(reference, tmp_path):
 
 
 def test_a_broken_schedule_file_exits_2_naming_rank_index_and_rule(demo_cache, tmp_path,
-                                                                    capsys):
+                                                                    capsys, monkeypatch):
     path = tmp_path / "broken.csv"
     lines = _write_schedule_file(path, 1)
     first_backward = next(i for i, line in enumerate(lines) if ",BACKWARD," in line)
     del lines[first_backward]  # one backward never runs: its gradient is missing downstream
     path.write_text("".join(lines))
-    before = set(os.listdir("/dev/shm"))
+    job, segments = _own_job()
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", job["TORCHELASTIC_RUN_ID"])
     run = refused_in_process(capsys, tmp_path, "broken", "--schedule-file", str(path))
     assert run.returncode == 2, run.stderr[-2000:]
     errors = [line for line in run.stderr.splitlines() if "pretrain_llama.py: error" in line]
@@ -478,7 +487,7 @@ def test_a_broken_schedule_file_exits_2_naming_rank_index_and_rule(demo_cache, t
     assert any(line.startswith("rank ") for line in grid)  # the programs, one row per rank,
     assert "[OG3.1]" in run.stderr  # with the offending instruction marked
     assert not (run.out / "metrics.jsonl").exists() and not (run.out / "ckpt").exists()
-    assert set(os.listdir("/dev/shm")) <= before
+    assert not segments()
 
 
 def test_a_schedule_file_for_another_run_exits_2(demo_cache, tmp_path, capsys):
@@ -628,14 +637,15 @@ def test_logs_and_tensorboard_carry_megatrons_names(reference, two_processes):
 def test_sigterm_saves_the_last_iteration_and_the_resumed_run_continues(tmp_path, two_processes):
     """SIGTERM to both training processes of a running job: each finishes its iteration,
     they agree, save, and exit 0 together; the resumed run gives the uninterrupted losses."""
-    before = set(_job_segments())
+    job, segments = _own_job()
     out = tmp_path / "stopped"
     out.mkdir()
     flags = [*MODEL, "--data-cache-dir", os.environ["MEGATRON_TEST_CACHE"],
              "--pipeline-schedule", "decoupled", "--exit-signal-handler",
              "--save", str(out / "ckpt")]
     job = forked_ranks.start("pretrain_llama.py",
-                             [*flags, "--metrics-file", str(out / "metrics.jsonl")], 2)
+                             [*flags, "--metrics-file", str(out / "metrics.jsonl")], 2,
+                             env=job)
     try:
         deadline = time.monotonic() + 240
         while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text():
@@ -648,7 +658,7 @@ def test_sigterm_saves_the_last_iteration_and_the_resumed_run_continues(tmp_path
         proc = job.wait(timeout=240)
     stdout, stderr = proc.stdout, proc.stderr
     assert proc.returncode == 0, stderr[-3000:]
-    assert not set(_job_segments()) - before  # every segment released on the way out
+    assert not segments()  # every segment released on the way out
     done = [row["iteration"] for row in metrics(SimpleNamespace(out=out))]
     assert 1 <= done[-1] < 5 and "SIGTERM received" in stdout
     tracker = out / "ckpt" / "latest_checkpointed_iteration.txt"
