@@ -55,7 +55,7 @@ def test_a_failed_step_names_itself_and_the_others_still_run(tmp_path, capsys, m
                "time.sleep(60)")
     steps = (
         gpu_check.Step("fails", _python("import sys; print('boom'); sys.exit(3)"), 30, "json"),
-        gpu_check.Step("hangs", _python(sleeper), 2, "json"),
+        gpu_check.Step("hangs", _python(sleeper), 6, "json"),
         gpu_check.Step("garbled", _python("print('not json')"), 30, "json"),
         gpu_check.Step("figures", _python("print('{\"GBps\": 12.5}')"), 30, "json"),
         gpu_check.Step("tests", _python("print('3 passed, 1 skipped in 2.50s')"), 30, "pytest"),
@@ -69,7 +69,7 @@ def test_a_failed_step_names_itself_and_the_others_still_run(tmp_path, capsys, m
     assert [s["step"] for s in report["steps"]] == [s.name for s in steps]
     assert by_name["fails"]["status"] == "failed (exit status 3)"
     assert "boom" in by_name["fails"]["output_tail"]
-    assert by_name["hangs"]["status"] == "out of time (2 s)"
+    assert by_name["hangs"]["status"] == "out of time (6 s)"
     assert by_name["garbled"]["status"] == "failed (no figures in its output)"
     assert by_name["figures"]["passed"] and by_name["figures"]["figures"] == {"GBps": 12.5}
     assert by_name["tests"]["figures"] == {"passed": 3, "skipped": 1}
