@@ -2,7 +2,8 @@
 
     .venv/bin/python bench/test_suite.py --baseline 6d9789b --rounds 3 [--json]
 
-The baseline is checked out in a temporary git worktree that shares this checkout's .venv
+Each side runs what its `make test` runs after ruff (tests/run_suite.py where it has one,
+else one pytest session). The baseline is checked out in a temporary git worktree that shares this checkout's .venv
 and built C++ extension (the same sources are compiled in both); the two suites then run
 one after the other, alternating which goes first each round, so that a load that comes
 and goes on the machine falls on both. Prints the wall time of every run, the median and
@@ -30,16 +31,26 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SUMMARY = re.compile(r"(\d+) passed(?:, (\d+) skipped)?")
 
 
+def suite_command(checkout: str) -> list[str]:
+    """What `make test` runs after ruff in `checkout`: tests/run_suite.py (both tiers at
+    once) where the checkout has it, else one pytest session."""
+    if os.path.exists(os.path.join(checkout, "tests", "run_suite.py")):
+        return [sys.executable, "tests/run_suite.py"]
+    return [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+
+
 def run_suite(checkout: str) -> dict:
-    """`python -m pytest -q` in `checkout` (the command make test runs after ruff)."""
+    """The suite in `checkout`: wall time, exit status and the tests every session's summary
+    line counts."""
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"],
-                          cwd=checkout, capture_output=True, text=True)
+    proc = subprocess.run(suite_command(checkout), cwd=checkout, capture_output=True, text=True)
     seconds = time.monotonic() - t0
-    found = SUMMARY.search(proc.stdout.splitlines()[-1] if proc.stdout else "")
+    found = [SUMMARY.search(line) for line in proc.stdout.splitlines()
+             if re.search(r" in [\d.]+s", line)]
+    found = [f for f in found if f]
     return {"seconds": seconds, "returncode": proc.returncode,
-            "passed": int(found.group(1)) if found else 0,
-            "skipped": int(found.group(2) or 0) if found else 0}
+            "passed": sum(int(f.group(1)) for f in found),
+            "skipped": sum(int(f.group(2) or 0) for f in found)}
 
 
 def baseline_checkout(commit: str, into: str) -> str:
