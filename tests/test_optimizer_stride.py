@@ -77,8 +77,12 @@ def test_calibration_is_quick_and_cached_per_machine(tmp_path):
     assert first == second
     assert "measured in" in lines[0] and "cached in" in lines[1] and "measured" not in lines[1]
     assert len(list(tmp_path.iterdir())) == 1
-    for rate in vars(first).values():
+    for rate in (first.h2d_params_per_s, first.gpu_update_params_per_s,
+                 first.cpu_update_params_per_s, first.downscale_params_per_s):
         assert rate > 1e6  # params/s: any machine updates a million parameters a second
+    # the mechanism's figures: a share, and a fixed cost per subgroup under 50 ms
+    assert 0.0 <= first.overlap <= 1.0 and 0.0 <= first.subgroup_overhead_s < 0.05
+    assert "overlap" in lines[0] and "per device subgroup" in lines[0]
 
 
 @pytest.mark.parametrize("profile", ["paper-v100", "h100-sxm", "dgx-h100"])
@@ -224,3 +228,66 @@ def test_auto_never_loses_to_stride_0_where_the_gpu_cannot_hold_its_subgroups(tm
         assert (auto["configuration"]["predicted_iteration_s"]
                 <= zero["configuration"]["predicted_iteration_s"])
         assert (auto["configuration"]["optimizer_gpu_stride"] != 0) == device_split_fits
+
+
+# What the CPU device layer measures (params/s): its "device" update in torch ops is
+# slower than the C++ kernel per parameter, yet Eq. 1 gives k = 8 from the throughputs.
+CPU_LAYER = UpdateRates(1.2e9, 2.5e8, 1.2e9, 2.3e9)
+
+
+def test_the_timing_model_prices_the_measured_overlap_and_fixed_cost():
+    """35 parameters in subgroups of 10, device:3 (10 + 10 + 5 on the device, 10 on the CPU),
+    all rates 1/s: CPU side 10 x 2 = 20 s; device side 25 x 4 + 10 / 2 = 105 s plus 1 s for
+    each of its 3 subgroups; half of the CPU's 20 s not hidden; the last flush 30 s + 1 s."""
+    rates = UpdateRates(1.0, 1.0, 1.0, 1.0, overlap=0.5, subgroup_overhead_s=1.0)
+    assert interleaved_update_time(35, 10, -3, rates) == pytest.approx(108 + 10 + 31)
+    serial = dataclasses.replace(rates, overlap=0.0, subgroup_overhead_s=0.0)
+    assert interleaved_update_time(35, 10, -3, serial) == pytest.approx(20 + 105 + 30)
+    for bad in ({"overlap": 1.5}, {"overlap": -0.1}, {"subgroup_overhead_s": -1.0},
+                {"subgroup_overhead_s": float("inf")}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            dataclasses.replace(rates, **bad)
+
+
+@pytest.mark.parametrize("subgroup", [4096, 10**5])
+def test_auto_keeps_stride_0_where_the_device_side_runs_on_the_kernels_cores(subgroup):
+    """Eq. 1's assumption (the two sides overlap) makes the CPU layer's slower "device"
+    worth a stride; measured, they do not overlap (overlap 0): every split then costs its
+    device time on top of the CPU's, and auto keeps everything on the CPU at any layout."""
+    assert gpu_update_stride(CPU_LAYER).k == 8
+    assert auto_split(CPU_LAYER, 10**8, subgroup).split == 8  # as Eq. 1 assumes
+    measured = dataclasses.replace(CPU_LAYER, overlap=0.0)
+    choice = auto_split(measured, 10**8, subgroup)
+    assert choice.split == 0 and choice.predicted_s[0] < choice.predicted_s[8]
+    # all on the CPU: the kernel, the downscale, the 16-bit copies (1/(2B) each) not hidden
+    assert choice.predicted_s[0] == pytest.approx(10**8 * (1 / 1.2e9 + 1 / 2.3e9 + 1 / 2.4e9))
+
+
+def test_a_fixed_cost_per_subgroup_keeps_small_subgroups_on_the_cpu():
+    """The paper's rates (k = 2, a GPU beside the cores) with 10 us per device subgroup, 1B
+    parameters: in subgroups of 10M the split still wins; squeezed to 10K (what a full GPU
+    leaves), 50000 device subgroups cost 0.5 s, more than the split saves, and auto keeps
+    stride 0, where the model without the fixed cost took the stride."""
+    rates = dataclasses.replace(V100, subgroup_overhead_s=1e-5)
+    assert auto_split(rates, 10**9, 10**7).split == 2
+    squeezed = auto_split(rates, 10**9, 10**4)
+    assert squeezed.split == 0
+    assert squeezed.predicted_s[2] == pytest.approx(
+        auto_split(V100, 10**9, 10**4).predicted_s[2] + 50001 * 1e-5)
+    assert auto_split(V100, 10**9, 10**4).split == 2
+
+
+def test_auto_is_never_predicted_slower_than_stride_0():
+    """Over throughputs either side of the balance, overlaps and fixed costs, layouts from
+    squeezed to whole: auto's split is the fastest it weighed, 0 among them."""
+    for b, ug in ((3e9, 35e9), (1.2e9, 2.5e8), (2.5e10, 1e11)):
+        for uc in (5e8, 2e9, 1e10):
+            for overlap in (0.0, 0.4, 1.0):
+                for overhead in (0.0, 1e-5, 1e-3):
+                    rates = UpdateRates(b, ug, uc, 8.7e9, overlap, overhead)
+                    for subgroup in (10**5, 10**7, 10**8):
+                        choice = auto_split(rates, 10**8, subgroup)
+                        assert 0 in choice.predicted_s
+                        assert choice.predicted_s[choice.split] <= choice.predicted_s[0]
+                        assert choice.predicted_s[choice.split] == min(
+                            choice.predicted_s.values())

@@ -5,6 +5,13 @@ B: fp32 parameters per second host -> device through the device layer's H2D stre
 pinned buffer; Ug: the device's AdamW update rate (in torch ops); Uc: the C++ kernel's update rate (no working copy); Dc: the
 fp32 -> 16-bit conversion rate on the CPU. On the CPU device layer "device" means the
 same cores, so the figures describe the mechanism, not a GPU.
+
+Beyond Eq. 1's four, the device subgroups' real mechanism (DeviceSubgroupUpdater: load,
+update, flush on its streams) is timed: at two subgroup sizes, for its fixed cost per
+subgroup (a straight line through the two), and once while the C++ kernel runs on the
+calling thread, for how far the two sides overlap (a GPU's work runs beside the kernel;
+the CPU layer's "device" competes with it for the same cores). Measured alike on both
+layers: no branch on the device kind.
 """
 
 from __future__ import annotations
@@ -20,9 +27,12 @@ import torch
 from megatron.common.files import atomic_write
 from megatron.offload.device import DeviceLayer
 from megatron.optimizer.cpu_adam import CPUAdamW
+from megatron.optimizer.subgroups import AdamHyper
+from megatron.pipeline.subgroup_device import DeviceSubgroupUpdater
 from megatron.schedules.optimizer_stride import UpdateRates
+from megatron.schedules.subgroup_memory import MIN_SUBGROUP
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: overlap and subgroup_overhead_s
 
 
 def _rate(numel: int, run: Callable[[], None], finish: Callable[[], None], repeats: int) -> float:
@@ -63,9 +73,74 @@ def downscale_rate(numel: int = 1 << 19, repeats: int = 2) -> float:
     return _rate(numel, lambda: half.copy_(full), lambda: None, repeats)
 
 
+def _seconds(run: Callable[[], Callable[[], None]], trials: int = 3) -> float:
+    """The least of `trials` timings of `run()` and the wait it returns: the figure least
+    disturbed by whatever else the machine runs."""
+    best = float("inf")
+    for _ in range(trials):
+        start = time.perf_counter()
+        run()()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+class _SubgroupChain:
+    """Subgroups of host state streamed through the device updater, as a stride places them."""
+
+    HYPER = AdamHyper.of(1e-4, (0.9, 0.95), 1e-8, 0.0, step=1, inv_scale=1.0, clip=0.0)
+
+    def __init__(self, device: DeviceLayer, numel: int) -> None:
+        self.updater = DeviceSubgroupUpdater(device, numel)
+        self.p, self.m, self.v, self.g = (device.pin_host(numel, torch.float32) for _ in range(4))
+        for t in (self.p, self.m, self.v):
+            t.fill_(0.0)
+        self.g.fill_(1e-3)
+        self.out = device.pin_host(numel, torch.bfloat16)
+
+    def launch(self, count: int, size: int) -> Callable[[], None]:
+        """`count` subgroups of `size` launched back to back; returns the wait for them."""
+        size = min(size, self.p.numel())
+        launched = [self.updater.launch(self.p[:size], self.m[:size], self.v[:size],
+                                        self.g[:size], self.out[:size], self.HYPER)
+                    for _ in range(count)]
+        return lambda: [one.result() for one in launched] and None
+
+
+def measure_mechanism(device: DeviceLayer, adam: CPUAdamW, numel: int,
+                      count: int = 2) -> tuple[float, float]:
+    """(overlap, subgroup_overhead_s) of the device subgroups' real mechanism beside the
+    C++ kernel. The fixed cost: the line through `count` subgroups of `numel` and 16 times
+    as many of MIN_SUBGROUP, each batch launched back to back as a stride does. The
+    overlap: the shorter of (`count` subgroups alone, as many C++ steps of `numel` alone)
+    hidden under the longer when both run at once, (alone + alone - together) / shorter."""
+    chain = _SubgroupChain(device, numel)
+    grad = torch.full((numel,), 1e-3)
+    small, many = MIN_SUBGROUP, 16 * count
+    chain.launch(1, numel)()  # warm-up: the streams' threads, the slots' first touch
+    big_s = _seconds(lambda: chain.launch(count, numel)) / count
+    small_s = _seconds(lambda: chain.launch(many, small)) / many
+    per_param = max(0.0, (big_s - small_s) / (numel - small))
+    overhead_s = max(0.0, small_s - small * per_param)
+
+    def cpu_steps() -> Callable[[], None]:
+        for _ in range(count):
+            adam.step_group(0, grad)
+        return lambda: None
+
+    def both() -> Callable[[], None]:
+        wait = chain.launch(count, numel)
+        cpu_steps()
+        return wait
+    device_s, cpu_s, both_s = count * big_s, _seconds(cpu_steps), _seconds(both)
+    shorter = min(device_s, cpu_s)
+    overlap = min(1.0, max(0.0, (device_s + cpu_s - both_s) / shorter)) if shorter > 0 else 1.0
+    return overlap, overhead_s
+
+
 def measure_update_rates(device: DeviceLayer, threads: int, numel: int = 1 << 19,
                          repeats: int = 2) -> UpdateRates:
-    """Measures B, Ug, Uc, Dc (well under a second for the default size on a laptop)."""
+    """Measures B, Ug, Uc, Dc and the mechanism's overlap and fixed cost per subgroup
+    (about a second for the default size on a laptop)."""
     host = device.pin_host(numel, torch.float32)
     host.fill_(1.0)
     dev = device.empty(numel, torch.float32)
@@ -82,7 +157,8 @@ def measure_update_rates(device: DeviceLayer, threads: int, numel: int = 1 << 19
     adam = CPUAdamW([torch.zeros(numel)], threads=threads)
     grad = torch.full((numel,), 1e-3)
     uc = _rate(numel, lambda: adam.step_group(0, grad), lambda: None, repeats)
-    return UpdateRates(b, ug, uc, downscale_rate(numel, repeats))
+    overlap, overhead_s = measure_mechanism(device, adam, numel)
+    return UpdateRates(b, ug, uc, downscale_rate(numel, repeats), overlap, overhead_s)
 
 
 def machine_key(device: DeviceLayer, threads: int) -> str:
@@ -114,5 +190,7 @@ def calibrated_update_rates(device: DeviceLayer, threads: int, cache_dir: str,
     log("optimizer update rates (params/s): "
         f"h2d {rates.h2d_params_per_s:.3g}, device update {rates.gpu_update_params_per_s:.3g}, "
         f"cpu update {rates.cpu_update_params_per_s:.3g}, "
-        f"downscale {rates.downscale_params_per_s:.3g} ({source})")
+        f"downscale {rates.downscale_params_per_s:.3g}; device and CPU sides overlap "
+        f"{rates.overlap:.2f}, {rates.subgroup_overhead_s * 1e6:.0f} us per device subgroup "
+        f"({source})")
     return rates
