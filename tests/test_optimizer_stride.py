@@ -80,9 +80,10 @@ def test_calibration_is_quick_and_cached_per_machine(tmp_path):
     for rate in (first.h2d_params_per_s, first.gpu_update_params_per_s,
                  first.cpu_update_params_per_s, first.downscale_params_per_s):
         assert rate > 1e6  # params/s: any machine updates a million parameters a second
-    # the mechanism's figures: a share, and a fixed cost per subgroup under 50 ms
+    # the mechanism's figures: a share, a fixed cost per subgroup under 50 ms, a throughput
     assert 0.0 <= first.overlap <= 1.0 and 0.0 <= first.subgroup_overhead_s < 0.05
-    assert "overlap" in lines[0] and "per device subgroup" in lines[0]
+    assert first.device_subgroup_params_per_s > 1e5
+    assert "device subgroups" in lines[0] and "overlapping the CPU's" in lines[0]
 
 
 @pytest.mark.parametrize("profile", ["paper-v100", "h100-sxm", "dgx-h100"])
@@ -243,8 +244,11 @@ def test_the_timing_model_prices_the_measured_overlap_and_fixed_cost():
     assert interleaved_update_time(35, 10, -3, rates) == pytest.approx(108 + 10 + 31)
     serial = dataclasses.replace(rates, overlap=0.0, subgroup_overhead_s=0.0)
     assert interleaved_update_time(35, 10, -3, serial) == pytest.approx(20 + 105 + 30)
+    # the mechanism measured at 1/8 parameter a second: 25 x 8 + 10 / 2 = 205 s device side
+    measured = dataclasses.replace(serial, device_subgroup_params_per_s=0.125)
+    assert interleaved_update_time(35, 10, -3, measured) == pytest.approx(20 + 205 + 30)
     for bad in ({"overlap": 1.5}, {"overlap": -0.1}, {"subgroup_overhead_s": -1.0},
-                {"subgroup_overhead_s": float("inf")}):
+                {"subgroup_overhead_s": float("inf")}, {"device_subgroup_params_per_s": 0.0}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             dataclasses.replace(rates, **bad)
 
@@ -261,6 +265,10 @@ def test_auto_keeps_stride_0_where_the_device_side_runs_on_the_kernels_cores(sub
     assert choice.split == 0 and choice.predicted_s[0] < choice.predicted_s[8]
     # all on the CPU: the kernel, the downscale, the 16-bit copies (1/(2B) each) not hidden
     assert choice.predicted_s[0] == pytest.approx(10**8 * (1 / 1.2e9 + 1 / 2.3e9 + 1 / 2.4e9))
+    # the mechanism as the CPU layer measures it (its streams beside the kernel's thread
+    # overlap in part, but it moves 2e7 parameters a second): no split either
+    chain = dataclasses.replace(CPU_LAYER, overlap=0.6, device_subgroup_params_per_s=2e7)
+    assert auto_split(chain, 10**8, subgroup).split == 0
 
 
 def test_a_fixed_cost_per_subgroup_keeps_small_subgroups_on_the_cpu():
@@ -284,7 +292,8 @@ def test_auto_is_never_predicted_slower_than_stride_0():
         for uc in (5e8, 2e9, 1e10):
             for overlap in (0.0, 0.4, 1.0):
                 for overhead in (0.0, 1e-5, 1e-3):
-                    rates = UpdateRates(b, ug, uc, 8.7e9, overlap, overhead)
+                    rates = UpdateRates(b, ug, uc, 8.7e9, overlap, overhead,
+                                        None if overlap else b / 4)
                     for subgroup in (10**5, 10**7, 10**8):
                         choice = auto_split(rates, 10**8, subgroup)
                         assert 0 in choice.predicted_s

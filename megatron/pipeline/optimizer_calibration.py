@@ -7,9 +7,9 @@ fp32 -> 16-bit conversion rate on the CPU. On the CPU device layer "device" mean
 same cores, so the figures describe the mechanism, not a GPU.
 
 Beyond Eq. 1's four, the device subgroups' real mechanism (DeviceSubgroupUpdater: load,
-update, flush on its streams) is timed: at two subgroup sizes, for its fixed cost per
-subgroup (a straight line through the two), and once while the C++ kernel runs on the
-calling thread, for how far the two sides overlap (a GPU's work runs beside the kernel;
+update, flush on its streams) is timed: at two subgroup sizes, for its throughput and its
+fixed cost per subgroup (a straight line through the two), and once while the C++ kernel
+runs on the calling thread, for how far the two sides overlap (a GPU's work runs beside the kernel;
 the CPU layer's "device" competes with it for the same cores). Measured alike on both
 layers: no branch on the device kind.
 """
@@ -21,6 +21,7 @@ import os
 import platform
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -106,35 +107,50 @@ class _SubgroupChain:
         return lambda: [one.result() for one in launched] and None
 
 
+@dataclass(frozen=True)
+class Mechanism:
+    """What the device subgroups' real mechanism costs, beside the C++ kernel."""
+
+    params_per_s: float  # the device side's throughput, subgroups launched back to back
+    overhead_s: float  # its fixed cost per subgroup
+    overlap: float  # the share of the shorter side hidden when both run at once
+
+
 def measure_mechanism(device: DeviceLayer, adam: CPUAdamW, numel: int,
-                      count: int = 2) -> tuple[float, float]:
-    """(overlap, subgroup_overhead_s) of the device subgroups' real mechanism beside the
-    C++ kernel. The fixed cost: the line through `count` subgroups of `numel` and 16 times
-    as many of MIN_SUBGROUP, each batch launched back to back as a stride does. The
-    overlap: the shorter of (`count` subgroups alone, as many C++ steps of `numel` alone)
-    hidden under the longer when both run at once, (alone + alone - together) / shorter."""
+                      count: int = 2) -> Mechanism:
+    """The device side: `count` subgroups of `numel` and 16 times as many of MIN_SUBGROUP,
+    each batch launched back to back as a stride does; the line through the two gives the
+    throughput and the fixed cost. The overlap: the device's `count` subgroups and as many
+    C++ steps of `numel` as take as long, alone and at once: (alone + alone - together) /
+    the shorter (sides of equal length, so that neither's noise swamps the other)."""
     chain = _SubgroupChain(device, numel)
     grad = torch.full((numel,), 1e-3)
     small, many = MIN_SUBGROUP, 16 * count
     chain.launch(1, numel)()  # warm-up: the streams' threads, the slots' first touch
     big_s = _seconds(lambda: chain.launch(count, numel)) / count
     small_s = _seconds(lambda: chain.launch(many, small)) / many
-    per_param = max(0.0, (big_s - small_s) / (numel - small))
-    overhead_s = max(0.0, small_s - small * per_param)
+    per_param = (big_s - small_s) / (numel - small)
+    if per_param <= 0:  # noise: the big batch no slower than the small
+        per_param, overhead_s = big_s / numel, 0.0
+    else:
+        overhead_s = max(0.0, small_s - small * per_param)
 
-    def cpu_steps() -> Callable[[], None]:
-        for _ in range(count):
+    def cpu_steps(steps: int) -> Callable[[], None]:
+        for _ in range(steps):
             adam.step_group(0, grad)
         return lambda: None
+    step_s = _seconds(lambda: cpu_steps(1))
+    steps = max(1, min(1000, round(count * big_s / step_s))) if step_s > 0 else 1
 
     def both() -> Callable[[], None]:
         wait = chain.launch(count, numel)
-        cpu_steps()
+        cpu_steps(steps)
         return wait
-    device_s, cpu_s, both_s = count * big_s, _seconds(cpu_steps), _seconds(both)
+    device_s, cpu_s = count * big_s, _seconds(lambda: cpu_steps(steps))
+    both_s = _seconds(both)
     shorter = min(device_s, cpu_s)
     overlap = min(1.0, max(0.0, (device_s + cpu_s - both_s) / shorter)) if shorter > 0 else 1.0
-    return overlap, overhead_s
+    return Mechanism(1.0 / per_param, overhead_s, overlap)
 
 
 def measure_update_rates(device: DeviceLayer, threads: int, numel: int = 1 << 19,
@@ -157,8 +173,9 @@ def measure_update_rates(device: DeviceLayer, threads: int, numel: int = 1 << 19
     adam = CPUAdamW([torch.zeros(numel)], threads=threads)
     grad = torch.full((numel,), 1e-3)
     uc = _rate(numel, lambda: adam.step_group(0, grad), lambda: None, repeats)
-    overlap, overhead_s = measure_mechanism(device, adam, numel)
-    return UpdateRates(b, ug, uc, downscale_rate(numel, repeats), overlap, overhead_s)
+    mechanism = measure_mechanism(device, adam, numel)
+    return UpdateRates(b, ug, uc, downscale_rate(numel, repeats), mechanism.overlap,
+                       mechanism.overhead_s, mechanism.params_per_s)
 
 
 def machine_key(device: DeviceLayer, threads: int) -> str:
@@ -190,7 +207,7 @@ def calibrated_update_rates(device: DeviceLayer, threads: int, cache_dir: str,
     log("optimizer update rates (params/s): "
         f"h2d {rates.h2d_params_per_s:.3g}, device update {rates.gpu_update_params_per_s:.3g}, "
         f"cpu update {rates.cpu_update_params_per_s:.3g}, "
-        f"downscale {rates.downscale_params_per_s:.3g}; device and CPU sides overlap "
-        f"{rates.overlap:.2f}, {rates.subgroup_overhead_s * 1e6:.0f} us per device subgroup "
-        f"({source})")
+        f"downscale {rates.downscale_params_per_s:.3g}; device subgroups "
+        f"{rates.device_subgroup_params_per_s or 0:.3g} and {rates.subgroup_overhead_s * 1e6:.0f} "
+        f"us each, overlapping the CPU's {rates.overlap:.2f} ({source})")
     return rates

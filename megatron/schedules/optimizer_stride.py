@@ -45,6 +45,9 @@ class UpdateRates:
     # 1 a GPU beside the host's cores, 0 a "device" that shares the kernel's cores
     overlap: float = 1.0
     subgroup_overhead_s: float = 0.0  # seconds per device subgroup beyond its parameters
+    # the device side's measured throughput through the subgroup mechanism (load, update,
+    # flush, subgroups back to back); None: Eq. 1's, 1 / (3/B + 1/Ug)
+    device_subgroup_params_per_s: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("h2d_params_per_s", "gpu_update_params_per_s", "cpu_update_params_per_s",
@@ -58,6 +61,18 @@ class UpdateRates:
                 and math.isfinite(self.subgroup_overhead_s) and self.subgroup_overhead_s >= 0):
             raise ValueError(f"subgroup_overhead_s={self.subgroup_overhead_s!r} must be a "
                              "finite number >= 0")
+        chain = self.device_subgroup_params_per_s
+        if chain is not None and not (isinstance(chain, (int, float)) and math.isfinite(chain)
+                                      and chain > 0):
+            raise ValueError(f"device_subgroup_params_per_s={chain!r} must be a finite number "
+                             "> 0 (or None)")
+
+    @property
+    def device_s_per_param(self) -> float:
+        """The device side's seconds per parameter of its subgroups: measured, or Eq. 1's."""
+        if self.device_subgroup_params_per_s is not None:
+            return 1.0 / self.device_subgroup_params_per_s
+        return 3.0 / self.h2d_params_per_s + 1.0 / self.gpu_update_params_per_s
 
 
 @dataclass(frozen=True)
@@ -160,8 +175,9 @@ def interleaved_update_time(numel: int, subgroup: int, split: int, rates: Update
     """Seconds to update `numel` parameters in subgroups of `subgroup` placed by `split`
     (see the module docstring; 0: all on the CPU): the slower side's total time, plus the
     part of the other's that does not overlap it (none in Eq. 1: `rates.overlap` = 1), plus
-    the last device subgroup's flush that nothing hides. Each device subgroup costs the
-    device side `rates.subgroup_overhead_s` besides its parameters."""
+    the last device subgroup's flush that nothing hides. The device side's subgroups cost
+    `rates.device_s_per_param` each parameter (Eq. 1's 3/B + 1/Ug unless measured) and
+    `rates.subgroup_overhead_s` each."""
     count = max(1, math.ceil(numel / subgroup))
     sizes = [min(numel, (i + 1) * subgroup) - i * subgroup
              for i in range(count) if is_device_subgroup(i, split)]
@@ -169,8 +185,7 @@ def interleaved_update_time(numel: int, subgroup: int, split: int, rates: Update
     cpu_params = numel - on_device
     cpu_s = cpu_params * (1.0 / rates.cpu_update_params_per_s + 1.0 / rates.downscale_params_per_s)
     b = rates.h2d_params_per_s
-    device_s = on_device * (3.0 / b + 1.0 / rates.gpu_update_params_per_s)
-    device_s += len(sizes) * rates.subgroup_overhead_s
+    device_s = on_device * rates.device_s_per_param + len(sizes) * rates.subgroup_overhead_s
     device_s += cpu_params / (2.0 * b)  # the CPU-updated 16-bit copies share the H2D link
     tail = subgroup * 3.0 / b + rates.subgroup_overhead_s if on_device else 0.0
     exposed = (1.0 - rates.overlap) * min(cpu_s, device_s)
