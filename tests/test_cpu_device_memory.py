@@ -90,3 +90,18 @@ def test_the_fit_check_and_autos_headroom_take_the_capacity(monkeypatch):
     free = free_memory()
     assert free.device == need + 3 * MIB and free.device_in_host
     assert refuse_what_does_not_fit(run, schedule, 1000, rank, None) == min(3 * MIB, unbounded)
+
+
+def test_a_one_process_run_is_held_to_the_capacity(monkeypatch):
+    from megatron.config.device_choice import DeviceChoice
+    from megatron.planning.fit import ResourceError
+    from megatron.training.fit_check import refuse_single_process_that_does_not_fit
+
+    run, _ = _tiny_run("0")
+    on_cpu = DeviceChoice("cpu", 0, "gloo")
+    monkeypatch.setenv(CPU_DEVICE_MEMORY_ENV, "1MiB")
+    with pytest.raises(ResourceError, match=r"^CPU device memory \(MEGATRON_CPU_DEVICE_MEMORY\)"
+                       r": the one-process run would need .*, 1.00 MiB available"):
+        refuse_single_process_that_does_not_fit(run, 1000, on_cpu)
+    monkeypatch.setenv(CPU_DEVICE_MEMORY_ENV, "1TiB")
+    refuse_single_process_that_does_not_fit(run, 1000, on_cpu)

@@ -1,5 +1,5 @@
 """The optimizer-stride model (Eq. 1 of Deep Optimizer States), its tool and the
-start-up calibration of its four throughputs."""
+start-up calibration of its throughputs."""
 
 import dataclasses
 import json
@@ -8,10 +8,14 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from megatron.config.placement import parse_gpu_stride, split_flag
-from megatron.offload.device import DeviceLayer
-from megatron.pipeline.optimizer_calibration import calibrated_update_rates
+from megatron.offload.device import CPU_DEVICE_MEMORY_ENV, DeviceLayer
+from megatron.pipeline.optimizer_calibration import (
+    calibrated_update_rates,
+    measure_update_rates,
+)
 from megatron.schedules.hardware import get_hardware, update_rates
 from megatron.schedules.optimizer_stride import (
     REFERENCE_NUMEL,
@@ -23,6 +27,7 @@ from megatron.schedules.optimizer_stride import (
     interleaved_update_time,
     is_device_subgroup,
 )
+from megatron.schedules.subgroup_memory import subgroup_slots_bytes
 from megatron.training.training import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -71,7 +76,9 @@ def test_the_tool_prints_k_and_refuses_a_bad_rate():
 def test_calibration_is_quick_and_cached_per_machine(tmp_path):
     lines = []
     with DeviceLayer("cpu") as device:
-        first = calibrated_update_rates(device, threads=1, cache_dir=str(tmp_path), log=lines.append)
+        # at a run's subgroup size of 2^17 (the default measures 2^19)
+        first = calibrated_update_rates(device, threads=1, cache_dir=str(tmp_path),
+                                        log=lines.append, subgroup=1 << 17)
         second = calibrated_update_rates(device, threads=1, cache_dir=str(tmp_path),
                                          log=lines.append)
     assert first == second
@@ -84,6 +91,19 @@ def test_calibration_is_quick_and_cached_per_machine(tmp_path):
     assert 0.0 <= first.overlap <= 1.0 and 0.0 <= first.subgroup_overhead_s < 0.05
     assert first.device_subgroup_params_per_s > 1e5
     assert "device subgroups" in lines[0] and "overlapping the CPU's" in lines[0]
+
+
+def test_calibration_fits_in_the_device_memory_of_the_subgroups_it_prices(monkeypatch):
+    """A first run calibrates where its subgroups are squeezed: measured with that subgroup
+    size, the calibration holds no more device memory than their two slots."""
+    size = 8192
+    monkeypatch.setenv(CPU_DEVICE_MEMORY_ENV, str(subgroup_slots_bytes(size, 4)))
+    with DeviceLayer("cpu") as device:
+        rates = measure_update_rates(device, threads=1, numel=size)
+        assert device.device_bytes == 0  # all given back
+    assert rates.device_subgroup_params_per_s > 0
+    with DeviceLayer("cpu") as device, pytest.raises(torch.OutOfMemoryError):
+        measure_update_rates(device, threads=1, numel=2 * size)  # the check that bounds it
 
 
 @pytest.mark.parametrize("profile", ["paper-v100", "h100-sxm", "dgx-h100"])

@@ -33,17 +33,22 @@ from megatron.pipeline.subgroup_device import DeviceSubgroupUpdater
 from megatron.schedules.optimizer_stride import UpdateRates
 from megatron.schedules.subgroup_memory import MIN_SUBGROUP
 
-CACHE_VERSION = 2  # 2: overlap and subgroup_overhead_s
+CACHE_VERSION = 2  # 2: the mechanism's throughput, fixed cost and overlap
+CALIBRATION_NUMEL = 1 << 19  # parameters per measurement, or the run's subgroup if smaller
 
 
-def _rate(numel: int, run: Callable[[], None], finish: Callable[[], None], repeats: int) -> float:
+def _rate(numel: int, run: Callable[[], None], finish: Callable[[], None], repeats: int,
+          trials: int = 3) -> float:
+    """Parameters per second of `repeats` runs, the best of `trials` after a warm-up (one
+    timing of a 2 MiB copy on a shared machine came out 20x low, and Eq. 1 with it)."""
     run()  # warm-up
     finish()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        run()
-    finish()
-    return numel * repeats / (time.perf_counter() - start)
+
+    def timed() -> Callable[[], None]:
+        for _ in range(repeats):
+            run()
+        return finish
+    return numel * repeats / _seconds(timed, trials)
 
 
 def _device_adam(device: DeviceLayer, numel: int) -> Callable[[], None]:
@@ -65,6 +70,22 @@ def device_update_rate(device: DeviceLayer, numel: int = 1 << 19, repeats: int =
     sync = (lambda: torch.cuda.synchronize(device.torch_device)) if device.kind == "cuda" else (lambda: None)
     with device.on(device.compute_stream):
         return _rate(numel, _device_adam(device, numel), sync, repeats)
+
+
+def h2d_rate(device: DeviceLayer, numel: int = 1 << 19, repeats: int = 2) -> float:
+    """B: fp32 parameters per second from a pinned buffer through the H2D stream."""
+    host = device.pin_host(numel, torch.float32)
+    host.fill_(1.0)
+    dev = device.empty(numel, torch.float32)
+    pending = []
+
+    def h2d() -> None:
+        pending.append(device.copy_async(dev, host, device.h2d_stream))
+
+    def h2d_done() -> None:
+        while pending:
+            pending.pop().wait()
+    return _rate(numel, h2d, h2d_done, repeats)
 
 
 def downscale_rate(numel: int = 1 << 19, repeats: int = 2) -> float:
@@ -118,14 +139,15 @@ class Mechanism:
 
 def measure_mechanism(device: DeviceLayer, adam: CPUAdamW, numel: int,
                       count: int = 2) -> Mechanism:
-    """The device side: `count` subgroups of `numel` and 16 times as many of MIN_SUBGROUP,
+    """The device side: `count` subgroups of `numel` and 16 times as many of MIN_SUBGROUP
+    (or an eighth of `numel`),
     each batch launched back to back as a stride does; the line through the two gives the
     throughput and the fixed cost. The overlap: the device's `count` subgroups and as many
     C++ steps of `numel` as take as long, alone and at once: (alone + alone - together) /
     the shorter (sides of equal length, so that neither's noise swamps the other)."""
     chain = _SubgroupChain(device, numel)
     grad = torch.full((numel,), 1e-3)
-    small, many = MIN_SUBGROUP, 16 * count
+    small, many = max(1, min(MIN_SUBGROUP, numel // 8)), 16 * count
     chain.launch(1, numel)()  # warm-up: the streams' threads, the slots' first touch
     big_s = _seconds(lambda: chain.launch(count, numel)) / count
     small_s = _seconds(lambda: chain.launch(many, small)) / many
@@ -153,22 +175,13 @@ def measure_mechanism(device: DeviceLayer, adam: CPUAdamW, numel: int,
     return Mechanism(1.0 / per_param, overhead_s, overlap)
 
 
-def measure_update_rates(device: DeviceLayer, threads: int, numel: int = 1 << 19,
+def measure_update_rates(device: DeviceLayer, threads: int, numel: int = CALIBRATION_NUMEL,
                          repeats: int = 2) -> UpdateRates:
     """Measures B, Ug, Uc, Dc and the mechanism's overlap and fixed cost per subgroup
-    (about a second for the default size on a laptop)."""
-    host = device.pin_host(numel, torch.float32)
-    host.fill_(1.0)
-    dev = device.empty(numel, torch.float32)
-    pending = []
-
-    def h2d() -> None:
-        pending.append(device.copy_async(dev, host, device.h2d_stream))
-
-    def h2d_done() -> None:
-        while pending:
-            pending.pop().wait()
-    b = _rate(numel, h2d, h2d_done, repeats)
+    (about a second for the default size on a laptop). Device memory: at most the two
+    subgroup slots of `numel` parameters (subgroup_slots_bytes), one measurement's buffers
+    at a time, so that it fits where subgroups of `numel` do."""
+    b = h2d_rate(device, numel, repeats)
     ug = device_update_rate(device, numel, repeats)
     adam = CPUAdamW([torch.zeros(numel)], threads=threads)
     grad = torch.full((numel,), 1e-3)
@@ -185,8 +198,11 @@ def machine_key(device: DeviceLayer, threads: int) -> str:
 
 
 def calibrated_update_rates(device: DeviceLayer, threads: int, cache_dir: str,
-                            log: Callable[[str], None] = print) -> UpdateRates:
-    """The cached rates of this machine, measured (and cached) on first use; logged."""
+                            log: Callable[[str], None] = print,
+                            subgroup: int = CALIBRATION_NUMEL) -> UpdateRates:
+    """The cached rates of this machine, measured (and cached) on first use; logged.
+    Measured with at most `subgroup` parameters (the run's subgroup size: the device memory
+    it has holds their slots)."""
     path = os.path.join(cache_dir, f"optimizer-rates-{machine_key(device, threads)}.json")
     rates = None
     try:
@@ -199,7 +215,7 @@ def calibrated_update_rates(device: DeviceLayer, threads: int, cache_dir: str,
     source = f"cached in {path}"
     if rates is None:
         start = time.perf_counter()
-        rates = measure_update_rates(device, threads)
+        rates = measure_update_rates(device, threads, min(CALIBRATION_NUMEL, subgroup))
         os.makedirs(cache_dir, exist_ok=True)
         payload = json.dumps({"version": CACHE_VERSION, "rates": rates.__dict__}).encode()
         atomic_write(path, lambda f: f.write(payload))

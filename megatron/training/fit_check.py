@@ -69,13 +69,16 @@ def refuse_single_process_that_does_not_fit(run: RunConfig, vocab_size: int,
                                             device: DeviceChoice) -> None:
     """Raise ResourceError when the one-process run needs more memory than its device has
     free now (the model, its optimizer and one micro-batch's activations): the GPU's on
-    CUDA, the host's on the CPU device layer."""
+    CUDA, the host's on the CPU device layer (its capacity, where
+    MEGATRON_CPU_DEVICE_MEMORY gives one)."""
     replicas_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     if device.kind == "cuda":
         free = torch.cuda.mem_get_info(device.index)[0]
         # ranks sharing a GPU (--share-gpu) share its memory
         sharing = replicas_here if device.shared_gpu else 1
         where = "GPU memory"
+    elif (capacity := cpu_device_capacity()) is not None:  # each process's own, as a GPU
+        free, sharing, where = capacity, 1, "CPU device memory (MEGATRON_CPU_DEVICE_MEMORY)"
     else:
         free = available_host_memory()
         if free is None:
