@@ -1,4 +1,4 @@
-"""The four throughputs of the optimizer-stride model (Eq. 1), measured on this machine
+"""The throughputs of the optimizer-stride model (Eq. 1) and of the subgroup mechanism, measured on this machine
 in a short start-up calibration and cached per machine.
 
 B: fp32 parameters per second host -> device through the device layer's H2D stream from a
