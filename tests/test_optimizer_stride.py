@@ -1,5 +1,5 @@
 """The optimizer-stride model (Eq. 1 of Deep Optimizer States), its tool and the
-start-up calibration of its four throughputs."""
+start-up calibration of its throughputs."""
 
 import dataclasses
 import json
@@ -8,10 +8,14 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from megatron.config.placement import parse_gpu_stride, split_flag
-from megatron.offload.device import DeviceLayer
-from megatron.pipeline.optimizer_calibration import calibrated_update_rates
+from megatron.offload.device import CPU_DEVICE_MEMORY_ENV, DeviceLayer
+from megatron.pipeline.optimizer_calibration import (
+    calibrated_update_rates,
+    measure_update_rates,
+)
 from megatron.schedules.hardware import get_hardware, update_rates
 from megatron.schedules.optimizer_stride import (
     REFERENCE_NUMEL,
@@ -23,6 +27,7 @@ from megatron.schedules.optimizer_stride import (
     interleaved_update_time,
     is_device_subgroup,
 )
+from megatron.schedules.subgroup_memory import subgroup_slots_bytes
 from megatron.training.training import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -71,14 +76,34 @@ def test_the_tool_prints_k_and_refuses_a_bad_rate():
 def test_calibration_is_quick_and_cached_per_machine(tmp_path):
     lines = []
     with DeviceLayer("cpu") as device:
-        first = calibrated_update_rates(device, threads=1, cache_dir=str(tmp_path), log=lines.append)
+        # at a run's subgroup size of 2^17 (the default measures 2^19)
+        first = calibrated_update_rates(device, threads=1, cache_dir=str(tmp_path),
+                                        log=lines.append, subgroup=1 << 17)
         second = calibrated_update_rates(device, threads=1, cache_dir=str(tmp_path),
                                          log=lines.append)
     assert first == second
     assert "measured in" in lines[0] and "cached in" in lines[1] and "measured" not in lines[1]
     assert len(list(tmp_path.iterdir())) == 1
-    for rate in vars(first).values():
+    for rate in (first.h2d_params_per_s, first.gpu_update_params_per_s,
+                 first.cpu_update_params_per_s, first.downscale_params_per_s):
         assert rate > 1e6  # params/s: any machine updates a million parameters a second
+    # the mechanism's figures: a share, a fixed cost per subgroup under 50 ms, a throughput
+    assert 0.0 <= first.overlap <= 1.0 and 0.0 <= first.subgroup_overhead_s < 0.05
+    assert first.device_subgroup_params_per_s > 1e5
+    assert "device subgroups" in lines[0] and "overlapping the CPU's" in lines[0]
+
+
+def test_calibration_fits_in_the_device_memory_of_the_subgroups_it_prices(monkeypatch):
+    """A first run calibrates where its subgroups are squeezed: measured with that subgroup
+    size, the calibration holds no more device memory than their two slots."""
+    size = 8192
+    monkeypatch.setenv(CPU_DEVICE_MEMORY_ENV, str(subgroup_slots_bytes(size, 4)))
+    with DeviceLayer("cpu") as device:
+        rates = measure_update_rates(device, threads=1, numel=size)
+        assert device.device_bytes == 0  # all given back
+    assert rates.device_subgroup_params_per_s > 0
+    with DeviceLayer("cpu") as device, pytest.raises(torch.OutOfMemoryError):
+        measure_update_rates(device, threads=1, numel=2 * size)  # the check that bounds it
 
 
 @pytest.mark.parametrize("profile", ["paper-v100", "h100-sxm", "dgx-h100"])
@@ -224,3 +249,74 @@ def test_auto_never_loses_to_stride_0_where_the_gpu_cannot_hold_its_subgroups(tm
         assert (auto["configuration"]["predicted_iteration_s"]
                 <= zero["configuration"]["predicted_iteration_s"])
         assert (auto["configuration"]["optimizer_gpu_stride"] != 0) == device_split_fits
+
+
+# What the CPU device layer measures (params/s): its "device" update in torch ops is
+# slower than the C++ kernel per parameter, yet Eq. 1 gives k = 8 from the throughputs.
+CPU_LAYER = UpdateRates(1.2e9, 2.5e8, 1.2e9, 2.3e9)
+
+
+def test_the_timing_model_prices_the_measured_overlap_and_fixed_cost():
+    """35 parameters in subgroups of 10, device:3 (10 + 10 + 5 on the device, 10 on the CPU),
+    all rates 1/s: CPU side 10 x 2 = 20 s; device side 25 x 4 + 10 / 2 = 105 s plus 1 s for
+    each of its 3 subgroups; half of the CPU's 20 s not hidden; the last flush 30 s + 1 s."""
+    rates = UpdateRates(1.0, 1.0, 1.0, 1.0, overlap=0.5, subgroup_overhead_s=1.0)
+    assert interleaved_update_time(35, 10, -3, rates) == pytest.approx(108 + 10 + 31)
+    serial = dataclasses.replace(rates, overlap=0.0, subgroup_overhead_s=0.0)
+    assert interleaved_update_time(35, 10, -3, serial) == pytest.approx(20 + 105 + 30)
+    # the mechanism measured at 1/8 parameter a second: 25 x 8 + 10 / 2 = 205 s device side
+    measured = dataclasses.replace(serial, device_subgroup_params_per_s=0.125)
+    assert interleaved_update_time(35, 10, -3, measured) == pytest.approx(20 + 205 + 30)
+    for bad in ({"overlap": 1.5}, {"overlap": -0.1}, {"subgroup_overhead_s": -1.0},
+                {"subgroup_overhead_s": float("inf")}, {"device_subgroup_params_per_s": 0.0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            dataclasses.replace(rates, **bad)
+
+
+@pytest.mark.parametrize("subgroup", [4096, 10**5])
+def test_auto_keeps_stride_0_where_the_device_side_runs_on_the_kernels_cores(subgroup):
+    """Eq. 1's assumption (the two sides overlap) makes the CPU layer's slower "device"
+    worth a stride; measured, they do not overlap (overlap 0): every split then costs its
+    device time on top of the CPU's, and auto keeps everything on the CPU at any layout."""
+    assert gpu_update_stride(CPU_LAYER).k == 8
+    assert auto_split(CPU_LAYER, 10**8, subgroup).split == 8  # as Eq. 1 assumes
+    measured = dataclasses.replace(CPU_LAYER, overlap=0.0)
+    choice = auto_split(measured, 10**8, subgroup)
+    assert choice.split == 0 and choice.predicted_s[0] < choice.predicted_s[8]
+    # all on the CPU: the kernel, the downscale, the 16-bit copies (1/(2B) each) not hidden
+    assert choice.predicted_s[0] == pytest.approx(10**8 * (1 / 1.2e9 + 1 / 2.3e9 + 1 / 2.4e9))
+    # the mechanism as the CPU layer measures it (its streams beside the kernel's thread
+    # overlap in part, but it moves 2e7 parameters a second): no split either
+    chain = dataclasses.replace(CPU_LAYER, overlap=0.6, device_subgroup_params_per_s=2e7)
+    assert auto_split(chain, 10**8, subgroup).split == 0
+
+
+def test_a_fixed_cost_per_subgroup_keeps_small_subgroups_on_the_cpu():
+    """The paper's rates (k = 2, a GPU beside the cores) with 10 us per device subgroup,
+    100M parameters: in subgroups of 1M the split still wins; squeezed to 10K (what a full
+    GPU leaves), 5000 device subgroups cost 50 ms, more than the split saves, and auto keeps
+    stride 0, where the model without the fixed cost took the stride."""
+    rates = dataclasses.replace(V100, subgroup_overhead_s=1e-5)
+    assert auto_split(rates, 10**8, 10**6).split == 2
+    squeezed = auto_split(rates, 10**8, 10**4)
+    assert squeezed.split == 0
+    without = auto_split(V100, 10**8, 10**4)
+    assert without.split == 2
+    assert squeezed.predicted_s[2] == pytest.approx(without.predicted_s[2] + 5001 * 1e-5)
+
+
+def test_auto_is_never_predicted_slower_than_stride_0():
+    """Over throughputs either side of the balance, overlaps and fixed costs, layouts from
+    squeezed to whole: auto's split is the fastest it weighed, 0 among them."""
+    for b, ug in ((3e9, 35e9), (1.2e9, 2.5e8), (2.5e10, 1e11)):
+        for uc in (5e8, 2e9, 1e10):
+            for overlap in (0.0, 0.4, 1.0):
+                for overhead in (0.0, 1e-5, 1e-3):
+                    rates = UpdateRates(b, ug, uc, 8.7e9, overlap, overhead,
+                                        None if overlap else b / 4)
+                    for subgroup in (10**5, 10**7, 10**8):
+                        choice = auto_split(rates, 10**8, subgroup)
+                        assert 0 in choice.predicted_s
+                        assert choice.predicted_s[choice.split] <= choice.predicted_s[0]
+                        assert choice.predicted_s[choice.split] == min(
+                            choice.predicted_s.values())

@@ -17,3 +17,24 @@ def format_shortfall(need: int, have: int, had: str = "free") -> str:
     too, whatever the two sizes round to."""
     return (f"need {format_bytes(need)}, {format_bytes(have)} {had} "
             f"({format_bytes(need - have)} short)")
+
+
+_UNITS = {"": 1, "b": 1, "k": 2 ** 10, "kib": 2 ** 10, "m": 2 ** 20, "mib": 2 ** 20,
+          "g": 2 ** 30, "gib": 2 ** 30, "t": 2 ** 40, "tib": 2 ** 40}
+BYTES_EXPECTED = "a byte count such as 536870912, 512MiB or 1.5GiB (units B, KiB, MiB, GiB, TiB; k, m, g, t as Docker's --shm-size)"
+
+
+def parse_bytes(text: str) -> int:
+    """'512MiB', '1.5 GiB', '2g', '4096' -> bytes (binary units, as format_bytes writes
+    them); ValueError naming BYTES_EXPECTED for anything else, zero and negatives
+    included."""
+    raw = text.strip()
+    number = raw.rstrip("BbKkMmGgTtIi ").strip()
+    unit = raw[len(number):].strip().lower()
+    try:
+        value = float(number) * _UNITS[unit]
+    except (ValueError, KeyError):
+        raise ValueError(BYTES_EXPECTED) from None
+    if not (value >= 1 and value < 2 ** 63):  # NaN and inf fail too
+        raise ValueError(BYTES_EXPECTED)
+    return int(value)

@@ -29,6 +29,14 @@ caching allocator (what `Tensor.record_stream` would do) and pinned host buffers
 The CPU sanitizer checks that an operation touches only the buffers it declares, and that
 whoever gives a buffer back to a pool has itself waited for the streams' work on it.
 
+Device memory of the CPU layer: unbounded by default (it is host memory). The environment
+variable MEGATRON_CPU_DEVICE_MEMORY (a byte count: 512MiB, 2GiB) gives it a capacity, so
+that a CPU run meets the limits a GPU run does: `mem_get_info` reports the capacity less
+what the layer holds, as torch.cuda.mem_get_info does, the fit check and auto's subgroups
+size against it, and holding more than the capacity raises torch.OutOfMemoryError, as
+CUDA's allocator does: a buffer the layer hands out beyond it, or the executor's book
+(its buffers, activations and checkpoints at an instruction boundary) above it.
+
 Host synchronisations: on a GPU, reading a device value on the host or waiting for the
 device stalls the thread that feeds the GPU. Such reads and waits on the main thread go
 through `read_scalar` and `wait_for`, which count them (`host_syncs`) on both layers, so a
@@ -50,11 +58,34 @@ from typing import Protocol
 
 import torch
 
+from megatron.common.units import BYTES_EXPECTED, format_bytes, parse_bytes
+from megatron.config.errors import ConfigError
 from megatron.offload.sanitizer import Clock, Sanitizer
 
 SANITIZER_ENV = "MEGATRON_DEVICE_SANITIZER"  # "1": as --device-sanitizer
 CHAOS_ENV = "MEGATRON_DEVICE_CHAOS"  # a seed: as --device-chaos SEED
 CHAOS_MAX_DELAY_S = 0.002  # the longest delay chaos puts before a copy stream's operation
+CPU_DEVICE_MEMORY_ENV = "MEGATRON_CPU_DEVICE_MEMORY"  # the CPU layer's device memory capacity
+
+
+def cpu_device_capacity() -> int | None:
+    """The CPU device layer's device memory capacity in bytes (MEGATRON_CPU_DEVICE_MEMORY),
+    None when unset (unbounded); a bad value is a ConfigError (one line, exit status 2)."""
+    text = os.environ.get(CPU_DEVICE_MEMORY_ENV, "").strip()
+    if not text:
+        return None
+    try:
+        return parse_bytes(text)
+    except ValueError:
+        raise ConfigError(CPU_DEVICE_MEMORY_ENV, repr(text),
+                          f"expected {BYTES_EXPECTED}: the CPU device layer's device "
+                          "memory") from None
+
+
+def out_of_memory(what: str, capacity: int) -> torch.OutOfMemoryError:
+    """The CPU layer's counterpart of CUDA's allocator error."""
+    return torch.OutOfMemoryError(f"CPU device layer out of memory: {what}; its capacity is "
+                                  f"{format_bytes(capacity)} ({CPU_DEVICE_MEMORY_ENV})")
 
 
 class Event(Protocol):
@@ -298,7 +329,10 @@ class MemoryBook:
     (`allocator_peak_bytes`) is a separate figure.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, capacity_bytes: int | None = None) -> None:
+        """`capacity_bytes`: the CPU layer's capacity, checked at every observation (None:
+        unchecked; on CUDA the allocator itself fails first)."""
+        self.capacity_bytes = capacity_bytes
         self.peak_bytes = 0
         self.peak_breakdown: dict[str, int] = dict.fromkeys(MEMORY_CATEGORIES, 0)
 
@@ -307,9 +341,14 @@ class MemoryBook:
         if total > self.peak_bytes:
             self.peak_bytes = total
             self.peak_breakdown = {name: held.get(name, 0) for name in MEMORY_CATEGORIES}
+            if self.capacity_bytes is not None and total > self.capacity_bytes:
+                parts = ", ".join(f"{k.replace('_', ' ')} {format_bytes(v)}"
+                                  for k, v in held.items() if v)
+                raise out_of_memory(f"the runtime holds {format_bytes(total)} ({parts})",
+                                    self.capacity_bytes)
 
     def reset_peak(self) -> None:
-        self.__init__()
+        self.__init__(self.capacity_bytes)
 
 
 class AccessChecks:
@@ -368,12 +407,19 @@ class LiveBytes:
     """The bytes of the device buffers handed out that are still referenced: each counts
     until the last reference to it is gone."""
 
-    def __init__(self) -> None:
+    def __init__(self, capacity_bytes: int | None = None) -> None:
+        """`capacity_bytes`: more than this held raises torch.OutOfMemoryError (None: no
+        limit)."""
+        self.capacity_bytes = capacity_bytes
         self._nbytes = 0
         self._lock = threading.RLock()  # finalizers may run inside it
 
     def count(self, tensor: torch.Tensor) -> torch.Tensor:
         with self._lock:
+            if (self.capacity_bytes is not None
+                    and self._nbytes + tensor.nbytes > self.capacity_bytes):
+                raise out_of_memory(f"tried to allocate {format_bytes(tensor.nbytes)} with "
+                                    f"{format_bytes(self._nbytes)} held", self.capacity_bytes)
             self._nbytes += tensor.nbytes
         weakref.finalize(tensor, self._freed, tensor.nbytes)
         return tensor
@@ -407,7 +453,9 @@ class DeviceLayer:
         self.sanitizer: Sanitizer | None = Sanitizer() if checked and kind == "cpu" else None
         self.chaos_seed = chaos_seed if kind == "cpu" else None
         self.checks = AccessChecks(self.sanitizer)
-        self._live = LiveBytes()  # device buffers handed out (see device_bytes)
+        # the CPU layer's device memory, when bounded (CUDA's own allocator bounds its)
+        self.capacity_bytes = cpu_device_capacity() if kind == "cpu" else None
+        self._live = LiveBytes(self.capacity_bytes)  # device buffers handed out (device_bytes)
         if kind == "cuda":
             if not torch.cuda.is_available():
                 raise RuntimeError("device kind='cuda' requested but CUDA is not available")
@@ -429,7 +477,7 @@ class DeviceLayer:
             self.h2d_stream = self._cpu_stream("h2d", origin_s, synchronous=False)
             self.d2h_stream = self._cpu_stream("d2h", origin_s, synchronous=False)
         self.host_syncs = 0  # reads and waits that block the host on the device
-        self.memory = MemoryBook()
+        self.memory = MemoryBook(self.capacity_bytes)
         self._side_streams: list[Stream] = []
 
     def _cpu_stream(self, name: str, origin_s: float, synchronous: bool) -> CpuStream:
@@ -472,6 +520,15 @@ class DeviceLayer:
         """Bytes of the device buffers this layer handed out that are still referenced
         (by their owner or by a stream's keep-alive), on CUDA and the CPU alike."""
         return self._live.nbytes
+
+    def mem_get_info(self) -> tuple[int, int] | None:
+        """(free, total) device bytes, as torch.cuda.mem_get_info: on the CPU layer the
+        capacity less what this layer holds; None when the CPU layer is unbounded."""
+        if self.kind == "cuda":
+            return torch.cuda.mem_get_info(self.torch_device)
+        if self.capacity_bytes is None:
+            return None
+        return max(0, self.capacity_bytes - self.device_bytes), self.capacity_bytes
 
     def pin_host(self, numel: int, dtype: torch.dtype, name: str | None = None) -> torch.Tensor:
         """Page-locked host memory on CUDA; raises if pinning fails. CPU: plain memory."""

@@ -268,7 +268,8 @@ class Pipeline:
         if stride is None:
             rates = calibrated_update_rates(
                 self.device, self.cpu_adam.threads, self.config.rates_cache_dir,
-                log=lambda line: print(f"rank {self.rank}: {line}", flush=True))
+                log=lambda line: print(f"rank {self.rank}: {line}", flush=True),
+                subgroup=size)  # within the device memory the subgroups get
             choice = auto_split(rates, max(sizes), size)  # priced at the layout it gets
             stride = choice.split
             predicted = ", ".join(f"{split_flag(s)} {t:.3g} s" for s, t in

@@ -1,10 +1,17 @@
-"""The four throughputs of the optimizer-stride model (Eq. 1), measured on this machine
+"""The throughputs of the optimizer-stride model (Eq. 1) and of the subgroup mechanism, measured on this machine
 in a short start-up calibration and cached per machine.
 
 B: fp32 parameters per second host -> device through the device layer's H2D stream from a
 pinned buffer; Ug: the device's AdamW update rate (in torch ops); Uc: the C++ kernel's update rate (no working copy); Dc: the
 fp32 -> 16-bit conversion rate on the CPU. On the CPU device layer "device" means the
 same cores, so the figures describe the mechanism, not a GPU.
+
+Beyond Eq. 1's four, the device subgroups' real mechanism (DeviceSubgroupUpdater: load,
+update, flush on its streams) is timed: at two subgroup sizes, for its throughput and its
+fixed cost per subgroup (a straight line through the two), and once while the C++ kernel
+runs on the calling thread, for how far the two sides overlap (a GPU's work runs beside the kernel;
+the CPU layer's "device" competes with it for the same cores). Measured alike on both
+layers: no branch on the device kind.
 """
 
 from __future__ import annotations
@@ -14,25 +21,34 @@ import os
 import platform
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from megatron.common.files import atomic_write
 from megatron.offload.device import DeviceLayer
 from megatron.optimizer.cpu_adam import CPUAdamW
+from megatron.optimizer.subgroups import AdamHyper
+from megatron.pipeline.subgroup_device import DeviceSubgroupUpdater
 from megatron.schedules.optimizer_stride import UpdateRates
+from megatron.schedules.subgroup_memory import MIN_SUBGROUP
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: the mechanism's throughput, fixed cost and overlap
+CALIBRATION_NUMEL = 1 << 19  # parameters per measurement, or the run's subgroup if smaller
 
 
-def _rate(numel: int, run: Callable[[], None], finish: Callable[[], None], repeats: int) -> float:
+def _rate(numel: int, run: Callable[[], None], finish: Callable[[], None], repeats: int,
+          trials: int = 3) -> float:
+    """Parameters per second of `repeats` runs, the best of `trials` after a warm-up (one
+    timing of a 2 MiB copy on a shared machine came out 20x low, and Eq. 1 with it)."""
     run()  # warm-up
     finish()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        run()
-    finish()
-    return numel * repeats / (time.perf_counter() - start)
+
+    def timed() -> Callable[[], None]:
+        for _ in range(repeats):
+            run()
+        return finish
+    return numel * repeats / _seconds(timed, trials)
 
 
 def _device_adam(device: DeviceLayer, numel: int) -> Callable[[], None]:
@@ -56,16 +72,8 @@ def device_update_rate(device: DeviceLayer, numel: int = 1 << 19, repeats: int =
         return _rate(numel, _device_adam(device, numel), sync, repeats)
 
 
-def downscale_rate(numel: int = 1 << 19, repeats: int = 2) -> float:
-    """Dc: fp32 -> bf16 conversions per second on the host."""
-    full = torch.ones(numel)
-    half = torch.empty(numel, dtype=torch.bfloat16)
-    return _rate(numel, lambda: half.copy_(full), lambda: None, repeats)
-
-
-def measure_update_rates(device: DeviceLayer, threads: int, numel: int = 1 << 19,
-                         repeats: int = 2) -> UpdateRates:
-    """Measures B, Ug, Uc, Dc (well under a second for the default size on a laptop)."""
+def h2d_rate(device: DeviceLayer, numel: int = 1 << 19, repeats: int = 2) -> float:
+    """B: fp32 parameters per second from a pinned buffer through the H2D stream."""
     host = device.pin_host(numel, torch.float32)
     host.fill_(1.0)
     dev = device.empty(numel, torch.float32)
@@ -77,12 +85,110 @@ def measure_update_rates(device: DeviceLayer, threads: int, numel: int = 1 << 19
     def h2d_done() -> None:
         while pending:
             pending.pop().wait()
-    b = _rate(numel, h2d, h2d_done, repeats)
+    return _rate(numel, h2d, h2d_done, repeats)
+
+
+def downscale_rate(numel: int = 1 << 19, repeats: int = 2) -> float:
+    """Dc: fp32 -> bf16 conversions per second on the host."""
+    full = torch.ones(numel)
+    half = torch.empty(numel, dtype=torch.bfloat16)
+    return _rate(numel, lambda: half.copy_(full), lambda: None, repeats)
+
+
+def _seconds(run: Callable[[], Callable[[], None]], trials: int = 3) -> float:
+    """The least of `trials` timings of `run()` and the wait it returns: the figure least
+    disturbed by whatever else the machine runs."""
+    best = float("inf")
+    for _ in range(trials):
+        start = time.perf_counter()
+        run()()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+class _SubgroupChain:
+    """Subgroups of host state streamed through the device updater, as a stride places them."""
+
+    HYPER = AdamHyper.of(1e-4, (0.9, 0.95), 1e-8, 0.0, step=1, inv_scale=1.0, clip=0.0)
+
+    def __init__(self, device: DeviceLayer, numel: int) -> None:
+        self.updater = DeviceSubgroupUpdater(device, numel)
+        self.p, self.m, self.v, self.g = (device.pin_host(numel, torch.float32) for _ in range(4))
+        for t in (self.p, self.m, self.v):
+            t.fill_(0.0)
+        self.g.fill_(1e-3)
+        self.out = device.pin_host(numel, torch.bfloat16)
+
+    def launch(self, count: int, size: int) -> Callable[[], None]:
+        """`count` subgroups of `size` launched back to back; returns the wait for them."""
+        size = min(size, self.p.numel())
+        launched = [self.updater.launch(self.p[:size], self.m[:size], self.v[:size],
+                                        self.g[:size], self.out[:size], self.HYPER)
+                    for _ in range(count)]
+        return lambda: [one.result() for one in launched] and None
+
+
+@dataclass(frozen=True)
+class Mechanism:
+    """What the device subgroups' real mechanism costs, beside the C++ kernel."""
+
+    params_per_s: float  # the device side's throughput, subgroups launched back to back
+    overhead_s: float  # its fixed cost per subgroup
+    overlap: float  # the share of the shorter side hidden when both run at once
+
+
+def measure_mechanism(device: DeviceLayer, adam: CPUAdamW, numel: int,
+                      count: int = 2) -> Mechanism:
+    """The device side: `count` subgroups of `numel` and 16 times as many of MIN_SUBGROUP
+    (or an eighth of `numel`),
+    each batch launched back to back as a stride does; the line through the two gives the
+    throughput and the fixed cost. The overlap: the device's `count` subgroups and as many
+    C++ steps of `numel` as take as long, alone and at once: (alone + alone - together) /
+    the shorter (sides of equal length, so that neither's noise swamps the other)."""
+    chain = _SubgroupChain(device, numel)
+    grad = torch.full((numel,), 1e-3)
+    small, many = max(1, min(MIN_SUBGROUP, numel // 8)), 16 * count
+    chain.launch(1, numel)()  # warm-up: the streams' threads, the slots' first touch
+    big_s = _seconds(lambda: chain.launch(count, numel)) / count
+    small_s = _seconds(lambda: chain.launch(many, small)) / many
+    per_param = (big_s - small_s) / (numel - small)
+    if per_param <= 0:  # noise: the big batch no slower than the small
+        per_param, overhead_s = big_s / numel, 0.0
+    else:
+        overhead_s = max(0.0, small_s - small * per_param)
+
+    def cpu_steps(steps: int) -> Callable[[], None]:
+        for _ in range(steps):
+            adam.step_group(0, grad)
+        return lambda: None
+    step_s = _seconds(lambda: cpu_steps(1))
+    steps = max(1, min(1000, round(count * big_s / step_s))) if step_s > 0 else 1
+
+    def both() -> Callable[[], None]:
+        wait = chain.launch(count, numel)
+        cpu_steps(steps)
+        return wait
+    device_s, cpu_s = count * big_s, _seconds(lambda: cpu_steps(steps))
+    both_s = _seconds(both)
+    shorter = min(device_s, cpu_s)
+    overlap = min(1.0, max(0.0, (device_s + cpu_s - both_s) / shorter)) if shorter > 0 else 1.0
+    return Mechanism(1.0 / per_param, overhead_s, overlap)
+
+
+def measure_update_rates(device: DeviceLayer, threads: int, numel: int = CALIBRATION_NUMEL,
+                         repeats: int = 2) -> UpdateRates:
+    """Measures B, Ug, Uc, Dc and the mechanism's overlap and fixed cost per subgroup
+    (about a second for the default size on a laptop). Device memory: at most the two
+    subgroup slots of `numel` parameters (subgroup_slots_bytes), one measurement's buffers
+    at a time, so that it fits where subgroups of `numel` do."""
+    b = h2d_rate(device, numel, repeats)
     ug = device_update_rate(device, numel, repeats)
     adam = CPUAdamW([torch.zeros(numel)], threads=threads)
     grad = torch.full((numel,), 1e-3)
     uc = _rate(numel, lambda: adam.step_group(0, grad), lambda: None, repeats)
-    return UpdateRates(b, ug, uc, downscale_rate(numel, repeats))
+    mechanism = measure_mechanism(device, adam, numel)
+    return UpdateRates(b, ug, uc, downscale_rate(numel, repeats), mechanism.overlap,
+                       mechanism.overhead_s, mechanism.params_per_s)
 
 
 def machine_key(device: DeviceLayer, threads: int) -> str:
@@ -92,8 +198,11 @@ def machine_key(device: DeviceLayer, threads: int) -> str:
 
 
 def calibrated_update_rates(device: DeviceLayer, threads: int, cache_dir: str,
-                            log: Callable[[str], None] = print) -> UpdateRates:
-    """The cached rates of this machine, measured (and cached) on first use; logged."""
+                            log: Callable[[str], None] = print,
+                            subgroup: int = CALIBRATION_NUMEL) -> UpdateRates:
+    """The cached rates of this machine, measured (and cached) on first use; logged.
+    Measured with at most `subgroup` parameters (the run's subgroup size: the device memory
+    it has holds their slots)."""
     path = os.path.join(cache_dir, f"optimizer-rates-{machine_key(device, threads)}.json")
     rates = None
     try:
@@ -106,7 +215,7 @@ def calibrated_update_rates(device: DeviceLayer, threads: int, cache_dir: str,
     source = f"cached in {path}"
     if rates is None:
         start = time.perf_counter()
-        rates = measure_update_rates(device, threads)
+        rates = measure_update_rates(device, threads, min(CALIBRATION_NUMEL, subgroup))
         os.makedirs(cache_dir, exist_ok=True)
         payload = json.dumps({"version": CACHE_VERSION, "rates": rates.__dict__}).encode()
         atomic_write(path, lambda f: f.write(payload))
@@ -114,5 +223,7 @@ def calibrated_update_rates(device: DeviceLayer, threads: int, cache_dir: str,
     log("optimizer update rates (params/s): "
         f"h2d {rates.h2d_params_per_s:.3g}, device update {rates.gpu_update_params_per_s:.3g}, "
         f"cpu update {rates.cpu_update_params_per_s:.3g}, "
-        f"downscale {rates.downscale_params_per_s:.3g} ({source})")
+        f"downscale {rates.downscale_params_per_s:.3g}; device subgroups "
+        f"{rates.device_subgroup_params_per_s or 0:.3g} and {rates.subgroup_overhead_s * 1e6:.0f} "
+        f"us each, overlapping the CPU's {rates.overlap:.2f} ({source})")
     return rates

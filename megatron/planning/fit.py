@@ -44,8 +44,14 @@ class FreeMemory:
 
     shm: int  # in the shared-memory file system (`shm_dir`)
     host: int  # MemAvailable
-    device: int | None  # the GPU's free memory; None on the CPU device layer
+    device: int | None  # the GPU's free memory; on the CPU layer its capacity, or None
     shm_dir: str = "/dev/shm"
+    # the CPU device layer: its device memory is host memory (counted in the host's need)
+    device_in_host: bool = False
+
+    def __post_init__(self) -> None:
+        if self.device is None and not self.device_in_host:  # no device figure: the CPU layer
+            object.__setattr__(self, "device_in_host", True)
 
 
 @dataclass(frozen=True)
@@ -98,11 +104,14 @@ def start_placement(placement: Placement) -> Placement:
 def device_headroom(plan: MemoryPlan, pipeline_rank: int, free: FreeMemory) -> int:
     """The device bytes this rank has free beyond its plan: its GPU's; on the CPU device
     layer, whose device memory is host memory, its share of what the node's host memory
-    keeps free beyond the node's plan."""
-    if free.device is not None:
-        return max(0, free.device - plan.gpu_total(pipeline_rank))
+    keeps free beyond the node's plan, and no more than its capacity leaves (when
+    MEGATRON_CPU_DEVICE_MEMORY bounds it)."""
+    device = None if free.device is None else max(0, free.device - plan.gpu_total(pipeline_rank))
+    if not free.device_in_host:
+        return device
     ranks = _ranks_on_node(plan, pipeline_rank)
-    return max(0, free.host - _host_need(plan, pipeline_rank, cpu_device=True)) // len(ranks)
+    host = max(0, free.host - _host_need(plan, pipeline_rank, cpu_device=True)) // len(ranks)
+    return host if device is None else min(device, host)
 
 
 def _ranks_on_node(plan: MemoryPlan, pipeline_rank: int) -> list[int]:
@@ -131,7 +140,7 @@ def first_shortfall(plan: MemoryPlan, pipeline_rank: int, free: FreeMemory,
                              f"would {format_shortfall(needs['shm_parameters'], free.shm)}: give "
                              "Docker --shm-size or use more nodes")
     # the CPU device layer's "device memory" is host memory too
-    host = _host_need(plan, pipeline_rank, cpu_device=free.device is None)
+    host = _host_need(plan, pipeline_rank, cpu_device=free.device_in_host)
     if host > free.host:
         return ResourceError("host memory", f"this node's optimizer states, gradients and "
                              f"parameters would {format_shortfall(host, free.host, 'available')}: "
@@ -142,7 +151,9 @@ def first_shortfall(plan: MemoryPlan, pipeline_rank: int, free: FreeMemory,
             parts = ", ".join(f"{t.replace('_', ' ')} "
                               f"{format_bytes(plan.per_gpu[pipeline_rank][t])}"
                               for t in GPU_TERMS)
-            return ResourceError("gpu memory", f"rank {pipeline_rank} would "
+            where = ("CPU device memory (MEGATRON_CPU_DEVICE_MEMORY)" if free.device_in_host
+                     else "gpu memory")
+            return ResourceError(where, f"rank {pipeline_rank} would "
                                  f"{format_shortfall(need, free.device)} ({parts}): use a "
                                  "smaller --micro-batch-size, more --forward-stages or more "
                                  "nodes (see --plan)")

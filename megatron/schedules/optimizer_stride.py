@@ -31,17 +31,48 @@ from megatron.config.placement import split_flag
 
 @dataclass(frozen=True)
 class UpdateRates:
-    """Throughputs in parameters per second (the paper's B, Ug, Uc, Dc)."""
+    """Throughputs in parameters per second (the paper's B, Ug, Uc, Dc), and what Eq. 1
+    takes for granted, as measured: how far the device's side and the CPU's run at once
+    (`overlap`), and what each device subgroup costs beyond its parameters
+    (`subgroup_overhead_s`). The defaults are Eq. 1's assumptions (full overlap, no fixed
+    cost)."""
 
     h2d_params_per_s: float  # B: fp32 parameters per second over each copy direction
     gpu_update_params_per_s: float  # Ug
     cpu_update_params_per_s: float  # Uc
     downscale_params_per_s: float  # Dc: fp32 -> 16-bit conversion on the CPU
+    # the share of the shorter side's time hidden under the longer's when both run at once:
+    # 1 a GPU beside the host's cores, 0 a "device" that shares the kernel's cores
+    overlap: float = 1.0
+    subgroup_overhead_s: float = 0.0  # seconds per device subgroup beyond its parameters
+    # the device side's measured throughput through the subgroup mechanism (load, update,
+    # flush, subgroups back to back); None: Eq. 1's, 1 / (3/B + 1/Ug)
+    device_subgroup_params_per_s: float | None = None
 
     def __post_init__(self) -> None:
-        for name, value in asdict(self).items():
+        for name in ("h2d_params_per_s", "gpu_update_params_per_s", "cpu_update_params_per_s",
+                     "downscale_params_per_s"):
+            value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(f"{name}={value!r} must be a finite number > 0")
+        if not (isinstance(self.overlap, (int, float)) and 0.0 <= self.overlap <= 1.0):
+            raise ValueError(f"overlap={self.overlap!r} must be within [0, 1]")
+        if not (isinstance(self.subgroup_overhead_s, (int, float))
+                and math.isfinite(self.subgroup_overhead_s) and self.subgroup_overhead_s >= 0):
+            raise ValueError(f"subgroup_overhead_s={self.subgroup_overhead_s!r} must be a "
+                             "finite number >= 0")
+        chain = self.device_subgroup_params_per_s
+        if chain is not None and not (isinstance(chain, (int, float)) and math.isfinite(chain)
+                                      and chain > 0):
+            raise ValueError(f"device_subgroup_params_per_s={chain!r} must be a finite number "
+                             "> 0 (or None)")
+
+    @property
+    def device_s_per_param(self) -> float:
+        """The device side's seconds per parameter of its subgroups: measured, or Eq. 1's."""
+        if self.device_subgroup_params_per_s is not None:
+            return 1.0 / self.device_subgroup_params_per_s
+        return 3.0 / self.h2d_params_per_s + 1.0 / self.gpu_update_params_per_s
 
 
 @dataclass(frozen=True)
@@ -142,15 +173,20 @@ def auto_split(rates: UpdateRates, numel: int = REFERENCE_NUMEL,
 
 def interleaved_update_time(numel: int, subgroup: int, split: int, rates: UpdateRates) -> float:
     """Seconds to update `numel` parameters in subgroups of `subgroup` placed by `split`
-    (see the module docstring; 0: all on the CPU), the two sides overlapping as in Eq. 1:
-    the slower side's total time, plus the last device subgroup's flush that nothing hides."""
+    (see the module docstring; 0: all on the CPU): the slower side's total time, plus the
+    part of the other's that does not overlap it (none in Eq. 1: `rates.overlap` = 1), plus
+    the last device subgroup's flush that nothing hides. The device side's subgroups cost
+    `rates.device_s_per_param` each parameter (Eq. 1's 3/B + 1/Ug unless measured) and
+    `rates.subgroup_overhead_s` each."""
     count = max(1, math.ceil(numel / subgroup))
-    on_device = sum(min(numel, (i + 1) * subgroup) - i * subgroup
-                    for i in range(count) if is_device_subgroup(i, split))
+    sizes = [min(numel, (i + 1) * subgroup) - i * subgroup
+             for i in range(count) if is_device_subgroup(i, split)]
+    on_device = sum(sizes)
     cpu_params = numel - on_device
     cpu_s = cpu_params * (1.0 / rates.cpu_update_params_per_s + 1.0 / rates.downscale_params_per_s)
     b = rates.h2d_params_per_s
-    device_s = on_device * (3.0 / b + 1.0 / rates.gpu_update_params_per_s)
+    device_s = on_device * rates.device_s_per_param + len(sizes) * rates.subgroup_overhead_s
     device_s += cpu_params / (2.0 * b)  # the CPU-updated 16-bit copies share the H2D link
-    tail = subgroup * 3.0 / b if on_device else 0.0
-    return max(cpu_s, device_s) + tail
+    tail = subgroup * 3.0 / b + rates.subgroup_overhead_s if on_device else 0.0
+    exposed = (1.0 - rates.overlap) * min(cpu_s, device_s)
+    return max(cpu_s, device_s) + exposed + tail

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from megatron.config.device_choice import DeviceChoice, choose_device
 from megatron.config.errors import ConfigError
 from megatron.models.cpu_adaptation import set_up_megatron_core
+from megatron.offload.device import cpu_device_capacity
 from megatron.pipeline.data_parallel import ParallelLayout
 from megatron.pipeline.host_group import forget_host_group
 
@@ -70,8 +71,11 @@ def decide_device(share_gpu: bool = False) -> DeviceChoice:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     available = torch.cuda.is_available()
-    return choose_device(available, torch.cuda.device_count() if available else 0,
-                         local_rank, local_world, share_gpu)
+    choice = choose_device(available, torch.cuda.device_count() if available else 0,
+                           local_rank, local_world, share_gpu)
+    if choice.kind == "cpu":
+        cpu_device_capacity()  # a bad MEGATRON_CPU_DEVICE_MEMORY: refused before any start
+    return choice
 
 
 def apply_device(choice: DeviceChoice, seed: int,

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from megatron.common.meminfo import available_host_memory
 from megatron.config.device_choice import DeviceChoice
 from megatron.config.run import RunConfig
+from megatron.offload.device import cpu_device_capacity
 from megatron.pipeline.node_memory import DEFAULT_SHM_DIR, free_bytes, resolve_procs_per_node
 from megatron.planning.fit import (
     FreeMemory,
@@ -29,12 +30,16 @@ from megatron.schedules.instructions import Schedule
 
 
 def free_memory(shm_dir: str = DEFAULT_SHM_DIR) -> FreeMemory:
-    """What this process's node and device have free now."""
+    """What this process's node and device have free now: on the CPU device layer its
+    capacity when MEGATRON_CPU_DEVICE_MEMORY bounds it (the layer holds nothing before the
+    pipeline exists, DeviceLayer.mem_get_info), else no device figure."""
     host = available_host_memory()
     if host is None:
         raise OSError("no MemAvailable in /proc/meminfo")
-    device = torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else None
-    return FreeMemory(free_bytes(shm_dir), host, device, shm_dir)
+    if torch.cuda.is_available():
+        return FreeMemory(free_bytes(shm_dir), host, torch.cuda.mem_get_info()[0], shm_dir)
+    return FreeMemory(free_bytes(shm_dir), host, cpu_device_capacity(), shm_dir,
+                      device_in_host=True)
 
 
 def refuse_what_does_not_fit(run: RunConfig, schedule: Schedule, vocab_size: int,
@@ -47,7 +52,7 @@ def refuse_what_does_not_fit(run: RunConfig, schedule: Schedule, vocab_size: int
     free = free_memory()
     plan = run_memory_plan(run, schedule, vocab_size,
                            resolve_procs_per_node(run.parallel.procs_per_node),
-                           on_cuda=free.device is not None)
+                           on_cuda=not free.device_in_host)
     error = found or first_shortfall(plan, pipeline_rank, free, run.precision.working_bytes)
     if schedule.ranks * run.data_parallel_size > 1 and dist.is_initialized():
         flag = torch.tensor([1.0 if error else 0.0])
@@ -64,13 +69,16 @@ def refuse_single_process_that_does_not_fit(run: RunConfig, vocab_size: int,
                                             device: DeviceChoice) -> None:
     """Raise ResourceError when the one-process run needs more memory than its device has
     free now (the model, its optimizer and one micro-batch's activations): the GPU's on
-    CUDA, the host's on the CPU device layer."""
+    CUDA, the host's on the CPU device layer (its capacity, where
+    MEGATRON_CPU_DEVICE_MEMORY gives one)."""
     replicas_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     if device.kind == "cuda":
         free = torch.cuda.mem_get_info(device.index)[0]
         # ranks sharing a GPU (--share-gpu) share its memory
         sharing = replicas_here if device.shared_gpu else 1
         where = "GPU memory"
+    elif (capacity := cpu_device_capacity()) is not None:  # each process's own, as a GPU
+        free, sharing, where = capacity, 1, "CPU device memory (MEGATRON_CPU_DEVICE_MEMORY)"
     else:
         free = available_host_memory()
         if free is None:
