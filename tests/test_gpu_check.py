@@ -106,11 +106,12 @@ def test_the_summary_sets_the_decoupled_run_beside_megatron_core_and_the_plan():
                                             "full": {"iteration_s": {"median": 2.5}, "mfu": 0.12}}}}
     steps = [{"step": "1.35B decoupled vs megatron-core", "figures": large, "passed": True},
              {"step": "hardware profile and plan", "passed": True,
-              "figures": {"plan": {"predicted_iteration_s": 3.0}}}]
+              "figures": {"plan": {"predicted_iteration_s": 3.0}, "predicted_spread": 0.04}}]
     figures = gpu_check.summary(steps)
     assert figures["decoupled_over_megatron_core_none_recompute"] == pytest.approx(1.25)
     assert figures["decoupled_over_megatron_core_full_recompute"] == pytest.approx(0.8)
     assert figures["plan_predicted_over_measured"] == pytest.approx(1.5)
+    assert figures["plan_predicted_spread_between_profiles"] == 0.04
     line = gpu_check.verdict(steps, ["H100"], figures, 300, "r.json")
     assert "1.35B decoupled 2.00 s/iteration against megatron-core 1.60 s none recompute " \
            "(x1.25), megatron-core 2.50 s full recompute (x0.80)" in line

@@ -30,6 +30,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -239,28 +240,43 @@ def checkpoint(workdir: str) -> tuple[bool, dict]:
     return ok, figures
 
 
+PROFILE_FIELDS = ("gpu_peak_flops", "efficiency_half_tokens", "pcie_bytes_per_s",
+                  "d2h_bytes_per_s", "h2d_shm_bytes_per_s", "cpu_optimizer_params_per_s",
+                  "host_memory_bytes_per_s", "gpu_update_params_per_s", "pass_overhead_s",
+                  "backward_over_forward", "compute_spread", "datasheet_peak_flops")
+PROFILES = 2  # back to back: how far two profiles of this machine, and their plans, differ
+
+
 def profile_plan(workdir: str) -> tuple[bool, dict]:
-    hardware = os.path.join(workdir, "hardware.json")
-    profile = run([sys.executable, os.path.join(ROOT, "tools", "profile_hardware.py"),
-                   "--out", hardware, "--bf16", "--gpus-per-node", "1"])  # as the run: one GPU
-    if profile.returncode != 0:
-        return False, {"profile": {"returncode": profile.returncode,
-                                   "output_tail": tail(profile)}}
-    with open(hardware) as f:
-        measured = json.load(f)
-    plan = run([sys.executable, PRETRAIN, *LARGE_RUN, "--plan", "--json", "--hardware",
-                hardware, "--nodes", "1", "--gpus-per-node", "1"])
-    figures: dict = {"profile": {k: measured.get(k) for k in (
-        "gpu_peak_flops", "pcie_bytes_per_s", "d2h_bytes_per_s", "h2d_shm_bytes_per_s",
-        "cpu_optimizer_params_per_s", "host_memory_bytes_per_s", "gpu_update_params_per_s",
-        "pass_overhead_s", "backward_over_forward")}, "profile_file": hardware}
-    if plan.returncode not in (0, 3):  # 3: does not fit, still a prediction
-        figures["plan"] = {"returncode": plan.returncode, "output_tail": tail(plan)}
-        return False, figures
-    configuration = json.loads(plan.stdout)["configuration"]
-    figures["plan"] = {"fits": configuration["fits"],
-                       "predicted_iteration_s": configuration["predicted_iteration_s"],
-                       "mfu": configuration["mfu"], "flags": configuration["flags"]}
+    """tools/profile_hardware.py at the 1.35B run's own layer shapes (its flags), twice, and
+    --plan's prediction for that run from each profile: the first is compared with the
+    measured iteration, their spread says how repeatable a profile of this machine is."""
+    figures: dict = {"profiles": [], "plans": []}
+    for i in range(PROFILES):
+        hardware = os.path.join(workdir, f"hardware-{i}.json")
+        profile = run([sys.executable, os.path.join(ROOT, "tools", "profile_hardware.py"),
+                       "--out", hardware, "--gpus-per-node", "1", *LARGE_RUN])  # one GPU
+        if profile.returncode != 0:
+            figures["profiles"].append({"returncode": profile.returncode,
+                                        "output_tail": tail(profile)})
+            return False, figures
+        with open(hardware) as f:
+            measured = json.load(f)
+        figures["profiles"].append({k: measured.get(k) for k in PROFILE_FIELDS}
+                                   | {"compute_shape": measured.get("compute_shape")})
+        plan = run([sys.executable, PRETRAIN, *LARGE_RUN, "--plan", "--json", "--hardware",
+                    hardware, "--nodes", "1", "--gpus-per-node", "1"])
+        if plan.returncode not in (0, 3):  # 3: does not fit, still a prediction
+            figures["plans"].append({"returncode": plan.returncode, "output_tail": tail(plan)})
+            return False, figures
+        configuration = json.loads(plan.stdout)["configuration"]
+        figures["plans"].append({"fits": configuration["fits"],
+                                 "predicted_iteration_s": configuration["predicted_iteration_s"],
+                                 "mfu": configuration["mfu"], "flags": configuration["flags"]})
+    predicted = [p["predicted_iteration_s"] for p in figures["plans"]]
+    figures["plan"] = figures["plans"][0]
+    figures["profile_file"] = os.path.join(workdir, "hardware-0.json")
+    figures["predicted_spread"] = (max(predicted) - min(predicted)) / statistics.median(predicted)
     return True, figures
 
 
