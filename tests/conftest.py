@@ -1,11 +1,11 @@
 """Test tiers by marker: `unit` (one process, seconds), `multiproc` (launches processes or
 builds the demo corpus: minutes), `cuda` (needs a GPU, skipped without one).
 
-`pytest -m unit` is the fast loop; the full suite (`make test`) runs all three. The
-modules with multi-process tests run after the others, so that the zygote their ranks are
-forked from (tests/forked_ranks.py) and the demo corpus they train on
-(tests/shared_corpus.py) get ready in the background meanwhile, on the core the
-one-process tests leave idle.
+`pytest -m unit` is the fast loop; the full suite (`make test`, tests/run_suite.py) runs
+the `unit` tier in one session beside the others in another. In one session, the modules
+with multi-process tests run after the others, so that the zygote their ranks are forked
+from (tests/forked_ranks.py) and the demo corpus they train on (tests/shared_corpus.py)
+get ready in the background meanwhile, on the core the one-process tests leave idle.
 """
 
 import pytest
