@@ -10,10 +10,13 @@ the tests that look at /dev/shm look at their own job's segments only.
     python tests/run_suite.py ARGS...      one pytest session with ARGS (a selection)
 
 Exit status: 0 when both sessions passed, else the first failing one's (pytest's codes).
+The sessions end with this process: on Ctrl-C and SIGTERM it ends them and what they
+started, and the kernel ends them if it is killed outright.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
@@ -22,6 +25,19 @@ import tempfile
 import time
 
 PYTEST = [sys.executable, "-m", "pytest", "-q", "-rs"]
+PR_SET_PDEATHSIG = 1
+
+
+def _end_with_this_process() -> None:
+    """In each session, before it runs: SIGTERM when this process dies, SIGKILL included."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):  # not Linux: Ctrl-C and SIGTERM still end them
+        pass
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)  # through run_tiers' clean-up, as Ctrl-C goes
 
 
 def _stop(procs: list[subprocess.Popen]) -> None:
@@ -42,6 +58,19 @@ def _stop(procs: list[subprocess.Popen]) -> None:
 
 def run_tiers() -> int:
     started = time.monotonic()
+    previous = signal.signal(signal.SIGTERM, _terminated)
+    try:
+        codes = _both_sessions()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    print(f"run_suite: both tiers in {time.monotonic() - started:.1f} s (one-process tier "
+          f"exit {codes[0]}, the rest exit {codes[1]})", flush=True)
+    return next((code for code in codes if code != 0), 0)
+
+
+def _both_sessions() -> list[int]:
+    """Both sessions' exit statuses, the one-process tier's first; its report printed after
+    the other's."""
     with tempfile.TemporaryDirectory(prefix="pytest-tiers-") as tmp:
         unit_log = os.path.join(tmp, "unit.log")
         with open(unit_log, "w") as log:
@@ -49,10 +78,11 @@ def run_tiers() -> int:
                 # the one-process tier: its report is printed after the other tier's
                 subprocess.Popen([*PYTEST, "-m", "unit", "-p", "no:cacheprovider",
                                   "--basetemp", os.path.join(tmp, "unit")],
-                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True),
+                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                 preexec_fn=_end_with_this_process),
                 subprocess.Popen([*PYTEST, "-m", "not unit",
                                   "--basetemp", os.path.join(tmp, "rest")],
-                                 start_new_session=True),
+                                 start_new_session=True, preexec_fn=_end_with_this_process),
             ]
             try:
                 codes = [proc.wait() for proc in reversed(procs)][::-1]
@@ -63,9 +93,7 @@ def run_tiers() -> int:
               flush=True)
         with open(unit_log) as log:
             sys.stdout.write(log.read())
-    print(f"run_suite: both tiers in {time.monotonic() - started:.1f} s (one-process tier "
-          f"exit {codes[0]}, the rest exit {codes[1]})", flush=True)
-    return next((code for code in codes if code != 0), 0)
+    return codes
 
 
 def main(argv: list[str]) -> int:

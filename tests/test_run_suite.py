@@ -2,7 +2,11 @@
 temporary directory, the one-process tier's report after the other's, and the exit status
 of the first tier that failed. Stand-in sessions (a few lines of Python) play pytest."""
 
+import os
+import signal
+import subprocess
 import sys
+import time
 
 import pytest
 
@@ -66,3 +70,60 @@ def test_a_selection_runs_one_session_with_the_arguments(monkeypatch, capfd):
                                               "import sys; print(sys.argv[1:]); sys.exit(4)"])
     assert run_suite.main(["tests/test_units.py", "-k", "x"]) == 4
     assert capfd.readouterr().out.strip() == "['tests/test_units.py', '-k', 'x']"
+
+
+# the runner in its own interpreter, its sessions stand-ins that write their pid and sleep
+DRIVER = """
+import sys
+sys.path.insert(0, {root!r})
+from tests import run_suite
+run_suite.PYTEST = [sys.executable, "-c", {sleeper!r}]
+sys.exit(run_suite.main([]))
+"""
+SLEEPER = """
+import os, subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+with open(os.path.join({pids!r}, f"child-{{child.pid}}"), "w"):
+    pass
+with open(os.path.join({pids!r}, str(os.getpid())), "w"):
+    pass
+time.sleep(60)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is gone, its parent not yet told
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL])
+def test_the_sessions_end_when_the_runner_is_terminated_or_killed(tmp_path, how):
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    runner = subprocess.Popen([sys.executable, "-c", DRIVER.format(
+        root=root, sleeper=SLEEPER.format(pids=str(pids)))])
+    deadline = time.monotonic() + 30
+    while len(os.listdir(pids)) < 4:
+        assert time.monotonic() < deadline and runner.poll() is None
+        time.sleep(0.02)
+    runner.send_signal(how)
+    runner.wait(timeout=30)
+    sessions = [int(name) for name in os.listdir(pids) if not name.startswith("child-")]
+    # what a session started: ended with it on SIGTERM (its process group); after a
+    # SIGKILL, the session's own clean-up is its business (pytest's zygote dies with it)
+    started = [int(name.split("-")[1]) for name in os.listdir(pids) if name.startswith("child-")]
+    gone = sessions + (started if how == signal.SIGTERM else [])
+    try:
+        deadline = time.monotonic() + 10
+        while any(_alive(pid) for pid in gone) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not [pid for pid in gone if _alive(pid)], "a process outlived its runner"
+    finally:
+        for pid in sessions + started:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
