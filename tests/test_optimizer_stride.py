@@ -75,7 +75,9 @@ def test_the_tool_prints_k_and_refuses_a_bad_rate():
 
 def test_calibration_is_quick_and_cached_per_machine(tmp_path):
     lines = []
-    with DeviceLayer("cpu") as device:
+    # under the stream sanitizer, as training with --device-sanitizer calibrates: a
+    # subgroup's load that reads what the one before it still flushes is a race
+    with DeviceLayer("cpu", sanitize=True) as device:
         # at a run's subgroup size of 2^17 (the default measures 2^19)
         first = calibrated_update_rates(device, threads=1, cache_dir=str(tmp_path),
                                         log=lines.append, subgroup=1 << 17)
@@ -249,6 +251,35 @@ def test_auto_never_loses_to_stride_0_where_the_gpu_cannot_hold_its_subgroups(tm
         assert (auto["configuration"]["predicted_iteration_s"]
                 <= zero["configuration"]["predicted_iteration_s"])
         assert (auto["configuration"]["optimizer_gpu_stride"] != 0) == device_split_fits
+
+
+def test_plan_prices_auto_with_the_mechanism_the_profile_measured(tmp_path, capsys):
+    """A profile carries the subgroups' mechanism as tools/profile_hardware.py measures it:
+    update_rates passes it on, and --plan's auto, which took a device split on the profile
+    with Eq. 1's assumptions, takes stride 0 when the mechanism is as slow as the CPU layer's
+    (2e7 parameters/s, 0.5 ms a subgroup, no overlap): the runtime's choice. A value out of
+    range is refused when the profile loads."""
+    def auto_stride(profile):
+        path = tmp_path / "gpu.json"
+        path.write_text(profile.to_json())
+        assert main(["--plan", "--json", "--model-preset", "small", "--gpus-per-node", "1",
+                     "--global-batch-size", "16", "--bf16", "--hardware", str(path),
+                     "--optimizer-gpu-stride", "auto"]) == 0
+        return json.loads(capsys.readouterr().out)["configuration"]["optimizer_gpu_stride"]
+
+    assumed = dataclasses.replace(get_hardware("h100-sxm"), gpus_per_node=1)
+    slow = dataclasses.replace(assumed, device_subgroup_params_per_s=2e7,
+                               subgroup_overhead_s=5e-4, update_overlap=0.0)
+    rates = update_rates(slow)
+    assert (rates.device_subgroup_params_per_s, rates.subgroup_overhead_s,
+            rates.overlap) == (2e7, 5e-4, 0.0)
+    assert update_rates(assumed).overlap == 1.0 and update_rates(assumed).subgroup_overhead_s == 0
+    assert auto_stride(assumed) != 0
+    assert auto_stride(slow) == 0
+    for field, bad in (("update_overlap", 1.5), ("subgroup_overhead_s", -1.0),
+                       ("device_subgroup_params_per_s", 0.0)):
+        with pytest.raises(ValueError, match=field):
+            dataclasses.replace(assumed, **{field: bad})
 
 
 # What the CPU device layer measures (params/s): its "device" update in torch ops is

@@ -11,7 +11,9 @@ prices. One progress line per measurement on stderr; well under a minute. Measur
 and device -> host copies from pinned and from shared-memory buffers, the C++ CPU AdamW
 update rate at the thread count training would use (cores / GPUs per node, all GPUs'
 processes together), host memory bandwidth, AdamW on the device (torch ops) and the host's
-fp32 -> bf16 conversion (the optimizer GPU stride's rates), the device's matmul throughput at the model's
+fp32 -> bf16 conversion (the optimizer GPU stride's rates), the optimizer subgroups'
+mechanism as --optimizer-gpu-stride auto measures it at start-up (throughput, fixed cost
+per subgroup, overlap with the C++ AdamW), the device's matmul throughput at the model's
 shapes: one decoder layer's forward at micro-batches 1, the model's and twice it, in
 interleaved rounds (the profile keeps their spread), fitted to the cost model's
 efficiency curve (on CUDA the GPU's; on the CPU device layer the CPU's, measured by one process
@@ -63,7 +65,12 @@ from megatron.optimizer.state_io import (  # noqa: E402
     disk_free_bytes,
     shared_engine,
 )
-from megatron.pipeline.optimizer_calibration import device_update_rate, downscale_rate  # noqa: E402
+from megatron.pipeline.optimizer_calibration import (  # noqa: E402
+    CALIBRATION_NUMEL,
+    device_update_rate,
+    downscale_rate,
+    measure_mechanism,
+)
 from megatron.schedules.cost_model import layer_forward_flops_per_token  # noqa: E402
 from megatron.schedules.gpu_peaks import datasheet_peak_flops  # noqa: E402
 from megatron.schedules.hardware import (  # noqa: E402
@@ -472,6 +479,12 @@ def profile(args: argparse.Namespace, run: RunConfig) -> HardwareProfile:
     downscale = downscale_rate(4 * MIB, repeats=3)
     progress(f"AdamW on the device {device_adam / 1e9:.2f} G parameters/s (fp32, torch ops); "
              f"fp32 -> bf16 on the host {downscale / 1e9:.2f} G parameters/s")
+    # the device subgroups' mechanism, measured as --optimizer-gpu-stride auto measures it
+    mechanism = measure_mechanism(
+        device, CPUAdamW([torch.zeros(CALIBRATION_NUMEL)], threads=threads), CALIBRATION_NUMEL)
+    progress(f"optimizer subgroups through the device {mechanism.params_per_s / 1e9:.3g} G "
+             f"parameters/s, {mechanism.overhead_s * 1e6:.0f} us each, overlapping the C++ "
+             f"AdamW {mechanism.overlap:.2f}")
     micro_batch = run.training.micro_batch_size
     tokens = model.seq_length * micro_batch
     matmul = matmul_flops(device, model.hidden_size, model.ffn_hidden_size, tokens, dtype)
@@ -559,6 +572,9 @@ def profile(args: argparse.Namespace, run: RunConfig) -> HardwareProfile:
         host_memory_bytes_per_s=host_bw,
         gpu_update_params_per_s=device_adam,
         downscale_params_per_s=downscale,
+        device_subgroup_params_per_s=mechanism.params_per_s,
+        subgroup_overhead_s=mechanism.overhead_s,
+        update_overlap=mechanism.overlap,
         cpu_cores=cores,
         host_memory_bytes=host_total,
         shm_bytes=shm_free,

@@ -107,24 +107,34 @@ def _seconds(run: Callable[[], Callable[[], None]], trials: int = 3) -> float:
 
 
 class _SubgroupChain:
-    """Subgroups of host state streamed through the device updater, as a stride places them."""
+    """Subgroups of host state streamed through the device updater, as a stride places them:
+    each subgroup of a batch with host state of its own, as a stage's subgroups have (a
+    subgroup's load must not read what the one before it still flushes; the stream
+    sanitizer tracks a pinned buffer as a whole)."""
 
     HYPER = AdamHyper.of(1e-4, (0.9, 0.95), 1e-8, 0.0, step=1, inv_scale=1.0, clip=0.0)
 
     def __init__(self, device: DeviceLayer, numel: int) -> None:
+        self.device = device
         self.updater = DeviceSubgroupUpdater(device, numel)
-        self.p, self.m, self.v, self.g = (device.pin_host(numel, torch.float32) for _ in range(4))
-        for t in (self.p, self.m, self.v):
+        self._states: dict[tuple[int, int], list[tuple[torch.Tensor, ...]]] = {}
+
+    def _subgroup_state(self, size: int) -> tuple[torch.Tensor, ...]:
+        """p, m, v, a gradient (fp32) and the 16-bit copy of one subgroup, pinned."""
+        p, m, v, g = (self.device.pin_host(size, torch.float32) for _ in range(4))
+        for t in (p, m, v):
             t.fill_(0.0)
-        self.g.fill_(1e-3)
-        self.out = device.pin_host(numel, torch.bfloat16)
+        g.fill_(1e-3)
+        return p, m, v, g, self.device.pin_host(size, torch.bfloat16)
 
     def launch(self, count: int, size: int) -> Callable[[], None]:
-        """`count` subgroups of `size` launched back to back; returns the wait for them."""
-        size = min(size, self.p.numel())
-        launched = [self.updater.launch(self.p[:size], self.m[:size], self.v[:size],
-                                        self.g[:size], self.out[:size], self.HYPER)
-                    for _ in range(count)]
+        """`count` subgroups of `size` launched back to back, each on its own host state (made
+        once per batch shape); returns the wait for them."""
+        size = min(size, self.updater.max_numel)
+        if (count, size) not in self._states:
+            self._states[count, size] = [self._subgroup_state(size) for _ in range(count)]
+        launched = [self.updater.launch(*state, self.HYPER)
+                    for state in self._states[count, size]]
         return lambda: [one.result() for one in launched] and None
 
 

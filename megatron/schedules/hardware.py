@@ -79,6 +79,25 @@ class HardwareProfile:
     compute_shape: dict | None = None
     # The measured layer rate's spread over the profile's rounds: (max - min) / median
     compute_spread: float = 0.0
+    # The optimizer's device subgroups as their mechanism runs (what --optimizer-gpu-stride
+    # auto measures at start-up, megatron/pipeline/optimizer_calibration.py): parameters
+    # per second with subgroups back to back (None: Eq. 1's 1 / (3/B + 1/Ug)), the fixed
+    # cost of each subgroup, and how far the device's side overlaps the C++ kernel (1:
+    # fully, Eq. 1's assumption, a GPU beside the host's cores)
+    device_subgroup_params_per_s: float | None = None
+    subgroup_overhead_s: float = 0.0
+    update_overlap: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.update_overlap <= 1.0:
+            raise ValueError(f"update_overlap={self.update_overlap!r}: expected 0 to 1")
+        if not self.subgroup_overhead_s >= 0.0:
+            raise ValueError(f"subgroup_overhead_s={self.subgroup_overhead_s!r}: expected "
+                             "seconds >= 0")
+        rate = self.device_subgroup_params_per_s
+        if rate is not None and not rate > 0.0:
+            raise ValueError(f"device_subgroup_params_per_s={rate!r}: expected parameters "
+                             "per second > 0, or null")
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2) + "\n"
@@ -193,9 +212,13 @@ def get_hardware(name: str) -> HardwareProfile:
 def update_rates(hardware: HardwareProfile) -> UpdateRates | None:
     """Eq. 1's four rates for one GPU of `hardware` (None when the profile lacks the device
     update rate): B from the pinned copy rate in fp32, Uc the node's CPU rate shared by
-    its GPUs."""
+    its GPUs; with the subgroups' mechanism as the profile measured it (Eq. 1's assumptions
+    where it did not), so that --plan's `auto` takes the split the runtime's would."""
     downscale = hardware.downscale_params_per_s or hardware.host_memory_bytes_per_s / 6
     if hardware.gpu_update_params_per_s <= 0 or downscale <= 0:
         return None
     return UpdateRates(hardware.pcie_bytes_per_s / 4, hardware.gpu_update_params_per_s,
-                       hardware.cpu_optimizer_params_per_s / hardware.gpus_per_node, downscale)
+                       hardware.cpu_optimizer_params_per_s / hardware.gpus_per_node, downscale,
+                       overlap=hardware.update_overlap,
+                       subgroup_overhead_s=hardware.subgroup_overhead_s,
+                       device_subgroup_params_per_s=hardware.device_subgroup_params_per_s)
