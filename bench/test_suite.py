@@ -58,7 +58,7 @@ def baseline_checkout(commit: str, into: str) -> str:
     path = os.path.join(into, "baseline")
     subprocess.run(["git", "worktree", "add", "--detach", path, commit], cwd=ROOT,
                    check=True, capture_output=True)
-    for built in glob.glob(os.path.join(ROOT, "megatron", "optimizer", "_cpu_adam*.so")):
+    for built in glob.glob(os.path.join(ROOT, "megatron", "optimizer", "*.so")):
         shutil.copy(built, os.path.join(path, "megatron", "optimizer"))
     return path
 
