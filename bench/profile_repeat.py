@@ -36,6 +36,7 @@ PRICED_FIELDS = (
     "p2p_latency_s", "instruction_overhead_s", "cpu_optimizer_params_per_s",
     "pcie_bytes_per_s", "d2h_bytes_per_s", "h2d_shm_bytes_per_s", "p2p_bytes_per_s",
     "host_memory_bytes_per_s", "gpu_update_params_per_s", "downscale_params_per_s",
+    "device_subgroup_params_per_s", "subgroup_overhead_s", "update_overlap",
 )
 DEFAULT_MODEL = ["--model-preset", "tiny"]
 
