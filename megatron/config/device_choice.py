@@ -11,9 +11,27 @@ environment, so a test can make the CUDA decision on a machine without a GPU. Ap
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
+from megatron.common.units import BYTES_EXPECTED, parse_bytes
 from megatron.config.errors import ConfigError
+
+CPU_DEVICE_MEMORY_ENV = "MEGATRON_CPU_DEVICE_MEMORY"  # the CPU layer's device memory capacity
+
+
+def cpu_device_capacity() -> int | None:
+    """The CPU device layer's device memory capacity in bytes (MEGATRON_CPU_DEVICE_MEMORY),
+    None when unset (unbounded); a bad value is a ConfigError (one line, exit status 2)."""
+    text = os.environ.get(CPU_DEVICE_MEMORY_ENV, "").strip()
+    if not text:
+        return None
+    try:
+        return parse_bytes(text)
+    except ValueError:
+        raise ConfigError(CPU_DEVICE_MEMORY_ENV, repr(text),
+                          f"expected {BYTES_EXPECTED}: the CPU device layer's device "
+                          "memory") from None
 
 
 @dataclass(frozen=True)

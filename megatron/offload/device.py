@@ -58,30 +58,13 @@ from typing import Protocol
 
 import torch
 
-from megatron.common.units import BYTES_EXPECTED, format_bytes, parse_bytes
-from megatron.config.errors import ConfigError
+from megatron.common.units import format_bytes
+from megatron.config.device_choice import CPU_DEVICE_MEMORY_ENV, cpu_device_capacity
 from megatron.offload.sanitizer import Clock, Sanitizer
 
 SANITIZER_ENV = "MEGATRON_DEVICE_SANITIZER"  # "1": as --device-sanitizer
 CHAOS_ENV = "MEGATRON_DEVICE_CHAOS"  # a seed: as --device-chaos SEED
 CHAOS_MAX_DELAY_S = 0.002  # the longest delay chaos puts before a copy stream's operation
-CPU_DEVICE_MEMORY_ENV = "MEGATRON_CPU_DEVICE_MEMORY"  # the CPU layer's device memory capacity
-
-
-def cpu_device_capacity() -> int | None:
-    """The CPU device layer's device memory capacity in bytes (MEGATRON_CPU_DEVICE_MEMORY),
-    None when unset (unbounded); a bad value is a ConfigError (one line, exit status 2)."""
-    text = os.environ.get(CPU_DEVICE_MEMORY_ENV, "").strip()
-    if not text:
-        return None
-    try:
-        return parse_bytes(text)
-    except ValueError:
-        raise ConfigError(CPU_DEVICE_MEMORY_ENV, repr(text),
-                          f"expected {BYTES_EXPECTED}: the CPU device layer's device "
-                          "memory") from None
-
-
 def out_of_memory(what: str, capacity: int) -> torch.OutOfMemoryError:
     """The CPU layer's counterpart of CUDA's allocator error."""
     return torch.OutOfMemoryError(f"CPU device layer out of memory: {what}; its capacity is "

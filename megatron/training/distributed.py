@@ -22,10 +22,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from megatron.config.device_choice import DeviceChoice, choose_device
+from megatron.config.device_choice import DeviceChoice, choose_device, cpu_device_capacity
 from megatron.config.errors import ConfigError
 from megatron.models.cpu_adaptation import set_up_megatron_core
-from megatron.offload.device import cpu_device_capacity
 from megatron.pipeline.data_parallel import ParallelLayout
 from megatron.pipeline.host_group import forget_host_group
 

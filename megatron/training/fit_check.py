@@ -14,9 +14,8 @@ import torch
 import torch.distributed as dist
 
 from megatron.common.meminfo import available_host_memory
-from megatron.config.device_choice import DeviceChoice
+from megatron.config.device_choice import DeviceChoice, cpu_device_capacity
 from megatron.config.run import RunConfig
-from megatron.offload.device import cpu_device_capacity
 from megatron.pipeline.node_memory import DEFAULT_SHM_DIR, free_bytes, resolve_procs_per_node
 from megatron.planning.fit import (
     FreeMemory,
