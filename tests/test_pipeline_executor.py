@@ -186,6 +186,11 @@ def started(request, tmp_path_factory, demo_cache):
     runs = {}
     if "reference" in needed:
         runs["reference"] = start(tmp_path_factory.mktemp("ref"), "single", 1)
+    if "unfused_reference" in needed:
+        # attention as megatron-core's local spec computes it (the seq x seq scores), where
+        # every other run here uses torch's scaled_dot_product_attention (the default)
+        runs["unfused_reference"] = start(tmp_path_factory.mktemp("unfused"), "single", 1,
+                                          "--attention-backend", "unfused")
     if "two_processes" in needed:
         # 4 micro-batches on 2 processes; decoupled: 4 forward stages split d = 2 (the default)
         # under chaos (copy streams delayed at random) and the sanitizer: a missing wait
@@ -212,6 +217,11 @@ def reference(started):
 
 
 @pytest.fixture(scope="module")
+def unfused_reference(started):
+    return succeeded(started["unfused_reference"].wait())
+
+
+@pytest.fixture(scope="module")
 def two_processes(started):
     return succeeded(started["two_processes"].wait())
 
@@ -225,6 +235,22 @@ def four_processes(started):
 def test_two_processes_match_one_process(schedule, two_processes, reference):
     assert_same_training(ScheduleRun(two_processes, schedule), reference)
     assert metrics(ScheduleRun(two_processes, schedule))[0]["schedule"] == schedule
+
+
+def test_unfused_attention_computes_otherwise_and_trains_alike(unfused_reference, reference):
+    """--attention-backend unfused takes megatron-core's attention (other arithmetic, other
+    bits) and trains as the default SDPA kernel does, within 1e-5 in fp32."""
+    sdpa, unfused = final_masters(reference), final_masters(unfused_reference)
+    assert not all(torch.equal(sdpa[name], unfused[name]) for name in sdpa)
+    assert_same_training(unfused_reference, reference)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_every_schedule_with_sdpa_matches_one_process_with_unfused_attention(
+        schedule, two_processes, unfused_reference):
+    """The fast attention kernel changes nothing a user sees: each schedule's run (SDPA, the
+    default) trains like one process computing attention unfused, within 1e-5 in fp32."""
+    assert_same_training(ScheduleRun(two_processes, schedule), unfused_reference)
 
 
 @pytest.mark.parametrize("schedule", TWO_NODE_SCHEDULES)
