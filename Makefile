@@ -39,7 +39,8 @@ train: setup
 
 # The suite as two pytest sessions at once (tests/run_suite.py): the one-process tier beside
 # the multi-process one. PYTEST_ARGS=...: one pytest session with them (a selection).
-# -rs: one line per skipped test with its reason (the cuda tests without a GPU, ...)
+# -rfEs: one line per failed, erroring or skipped test (a skip with its reason: the cuda
+# tests without a GPU, ...)
 test: setup
 	$(VENV)/bin/ruff check .
 	$(PY) tests/run_suite.py $(PYTEST_ARGS)

@@ -50,7 +50,10 @@ def run_suite(checkout: str) -> dict:
     found = [f for f in found if f]
     return {"seconds": seconds, "returncode": proc.returncode,
             "passed": sum(int(f.group(1)) for f in found),
-            "skipped": sum(int(f.group(2) or 0) for f in found)}
+            "skipped": sum(int(f.group(2) or 0) for f in found),
+            # what failed, so that a failing side says which tests
+            "failed": [line for line in proc.stdout.splitlines()
+                       if line.startswith(("FAILED ", "ERROR "))]}
 
 
 def baseline_checkout(commit: str, into: str) -> str:

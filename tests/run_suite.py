@@ -24,7 +24,7 @@ import sys
 import tempfile
 import time
 
-PYTEST = [sys.executable, "-m", "pytest", "-q", "-rs"]
+PYTEST = [sys.executable, "-m", "pytest", "-q", "-rfEs"]  # failures, errors, skips
 PR_SET_PDEATHSIG = 1
 
 
