@@ -11,6 +11,8 @@ buffer, which the executor owns).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -33,13 +35,16 @@ def push_parameters(
 
 def receive_parameters(
     segment: SharedSegment, src_rank: int, group: dist.ProcessGroup | None = None,
-    republish: bool = False,
+    republish: bool = False, on_arrival: Callable[[], None] | None = None,
 ) -> int:
     """Receive a pushed version into `segment` (a local replica) and publish it
-    (`republish`: the version it holds, see SharedSegment.publish)."""
+    (`republish`: the version it holds, see SharedSegment.publish). `on_arrival` is called
+    once the bytes are in, before the version is published (a reader may start at once)."""
     version = torch.empty(1, dtype=torch.int64)
     dist.recv(version, src_rank, group=group)
     segment.begin_write()
     dist.recv(segment.params.view(torch.uint8), src_rank, group=group)
+    if on_arrival is not None:
+        on_arrival()
     segment.publish(int(version.item()), republish)
     return int(version.item())

@@ -147,12 +147,17 @@ class ParameterDistributor:
             if self.link_delay_s:
                 time.sleep(self.link_delay_s)
             push_parameters(segment, list(replica.holders), group=self.group, version=version)
+            end = time.perf_counter()
         else:
             start = time.perf_counter()
-            receive_parameters(segment, replica.owner, group=self.group, republish=republish)
+            # the receipt ends when the bytes are in, before the version is published: a
+            # forward waiting for it may run before this thread is scheduled again
+            arrived: list[float] = []
+            receive_parameters(segment, replica.owner, group=self.group, republish=republish,
+                               on_arrival=lambda: arrived.append(time.perf_counter()))
+            end = arrived[0]
         with self._lock:
-            self.transfers.append(Transfer(replica.backward_stage, version, sent, start,
-                                           time.perf_counter()))
+            self.transfers.append(Transfer(replica.backward_stage, version, sent, start, end))
 
     def _wait_published(self, segment, version: int) -> None:
         while True:
