@@ -26,10 +26,13 @@ import time
 
 PYTEST = [sys.executable, "-m", "pytest", "-q", "-rfEs"]  # failures, errors, skips
 PR_SET_PDEATHSIG = 1
+STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
 
 def _end_with_this_process() -> None:
-    """In each session, before it runs: SIGTERM when this process dies, SIGKILL included."""
+    """In each session, before it runs: SIGTERM when this process dies, SIGKILL included;
+    and the signals this process holds back while it starts the sessions let through."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     try:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     except (OSError, AttributeError):  # not Linux: Ctrl-C and SIGTERM still end them
@@ -74,21 +77,27 @@ def _both_sessions() -> list[int]:
     with tempfile.TemporaryDirectory(prefix="pytest-tiers-") as tmp:
         unit_log = os.path.join(tmp, "unit.log")
         with open(unit_log, "w") as log:
-            procs = [
-                # the one-process tier: its report is printed after the other tier's
-                subprocess.Popen([*PYTEST, "-m", "unit", "-p", "no:cacheprovider",
-                                  "--basetemp", os.path.join(tmp, "unit")],
-                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                 preexec_fn=_end_with_this_process),
-                subprocess.Popen([*PYTEST, "-m", "not unit",
-                                  "--basetemp", os.path.join(tmp, "rest")],
-                                 start_new_session=True, preexec_fn=_end_with_this_process),
-            ]
+            procs: list[subprocess.Popen] = []
+            # Ctrl-C and SIGTERM wait while the sessions start: one started but not yet in
+            # `procs` could not be ended (its children would outlive it)
+            signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
             try:
+                # the one-process tier: its report is printed after the other tier's
+                procs.append(subprocess.Popen(
+                    [*PYTEST, "-m", "unit", "-p", "no:cacheprovider",
+                     "--basetemp", os.path.join(tmp, "unit")],
+                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                    preexec_fn=_end_with_this_process))
+                procs.append(subprocess.Popen(
+                    [*PYTEST, "-m", "not unit", "--basetemp", os.path.join(tmp, "rest")],
+                    start_new_session=True, preexec_fn=_end_with_this_process))
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # one pending: now
                 codes = [proc.wait() for proc in reversed(procs)][::-1]
             except BaseException:
                 _stop(procs)
                 raise
+            finally:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
         print("\n===== the one-process tier (-m unit), run beside the above =====",
               flush=True)
         with open(unit_log) as log:
