@@ -1,8 +1,8 @@
 """`make test`: the whole suite as two pytest sessions at once, the one-process tier
 (`-m unit`) beside the rest (the multi-process and CUDA tests). The multi-process tests
 leave part of the machine idle (a rank waits on its peer, a launcher on its ranks), and
-the one-process tests fill it: on 2 cores the suite takes about four fifths of one session's
-time. The tiers share nothing a test compares: each has its own temporary directory, and
+the one-process tests fill it: on 2 cores the suite took 0.93 of one session's time
+(BENCHMARKS.md, "Two pytest sessions at once"). The tiers share nothing a test compares: each has its own temporary directory, and
 the tests that look at /dev/shm look at their own job's segments only.
 
     python tests/run_suite.py              both tiers at once; the rest streams, the
