@@ -31,7 +31,6 @@ import argparse
 import dataclasses
 import json
 import os
-import platform
 import re
 import statistics
 import subprocess
@@ -41,6 +40,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.machine import machine  # noqa: E402
 from bench.spread import spread  # noqa: E402
 from megatron.config.placement import split_flag  # noqa: E402
 from megatron.data.run_data import prepare_data  # noqa: E402
@@ -153,9 +153,8 @@ def main() -> None:
     print(json.dumps({
         "command": " ".join(["python", "bench/auto_tight.py", *sys.argv[1:]]),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": {"cpu": _cpu(), "cores": os.cpu_count(), "python": platform.python_version(),
-                    "load_average_at_start": load_at_start,
-                    "load_average_at_end": os.getloadavg()},
+        "machine": machine(load_average_at_start=load_at_start,
+                           load_average_at_end=os.getloadavg()),
         "rounds": args.rounds, "train_iters": args.train_iters,
         "seconds": round(time.time() - started, 1),
         "capacity_bytes": capacity, "plan_bytes_per_rank": needs,
@@ -163,15 +162,6 @@ def main() -> None:
         "eq1_would_choose": {r: split_flag(s) for r, s in old.items()},
         "variants": {name: " ".join(flags) for name, flags in variants.items()},
         "figures": summary, "runs": runs}, indent=1))
-
-
-def _cpu() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f
-                        if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor()
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -28,6 +27,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.machine import machine  # noqa: E402
 from bench.spread import spread  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -107,20 +107,10 @@ def main() -> None:
     print(json.dumps({
         "command": " ".join(["python", "bench/exposed_optimizer.py", *sys.argv[1:]]),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": {"cpu": _cpu(), "cores": os.cpu_count(), "python": platform.python_version(),
-                    "load_average_at_end": os.getloadavg()},
+        "machine": machine(load_average_at_end=os.getloadavg()),
         "baseline": rev, "rounds": args.rounds, "train_iters": args.train_iters,
         "nproc": args.nproc, "seconds": round(time.time() - started, 1),
         "figures": summary, "runs": runs}, indent=1))
-
-
-def _cpu() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f
-                        if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor()
 
 
 if __name__ == "__main__":
