@@ -396,6 +396,7 @@ class LiveBytes:
         self.capacity_bytes = capacity_bytes
         self._nbytes = 0
         self._lock = threading.RLock()  # finalizers may run inside it
+        self._buffers: weakref.WeakSet[torch.Tensor] = weakref.WeakSet()
 
     def count(self, tensor: torch.Tensor) -> torch.Tensor:
         with self._lock:
@@ -404,6 +405,7 @@ class LiveBytes:
                 raise out_of_memory(f"tried to allocate {format_bytes(tensor.nbytes)} with "
                                     f"{format_bytes(self._nbytes)} held", self.capacity_bytes)
             self._nbytes += tensor.nbytes
+            self._buffers.add(tensor)
         weakref.finalize(tensor, self._freed, tensor.nbytes)
         return tensor
 
@@ -415,6 +417,11 @@ class LiveBytes:
     def nbytes(self) -> int:
         with self._lock:
             return self._nbytes
+
+    def buffers(self) -> list[torch.Tensor]:
+        """The buffers still referenced (for measurements of the memory behind them)."""
+        with self._lock:
+            return list(self._buffers)
 
 
 class DeviceLayer:
@@ -503,6 +510,11 @@ class DeviceLayer:
         """Bytes of the device buffers this layer handed out that are still referenced
         (by their owner or by a stream's keep-alive), on CUDA and the CPU alike."""
         return self._live.nbytes
+
+    def live_buffers(self) -> list[torch.Tensor]:
+        """The device buffers counted in `device_bytes` (on the CPU layer, host memory:
+        what bench/host_memory.py measures as the layer's own)."""
+        return self._live.buffers()
 
     def mem_get_info(self) -> tuple[int, int] | None:
         """(free, total) device bytes, as torch.cuda.mem_get_info: on the CPU layer the

@@ -1,0 +1,378 @@
+"""Host memory of a pipeline run by category, from the kernel's view, beside the plan's.
+
+    .venv/bin/python bench/host_memory.py [--nproc 2] [--iterations 3] [--load same|none]
+        [--json] [--out DIR] [-- pretrain_llama.py flags]
+
+Runs `pretrain_llama.py`'s training (`train()`) on --nproc CPU processes under torchrun,
+saves a checkpoint at the end, then (--load same) starts again from it, and reports:
+
+- per process and in total, the bytes the kernel says are resident, by category:
+  `shm_parameters` (the /dev/shm segments: in total the job's files, per process its
+  proportional share, Pss_Shmem), `master`, `exp_avg`, `exp_avg_sq` (the CPU AdamW's
+  tensors), `host_gradients` (the buffers the gradient pool holds), the
+  `process_baseline` (RssAnon of the process once torch and megatron-core are imported,
+  before anything else) and the CPU device layer's own bytes (`device_buffers`: the slots,
+  gradient buffers and scratch the layer handed out; `device_activations_peak`, the
+  executor's book: transient, freed at the end of each iteration), and what is left of
+  the process's anonymous memory (`other`, with `malloc_free` of it: freed memory glibc
+  keeps for reuse). Each tensor category is measured with mincore(2) over the tensors'
+  pages (resident bytes, not sizes); each is printed beside the memory model's figure;
+- `host_tier_bytes_per_param`: shared memory, master, m, v and gradients over the model's
+  parameters: what a GPU host holds per parameter (the baseline and the CPU device
+  layer's own bytes apart);
+- over time (sampled every 20 ms by this process: RssAnon of every rank plus the job's
+  /dev/shm files), the peak of the total in each phase (start-up, checkpoint load, first
+  iteration, steady state, checkpoint save, end), and per process the kernel's own peak
+  resident size of each phase (VmHWM, restarted at every phase boundary), so that no
+  peak between two samples goes unseen;
+- `peak_over_steady`: the run's highest total over the steady state's (iterations after
+  the first).
+
+Default model: the 0.54B shape (LLaMA, 8 layers x 2048, SwiGLU 5504, 16 heads, vocabulary
+32000, bf16 with --optimizer-state-dtype bf16) with few tokens per iteration (memory of
+the states does not depend on them); flags after `--` replace any default of the same
+name. Needs about 6.5 GB at the default shape on 2 processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import replace
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VENV_BIN = os.path.dirname(sys.executable)
+SHAPE_054B = {"--num-layers": "8", "--hidden-size": "2048", "--ffn-hidden-size": "5504",
+              "--num-attention-heads": "16", "--seq-length": "32", "--micro-batch-size": "1",
+              "--global-batch-size": "4", "--mock-data": None, "--tokenizer-type": "NullTokenizer",
+              "--vocab-size": "32000", "--bf16": None, "--optimizer-state-dtype": "bf16",
+              "--pipeline-schedule": "decoupled", "--eval-iters": "0", "--log-interval": "1"}
+PHASES = ("start-up", "checkpoint load", "first iteration", "steady state", "checkpoint save",
+          "end")
+SAMPLE_S = 0.02
+
+
+# --- the worker: one rank under torchrun ------------------------------------------------
+
+def worker(out_dir: str, flags: list[str]) -> int:
+    from megatron.common.process_memory import memory_status, reset_peak
+    from megatron.training import training
+    from megatron.training.arguments import parse_args
+    from megatron.training.distributed import initialize_distributed, shutdown_distributed
+
+    baseline = memory_status()  # torch and megatron-core imported, nothing else done
+    rank = int(os.environ["RANK"])
+    peaks: dict[str, int] = {}
+    marks: list[tuple[float, str]] = []
+    state = {"phase": None}
+
+    def enter(phase: str) -> None:
+        if state["phase"] is not None:
+            peaks[state["phase"]] = max(peaks.get(state["phase"], 0), memory_status()["peak"])
+        reset_peak()
+        state["phase"] = phase
+        marks.append((time.time(), phase))
+        with open(os.path.join(out_dir, f"phase_{rank}"), "a") as f:
+            f.write(f"{time.time()} {phase}\n")
+
+    with open(os.path.join(out_dir, f"pid_{rank}"), "w") as f:
+        f.write(str(os.getpid()))
+    enter("start-up")
+    run = parse_args(flags)
+    snapshot: dict = {}
+    loop_class = training.TrainingLoop
+
+    def wrapped(method, phase: str, after: str):
+        def call(self, *a, **kw):
+            enter(phase)
+            try:
+                return method(self, *a, **kw)
+            finally:
+                enter(after)
+        return call
+
+    loop_class._load = wrapped(loop_class._load, "checkpoint load", "start-up")
+    loop_class.save = wrapped(loop_class.save, "checkpoint save", "steady state")
+
+    def on_step(step) -> None:
+        original, count = step.step, [0]
+
+        def measured(*a, **kw):
+            count[0] += 1
+            enter("first iteration" if count[0] == 1 else "steady state")
+            result = original(*a, **kw)
+            if count[0] > 1:
+                snapshot.update(categories(step.pipeline, baseline["anon"]))
+            return result
+        step.step = measured
+
+    dist_info = initialize_distributed()
+    try:
+        training.train(run, dist_info, on_step=on_step)
+    finally:
+        shutdown_distributed()
+    enter("end")
+    peaks["end"] = memory_status()["peak"]
+    with open(os.path.join(out_dir, f"rank_{rank}.json"), "w") as f:
+        json.dump({"rank": rank, "baseline_anon": baseline["anon"], "phase_peaks": peaks,
+                   "categories": snapshot, "marks": marks}, f)
+    return 0
+
+
+def categories(pipeline, baseline_anon: int) -> dict:
+    """This process's resident bytes by category, from mincore over each category's
+    tensors, and the rest of its anonymous memory."""
+    from megatron.common.process_memory import malloc_free_bytes, memory_status, resident_bytes
+
+    adam = pipeline.cpu_adam
+    states = [adam.states(g) for g in range(adam.num_groups)]
+    tensors = {"master": [s[0] for s in states], "exp_avg": [s[1] for s in states],
+               "exp_avg_sq": [s[2] for s in states],
+               "host_gradients": pipeline.buffers.host_pool.buffers(),
+               "device_buffers": pipeline.device.live_buffers()}
+    measured = {name: resident_bytes(ts) for name, ts in tensors.items()}
+    status = memory_status()
+    measured["process_baseline"] = baseline_anon
+    measured["other"] = status["anon"] - sum(measured.values())
+    measured["malloc_free"] = malloc_free_bytes()
+    measured["shm_parameters_mapped"] = status["shmem"]
+    measured["shm_parameters"] = smaps_pss_shmem()
+    measured["anon"] = status["anon"]
+    measured["books"] = {"host_gradient_pool_bytes": pipeline.buffers.host_pool.allocated_bytes,
+                         "host_optimizer_state_bytes": adam.host_state_bytes(),
+                         "device_bytes": pipeline.device.device_bytes,
+                         "device_memory_peak_bytes": pipeline.device.memory.peak_bytes,
+                         "device_memory_at_peak": pipeline.device.memory.peak_breakdown}
+    return measured
+
+
+def smaps_pss_shmem(pid: int | str = "self") -> int:
+    with open(f"/proc/{pid}/smaps_rollup", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("Pss_Shmem:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+# --- the driver ---------------------------------------------------------------------------
+
+def with_defaults(defaults: dict[str, str | None], given: list[str]) -> list[str]:
+    """`given` plus every default flag it does not name."""
+    out = []
+    for flag, value in defaults.items():
+        if flag not in given:
+            out += [flag] if value is None else [flag, value]
+    return out + given
+
+
+class Sampler:
+    """RssAnon of the ranks and the job's /dev/shm bytes every SAMPLE_S, with the time."""
+
+    def __init__(self, out_dir: str, nproc: int) -> None:
+        self.out_dir, self.nproc = out_dir, nproc
+        self.samples: list[tuple[float, int, int]] = []  # (time, sum of RssAnon, shm)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _pids(self) -> list[int]:
+        pids = []
+        for r in range(self.nproc):
+            try:
+                with open(os.path.join(self.out_dir, f"pid_{r}")) as f:
+                    pids.append(int(f.read()))
+            except (OSError, ValueError):
+                pass
+        return pids
+
+    def _run(self) -> None:
+        from megatron.common.process_memory import memory_status
+
+        pids: list[int] = []
+        segments: set[str] = set()
+        while not self._stop.wait(SAMPLE_S):
+            if len(pids) < self.nproc:
+                pids = self._pids()
+                segments = set(os.listdir("/dev/shm"))  # before the job creates any
+                continue
+            anon = 0
+            for pid in pids:
+                try:
+                    anon += memory_status(pid).get("anon", 0)  # 0: exited
+                except OSError:
+                    pass
+            self.samples.append((time.time(), anon, job_shm_bytes(segments)))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def job_shm_bytes(before: set[str]) -> int:
+    """Allocated bytes of the project's segments in /dev/shm that were not there before."""
+    total = 0
+    for entry in os.scandir("/dev/shm"):
+        if entry.name.startswith("mlm-") and entry.name not in before:
+            try:
+                total += entry.stat().st_blocks * 512
+            except OSError:
+                pass
+    return total
+
+
+def launch(nproc: int, flags: list[str], out_dir: str) -> dict:
+    """One torchrun of the workers; their reports and the samples, by phase."""
+    os.makedirs(out_dir, exist_ok=True)
+    sampler = Sampler(out_dir, nproc)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [os.path.join(VENV_BIN, "torchrun"), "--standalone", "--nproc-per-node", str(nproc),
+           os.path.abspath(__file__), "--worker", out_dir, "--", *flags]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    sampler.stop()
+    with open(os.path.join(out_dir, "log.txt"), "w") as f:
+        f.write(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        raise RuntimeError(f"torchrun exited {proc.returncode}: {proc.stderr[-3000:]}")
+    ranks = []
+    for r in range(nproc):
+        with open(os.path.join(out_dir, f"rank_{r}.json")) as f:
+            ranks.append(json.load(f))
+    marks = sorted((t, phase) for rank in ranks for t, phase in rank["marks"])
+    by_phase: dict[str, int] = {}
+    for t, anon, shm in sampler.samples:
+        phase = phase_at(t, marks)
+        by_phase[phase] = max(by_phase.get(phase, 0), anon + shm)
+    return {"ranks": ranks, "peak_by_phase": by_phase,
+            "shm_bytes": max((s[2] for s in sampler.samples), default=0)}
+
+
+def phase_at(t: float, marks: list[tuple[float, str]]) -> str:
+    """The phase of the latest mark at or before `t` (any rank's: the ranks move through
+    the phases together, within a collective)."""
+    phase = "start-up"
+    for when, name in marks:
+        if when > t:
+            break
+        phase = name
+    return phase
+
+
+def plan_figures(flags: list[str], nproc: int) -> tuple[list[dict], int, int]:
+    """The memory model's figures for this run, per process: (rows, parameters, shm)."""
+    from megatron.config.run import DTYPE_BYTES
+    from megatron.planning.fit import run_memory_plan
+    from megatron.planning.shape import run_schedule
+    from megatron.training.arguments import parse_args
+
+    run = parse_args(flags)
+    vocab = run.model.vocab_size
+    schedule, _ = run_schedule(run, nproc, vocab)
+    plan = run_memory_plan(run, schedule, vocab, nproc, on_cuda=False)
+    model = replace(run.model, vocab_size=vocab)
+    params = model.parameters().total
+    p = run.precision
+    rows = []
+    for rank in range(nproc):
+        host, gpu = plan.per_process[rank], plan.per_gpu[rank]
+        owned = host["optimizer_states"] // p.optimizer_bytes_per_param
+        rows.append({"master": owned * DTYPE_BYTES[p.master_dtype],
+                     "exp_avg": owned * DTYPE_BYTES[p.optimizer_state_dtype],
+                     "exp_avg_sq": owned * DTYPE_BYTES[p.optimizer_state_dtype],
+                     "host_gradients": host["host_gradients"],
+                     "device_buffers": gpu["parameter_slots"] + gpu["gradient_buffers"]
+                     + gpu["optimizer_subgroups"],
+                     "device_activations_peak": gpu["activation_checkpoints"]
+                     + gpu["activations"],
+                     "process_baseline": plan.per_node[0]["process_baseline"] // nproc})
+    return rows, params, plan.per_node[0]["shm_parameters"]
+
+
+HOST_TIER = ("master", "exp_avg", "exp_avg_sq", "host_gradients")
+
+
+def report(first: dict, second: dict | None, flags: list[str], nproc: int) -> dict:
+    plan_rows, params, plan_shm = plan_figures(flags, nproc)
+    steady_run = second or first
+    per_process = []
+    for rank, row in enumerate(steady_run["ranks"]):
+        measured = {k: v for k, v in row["categories"].items() if k != "books"}
+        measured["device_activations_peak"] = sum(
+            v for k, v in row["categories"]["books"]["device_memory_at_peak"].items()
+            if k in ("activations", "activation_checkpoints"))
+        per_process.append({"rank": rank, "measured": measured, "plan": plan_rows[rank],
+                            "books": row["categories"]["books"],
+                            "phase_peaks_vmhwm": row["phase_peaks"]})
+    total = {k: sum(p["measured"][k] or 0 for p in per_process)
+             for k in per_process[0]["measured"]}
+    total["shm_parameters"] = steady_run["shm_bytes"]
+    plan_total = {k: sum(p["plan"][k] for p in per_process) for k in plan_rows[0]}
+    plan_total["shm_parameters"] = plan_shm
+    host_tier = total["shm_parameters"] + sum(total[k] for k in HOST_TIER)
+    plan_host_tier = plan_shm + sum(plan_total[k] for k in HOST_TIER)
+    phases = {}
+    for name, run in (("first launch", first), ("after load", second)):
+        if run is not None:
+            phases[name] = run["peak_by_phase"]
+    steady = max(p.get("steady state", 0) for p in phases.values())
+    peak_phase, peak = max(((f"{launch}: {phase}", value) for launch, by in phases.items()
+                            for phase, value in by.items()), key=lambda kv: kv[1])
+    return {
+        "benchmark": "host memory by category, kernel's view against the plan",
+        "nproc": nproc, "flags": flags, "parameters": params,
+        "total": {"measured": total, "plan": plan_total},
+        "host_tier_bytes_per_param": {"measured": host_tier / params,
+                                      "plan": plan_host_tier / params},
+        "per_process": per_process,
+        "peak_total_by_phase": phases,
+        "steady_state_total": steady, "peak_total": peak, "peak_phase": peak_phase,
+        "peak_over_steady": peak / steady if steady else None,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    own, flags = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv \
+        else (argv, [])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--worker", metavar="DIR", help=argparse.SUPPRESS)
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--iterations", type=int, default=3)
+    p.add_argument("--load", choices=("same", "none"), default="same",
+                   help="start a second run from the first's checkpoint (same shape)")
+    p.add_argument("--out", help="keep the runs' files here (default: a temporary directory)")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(own)
+    if args.worker:
+        return worker(args.worker, flags)
+    if args.nproc < 1 or args.iterations < 2:
+        p.error("--nproc: expected >= 1; --iterations: expected >= 2 (a steady state)")
+    scratch = args.out or tempfile.mkdtemp(prefix="bench-host-memory-")
+    ckpt = os.path.join(scratch, "checkpoint")
+    flags = with_defaults(SHAPE_054B, flags)
+    try:
+        first_flags = [*flags, "--train-iters", str(args.iterations), "--save", ckpt]
+        first = launch(args.nproc, first_flags, os.path.join(scratch, "first"))
+        second = None
+        if args.load == "same":
+            second = launch(args.nproc, [*flags, "--train-iters", str(2 * args.iterations),
+                                         "--load", ckpt],
+                            os.path.join(scratch, "second"))
+        result = report(first, second, first_flags, args.nproc)
+    finally:
+        if not args.out:
+            shutil.rmtree(scratch, ignore_errors=True)
+    print(json.dumps(result, indent=None if args.json else 2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
