@@ -72,9 +72,10 @@ class HostStorage:
     may hold the current values of some ranges, written back before a host reader."""
 
     def __init__(self, params: Sequence[torch.Tensor], kernel: AdamKernel,
-                 share: SubgroupShare, ledger: StepLedger) -> None:
+                 share: SubgroupShare, ledger: StepLedger, adopt: bool = False) -> None:
+        """`adopt`: a param already contiguous in the master dtype is the master (no copy)."""
         self._kernel, self._share, self._ledger = kernel, share, ledger
-        self._tensors = [(p.detach().to(kernel.master_dtype, copy=True).contiguous(),
+        self._tensors = [(p.detach().to(kernel.master_dtype, copy=not adopt).contiguous(),
                           torch.zeros(p.numel(), dtype=kernel.state_dtype),
                           torch.zeros(p.numel(), dtype=kernel.state_dtype)) for p in params]
 
