@@ -4,7 +4,7 @@ Each case trains a small model twice, on the GPU and with CUDA_VISIBLE_DEVICES="
 CPU device layer, and compares what a user reads: the losses (fp32 within 1e-4; bf16 and
 fp16 within 1e-2, their rounding differs between the devices), the host synchronisations
 and the device-memory books per iteration, and, in fp16, the skipped iterations. The cases:
-every schedule at one rank (the one-process path `single` included), bf16, fp16, GPU
+every schedule at one rank (the one-process path `single` included), bf16 (its host gradients in fp32 and in bf16), fp16, GPU
 optimizer subgroups (a stride and device:N), a resident fraction, optimizer states on NVMe,
 and two ranks sharing the one GPU (--share-gpu: gloo, point-to-point staged through pinned
 host memory). All the selected runs start together, a few at a time, so the module costs
@@ -42,6 +42,9 @@ CASES = {
     "mobius": (["--pipeline-schedule", "mobius", "--forward-stages", "4"], 1, FP32_RTOL),
     "decoupled": (DECOUPLED, 1, FP32_RTOL),
     "decoupled-bf16": ([*DECOUPLED, "--bf16"], 1, HALF_RTOL),
+    # the host gradients in bf16 on CUDA as well (fp32 by default there)
+    "decoupled-bf16-host-gradients": ([*DECOUPLED, "--bf16", "--grad-reduce-in-bf16"], 1,
+                                      HALF_RTOL),
     "decoupled-fp16": ([*DECOUPLED, "--fp16"], 1, HALF_RTOL),
     "gpu-stride": ([*DECOUPLED, "--optimizer-gpu-stride", "2"], 1, FP32_RTOL),
     "gpu-device-n": ([*DECOUPLED, "--optimizer-gpu-stride", "device:2"], 1, FP32_RTOL),

@@ -141,3 +141,27 @@ def test_the_flags_reach_the_precision_and_the_plans_price_them():
     assert parse_args(base).precision.host_gradient_bytes(on_cuda=True) == 4
     fp32 = parse_args([*base, "--accumulate-allreduce-grads-in-fp32"]).precision
     assert TORCH_DTYPES[fp32.host_gradient_dtype(on_cuda=False)] == torch.float32
+
+
+@pytest.mark.multiproc
+def test_16_bit_host_gradients_train_as_one_process_and_as_fp32_host_gradients(tmp_path,
+                                                                                 demo_cache):
+    """A bf16 pipeline with its gradients in bf16 in host memory (--grad-reduce-in-bf16)
+    trains as one process does (whose gradients accumulate in bf16 as on the device; the
+    losses within 1e-5: the same bf16 values, averaged in another precision), and
+    bit for bit as the same pipeline with fp32 host gradients: the device accumulates in
+    the working dtype either way, the widening is exact. The pool holds half the bytes."""
+    from tests.test_pipeline_executor import metrics, start
+
+    bf16 = ["--bf16", "--eval-iters", "0", "--cpu-optimizer-threads", "1"]
+    runs = {name: start(tmp_path, name, nproc, *bf16, *flags) for name, nproc, flags in (
+        ("one", 1, []), ("half", 2, ["--grad-reduce-in-bf16"]),
+        ("full", 2, ["--accumulate-allreduce-grads-in-fp32"]))}
+    runs = {name: job.wait() for name, job in runs.items()}
+    for run in runs.values():
+        assert run.returncode == 0, run.stderr[-4000:]
+    one, half, full = (metrics(runs[name]) for name in ("one", "half", "full"))
+    assert [m["loss"] for m in half] == [m["loss"] for m in full]
+    for a, b in zip(half, one):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), (a["iteration"], a, b)
+    assert 2 * half[-1]["host_gradient_pool_bytes"] == full[-1]["host_gradient_pool_bytes"] > 0

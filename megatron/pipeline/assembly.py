@@ -348,8 +348,8 @@ class Pipeline:
             mean = torch.tensor([loss], dtype=torch.float64)
             dist.all_reduce(mean, group=self.groups.data_parallel)
             loss = float(mean[0]) / self.layout.data_parallel_size
-        breakdown.update(schedule=self.schedule.name, **self.memory,
-                         host_gradient_pool_bytes=self.buffers.host_pool.allocated_bytes)
+        breakdown.update(schedule=self.schedule.name, **{
+            **self.memory, "host_gradient_pool_bytes": self.buffers.host_pool.allocated_bytes})
         transfers = self.distributor.take_transfers()  # the pushes during this iteration
         if stats.events:
             stats.events.extend(transfer_events(transfers, self.rank, stats.origin_host_s))
