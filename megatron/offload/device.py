@@ -60,6 +60,7 @@ import torch
 
 from megatron.common.units import format_bytes
 from megatron.config.device_choice import CPU_DEVICE_MEMORY_ENV, cpu_device_capacity
+from megatron.offload import host_pinning
 from megatron.offload.sanitizer import Clock, Sanitizer
 
 SANITIZER_ENV = "MEGATRON_DEVICE_SANITIZER"  # "1": as --device-sanitizer
@@ -526,9 +527,10 @@ class DeviceLayer:
         return max(0, self.capacity_bytes - self.device_bytes), self.capacity_bytes
 
     def pin_host(self, numel: int, dtype: torch.dtype, name: str | None = None) -> torch.Tensor:
-        """Page-locked host memory on CUDA; raises if pinning fails. CPU: plain memory."""
+        """Page-locked host memory on CUDA, exactly this size (host_pinning.pinned_empty);
+        raises if pinning fails. CPU: plain memory."""
         if self.kind == "cuda":
-            return torch.empty(numel, dtype=dtype, pin_memory=True)
+            return host_pinning.pinned_empty(numel, dtype)
         return self.checks.register(torch.empty(numel, dtype=dtype), name, "pinned host buffer")
 
     def allocator_peak_bytes(self) -> int | None:
