@@ -1,37 +1,41 @@
 """Host memory of a pipeline run by category, from the kernel's view, beside the plan's.
 
-    .venv/bin/python bench/host_memory.py [--nproc 2] [--iterations 3] [--load same|none]
-        [--json] [--out DIR] [-- pretrain_llama.py flags]
+    .venv/bin/python bench/host_memory.py [--nproc 2] [--iterations 3]
+        [--load same|resharded|none] [--json] [--out DIR] [-- pretrain_llama.py flags]
 
 Runs `pretrain_llama.py`'s training (`train()`) on --nproc CPU processes under torchrun,
-saves a checkpoint at the end, then (--load same) starts again from it, and reports:
+saves a checkpoint at the end (synchronously, unless the flags say --async-save), then
+starts again from it (--load same: the same shape; resharded: 1F1B with a forward stage
+per process, so every process reads parts of other processes' files), and reports:
 
-- per process and in total, the bytes the kernel says are resident, by category:
-  `shm_parameters` (the /dev/shm segments: in total the job's files, per process its
-  proportional share, Pss_Shmem), `master`, `exp_avg`, `exp_avg_sq` (the CPU AdamW's
-  tensors), `host_gradients` (the buffers the gradient pool holds), the
-  `process_baseline` (RssAnon of the process once torch and megatron-core are imported,
-  before anything else) and the CPU device layer's own bytes (`device_buffers`: the slots,
-  gradient buffers and scratch the layer handed out; `device_activations_peak`, the
-  executor's book: transient, freed at the end of each iteration), and what is left of
-  the process's anonymous memory (`other`, with `malloc_free` of it: freed memory glibc
-  keeps for reuse). Each tensor category is measured with mincore(2) over the tensors'
-  pages (resident bytes, not sizes); each is printed beside the memory model's figure;
+- per process and in total, after the first launch's last iteration, the bytes the kernel
+  says are resident, by category: `shm_parameters` (the /dev/shm segments: in total the
+  job's files, per process its proportional share, Pss_Shmem), `master`, `exp_avg`,
+  `exp_avg_sq` (the CPU AdamW's tensors), `host_gradients` (the buffers the gradient pool
+  holds: pinned on CUDA), the `process_baseline` (RssAnon of the process once torch and
+  megatron-core are imported, before anything else), the CPU device layer's own bytes
+  (`device_buffers`: the slots, gradient buffers and scratch the layer handed out;
+  `device_activations_peak`: the executor's book, transient within an iteration), and
+  what is left of the process's anonymous memory (`other`; `malloc_free`: what glibc's
+  malloc counts as free in its heaps, some of it returned to the kernel). Each tensor
+  category is measured with mincore(2) over the tensors' pages (resident bytes, not
+  sizes) and printed beside the memory model's figure (the baseline's: the --hardware
+  profile's, when the flags name one);
 - `host_tier_bytes_per_param`: shared memory, master, m, v and gradients over the model's
   parameters: what a GPU host holds per parameter (the baseline and the CPU device
   layer's own bytes apart);
-- over time (sampled every 20 ms by this process: RssAnon of every rank plus the job's
-  /dev/shm files), the peak of the total in each phase (start-up, checkpoint load, first
-  iteration, steady state, checkpoint save, end), and per process the kernel's own peak
-  resident size of each phase (VmHWM, restarted at every phase boundary), so that no
-  peak between two samples goes unseen;
-- `peak_over_steady`: the run's highest total over the steady state's (iterations after
-  the first).
+- per launch, over time (sampled every 20 ms by this process: RssAnon of every rank plus
+  the job's /dev/shm files), the peak of the total in each phase (start-up, checkpoint
+  load, first iteration, steady state, checkpoint save, end) and the highest over the
+  steady state's (`peak_over_steady`); per process the kernel's own peak resident size
+  of each phase (VmHWM, restarted at every phase boundary: file pages and mapped shared
+  memory included), so that no peak between two samples goes unseen.
 
 Default model: the 0.54B shape (LLaMA, 8 layers x 2048, SwiGLU 5504, 16 heads, vocabulary
-32000, bf16 with --optimizer-state-dtype bf16) with few tokens per iteration (memory of
-the states does not depend on them); flags after `--` replace any default of the same
-name. Needs about 6.5 GB at the default shape on 2 processes.
+32000, bf16 with --optimizer-state-dtype bf16) with few tokens per iteration (the states'
+memory does not depend on them); flags after `--` replace any default of the same name.
+At the default shape, 2 processes hold about 10 GB and the checkpoint takes 4.3 GB of
+disk.
 """
 
 from __future__ import annotations
@@ -48,6 +52,8 @@ import time
 from dataclasses import replace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.machine import machine  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VENV_BIN = os.path.dirname(sys.executable)
@@ -267,8 +273,10 @@ def phase_at(t: float, marks: list[tuple[float, str]]) -> str:
 
 
 def plan_figures(flags: list[str], nproc: int) -> tuple[list[dict], int, int]:
-    """The memory model's figures for this run, per process: (rows, parameters, shm)."""
+    """The memory model's figures for this run, per process: (rows, parameters, shm). The
+    baseline is the --hardware profile's, when the flags name one (None: no figure)."""
     from megatron.config.run import DTYPE_BYTES
+    from megatron.planning.evaluate import plan_hardware
     from megatron.planning.fit import run_memory_plan
     from megatron.planning.shape import run_schedule
     from megatron.training.arguments import parse_args
@@ -277,8 +285,8 @@ def plan_figures(flags: list[str], nproc: int) -> tuple[list[dict], int, int]:
     vocab = run.model.vocab_size
     schedule, _ = run_schedule(run, nproc, vocab)
     plan = run_memory_plan(run, schedule, vocab, nproc, on_cuda=False)
-    model = replace(run.model, vocab_size=vocab)
-    params = model.parameters().total
+    baseline = plan_hardware(run).process_baseline_bytes if run.planning.hardware else None
+    params = replace(run.model, vocab_size=vocab).parameters().total
     p = run.precision
     rows = []
     for rank in range(nproc):
@@ -292,49 +300,60 @@ def plan_figures(flags: list[str], nproc: int) -> tuple[list[dict], int, int]:
                      + gpu["optimizer_subgroups"],
                      "device_activations_peak": gpu["activation_checkpoints"]
                      + gpu["activations"],
-                     "process_baseline": plan.per_node[0]["process_baseline"] // nproc})
+                     "process_baseline": baseline})
     return rows, params, plan.per_node[0]["shm_parameters"]
 
 
 HOST_TIER = ("master", "exp_avg", "exp_avg_sq", "host_gradients")
 
 
-def report(first: dict, second: dict | None, flags: list[str], nproc: int) -> dict:
+def ratio(plan: int | None, measured: int | None) -> float | None:
+    return plan / measured if plan is not None and measured else None
+
+
+def phases_of(launch: dict) -> dict:
+    """A launch's peak total by phase, its steady state's and the highest over it."""
+    by_phase = launch["peak_by_phase"]
+    steady = by_phase.get("steady state")
+    phase, peak = max(by_phase.items(), key=lambda kv: kv[1])
+    return {"peak_total_by_phase": by_phase, "steady_state_total": steady, "peak_total": peak,
+            "peak_phase": phase, "peak_over_steady": peak / steady if steady else None,
+            "vmhwm_by_phase_per_process": [r["phase_peaks"] for r in launch["ranks"]]}
+
+
+def report(launches: dict[str, dict], flags: list[str], nproc: int) -> dict:
+    """Categories from the first launch's steady state (the flags' shape) beside the plan;
+    every launch's phases."""
     plan_rows, params, plan_shm = plan_figures(flags, nproc)
-    steady_run = second or first
+    first = next(iter(launches.values()))
     per_process = []
-    for rank, row in enumerate(steady_run["ranks"]):
+    for rank, row in enumerate(first["ranks"]):
+        books = row["categories"]["books"]
         measured = {k: v for k, v in row["categories"].items() if k != "books"}
         measured["device_activations_peak"] = sum(
-            v for k, v in row["categories"]["books"]["device_memory_at_peak"].items()
+            v for k, v in books["device_memory_at_peak"].items()
             if k in ("activations", "activation_checkpoints"))
         per_process.append({"rank": rank, "measured": measured, "plan": plan_rows[rank],
-                            "books": row["categories"]["books"],
-                            "phase_peaks_vmhwm": row["phase_peaks"]})
+                            "books": books})
     total = {k: sum(p["measured"][k] or 0 for p in per_process)
              for k in per_process[0]["measured"]}
-    total["shm_parameters"] = steady_run["shm_bytes"]
-    plan_total = {k: sum(p["plan"][k] for p in per_process) for k in plan_rows[0]}
+    total["shm_parameters"] = first["shm_bytes"]  # the job's files, each byte once
+    plan_total = {k: None if plan_rows[0][k] is None else sum(r[k] for r in plan_rows)
+                  for k in plan_rows[0]}
     plan_total["shm_parameters"] = plan_shm
     host_tier = total["shm_parameters"] + sum(total[k] for k in HOST_TIER)
     plan_host_tier = plan_shm + sum(plan_total[k] for k in HOST_TIER)
-    phases = {}
-    for name, run in (("first launch", first), ("after load", second)):
-        if run is not None:
-            phases[name] = run["peak_by_phase"]
-    steady = max(p.get("steady state", 0) for p in phases.values())
-    peak_phase, peak = max(((f"{launch}: {phase}", value) for launch, by in phases.items()
-                            for phase, value in by.items()), key=lambda kv: kv[1])
     return {
-        "benchmark": "host memory by category, kernel's view against the plan",
+        "benchmark": "host memory by category: the kernel's view against the plan",
+        "date": time.strftime("%Y-%m-%d"), "machine": machine(load=os.getloadavg()),
         "nproc": nproc, "flags": flags, "parameters": params,
-        "total": {"measured": total, "plan": plan_total},
+        "total": {"measured": total, "plan": plan_total,
+                  "plan_over_measured": {k: ratio(plan_total[k], total.get(k))
+                                         for k in plan_total}},
         "host_tier_bytes_per_param": {"measured": host_tier / params,
                                       "plan": plan_host_tier / params},
         "per_process": per_process,
-        "peak_total_by_phase": phases,
-        "steady_state_total": steady, "peak_total": peak, "peak_phase": peak_phase,
-        "peak_over_steady": peak / steady if steady else None,
+        "launches": {name: phases_of(launch) for name, launch in launches.items()},
     }
 
 
@@ -346,8 +365,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--worker", metavar="DIR", help=argparse.SUPPRESS)
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--iterations", type=int, default=3)
-    p.add_argument("--load", choices=("same", "none"), default="same",
-                   help="start a second run from the first's checkpoint (same shape)")
+    p.add_argument("--load", choices=("same", "resharded", "none"), default="same",
+                   help="start a second run from the first's checkpoint: on the same shape, "
+                        "or resharded (1F1B, a forward stage per process)")
     p.add_argument("--out", help="keep the runs' files here (default: a temporary directory)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(own)
@@ -358,15 +378,17 @@ def main(argv: list[str] | None = None) -> int:
     scratch = args.out or tempfile.mkdtemp(prefix="bench-host-memory-")
     ckpt = os.path.join(scratch, "checkpoint")
     flags = with_defaults(SHAPE_054B, flags)
+    first_flags = [*flags, "--train-iters", str(args.iterations), "--save", ckpt]
     try:
-        first_flags = [*flags, "--train-iters", str(args.iterations), "--save", ckpt]
-        first = launch(args.nproc, first_flags, os.path.join(scratch, "first"))
-        second = None
-        if args.load == "same":
-            second = launch(args.nproc, [*flags, "--train-iters", str(2 * args.iterations),
-                                         "--load", ckpt],
-                            os.path.join(scratch, "second"))
-        result = report(first, second, first_flags, args.nproc)
+        launches = {"first": launch(args.nproc, first_flags, os.path.join(scratch, "first"))}
+        if args.load != "none":
+            # resharded: other stages, owned otherwise (the last value of a flag wins)
+            shape = (["--pipeline-schedule", "1f1b", "--forward-stages", str(args.nproc),
+                      "--backward-split", "1"] if args.load == "resharded" else [])
+            launches[f"load ({args.load})"] = launch(
+                args.nproc, [*flags, *shape, "--train-iters", str(2 * args.iterations),
+                             "--load", ckpt], os.path.join(scratch, "load"))
+        result = report(launches, first_flags, args.nproc)
     finally:
         if not args.out:
             shutil.rmtree(scratch, ignore_errors=True)
