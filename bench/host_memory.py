@@ -145,7 +145,7 @@ def categories(pipeline, baseline_anon: int) -> dict:
                "exp_avg_sq": [s[2] for s in states],
                "host_gradients": pipeline.buffers.host_pool.buffers(),
                "device_buffers": pipeline.device.live_buffers()}
-    measured = {name: resident_bytes(ts) for name, ts in tensors.items()}
+    measured = {name: resident_bytes(storage_spans(ts)) for name, ts in tensors.items()}
     status = memory_status()
     measured["process_baseline"] = baseline_anon
     measured["other"] = status["anon"] - sum(measured.values())
@@ -159,6 +159,12 @@ def categories(pipeline, baseline_anon: int) -> dict:
                          "device_memory_peak_bytes": pipeline.device.memory.peak_bytes,
                          "device_memory_at_peak": pipeline.device.memory.peak_breakdown}
     return measured
+
+
+def storage_spans(tensors) -> list[tuple[int, int]]:
+    """The (address, bytes) of each host tensor's whole storage (a view counts its base)."""
+    return [(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in tensors
+            if t.device.type == "cpu"]
 
 
 def smaps_pss_shmem(pid: int | str = "self") -> int:

@@ -20,6 +20,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.host_memory import storage_spans  # noqa: E402
 from megatron.common.process_memory import resident_bytes  # noqa: E402
 from megatron.training.arguments import parse_args  # noqa: E402
 from megatron.training.distributed import initialize_distributed, shutdown_distributed  # noqa: E402
@@ -44,9 +45,9 @@ def books_and_residency(pipeline) -> tuple[dict, dict]:
     pool, device = pipeline.buffers.host_pool, pipeline.device
     books = {"optimizer_states": adam.host_state_bytes(), "host_gradients": pool.allocated_bytes,
              "device_buffers": device.device_bytes}
-    resident = {"optimizer_states": resident_bytes(states),
-                "host_gradients": resident_bytes(pool.buffers()),
-                "device_buffers": resident_bytes(device.live_buffers())}
+    resident = {name: resident_bytes(storage_spans(tensors)) for name, tensors in (
+        ("optimizer_states", states), ("host_gradients", pool.buffers()),
+        ("device_buffers", device.live_buffers()))}
     return books, resident
 
 

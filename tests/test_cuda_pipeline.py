@@ -4,9 +4,9 @@ Each case trains a small model twice, on the GPU and with CUDA_VISIBLE_DEVICES="
 CPU device layer, and compares what a user reads: the losses (fp32 within 1e-4; bf16 and
 fp16 within 1e-2, their rounding differs between the devices), the host synchronisations
 and the device-memory books per iteration, and, in fp16, the skipped iterations. The cases:
-every schedule at one rank (the one-process path `single` included), bf16 (its host gradients in fp32 and in bf16), fp16, GPU
-optimizer subgroups (a stride and device:N), a resident fraction, optimizer states on NVMe,
-and two ranks sharing the one GPU (--share-gpu: gloo, point-to-point staged through pinned
+every schedule at one rank (the one-process path `single` included), bf16 (its host
+gradients in fp32 and in bf16), fp16, GPU optimizer subgroups (a stride and device:N), a
+resident fraction, optimizer states on NVMe, and two ranks sharing the one GPU (--share-gpu: gloo, point-to-point staged through pinned
 host memory). All the selected runs start together, a few at a time, so the module costs
 about the time of its slowest few runs. Skipped without CUDA (docs/gpu-validation.md).
 """

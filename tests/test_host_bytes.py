@@ -13,6 +13,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from bench.host_memory import storage_spans
 from megatron.common.process_memory import PAGE, memory_status, reset_peak, resident_bytes
 from megatron.config.run import host_gradient_dtype
 from megatron.models.llama import LlamaConfig, build_pieces
@@ -37,12 +38,13 @@ CFG = LlamaConfig(num_layers=2, hidden_size=64, ffn_hidden_size=160, num_attenti
 def test_resident_bytes_count_the_pages_written_once_each():
     # 64 MiB: above malloc's largest mmap threshold, fresh pages not resident until written
     buffer = torch.empty(16 << 20)
-    assert resident_bytes([buffer]) < 4 * PAGE
+    assert resident_bytes(storage_spans([buffer])) < 4 * PAGE
     buffer[: 1 << 20].fill_(1.0)
-    assert 4 << 20 <= resident_bytes([buffer]) <= (4 << 20) + 4 * PAGE
+    assert 4 << 20 <= resident_bytes(storage_spans([buffer])) <= (4 << 20) + 4 * PAGE
     buffer.fill_(1.0)
     # a view counts its storage's pages, and two views of one storage count them once
-    assert resident_bytes([buffer[:10], buffer[-10:]]) == resident_bytes([buffer]) >= buffer.nbytes
+    whole = resident_bytes(storage_spans([buffer]))
+    assert resident_bytes(storage_spans([buffer[:10], buffer[-10:]])) == whole >= buffer.nbytes
 
 
 def test_the_kernels_peak_restarts_at_the_current_size():
@@ -88,7 +90,7 @@ def test_a_pipelines_modules_are_never_written_and_its_masters_built_one_stage_a
     # fresh pages from the kernel) holds no memory
     large = replace(CFG, vocab_size=196608).with_dtype(torch.float32)
     weight = build_pieces(large, [0], initialize=False)[0].embedding.word_embeddings.weight
-    assert resident_bytes([weight]) < weight.nbytes // 100
+    assert resident_bytes(storage_spans([weight])) < weight.nbytes // 100
     drop_parameters(built[(0, 0)], torch.device("cpu"))
     assert all(p.numel() == 0 and p.dtype == torch.bfloat16
                for p in built[(0, 0)].module.parameters())

@@ -5,8 +5,9 @@ project's own books (bench/host_memory.py, the memory tests).
   file pages, and the peak resident size VmHWM);
 - `reset_peak`: restart VmHWM from the current size (/proc/PID/clear_refs, "5"), so that
   the peak of each phase of a run is the kernel's own, not a sampler's;
-- `resident_bytes`: how much of some tensors' memory is resident (mincore(2) over their
-  pages, each page counted once): memory that was allocated but never touched is not;
+- `resident_bytes`: how much of some address ranges (tensors' storages, say) is resident
+  (mincore(2) over their pages, each page counted once): memory that was allocated but
+  never touched is not;
 - `malloc_free_bytes`: what glibc's malloc keeps of freed memory (mallinfo2's fordblks):
   resident until it is reused or trimmed.
 
@@ -19,9 +20,6 @@ import ctypes
 import ctypes.util
 import os
 from collections.abc import Iterable
-
-import numpy
-import torch
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 STATUS_FIELDS = {"RssAnon": "anon", "RssShmem": "shmem", "RssFile": "file", "VmHWM": "peak",
@@ -49,18 +47,12 @@ def reset_peak(pid: int | str = "self") -> None:
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 
 
-def _page_ranges(tensors: Iterable[torch.Tensor]) -> list[tuple[int, int]]:
-    """The page-aligned address ranges of the tensors' storages, merged."""
-    spans = []
-    for tensor in tensors:
-        storage = tensor.untyped_storage()
-        if storage.nbytes() == 0 or tensor.device.type != "cpu":
-            continue
-        lo = storage.data_ptr() // PAGE * PAGE
-        hi = -(-(storage.data_ptr() + storage.nbytes()) // PAGE) * PAGE
-        spans.append((lo, hi))
+def _page_ranges(spans: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The (address, bytes) spans as page-aligned [lo, hi) ranges, merged."""
+    pages = sorted((address // PAGE * PAGE, -(-(address + nbytes) // PAGE) * PAGE)
+                   for address, nbytes in spans if nbytes > 0)
     merged: list[tuple[int, int]] = []
-    for lo, hi in sorted(spans):
+    for lo, hi in pages:
         if merged and lo <= merged[-1][1]:
             merged[-1] = (merged[-1][0], max(hi, merged[-1][1]))
         else:
@@ -68,16 +60,19 @@ def _page_ranges(tensors: Iterable[torch.Tensor]) -> list[tuple[int, int]]:
     return merged
 
 
-def resident_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the tensors' host memory that are resident now, each page once (a view
-    counts its whole storage)."""
+_LOW_BIT = bytes(b & 1 for b in range(256))  # mincore sets bit 0 of a resident page's byte
+
+
+def resident_bytes(spans: Iterable[tuple[int, int]]) -> int:
+    """Resident bytes of the (address, bytes) spans of this process's memory, each page
+    once."""
     total = 0
-    for lo, hi in _page_ranges(tensors):
+    for lo, hi in _page_ranges(spans):
         pages = (hi - lo) // PAGE
         vec = (ctypes.c_ubyte * pages)()
         if _libc.mincore(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), vec) != 0:
             raise OSError(ctypes.get_errno(), "mincore failed")
-        total += int((numpy.frombuffer(vec, dtype=numpy.uint8) & 1).sum()) * PAGE
+        total += bytes(vec).translate(_LOW_BIT).count(1) * PAGE
     return total
 
 
