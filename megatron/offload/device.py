@@ -58,9 +58,9 @@ from typing import Protocol
 
 import torch
 
+import megatron.offload.host_pinning as host_pinning
 from megatron.common.units import format_bytes
 from megatron.config.device_choice import CPU_DEVICE_MEMORY_ENV, cpu_device_capacity
-from megatron.offload import host_pinning
 from megatron.offload.sanitizer import Clock, Sanitizer
 
 SANITIZER_ENV = "MEGATRON_DEVICE_SANITIZER"  # "1": as --device-sanitizer
