@@ -71,6 +71,7 @@ SAMPLE_S = 0.02
 
 def worker(out_dir: str, flags: list[str]) -> int:
     from megatron.common.process_memory import memory_status, reset_peak
+    from megatron.offload.naming import job_prefix, resolve_job_id
     from megatron.training import training
     from megatron.training.arguments import parse_args
     from megatron.training.distributed import initialize_distributed, shutdown_distributed
@@ -91,7 +92,8 @@ def worker(out_dir: str, flags: list[str]) -> int:
             f.write(f"{time.time()} {phase}\n")
 
     with open(os.path.join(out_dir, f"pid_{rank}"), "w") as f:
-        f.write(str(os.getpid()))
+        # the pid, and the prefix of this job's segments (the box's other jobs have theirs)
+        f.write(f"{os.getpid()} {job_prefix(resolve_job_id())}")
     enter("start-up")
     run = parse_args(flags)
     snapshot: dict = {}
@@ -196,44 +198,44 @@ class Sampler:
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
-    def _pids(self) -> list[int]:
-        pids = []
+    def _ranks(self) -> list[tuple[int, str]]:
+        """(pid, segment prefix) of each rank that has written its file."""
+        ranks = []
         for r in range(self.nproc):
             try:
                 with open(os.path.join(self.out_dir, f"pid_{r}")) as f:
-                    pids.append(int(f.read()))
+                    pid, prefix = f.read().split()
+                ranks.append((int(pid), prefix))
             except (OSError, ValueError):
                 pass
-        return pids
+        return ranks
 
     def _run(self) -> None:
         from megatron.common.process_memory import memory_status
 
-        pids: list[int] = []
-        segments: set[str] = set()
+        ranks: list[tuple[int, str]] = []
         while not self._stop.wait(SAMPLE_S):
-            if len(pids) < self.nproc:
-                pids = self._pids()
-                segments = set(os.listdir("/dev/shm"))  # before the job creates any
+            if len(ranks) < self.nproc:
+                ranks = self._ranks()
                 continue
             anon = 0
-            for pid in pids:
+            for pid, _ in ranks:
                 try:
                     anon += memory_status(pid).get("anon", 0)  # 0: exited
                 except OSError:
                     pass
-            self.samples.append((time.time(), anon, job_shm_bytes(segments)))
+            self.samples.append((time.time(), anon, job_shm_bytes(ranks[0][1])))
 
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()
 
 
-def job_shm_bytes(before: set[str]) -> int:
-    """Allocated bytes of the project's segments in /dev/shm that were not there before."""
+def job_shm_bytes(prefix: str) -> int:
+    """Allocated bytes of the job's segments in /dev/shm (names starting with `prefix`)."""
     total = 0
     for entry in os.scandir("/dev/shm"):
-        if entry.name.startswith("mlm-") and entry.name not in before:
+        if entry.name.startswith(prefix):
             try:
                 total += entry.stat().st_blocks * 512
             except OSError:
