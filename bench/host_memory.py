@@ -14,7 +14,8 @@ per process, so every process reads parts of other processes' files), and report
   `exp_avg_sq` (the CPU AdamW's tensors), `host_gradients` (the buffers the gradient pool
   holds: pinned on CUDA), the `process_baseline` (RssAnon of the process once torch and
   megatron-core are imported, before anything else), the CPU device layer's own bytes
-  (`device_buffers`: the slots, gradient buffers and scratch the layer handed out;
+  (`device_buffers`: the slots, gradient buffers and scratch the layer handed out, the
+  pages written of them, and `device_buffers_allocated`, their size, as a GPU holds them;
   `device_activations_peak`: the executor's book, transient within an iteration), and
   what is left of the process's anonymous memory (`other`; `malloc_free`: what glibc's
   malloc counts as free in its heaps, some of it returned to the kernel). Each tensor
@@ -304,8 +305,8 @@ def plan_figures(flags: list[str], nproc: int) -> tuple[list[dict], int, int]:
                      "exp_avg": owned * DTYPE_BYTES[p.optimizer_state_dtype],
                      "exp_avg_sq": owned * DTYPE_BYTES[p.optimizer_state_dtype],
                      "host_gradients": host["host_gradients"],
-                     "device_buffers": gpu["parameter_slots"] + gpu["gradient_buffers"]
-                     + gpu["optimizer_subgroups"],
+                     "device_buffers_allocated": gpu["parameter_slots"]
+                     + gpu["gradient_buffers"] + gpu["optimizer_subgroups"],
                      "device_activations_peak": gpu["activation_checkpoints"]
                      + gpu["activations"],
                      "process_baseline": baseline})
@@ -338,6 +339,7 @@ def report(launches: dict[str, dict], flags: list[str], nproc: int) -> dict:
     for rank, row in enumerate(first["ranks"]):
         books = row["categories"]["books"]
         measured = {k: v for k, v in row["categories"].items() if k != "books"}
+        measured["device_buffers_allocated"] = books["device_bytes"]
         measured["device_activations_peak"] = sum(
             v for k, v in books["device_memory_at_peak"].items()
             if k in ("activations", "activation_checkpoints"))
