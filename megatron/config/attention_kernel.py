@@ -71,10 +71,11 @@ class AttentionGpu:
         return cls((int(digits[:-1]), int(digits[-1])), fields["cudnn"], fields["cuda"])
 
     def describe(self) -> str:
-        """The text `parse` reads back."""
+        """The text `parse` reads back to a GPU that takes the same kernels (a deprioritized
+        cuDNN comes after math, which takes everything: as good as none)."""
         major, minor = self.capability
-        return ",".join([f"sm{major}{minor}",
-                         *([f"cudnn={self.cudnn_version}"] if self.cudnn_version else []),
+        cudnn = self.cudnn_version if not self.cudnn_deprioritized else None
+        return ",".join([f"sm{major}{minor}", *([f"cudnn={cudnn}"] if cudnn else []),
                          f"cuda={self.cuda_major}"])
 
 
@@ -136,7 +137,10 @@ def _gemm_alignment(dtype: str, gpu: AttentionGpu) -> int:
 
 
 def efficient_eligible(call: AttentionCall, gpu: AttentionGpu) -> bool:
-    """can_use_mem_efficient_attention (no grouped-query attention before torch 2.14)."""
+    """can_use_mem_efficient_attention (no grouped-query attention in torch 2.13). Its
+    check of the inputs' storage offsets holds whenever the head dimension's does:
+    megatron-core's value is a view into the fused QKV projection at a multiple of the head
+    dimension, its query and key are RoPE's new tensors."""
     dtypes = ("fp16", "fp32", "bf16") if gpu.capability[0] >= 8 else ("fp16", "fp32")
     return (_capability_between(gpu, (5, 0), (12, 1))
             and call.head_dim % _gemm_alignment(call.dtype, gpu) == 0  # ..._mem_efficient

@@ -118,6 +118,7 @@ def layer_saved_bytes(model: ModelConfig, tokens: int, seq_length: int, itemsize
         per_sequence += seq_length * seq_length
         core_attention = 0
     else:
+        # fp16 takes the kernels bf16 takes from sm80 on (the CPU layer's GPU by default)
         call = AttentionCall("fp32" if itemsize == FP32 else "bf16", heads,
                              model.num_query_groups, model.head_dim, seq_length,
                              tokens // seq_length)
