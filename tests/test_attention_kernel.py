@@ -118,6 +118,23 @@ def test_the_cpu_layers_gpu_is_read_once_written(monkeypatch):
     assert attention.device_gpu(torch.device("cpu")) == AttentionGpu.parse(SM90_CUDNN)
 
 
+def test_a_gpu_is_read_as_the_cpu_layer_plays_it(monkeypatch):
+    """What cuda_gpu reads of an H100 with cuDNN 9.16 under CUDA 13 (torch's calls stood in
+    for), and its description, which tests/test_cuda_pipeline.py hands to the CPU runs."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (9, 0))
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 91600)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.delenv("TORCH_CUDNN_SDPA_DEPRIORITIZED", raising=False)
+    gpu = attention.cuda_gpu.__wrapped__(0)
+    assert gpu == AttentionGpu.parse(SM90_CUDNN) and gpu.describe() == SM90_CUDNN
+    monkeypatch.setenv("TORCH_CUDNN_SDPA_DEPRIORITIZED", "1")
+    deprioritized = attention.cuda_gpu.__wrapped__(0)
+    call = _call("bf16", 32, 8, 128, False)
+    assert attention_kernel(call, deprioritized) == "flash"
+    assert attention_kernel(call, AttentionGpu.parse(deprioritized.describe())) == "flash"
+
+
 def test_a_bad_gpu_for_the_cpu_layer_is_one_line_before_anything_starts(monkeypatch, capsys):
     import torch.distributed as dist
 
