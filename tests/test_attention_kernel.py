@@ -155,6 +155,30 @@ def test_a_bad_gpu_for_the_cpu_layer_is_one_line_before_anything_starts(monkeypa
     assert not dist.is_initialized()
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_on_a_gpu_the_rule_is_torchs_own_choice(head_dim):
+    """torch's dispatcher asked directly (torch._fused_sdp_choice: the kernel it would run),
+    for megatron-core's layout ([s, b, n, d] permuted), in each dtype, with and without
+    grouped-query attention and a mask, on the GPU at hand."""
+    names = {0: "math", 1: "flash", 2: "efficient", 3: "cudnn"}  # at::SDPBackend
+    gpu = attention.cuda_gpu(torch.cuda.current_device())
+    for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16"),
+                        (torch.float16, "fp16")):
+        for groups in (16, 4):
+            for masked in (False, True):
+                seq = 256
+                q, k, v = (torch.randn(seq, 2, n, head_dim, device="cuda", dtype=dtype)
+                           .permute(1, 2, 0, 3).requires_grad_() for n in (16, groups, groups))
+                mask = (torch.ones(1, 1, seq, seq, dtype=torch.bool, device="cuda").tril()
+                        if masked else None)
+                torch_choice = names[torch._fused_sdp_choice(
+                    q, k, v, mask, is_causal=not masked, enable_gqa=groups != 16)]
+                call = AttentionCall(name, 16, groups, head_dim, seq, 2,
+                                     (1, 1, seq, seq) if masked else None)
+                assert attention_kernel(call, gpu) == torch_choice, (name, groups, masked)
+
+
 # --- what a CUDA kernel keeps, from torch ---------------------------------------------------
 
 OPS = {"flash": "_scaled_dot_product_flash_attention",
