@@ -22,6 +22,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from megatron.config.attention_kernel import cpu_layer_gpu
 from megatron.config.device_choice import DeviceChoice, choose_device, cpu_device_capacity
 from megatron.config.errors import ConfigError
 from megatron.models.cpu_adaptation import set_up_megatron_core
@@ -72,8 +73,9 @@ def decide_device(share_gpu: bool = False) -> DeviceChoice:
     available = torch.cuda.is_available()
     choice = choose_device(available, torch.cuda.device_count() if available else 0,
                            local_rank, local_world, share_gpu)
-    if choice.kind == "cpu":
-        cpu_device_capacity()  # a bad MEGATRON_CPU_DEVICE_MEMORY: refused before any start
+    if choice.kind == "cpu":  # refused before any start: a bad
+        cpu_device_capacity()  # MEGATRON_CPU_DEVICE_MEMORY
+        cpu_layer_gpu()  # MEGATRON_CPU_DEVICE_GPU
     return choice
 
 

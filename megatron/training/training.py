@@ -23,7 +23,8 @@ from megatron.config.errors import ConfigError
 from megatron.config.run import RunConfig
 from megatron.data.run_data import RunData, prepare_data
 from megatron.data.sampling import training_micro_batches
-from megatron.models.llama import LlamaConfig
+from megatron.models.attention import forget_kernels_run, kernels_run
+from megatron.models.llama import LlamaConfig, layer_implementation
 from megatron.optimizer.disk_states import DiskStateError
 from megatron.pipeline.host_group import host_group
 from megatron.pipeline.node_memory import SegmentInUseError, ShmSpaceError
@@ -142,6 +143,8 @@ class TrainingLoop:
 
     def set_up(self, on_step: Callable[[TrainStep], None] | None = None) -> None:
         run, log = self.run, self.log
+        forget_kernels_run()  # this run's, for the metrics' attention_kernel
+        self.layer_implementation = layer_implementation()
         load = run.checkpointing.load
         saved = None
         with setup_phase("checkpoint read", log, enabled=bool(load)), reading_checkpoint(load):
@@ -304,6 +307,10 @@ class TrainingLoop:
             "loss_scale": result.loss_scale,
             "grad_norm": result.grad_norm,
             "eta_s": eta_seconds(self.records, elapsed, run.training.train_iters - iteration),
+            # the kernel that computed core attention on this rank (pinned: the same on a GPU
+            # and on the CPU device layer playing it)
+            "attention_kernel": kernels_run(run.model.attention_backend,
+                                            self.layer_implementation),
             **result.extra,
         }
         self.metrics.write(record)
