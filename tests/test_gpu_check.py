@@ -405,3 +405,29 @@ def test_the_7b_step_times_the_mean_of_iterations_3_to_5():
     assert figures["meets_target"] is False  # about 216 TFLOP/s; 250 needs about 12 s
     with pytest.raises(ValueError, match="iterations 3-5"):
         gpu_check_steps.timed_figures(metrics[:4], shape, 16, None)
+
+
+def test_when_the_check_dies_its_steps_processes_end_with_it(tmp_path):
+    """The watcher of a step gets SIGTERM when the check that started it is killed (even
+    with SIGKILL), and ends what the step started, sessions of their own included."""
+    status = tmp_path / "status.json"
+    step = ("import subprocess, sys, time; q = subprocess.Popen([sys.executable, '-c', "
+            "'import time; time.sleep(60)'], start_new_session=True); "
+            "print(q.pid, flush=True); time.sleep(60)")
+    check = ("import subprocess, sys; subprocess.Popen([sys.executable, sys.argv[1], "
+             "'--timeout', '60', '--grace', '0.5', '--status', sys.argv[2], '--', "
+             "sys.executable, '-c', sys.argv[3]], start_new_session=True); "
+             "import time; time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", check,
+                             os.path.join(ROOT, "tools", "process_tree.py"), str(status), step],
+                            stdout=subprocess.PIPE, text=True)
+    grandchild = int(proc.stdout.readline())
+    proc.kill()  # SIGKILL: no clean-up of its own
+    proc.wait()
+    deadline = time.monotonic() + 10
+    while not status.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    outcome = json.loads(status.read_text())
+    assert outcome["interrupted"] and outcome["returncode"] is None
+    assert not _alive(grandchild)
+    proc.stdout.close()

@@ -145,11 +145,15 @@ def run_step(step: Step) -> dict:
              sys.executable, *step.argv],
             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             start_new_session=True, env={**os.environ, INSIDE: "1"})
-        try:  # the tree's own watch ends it; this is the last resort
+        try:  # the watcher ends the step in time; this is the last resort
             out, _ = proc.communicate(timeout=step.timeout_s + GRACE_S + 30)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, _ = proc.communicate()
+            proc.terminate()  # the watcher ends the tree as on its own time-out
+            try:
+                out, _ = proc.communicate(timeout=GRACE_S + 10)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                out, _ = proc.communicate()
         except BaseException:  # Ctrl-C: the tree ends what the step started
             proc.terminate()
             proc.wait()
