@@ -157,7 +157,16 @@ def test_the_summary_sets_the_decoupled_run_beside_megatron_core_and_the_plan():
     line = gpu_check.verdict(steps, ["H100"], figures, 300, "r.json")
     assert "1.35B decoupled 2.00 s/iteration against megatron-core 1.60 s none recompute " \
            "(x1.25), megatron-core 2.50 s full recompute (x0.80)" in line
-    assert "\n" not in line
+    assert "\n" not in line and "attention" not in line  # no side names its kernel
+    large["decoupled"]["attention_kernel"] = "flash"
+    large["megatron_core"]["variants"]["none"]["attention_kernel"] = "flash"
+    large["megatron_core"]["variants"]["full"]["attention_kernel"] = "efficient"
+    figures = gpu_check.summary(steps)
+    assert figures["decoupled_attention_kernel"] == "flash"
+    assert figures["megatron_core_full_recompute_attention_kernel"] == "efficient"
+    assert "attention kernels differ: decoupled flash, megatron_core_none_recompute flash, " \
+           "megatron_core_full_recompute efficient" in gpu_check.verdict(
+               steps, ["H100"], figures, 300, "r.json")
 
 
 def test_datasheet_peaks_by_the_name_cuda_reports():

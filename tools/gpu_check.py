@@ -242,6 +242,8 @@ def summary(steps: list[dict]) -> dict:
         if ours is not None:
             out[f"decoupled_over_megatron_core_{variant}_recompute"] = (
                 ours / result["iteration_s"]["median"])
+    out.update({f"{side}_attention_kernel": kernel
+                for side, kernel in attention_kernels(large).items()})
     large_model = figures.get(LARGE_MODEL_STEP, {}).get("run", {})
     if "model_tflops" in large_model:
         out["llama2_7b_model_tflops"] = large_model["model_tflops"]
@@ -257,6 +259,18 @@ def summary(steps: list[dict]) -> dict:
     return out
 
 
+def attention_kernels(large: dict) -> dict[str, str]:
+    """The attention kernel each side of the 1.35B comparison ran, where its figures name
+    one (`attention_kernel`: the decoupled run's metrics, megatron-core's baseline, whole
+    or per variant); sides that name none are left out."""
+    mcore = large.get("megatron_core", {})
+    found = {"decoupled": large.get("decoupled", {}).get("attention_kernel"),
+             "megatron_core": mcore.get("attention_kernel"),
+             **{f"megatron_core_{variant}_recompute": result.get("attention_kernel")
+                for variant, result in mcore.get("variants", {}).items()}}
+    return {side: kernel for side, kernel in found.items() if kernel}
+
+
 def verdict(steps: list[dict], gpus: list[str], figures: dict, seconds: float, out: str) -> str:
     failed = [s["step"] for s in steps if not s["passed"]]
     head = (f"gpu-check: FAILED ({', '.join(failed)})" if failed else "gpu-check: passed")
@@ -269,6 +283,11 @@ def verdict(steps: list[dict], gpus: list[str], figures: dict, seconds: float, o
                   if f"decoupled_over_megatron_core_{v}_recompute" in figures]
         parts.append(f"1.35B decoupled {figures['decoupled_iteration_s']:.2f} s/iteration"
                      + (f" against {', '.join(ratios)}" if ratios else ""))
+    kernels = {k[:-len("_attention_kernel")]: v for k, v in figures.items()
+               if k.endswith("_attention_kernel")}
+    if len(set(kernels.values())) > 1:  # the ratios then compare two attention kernels
+        parts.append("attention kernels differ: " + ", ".join(
+            f"{side} {kernel}" for side, kernel in kernels.items()))
     if "llama2_7b_model_tflops" in figures:
         parts.append(f"LLaMA-2 7B {figures['llama2_7b_model_tflops']:.0f} TFLOP/s of model "
                      "flops (iterations 3-5)")

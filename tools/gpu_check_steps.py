@@ -179,7 +179,7 @@ def large_run(workdir: str) -> tuple[bool, dict]:
             **{k: last.get(k) for k in ("device_memory_peak_bytes", "exposed_optimizer_time_s",
                                         "bubble_ratio", "host_syncs",
                                         "host_optimizer_state_bytes",
-                                        "host_gradient_pool_bytes")}}
+                                        "host_gradient_pool_bytes", "attention_kernel")}}
         ok = all(math.isfinite(loss) for loss in figures["decoupled"]["losses"])
     else:
         figures["decoupled"]["output_tail"] = tail(proc)
