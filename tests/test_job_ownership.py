@@ -1,8 +1,10 @@
 """A job's processes never outlive its launcher, and one --save directory belongs to one
 job at a time: a second job is refused in one line naming the holder, the lock of a dead
-job is taken over, and a refused job removes nothing of the holder's."""
+job is taken over, a refused job removes nothing of the holder's, and a directory removed
+during the run is locked again before the next save."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,7 +15,11 @@ import pytest
 
 from megatron.common.save_lock import LOCK_NAME, LockError, SaveLock
 from megatron.config.errors import ConfigError
-from megatron.training.save_lock import hold_save_directory
+from megatron.training.save_lock import (
+    SaveDirectoryLost,
+    hold_save_directory,
+    keep_save_directory,
+)
 
 pytestmark = pytest.mark.unit
 REPO = Path(__file__).resolve().parents[1]
@@ -124,3 +130,41 @@ def test_a_rank_tells_a_gone_peer_from_its_own_fault():
         assert peer_gone(wrapped)
     assert not peer_gone(RuntimeError("rank 1: instruction 3 failed: injected"))
     assert issubclass(InstructionError, RuntimeError)
+
+
+def test_a_save_directory_removed_mid_run_is_locked_again_or_the_run_stops(tmp_path):
+    """The --save directory is removed while the job runs: before its next save the job
+    takes the recreated directory's lock again and says so; when another job took the
+    directory meanwhile, it stops in one line (exit 1) and leaves that job's lock alone."""
+    save = tmp_path / "ckpt"
+    lock = hold_save_directory(str(save), rank=0, world_size=1)
+    shutil.rmtree(save)
+    said = []
+    keep_save_directory(lock, str(save), 0, 1, said.append)
+    assert said == [f"--save {save}: the directory (or its lock) was removed during the run; "
+                    "recreated it and took its lock again (the checkpoints saved before went "
+                    "with it)"]
+    with pytest.raises(LockError):  # ours again: a second job is refused
+        SaveLock(str(save)).acquire()
+    keep_save_directory(lock, str(save), 0, 1, said.append)  # still held: nothing to say
+    assert len(said) == 1
+
+    shutil.rmtree(save)
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(REPO), str(save)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(SaveDirectoryLost) as lost:
+            keep_save_directory(lock, str(save), 0, 1, said.append)
+        lock.release()
+        assert (save / LOCK_NAME).exists()  # the other job's lock file stays
+    finally:
+        holder.kill()
+        holder.wait()
+    line = str(lost.value)
+    assert "\n" not in line and len(said) == 1
+    assert line.startswith(f"--save {save}: the directory was removed during the run and "
+                           f"cannot be locked again: in use by another running job (pid "
+                           f"{holder.pid} on ")
+    assert line.endswith("stopping without saving (the checkpoints saved before went with "
+                         "the directory)")

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 
 import pytest
 
@@ -346,3 +347,30 @@ def test_a_start_removes_what_dead_runs_left_in_shared_memory_and_says_so(tmp_pa
     finally:
         if os.path.exists(path):
             os.unlink(path)
+
+
+def test_a_save_directory_removed_mid_run_is_recreated_with_its_lock(tmp_path, cache, capsys,
+                                                                     monkeypatch):
+    """The --save directory is removed after the first checkpoint (a cleanup script): the
+    next save takes the recreated directory's lock again, says so once, and the run ends
+    normally with its checkpoint and no lock left behind."""
+    from megatron.common.save_lock import LOCK_NAME
+    from megatron.training import checkpointing
+
+    save = tmp_path / "ckpt"
+    commit = checkpointing._commit
+
+    def commit_then_remove(root, iteration, *args):
+        commit(root, iteration, *args)
+        if iteration == 1:
+            shutil.rmtree(root)
+    monkeypatch.setattr(checkpointing, "_commit", commit_then_remove)
+    code, _, err = run_in_process(capsys, *SMALL, "--train-iters", "2", "--save", str(save),
+                                  "--save-interval", "1", cache=cache)
+    assert code in (0, None), err
+    assert err.strip().splitlines() == [
+        f"pretrain_llama.py: warning: --save {save}: the directory (or its lock) was removed "
+        "during the run; recreated it and took its lock again (the checkpoints saved before "
+        "went with it)"]
+    assert sorted(os.listdir(save)) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
+    assert LOCK_NAME not in os.listdir(save)

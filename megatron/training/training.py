@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.common.progress import progress_enabled
+from megatron.common.save_lock import SaveLock
 from megatron.config.checks import run_notices
 from megatron.config.errors import ConfigError
 from megatron.config.run import RunConfig
@@ -66,7 +67,7 @@ from megatron.training.run_checks import (
     is_auto_resume,
 )
 from megatron.training.run_summary import RunOutcome, format_run_summary
-from megatron.training.save_lock import hold_save_directory
+from megatron.training.save_lock import hold_save_directory, keep_save_directory
 from megatron.training.scalar_logging import ScalarSinks, check_scalar_sinks
 from megatron.training.signals import INTERRUPT, INTERRUPTED_STATUS, ExitConditions
 from megatron.training.train_step import TrainStep, on_device
@@ -115,8 +116,10 @@ class TrainingLoop:
     """One run in an initialized process group: what it set up (data, train step, LR
     schedule, writers) and what it recorded. `close()` releases everything it holds."""
 
-    def __init__(self, run: RunConfig, dist_info: DistInfo, start_time: float) -> None:
+    def __init__(self, run: RunConfig, dist_info: DistInfo, start_time: float,
+                 save_lock: SaveLock | None = None) -> None:
         self.run = run
+        self.save_lock = save_lock  # rank 0's, of --save (kept through the run)
         self.dist_info = dist_info
         self.start_time = start_time
         # The metrics come from the process that sees the loss (the last rank of a pipeline
@@ -335,6 +338,8 @@ class TrainingLoop:
                   "padded_vocab_size": self.data.vocab_size,
                   "num_floating_point_operations_so_far":
                       iteration * run.tokens_per_iteration * self.flops_per_token}
+        keep_save_directory(self.save_lock, run.checkpointing.save, self.dist_info.rank,
+                            self.dist_info.world_size, lambda line: warn(line, self.dist_info))
         if progress_enabled():  # a large model's save takes a while: say it started
             self.log(f"checkpoint iteration {iteration}: saving to {run.checkpointing.save}")
         with INTERRUPT.deferred():  # a checkpoint is committed whole or not begun
@@ -369,7 +374,7 @@ def train(run: RunConfig, dist_info: DistInfo,
         warn(line, dist_info)
     lock = hold_save_directory(run.checkpointing.save, dist_info.rank, dist_info.world_size,
                                print if dist_info.rank == 0 else (lambda *_: None))
-    loop = TrainingLoop(run, dist_info, start_time)
+    loop = TrainingLoop(run, dist_info, start_time, lock)
     try:
         loop.set_up(on_step)
         loop.train()
