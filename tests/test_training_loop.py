@@ -84,6 +84,16 @@ def _train_rejects(tmp_path, *argv) -> ConfigError:
     return exc.value
 
 
+def test_a_schedule_too_large_is_refused_before_the_data_phase_writes_anything(tmp_path):
+    """--global-batch-size 40000000 on a pipeline: one line naming the flag and the limit,
+    before the data phase (which would write gigabytes of index files under the cache)."""
+    error = _train_rejects(tmp_path, "--pipeline-schedule", "decoupled",
+                           "--global-batch-size", "40000000", "--save", str(tmp_path / "ckpt"))
+    assert error.flag == "--global-batch-size" and error.value == 40000000
+    assert "FORWARD/BACKWARD instructions per iteration, expected at most 100000" in str(error)
+    assert os.listdir(tmp_path) == []
+
+
 @pytest.mark.parametrize("flag", ["--metrics-file", "--timeline", "--trace"])
 def test_unwritable_output_files_are_rejected_before_training(tmp_path, flag):
     blocker = tmp_path / "a-file"

@@ -15,6 +15,7 @@ from megatron.config.errors import ConfigError, flag_name
 from megatron.config.model import MODEL_FIELDS
 from megatron.config.run import RunConfig
 from megatron.optimizer.state_io import ALIGNMENT
+from megatron.planning.shape import Unbuildable, build_run_schedule
 
 OUTPUT_FILE_FIELDS = ("metrics_file", "timeline", "trace")
 
@@ -188,3 +189,17 @@ def check_checkpoint_model(run: RunConfig, saved: dict | None, where: str) -> No
         if theirs is not None and ours is not None and theirs != ours:
             raise ConfigError(flag_name(field), ours,
                               f"the checkpoint in {where} was saved with {theirs}")
+
+
+def check_schedule_size(run: RunConfig, pipeline_size: int) -> None:
+    """The schedule the run asks for on `pipeline_size` ranks can be built: its size
+    (stages x micro-batches x (1 + backward split) FORWARD/BACKWARD instructions, bounded by
+    MAX_COMPUTE_INSTRUCTIONS) and its shape follow from the flags alone, with no vocabulary,
+    so this runs before the data phase writes anything (a --global-batch-size of 40
+    million would otherwise build gigabytes of index files first). A --schedule-file's
+    programs are read, not built: check_pipeline_shape reads and checks it."""
+    if run.parallel.schedule_file is not None:
+        return
+    shape = build_run_schedule(run, pipeline_size, vocab_size=1, lower=False)
+    if isinstance(shape, Unbuildable):
+        raise shape.error()

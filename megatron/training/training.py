@@ -64,6 +64,7 @@ from megatron.training.run_checks import (
     check_nvme_space,
     check_output_paths,
     check_save_space,
+    check_schedule_size,
     is_auto_resume,
 )
 from megatron.training.run_summary import RunOutcome, format_run_summary
@@ -105,6 +106,7 @@ def check_before_start(run: RunConfig, dist_info: DistInfo) -> None:
     if runs_pipeline(run, dist_info.world_size) or (
             run.parallel.pipeline_model_parallel_size or 1) > 1:
         check_pipeline_shape(run, dist_info.pipeline_size)
+        check_schedule_size(run, dist_info.pipeline_size)  # before the data phase writes
     check_load_dir(run)  # the checks that create nothing first
     check_scalar_sinks(run)
     check_output_paths(run)
