@@ -180,15 +180,59 @@ def check_load_dir(run: RunConfig) -> None:
 RESUMED_ARCHITECTURE = ("kv_channels", "rotary_base", "rotary_percent", "norm_epsilon")
 
 
-def check_checkpoint_model(run: RunConfig, saved: dict | None, where: str) -> None:
+def check_checkpoint_model(run: RunConfig, saved: dict | None, where: str,
+                           saved_vocab_rows: int | None = None) -> None:
     """The model flags of this run equal those the checkpoint in `where` was saved with
-    (`saved`: the flags it recorded, RunConfig.flags())."""
+    (`saved`: the flags it recorded, RunConfig.flags()); before the data, so the
+    vocabulary is compared where --vocab-size gives it (`saved_vocab_rows`: the padded
+    vocabulary the checkpoint recorded; check_checkpoint_vocabulary again with the
+    tokenizer's)."""
+    saved = saved or {}
     fields = MODEL_FIELDS + (() if run.checkpointing.finetune else RESUMED_ARCHITECTURE)
     for field in fields:
-        theirs, ours = (saved or {}).get(field), getattr(run.model, field)
+        theirs, ours = saved.get(field), getattr(run.model, field)
+        if field == "kv_channels" and saved.get("hidden_size") and saved.get(
+                "num_attention_heads"):  # the head width, given or implied
+            theirs = theirs or saved["hidden_size"] // saved["num_attention_heads"]
+            ours = run.model.head_dim
         if theirs is not None and ours is not None and theirs != ours:
             raise ConfigError(flag_name(field), ours,
                               f"the checkpoint in {where} was saved with {theirs}")
+    check_checkpoint_vocabulary(run, saved, where, saved_vocab_rows)
+
+
+def check_checkpoint_vocabulary(run: RunConfig, saved: dict | None, where: str,
+                                saved_vocab_rows: int | None,
+                                vocab_rows: int | None = None) -> None:
+    """The embedding's and output layer's rows (the vocabulary padded to a multiple of
+    --make-vocab-size-divisible-by, as Megatron pads it) equal the checkpoint's, named by
+    the flag that decides them. `vocab_rows`: this run's, once the tokenizer gave them;
+    None: from --vocab-size, when given (before the data)."""
+    m = run.model
+    if saved_vocab_rows is None:
+        return
+    if vocab_rows is None:
+        if m.vocab_size is None or run.data.tokenizer_type == "NullTokenizer":
+            return  # the tokenizer decides: checked again after the data
+        vocab_rows = m.padded_vocab_size(m.vocab_size)
+    if vocab_rows == saved_vocab_rows:
+        return
+    divisor = m.make_vocab_size_divisible_by
+    theirs = (f"the checkpoint in {where} has {saved_vocab_rows} (its embedding and output "
+              "layer rows)")
+    saved_divisor = (saved or {}).get("make_vocab_size_divisible_by")
+    if saved_divisor not in (None, divisor):
+        raise ConfigError("--make-vocab-size-divisible-by", divisor,
+                          f"the vocabulary pads to {vocab_rows} rows; {theirs}, padded to a "
+                          f"multiple of {saved_divisor}")
+    pads = f"pads to {vocab_rows} rows (a multiple of --make-vocab-size-divisible-by {divisor})"
+    if m.vocab_size is not None:
+        raise ConfigError("--vocab-size", m.vocab_size, f"{pads}; {theirs}")
+    d = run.data
+    flag, value = (("--tokenizer-model", d.tokenizer_model) if d.tokenizer_model
+                   else ("--tokenizer-type", d.tokenizer_type or "the demo corpus's"))
+    raise ConfigError(flag, value, f"its vocabulary {pads}; {theirs}: the checkpoint of "
+                      "another tokenizer (give --vocab-size to pad to its rows)")
 
 
 def check_schedule_size(run: RunConfig, pipeline_size: int) -> None:

@@ -34,7 +34,7 @@ from megatron.planning.search import auto_configure
 from megatron.planning.shape import check_pipeline_shape
 from megatron.schedules.cost_model import model_flops_per_token
 from megatron.training.arguments import exit_bad_input, parse_args
-from megatron.training.checkpoint_format import saved_args
+from megatron.training.checkpoint_format import saved_args, saved_vocab_rows
 from megatron.training.checkpointing import (
     CheckpointError,
     CheckpointSaver,
@@ -60,6 +60,7 @@ from megatron.training.process_limits import check_process_limits
 from megatron.training.profiling import IterationProfiler
 from megatron.training.run_checks import (
     check_checkpoint_model,
+    check_checkpoint_vocabulary,
     check_load_dir,
     check_nvme_space,
     check_output_paths,
@@ -160,7 +161,8 @@ class TrainingLoop:
                     log(f"no checkpoint in {load}: starting from scratch"
                         + (f" ({why})" if is_auto_resume(run) else ""))
                 else:
-                    check_checkpoint_model(run, saved_args(saved), load)
+                    check_checkpoint_model(run, saved_args(saved), load,
+                                           saved_vocab_rows(saved))
             elif load:
                 log(f"no checkpoint in {load}: starting from scratch ({why}; the directory "
                     "does not exist yet)")
@@ -171,6 +173,9 @@ class TrainingLoop:
                                                     self.dist_info.device)
         with setup_phase("data", log):
             self.data = prepare_data(run, log=log)
+        if saved is not None:  # with the tokenizer's vocabulary, before the model
+            check_checkpoint_vocabulary(run, saved_args(saved), load, saved_vocab_rows(saved),
+                                        self.data.vocab_size)
         check_save_space(run, self.data.vocab_size)  # the real checkpoint's bytes
         check_nvme_space(run, self.data.vocab_size)
         if saved is not None and saved.get("tokenizer_json") not in (
