@@ -29,7 +29,11 @@ from megatron.training.checkpoint_state import EXP_AVG, EXP_AVG_SQ, MASTER, Owne
 from megatron.training.checkpointing import CheckpointSaver
 from megatron.training.distributed import DistInfo, initialize_distributed, shutdown_distributed
 from megatron.training.evaluation import due, format_evaluation, perplexity
-from megatron.training.run_checks import check_checkpoint_model, check_checkpoint_vocabulary
+from megatron.training.run_checks import (
+    check_checkpoint_model,
+    check_checkpoint_vocabulary,
+    resume_shape_notice,
+)
 from megatron.training.scalar_logging import ScalarSinks
 from megatron.training.signals import ExitConditions
 from megatron.training.training import train
@@ -209,6 +213,30 @@ def test_model_flags_must_match_the_checkpoint():
                                           "saved with 64"):
         check_checkpoint_model(parse_args(TINY), wide, "/ckpt")
     check_checkpoint_model(parse_args([*TINY, "--kv-channels", "32"]), saved, "/ckpt")
+
+
+def test_a_resume_on_another_shape_says_it_is_not_bit_exact():
+    saved = {"format_version": 3, "world_size": 2, "args": parse_args(TINY).flags()}
+    same = parse_args(TINY)
+    assert resume_shape_notice(same, saved, 2, "/ckpt") is None
+    # the default schedule named or not: the same
+    assert resume_shape_notice(parse_args([*TINY, "--pipeline-schedule", "decoupled"]),
+                               saved, 2, "/ckpt") is None
+    line = resume_shape_notice(parse_args([*TINY, "--micro-batch-size", "1"]), saved, 2,
+                               "/ckpt")
+    assert line == ("resuming the checkpoint in /ckpt with --micro-batch-size 1 (saved with "
+                    "4): it continues at the same sample within rounding of the run that "
+                    "saved it, not bit for bit (each iteration's sums run in another order); "
+                    "the saved flags on as many processes continue it exactly")
+    other = resume_shape_notice(parse_args([*TINY, "--pipeline-schedule", "1f1b"]), saved, 3,
+                                "/ckpt")
+    assert other.startswith("resuming the checkpoint in /ckpt with 3 process(es) (saved on "
+                            "2), --pipeline-schedule 1f1b (saved with decoupled): ")
+    finetune = parse_args([*TINY, "--micro-batch-size", "1", "--load", "/ckpt", "--finetune"])
+    assert resume_shape_notice(finetune, saved, 2, "/ckpt") is None  # starts over
+    megatron_lm = {"args": saved["args"], "iteration": 10}  # another program's: not continued
+    assert resume_shape_notice(parse_args([*TINY, "--micro-batch-size", "1"]), megatron_lm, 1,
+                               "/ckpt") is None
 
 
 # --- evaluation ------------------------------------------------------------------------

@@ -13,9 +13,11 @@ import shutil
 from megatron.common.units import format_bytes
 from megatron.config.errors import ConfigError, flag_name
 from megatron.config.model import MODEL_FIELDS
-from megatron.config.run import RunConfig
+from megatron.config.run import ONE_PROCESS_SCHEDULE, RunConfig
 from megatron.optimizer.state_io import ALIGNMENT
 from megatron.planning.shape import Unbuildable, build_run_schedule
+from megatron.schedules.generators import DEFAULT_SCHEDULE
+from megatron.training.checkpoint_format import saved_args
 
 OUTPUT_FILE_FIELDS = ("metrics_file", "timeline", "trace")
 
@@ -247,3 +249,47 @@ def check_schedule_size(run: RunConfig, pipeline_size: int) -> None:
     shape = build_run_schedule(run, pipeline_size, vocab_size=1, lower=False)
     if isinstance(shape, Unbuildable):
         raise shape.error()
+
+
+# What a resume may change and still continue at the same sample: the iteration's sums (of
+# micro-batches' gradients, of the norm's squares) then run in another order, so it
+# continues within rounding of the run that saved it, not bit for bit.
+RESUME_SHAPE_FLAGS = ("micro_batch_size", "pipeline_schedule", "forward_stages",
+                      "backward_split", "stage_layers", "data_parallel_size")
+
+
+def resume_shape_notice(run: RunConfig, common: dict, world_size: int, where: str
+                        ) -> str | None:
+    """One line when this run resumes the checkpoint in `where` (its common state
+    `common`, saved by this program) with another shape than it was saved with: another
+    --micro-batch-size, schedule, stage split or number of processes; None when it
+    continues bit for bit (or starts over: --finetune)."""
+    if run.checkpointing.finetune or "format_version" not in common:
+        return None  # fine-tuning starts over; another program's run is not continued
+    theirs, ours = saved_args(common), run.flags()
+    saved_world = common.get("world_size")
+    changes = []
+    if saved_world not in (None, world_size):
+        changes.append(f"{world_size} process(es) (saved on {saved_world})")
+    for field in RESUME_SHAPE_FLAGS:
+        saved, now = theirs.get(field), ours.get(field)
+        if field == "pipeline_schedule":  # None: the one each side ran by default
+            saved = saved or _default_schedule(saved_world or world_size)
+            now = now or _default_schedule(world_size)
+        if saved is not None and now is not None and _shown(saved) != _shown(now):
+            changes.append(f"{flag_name(field)} {_shown(now)} (saved with {_shown(saved)})")
+    if not changes:
+        return None
+    return (f"resuming the checkpoint in {where} with {', '.join(changes)}: it continues at "
+            "the same sample within rounding of the run that saved it, not bit for bit "
+            "(each iteration's sums run in another order); the saved flags on as many "
+            "processes continue it exactly")
+
+
+def _shown(value: object) -> str:
+    """A flag's value as the command line spells it (a list: comma-separated)."""
+    return ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
+
+
+def _default_schedule(processes: int) -> str:
+    return DEFAULT_SCHEDULE if processes > 1 else ONE_PROCESS_SCHEDULE

@@ -67,6 +67,7 @@ from megatron.training.run_checks import (
     check_save_space,
     check_schedule_size,
     is_auto_resume,
+    resume_shape_notice,
 )
 from megatron.training.run_summary import RunOutcome, format_run_summary
 from megatron.training.save_lock import hold_save_directory, keep_save_directory
@@ -163,6 +164,9 @@ class TrainingLoop:
                 else:
                     check_checkpoint_model(run, saved_args(saved), load,
                                            saved_vocab_rows(saved))
+                    notice = resume_shape_notice(run, saved, self.dist_info.world_size, load)
+                    if notice:
+                        log(notice)
             elif load:
                 log(f"no checkpoint in {load}: starting from scratch ({why}; the directory "
                     "does not exist yet)")
