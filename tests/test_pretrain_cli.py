@@ -148,11 +148,15 @@ def test_resume_from_checkpoint_continues_the_same_run(tmp_path, cache, learning
     # another --micro-batch-size: the same samples, summed in another order; the start-up
     # says so (the same flags say nothing)
     assert "not bit for bit" not in r.stdout
-    other = run_cli(*common, "--micro-batch-size", "1", "--load", str(ckpt), cache=cache)
+    smaller = tmp_path / "smaller.jsonl"
+    other = run_cli(*common, "--micro-batch-size", "1", "--load", str(ckpt),
+                    "--metrics-file", str(smaller), cache=cache)
     assert other.returncode == 0, other.stderr[-2000:]
     assert (f"resuming the checkpoint in {ckpt} with --micro-batch-size 1 (saved with 2): "
             "it continues at the same sample within rounding of the run that saved it, not "
             "bit for bit") in other.stdout
+    for row in read_metrics(smaller):
+        assert row["loss"] == pytest.approx(reference[row["iteration"]]["loss"], rel=1e-5)
 
 
 def test_tiny_preset_learns_on_the_builtin_corpus(learning):
