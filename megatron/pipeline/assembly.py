@@ -39,7 +39,7 @@ from megatron.pipeline.config import LossScaling, PipelineConfig
 from megatron.pipeline.data_parallel import ParallelLayout, create_host_groups
 from megatron.pipeline.element_runs import group_element_runs
 from megatron.pipeline.executor import PipelineExecutor
-from megatron.pipeline.host_group import host_group
+from megatron.pipeline.host_group import gloo_group, host_group
 from megatron.pipeline.iteration_stats import pipeline_report
 from megatron.pipeline.optimizer_calibration import calibrated_update_rates
 from megatron.pipeline.owner import BackwardStageOwner, OwnedStages
@@ -107,7 +107,7 @@ class Pipeline:
             layout.global_rank)
         # Its own gloo group (made by every rank alike: the plan is the same everywhere).
         self.distributor = ParameterDistributor(
-            replicas, self.store, rank, dist.new_group(backend="gloo") if replicas else None,
+            replicas, self.store, rank, gloo_group() if replicas else None,
             thread_setup=device.bind_current_thread)
         self.reducer = None
         if layout.data_parallel_size > 1:

@@ -26,6 +26,7 @@ from megatron.data.run_data import RunData, prepare_data
 from megatron.data.sampling import training_micro_batches
 from megatron.models.llama import LlamaConfig
 from megatron.optimizer.disk_states import DiskStateError
+from megatron.pipeline.executor import InstructionError
 from megatron.pipeline.host_group import host_group
 from megatron.pipeline.node_memory import SegmentInUseError, ShmSpaceError
 from megatron.planning.evaluate import plan_hardware
@@ -40,15 +41,20 @@ from megatron.training.checkpointing import (
     CheckpointSaver,
     CheckpointWriteError,
     check_resumable,
+    latest_iteration,
     load_checkpoint,
     reading_checkpoint,
     restore_run,
 )
 from megatron.training.distributed import (
     DistInfo,
+    PeerTimeout,
+    causes,
+    collective_timeout,
     initialize_distributed,
     peer_gone,
     shutdown_distributed,
+    timed_out,
 )
 from megatron.training.evaluation import due, evaluate, evaluation_record, format_evaluation
 from megatron.training.fit_check import refuse_single_process_that_does_not_fit
@@ -139,6 +145,7 @@ class TrainingLoop:
         self.sinks: ScalarSinks | None = None
         self.exits: ExitConditions | None = None
         self.start_iteration = 0
+        self.iteration = 0  # the one running (0: setting up)
         self.last_saved: int | None = None
         self.skipped_total = 0
         self.skipped_in_interval = 0  # since the last log line (Megatron's count)
@@ -289,7 +296,7 @@ class TrainingLoop:
 
     def _iteration(self, iteration: int) -> None:
         run, schedule = self.run, self.schedule
-        INTERRUPT.iteration = iteration
+        INTERRUPT.iteration = self.iteration = iteration
         micro_batches = on_device(
             training_micro_batches(self.data.datasets.train, iteration, run,
                                    self.dist_info.data_parallel_rank),
@@ -386,16 +393,64 @@ def train(run: RunConfig, dist_info: DistInfo,
     lock = hold_save_directory(run.checkpointing.save, dist_info.rank, dist_info.world_size,
                                print if dist_info.rank == 0 else (lambda *_: None))
     loop = TrainingLoop(run, dist_info, start_time, lock)
+    failed = False
     try:
         loop.set_up(on_step)
         loop.train()
+    except RuntimeError as exc:
+        failed = True
+        if timed_out(exc):  # gloo's traceback says neither who nor what: one line does
+            raise waited_too_long(loop, exc) from None
+        raise
+    except BaseException:
+        failed = True
+        raise
     finally:
         try:
             loop.close()
+        except Exception:
+            if not failed:  # after a fault, the fault is what the user needs to see
+                raise
         finally:
             if lock is not None:
                 lock.release()
     return loop.records
+
+
+def waited_too_long(loop: TrainingLoop, exc: BaseException) -> PeerTimeout:
+    """This rank's one line when a wait for another rank (`exc`: gloo's timeout) ran past
+    the collective timeout: the rank it waited for (the instruction's peer; in a
+    collective, any other), what it waited at, the timeout, and the last checkpoint."""
+    run, rank = loop.run, loop.dist_info.rank
+    timeout = collective_timeout(run.parallel.distributed_timeout_minutes)
+    failed = next((e for e in causes(exc) if isinstance(e, InstructionError)), None)
+    if failed is not None:
+        instr = failed.instruction
+        peer = f"rank {instr.peer}" if instr.peer >= 0 else "another rank"
+        where = f"{instr} (instruction {failed.index} of {failed.when})"
+    else:
+        peer = "another rank"
+        where = ("a collective of the set-up" if loop.iteration == 0
+                 else f"a collective of iteration {loop.iteration}")
+    return PeerTimeout(f"rank {rank}: {peer} did not answer within {timeout} while rank "
+                       f"{rank} waited at {where}: it stopped, hung or cannot be reached; "
+                       f"{last_checkpoint(run)}")
+
+
+def last_checkpoint(run: RunConfig) -> str:
+    """Where a run that stops now resumes from, in words."""
+    c = run.checkpointing
+    if not c.save:
+        started = f" (it started from --load {c.load}, unchanged)" if c.load else ""
+        return f"no --save: nothing of this run is saved{started}"
+    try:
+        saved = latest_iteration(c.save)
+    except (OSError, CheckpointError):
+        saved = None
+    if saved is None:
+        return f"no checkpoint in {c.save} yet"
+    return (f"the last checkpoint, iteration {saved} in {c.save}, is intact (resume with "
+            f"--load {c.save})")
 
 
 def warn(line: str, dist_info: DistInfo) -> None:
@@ -470,7 +525,7 @@ def _main(argv: Sequence[str] | None) -> int:
         # before gloo connects (its sockets count) and any thread starts
         check_process_limits(run, int(os.environ.get("WORLD_SIZE", "1")))
         dist_info = initialize_distributed(
-            timeout_s=60.0 * run.parallel.distributed_timeout_minutes,
+            timeout=collective_timeout(run.parallel.distributed_timeout_minutes),
             data_parallel_size=run.data_parallel_size, seed=run.training.seed,
             share_gpu=run.device_checks.share_gpu)
         try:
@@ -483,6 +538,9 @@ def _main(argv: Sequence[str] | None) -> int:
         raise SystemExit(1) from None
     except (ConfigError, CheckpointError) as exc:
         exit_bad_input(exc)
+    except PeerTimeout as exc:  # each rank that waited says what for (not necessarily 0)
+        print(f"pretrain_llama.py: error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
     except DiskStateError as exc:  # the drive of --optimizer-nvme-path failed mid-run
         print(f"pretrain_llama.py: error: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
