@@ -386,3 +386,23 @@ def test_a_save_directory_removed_mid_run_is_recreated_with_its_lock(tmp_path, c
         "went with it)"]
     assert sorted(os.listdir(save)) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
     assert LOCK_NAME not in os.listdir(save)
+
+
+def test_pinned_memory_over_the_memlock_limit_is_said_at_start_and_in_the_summary(
+        tmp_path, cache, capsys, monkeypatch):
+    """A pipeline under a locked-memory limit smaller than what a process page-locks (on
+    the CPU device layer a stand-in for ulimit -l): the start-up line names the limit, what
+    the run pins, the cost and the fix, and the run summary says it again."""
+    monkeypatch.setenv("MEGATRON_CPU_DEVICE_MEMLOCK", "64KiB")
+    code, out, err = run_in_process(capsys, *SMALL, "--train-iters", "1",
+                                    "--pipeline-schedule", "decoupled", cache=cache)
+    assert code in (0, None), err
+    warning = [line for line in err.splitlines() if "pinned memory" in line]
+    assert len(warning) == 1 and warning[0].startswith(
+        "pretrain_llama.py: warning: pinned memory: a process of this run page-locks ")
+    assert ("MEGATRON_CPU_DEVICE_MEMLOCK allows 64.00 KiB: at least " in warning[0]
+            and "`ulimit -l unlimited` before the launch, or `docker run --ulimit "
+                "memlock=-1`" in warning[0])
+    summary = out[out.index("run summary:"):].splitlines()
+    assert summary[-1].startswith("  pinned:      at least ") and "stayed pageable " \
+        "(MEGATRON_CPU_DEVICE_MEMLOCK 64.00 KiB)" in summary[-1]

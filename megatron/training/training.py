@@ -25,6 +25,7 @@ from megatron.config.run import RunConfig
 from megatron.data.run_data import RunData, prepare_data
 from megatron.data.sampling import training_micro_batches
 from megatron.models.llama import LlamaConfig
+from megatron.offload.host_pinning import PinningShortfall, memlock_limit, memlock_shortfall
 from megatron.optimizer.disk_states import DiskStateError
 from megatron.pipeline.executor import InstructionError
 from megatron.pipeline.host_group import host_group
@@ -151,6 +152,7 @@ class TrainingLoop:
         self.skipped_in_interval = 0  # since the last log line (Megatron's count)
         self.flops_per_token = 0.0  # model FLOPs, for --log-throughput
         self.model_cfg: LlamaConfig | None = None
+        self.pinning: PinningShortfall | None = None  # page-locked memory over ulimit -l
 
     # --- setup ---------------------------------------------------------------------------
 
@@ -245,7 +247,12 @@ class TrainingLoop:
             f"{run.micro_batches * run.data_parallel_size} micro-batches of "
             f"{t.micro_batch_size} x {run.model.seq_length} tokens, {run.precision.dtype}")
         if isinstance(self.step, PipelineTrainStep):
-            log(format_host_memory(self.step.host_memory()))
+            memory = self.step.host_memory()
+            log(format_host_memory(memory))
+            self.pinning = memlock_shortfall(memory["pinned_bytes_per_process"],
+                                             memlock_limit(self.dist_info.device.kind))
+            if self.pinning is not None:
+                warn(self.pinning.startup_line(), self.dist_info)
         stopped = None
         profiler = IterationProfiler(run, self.dist_info.rank)
         try:
@@ -261,7 +268,7 @@ class TrainingLoop:
         self._after_training(stopped)
         outcome = RunOutcome(self.records, self.start_iteration, stopped, self.last_saved,
                              time.time() - self.start_time,
-                             isinstance(self.step, PipelineTrainStep))
+                             isinstance(self.step, PipelineTrainStep), self.pinning)
         log(format_run_summary(run, outcome))
 
     def _after_iteration(self, iteration: int) -> str | None:
