@@ -26,7 +26,7 @@ def set_group_timeout(timeout: timedelta) -> None:
 def gloo_group(ranks: list[int] | None = None) -> dist.ProcessGroup:
     """A gloo group over `ranks` (None: all), with the job's collective timeout.
     Collective: every rank makes every group, in the same order."""
-    return dist.new_group(ranks, backend="gloo", timeout=_timeout)
+    return dist.new_group(ranks=ranks, backend="gloo", timeout=_timeout)
 
 
 def host_group() -> dist.ProcessGroup | None:
