@@ -197,9 +197,9 @@ def test_a_rank_killed_during_an_async_save_resumes_exactly_beside_another_job(s
                                                    "straight"), exact=True)
 
 
-def test_resume_in_one_process(tmp_path, started):
+def test_resume_in_one_process(tmp_path, started, capsys):
     """One process without a pipeline, through train() here (no process to start); torch's
-    AdamW: within 1e-5, not bit for bit."""
+    AdamW: within 1e-5, not bit for bit, as its start-up line says."""
     default = finished(started, "default")
     saved = tmp_path / "saved"  # the checkpoint alone, as the resumed jobs read it
     shutil.copytree(default.out / "saved", saved)
@@ -211,6 +211,10 @@ def test_resume_in_one_process(tmp_path, started):
         records = train(run, initialize_distributed())
     finally:
         shutdown_distributed()
+    assert (f"resuming the checkpoint in {saved} with 1 process(es) (saved on 2), "
+            "--pipeline-schedule single (saved with decoupled): it continues at the same "
+            "sample within rounding of the run that saved it, not bit for bit"
+            ) in capsys.readouterr().out
     assert_continues(records, metrics(default.out / "straight"), exact=False, norm_rel=1e-5)
     # torch's AdamW on gradients accumulated in another order: masters within 3e-7, but
     # the moments of the first iterations are small (v within 1.2e-5 at iteration 4)
