@@ -189,6 +189,16 @@ def test_a_wait_past_the_timeout_is_told_from_other_faults_and_from_a_gone_peer(
     assert not timed_out(RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by "
                                       "peer [127.0.0.1]:42927"))
     assert not timed_out(RuntimeError("rank 1: instruction 3 failed: injected"))
+    # outside an instruction (a collective of the loop), without --save
+    from megatron.training.arguments import parse_args
+    from megatron.training.timeouts import waited_too_long
+
+    run = parse_args(["--model-preset", "tiny", "--load", "/ckpt"])
+    assert str(waited_too_long(run, 1, 5, waited)) == (
+        "rank 1: another rank did not answer within 600 s (--distributed-timeout-minutes 10) "
+        "while rank 1 waited at a collective of iteration 5: it stopped, hung or cannot be "
+        "reached; no --save: nothing of this run is saved (it started from --load /ckpt, "
+        "unchanged)")
 
 
 @pytest.mark.parametrize("error,line", [

@@ -27,7 +27,6 @@ from megatron.data.sampling import training_micro_batches
 from megatron.models.llama import LlamaConfig
 from megatron.offload.host_pinning import PinningShortfall, memlock_limit, memlock_shortfall
 from megatron.optimizer.disk_states import DiskStateError
-from megatron.pipeline.executor import InstructionError
 from megatron.pipeline.host_group import host_group
 from megatron.pipeline.node_memory import SegmentInUseError, ShmSpaceError
 from megatron.planning.evaluate import plan_hardware
@@ -42,7 +41,6 @@ from megatron.training.checkpointing import (
     CheckpointSaver,
     CheckpointWriteError,
     check_resumable,
-    latest_iteration,
     load_checkpoint,
     reading_checkpoint,
     restore_run,
@@ -50,7 +48,6 @@ from megatron.training.checkpointing import (
 from megatron.training.distributed import (
     DistInfo,
     PeerTimeout,
-    causes,
     collective_timeout,
     initialize_distributed,
     peer_gone,
@@ -80,6 +77,7 @@ from megatron.training.run_summary import RunOutcome, format_run_summary
 from megatron.training.save_lock import hold_save_directory, keep_save_directory
 from megatron.training.scalar_logging import ScalarSinks, check_scalar_sinks
 from megatron.training.signals import INTERRUPT, INTERRUPTED_STATUS, ExitConditions
+from megatron.training.timeouts import waited_too_long
 from megatron.training.train_step import TrainStep, on_device
 
 Log = Callable[[str], object]
@@ -404,13 +402,11 @@ def train(run: RunConfig, dist_info: DistInfo,
     try:
         loop.set_up(on_step)
         loop.train()
-    except RuntimeError as exc:
+    except BaseException as exc:
         failed = True
-        if timed_out(exc):  # gloo's traceback says neither who nor what: one line does
-            raise waited_too_long(loop, exc) from None
-        raise
-    except BaseException:
-        failed = True
+        if isinstance(exc, RuntimeError) and timed_out(exc):
+            # gloo's traceback says neither who nor what: one line does
+            raise waited_too_long(run, dist_info.rank, loop.iteration, exc) from None
         raise
     finally:
         try:
@@ -422,42 +418,6 @@ def train(run: RunConfig, dist_info: DistInfo,
             if lock is not None:
                 lock.release()
     return loop.records
-
-
-def waited_too_long(loop: TrainingLoop, exc: BaseException) -> PeerTimeout:
-    """This rank's one line when a wait for another rank (`exc`: gloo's timeout) ran past
-    the collective timeout: the rank it waited for (the instruction's peer; in a
-    collective, any other), what it waited at, the timeout, and the last checkpoint."""
-    run, rank = loop.run, loop.dist_info.rank
-    timeout = collective_timeout(run.parallel.distributed_timeout_minutes)
-    failed = next((e for e in causes(exc) if isinstance(e, InstructionError)), None)
-    if failed is not None:
-        instr = failed.instruction
-        peer = f"rank {instr.peer}" if instr.peer >= 0 else "another rank"
-        where = f"{instr} (instruction {failed.index} of {failed.when})"
-    else:
-        peer = "another rank"
-        where = ("a collective of the set-up" if loop.iteration == 0
-                 else f"a collective of iteration {loop.iteration}")
-    return PeerTimeout(f"rank {rank}: {peer} did not answer within {timeout} while rank "
-                       f"{rank} waited at {where}: it stopped, hung or cannot be reached; "
-                       f"{last_checkpoint(run)}")
-
-
-def last_checkpoint(run: RunConfig) -> str:
-    """Where a run that stops now resumes from, in words."""
-    c = run.checkpointing
-    if not c.save:
-        started = f" (it started from --load {c.load}, unchanged)" if c.load else ""
-        return f"no --save: nothing of this run is saved{started}"
-    try:
-        saved = latest_iteration(c.save)
-    except (OSError, CheckpointError):
-        saved = None
-    if saved is None:
-        return f"no checkpoint in {c.save} yet"
-    return (f"the last checkpoint, iteration {saved} in {c.save}, is intact (resume with "
-            f"--load {c.save})")
 
 
 def warn(line: str, dist_info: DistInfo) -> None:
