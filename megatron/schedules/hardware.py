@@ -30,8 +30,8 @@ class ProfileError(ValueError):
 @dataclass(frozen=True)
 class FieldRule:
     """What one profile field may hold: its type, its range (`low`, `above`: the bound
-    excluded, `high`), null when `nullable`, one of `choices`; `expected` says it in the
-    message's words."""
+    excluded, `high`; for a string `low` is its least length), null when `nullable`, one
+    of `choices`; `expected` says it in the message's words."""
 
     kind: type
     expected: str
@@ -224,6 +224,14 @@ class HardwareProfile:
         """A GPU's peak that model FLOPs utilization divides by: the datasheet's where the
         profile has it, else the profile's own peak rate."""
         return self.datasheet_peak_flops or self.gpu_peak_flops
+
+
+# A field added without its rule (or a rule left without its field) stops the import here,
+# with its name, before any profile is read.
+_UNRULED = sorted({f.name for f in dataclasses.fields(HardwareProfile)} ^ set(FIELD_RULES))
+if _UNRULED:
+    raise TypeError(f"HardwareProfile and FIELD_RULES disagree on {_UNRULED}: every field "
+                    "needs one rule")
 
 
 def layer_shape(model: ModelConfig) -> dict:
