@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 
 from megatron.config.run import RunConfig
-from megatron.offload.host_pinning import PinningShortfall
+from megatron.pipeline.node_memory import PinningShortfall
 from megatron.training.checkpointing import iteration_dir
 from megatron.training.metrics import format_duration
 

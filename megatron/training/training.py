@@ -25,10 +25,15 @@ from megatron.config.run import RunConfig
 from megatron.data.run_data import RunData, prepare_data
 from megatron.data.sampling import training_micro_batches
 from megatron.models.llama import LlamaConfig
-from megatron.offload.host_pinning import PinningShortfall, memlock_limit, memlock_shortfall
 from megatron.optimizer.disk_states import DiskStateError
 from megatron.pipeline.host_group import host_group
-from megatron.pipeline.node_memory import SegmentInUseError, ShmSpaceError
+from megatron.pipeline.node_memory import (
+    PinningShortfall,
+    SegmentInUseError,
+    ShmSpaceError,
+    memlock_limit,
+    memlock_shortfall,
+)
 from megatron.planning.evaluate import plan_hardware
 from megatron.planning.report import candidates_text, model_size, run_plan
 from megatron.planning.search import auto_configure
