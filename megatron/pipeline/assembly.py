@@ -39,7 +39,7 @@ from megatron.pipeline.config import LossScaling, PipelineConfig
 from megatron.pipeline.data_parallel import ParallelLayout, create_host_groups
 from megatron.pipeline.element_runs import group_element_runs
 from megatron.pipeline.executor import PipelineExecutor
-from megatron.pipeline.host_group import host_group
+from megatron.pipeline.host_group import gloo_group, host_group
 from megatron.pipeline.iteration_stats import pipeline_report
 from megatron.pipeline.optimizer_calibration import calibrated_update_rates
 from megatron.pipeline.owner import BackwardStageOwner, OwnedStages
@@ -107,7 +107,7 @@ class Pipeline:
             layout.global_rank)
         # Its own gloo group (made by every rank alike: the plan is the same everywhere).
         self.distributor = ParameterDistributor(
-            replicas, self.store, rank, dist.new_group(backend="gloo") if replicas else None,
+            replicas, self.store, rank, gloo_group() if replicas else None,
             thread_setup=device.bind_current_thread)
         self.reducer = None
         if layout.data_parallel_size > 1:
@@ -423,20 +423,23 @@ class Pipeline:
             dist.barrier(group=self.host_group)
 
     def _host_memory(self) -> dict:
-        """Host memory this process holds for the optimizer (fp32 master, m, v) and
-        the shared memory of the segments per node (max over processes and nodes).
-        Collective."""
+        """Host memory this process holds for the optimizer (fp32 master, m, v), the
+        shared memory of the segments per node, and what a process page-locks on CUDA
+        (the segments it maps and its gradient pool: against ulimit -l) (max over
+        processes and nodes). Collective."""
         state = self.cpu_adam.host_state_bytes()
         nodes = -(-self.layout.world_size // self.store.procs_per_node)
-        table = torch.zeros(nodes + 1, dtype=torch.float64)
+        table = torch.zeros(nodes + 2, dtype=torch.float64)
         table[self.store.node] = sum(seg.params.nbytes for seg in self.store.created())
         table[nodes] = state
+        table[nodes + 1] = self.store.mapped_bytes() + self.buffers.host_pool.capacity_bytes
         maxima = table.clone()
         dist.all_reduce(table, group=self.host_group)
         dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=self.host_group)
         return {"host_optimizer_state_bytes": int(maxima[nodes]),
                 "host_gradient_pool_bytes": self.buffers.host_pool.capacity_bytes,
-                "shared_memory_bytes_per_node": int(table[:nodes].max())}
+                "shared_memory_bytes_per_node": int(table[:nodes].max()),
+                "pinned_bytes_per_process": int(maxima[nodes + 1])}
 
     def close(self) -> None:
         if self.reducer is not None:

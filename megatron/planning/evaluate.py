@@ -147,7 +147,7 @@ def plan_hardware(run: RunConfig) -> HardwareProfile:
     try:
         return get_hardware(name)
     except KeyError as exc:
-        raise ConfigError("--hardware", name, str(exc).strip("'\"")) from None
+        raise ConfigError("--hardware", name, exc.args[0]) from None
 
 
 def gpus_per_node(run: RunConfig, hardware: HardwareProfile) -> int:

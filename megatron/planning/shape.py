@@ -93,8 +93,22 @@ def _partition(run: RunConfig, forward_stages: int, vocab_size: int,
     try:
         return tuple(model_partition(replace(run.model, vocab_size=vocab_size), forward_stages,
                                      run.model.seq_length, min_layers))
-    except ValueError as exc:  # fewer layers than the split needs
-        return Unbuildable("--backward-split", min_layers, str(exc))
+    except ValueError as exc:  # fewer layers than the stages (and the split) need
+        return _too_few_layers(run, forward_stages, str(exc))
+
+
+def _too_few_layers(run: RunConfig, forward_stages: int, reason: str) -> Unbuildable:
+    """Blamed on the flag that asked for it: a backward split or a stage count that was
+    given; else (both defaults) on the layers, fewer than the pipeline ranks' stages."""
+    p = run.parallel
+    if p.backward_split is not None and p.backward_split > 1:
+        return Unbuildable("--backward-split", p.backward_split, reason)
+    if p.forward_stages is not None:
+        return Unbuildable("--forward-stages", p.forward_stages, reason)
+    return Unbuildable("--num-layers", run.model.num_layers,
+                       f"{reason} ({forward_stages} forward stages: at least one per pipeline "
+                       "rank); expected fewer pipeline ranks (a plan's: --nodes x "
+                       "--gpus-per-node, by default the hardware profile's) or more layers")
 
 
 def schedule_name(run: RunConfig) -> str:

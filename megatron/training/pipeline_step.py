@@ -62,7 +62,7 @@ class PipelineTrainStep:
         """What `format_host_memory` prints (also in every metrics record)."""
         return {k: self.pipeline.memory[k] for k in (
             "host_optimizer_state_bytes", "host_gradient_pool_bytes",
-            "shared_memory_bytes_per_node")}
+            "shared_memory_bytes_per_node", "pinned_bytes_per_process")}
 
     def evaluate(self, batches: Sequence[Sequence[Batch]]) -> float:
         return self.pipeline.evaluate(batches)

@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 
 from megatron.config.run import RunConfig
+from megatron.pipeline.node_memory import PinningShortfall
 from megatron.training.checkpointing import iteration_dir
 from megatron.training.metrics import format_duration
 
@@ -15,8 +16,8 @@ from megatron.training.metrics import format_duration
 class RunOutcome:
     """What the loop knows at the end: its per-iteration records (this run's only), the
     iteration it resumed from, why it stopped early (None: it ran to --train-iters), the
-    last iteration it saved, the seconds since the run started, and whether it recorded
-    a timeline (only a pipeline does)."""
+    last iteration it saved, the seconds since the run started, whether it recorded a
+    timeline (only a pipeline does), and the memory it could not page-lock."""
 
     records: list[dict]
     start_iteration: int
@@ -24,11 +25,14 @@ class RunOutcome:
     last_saved: int | None
     elapsed_s: float
     pipeline: bool
+    pinning: PinningShortfall | None = None  # page-locked memory the limit did not allow
 
 
 def format_run_summary(run: RunConfig, outcome: RunOutcome) -> str:
-    """A headline and one line per output (only the outputs this run was asked for)."""
-    return "\n".join([_headline(run, outcome), *_outputs(run, outcome)])
+    """A headline, one line per output (only the outputs this run was asked for), and
+    what slowed the whole run down (page-locked memory over its limit)."""
+    slowed = [outcome.pinning.summary_line()] if outcome.pinning is not None else []
+    return "\n".join([_headline(run, outcome), *_outputs(run, outcome), *slowed])
 
 
 def _headline(run: RunConfig, outcome: RunOutcome) -> str:
