@@ -238,9 +238,10 @@ class TrainingLoop:
         finally:
             profiler.close()
         self._after_training(stopped)
+        pipeline = isinstance(self.step, PipelineTrainStep)
         outcome = RunOutcome(self.records, self.start_iteration, stopped, self.last_saved,
-                             time.time() - self.start_time,
-                             isinstance(self.step, PipelineTrainStep))
+                             time.time() - self.start_time, pipeline,
+                             self.step.plan.prediction if pipeline else None)
         log(format_run_summary(run, outcome))
 
     def _after_iteration(self, iteration: int) -> str | None:
@@ -306,6 +307,8 @@ class TrainingLoop:
             "eta_s": eta_seconds(self.records, elapsed, run.training.train_iters - iteration),
             **result.extra,
         }
+        if "predicted_iteration_time_s" in record:  # the plan's, on --hardware's profile
+            record["predicted_over_measured"] = record["predicted_iteration_time_s"] / elapsed
         self.metrics.write(record)
         self.sinks.training(record)
         self.records.append(record)
