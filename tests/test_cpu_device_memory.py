@@ -77,18 +77,18 @@ def test_the_fit_check_and_autos_headroom_take_the_capacity(monkeypatch):
     need = max(plan.gpu_total(r) for r in range(2))
     rank = next(r for r in range(2) if plan.gpu_total(r) == need)
     monkeypatch.delenv(CPU_DEVICE_MEMORY_ENV, raising=False)
-    unbounded = refuse_what_does_not_fit(plan, run, rank, None, free_memory())
+    unbounded = refuse_what_does_not_fit(plan, run, rank, free_memory())
     assert free_memory().device is None and free_memory().device_in_host
     monkeypatch.setenv(CPU_DEVICE_MEMORY_ENV, str(need - 1))
     with pytest.raises(ResourceError) as refused:
-        refuse_what_does_not_fit(plan, run, rank, None, free_memory())
+        refuse_what_does_not_fit(plan, run, rank, free_memory())
     line = str(refused.value)
     assert line.startswith(f"CPU device memory ({CPU_DEVICE_MEMORY_ENV}): rank {rank} would "
                            "need") and "\n" not in line
     monkeypatch.setenv(CPU_DEVICE_MEMORY_ENV, str(need + 3 * MIB))
     free = free_memory()
     assert free.device == need + 3 * MIB and free.device_in_host
-    assert refuse_what_does_not_fit(plan, run, rank, None, free) == min(3 * MIB, unbounded)
+    assert refuse_what_does_not_fit(plan, run, rank, free) == min(3 * MIB, unbounded)
 
 
 def test_a_one_process_run_is_held_to_the_capacity(monkeypatch):

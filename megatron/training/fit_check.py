@@ -16,6 +16,7 @@ import torch.distributed as dist
 from megatron.common.meminfo import available_host_memory
 from megatron.config.device_choice import DeviceChoice, cpu_device_capacity
 from megatron.config.run import RunConfig
+from megatron.pipeline.host_group import host_group
 from megatron.pipeline.node_memory import DEFAULT_SHM_DIR, free_bytes
 from megatron.planning.fit import (
     FreeMemory,
@@ -41,8 +42,7 @@ def free_memory(shm_dir: str = DEFAULT_SHM_DIR) -> FreeMemory:
 
 
 def refuse_what_does_not_fit(memory: MemoryPlan, run: RunConfig, pipeline_rank: int,
-                             group: dist.ProcessGroup | None, free: FreeMemory,
-                             found: Exception | None = None) -> int | None:
+                             free: FreeMemory, found: Exception | None = None) -> int | None:
     """Raise ResourceError on every rank when any rank's node or GPU lacks what `memory`
     (the start of the run's plan) needs of `free` (free_memory, measured now); `found`:
     another reason this rank cannot start (raised here, the others stop with it). Returns
@@ -51,7 +51,7 @@ def refuse_what_does_not_fit(memory: MemoryPlan, run: RunConfig, pipeline_rank: 
     error = found or first_shortfall(memory, pipeline_rank, free, run.precision.working_bytes)
     if len(memory.per_gpu) * run.data_parallel_size > 1 and dist.is_initialized():
         flag = torch.tensor([1.0 if error else 0.0])
-        dist.all_reduce(flag, group=group)
+        dist.all_reduce(flag, group=host_group())
         if flag.item() and error is None:
             error = ResourceError("memory", "another rank cannot start this run (its node or "
                                   "GPU lacks memory, or its node runs a job with this id)")

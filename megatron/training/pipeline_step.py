@@ -20,7 +20,6 @@ from megatron.config.run import RunConfig
 from megatron.models.llama import Batch, LlamaConfig
 from megatron.pipeline.assembly import Pipeline
 from megatron.pipeline.config import optimizer_threads, pipeline_config
-from megatron.pipeline.host_group import host_group
 from megatron.pipeline.node_memory import (
     live_job_with_this_id,
     resolve_procs_per_node,
@@ -122,7 +121,7 @@ def plan_the_run(run: RunConfig, vocab_size: int, dist_info: DistInfo) -> RunPla
     start = run_start(run, dist_info.pipeline_size, procs, not free.device_in_host, hardware)
     rank = dist_info.layout.pipeline_rank
     # every rank stops together, the one that found a problem says it
-    headroom = refuse_what_does_not_fit(start.memory, run, rank, host_group(), free, conflict)
+    headroom = refuse_what_does_not_fit(start.memory, run, rank, free, conflict)
 
     def rates(subgroup: int):
         return update_rates_here(dist_info.device, optimizer_threads(run),
