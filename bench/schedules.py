@@ -25,7 +25,12 @@ are priced on that round's profile. Reported per schedule: predicted_over_measur
 median over the rounds of the per-round ratios with min and max, and whether every round
 lies within 0.85-1.15; beside it, the machine's own drift over the rounds: a fixed piece
 of work (bench/machine.py fixed_work_rate) timed at the start of every round, its spread
-(max - min) / median. Predictions cannot be more repeatable than the machine.
+(max - min) / median. Predictions cannot be more repeatable than the machine. Two
+figures per round tell a miss's causes apart: measured_over_predicted_compute, the
+compute the machine delivered during the run over what its profile priced (the machine
+drifting since the profile), and at_run_compute_over_measured, the plan's prediction
+with each stage's compute taken from the run's own trace (the pricing of everything
+else: transfers, overheads, the optimizer, the schedule's bubbles).
 
 Rank 0 prints one JSON object (--json) or a table. With --out-dir, each schedule's
 metrics file, the last measured iteration's trace (trace.json) and with --save-final its
@@ -61,9 +66,14 @@ from megatron.pipeline.calibration import (  # noqa: E402
     optimizer_seconds_per_param,
 )
 from megatron.planning.shape import with_schedule  # noqa: E402
-from megatron.schedules.cost_model import backward_stage_params, calibrated_costs  # noqa: E402
+from megatron.schedules.cost_model import (  # noqa: E402
+    CostModel,
+    backward_stage_params,
+    calibrated_costs,
+    derived_costs,
+)
 from megatron.schedules.generators import SCHEDULE_NAMES  # noqa: E402
-from megatron.schedules.simulator import SimResult, simulate  # noqa: E402
+from megatron.schedules.simulator import simulate  # noqa: E402
 from megatron.schedules.timeline import read_chrome_trace  # noqa: E402
 from megatron.training.arguments import exit_bad_input, parse_args  # noqa: E402
 from megatron.training.distributed import initialize_distributed, shutdown_distributed  # noqa: E402
@@ -165,8 +175,9 @@ def measure(name: str, base: RunConfig, bench: argparse.Namespace, trace: str,
         "final_loss": records[-1]["loss"],
     }
     dist.barrier()  # rank 0 has written the trace
-    if os.path.exists(trace):
-        sim = simulate_measured(step, trace, opt_s, copy_s)
+    costs = measured_costs(step, trace, opt_s, copy_s) if os.path.exists(trace) else None
+    if costs is not None:
+        sim = simulate(step.config.schedule, costs, step.config.report)
         row["simulated_iteration_time_s"] = sim.iteration_time
         row["simulated_bubble_ratio"] = sim.mean_bubble_ratio
         row["simulated_exposed_optimizer_time_s"] = sim.exposed_optimizer_time
@@ -176,6 +187,13 @@ def measure(name: str, base: RunConfig, bench: argparse.Namespace, trace: str,
             row[f"predicted_{part}"] = measured[-1][f"predicted_{part}"]
         row["predicted_over_measured"] = (row["predicted_iteration_time_s"]
                                           / row["iteration_time_s"])
+        # the machine's compute during the run against its profile's (drift), and the
+        # prediction at the run's own compute (the rest of the pricing)
+        row["measured_over_predicted_compute"] = (row["gpu_time_s"]
+                                                  / row["predicted_gpu_time_s"])
+        if costs is not None:
+            row["at_run_compute_over_measured"] = (predicted_at_run_compute(step, costs)
+                                                   / row["iteration_time_s"])
     dist.barrier()
     return row
 
@@ -193,16 +211,30 @@ def step_backward_stage_params(step: PipelineTrainStep) -> dict:
     return backward_stage_params(model, schedule.partition, schedule.backward_split)
 
 
-def simulate_measured(step: PipelineTrainStep, trace_path: str, optimizer_s_per_param: float,
-                      copy_s_per_byte: float) -> SimResult:
-    """The simulator's prediction for `step`'s run, with a cost model calibrated from the
-    iteration it traced (`--trace`) and the measured optimizer and copy rates."""
-    schedule = step.config.schedule
+def measured_costs(step: PipelineTrainStep, trace_path: str, optimizer_s_per_param: float,
+                   copy_s_per_byte: float) -> CostModel:
+    """A cost model calibrated from the iteration `step`'s run traced (`--trace`) and the
+    measured optimizer and copy rates."""
     params = step_backward_stage_params(step)
     itemsize = step.run.precision.working_bytes
-    costs = calibrated_costs(schedule, read_chrome_trace(trace_path), params, itemsize,
-                             optimizer_s_per_param, copy_s_per_byte)
-    return simulate(schedule, costs)
+    return calibrated_costs(step.config.schedule, read_chrome_trace(trace_path), params,
+                            itemsize, optimizer_s_per_param, copy_s_per_byte)
+
+
+def predicted_at_run_compute(step: PipelineTrainStep, measured: CostModel) -> float:
+    """The plan's prediction with its compute (each stage's FORWARD and BACKWARD) taken
+    from the run's own traced iteration: what the plan's pricing of everything else
+    (transfers, per-instruction overheads, the optimizer, the schedule's bubbles) gives at
+    the compute the machine delivered during the run. Beside the plan's own prediction it
+    separates the machine's drift since the profile from the rest of the pricing."""
+    plan, run = step.plan, step.run
+    model = replace(run.model, vocab_size=step.model_cfg.vocab_size)
+    costs = replace(derived_costs(plan.schedule, model, plan.hardware,
+                                  run.training.micro_batch_size, model.seq_length,
+                                  plan.optimizer_bytes_per_param),
+                    forward=measured.forward, backward=measured.backward,
+                    recompute=measured.recompute)
+    return simulate(plan.schedule, costs, plan.report).iteration_time
 
 
 def summarize(name: str, rows: list[dict], baseline_rows: list[dict] | None) -> dict:
@@ -224,6 +256,9 @@ def summarize(name: str, rows: list[dict], baseline_rows: list[dict] | None) -> 
         out["predicted_over_measured_spread"] = spread(ratios)
         out["predicted_over_measured_per_round"] = ratios
         out["within_target"] = all(TARGET[0] <= r <= TARGET[1] for r in ratios)
+        for key in ("measured_over_predicted_compute", "at_run_compute_over_measured"):
+            if key in rows[0]:
+                out[f"{key}_per_round"] = [r[key] for r in rows]
     return out
 
 
