@@ -133,3 +133,18 @@ def test_the_run_summary_puts_the_prediction_beside_the_measured_iteration():
     assert lines[1] == ("  plan:        predicted iteration 0.500 s (test-cpu), measured 0.400 s "
                         "(the median of iterations 2-4): predicted/measured 1.25; off the "
                         "most: bubbles, 0.150 s predicted, 0.057 s measured")
+
+
+def test_a_training_run_refuses_a_bad_hardware_profile_before_its_data(tmp_path, capsys):
+    """The run's plan is priced on --hardware's profile: a file that is not one is refused
+    in one line before the data phase, not after it."""
+    bad = tmp_path / "hw.json"
+    bad.write_text('{"name": "x",')
+    with pytest.raises(SystemExit) as stop:
+        main(["--model-preset", "tiny", "--train-iters", "1", "--hardware", str(bad),
+              "--data-cache-dir", str(tmp_path / "cache")])
+    assert stop.value.code == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and f"--hardware {bad}" in err[0], err
+    assert "setup: data" not in captured.out and not (tmp_path / "cache").exists()

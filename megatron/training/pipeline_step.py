@@ -29,6 +29,7 @@ from megatron.pipeline.optimizer_calibration import update_rates_here
 from megatron.planning.evaluate import run_hardware
 from megatron.planning.report import describe
 from megatron.planning.run_plan import Capacity, RunPlan, resolved_plan, run_start
+from megatron.schedules.optimizer_stride import UpdateRates
 from megatron.schedules.timeline import write_chrome_trace, write_timeline_png
 from megatron.training.checkpoint_state import OwnedState, named_tensors
 from megatron.training.distributed import DistInfo
@@ -123,7 +124,7 @@ def plan_the_run(run: RunConfig, vocab_size: int, dist_info: DistInfo) -> RunPla
     # every rank stops together, the one that found a problem says it
     headroom = refuse_what_does_not_fit(start.memory, run, rank, free, conflict)
 
-    def rates(subgroup: int):
+    def rates(subgroup: int) -> UpdateRates:
         return update_rates_here(dist_info.device, optimizer_threads(run),
                                  run.data.data_cache_dir, subgroup=subgroup,
                                  log=lambda line: print(f"rank {rank}: {line}", flush=True))

@@ -27,7 +27,7 @@ from megatron.models.llama import LlamaConfig
 from megatron.optimizer.disk_states import DiskStateError
 from megatron.pipeline.host_group import host_group
 from megatron.pipeline.node_memory import SegmentInUseError, ShmSpaceError
-from megatron.planning.evaluate import plan_hardware
+from megatron.planning.evaluate import plan_hardware, run_hardware
 from megatron.planning.report import candidates_text, model_size, run_plan
 from megatron.planning.search import auto_configure
 from megatron.planning.shape import check_pipeline_shape
@@ -104,6 +104,7 @@ def check_before_start(run: RunConfig, dist_info: DistInfo) -> None:
     if runs_pipeline(run, dist_info.world_size) or (
             run.parallel.pipeline_model_parallel_size or 1) > 1:
         check_pipeline_shape(run, dist_info.pipeline_size)
+    run_hardware(run)  # --hardware's profile (the plan is priced on it): read and checked
     check_load_dir(run)  # the checks that create nothing first
     check_scalar_sinks(run)
     check_output_paths(run)
