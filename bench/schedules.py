@@ -29,8 +29,9 @@ of work (bench/machine.py fixed_work_rate) timed at the start of every round, it
 figures per round tell a miss's causes apart: measured_over_predicted_compute, the
 compute the machine delivered during the run over what its profile priced (the machine
 drifting since the profile), and at_run_compute_over_measured, the plan's prediction
-with each stage's compute taken from the run's own trace (the pricing of everything
-else: transfers, overheads, the optimizer, the schedule's bubbles).
+with each stage's compute taken from the run's own trace, against that traced (last)
+iteration (the pricing of everything else: transfers, overheads, the optimizer, the
+schedule's bubbles).
 
 Rank 0 prints one JSON object (--json) or a table. With --out-dir, each schedule's
 metrics file, the last measured iteration's trace (trace.json) and with --save-final its
@@ -191,9 +192,9 @@ def measure(name: str, base: RunConfig, bench: argparse.Namespace, trace: str,
         # prediction at the run's own compute (the rest of the pricing)
         row["measured_over_predicted_compute"] = (row["gpu_time_s"]
                                                   / row["predicted_gpu_time_s"])
-        if costs is not None:
+        if costs is not None:  # against the traced iteration itself (the last)
             row["at_run_compute_over_measured"] = (predicted_at_run_compute(step, costs)
-                                                   / row["iteration_time_s"])
+                                                   / records[-1]["iter_time_s"])
     dist.barrier()
     return row
 
