@@ -132,7 +132,7 @@ def test_the_run_summary_puts_the_prediction_beside_the_measured_iteration():
                                                predicted)).splitlines()
     assert lines[1] == ("  plan:        predicted iteration 0.500 s (test-cpu), measured 0.400 s "
                         "(the median of iterations 2-4): predicted/measured 1.25; off the "
-                        "most: bubbles, 0.150 s predicted, 0.057 s measured")
+                        "most: bubbles, 0.150 s predicted, 0.050 s measured")
 
 
 def test_a_training_run_refuses_a_bad_hardware_profile_before_its_data(tmp_path, capsys):

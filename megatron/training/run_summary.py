@@ -40,13 +40,14 @@ def format_run_summary(run: RunConfig, outcome: RunOutcome) -> str:
 def _plan_check(outcome: RunOutcome) -> list[str]:
     """The plan's predicted iteration beside the measured one (the median of this run's
     iterations, the first left out as a warm-up when there are others), their ratio, and
-    the part of the iteration the prediction misses most (means of the measured parts)."""
+    the part of the iteration the prediction misses most (medians of the measured parts:
+    one slow iteration does not name a part)."""
     prediction, records = outcome.prediction, outcome.records
     if prediction is None or not records:
         return []
     measured = records[1:] or records
     median = statistics.median(r["iter_time_s"] for r in measured)
-    parts = {name: (value, statistics.mean(r[name] for r in measured))
+    parts = {name: (value, statistics.median(r[name] for r in measured))
              for name, value in prediction.parts().items()}
     name, (predicted, seen) = max(parts.items(), key=lambda kv: abs(kv[1][0] - kv[1][1]))
     return [f"  plan:        predicted iteration {prediction.iteration_s:.3f} s "
