@@ -148,3 +148,17 @@ def test_a_training_run_refuses_a_bad_hardware_profile_before_its_data(tmp_path,
     err = captured.err.strip().splitlines()
     assert len(err) == 1 and f"--hardware {bad}" in err[0], err
     assert "setup: data" not in captured.out and not (tmp_path / "cache").exists()
+
+
+def test_plan_plans_the_schedule_file_the_run_would_execute(tmp_path, capsys):
+    """--plan of a run with --schedule-file prices the file's programs, as the run runs
+    them (it used to plan the generated default instead)."""
+    from megatron.planning.shape import generate_schedule
+    from megatron.schedules.schedule_file import write_schedule
+
+    path = tmp_path / "gpipe.csv"
+    write_schedule(generate_schedule(parse_args([*TINY[:4], "--pipeline-schedule", "gpipe"]),
+                                     2, 4096), str(path))
+    assert main(["--plan", *TINY[:4], "--gpus-per-node", "2", "--schedule-file",
+                 str(path)]) == 0
+    assert ", gpipe, 2 forward stages" in capsys.readouterr().out.splitlines()[0]
