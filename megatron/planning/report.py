@@ -35,9 +35,10 @@ def _gib(n: int) -> str:
     return f"{n / GIB:8.2f}"
 
 
-def _table(title: str, names: tuple[str, ...], rows: list[tuple[str, dict, int]],
+def _table(title: str, names: tuple[str, ...], rows: list[tuple[str, dict, int | None]],
            capacity_label: str) -> list[str]:
-    """Columns as wide as their whole header (a cut header reads as another word)."""
+    """Columns as wide as their whole header (a cut header reads as another word); a
+    capacity of None or 0 (not known, not bounded) prints as '-'."""
     headers = [n.replace("_", " ") for n in names]
     widths = [max(len(h), 8) + 2 for h in headers]
     head = f"{title:<10}" + "".join(f"{h:>{w}}" for h, w in zip(headers, widths))
