@@ -125,6 +125,16 @@ def build_run_schedule(run: RunConfig, world_size: int, vocab_size: int,
     defaults filled in), with the optimizer's device subgroups placed when
     --optimizer-gpu-stride asks for them; with `lower` False, its shape only (no programs,
     see build_schedule). Unbuildable when the shape does not exist."""
+    built = _generated(run, world_size, vocab_size, lower)
+    if isinstance(built, Unbuildable):
+        return built
+    return built[0]
+
+
+def _generated(run: RunConfig, world_size: int, vocab_size: int, lower: bool
+               ) -> tuple[Schedule, ValidationReport | None] | Unbuildable:
+    """build_run_schedule's schedule, and its validation where placing the device
+    subgroups needed one (the placement only renames optimizer starts: it holds)."""
     p = run.parallel
     name = schedule_name(run)
     kind = schedule_kind(name)
@@ -152,12 +162,14 @@ def build_run_schedule(run: RunConfig, world_size: int, vocab_size: int,
         if "split" in str(exc):
             return Unbuildable("--backward-split", split, str(exc))
         return Unbuildable("--forward-stages", stages, str(exc))
+    report = None
     placement = run.cpu_optimizer.placement
     if lower and placement.updates.marks_exposed_stages:
-        schedule = place_device_subgroups(schedule)  # where updates would be exposed
+        report = validate(schedule)  # where updates would be exposed: simulated on it
+        schedule = place_device_subgroups(schedule, report=report)
     if lower and placement.states.on_nvme:
-        schedule = place_state_io(schedule)
-    return schedule
+        schedule, report = place_state_io(schedule), None  # new instructions
+    return schedule, report
 
 
 def generate_schedule(run: RunConfig, world_size: int, vocab_size: int,
@@ -211,12 +223,15 @@ def load_schedule_file(run: RunConfig, world_size: int) -> tuple[Schedule, Valid
 
 def run_schedule(run: RunConfig, world_size: int, vocab_size: int
                  ) -> tuple[Schedule, ValidationReport]:
-    """The program every rank of this run executes, and its validation: --schedule-file's,
-    or the generated one (valid by construction, and proven so)."""
+    """The program every rank of this run executes, and its validation, done once:
+    --schedule-file's, or the generated one (valid by construction, and proven so)."""
     if run.parallel.schedule_file is not None:
         return load_schedule_file(run, world_size)
-    schedule = generate_schedule(run, world_size, vocab_size)
-    return schedule, validate(schedule)
+    built = _generated(run, world_size, vocab_size, lower=True)
+    if isinstance(built, Unbuildable):
+        raise built.error()
+    schedule, report = built
+    return schedule, report or validate(schedule)
 
 
 def with_schedule(run: RunConfig, name: str) -> RunConfig:

@@ -35,7 +35,7 @@ from megatron.pipeline.node_memory import (
     memlock_limit,
     memlock_shortfall,
 )
-from megatron.planning.evaluate import plan_hardware
+from megatron.planning.evaluate import plan_hardware, run_hardware
 from megatron.planning.report import candidates_text, model_size, run_plan
 from megatron.planning.search import auto_configure
 from megatron.planning.shape import check_pipeline_shape
@@ -120,6 +120,7 @@ def check_before_start(run: RunConfig, dist_info: DistInfo) -> None:
             run.parallel.pipeline_model_parallel_size or 1) > 1:
         check_pipeline_shape(run, dist_info.pipeline_size)
         check_schedule_size(run, dist_info.pipeline_size)  # before the data phase writes
+    run_hardware(run)  # --hardware's profile (the plan is priced on it): read and checked
     check_load_dir(run)  # the checks that create nothing first
     check_scalar_sinks(run)
     check_output_paths(run)
@@ -272,9 +273,10 @@ class TrainingLoop:
         finally:
             profiler.close()
         self._after_training(stopped)
+        pipeline = isinstance(self.step, PipelineTrainStep)
         outcome = RunOutcome(self.records, self.start_iteration, stopped, self.last_saved,
-                             time.time() - self.start_time,
-                             isinstance(self.step, PipelineTrainStep), self.pinning)
+                             time.time() - self.start_time, pipeline, self.pinning,
+                             self.step.plan.prediction if pipeline else None)
         log(format_run_summary(run, outcome))
 
     def _after_iteration(self, iteration: int) -> str | None:
@@ -344,6 +346,8 @@ class TrainingLoop:
                                             self.layer_implementation),
             **result.extra,
         }
+        if "predicted_iteration_time_s" in record:  # the plan's, on --hardware's profile
+            record["predicted_over_measured"] = record["predicted_iteration_time_s"] / elapsed
         self.metrics.write(record)
         self.sinks.training(record)
         self.records.append(record)
