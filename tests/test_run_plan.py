@@ -129,7 +129,7 @@ def test_the_run_summary_puts_the_prediction_beside_the_measured_iteration():
                for i, t, b in ((1, 3.0, 2.0), (2, 0.4, 0.05), (3, 0.42, 0.07), (4, 0.4, 0.05))]
     assert predicted.fields()["predicted_bubble_time_s"] == 0.15
     lines = format_run_summary(run, RunOutcome(records, 0, None, None, 10.0, True,
-                                               predicted)).splitlines()
+                                               prediction=predicted)).splitlines()
     assert lines[1] == ("  plan:        predicted iteration 0.500 s (test-cpu), measured 0.400 s "
                         "(the median of iterations 2-4): predicted/measured 1.25; off the "
                         "most: bubbles, 0.150 s predicted, 0.050 s measured")

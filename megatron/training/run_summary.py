@@ -19,7 +19,8 @@ class RunOutcome:
     """What the loop knows at the end: its per-iteration records (this run's only), the
     iteration it resumed from, why it stopped early (None: it ran to --train-iters), the
     last iteration it saved, the seconds since the run started, whether it recorded a
-    timeline (only a pipeline does), and the memory it could not page-lock."""
+    timeline (only a pipeline does), the memory it could not page-lock, and its plan's
+    predicted iteration."""
 
     records: list[dict]
     start_iteration: int
