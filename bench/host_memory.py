@@ -286,14 +286,12 @@ def plan_figures(flags: list[str], nproc: int) -> tuple[list[dict], int, int]:
     baseline is the --hardware profile's, when the flags name one (None: no figure)."""
     from megatron.config.run import DTYPE_BYTES
     from megatron.planning.evaluate import plan_hardware
-    from megatron.planning.fit import run_memory_plan
-    from megatron.planning.shape import run_schedule
+    from megatron.planning.run_plan import run_start
     from megatron.training.arguments import parse_args
 
     run = parse_args(flags)
     vocab = run.model.vocab_size
-    schedule, _ = run_schedule(run, nproc, vocab)
-    plan = run_memory_plan(run, schedule, vocab, nproc, on_cuda=False)
+    plan = run_start(run, nproc, nproc, on_cuda=False).memory  # what the trainer plans
     baseline = plan_hardware(run).process_baseline_bytes if run.planning.hardware else None
     params = replace(run.model, vocab_size=vocab).parameters().total
     p = run.precision

@@ -359,6 +359,11 @@ class RankJob:
         self._zygote.pump(0)
         return all(self._zygote.exit_code(pid) is None for pid in self.pids)
 
+    def kill(self) -> None:
+        """SIGKILL every rank still running and wait until they are gone (through the
+        zygote: never a reused pid), e.g. a stopped rank once the others have ended."""
+        _kill(self._zygote, self.pids, signal.SIGKILL)
+
     def wait(self, timeout: float = 300) -> subprocess.CompletedProcess:
         """Wait for every rank (returncode: 0; a single process's status; 1 when a rank of
         several failed, as torchrun); raise subprocess.TimeoutExpired after `timeout`

@@ -1,6 +1,7 @@
 """Page-locking host memory on CUDA, so that copies to and from it run on the copy engine
 while compute proceeds: the shared-memory segments (prefetch sources) and the device
-layer's pinned buffers (the host gradients).
+layer's pinned buffers (the host gradients); and what a run's page-locked memory needs of
+the locked-memory limit.
 
 A pageable source turns a "non-blocking" H2D copy into a staged, host-blocking one. Each
 segment's mapping is registered with `cudaHostRegister` when it is created or attached and
@@ -11,16 +12,30 @@ limit. Without CUDA nothing is registered.
 Pinned buffers (`pinned_empty`) are anonymous mappings of exactly their size, registered
 the same way: torch's pinned allocator (`pin_memory=True`) rounds every request up to the
 next power of two, up to twice the host memory a stage's gradients need.
+
+A process page-locks the segments it maps and its pooled gradient buffers
+(host_memory.py). When that is more than its limit, what does not fit stays pageable for
+the whole run: `memlock_shortfall` says so at start-up and in the run summary, with the
+fix. The CPU device layer pins nothing, so no limit applies to it; a test stands one in
+with MEGATRON_CPU_DEVICE_MEMLOCK (bytes), and the run goes down the same path as on CUDA.
 """
 
 from __future__ import annotations
 
 import ctypes
 import mmap
+import os
 import resource
 import warnings
+from dataclasses import dataclass
 
 import torch
+
+from megatron.common.units import BYTES_EXPECTED, format_bytes, parse_bytes
+from megatron.config.errors import ConfigError
+
+CPU_DEVICE_MEMLOCK_ENV = "MEGATRON_CPU_DEVICE_MEMLOCK"  # the CPU layer's stand-in for ulimit -l
+FIX = "`ulimit -l unlimited` before the launch, or `docker run --ulimit memlock=-1`"
 
 _warned = False
 
@@ -76,3 +91,63 @@ def pinned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
         raise RuntimeError(f"cudaHostRegister of {len(mapping)} bytes failed (error {error})")
     mapping.address = address
     return torch.frombuffer(mapping, dtype=dtype, count=numel)
+
+
+@dataclass(frozen=True)
+class MemlockLimit:
+    """How much a process may page-lock (None: unlimited) and what says so."""
+
+    nbytes: int | None
+    source: str
+
+
+def memlock_limit(device_kind: str) -> MemlockLimit:
+    """This process's locked-memory limit: on CUDA its soft `ulimit -l`; on the CPU device
+    layer, which pins nothing, MEGATRON_CPU_DEVICE_MEMLOCK where a test stands one in
+    (else unlimited)."""
+    if device_kind != "cuda":
+        text = os.environ.get(CPU_DEVICE_MEMLOCK_ENV, "").strip()
+        if not text:
+            return MemlockLimit(None, "the CPU device layer pins nothing")
+        try:
+            return MemlockLimit(parse_bytes(text), CPU_DEVICE_MEMLOCK_ENV)
+        except ValueError:
+            raise ConfigError(CPU_DEVICE_MEMLOCK_ENV, repr(text),
+                              f"expected {BYTES_EXPECTED}: the CPU device layer's stand-in "
+                              "for ulimit -l") from None
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    return MemlockLimit(None if soft == resource.RLIM_INFINITY else soft, "ulimit -l")
+
+
+@dataclass(frozen=True)
+class PinningShortfall:
+    """A process page-locks `pinned` bytes (the largest of the run's), `limit` allows less."""
+
+    pinned: int
+    limit: MemlockLimit
+
+    @property
+    def pageable(self) -> int:
+        """What stays pageable at least: the part beyond the limit."""
+        return self.pinned - (self.limit.nbytes or 0)
+
+    def startup_line(self) -> str:
+        return (f"pinned memory: a process of this run page-locks {format_bytes(self.pinned)} "
+                f"(the shared-memory segments it maps and its gradient buffers), "
+                f"{self.limit.source} allows {format_bytes(self.limit.nbytes or 0)}: at least "
+                f"{format_bytes(self.pageable)} stays pageable for the whole run, and copies "
+                "between it and the GPU are staged by the driver and block the host instead "
+                f"of overlapping compute; raise the limit: {FIX}")
+
+    def summary_line(self) -> str:
+        return (f"  {'pinned:':<13}at least {format_bytes(self.pageable)} of "
+                f"{format_bytes(self.pinned)} per process stayed pageable "
+                f"({self.limit.source} {format_bytes(self.limit.nbytes or 0)}): slower "
+                f"host-device copies; next time {FIX}")
+
+
+def memlock_shortfall(pinned: int, limit: MemlockLimit) -> PinningShortfall | None:
+    """What a process would page-lock beyond its limit, None when it fits."""
+    if limit.nbytes is None or pinned <= limit.nbytes:
+        return None
+    return PinningShortfall(pinned, limit)
