@@ -155,7 +155,7 @@ def test_16_bit_host_gradients_train_as_one_process_and_as_fp32_host_gradients(t
     the working dtype either way, the widening is exact. The pool holds half the bytes."""
     from tests.test_pipeline_executor import metrics, start
 
-    bf16 = ["--bf16", "--eval-iters", "0", "--cpu-optimizer-threads", "1"]
+    bf16 = ["--bf16", "--eval-iters", "0", "--cpu-optimizer-threads", "1", "--train-iters", "3"]
     runs = {name: start(tmp_path, name, nproc, *bf16, *flags) for name, nproc, flags in (
         ("one", 1, []), ("half", 2, ["--grad-reduce-in-bf16"]),
         ("full", 2, ["--accumulate-allreduce-grads-in-fp32"]))}
