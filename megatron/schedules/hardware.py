@@ -87,10 +87,20 @@ class HardwareProfile:
     device_subgroup_params_per_s: float | None = None
     subgroup_overhead_s: float = 0.0
     update_overlap: float = 1.0
+    # The share of its GPU's part of the node's CPU Adam rate (cpu_optimizer_params_per_s /
+    # gpus_per_node) that one stage's update reaches while no other update of that GPU's
+    # process runs beside it; two or more side by side reach the whole. 1: an update alone
+    # takes all of it (this runtime: every update of a process shares one pool of kernel
+    # threads); below 1: each update on threads of its own that one alone cannot fill (the
+    # SysX implementation's thread per backward stage). Range (0, 1].
+    single_update_share: float = 1.0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.update_overlap <= 1.0:
             raise ValueError(f"update_overlap={self.update_overlap!r}: expected 0 to 1")
+        if not 0.0 < self.single_update_share <= 1.0:
+            raise ValueError(f"single_update_share={self.single_update_share!r}: expected "
+                             "more than 0, at most 1")
         if not self.subgroup_overhead_s >= 0.0:
             raise ValueError(f"subgroup_overhead_s={self.subgroup_overhead_s!r}: expected "
                              "seconds >= 0")
