@@ -203,9 +203,13 @@ def memory_check(hardware: HardwareProfile) -> dict:
     planned = [(run, plan(run, hardware, simulate=False)) for run in paper_runs()]
     short = [{**dataclasses.asdict(run), "short_gib": p["short_gib"], "gpu_gib": p["gpu_gib"],
               "terms_gib": p["gpu_terms_gib"]}
-             for run, p in planned if not p.get("fits", True)]
+             for run, p in planned if p.get("fits") is False]
+    unbuildable = [{**dataclasses.asdict(run), "why": p["unbuildable"]}
+                   for run, p in planned if "unbuildable" in p]
     fullest = max((p["gpu_gib"] for _, p in planned if "gpu_gib" in p), default=0.0)
-    return {"runs": len(planned), "planned_as_fitting": len(planned) - len(short),
+    return {"runs": len(planned),
+            "planned_as_fitting": sum(p.get("fits") is True for _, p in planned),
+            "unbuildable": unbuildable,
             "fullest_gpu_gib": fullest,
             "gpu_free_gib": round((hardware.gpu_memory_bytes - hardware.gpu_reserved_bytes)
                                   / GIB, 2),
@@ -325,6 +329,10 @@ def main(argv: list[str] | None = None) -> int:
            "hardware": hardware.name, "summary": summary(rows), "table": rows}
     if not args.no_memory:
         out["memory"] = memory_check(hardware)
+        # Every run the paper made ran on these GPUs: any planned as not fitting is a miss
+        out["summary"]["paper_runs_checked"] = out["memory"]["runs"]
+        out["summary"]["paper_runs_planned_not_fitting"] = len(out["memory"]["not_fitting"])
+        out["summary"]["paper_runs_not_planned"] = len(out["memory"]["unbuildable"])
     if args.figures:
         out["figures"] = figures(hardware)
     if args.fit:
