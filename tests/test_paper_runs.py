@@ -1,11 +1,13 @@
 """bench/paper_runs.py: the planner's prediction beside the paper's measured runs."""
 
 import contextlib
+import dataclasses
 import io
 import json
 
 import pytest
 
+import bench.paper_runs as paper_runs
 from bench.paper_runs import MEASURED, Run, factor, summary, table
 from megatron.schedules.hardware import get_hardware
 from megatron.training.training import main
@@ -47,3 +49,18 @@ def test_the_runs_are_the_authors_shapes_and_schedules():
     assert spipe[spipe.index("--backward-split") + 1] == "3"
     assert "--backward-split" not in Run("40b", 2048, 2, 32, "mobius").flags()
     assert factor(0.5, 1.0) == factor(2.0, 1.0) == 2.0
+
+
+def test_the_memory_check_lists_a_run_the_gpu_cannot_hold(monkeypatch):
+    """A Fig. 9 run fits paper-v100's V100; on a GPU of 8 GiB the same run is listed as
+    not fitting, by how much, with the terms of its fullest GPU."""
+    run = Run("10b", 1024, 2, 16, "spipe")
+    monkeypatch.setattr(paper_runs, "paper_runs", lambda: [run])
+    v100 = get_hardware("paper-v100")
+    fits = paper_runs.memory_check(v100)
+    assert (fits["runs"], fits["planned_as_fitting"], fits["not_fitting"]) == (1, 1, [])
+    small = dataclasses.replace(v100, gpu_memory_bytes=8 * 2**30)
+    [short] = paper_runs.memory_check(small)["not_fitting"]
+    assert short["model"] == "10b" and short["system"] == "spipe"
+    assert short["short_gib"] == pytest.approx(short["gpu_gib"] - 7.5, abs=0.02)
+    assert sum(short["terms_gib"].values()) == pytest.approx(short["gpu_gib"], abs=0.05)
