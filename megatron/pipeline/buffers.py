@@ -14,6 +14,8 @@ from megatron.offload.grad_offload import GradientOffloader
 from megatron.offload.host_memory import HostBufferPool
 from megatron.offload.prefetch import ParamSlots
 from megatron.pipeline.owner import OwnedStages
+from megatron.schedules.instructions import BackwardStage, Schedule
+from megatron.schedules.slot_plan import slot_numels
 from megatron.schedules.validator import ValidationReport
 
 
@@ -25,15 +27,17 @@ class RankBuffers:
     grad_buffers: GradientBuffers
 
 
-def rank_buffers(device: DeviceLayer, dtype: torch.dtype, rank: int, slot_numel: int,
-                 owned: OwnedStages, training: ValidationReport,
-                 evaluation: ValidationReport) -> RankBuffers:
-    """Parameter slots for the most stages this rank's training or evaluation program holds
-    at once (at least two: one computes while the next is prefetched); a pinned pool for
-    every owned stage's gradients (fp32 at most); gradient buffers for the backward stages
-    in flight at once, plus one so the next starts while the previous one's offload runs."""
-    slots = max(2, training.peak_params[rank], evaluation.peak_params[rank])
-    param_slots = ParamSlots(device, slots * slot_numel * dtype.itemsize, dtype, slots=slots)
+def rank_buffers(device: DeviceLayer, dtype: torch.dtype, rank: int,
+                 stage_numel: dict[BackwardStage, int], owned: OwnedStages,
+                 schedules: tuple[Schedule, Schedule], training: ValidationReport
+                 ) -> RankBuffers:
+    """Parameter slots for the stages this rank's training and evaluation programs (of
+    `schedules`) hold at once, each as large as the stages it takes (slot_plan.py; at
+    least two: one computes while the next is prefetched); a pinned pool for every owned
+    stage's gradients (fp32 at most); gradient buffers for the backward stages in flight at
+    once, plus one so the next starts while the previous one's offload runs."""
+    numels = slot_numels(schedules, rank, stage_numel)
+    param_slots = ParamSlots.sized(device, list(numels), dtype)
     host_pool = HostBufferPool(device, sum(4 * owner.numel for owner in owned.values()) or 1)
     offloader = GradientOffloader(device, host_pool, training_dtype=dtype)
     in_flight = training.peak_gradients[rank]
