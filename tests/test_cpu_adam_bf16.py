@@ -32,10 +32,13 @@ def np_fmix32(x):
 
 
 def np_bits(seed, name, index, step):
-    """The documented generator: fmix32(index ^ key) >> 16, key from seed, name, step."""
+    """The documented generator: h = fmix32((index >> 1) ^ key), its low half for an even
+    index and its high half for an odd one; key from seed, name, step."""
     key = np_fmix32(np_fmix32(np_fmix32(seed) ^ np.uint32(zlib.crc32(name.encode())))
                     ^ np.uint32(step))
-    return np_fmix32(index.astype(np.uint32) ^ key) >> np.uint32(16)
+    index = index.astype(np.uint32)
+    h = np_fmix32((index >> np.uint32(1)) ^ key)
+    return np.where(index & np.uint32(1), h >> np.uint32(16), h & np.uint32(0xFFFF))
 
 
 def np_to_bf16_nearest(x):
