@@ -200,6 +200,26 @@ def test_stochastic_rounding_keeps_updates_smaller_than_half_a_bf16_step():
 
 
 @pytest.mark.parametrize("isa", available_isas())
+def test_paired_elements_round_up_independently_with_the_right_probability(isa):
+    """Elements 2j and 2j + 1 take the two halves of one hash: each must still round up
+    with the probability of its dropped fraction, and independently of its partner. The
+    first Adam step moves every weight by lr: 1 + 2^-9 is a quarter of the way from 1.0
+    to the next bf16 value (1 + 2^-7)."""
+    n = 1 << 18
+    opt = CPUAdamW([torch.ones(n)], lr=2.0**-9, betas=BETAS, eps=EPS, weight_decay=0.0,
+                   master_dtype=BF16, stochastic_rounding=True, rounding_seed=7, isa=isa,
+                   threads=1)
+    assert opt.step_group(0, -torch.ones(n)).updated
+    p = opt.master(0).float()
+    assert set(p.unique().tolist()) == {1.0, 1.0 + 2.0**-7}
+    up = (p > 1.0).reshape(-1, 2).double()
+    even, odd = up[:, 0], up[:, 1]
+    assert even.mean().item() == pytest.approx(0.25, abs=0.01)
+    assert odd.mean().item() == pytest.approx(0.25, abs=0.01)
+    assert (even * odd).mean().item() == pytest.approx(0.0625, abs=0.005)  # independent
+
+
+@pytest.mark.parametrize("isa", available_isas())
 def test_exact_rollback_and_correction_in_bf16_are_bit_exact(isa):
     """Snapshot mode: a rollback gives back the pre-step bytes; a correction equals the
     step made with the right clip factor in the first place (same random bits)."""
