@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.setup-stamp
 NPROC ?= 2
 
-.PHONY: setup train test lint clean bench gpu-check
+.PHONY: setup train test lint clean bench gpu-check gpu-wheels
 
 setup: $(STAMP)
 
@@ -46,15 +46,27 @@ test: setup
 	$(PY) tests/run_suite.py $(PYTEST_ARGS)
 
 # On a GPU machine, first (docs/gpu-validation.md): in $(GPU_VENV), made from $(PYTHON) with
-# --system-site-packages so that torch is the machine's CUDA build (never the pinned CPU
-# wheel), what is missing of megatron-core and the build and test tools (from the index, or
-# offline from WHEELS=dir), the C++ optimizer, then the checks: one JSON report
-# (runs/gpu-check/report.json) and a one-line verdict. DRY_RUN=1 prints the commands only.
+# --system-site-packages and without pip (so that torch is the machine's CUDA build, never
+# the pinned CPU wheel, and a python without ensurepip works), what is missing of
+# megatron-core and the build and test tools (from the index, or offline from WHEELS=dir),
+# the C++ optimizer on every core, then the checks: one JSON report
+# (runs/gpu-check/report.json) and a one-line verdict. DRY_RUN=1 prints the commands and
+# the time limits only; ARGS=--list probes the device and lists the steps.
 GPU_VENV ?= .venv-gpu
 WHEELS ?=
 gpu-check:
 	$(PYTHON) tools/gpu_env.py --venv $(GPU_VENV) $(if $(WHEELS),--wheels $(WHEELS)) \
 	    $(if $(DRY_RUN),--dry-run) -- --out runs/gpu-check/report.json $(ARGS)
+
+# On a machine that reaches the package index: the wheels `make gpu-check WHEELS=...` may
+# install on an offline GPU machine (never torch or CUDA packages), for its Python version
+# and platform (default CPython 3.12, manylinux x86-64), in $(GPU_WHEELS).
+GPU_WHEELS ?= gpu-wheels
+GPU_WHEELS_PYTHON ?= 3.12
+GPU_WHEELS_PLATFORM ?= manylinux_2_28_x86_64
+gpu-wheels:
+	$(PYTHON) tools/gpu_env.py --download-wheels $(GPU_WHEELS) \
+	    --python-version $(GPU_WHEELS_PYTHON) --platform $(GPU_WHEELS_PLATFORM)
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -46,8 +46,7 @@ from megatron.config.placement import split_flag  # noqa: E402
 from megatron.data.run_data import prepare_data  # noqa: E402
 from megatron.offload.device import CPU_DEVICE_MEMORY_ENV, DeviceLayer  # noqa: E402
 from megatron.pipeline.optimizer_calibration import calibrated_update_rates  # noqa: E402
-from megatron.planning.fit import run_memory_plan  # noqa: E402
-from megatron.planning.shape import run_schedule  # noqa: E402
+from megatron.planning.run_plan import run_start  # noqa: E402
 from megatron.schedules.optimizer_stride import UpdateRates, auto_split  # noqa: E402
 from megatron.schedules.subgroup_memory import (  # noqa: E402
     subgroup_size_within,
@@ -59,8 +58,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN = ["--model-preset", "tiny", "--pipeline-schedule", "decoupled", "--eval-iters", "0",
        "--cpu-optimizer-threads", "1"]
 NPROC = 2
-CHOICE = re.compile(r"rank (\d+): optimizer GPU (.*?) \(Eq\. 1: .*?predicted for (\d+) "
-                    r"parameters in subgroups of (\d+): (.*?)\) for stages")
+CHOICE = re.compile(r"^rank (\d+): optimizer GPU (.*?) \(auto; Eq\. 1: .*?predicted for (\d+) "
+                    r"parameters in subgroups of (\d+): (.*?)\)$", re.MULTILINE)
 
 
 def capacity_for(cache: str, subgroup: int) -> tuple[int, list[int]]:
@@ -68,8 +67,7 @@ def capacity_for(cache: str, subgroup: int) -> tuple[int, list[int]]:
     the fullest rank's subgroups `subgroup` parameters; the per-rank plans."""
     run = parse_args([*RUN, "--optimizer-gpu-stride", "auto", "--data-cache-dir", cache])
     vocab = prepare_data(run, log=lambda line: None).vocab_size
-    schedule, _ = run_schedule(run, NPROC, vocab)
-    plan = run_memory_plan(run, schedule, vocab, NPROC, on_cuda=False)
+    plan = run_start(run.evolve(model={"vocab_size": vocab}), NPROC, NPROC, on_cuda=False).memory
     needs = [plan.gpu_total(r) for r in range(NPROC)]
     room = subgroup * subgroup_slots_bytes(1, 4)  # as the runtime sizes them (fp32 out)
     assert subgroup_size_within(room) == subgroup

@@ -5,14 +5,18 @@
         [--vocab-size 32000] [--iters 6] [--recompute none,full] [--dtype bf16] [--device auto]
 
 megatron-core's GPTModel built from the project's TransformerConfig and layer spec
-(megatron/models/llama.py: so the attention kernel is the one our model uses), every
+(megatron/models/llama.py: so core attention is the project's SDPAttention, which pins the
+kernel megatron.config.attention_kernel's rule picks, as in the decoupled run: causal
+attention without a mask tensor, flash or cuDNN in bf16), every
 model state on the device: bf16 weights, fp32 master weights with fp32 gradients
 accumulated over the micro-batches (as Megatron's DDP main_grad), torch's fused AdamW on
 the masters, global-norm clipping. Random tokens. Each --recompute variant ("none", "full":
 megatron-core's full recompute of every layer) is warmed up by one iteration, then the
 variants alternate iteration by iteration on the same model, so drift hits them alike.
 Prints one JSON object: per variant the iteration times (median and range), peak device
-memory, model TFLOP/s and MFU against the GPU's datasheet peak (megatron/schedules/gpu_peaks.py).
+memory, model TFLOP/s and MFU against the GPU's datasheet peak (megatron/schedules/gpu_peaks.py),
+and `attention_kernel`: the kernel core attention ran ("flash", "efficient", "cudnn", "math";
+"unfused" for megatron-core's DotProductAttention), as the training metrics name it.
 Runs on the CPU too (tiny sizes, for the test that it works).
 """
 
@@ -31,8 +35,10 @@ import torch.distributed as dist  # noqa: E402
 
 from bench.spread import spread  # noqa: E402
 from megatron.config.model import ModelConfig  # noqa: E402
+from megatron.models.attention import forget_kernels_run, kernels_run  # noqa: E402
 from megatron.models.llama import (  # noqa: E402
     LlamaConfig,
+    layer_implementation,
     layer_spec,
     transformer_config,
     uses_weight_decay,
@@ -127,12 +133,6 @@ def build_model(args: argparse.Namespace, shape: ModelConfig):
     return model.to(args.device), config
 
 
-def attention_kernel() -> str:
-    """The core attention module of the layer spec both models use."""
-    core = layer_spec().submodules.self_attention.submodules.core_attention
-    return getattr(core, "__name__", type(core).__name__)
-
-
 class MixedPrecisionAdamW:
     """fp32 masters of the working weights, their gradients accumulated in fp32 as each
     micro-batch's backward produces them (the working weight's gradient is then freed),
@@ -171,16 +171,16 @@ class MixedPrecisionAdamW:
 
 
 def random_batches(args: argparse.Namespace, vocab: int, count: int) -> list[dict]:
-    """`count` micro-batches of random tokens, with the causal mask and positions."""
+    """`count` micro-batches of random tokens and positions. No mask tensor: causal
+    attention as the decoupled run computes it (is_causal; a mask would rule flash out)."""
     generator = torch.Generator().manual_seed(args.seed)
     s, b = args.seq_length, args.micro_batch_size
-    mask = torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool), diagonal=1).to(args.device)
     positions = torch.arange(s).unsqueeze(0).expand(b, s).to(args.device)
     batches = []
     for _ in range(count):
         tokens = torch.randint(0, vocab, (b, s + 1), generator=generator).to(args.device)
         batches.append({"input_ids": tokens[:, :-1].contiguous(), "position_ids": positions,
-                        "attention_mask": mask, "labels": tokens[:, 1:].contiguous()})
+                        "attention_mask": None, "labels": tokens[:, 1:].contiguous()})
     return batches
 
 
@@ -212,6 +212,7 @@ def measure(args: argparse.Namespace) -> dict:
     shape = model_config(args)
     start_megatron_core(args.device, args.seed)
     model, config = build_model(args, shape)
+    forget_kernels_run()
     optimizer = MixedPrecisionAdamW(model, args.lr, args.clip_grad)
     batches = random_batches(args, shape.planned_vocab_size,
                              args.global_batch_size // args.micro_batch_size)
@@ -246,7 +247,8 @@ def measure(args: argparse.Namespace) -> dict:
             "tokens_per_s": tokens / median, "model_tflops": flops / median / 1e12,
             "mfu": flops / median / peak if peak else None, "losses": losses[variant]}
     return {"benchmark": "mcore_baseline", "device": args.device, "device_name": name,
-            "torch": torch.__version__, "dtype": args.dtype, "attention": attention_kernel(),
+            "torch": torch.__version__, "dtype": args.dtype,
+            "attention_kernel": kernels_run(implementation=layer_implementation()),
             "model": {"num_layers": shape.num_layers, "hidden_size": shape.hidden_size,
                       "ffn_hidden_size": shape.ffn_hidden_size,
                       "num_attention_heads": shape.num_attention_heads,

@@ -29,6 +29,9 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from bench.machine import fixed_work_rate, relative_spread  # noqa: E402
 
 # The profile's fields that --plan's cost model reads (megatron/schedules/hardware.py)
 PRICED_FIELDS = (
@@ -39,28 +42,6 @@ PRICED_FIELDS = (
     "device_subgroup_params_per_s", "subgroup_overhead_s", "update_overlap",
 )
 DEFAULT_MODEL = ["--model-preset", "tiny"]
-
-
-def relative_spread(values: list[float]) -> float:
-    """(max - min) / median: 0 when every profile measured the same."""
-    middle = statistics.median(values)
-    return (max(values) - min(values)) / middle if middle else 0.0
-
-
-def fixed_work_rate(seconds: float = 2.0) -> float:
-    """Matmuls per second of one fixed 512 x 512 fp32 product on one thread: the median
-    over `seconds` of them (the machine's speed now, for the drift between profiles)."""
-    import torch
-
-    torch.set_num_threads(1)
-    a, b = torch.randn(512, 512), torch.randn(512, 512)
-    times = []
-    deadline = time.perf_counter() + seconds
-    while time.perf_counter() < deadline:
-        t0 = time.perf_counter()
-        torch.mm(a, b)
-        times.append(time.perf_counter() - t0)
-    return 1.0 / statistics.median(times)
 
 
 def run_profile(out: str, gpus: int, rounds: int, model_flags: list[str]) -> None:

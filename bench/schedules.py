@@ -1,9 +1,9 @@
 """Every schedule on the same model, data and machine, interleaved over rounds, measured
-and simulated.
+and simulated; and how well the run's own plan predicted each.
 
     torchrun --standalone --nproc-per-node 2 bench/schedules.py --model-preset tiny \
         --train-iters 6 --json [--schedules decoupled,mobius] [--rounds 3] \
-        [--baseline mobius] [--out-dir DIR]
+        [--baseline mobius] [--out-dir DIR] [--hardware FILE | --profile-each-round]
 
 Each round runs every schedule once, the order rotated from round to round; a schedule's
 figures are medians over the rounds, with min and max, and its speed-up over --baseline is
@@ -16,11 +16,26 @@ and is left out of the means. Beside each measurement: the simulator's predictio
 same configuration, with a cost model calibrated from the measured run (forward and
 backward times per stage, the CPU optimizer's speed, the copy bandwidth).
 
+The plan's own prediction: with --hardware FILE (tools/profile_hardware.py's profile of
+this machine), each run prices its plan on it, as --plan does, and records the prediction
+beside every measured iteration (megatron/planning/run_plan.py); with
+--profile-each-round, rank 0 measures the machine with tools/profile_hardware.py at the
+start of every round (for the run's model, one process per rank) and that round's runs
+are priced on that round's profile. Reported per schedule: predicted_over_measured, the
+median over the rounds of the per-round ratios with min and max, and whether every round
+lies within 0.85-1.15; beside it, the machine's own drift over the rounds: a fixed piece
+of work (bench/machine.py fixed_work_rate) timed at the start of every round, its spread
+(max - min) / median. Predictions cannot be more repeatable than the machine. Two
+figures per round tell a miss's causes apart: measured_over_predicted_compute, the
+compute the machine delivered during the run over what its profile priced (the machine
+drifting since the profile), and at_run_compute_over_measured, the plan's prediction
+with each stage's compute taken from the run's own trace, against that traced (last)
+iteration (the pricing of everything else: transfers, overheads, the optimizer, the
+schedule's bubbles).
+
 Rank 0 prints one JSON object (--json) or a table. With --out-dir, each schedule's
 metrics file, the last measured iteration's trace (trace.json) and with --save-final its
-last checkpoint go to DIR/<schedule>/. With --hardware FILE (tools/profile_hardware.py's
-profile of this machine) each schedule also gets the prediction priced from the profile
-alone, as --plan prices it, and its ratio to the measured median (predicted_over_measured).
+last checkpoint go to DIR/<schedule>/.
 """
 
 from __future__ import annotations
@@ -31,6 +46,7 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import warnings
@@ -42,6 +58,7 @@ warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.core"
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from bench.machine import fixed_work_rate, machine, relative_spread  # noqa: E402
 from bench.spread import spread  # noqa: E402
 from megatron.config.errors import ConfigError  # noqa: E402
 from megatron.config.run import RunConfig  # noqa: E402
@@ -51,13 +68,13 @@ from megatron.pipeline.calibration import (  # noqa: E402
 )
 from megatron.planning.shape import with_schedule  # noqa: E402
 from megatron.schedules.cost_model import (  # noqa: E402
+    CostModel,
     backward_stage_params,
     calibrated_costs,
     derived_costs,
 )
 from megatron.schedules.generators import SCHEDULE_NAMES  # noqa: E402
-from megatron.schedules.hardware import HardwareProfile, get_hardware  # noqa: E402
-from megatron.schedules.simulator import SimResult, simulate  # noqa: E402
+from megatron.schedules.simulator import simulate  # noqa: E402
 from megatron.schedules.timeline import read_chrome_trace  # noqa: E402
 from megatron.training.arguments import exit_bad_input, parse_args  # noqa: E402
 from megatron.training.distributed import initialize_distributed, shutdown_distributed  # noqa: E402
@@ -65,6 +82,15 @@ from megatron.training.pipeline_step import PipelineTrainStep  # noqa: E402
 from megatron.training.training import train  # noqa: E402
 
 ORDER = ("decoupled", "mobius", "interleaved-1f1b", "1f1b", "gpipe")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TARGET = (0.85, 1.15)  # predicted / measured, every round
+LAUNCHER_VARIABLES = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                      "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE",
+                      "MASTER_ADDR", "MASTER_PORT"}
+# what each round's profile measured of the figures the prediction reads most
+PROFILED = ("gpu_peak_flops", "efficiency_half_tokens", "backward_over_forward",
+            "pass_overhead_s", "p2p_latency_s", "instruction_overhead_s",
+            "cpu_optimizer_params_per_s", "pcie_bytes_per_s", "p2p_bytes_per_s")
 
 
 def bench_parser() -> argparse.ArgumentParser:
@@ -77,10 +103,10 @@ def bench_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.add_argument("--rounds", type=int, default=3,
                    help="rounds of every schedule, interleaved (order rotated each round)")
-    p.add_argument("--hardware", default=None, metavar="FILE.json",
-                   help="a profile from tools/profile_hardware.py on this machine: each "
-                        "schedule's iteration is also predicted from it alone, beside the "
-                        "measurement (predicted_over_measured)")
+    p.add_argument("--profile-each-round", action="store_true",
+                   help="measure this machine (tools/profile_hardware.py) at the start of "
+                        "every round and price that round's runs on it (instead of "
+                        "--hardware FILE)")
     p.add_argument("--baseline", default="mobius",
                    help="the schedule each one's speed-up is measured against, per round")
     return p
@@ -101,29 +127,32 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, RunConfig]:
     if bench.save_final and not bench.out_dir:
         exit_bad_input(ConfigError("--save-final", "set", "needs --out-dir"))
     bench.names = names
-    try:
-        bench.profile = get_hardware(bench.hardware) if bench.hardware else None
-    except KeyError as exc:
-        exit_bad_input(ConfigError("--hardware", bench.hardware, str(exc).strip("'\"")))
-    return bench, parse_args(rest)
+    base = parse_args(rest)
+    if bench.profile_each_round and base.planning.hardware is not None:
+        exit_bad_input(ConfigError("--hardware", base.planning.hardware,
+                                   "one of --hardware and --profile-each-round"))
+    bench.model_flags = rest
+    return bench, base
 
 
 def schedule_run(base: RunConfig, name: str, bench: argparse.Namespace,
-                 trace: str) -> RunConfig:
+                 trace: str, profile: str | None) -> RunConfig:
     out = os.path.join(bench.out_dir, name) if bench.out_dir else None
     return with_schedule(base, name).evolve(
         # the last iteration's events calibrate the simulation
         logging={"metrics_file": os.path.join(out, "metrics.jsonl") if out else None,
                  "trace": trace},
         checkpointing={"save": os.path.join(out, "ckpt") if out and bench.save_final
-                       else None})
+                       else None},
+        planning={"hardware": profile or base.planning.hardware})
 
 
 def measure(name: str, base: RunConfig, bench: argparse.Namespace, trace: str,
-            opt_s: float, copy_s: float) -> dict:
+            opt_s: float, copy_s: float, profile: str | None = None) -> dict:
     """One training run of `name`: its iteration times (the first, a warm-up, left out),
-    breakdown means, device memory and the calibrated simulation of the same run."""
-    run = schedule_run(base, name, bench, trace)
+    breakdown means, device memory, the calibrated simulation of the same run and, priced
+    on `profile` (or --hardware's), its plan's prediction."""
+    run = schedule_run(base, name, bench, trace, profile)
     built: list = []
     with contextlib.redirect_stdout(sys.stderr):  # stdout carries only the result
         records = train(run, dist_info=bench.dist_info, on_step=built.append)
@@ -147,14 +176,25 @@ def measure(name: str, base: RunConfig, bench: argparse.Namespace, trace: str,
         "final_loss": records[-1]["loss"],
     }
     dist.barrier()  # rank 0 has written the trace
-    if os.path.exists(trace):
-        sim = simulate_measured(step, trace, opt_s, copy_s)
+    costs = measured_costs(step, trace, opt_s, copy_s) if os.path.exists(trace) else None
+    if costs is not None:
+        sim = simulate(step.config.schedule, costs, step.config.report)
         row["simulated_iteration_time_s"] = sim.iteration_time
         row["simulated_bubble_ratio"] = sim.mean_bubble_ratio
         row["simulated_exposed_optimizer_time_s"] = sim.exposed_optimizer_time
-    if bench.profile is not None:
-        row["predicted_iteration_time_s"] = simulate_from_profile(
-            step, bench.profile).iteration_time
+    if "predicted_iteration_time_s" in measured[-1]:  # the plan's, in every record
+        row["predicted_iteration_time_s"] = measured[-1]["predicted_iteration_time_s"]
+        for part in ("gpu_time_s", "bubble_time_s", "exposed_optimizer_time_s"):
+            row[f"predicted_{part}"] = measured[-1][f"predicted_{part}"]
+        row["predicted_over_measured"] = (row["predicted_iteration_time_s"]
+                                          / row["iteration_time_s"])
+        # the machine's compute during the run against its profile's (drift), and the
+        # prediction at the run's own compute (the rest of the pricing)
+        row["measured_over_predicted_compute"] = (row["gpu_time_s"]
+                                                  / row["predicted_gpu_time_s"])
+        if costs is not None:  # against the traced iteration itself (the last)
+            row["at_run_compute_over_measured"] = (predicted_at_run_compute(step, costs)
+                                                   / records[-1]["iter_time_s"])
     dist.barrier()
     return row
 
@@ -172,28 +212,30 @@ def step_backward_stage_params(step: PipelineTrainStep) -> dict:
     return backward_stage_params(model, schedule.partition, schedule.backward_split)
 
 
-def simulate_measured(step: PipelineTrainStep, trace_path: str, optimizer_s_per_param: float,
-                      copy_s_per_byte: float) -> SimResult:
-    """The simulator's prediction for `step`'s run, with a cost model calibrated from the
-    iteration it traced (`--trace`) and the measured optimizer and copy rates."""
-    schedule = step.config.schedule
+def measured_costs(step: PipelineTrainStep, trace_path: str, optimizer_s_per_param: float,
+                   copy_s_per_byte: float) -> CostModel:
+    """A cost model calibrated from the iteration `step`'s run traced (`--trace`) and the
+    measured optimizer and copy rates."""
     params = step_backward_stage_params(step)
     itemsize = step.run.precision.working_bytes
-    costs = calibrated_costs(schedule, read_chrome_trace(trace_path), params, itemsize,
-                             optimizer_s_per_param, copy_s_per_byte)
-    return simulate(schedule, costs)
+    return calibrated_costs(step.config.schedule, read_chrome_trace(trace_path), params,
+                            itemsize, optimizer_s_per_param, copy_s_per_byte)
 
 
-def simulate_from_profile(step: PipelineTrainStep, hardware: HardwareProfile) -> SimResult:
-    """The simulator's prediction for `step`'s run priced from a hardware profile alone, as
-    the planner prices a candidate (derived_costs of the run's model, schedule and
-    micro-batch size, then simulate): nothing of the run's own timings is used."""
-    schedule = step.config.schedule
-    run = step.run
+def predicted_at_run_compute(step: PipelineTrainStep, measured: CostModel) -> float:
+    """The plan's prediction with its compute (each stage's FORWARD and BACKWARD) taken
+    from the run's own traced iteration: what the plan's pricing of everything else
+    (transfers, per-instruction overheads, the optimizer, the schedule's bubbles) gives at
+    the compute the machine delivered during the run. Beside the plan's own prediction it
+    separates the machine's drift since the profile from the rest of the pricing."""
+    plan, run = step.plan, step.run
     model = replace(run.model, vocab_size=step.model_cfg.vocab_size)
-    costs = derived_costs(schedule, model, hardware, run.training.micro_batch_size,
-                          model.seq_length, run.precision.optimizer_bytes_per_param)
-    return simulate(schedule, costs, step.config.report)
+    costs = replace(derived_costs(plan.schedule, model, plan.hardware,
+                                  run.training.micro_batch_size, model.seq_length,
+                                  plan.optimizer_bytes_per_param),
+                    forward=measured.forward, backward=measured.backward,
+                    recompute=measured.recompute)
+    return simulate(plan.schedule, costs, plan.report).iteration_time
 
 
 def summarize(name: str, rows: list[dict], baseline_rows: list[dict] | None) -> dict:
@@ -210,9 +252,33 @@ def summarize(name: str, rows: list[dict], baseline_rows: list[dict] | None) -> 
         ratios = [b["iteration_time_s"] / r["iteration_time_s"]
                   for r, b in zip(rows, baseline_rows)]
         out["speedup_over_baseline"] = spread(ratios)
-    if "predicted_iteration_time_s" in out:
-        out["predicted_over_measured"] = (out["predicted_iteration_time_s"]
-                                          / out["iteration_time_s"])
+    if "predicted_over_measured" in out:  # per round: each against its own prediction
+        ratios = [r["predicted_over_measured"] for r in rows]
+        out["predicted_over_measured_spread"] = spread(ratios)
+        out["predicted_over_measured_per_round"] = ratios
+        out["within_target"] = all(TARGET[0] <= r <= TARGET[1] for r in ratios)
+        for key in ("measured_over_predicted_compute", "at_run_compute_over_measured"):
+            if key in rows[0]:
+                out[f"{key}_per_round"] = [r[key] for r in rows]
+    return out
+
+
+def profile_machine(bench: argparse.Namespace, out: str) -> str | None:
+    """Rank 0 measures this machine into `out` (tools/profile_hardware.py for the run's
+    model, one process per rank of this job) while the other ranks wait; every rank
+    returns the path."""
+    if dist.get_rank() == 0:
+        # a job of its own: without this job's launcher variables (its store, its ranks)
+        env = {k: v for k, v in os.environ.items()
+               if k not in LAUNCHER_VARIABLES and not k.startswith("TORCHELASTIC_")}
+        done = subprocess.run(
+            [sys.executable, os.path.join(ROOT, "tools", "profile_hardware.py"), "--out", out,
+             "--gpus-per-node", str(dist.get_world_size()), *bench.model_flags],
+            capture_output=True, text=True, cwd=ROOT, env=env)
+        if done.returncode != 0:
+            raise SystemExit(f"bench/schedules.py: tools/profile_hardware.py failed "
+                             f"({done.returncode}): {done.stderr.strip().splitlines()[-1:]}")
+    dist.barrier()
     return out
 
 
@@ -221,18 +287,34 @@ def run(bench: argparse.Namespace, base: RunConfig) -> dict:
     runs first (on a noisy machine, position in the job changes the timing)."""
     bench.dist_info = initialize_distributed()
     rows: dict[str, list[dict]] = {name: [] for name in bench.names}
-    traces = tempfile.mkdtemp(prefix="bench-schedules-")  # rank 0 writes each one
+    # one directory for both ranks (rank 0's name), for the traces and the profiles
+    shared = [tempfile.mkdtemp(prefix="bench-schedules-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(shared, src=0)
+    scratch = shared[0]
+    drift, profiles, load = [], [], []
     try:
         threads = base.cpu_optimizer.cpu_optimizer_threads or 1
         opt_s, copy_s = optimizer_seconds_per_param(threads), copy_seconds_per_byte()
         for round_index in range(bench.rounds):
+            if dist.get_rank() == 0:  # the machine's speed now, the others waiting
+                load.append(os.getloadavg()[0])
+                drift.append(fixed_work_rate())
+            dist.barrier()
+            profile = None
+            if bench.profile_each_round:
+                profile = profile_machine(
+                    bench, os.path.join(scratch, f"profile-{round_index}.json"))
+                with open(profile) as f:
+                    profiles.append(json.load(f))
             shift = round_index % len(bench.names)
             for name in bench.names[shift:] + bench.names[:shift]:
                 trace = (os.path.join(bench.out_dir, name, "trace.json") if bench.out_dir
-                         else os.path.join(traces, f"{name}.json"))
-                rows[name].append(measure(name, base, bench, trace, opt_s, copy_s))
+                         else os.path.join(scratch, f"{name}.json"))
+                rows[name].append(measure(name, base, bench, trace, opt_s, copy_s, profile))
     finally:
-        shutil.rmtree(traces, ignore_errors=True)
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(scratch, ignore_errors=True)
         shutdown_distributed()
     baseline = rows.get(bench.baseline)
     return {
@@ -242,7 +324,14 @@ def run(bench: argparse.Namespace, base: RunConfig) -> dict:
         "rounds": bench.rounds,
         "baseline": bench.baseline if baseline else None,
         "optimizer_s_per_param": opt_s,
-        "hardware": bench.hardware,
+        "hardware": "measured each round" if bench.profile_each_round
+        else base.planning.hardware,
+        "target": list(TARGET),
+        "machine": machine(load_average_per_round=load),
+        # the machine's own drift over the rounds: what no prediction can be closer than
+        "fixed_work_per_s": {"values": drift,
+                             "spread": relative_spread(drift) if drift else None},
+        "profiles": [{k: p[k] for k in PROFILED} for p in profiles],
         "schedules": [summarize(name, rows[name], baseline) for name in bench.names],
     }
 
@@ -261,15 +350,22 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(summary, indent=2))
     else:
         print(f"{'schedule':>18} {'iter (s)':>9} {'min-max':>13} {'sim (s)':>9} {'gpu (s)':>8} "
-              f"{'bubble':>7} {'sim bubble':>10} {'exposed opt (s)':>15} {'profile (s)':>11}")
+              f"{'bubble':>7} {'sim bubble':>10} {'exposed opt (s)':>15} {'plan (s)':>9} "
+              f"{'plan/measured, min-max':>23}")
         for r in summary["schedules"]:
             lo, hi = r["iteration_time_s_spread"]["min"], r["iteration_time_s_spread"]["max"]
+            ratio = r.get("predicted_over_measured_spread")
             print(f"{r['schedule']:>18} {r['iteration_time_s']:9.3f} {lo:6.2f}-{hi:<6.2f} "
                   f"{r.get('simulated_iteration_time_s', float('nan')):9.3f} "
                   f"{r['gpu_time_s']:8.3f} {r['bubble_ratio']:7.1%} "
                   f"{r.get('simulated_bubble_ratio', float('nan')):10.1%} "
                   f"{r['exposed_optimizer_time_s']:15.4f} "
-                  f"{r.get('predicted_iteration_time_s', float('nan')):11.3f}")
+                  f"{r.get('predicted_iteration_time_s', float('nan')):9.3f} "
+                  + (f"{ratio['median']:9.2f} {ratio['min']:.2f}-{ratio['max']:.2f}"
+                     if ratio else ""))
+        drift = summary["fixed_work_per_s"]["spread"]
+        if drift is not None:
+            print(f"the machine's drift over the rounds (a fixed piece of work): {drift:.1%}")
     return 0
 
 

@@ -359,6 +359,11 @@ class RankJob:
         self._zygote.pump(0)
         return all(self._zygote.exit_code(pid) is None for pid in self.pids)
 
+    def kill(self) -> None:
+        """SIGKILL every rank still running and wait until they are gone (through the
+        zygote: never a reused pid), e.g. a stopped rank once the others have ended."""
+        _kill(self._zygote, self.pids, signal.SIGKILL)
+
     def wait(self, timeout: float = 300) -> subprocess.CompletedProcess:
         """Wait for every rank (returncode: 0; a single process's status; 1 when a rank of
         several failed, as torchrun); raise subprocess.TimeoutExpired after `timeout`
@@ -454,3 +459,17 @@ def _read(path: str) -> str:
             return f.read()
     except FileNotFoundError:
         return ""
+
+
+def segments_left(job: str, timeout_s: float = 10.0) -> list[str]:
+    """The shared-memory segments of `job` still there once its reapers have had
+    `timeout_s` to run: a rank killed by a signal leaves its segments to its reaper, which
+    removes them when it sees the rank gone, a moment after the rank's exit is reported."""
+    import time
+
+    from megatron.offload.param_store import job_segments
+
+    deadline = time.monotonic() + timeout_s
+    while (left := job_segments(job)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left

@@ -1,9 +1,10 @@
 """A checkpoint that cannot be read ends in one line naming what, never a traceback: a
 shard cut short in a checkpoint without checksums (megatron-core's have none), a tracker
 that is not text, a --load directory this user may not read, a --load that is a file, a
-recorded iteration below 0; a save the disk cannot hold is a fault (exit 1) that keeps
-the last checkpoint."""
+recorded iteration below 0; a save the disk cannot hold, or into a directory turned
+read-only, is a fault (exit 1) that keeps the last checkpoint."""
 
+import fcntl
 import os
 import resource
 import shutil
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron.common.save_lock import LOCK_NAME, SaveLock
 from megatron.config.errors import ConfigError
 from megatron.training.arguments import parse_args
 from megatron.training.checkpoint_format import CHECKSUMS
@@ -32,7 +34,13 @@ from megatron.training.checkpointing import (
 )
 from megatron.training.distributed import initialize_distributed, shutdown_distributed
 from megatron.training.run_checks import check_load_dir
-from tests.in_child import as_nobody, error_line_in_child
+from tests.in_child import (
+    as_nobody,
+    error_line_in_child,
+    make_read_only,
+    outcome_in_child,
+    private_mounts,
+)
 from tests.test_checkpointing import MODEL, empty_like, owned
 
 pytestmark = pytest.mark.unit
@@ -142,3 +150,52 @@ def test_a_save_the_disk_cannot_hold_is_a_fault_and_keeps_the_last_checkpoint(tm
     assert str(write_failure(root, internal)) == (
         f"--save {root}: writing the checkpoint failed (No space left on device: 4 KiB "
         "free); the previous checkpoint is intact")
+
+
+def test_a_save_directory_that_turns_read_only_mid_run_is_one_line_and_lets_go_of_its_lock(
+        tmp_path):
+    """The --save directory becomes read-only after the first checkpoint (a read-only
+    mount over it, in a mount namespace of the test's own): the next save is one line that
+    keeps the first checkpoint, and the lock's release that follows neither raises (no
+    second traceback) nor keeps its descriptor."""
+    save = str(tmp_path / "ckpt")
+    lock_file = os.path.join(save, LOCK_NAME)
+
+    def scenario() -> str:
+        private_mounts()
+        lock = SaveLock(save)
+        lock.acquire()
+        saver = CheckpointSaver(save, MODEL, async_save=False, log=lambda *_: None)
+        saver.save(1, owned(1), {"consumed_samples": 8})
+        make_read_only(save)
+        try:
+            saver.save(2, owned(2), {"consumed_samples": 16})
+            raise AssertionError("a save into a read-only directory succeeded")
+        except CheckpointWriteError as exc:
+            line = str(exc)
+        finally:
+            saver.close()
+            lock.release()
+        assert lock_file not in open_files(), "the lock's descriptor leaked"
+        assert os.path.exists(lock_file)  # read-only: it stays, unlocked
+        probe = os.open(lock_file, os.O_RDONLY)
+        fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free: a next job takes it over
+        os.close(probe)
+        return line
+
+    line = outcome_in_child(scenario)
+    assert line == (f"--save {save}: writing the checkpoint failed ([Errno 30] Read-only "
+                    f"file system: '{save}/iter_0000002.tmp'); the previous checkpoint is "
+                    "intact")
+    assert (tmp_path / "ckpt" / TRACKER).read_text() == "1"
+
+
+def open_files() -> set[str]:
+    """The paths this process holds open."""
+    found = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            found.add(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:  # the listing's own descriptor, closed by now
+            pass
+    return found

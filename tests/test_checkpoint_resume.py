@@ -13,6 +13,8 @@ saves at iteration 2; that checkpoint alone is resumed:
   1F1B and one process (no pipeline, run inside the test process) within 1e-5, because
   their optimizer clips each step directly where the decoupled one corrects a speculative
   step (docs/checkpoints.md, "Exactness").
+- after a rank was killed while an async save was being written, from the checkpoint
+  before it, by a job that ran beside the default mode's with the same losses.
 """
 
 import json
@@ -50,12 +52,16 @@ MODES = {
 }
 
 
-def _start(out, nproc, script, *args):
+def _start(out, nproc, script, *args, env=None):
     out.mkdir()
     job = forked_ranks.start(script, [*FLAGS, "--data-cache-dir",
                                       os.environ["MEGATRON_TEST_CACHE"], *args],
-                             nproc, env={"OMP_NUM_THREADS": "1"})
+                             nproc, env={"OMP_NUM_THREADS": "1", **(env or {})})
     return Launch(job, out, nproc, args, timeout=600)
+
+
+def _outputs(out):
+    return ["--save", str(out / "ckpt"), "--metrics-file", str(out / "metrics.jsonl")]
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +73,12 @@ def started(tmp_path_factory, demo_cache):
     jobs = {mode: _start(root / mode, nproc, "tests/run_resume.py", *SHAPE, *flags,
                          "--out-dir", str(root / mode), "--resume-at", str(SAVED_AT))
             for mode, (nproc, flags) in MODES.items()}
+    # beside the default mode, the same run as a job of its own with a --save of its own,
+    # saving in the background after every iteration; its rank 1 is killed (SIGKILL) as
+    # iteration 3 starts, when checkpoint 2 is being written
+    jobs["killed"] = _start(root / "killed", 2, "pretrain_llama.py", *SHAPE, "--async-save",
+                            "--save-interval", "1", *_outputs(root / "killed"),
+                            env={"MEGATRON_SYSX_TEST_FAIL": "1,3,0,kill"})
     default = jobs["default"] = jobs["default"].wait()
     if default.returncode == 0:
         jobs["three"] = _start(root / "three", 3, "tests/run_schedules.py", "--load",
@@ -156,9 +168,38 @@ def test_resume_on_three_processes(started, schedule, exact):
     assert_same_states(states(three.out / schedule), states(default.out / "straight"), exact)
 
 
-def test_resume_in_one_process(tmp_path, started):
+def test_a_rank_killed_during_an_async_save_resumes_exactly_beside_another_job(started,
+                                                                             tmp_path):
+    """A second job beside the default mode's, on another --save: until its rank 1 is
+    killed its losses are the first job's, bit for bit (nothing is shared between jobs).
+    The kill came while checkpoint 2 was written in the background (rank 1 was past its
+    save): checkpoint 1 stays the last; resumed from it, the run continues the
+    uninterrupted one bit for bit, losses and states."""
+    killed = started["killed"].wait()
+    straight = metrics(finished(started, "default").out / "straight")
+    assert killed.returncode != 0
+    before = metrics(killed.out)
+    assert [m["iteration"] for m in before] == [1, 2], killed.stderr[-3000:]
+    for got, want in zip(before, straight[:2], strict=True):
+        assert (got["loss"], got["grad_norm"]) == (want["loss"], want["grad_norm"])
+    ckpt = killed.out / "ckpt"
+    assert (ckpt / TRACKER).read_text() == "1"  # checkpoint 2 was never committed
+    assert not os.path.isdir(iteration_dir(str(ckpt), 2))
+    resumed = _start(tmp_path / "resumed", 2, "pretrain_llama.py", *SHAPE, "--load", str(ckpt),
+                     *_outputs(tmp_path / "resumed")).wait()
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "not bit for bit" not in resumed.stdout  # the same shape: nothing to say
+    rows = metrics(resumed.out)
+    assert [m["iteration"] for m in rows] == [2, 3, 4]
+    for got, want in zip(rows, straight[1:], strict=True):
+        assert (got["loss"], got["grad_norm"]) == (want["loss"], want["grad_norm"])
+    assert_same_states(states(resumed.out), states(finished(started, "default").out /
+                                                   "straight"), exact=True)
+
+
+def test_resume_in_one_process(tmp_path, started, capsys):
     """One process without a pipeline, through train() here (no process to start); torch's
-    AdamW: within 1e-5, not bit for bit."""
+    AdamW: within 1e-5, not bit for bit, as its start-up line says."""
     default = finished(started, "default")
     saved = tmp_path / "saved"  # the checkpoint alone, as the resumed jobs read it
     shutil.copytree(default.out / "saved", saved)
@@ -170,6 +211,10 @@ def test_resume_in_one_process(tmp_path, started):
         records = train(run, initialize_distributed())
     finally:
         shutdown_distributed()
+    assert (f"resuming the checkpoint in {saved} with 1 process(es) (saved on 2), "
+            "--pipeline-schedule single (saved with decoupled): it continues at the same "
+            "sample within rounding of the run that saved it, not bit for bit"
+            ) in capsys.readouterr().out
     assert_continues(records, metrics(default.out / "straight"), exact=False, norm_rel=1e-5)
     # torch's AdamW on gradients accumulated in another order: masters within 3e-7, but
     # the moments of the first iterations are small (v within 1.2e-5 at iteration 4)

@@ -7,6 +7,7 @@ import importlib.util
 import io
 import json
 import os
+import shutil
 import types
 
 import pytest
@@ -235,4 +236,46 @@ def test_a_broken_hf_json_file_is_one_line_naming_it(tmp_path, name, content, fr
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and fragment in lines[0], lines
+    assert not (tmp_path / "out").exists()
+
+
+def _edited_copy(hf_model, tmp_path, config_changes=None):
+    """A copy of the Hugging Face model directory, its config.json changed."""
+    model = tmp_path / "hf"
+    shutil.copytree(hf_model[1], model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, **(config_changes or {})}))
+    return model
+
+
+@pytest.mark.parametrize("case,expected", [
+    ("truncated", "is not a complete safetensors file (incomplete metadata, file not fully "
+                  "covered); expected the file as saved (truncated by a copy or download?)"),
+    ("hidden_size", "config.json disagrees with the weights: model.embed_tokens.weight has "
+                    "shape [4096, 64], config.json (vocab_size 4096, hidden_size 96) gives "
+                    "[4096, 96]"),
+    ("num_hidden_layers", "config.json disagrees with the weights: the safetensors hold "
+                          "'model.layers.1.input_layernorm.weight' (and 8 more) beyond "
+                          "config.json's num_hidden_layers 1"),
+])
+def test_weights_that_are_cut_short_or_disagree_with_the_config_are_one_line(
+        hf_model, tmp_path, case, expected):
+    """A safetensors shard cut in half (a copy that stopped), a config.json whose sizes are
+    not the weights': exit 2, one line, nothing written."""
+    if case == "truncated":
+        model = _edited_copy(hf_model, tmp_path)
+        shard = sorted(model.glob("*.safetensors"))[0]
+        os.truncate(shard, shard.stat().st_size // 2)
+    else:
+        # (head_dim, which newer exports write, changed with the hidden size)
+        model = _edited_copy(hf_model, tmp_path, {"hidden_size": 96, "head_dim": 24}
+                             if case == "hidden_size" else {case: 1})
+    result = convert("--from", "hf", "--to", "megatron", "--input", str(model),
+                     "--output", str(tmp_path / "out"))
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].endswith(expected), lines
+    if case == "truncated":
+        assert lines[0].startswith(f"convert_checkpoint.py: error: --input {model}: "
+                                   f"{shard.name} ")
     assert not (tmp_path / "out").exists()

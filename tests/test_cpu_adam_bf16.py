@@ -341,7 +341,8 @@ def test_bf16_flags_with_the_one_process_reference_exit_2_naming_the_flag(flag, 
     """The one-process reference keeps torch's fp32 AdamW: a bf16 flag with it is refused
     (one line, exit 2); without a schedule one process runs the one-rank pipeline."""
     from megatron.pipeline.config import pipeline_config
-    from megatron.planning.shape import run_schedule
+    from megatron.planning.run_plan import plan_on_profile
+    from megatron.schedules.hardware import get_hardware
     from megatron.training.arguments import parse_args
     from megatron.training.training import runs_pipeline
 
@@ -352,6 +353,8 @@ def test_bf16_flags_with_the_one_process_reference_exit_2_naming_the_flag(flag, 
     assert flag in line and "bf16" in line
     run = parse_args(["--model-preset", "tiny", flag, "bf16"])
     assert runs_pipeline(run, world_size=1)
-    config = pipeline_config(run, *run_schedule(run, world_size=1, vocab_size=4096))
+    plan = plan_on_profile(run.evolve(planning={"gpus_per_node": 1}, model={"vocab_size": 4096}),
+                           get_hardware("paper-v100"))
+    config = pipeline_config(run, plan)
     dtypes = (config.optimizer.master_dtype, config.optimizer.state_dtype)
     assert dtypes == ((BF16, torch.float32) if flag == "--master-dtype" else (torch.float32, BF16))

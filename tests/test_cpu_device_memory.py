@@ -58,38 +58,37 @@ def test_unset_the_layer_is_unbounded(monkeypatch):
 
 
 def _tiny_run(stride: str):
-    from megatron.planning.shape import generate_schedule
     from megatron.training.arguments import parse_args
 
-    run = parse_args(["--model-preset", "tiny", "--pipeline-schedule", "decoupled",
-                      "--optimizer-gpu-stride", stride])
-    return run, generate_schedule(run, 2, 1000)
+    return parse_args(["--model-preset", "tiny", "--pipeline-schedule", "decoupled",
+                       "--optimizer-gpu-stride", stride, "--vocab-size", "1000"])
 
 
 def test_the_fit_check_and_autos_headroom_take_the_capacity(monkeypatch):
     """The start's fit check (free_memory as the trainer measures it) on the CPU layer with
     a capacity: refused in one line below the rank's plan, as a GPU is; above it, auto's
     subgroups get what the capacity leaves, no more than the host's share."""
-    from megatron.planning.fit import ResourceError, run_memory_plan
+    from megatron.planning.fit import ResourceError
+    from megatron.planning.run_plan import run_start
     from megatron.training.fit_check import free_memory, refuse_what_does_not_fit
 
-    run, schedule = _tiny_run("auto")
-    plan = run_memory_plan(run, schedule, 1000, procs_per_node=2, on_cuda=False)
+    run = _tiny_run("auto")
+    plan = run_start(run, 2, procs_per_node=2, on_cuda=False).memory
     need = max(plan.gpu_total(r) for r in range(2))
     rank = next(r for r in range(2) if plan.gpu_total(r) == need)
     monkeypatch.delenv(CPU_DEVICE_MEMORY_ENV, raising=False)
-    unbounded = refuse_what_does_not_fit(run, schedule, 1000, rank, None)
+    unbounded = refuse_what_does_not_fit(plan, run, rank, free_memory())
     assert free_memory().device is None and free_memory().device_in_host
     monkeypatch.setenv(CPU_DEVICE_MEMORY_ENV, str(need - 1))
     with pytest.raises(ResourceError) as refused:
-        refuse_what_does_not_fit(run, schedule, 1000, rank, None)
+        refuse_what_does_not_fit(plan, run, rank, free_memory())
     line = str(refused.value)
     assert line.startswith(f"CPU device memory ({CPU_DEVICE_MEMORY_ENV}): rank {rank} would "
                            "need") and "\n" not in line
     monkeypatch.setenv(CPU_DEVICE_MEMORY_ENV, str(need + 3 * MIB))
     free = free_memory()
     assert free.device == need + 3 * MIB and free.device_in_host
-    assert refuse_what_does_not_fit(run, schedule, 1000, rank, None) == min(3 * MIB, unbounded)
+    assert refuse_what_does_not_fit(plan, run, rank, free) == min(3 * MIB, unbounded)
 
 
 def test_a_one_process_run_is_held_to_the_capacity(monkeypatch):
@@ -97,7 +96,7 @@ def test_a_one_process_run_is_held_to_the_capacity(monkeypatch):
     from megatron.planning.fit import ResourceError
     from megatron.training.fit_check import refuse_single_process_that_does_not_fit
 
-    run, _ = _tiny_run("0")
+    run = _tiny_run("0")
     on_cpu = DeviceChoice("cpu", 0, "gloo")
     monkeypatch.setenv(CPU_DEVICE_MEMORY_ENV, "1MiB")
     with pytest.raises(ResourceError, match=r"^CPU device memory \(MEGATRON_CPU_DEVICE_MEMORY\)"

@@ -8,16 +8,19 @@ readers, "How the commands in these pages are tested"):
 - `python`/`torchrun` commands run as written, their ranks forked from the session's
   preloaded process with torchrun's environment (tests/forked_ranks.py), not a fresh
   interpreter per rank: the whole module stays within seconds per command.
-- `make TARGET` runs the commands `make -n TARGET` prints; `make test` is this suite, so
-  only its dry run is checked, and a `pytest` line only collects its selection (a
-  documented `make gpu-check` runs the suite: there, these tests skip). Anything else (mkdir, echo, a line with a pipe or a
-  substitution) runs in bash.
+- `make TARGET VAR=...` runs the commands `make -n TARGET VAR=...` prints; `make test` is
+  this suite, so only its dry run is checked, and a `pytest` line only collects its
+  selection. Anything else (mkdir, echo, a line with a pipe or a substitution) runs in
+  bash.
 - A pretrain_llama.py training command without `--train-iters` trains 2 iterations, and
   without `--eval-iters` evaluates 1 batch where its data has a validation split.
 - Inputs a user brings are stood in (STAND_INS); `# prints: TEXT` asserts the block's
-  output contains TEXT; a block whose first line is `# needs: cuda` (`, slurm`) runs only
-  under the `cuda` marker (and where sbatch exists); `# needs: network` (installs from the
-  package index) only with MEGATRON_SYSX_NETWORK_TESTS=1.
+  output contains TEXT; a block whose first line is `# needs: gpu-host` is what a user runs
+  on a GPU machine (a whole `make gpu-check`, one of its steps, training on every GPU): the
+  suite never runs it, not even under `-m cuda` (the check's cuda-tests step would nest a
+  check in itself), and only checks that each `make` line's variables reach its recipe and
+  that the scripts it names exist; `# needs: slurm` runs only where sbatch exists;
+  `# needs: network` (the package index) only with MEGATRON_SYSX_NETWORK_TESTS=1.
 """
 
 from __future__ import annotations
@@ -93,8 +96,9 @@ NETWORK_ENV = "MEGATRON_SYSX_NETWORK_TESTS"
 
 def _param(block: Block):
     marks = []
-    if "cuda" in block.needs:
-        marks.append(pytest.mark.cuda)
+    if "gpu-host" in block.needs:
+        marks.append(pytest.mark.skip(reason="runs on a GPU machine by hand (make gpu-check "
+                                             "and its steps): not in the suite"))
     if "slurm" in block.needs:
         marks.append(pytest.mark.skipif(shutil.which("sbatch") is None,
                                         reason="needs a Slurm cluster (sbatch)"))
@@ -217,7 +221,7 @@ def run_command(line: str, cwd: str, env: dict[str, str]) -> subprocess.Complete
             i += 1
         return _forked(words[i], words[i + 1:], nproc, True, cwd, own_env)
     if program == "make":
-        return _make(words[1], cwd, own_env)
+        return _make(words[1:], cwd, own_env)
     return _bash(line, cwd, own_env)
 
 
@@ -238,13 +242,21 @@ def _forked(script: str, args: list[str], nproc: int, torchrun: bool, cwd: str,
                                timeout=300)
 
 
-def _make(target: str, cwd: str, env: dict[str, str]) -> subprocess.CompletedProcess:
-    # -o: the setup stamp counts as done (setup is `make setup`'s business, not this test's).
-    # Under `make test` this runs as a sub-make, which would print "make[1]: Entering
-    # directory" into the recipe: the outer make's variables stay out, as in a user's shell.
+def _make_dry_run(arguments: list[str], cwd: str,
+                  env: dict[str, str]) -> subprocess.CompletedProcess:
+    """What `make -n ARGUMENTS` prints. -o: the setup stamp counts as done (setup is `make
+    setup`'s business, not this test's). Under `make test` this runs as a sub-make, which
+    would print "make[1]: Entering directory" into the recipe: the outer make's variables
+    stay out, as in a user's shell."""
     env = {k: v for k, v in env.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
-    dry = subprocess.run(["make", "--no-print-directory", "-n", "-o", ".venv/.setup-stamp",
-                          target], cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
+    return subprocess.run(["make", "--no-print-directory", "-n", "-o", ".venv/.setup-stamp",
+                           *arguments], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=60)
+
+
+def _make(arguments: list[str], cwd: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    target = next(word for word in arguments if not ENV_WORD.match(word))
+    dry = _make_dry_run(arguments, cwd, env)
     assert dry.returncode == 0, dry.stderr
     recipe = [line for line in dry.stdout.replace("\\\n", " ").splitlines() if line.strip()]
     assert not any("pip install" in line for line in recipe), \
@@ -266,7 +278,7 @@ def _make(target: str, cwd: str, env: dict[str, str]) -> subprocess.CompletedPro
 def test_the_pages_have_shell_blocks_and_only_known_marks():
     assert len(BLOCKS) >= 10 and any(b.page == "README.md" for b in BLOCKS)
     for block in BLOCKS:
-        assert block.needs <= {"cuda", "slurm", "network"}, \
+        assert block.needs <= {"gpu-host", "slurm", "network"}, \
             f"{block.page}:{block.line}: {block.needs}"
         for line in block.commands():
             assert "..." not in line, f"{block.page}:{block.line}: not runnable as shown: {line}"
@@ -292,6 +304,28 @@ def test_a_documented_block_runs_as_shown(block, tmp_path, stand_ins, demo_cache
             assert f"runs/tiny/{name} (" in output
             assert os.path.getsize(os.path.join(cwd, "runs", "tiny", name)) > 0
         assert "run summary: iterations 1-2 of 2" in output
+
+
+def test_what_a_gpu_machine_runs_is_well_formed():
+    """The `# needs: gpu-host` blocks are not run here; each `make` line's variables change
+    the recipe it prints (none is dropped on the way), and every script a line names exists."""
+    blocks = [b for b in BLOCKS if "gpu-host" in b.needs]
+    assert blocks
+    for block in blocks:
+        for line in block.commands():
+            words = shlex.split(line, comments=True)
+            where = f"{block.page}:{block.line}: {line}"
+            if words[0] == "make":
+                plain = [w for w in words[1:] if not ENV_WORD.match(w)]
+                recipe = _make_dry_run(plain, ROOT, dict(os.environ))
+                assert recipe.returncode == 0, f"{where}: {recipe.stderr}"
+                for assignment in (w for w in words[1:] if ENV_WORD.match(w)):
+                    given = _make_dry_run([*plain, assignment], ROOT, dict(os.environ))
+                    assert given.returncode == 0 and given.stdout != recipe.stdout, \
+                        f"{where}: {assignment} does not reach the recipe"
+            for word in words:
+                if word.endswith((".py", ".sbatch", ".sh")):
+                    assert os.path.exists(os.path.join(ROOT, word)), f"{where}: no {word}"
 
 
 def test_the_readme_quotes_only_figures_benchmarks_holds():

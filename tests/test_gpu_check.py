@@ -6,6 +6,7 @@ the machine's torch, nothing fetched when nothing is missing), and megatron-core
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -47,18 +48,42 @@ def test_without_a_cuda_device_it_says_so_in_one_line_and_writes_nothing(
     assert not out.exists()
 
 
+JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest">
+<testcase file="tests/test_x.py" name="test_ok" />
+<testcase file="tests/test_x.py" name="test_losses[bf16]"><failure message="AssertionError: \
+losses differ">def test_losses():
+&gt;       assert a == b
+E       AssertionError: losses differ
+E       assert 2.5 == 2.4
+</failure></testcase>
+<testcase file="tests/test_x.py" name="test_import"><error message="ImportError: no x" />
+</testcase>
+<testcase file="tests/test_x.py" name="test_gpu"><skipped message="needs a CUDA GPU" /></testcase>
+</testsuite></testsuites>"""
+
+
 def test_a_failed_step_names_itself_and_the_others_still_run(tmp_path, capsys, monkeypatch):
     _stand_in_gpu(monkeypatch)
-    # a step out of time is killed with the processes it started
-    sleeper = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', "
-               "'import time; time.sleep(60)']); print('child', p.pid, flush=True); "
-               "time.sleep(60)")
+    monkeypatch.setattr(gpu_check, "GRACE_S", 0.5)
+    # a step out of time is killed with the processes it started, in its process group or
+    # in a session of their own
+    sleeper = ("import subprocess, sys, time; sleep = [sys.executable, '-c', "
+               "'import time; time.sleep(60)']; p = subprocess.Popen(sleep); "
+               "q = subprocess.Popen(sleep, start_new_session=True); "
+               "print('children', p.pid, q.pid, flush=True); time.sleep(60)")
+    # a step that ends leaving a process behind fails, and the process is ended
+    leaver = ("import subprocess, sys; q = subprocess.Popen([sys.executable, '-c', 'import "
+              "time; time.sleep(60)'], start_new_session=True); print('left', q.pid); "
+              "print('{}')")
+    junit = tmp_path / "junit.xml"
     steps = (
         gpu_check.Step("fails", _python("import sys; print('boom'); sys.exit(3)"), 30, "json"),
         gpu_check.Step("hangs", _python(sleeper), 6, "json"),
         gpu_check.Step("garbled", _python("print('not json')"), 30, "json"),
         gpu_check.Step("figures", _python("print('{\"GBps\": 12.5}')"), 30, "json"),
-        gpu_check.Step("tests", _python("print('3 passed, 1 skipped in 2.50s')"), 30, "pytest"),
+        gpu_check.Step("tests", _python(f"import sys; open({str(junit)!r}, 'w').write("
+                                        f"{JUNIT!r}); sys.exit(1)"), 30, "junit", str(junit)),
+        gpu_check.Step("leaves", _python(leaver), 30, "json"),
     )
     out = tmp_path / "report.json"
     assert gpu_check.main(["--out", str(out)], steps) == 1
@@ -72,15 +97,32 @@ def test_a_failed_step_names_itself_and_the_others_still_run(tmp_path, capsys, m
     assert by_name["hangs"]["status"] == "out of time (6 s)"
     assert by_name["garbled"]["status"] == "failed (no figures in its output)"
     assert by_name["figures"]["passed"] and by_name["figures"]["figures"] == {"GBps": 12.5}
-    assert by_name["tests"]["figures"] == {"passed": 3, "skipped": 1}
-    child = int(by_name["hangs"]["output_tail"].split()[1])
+    tests = by_name["tests"]
+    assert tests["status"] == "failed (exit status 1)"
+    assert {k: tests["figures"][k] for k in ("passed", "failed", "errors", "skipped")} == {
+        "passed": 1, "failed": 1, "errors": 1, "skipped": 1}
+    failed, erred = tests["figures"]["failures"]
+    assert failed["test"] == "tests/test_x.py::test_losses[bf16]"
+    assert failed["message"].splitlines() == [
+        "AssertionError: losses differ", "E       AssertionError: losses differ",
+        "E       assert 2.5 == 2.4"]
+    assert erred == {"test": "tests/test_x.py::test_import", "kind": "error",
+                     "message": "ImportError: no x"}
+    assert tests["figures"]["skip_reasons"] == ["tests/test_x.py::test_gpu: needs a CUDA GPU"]
+    leaves = by_name["leaves"]
+    assert leaves["status"] == "failed (left 1 process(es) running, killed)"
+    left = int(leaves["output_tail"].split()[1])
+    assert [p["pid"] for p in leaves["left_running"]] == [left]
+    children = [int(pid) for pid in by_name["hangs"]["output_tail"].split()[1:3]]
     deadline = time.monotonic() + 5
-    while _alive(child) and time.monotonic() < deadline:
+    while any(_alive(pid) for pid in [*children, left]) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not _alive(child), "the timed-out step's child process survived"
+    assert not any(_alive(pid) for pid in [*children, left]), "a step's process survived it"
     printed = capsys.readouterr().out.strip().splitlines()
     assert printed[-1] == report["verdict"]
-    assert printed[-1].startswith("gpu-check: FAILED (fails, hangs, garbled): 2 of 5 steps")
+    assert printed[-1].startswith(
+        "gpu-check: FAILED (fails, hangs, garbled, tests, leaves): 1 of 6 steps")
+    assert "  failure: tests/test_x.py::test_losses[bf16]: AssertionError: losses differ" in printed
     assert str(out) in printed[-1]
 
 
@@ -115,7 +157,16 @@ def test_the_summary_sets_the_decoupled_run_beside_megatron_core_and_the_plan():
     line = gpu_check.verdict(steps, ["H100"], figures, 300, "r.json")
     assert "1.35B decoupled 2.00 s/iteration against megatron-core 1.60 s none recompute " \
            "(x1.25), megatron-core 2.50 s full recompute (x0.80)" in line
-    assert "\n" not in line
+    assert "\n" not in line and "attention" not in line  # no side names its kernel
+    large["decoupled"]["attention_kernel"] = "flash"
+    large["megatron_core"]["variants"]["none"]["attention_kernel"] = "flash"
+    large["megatron_core"]["variants"]["full"]["attention_kernel"] = "efficient"
+    figures = gpu_check.summary(steps)
+    assert figures["decoupled_attention_kernel"] == "flash"
+    assert figures["megatron_core_full_recompute_attention_kernel"] == "efficient"
+    assert "attention kernels differ: decoupled flash, megatron_core_none_recompute flash, " \
+           "megatron_core_full_recompute efficient" in gpu_check.verdict(
+               steps, ["H100"], figures, 300, "r.json")
 
 
 def test_datasheet_peaks_by_the_name_cuda_reports():
@@ -132,26 +183,70 @@ def test_datasheet_peaks_by_the_name_cuda_reports():
 def test_the_environment_installs_only_what_is_missing_and_never_torch(tmp_path):
     specs = gpu_env.requirement_specs(os.path.join(ROOT, "requirements.txt"))
     assert specs["megatron-core"].startswith("megatron-core==")  # the pinned version
-    assert "torch" not in specs
+    assert not any(gpu_env.machines_own(name) for name in specs)  # torch, triton, nvidia-*
     assert gpu_env.satisfied("megatron-core==0.16.1", "0.16.1")
     assert not gpu_env.satisfied("megatron-core==0.16.1", "0.15.0")
     assert gpu_env.satisfied("pybind11>=2.12", "2.13.6")
     assert not gpu_env.satisfied("pybind11>=2.12", "2.11.1") and not gpu_env.satisfied("x", None)
-    assert gpu_env.install_commands("py", [], "wheels", "c.txt") == []  # no pip, no network
+    pip = ["py", "-m", "pip"]
+    assert gpu_env.install_commands(pip, [], "wheels", "c.txt") == []  # no pip, no network
     installed = {name: spec.split("==")[1] if "==" in spec else "99"
                  for name, spec in specs.items()}
     missing = gpu_env.missing_specs(specs, {**installed, "megatron-core": None,
-                                            "pybind11": None})
-    assert missing == [specs["megatron-core"], specs["pybind11"]]
-    offline = gpu_env.install_commands("py", missing, "wheels", "c.txt")
-    pip = ["py", "-m", "pip", "install", "-q", "--no-index", "--find-links", "wheels",
-           "--constraint", "c.txt"]
-    assert offline == [[*pip, "--no-deps", specs["megatron-core"]], [*pip, specs["pybind11"]]]
-    online = gpu_env.install_commands("py", missing, None, "c.txt")
+                                            "pybind11": None, "tokenizers": None})
+    assert missing == [specs["megatron-core"], specs["pybind11"], specs["tokenizers"]]
+    offline = gpu_env.install_commands(pip, missing, "wheels", "c.txt")
+    install = [*pip, "install", "-q", "--disable-pip-version-check", "--no-input",
+               "--no-index", "--find-links", "wheels", "--constraint", "c.txt"]
+    assert offline == [[*install, "--no-deps", specs["megatron-core"], specs["tokenizers"]],
+                       [*install, specs["pybind11"]]]
+    online = gpu_env.install_commands(pip, missing, None, "c.txt")
     assert all("--no-index" not in c and "--constraint" in c for c in online)
 
 
-def test_make_gpu_check_dry_run_keeps_the_machines_torch(tmp_path):
+def test_pip_is_the_machines_where_the_venv_sees_it_else_the_wheel_folders(tmp_path):
+    assert gpu_env.pip_runner("venv/bin/python", "24.0", None) == ["venv/bin/python", "-m", "pip"]
+    assert gpu_env.pip_runner("venv/bin/python", None, str(tmp_path)) is None
+    (tmp_path / "pip-26.3-py3-none-any.whl").write_bytes(b"")
+    assert gpu_env.pip_runner("venv/bin/python", None, str(tmp_path)) == [
+        "venv/bin/python", str(tmp_path / "pip-26.3-py3-none-any.whl" / "pip")]
+
+
+def test_the_wheel_folder_is_the_one_list_for_the_gpu_machines_python():
+    command = gpu_env.download_command("dir", "3.12", "manylinux_2_28_x86_64")
+    specs = gpu_env.requirement_specs(os.path.join(ROOT, "requirements.txt"))
+    assert command[command.index("dir") + 1:] == [*specs.values(), "pip"]
+    assert {"--no-deps", "--only-binary=:all:"} <= set(command)
+    assert command[command.index("--python-version") + 1] == "3.12"
+    platforms = [command[i + 1] for i, word in enumerate(command) if word == "--platform"]
+    assert platforms[0] == "manylinux_2_28_x86_64" and "manylinux_2_17_x86_64" in platforms
+    assert {"manylinux2014_x86_64", "manylinux1_x86_64"} <= set(platforms)
+    assert "manylinux_2_29_x86_64" not in platforms
+
+
+def _wheel(directory, name: str, version: str, requires: list[str]) -> None:
+    import zipfile
+
+    with zipfile.ZipFile(directory / f"{name}-{version}-py3-none-any.whl", "w") as wheel:
+        wheel.writestr(f"{name}-{version}.dist-info/METADATA", "".join(
+            [f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+             *(f"Requires-Dist: {r}\n" for r in requires)]))
+
+
+def test_a_wheel_folder_that_would_not_install_offline_is_named_what_it_lacks(tmp_path):
+    _wheel(tmp_path, "pytest", "9.2.0", ["pluggy<2,>=1.6", "iniconfig>=2",
+                                         'tomli>=2; python_version < "3.11"',
+                                         'colorama; sys_platform == "win32"',
+                                         'hypothesis; extra == "dev"'])
+    _wheel(tmp_path, "pluggy", "1.5.0", [])
+    _wheel(tmp_path, "megatron_core", "0.16.1", ["torch>=2.6.0", "einops"])  # --no-deps
+    assert gpu_env.unmet_requirements(str(tmp_path), "3.12", "manylinux_2_28_x86_64") == [
+        "pytest 9.2.0 needs pluggy<2,>=1.6", "pytest 9.2.0 needs iniconfig>=2"]
+    assert "pytest 9.2.0 needs tomli>=2" in gpu_env.unmet_requirements(
+        str(tmp_path), "3.10", "manylinux_2_28_x86_64")
+
+
+def test_make_gpu_check_dry_run_keeps_the_machines_torch_and_prints_the_budget(tmp_path):
     venv = tmp_path / "venv"
     proc = subprocess.run(
         ["make", "-s", "gpu-check", "DRY_RUN=1", f"PYTHON={sys.executable}",
@@ -159,14 +254,73 @@ def test_make_gpu_check_dry_run_keeps_the_machines_torch(tmp_path):
         cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()
-    assert any(line.endswith(f"-m venv --system-site-packages {venv}") for line in lines)
+    assert any(line.endswith(f"-m venv --without-pip --system-site-packages {venv}")
+               for line in lines)
     for line in lines:  # whatever this machine lacks: from the wheels, never torch
         if " pip install " in line:
             assert f"--no-index --find-links {tmp_path}" in line
             assert not any(word.split("=")[0] == "torch" for word in line.split())
-    assert lines[-2] == f"{venv}/bin/python setup.py -q build_ext --inplace"
-    assert lines[-1] == f"{venv}/bin/python tools/gpu_check.py --out runs/gpu-check/report.json"
+    commands = [line for line in lines if not line.startswith("#")]
+    assert commands[-2] == (f"{venv}/bin/python setup.py -q build_ext --inplace -j "
+                            f"{len(os.sched_getaffinity(0))}")
+    assert commands[-1] == f"{venv}/bin/python tools/gpu_check.py --out runs/gpu-check/report.json"
+    budget = [line[len("#   "):] for line in lines if line.startswith("#   ")]
+    steps = gpu_check.default_steps("work")
+    assert budget == gpu_check.time_plan(steps)
+    for step in steps:
+        assert any(line.startswith(step.name) and f"{step.timeout_s:.0f} s" in line
+                   for line in budget)
+    total = gpu_check.SETUP_BUDGET_S + sum(step.timeout_s for step in steps)
+    assert budget[-1].split()[1:4] == [f"{total:.0f}", "s", "="]
     assert not venv.exists()
+
+
+def test_a_check_refuses_to_start_inside_a_check(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv(gpu_check.INSIDE, "1")
+    out = tmp_path / "report.json"
+    assert gpu_check.main(["--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "started inside a gpu-check" in err[0] and not out.exists()
+    with pytest.raises(SystemExit) as exit_:
+        gpu_env.main(["--venv", str(tmp_path / "venv"), "--dry-run"])
+    assert exit_.value.code == 2 and not (tmp_path / "venv").exists()
+    assert "a check does not run itself" in capsys.readouterr().err
+
+
+def test_list_probes_the_device_and_names_the_steps_and_their_limits(capsys, monkeypatch):
+    _stand_in_gpu(monkeypatch)
+    assert gpu_check.main(["--list"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("gpu-check: Stand-in GPU; torch ")
+    assert f"commit: {gpu_check.commit()}" in out
+    for line in gpu_check.time_plan(gpu_check.default_steps("work")):
+        assert f"  {line}\n" in out
+
+
+def test_the_commit_is_unknown_without_git_and_in_an_archive(tmp_path, monkeypatch):
+    assert len(gpu_check.commit().split("+")[0]) == 40  # this checkout's HEAD
+    outer = tmp_path / "outer"  # a repository with a commit, around an unpacked archive
+    subprocess.run(["git", "init", "-q", str(outer)], check=True)
+    subprocess.run(["git", "-C", str(outer), "-c", "user.name=x", "-c", "user.email=x@x",
+                    "commit", "-q", "--allow-empty", "-m", "outer"], check=True)
+    (outer / "project" / "tools").mkdir(parents=True)
+    shutil.copy(os.path.join(ROOT, "tools", "gpu_check.py"), outer / "project" / "tools")
+    archive = subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, 'tools'); "
+                              "import gpu_check; print(gpu_check.commit())"],
+                             cwd=outer / "project", capture_output=True, text=True)
+    assert archive.stdout.strip() == "unknown", archive.stderr
+    monkeypatch.setenv("PATH", str(tmp_path / "no-git-here"))
+    assert gpu_check.commit() == "unknown"
+
+
+def test_the_cuda_tests_step_runs_the_modules_that_hold_cuda_tests():
+    files = gpu_check.cuda_test_files()
+    assert {"tests/test_cuda_pipeline.py", "tests/test_device.py"} <= set(files)
+    assert "tests/test_doc_commands.py" not in files  # its GPU blocks are not cuda tests
+    step = gpu_check.default_steps("work")[0]
+    assert step.argv[:4] == ("-m", "pytest", "-m", "cuda")
+    assert step.argv[-len(files):] == tuple(files)
+    assert f"--junitxml={step.junit}" in step.argv
 
 
 def test_megatron_core_baseline_trains_the_model_on_the_cpu(capsys):
@@ -182,7 +336,9 @@ def test_megatron_core_baseline_trains_the_model_on_the_cpu(capsys):
     losses = none["losses"]  # the warm-up's and the 2 timed iterations'
     assert losses[0] == pytest.approx(math.log(512), rel=0.02)  # near-uniform at init
     assert losses[-1] < losses[0]
-    assert result["attention"] == "SDPAttention"  # torch SDPA without TE, as our model's
+    # torch SDPA without TE, as our model's; bf16 with grouped-query attention on the CPU
+    # device layer playing its default GPU (sm80): flash, as in a decoupled run
+    assert result["attention_kernel"] == "flash"
 
 
 def test_megatron_core_baseline_refuses_full_recompute_on_the_cpu(capsys):
@@ -196,7 +352,7 @@ def test_megatron_core_baseline_refuses_full_recompute_on_the_cpu(capsys):
     assert "--recompute full: megatron-core's full recompute needs CUDA" in capsys.readouterr().err
 
 
-def test_the_check_covers_every_schedule_within_8_minutes():
+def test_the_check_covers_every_schedule_within_7_5_minutes_with_setup():
     import gpu_check_steps
 
     from megatron.schedules.generators import SCHEDULE_NAMES
@@ -205,7 +361,8 @@ def test_the_check_covers_every_schedule_within_8_minutes():
     schedules = {"single", *SCHEDULE_NAMES}
     assert set(gpu_check_steps.SCHEDULE_FLAGS) == schedules  # under the sanitizer
     assert schedules <= set(CASES)  # against the CPU device layer
-    assert sum(step.timeout_s for step in gpu_check.default_steps("work")) < 8 * 60
+    steps = gpu_check.default_steps("work")
+    assert gpu_check.SETUP_BUDGET_S + sum(step.timeout_s for step in steps) <= 7.5 * 60
 
 
 def test_large_adds_the_7b_step_after_the_default_ones(tmp_path, monkeypatch):
@@ -259,3 +416,29 @@ def test_the_7b_step_times_the_mean_of_iterations_3_to_5():
     assert figures["meets_target"] is False  # about 216 TFLOP/s; 250 needs about 12 s
     with pytest.raises(ValueError, match="iterations 3-5"):
         gpu_check_steps.timed_figures(metrics[:4], shape, 16, None)
+
+
+def test_when_the_check_dies_its_steps_processes_end_with_it(tmp_path):
+    """The watcher of a step gets SIGTERM when the check that started it is killed (even
+    with SIGKILL), and ends what the step started, sessions of their own included."""
+    status = tmp_path / "status.json"
+    step = ("import subprocess, sys, time; q = subprocess.Popen([sys.executable, '-c', "
+            "'import time; time.sleep(60)'], start_new_session=True); "
+            "print(q.pid, flush=True); time.sleep(60)")
+    check = ("import subprocess, sys; subprocess.Popen([sys.executable, sys.argv[1], "
+             "'--timeout', '60', '--grace', '0.5', '--status', sys.argv[2], '--', "
+             "sys.executable, '-c', sys.argv[3]], start_new_session=True); "
+             "import time; time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", check,
+                             os.path.join(ROOT, "tools", "process_tree.py"), str(status), step],
+                            stdout=subprocess.PIPE, text=True)
+    grandchild = int(proc.stdout.readline())
+    proc.kill()  # SIGKILL: no clean-up of its own
+    proc.wait()
+    deadline = time.monotonic() + 10
+    while not status.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    outcome = json.loads(status.read_text())
+    assert outcome["interrupted"] and outcome["returncode"] is None
+    assert not _alive(grandchild)
+    proc.stdout.close()

@@ -1,5 +1,6 @@
-"""Measured hardware profiles as --plan reads them: MFU against the datasheet peak, the
-compute curve fitted over several micro-batches, and the layer the profile measured."""
+"""Hardware profiles as --plan reads them: MFU against the datasheet peak, the compute
+curve fitted over several micro-batches, the layer the profile measured, and every field
+checked by its rule when a profile is loaded."""
 
 import dataclasses
 import json
@@ -8,6 +9,9 @@ import pytest
 
 from megatron.config.presets import get_preset
 from megatron.schedules.hardware import (
+    FIELD_RULES,
+    HardwareProfile,
+    ProfileError,
     fit_efficiency_curve,
     get_hardware,
     layer_shape,
@@ -76,3 +80,88 @@ def test_plan_names_the_layer_fields_a_profile_measured_differently(capsys, tmp_
                      compute_shape=layer_shape(tiny))
     assert same["compute_shape_differences"] == []
     assert "seq_length 128 -> 256" in other["compute_shape_differences"]
+
+
+# --- every field checked when a profile is loaded ------------------------------------------
+
+def _profile_file(tmp_path, **fields):
+    """dgx-h100's JSON with `fields` changed, as a user's edited copy."""
+    values = json.loads(get_hardware("dgx-h100").to_json())
+    values.update(fields)
+    path = tmp_path / "edited.json"
+    path.write_text(json.dumps(values))
+    return path
+
+
+def test_every_field_of_a_profile_has_a_rule():
+    """A field added to HardwareProfile without a rule fails here (and at import)."""
+    names = {f.name for f in dataclasses.fields(HardwareProfile)}
+    assert set(FIELD_RULES) == names
+
+
+def test_a_value_each_rule_refuses_is_refused_in_the_field_it_guards():
+    """For every field, a value outside its rule (the wrong type, below its bound, NaN)
+    stops the profile with the field's name: no field goes unchecked."""
+    base = get_hardware("paper-v100")
+    for name, rule in FIELD_RULES.items():
+        bad = [3] if rule.kind in (str, dict) else [True, float("nan"), float("inf") * -1]
+        if rule.kind in (int, float) and rule.low is not None:
+            bad.append(rule.low if rule.above else rule.low - 1)
+        if rule.high is not None:
+            bad.append(rule.high + 0.5)
+        if rule.kind is int:
+            bad.append(1.5)
+        if not rule.nullable:
+            bad.append(None)
+        for value in bad:
+            with pytest.raises(ProfileError, match=f"^field '{name}' is "):
+                dataclasses.replace(base, **{name: value})
+
+
+@pytest.mark.parametrize("field,value,expected", [
+    ("pcie_bytes_per_s", -1.0, "is -1.0; expected bytes per second > 0"),
+    ("gpu_peak_flops", -5e12, "is -5000000000000.0; expected FLOP/s > 0"),
+    ("host_memory_bytes", -1, "is -1; expected bytes >= 0 (0: unknown)"),
+    ("gpus_per_node", 0, "is 0; expected a whole number of GPUs >= 1"),
+    ("gpu_max_efficiency", 1.5, "is 1.5; expected a fraction above 0 to 1"),
+    ("p2p_bytes_per_s", float("nan"), "is NaN; expected bytes per second > 0"),
+    ("cpu_cores", True, "is true; expected a whole number of cores >= 0"),
+    ("device_kind", "tpu", 'is "tpu"; expected "cuda" or "cpu"'),
+])
+def test_a_profile_with_a_meaningless_figure_is_one_line_naming_the_field(
+        field, value, expected, tmp_path, capsys):
+    path = _profile_file(tmp_path, **{field: value})
+    with pytest.raises(SystemExit) as stop:
+        main(["--plan", "--model-preset", "tiny", "--hardware", str(path)])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith(f"pretrain_llama.py: error: --hardware {path}: hardware profile "
+                             f"'{path}': field '{field}' {expected}")
+
+
+def test_zero_stays_unknown_where_a_field_means_it_and_whole_floats_are_counts():
+    """h100-host128 has no network figure (0.0) and paper-v100 its calibrated figures:
+    both load; 0 for the GPU's memory means unknown; 8.0 GPUs is 8."""
+    assert get_hardware("h100-host128").inter_node_bytes_per_s == 0.0
+    assert get_hardware("paper-v100").pass_overhead_s == 0.02
+    edited = dataclasses.replace(get_hardware("dgx-h100"), gpu_memory_bytes=0,
+                                 gpus_per_node=8.0, memlock_bytes=None)
+    assert edited.gpus_per_node == 8 and isinstance(edited.gpus_per_node, int)
+
+
+def test_a_shape_the_profile_cannot_hold_blames_what_was_given(capsys):
+    """The tiny model (4 layers) on dgx-h100's 8 GPUs: the layers are too few for its
+    pipeline ranks; no --backward-split was given, so it is not blamed."""
+    with pytest.raises(SystemExit) as stop:
+        main(["--plan", "--model-preset", "tiny", "--hardware", "dgx-h100"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--backward-split" not in err[0]
+    assert err[0].startswith("pretrain_llama.py: error: --num-layers 4: needs 1 layers in "
+                             "each of 8 forward stages, the model has 4")
+    assert "--gpus-per-node" in err[0]
+    with pytest.raises(SystemExit):
+        main(["--plan", "--model-preset", "tiny", "--hardware", "dgx-h100",
+              "--gpus-per-node", "2", "--backward-split", "3"])
+    assert "error: --backward-split 3: needs 3 layers" in capsys.readouterr().err

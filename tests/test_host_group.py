@@ -3,6 +3,7 @@
 
 import ast
 import os
+from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -34,14 +35,17 @@ def test_every_collective_outside_p2p_names_its_group():
 
 
 def test_under_nccl_host_collectives_get_a_gloo_group(monkeypatch):
+    """... with the job's collective timeout (torch would give a new group 30 minutes)."""
     created = []
     monkeypatch.setattr(dist, "get_backend", lambda *args: "nccl")
     monkeypatch.setattr(dist, "new_group", lambda **kw: created.append(kw) or "gloo-group")
+    monkeypatch.setattr(host_group_module, "_timeout", None)
+    host_group_module.set_group_timeout(timedelta(minutes=3))
     host_group_module.forget_host_group()
     try:
         assert host_group_module.host_group() == "gloo-group"
         assert host_group_module.host_group() == "gloo-group"  # created once
-        assert created == [{"backend": "gloo"}]
+        assert created == [{"ranks": None, "backend": "gloo", "timeout": timedelta(minutes=3)}]
     finally:
         host_group_module.forget_host_group()
 

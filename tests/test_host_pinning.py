@@ -1,5 +1,6 @@
 """Shared-memory segments are page-locked on CUDA; a failed registration warns once,
-naming the locked-memory limit, and leaves the segment usable."""
+naming the locked-memory limit, and leaves the segment usable; what a process page-locks
+beyond its limit is said with the fix."""
 
 import uuid
 import warnings
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 import megatron.offload.host_pinning as host_pinning
+from megatron.config.errors import ConfigError
 from megatron.offload.param_store import ParameterStore
 
 
@@ -56,3 +58,27 @@ def test_a_refused_registration_warns_once_with_the_limit(store, monkeypatch):
     first.params.fill_(1.0)  # still an ordinary, usable mapping
     store.release((0, 0))
     store.release((0, 1))
+
+
+def test_what_a_process_page_locks_beyond_its_limit_is_said_with_the_fix(monkeypatch):
+    """The limit is ulimit -l on CUDA; the CPU device layer, which pins nothing, has none
+    unless a test stands one in (MEGATRON_CPU_DEVICE_MEMLOCK)."""
+    monkeypatch.delenv(host_pinning.CPU_DEVICE_MEMLOCK_ENV, raising=False)
+    assert host_pinning.memlock_limit("cpu").nbytes is None
+    assert host_pinning.memlock_limit("cuda").source == "ulimit -l"
+    monkeypatch.setenv(host_pinning.CPU_DEVICE_MEMLOCK_ENV, "8MiB")
+    limit = host_pinning.memlock_limit("cpu")
+    assert limit == host_pinning.MemlockLimit(8 << 20, host_pinning.CPU_DEVICE_MEMLOCK_ENV)
+    assert host_pinning.memlock_shortfall(8 << 20, limit) is None  # it fits
+    short = host_pinning.memlock_shortfall(3 << 30, limit)
+    assert short.startup_line() == (
+        "pinned memory: a process of this run page-locks 3.00 GiB (the shared-memory "
+        "segments it maps and its gradient buffers), MEGATRON_CPU_DEVICE_MEMLOCK allows "
+        "8.00 MiB: at least 2.99 GiB stays pageable for the whole run, and copies between it "
+        "and the GPU are staged by the driver and block the host instead of overlapping "
+        "compute; raise the limit: `ulimit -l unlimited` before the launch, or `docker run "
+        "--ulimit memlock=-1`")
+    monkeypatch.setenv(host_pinning.CPU_DEVICE_MEMLOCK_ENV, "lots")
+    with pytest.raises(ConfigError, match="MEGATRON_CPU_DEVICE_MEMLOCK 'lots': expected a "
+                                          "byte count"):
+        host_pinning.memlock_limit("cpu")

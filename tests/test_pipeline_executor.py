@@ -237,19 +237,36 @@ def test_two_processes_match_one_process(schedule, two_processes, reference):
     assert metrics(ScheduleRun(two_processes, schedule))[0]["schedule"] == schedule
 
 
-def test_unfused_attention_computes_otherwise_and_trains_alike(unfused_reference, reference):
-    """--attention-backend unfused takes megatron-core's attention (other arithmetic, other
-    bits) and trains as the default SDPA kernel does, within 1e-5 in fp32."""
+def test_unfused_attention_trains_as_the_pinned_math_kernel(unfused_reference, reference):
+    """fp32 with grouped-query attention has one kernel on a GPU, math (the CPU device layer
+    plays an A100 here; megatron.config.attention_kernel), and math computes what
+    megatron-core's unfused attention (--attention-backend unfused) computes, operation for
+    operation: the same bits. (A fused kernel computes otherwise within 1e-5:
+    tests/test_attention.py, tests/test_attention_kernel.py.)"""
     sdpa, unfused = final_masters(reference), final_masters(unfused_reference)
-    assert not all(torch.equal(sdpa[name], unfused[name]) for name in sdpa)
-    assert_same_training(unfused_reference, reference)
+    assert sdpa.keys() == unfused.keys()
+    assert all(torch.equal(sdpa[name], unfused[name]) for name in sdpa)
+    assert [m["loss"] for m in metrics(unfused_reference)] == \
+        [m["loss"] for m in metrics(reference)]
+
+
+def test_the_metrics_name_the_attention_kernel_that_ran(reference, unfused_reference,
+                                                       two_processes):
+    """fp32 with grouped-query attention: math, as on every GPU (the CPU device layer plays
+    one, megatron.config.attention_kernel); megatron-core's own with --attention-backend
+    unfused."""
+    assert {m["attention_kernel"] for m in metrics(reference)} == {"math"}
+    assert {m["attention_kernel"] for m in metrics(unfused_reference)} == {"unfused"}
+    for schedule in SCHEDULES:
+        assert {m["attention_kernel"] for m in metrics(ScheduleRun(two_processes, schedule))} \
+            == {"math"}, schedule
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_every_schedule_with_sdpa_matches_one_process_with_unfused_attention(
         schedule, two_processes, unfused_reference):
-    """The fast attention kernel changes nothing a user sees: each schedule's run (SDPA, the
-    default) trains like one process computing attention unfused, within 1e-5 in fp32."""
+    """The attention kernel changes nothing a user sees: each schedule's run (SDPA, the
+    default, pinned) trains like one process computing attention unfused, within 1e-5."""
     assert_same_training(ScheduleRun(two_processes, schedule), unfused_reference)
 
 

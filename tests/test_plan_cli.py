@@ -230,13 +230,13 @@ def test_an_absurd_global_batch_is_refused_naming_the_flag_and_the_limit(capsys)
 def test_a_small_dev_shm_is_reported_in_units_that_show_the_shortfall():
     """A 1 MiB /dev/shm against a few MiB of parameters used to read 'need 0.0 GiB, 0.0 GiB
     free'."""
-    from megatron.planning.fit import FreeMemory, first_shortfall, run_memory_plan
-    from megatron.planning.shape import generate_schedule
+    from megatron.planning.fit import FreeMemory, first_shortfall
+    from megatron.planning.run_plan import run_start
     from megatron.training.arguments import parse_args
 
-    run = parse_args(["--model-preset", "tiny", "--pipeline-schedule", "decoupled"])
-    schedule = generate_schedule(run, 1, 1000)
-    plan = run_memory_plan(run, schedule, 1000, procs_per_node=1, on_cuda=False)
+    run = parse_args(["--model-preset", "tiny", "--pipeline-schedule", "decoupled",
+                      "--vocab-size", "1000"])
+    plan = run_start(run, 1, procs_per_node=1, on_cuda=False).memory
     need = plan.per_node[0]["shm_parameters"]
     assert 2**20 < need < 2**30  # the case: MiB, not GiB
     error = first_shortfall(plan, 0, FreeMemory(shm=2**20, host=2**40, device=None), 4)
@@ -249,29 +249,23 @@ def test_a_small_dev_shm_is_reported_in_units_that_show_the_shortfall():
 def test_auto_starts_where_stride_0_fits_and_its_subgroups_get_only_what_is_left():
     """A GPU that holds stride 0's plan but not the subgroups besides (the case that made
     auto lose on an H100): the start does not refuse auto, whose subgroups get the bytes
-    left beyond the plan (the assembly caps them there, or resolves to stride 0)."""
-    from megatron.planning.fit import (
-        FreeMemory,
-        device_headroom,
-        first_shortfall,
-        run_memory_plan,
-    )
-    from megatron.planning.shape import generate_schedule
+    left beyond the plan (the plan caps them there, or resolves to stride 0)."""
+    from megatron.planning.fit import FreeMemory, device_headroom, first_shortfall
+    from megatron.planning.run_plan import run_start
     from megatron.training.arguments import parse_args
 
-    base = ["--model-preset", "tiny", "--pipeline-schedule", "decoupled"]
+    base = ["--model-preset", "tiny", "--pipeline-schedule", "decoupled", "--vocab-size", "1000"]
     auto = parse_args([*base, "--optimizer-gpu-stride", "auto"])
     split = parse_args([*base, "--optimizer-gpu-stride", "2"])
-    schedule = generate_schedule(auto, 2, 1000)
-    start = run_memory_plan(auto, schedule, 1000, procs_per_node=2, on_cuda=True)
-    with_subgroups = run_memory_plan(split, schedule, 1000, procs_per_node=2, on_cuda=True)
+    start = run_start(auto, 2, procs_per_node=2, on_cuda=True).memory
+    with_subgroups = run_start(split, 2, procs_per_node=2, on_cuda=True).memory
     rank = next(r for r in range(2) if with_subgroups.gpu_total(r) > start.gpu_total(r))
     tight = FreeMemory(shm=2**40, host=2**40, device=start.gpu_total(rank) + 1000)
     assert first_shortfall(with_subgroups, rank, tight, 4) is not None
     assert first_shortfall(start, rank, tight, 4) is None
     assert device_headroom(start, rank, tight) == 1000
     # the CPU device layer: the rank's share of the node's host memory beyond the plan
-    cpu = run_memory_plan(auto, schedule, 1000, procs_per_node=2, on_cuda=False)
+    cpu = run_start(auto, 2, procs_per_node=2, on_cuda=False).memory
     host_need = (sum(cpu.per_node[0][k] for k in ("shm_parameters", "optimizer_states",
                                                   "host_gradients"))
                  + cpu.gpu_total(0) + cpu.gpu_total(1))

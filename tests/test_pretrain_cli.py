@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 
 import pytest
 
@@ -144,6 +145,7 @@ def test_resume_from_checkpoint_continues_the_same_run(tmp_path, cache, learning
         assert row["loss"] == pytest.approx(reference[row["iteration"]]["loss"], rel=1e-6)
         assert row["lr"] == pytest.approx(reference[row["iteration"]]["lr"], rel=1e-12)
     assert not list(ckpt.glob("*.tmp"))
+    assert "not bit for bit" not in r.stdout  # the same flags: nothing to say
 
 
 def test_tiny_preset_learns_on_the_builtin_corpus(learning):
@@ -289,7 +291,7 @@ def test_two_jobs_with_the_same_run_id_the_second_is_one_line(tmp_path, cache):
     assert "exit status 2" in second.stderr  # every rank stopped with bad input
     assert len(errors) == 1, second.stderr[-3000:]
     assert "another job with the same job id" in errors[0] and "--rdzv-id" in errors[0]
-    assert job_segments(f"run:{run_id}") == []
+    assert forked_ranks.segments_left(f"run:{run_id}") == []
 
 
 def test_a_save_dir_without_room_for_a_checkpoint_is_refused_at_start(tmp_path, cache,
@@ -346,3 +348,45 @@ def test_a_start_removes_what_dead_runs_left_in_shared_memory_and_says_so(tmp_pa
     finally:
         if os.path.exists(path):
             os.unlink(path)
+
+
+def test_a_pipeline_says_what_slows_it_and_keeps_the_lock_of_a_save_directory_removed(
+        tmp_path, cache, capsys, monkeypatch):
+    """One run for two things a user meets (a run is the costly part):
+    - a locked-memory limit smaller than what a process page-locks (on the CPU device
+      layer a stand-in for ulimit -l): the start-up line names the limit, what the run
+      pins, the cost and the fix, and the run summary says it again;
+    - the --save directory removed after the first checkpoint (a cleanup script): the next
+      save takes the recreated directory's lock again and says so once; the run ends
+      normally with its checkpoint and no lock left behind."""
+    from megatron.common.save_lock import LOCK_NAME
+    from megatron.training import checkpointing
+
+    save = tmp_path / "ckpt"
+    commit = checkpointing._commit
+
+    def commit_then_remove(root, iteration, *args):
+        commit(root, iteration, *args)
+        if iteration == 1:
+            shutil.rmtree(root)
+    monkeypatch.setattr(checkpointing, "_commit", commit_then_remove)
+    monkeypatch.setenv("MEGATRON_CPU_DEVICE_MEMLOCK", "64KiB")
+    code, out, err = run_in_process(capsys, *SMALL, "--train-iters", "2",
+                                    "--pipeline-schedule", "decoupled", "--save", str(save),
+                                    "--save-interval", "1", cache=cache)
+    assert code in (0, None), err
+    pinned, removed = err.strip().splitlines()
+    assert pinned.startswith("pretrain_llama.py: warning: pinned memory: a process of this "
+                             "run page-locks ")
+    assert ("MEGATRON_CPU_DEVICE_MEMLOCK allows 64.00 KiB: at least " in pinned
+            and pinned.endswith("`ulimit -l unlimited` before the launch, or `docker run "
+                                "--ulimit memlock=-1`"))
+    summary = out[out.index("run summary:"):].splitlines()
+    assert summary[-1].startswith("  pinned:      at least ") and "stayed pageable " \
+        "(MEGATRON_CPU_DEVICE_MEMLOCK 64.00 KiB)" in summary[-1]
+    assert removed == (
+        f"pretrain_llama.py: warning: --save {save}: the directory (or its lock) was removed "
+        "during the run; recreated it and took its lock again (the checkpoints saved before "
+        "went with it)")
+    assert sorted(os.listdir(save)) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
+    assert LOCK_NAME not in os.listdir(save)

@@ -5,6 +5,8 @@ the run share a machine with whatever else runs on it; docs/schedules.md has the
 over rounds. The same profile measures a drive for NVMe states (--nvme-path) and removes
 its file."""
 
+import contextlib
+import io
 import json
 import os
 
@@ -14,7 +16,9 @@ from bench.nvme_optimizer import filesystem_of
 from megatron.config.presets import get_preset
 from megatron.optimizer.state_io import direct_io_supported
 from megatron.schedules.hardware import layer_shape
+from megatron.training.training import main
 from tests import forked_ranks
+from tests.test_run_plan import without_capacity
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
@@ -61,6 +65,16 @@ def test_profile_based_prediction_is_near_the_measured_iteration(tmp_path, demo_
         ratio = row["predicted_over_measured"]
         assert 0.5 < ratio < 2, (row["schedule"], row["predicted_iteration_time_s"],
                                  row["iteration_time_s"])
+    # each run printed its plan: --plan's for the same flags on the same profile, but for
+    # the capacities (what is free now, where --plan has the profile's)
+    for name in ("decoupled", "1f1b"):
+        with contextlib.redirect_stdout(io.StringIO()) as out:
+            assert main(["--plan", "--model-preset", "tiny", "--vocab-size", "4096",
+                         "--pipeline-schedule", name, "--hardware", str(profile)]) == 0
+        planned = without_capacity(out.getvalue().strip().splitlines())
+        start = run.stderr.index(planned[0])
+        printed = without_capacity(run.stderr[start:].splitlines()[:len(planned)])
+        assert printed == planned, name
 
 
 def test_nvme_path_on_tmpfs_is_refused_in_one_line():

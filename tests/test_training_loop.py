@@ -29,7 +29,11 @@ from megatron.training.checkpoint_state import EXP_AVG, EXP_AVG_SQ, MASTER, Owne
 from megatron.training.checkpointing import CheckpointSaver
 from megatron.training.distributed import DistInfo, initialize_distributed, shutdown_distributed
 from megatron.training.evaluation import due, format_evaluation, perplexity
-from megatron.training.run_checks import check_checkpoint_model
+from megatron.training.run_checks import (
+    check_checkpoint_model,
+    check_checkpoint_vocabulary,
+    resume_shape_notice,
+)
 from megatron.training.scalar_logging import ScalarSinks
 from megatron.training.signals import ExitConditions
 from megatron.training.training import train
@@ -84,6 +88,16 @@ def _train_rejects(tmp_path, *argv) -> ConfigError:
     return exc.value
 
 
+def test_a_schedule_too_large_is_refused_before_the_data_phase_writes_anything(tmp_path):
+    """--global-batch-size 40000000 on a pipeline: one line naming the flag and the limit,
+    before the data phase (which would write gigabytes of index files under the cache)."""
+    error = _train_rejects(tmp_path, "--pipeline-schedule", "decoupled",
+                           "--global-batch-size", "40000000", "--save", str(tmp_path / "ckpt"))
+    assert error.flag == "--global-batch-size" and error.value == 40000000
+    assert "FORWARD/BACKWARD instructions per iteration, expected at most 100000" in str(error)
+    assert os.listdir(tmp_path) == []
+
+
 @pytest.mark.parametrize("flag", ["--metrics-file", "--timeline", "--trace"])
 def test_unwritable_output_files_are_rejected_before_training(tmp_path, flag):
     blocker = tmp_path / "a-file"
@@ -121,23 +135,62 @@ def test_wandb_without_the_package_is_a_clear_error(tmp_path, monkeypatch):
     assert error.flag == "--wandb-project" and "not installed" in error.expected
 
 
-def test_loading_a_checkpoint_of_another_model_names_both_values(tmp_path):
-    saved = parse_args([*TINY, "--num-layers", "6"])
+def _saved_checkpoint(root, flags, **common) -> str:
+    """A checkpoint at iteration 3 that recorded the run configuration `flags` (and
+    `common`), its tensors a stand-in."""
+    saved = parse_args([*TINY, *flags])
     initialize_distributed()  # megatron-core's sharded layout needs its process groups
     try:
-        saver = CheckpointSaver(str(tmp_path / "ckpt"), LlamaConfig(
+        saver = CheckpointSaver(str(root), LlamaConfig(
             num_layers=6, hidden_size=4, ffn_hidden_size=8, num_attention_heads=1,
             num_query_groups=1, vocab_size=8, seq_length=8), async_save=False)
         tensors = {prefix + "decoder.final_layernorm.weight": torch.ones(4)
                    for prefix in (MASTER, EXP_AVG, EXP_AVG_SQ)}
         saver.save(3, OwnedState(tensors, optimizer_step=3, loss_scaler=None),
                    {"args": saved.flags(), "lr_schedule": {"num_steps": 3},
-                    "consumed_samples": 3 * saved.training.global_batch_size})
+                    "consumed_samples": 3 * saved.training.global_batch_size, **common})
         saver.close()
     finally:
         shutdown_distributed()
-    error = _train_rejects(tmp_path, "--load", str(tmp_path / "ckpt"))
-    assert str(error) == f"--num-layers 4: the checkpoint in {tmp_path / 'ckpt'} was saved with 6"
+    return str(root)
+
+
+def test_loading_a_checkpoint_of_another_model_names_both_values(tmp_path):
+    load = _saved_checkpoint(tmp_path / "ckpt", ["--num-layers", "6"])
+    error = _train_rejects(tmp_path, "--load", load)
+    assert str(error) == f"--num-layers 4: the checkpoint in {load} was saved with 6"
+
+
+def test_another_vocabulary_is_refused_before_the_data_in_terms_of_the_flag(tmp_path):
+    """The checkpoint was saved with the tokenizer's vocabulary (4096 rows, no
+    --vocab-size); the resume gives --vocab-size 5000, which pads to 5120 rows: one line
+    naming the flag and both row counts, before the data (no cache) or the model."""
+    load = _saved_checkpoint(tmp_path / "ckpt", [], padded_vocab_size=4096)
+    error = _train_rejects(tmp_path, "--load", load, "--vocab-size", "5000")
+    assert str(error) == ("--vocab-size 5000: pads to 5120 rows (a multiple of "
+                          "--make-vocab-size-divisible-by 128); the checkpoint in "
+                          f"{load} has 4096 (its embedding and output layer rows)")
+    # 4000 pads to 4096: the same rows, accepted (as Megatron does)
+    check_checkpoint_vocabulary(parse_args([*TINY, "--vocab-size", "4000"]), {}, load, 4096)
+
+
+def test_another_tokenizer_or_padding_is_named_once_the_vocabulary_is_known():
+    saved = parse_args(TINY).flags()
+    other = parse_args([*TINY, "--tokenizer-model", "/tok/other.json"])
+    check_checkpoint_vocabulary(other, saved, "/ckpt", 4096)  # not known before the data
+    with pytest.raises(ConfigError) as exc:
+        check_checkpoint_vocabulary(other, saved, "/ckpt", 4096, vocab_rows=8064)
+    assert str(exc.value) == (
+        "--tokenizer-model /tok/other.json: its vocabulary pads to 8064 rows (a multiple of "
+        "--make-vocab-size-divisible-by 128); the checkpoint in /ckpt has 4096 (its embedding "
+        "and output layer rows): the checkpoint of another tokenizer (give --vocab-size to pad "
+        "to its rows)")
+    divisor = parse_args([*TINY, "--make-vocab-size-divisible-by", "1000"])
+    with pytest.raises(ConfigError, match=r"^--make-vocab-size-divisible-by 1000: the "
+                                          r"vocabulary pads to 5000 rows; the checkpoint in "
+                                          r"/ckpt has 4096 \(its embedding and output layer "
+                                          r"rows\), padded to a multiple of 128$"):
+        check_checkpoint_vocabulary(divisor, saved, "/ckpt", 4096, vocab_rows=5000)
 
 
 def test_model_flags_must_match_the_checkpoint():
@@ -154,6 +207,36 @@ def test_model_flags_must_match_the_checkpoint():
     # fine-tuning may change it (a longer context's rotary base)
     finetune = parse_args([*TINY, "--rotary-base", "500000", "--load", "/ckpt", "--finetune"])
     check_checkpoint_model(finetune, saved, "/ckpt")
+    # a head width given at save time, left to its default (hidden / heads) now: compared
+    wide = parse_args([*TINY, "--kv-channels", "64"]).flags()
+    with pytest.raises(ConfigError, match="--kv-channels 32: the checkpoint in /ckpt was "
+                                          "saved with 64"):
+        check_checkpoint_model(parse_args(TINY), wide, "/ckpt")
+    check_checkpoint_model(parse_args([*TINY, "--kv-channels", "32"]), saved, "/ckpt")
+
+
+def test_a_resume_on_another_shape_says_it_is_not_bit_exact():
+    saved = {"format_version": 3, "world_size": 2, "args": parse_args(TINY).flags()}
+    same = parse_args(TINY)
+    assert resume_shape_notice(same, saved, 2, "/ckpt") is None
+    # the default schedule named or not: the same
+    assert resume_shape_notice(parse_args([*TINY, "--pipeline-schedule", "decoupled"]),
+                               saved, 2, "/ckpt") is None
+    line = resume_shape_notice(parse_args([*TINY, "--micro-batch-size", "1"]), saved, 2,
+                               "/ckpt")
+    assert line == ("resuming the checkpoint in /ckpt with --micro-batch-size 1 (saved with "
+                    "4): it continues at the same sample within rounding of the run that "
+                    "saved it, not bit for bit (each iteration's sums run in another order); "
+                    "the saved flags on as many processes continue it exactly")
+    other = resume_shape_notice(parse_args([*TINY, "--pipeline-schedule", "1f1b"]), saved, 3,
+                                "/ckpt")
+    assert other.startswith("resuming the checkpoint in /ckpt with 3 process(es) (saved on "
+                            "2), --pipeline-schedule 1f1b (saved with decoupled): ")
+    finetune = parse_args([*TINY, "--micro-batch-size", "1", "--load", "/ckpt", "--finetune"])
+    assert resume_shape_notice(finetune, saved, 2, "/ckpt") is None  # starts over
+    megatron_lm = {"args": saved["args"], "iteration": 10}  # another program's: not continued
+    assert resume_shape_notice(parse_args([*TINY, "--micro-batch-size", "1"]), megatron_lm, 1,
+                               "/ckpt") is None
 
 
 # --- evaluation ------------------------------------------------------------------------

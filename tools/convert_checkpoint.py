@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 warnings.filterwarnings("ignore", message="Transformer Engine and Apex")
 
 import torch  # noqa: E402
+from safetensors import SafetensorError  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from megatron.common.files import staged_paths  # noqa: E402
@@ -97,7 +98,14 @@ def read_hf(directory: str) -> tuple[dict, dict[str, torch.Tensor]]:
     for name in files:
         path = os.path.join(directory, name)
         t0 = time.perf_counter()
-        shard = load_file(path)
+        try:
+            shard = load_file(path)
+        except SafetensorError as exc:  # cut short (a copy or download that stopped), or
+            # not safetensors at all: the library says which part of the header is wrong
+            why = str(exc).removeprefix("Error while deserializing header: ")
+            raise ConversionError(f"--input {directory}: {name} is not a complete "
+                                  f"safetensors file ({why}); expected the file as saved "
+                                  "(truncated by a copy or download?)") from None
         _progress("read", path, sum(t.nbytes for t in shard.values()), time.perf_counter() - t0)
         tensors.update(shard)
     return config, tensors

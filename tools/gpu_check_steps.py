@@ -12,7 +12,8 @@ process with its own time limit):
                 (bench/mcore_baseline.py, with and without full recompute): iteration
                 times (median of iterations 2 on), their ratios, MFU against the datasheet;
   sanitizer     every schedule at one rank for 2 iterations (tiny preset) under torch's CUDA
-                sanitizer (--device-sanitizer), the pipelines with GPU subgroup updates;
+                sanitizer (--device-sanitizer), the pipelines with GPU subgroup updates; as
+                many at once as there are sets of 2 cores (each run on its own set);
   checkpoint    a run on the GPU saving at iteration 3, resumed from there on the CPU
                 (CUDA_VISIBLE_DEVICES=""): its losses against the GPU run's;
   profile-plan  tools/profile_hardware.py on this machine, then --plan's prediction for the
@@ -30,6 +31,7 @@ import argparse
 import json
 import math
 import os
+import queue
 import statistics
 import subprocess
 import sys
@@ -177,7 +179,7 @@ def large_run(workdir: str) -> tuple[bool, dict]:
             **{k: last.get(k) for k in ("device_memory_peak_bytes", "exposed_optimizer_time_s",
                                         "bubble_ratio", "host_syncs",
                                         "host_optimizer_state_bytes",
-                                        "host_gradient_pool_bytes")}}
+                                        "host_gradient_pool_bytes", "attention_kernel")}}
         ok = all(math.isfinite(loss) for loss in figures["decoupled"]["losses"])
     else:
         figures["decoupled"]["output_tail"] = tail(proc)
@@ -201,13 +203,40 @@ def large_run(workdir: str) -> tuple[bool, dict]:
     return ok, figures
 
 
+# A run under the sanitizer gets this many cores of its own (its torch threads and the C++
+# optimizer's, by affinity); as many run at once as the machine has such sets (6 of 16 cores).
+SANITIZER_CORES = 2
+# Starts `python ARGS...` on the cores in argv[1] (a comma list): affinity survives exec.
+PIN = ("import os, sys; os.sched_setaffinity(0, [int(c) for c in sys.argv[1].split(',')]); "
+       "os.execv(sys.executable, [sys.executable, *sys.argv[2:]])")
+
+
+def core_sets(count: int, size: int) -> list[list[int]]:
+    """`count` disjoint sets of `size` of the cores this process may use (all of them each
+    when there are fewer than `size`)."""
+    cores = sorted(os.sched_getaffinity(0))
+    return [cores[i * size:(i + 1) * size] if len(cores) >= size * count else cores
+            for i in range(count)]
+
+
 def sanitizer(workdir: str) -> tuple[bool, dict]:
-    jobs = {name: (lambda name=name, flags=flags: train(
-                workdir, f"sanitizer-{name}",
-                [*TINY, "--pipeline-schedule", name, *flags, "--train-iters", "2",
-                 "--device-sanitizer"])[0])
+    parallel = max(1, min(len(SCHEDULE_FLAGS), len(os.sched_getaffinity(0)) // SANITIZER_CORES))
+    free: queue.Queue[list[int]] = queue.Queue()
+    for cores in core_sets(parallel, SANITIZER_CORES):
+        free.put(cores)
+
+    def job(name: str, flags: list[str]) -> subprocess.CompletedProcess:
+        cores = free.get()  # a set no running job holds
+        try:
+            return train(workdir, f"sanitizer-{name}",
+                         [*TINY, "--pipeline-schedule", name, *flags, "--train-iters", "2",
+                          "--device-sanitizer"], {"OMP_NUM_THREADS": str(len(cores))},
+                         [sys.executable, "-c", PIN, ",".join(map(str, cores))])[0]
+        finally:
+            free.put(cores)
+    jobs = {name: (lambda name=name, flags=flags: job(name, flags))
             for name, flags in SCHEDULE_FLAGS.items()}
-    results = run_concurrently(jobs, parallel=len(jobs))
+    results = run_concurrently(jobs, parallel)
     figures = {name: {"returncode": proc.returncode,
                       **({} if proc.returncode == 0 else {"output_tail": tail(proc)})}
                for name, proc in results.items()}

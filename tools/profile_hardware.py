@@ -19,8 +19,8 @@ interleaved rounds (the profile keeps their spread), fitted to the cost model's
 efficiency curve (on CUDA the GPU's; on the CPU device layer the CPU's, measured by one process
 per GPU at once, as training shares the cores), a one-layer stage's FORWARD and BACKWARD
 instructions: the backward's time over the forward's (backward_over_forward, the recompute
-taken out) and the FORWARD's time beyond what the cost model prices (pass_overhead_s), half a
-small send/recv round trip between two GPUs' processes (p2p_latency_s), the bandwidth between two
+taken out), and the FORWARD's time, which sets the curve's level at the run's micro-batch
+(pass_overhead_s stays 0: the two time one layer), half a small send/recv round trip between two GPUs' processes (p2p_latency_s), the bandwidth between two
 devices (two GPUs when there are; on the CPU layer the loopback socket gloo would use);
 free /dev/shm, host memory and `ulimit -l`. With --nvme-path DIR, the drive for optimizer
 states on NVMe: O_DIRECT sequential write then read of a temporary file in DIR through the
@@ -511,18 +511,21 @@ def profile(args: argparse.Namespace, run: RunConfig) -> HardwareProfile:
                          for b, r in rates.items())
              + f": peak {peak / 1e9:.1f}, half of it at {half:.0f} tokens")
     # A BACKWARD is its recompute (one forward) and the backward proper: their ratio. The
-    # cost model prices a FORWARD at F = one layer's flops over the fitted curve: what the
-    # one-layer stage's FORWARD took beyond it is the per-pass overhead (a BACKWARD, priced
-    # from the measured ratio, has the same excess)
+    # curve and the one-layer stage's FORWARD time the same layer at the run's micro-batch;
+    # the FORWARD (as the executor times it, more passes, alternating with the BACKWARD)
+    # sets the curve's level there, the curve its shape across micro-batches. Taking their
+    # difference as a per-pass overhead instead made the noise between two samples of one
+    # quantity a cost of every pass (never below 0: the prediction only ever rose with it).
     backward_ratio = max(0.0, backward_s / forward_s - 1.0)
     tokens_mb = micro_batch * model.seq_length
     compute = (layer_forward_flops_per_token(model, model.seq_length) * tokens_mb
                * (tokens_mb + half) / (peak * tokens_mb))
-    pass_overhead = max(0.0, forward_s - compute)
+    peak *= compute / forward_s
     progress(f"a one-layer stage at micro-batch {micro_batch} ({processes} process(es) at "
-             f"once): FORWARD {forward_s * 1e3:.2f} ms ({compute * 1e3:.2f} priced: "
-             f"{pass_overhead * 1e3:.2f} ms per pass), BACKWARD {backward_s * 1e3:.2f} ms "
-             f"with its recompute: backward {backward_ratio:.2f} x forward")
+             f"once): FORWARD {forward_s * 1e3:.2f} ms (the curve: {compute * 1e3:.2f} ms; its "
+             f"peak set to {peak / 1e9:.1f} GFLOP/s by the FORWARD), BACKWARD "
+             f"{backward_s * 1e3:.2f} ms with its recompute: backward {backward_ratio:.2f} x "
+             "forward")
     progress(f"a stream hand-off (one-element copy, submit to wait) {handoff * 1e6:.0f} us")
     if processes > 1:
         progress(f"point-to-point latency {latency * 1e6:.0f} us (half a one-element round "
@@ -583,7 +586,7 @@ def profile(args: argparse.Namespace, run: RunConfig) -> HardwareProfile:
         nvme_read_bytes_per_s=nvme_read,
         nvme_write_bytes_per_s=nvme_write,
         nvme_capacity_bytes=nvme_capacity,
-        pass_overhead_s=pass_overhead,
+        pass_overhead_s=0.0,  # in the FORWARD's level (see above)
         backward_over_forward=backward_ratio,
         p2p_latency_s=latency,
         instruction_overhead_s=handoff,

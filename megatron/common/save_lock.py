@@ -99,22 +99,50 @@ class SaveLock:
         raise LockError(self.directory, f"expected a lock file that stays put ({LOCK_NAME} "
                                         "kept being replaced)")
 
+    def held(self) -> bool:
+        """Whether the lock file at its path is still the one this lock holds: False once
+        the directory (or the file) was removed during the run, or replaced by another
+        job's."""
+        return self._fd is not None and self._is_ours(self._fd)
+
+    def retake(self) -> dict | None:
+        """Let go of a lock whose file is gone (held() is False) and take the directory's
+        lock anew, creating the directory; LockError when another job holds it now."""
+        if self._fd is not None:
+            os.close(self._fd)  # its file is no longer at the path: nothing to unlink
+            self._fd = None
+        self._created = []
+        return self.acquire()
+
     def release(self) -> None:
         """Remove the lock file and let go (idempotent); the directories this job created
         go too while they are empty (nothing was saved: a run stopped by a later check
-        leaves no empty directory)."""
+        leaves no empty directory). A directory that turned read-only, or went away,
+        keeps what it has: the descriptor is closed whatever happens, and the kernel's
+        lock goes with it."""
         if self._fd is None:
             return
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)  # while still holding it: no one can own the old file
-        os.close(self._fd)
-        self._fd = None
+        fd, self._fd = self._fd, None
+        try:
+            if self._is_ours(fd):  # never another job's file at the same path
+                with contextlib.suppress(OSError):  # read-only now, or removed meanwhile
+                    os.unlink(self.path)  # while still holding it: no one owns the old file
+        finally:
+            os.close(fd)
         for directory in self._created:
             try:
                 os.rmdir(directory)  # only when empty
             except OSError:
                 break
         self._created = []
+
+    def _is_ours(self, fd: int) -> bool:
+        """The file at the lock's path is the one open as `fd`."""
+        try:
+            found, ours = os.stat(self.path), os.fstat(fd)
+        except OSError:
+            return False
+        return (found.st_dev, found.st_ino) == (ours.st_dev, ours.st_ino)
 
 
 def _read(fd: int) -> dict:

@@ -1,19 +1,34 @@
 """Page-locking the shared-memory segments on CUDA, so that prefetch copies out of them
-run on the copy engine while compute proceeds.
+run on the copy engine while compute proceeds; and what a run's page-locked memory needs
+of the locked-memory limit.
 
 A pageable source turns a "non-blocking" H2D copy into a staged, host-blocking one. Each
 segment's mapping is registered with `cudaHostRegister` when it is created or attached and
 unregistered before it is unmapped. Registration can fail (the locked-memory limit:
 `ulimit -l`, a container's memlock); the copy then stays pageable and one warning names the
 limit. Without CUDA nothing is registered.
+
+A process page-locks the segments it maps and its pooled gradient buffers
+(host_memory.py). When that is more than its limit, what does not fit stays pageable for
+the whole run: `memlock_shortfall` says so at start-up and in the run summary, with the
+fix. The CPU device layer pins nothing, so no limit applies to it; a test stands one in
+with MEGATRON_CPU_DEVICE_MEMLOCK (bytes), and the run goes down the same path as on CUDA.
 """
 
 from __future__ import annotations
 
+import os
 import resource
 import warnings
+from dataclasses import dataclass
 
 import torch
+
+from megatron.common.units import BYTES_EXPECTED, format_bytes, parse_bytes
+from megatron.config.errors import ConfigError
+
+CPU_DEVICE_MEMLOCK_ENV = "MEGATRON_CPU_DEVICE_MEMLOCK"  # the CPU layer's stand-in for ulimit -l
+FIX = "`ulimit -l unlimited` before the launch, or `docker run --ulimit memlock=-1`"
 
 _warned = False
 
@@ -45,3 +60,63 @@ def register(address: int, nbytes: int) -> bool:
 def unregister(address: int) -> None:
     if torch.cuda.is_available():
         _cudart().cudaHostUnregister(address)
+
+
+@dataclass(frozen=True)
+class MemlockLimit:
+    """How much a process may page-lock (None: unlimited) and what says so."""
+
+    nbytes: int | None
+    source: str
+
+
+def memlock_limit(device_kind: str) -> MemlockLimit:
+    """This process's locked-memory limit: on CUDA its soft `ulimit -l`; on the CPU device
+    layer, which pins nothing, MEGATRON_CPU_DEVICE_MEMLOCK where a test stands one in
+    (else unlimited)."""
+    if device_kind != "cuda":
+        text = os.environ.get(CPU_DEVICE_MEMLOCK_ENV, "").strip()
+        if not text:
+            return MemlockLimit(None, "the CPU device layer pins nothing")
+        try:
+            return MemlockLimit(parse_bytes(text), CPU_DEVICE_MEMLOCK_ENV)
+        except ValueError:
+            raise ConfigError(CPU_DEVICE_MEMLOCK_ENV, repr(text),
+                              f"expected {BYTES_EXPECTED}: the CPU device layer's stand-in "
+                              "for ulimit -l") from None
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    return MemlockLimit(None if soft == resource.RLIM_INFINITY else soft, "ulimit -l")
+
+
+@dataclass(frozen=True)
+class PinningShortfall:
+    """A process page-locks `pinned` bytes (the largest of the run's), `limit` allows less."""
+
+    pinned: int
+    limit: MemlockLimit
+
+    @property
+    def pageable(self) -> int:
+        """What stays pageable at least: the part beyond the limit."""
+        return self.pinned - (self.limit.nbytes or 0)
+
+    def startup_line(self) -> str:
+        return (f"pinned memory: a process of this run page-locks {format_bytes(self.pinned)} "
+                f"(the shared-memory segments it maps and its gradient buffers), "
+                f"{self.limit.source} allows {format_bytes(self.limit.nbytes or 0)}: at least "
+                f"{format_bytes(self.pageable)} stays pageable for the whole run, and copies "
+                "between it and the GPU are staged by the driver and block the host instead "
+                f"of overlapping compute; raise the limit: {FIX}")
+
+    def summary_line(self) -> str:
+        return (f"  {'pinned:':<13}at least {format_bytes(self.pageable)} of "
+                f"{format_bytes(self.pinned)} per process stayed pageable "
+                f"({self.limit.source} {format_bytes(self.limit.nbytes or 0)}): slower "
+                f"host-device copies; next time {FIX}")
+
+
+def memlock_shortfall(pinned: int, limit: MemlockLimit) -> PinningShortfall | None:
+    """What a process would page-lock beyond its limit, None when it fits."""
+    if limit.nbytes is None or pinned <= limit.nbytes:
+        return None
+    return PinningShortfall(pinned, limit)

@@ -107,6 +107,11 @@ class ParameterStore:
         except KeyError:
             raise KeyError(f"stage {key}: not created or attached in this process") from None
 
+    def mapped_bytes(self) -> int:
+        """The bytes of every segment this process maps, created or attached: what it
+        page-locks on CUDA (host_pinning)."""
+        return sum(segment_bytes(s.numel, s.dtype) for s in self._segments.values())
+
     def created(self) -> list[SharedSegment]:
         """The segments this process created (and removes on close)."""
         return [segment for segment in self._segments.values() if segment.owner]

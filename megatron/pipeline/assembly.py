@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.common.units import format_bytes
-from megatron.config.placement import AutoSplit, Interleaved, OnHost, Resident
+from megatron.config.placement import Interleaved, OnHost, Resident
 from megatron.models.llama import Batch, LlamaConfig
 from megatron.offload.device import get_device
 from megatron.offload.layout import copy_parameters_into
@@ -39,9 +39,8 @@ from megatron.pipeline.config import LossScaling, PipelineConfig
 from megatron.pipeline.data_parallel import ParallelLayout, create_host_groups
 from megatron.pipeline.element_runs import group_element_runs
 from megatron.pipeline.executor import PipelineExecutor
-from megatron.pipeline.host_group import host_group
+from megatron.pipeline.host_group import gloo_group, host_group
 from megatron.pipeline.iteration_stats import pipeline_report
-from megatron.pipeline.optimizer_calibration import calibrated_update_rates
 from megatron.pipeline.owner import BackwardStageOwner, OwnedStages
 from megatron.pipeline.p2p import MessageShape, PointToPoint
 from megatron.pipeline.replicas import (
@@ -59,13 +58,8 @@ from megatron.pipeline.subgroup_device import (
 from megatron.pipeline.zero import GradientReducer, publish_shards
 from megatron.schedules.instructions import WHOLE_STAGE, BackwardStage, Op, Schedule
 from megatron.schedules.lowering import forward_only_schedule
-from megatron.schedules.optimizer_stride import auto_split, split_flag
 from megatron.schedules.replica_plan import plan_replicas
-from megatron.schedules.subgroup_memory import (
-    MIN_SUBGROUP,
-    default_subgroup_size,
-    planned_subgroup_size,
-)
+from megatron.schedules.subgroup_memory import default_subgroup_size, planned_subgroup_size
 from megatron.schedules.timeline import TimedEvent
 from megatron.schedules.validator import validate
 
@@ -107,7 +101,7 @@ class Pipeline:
             layout.global_rank)
         # Its own gloo group (made by every rank alike: the plan is the same everywhere).
         self.distributor = ParameterDistributor(
-            replicas, self.store, rank, dist.new_group(backend="gloo") if replicas else None,
+            replicas, self.store, rank, gloo_group() if replicas else None,
             thread_setup=device.bind_current_thread)
         self.reducer = None
         if layout.data_parallel_size > 1:
@@ -231,22 +225,23 @@ class Pipeline:
 
     def _device_updates(self) -> DeviceSubgroups:
         """The placement's device share of the updates, executed (megatron/config/placement.py:
-        a new placement adds its case here)."""
+        a new placement adds its case here). The plan resolved --optimizer-gpu-stride auto
+        into one of these before the pipeline was built."""
         match self.config.placement.updates:
             case OnHost():
                 return DeviceSubgroups()
-            case Interleaved() | AutoSplit() as updates:
-                return self._interleaved_subgroups(updates.split)
+            case Interleaved(split_value=split):
+                return self._interleaved_subgroups(split)
             case Resident(fraction=fraction):
                 return DeviceSubgroups(0, self._resident_subgroups(fraction))
             case other:
                 raise TypeError(f"the pipeline cannot execute the placement {other!r}")
 
-    def _interleaved_subgroups(self, stride: int | None) -> DeviceSubgroups:
+    def _interleaved_subgroups(self, stride: int) -> DeviceSubgroups:
         """Split the groups of the stages this rank's program starts with
         OPTIMIZER_START_SUBGROUPS into subgroups placed by `stride` (every K-th, or all but
-        every N-th, on the device), or (None) by Eq. 1 over the calibrated rates
-        (auto_split)."""
+        every N-th, on the device), of the placement's size (the plan's, for auto) within
+        what the gradient buffers hold, free once the backward has ended."""
         stages = sorted({BackwardStage(i.stage, i.sub) for i in self.schedule.programs[self.rank]
                          if i.op == Op.OPTIMIZER_START_SUBGROUPS})
         if not stages:
@@ -254,34 +249,8 @@ class Pipeline:
         requested = self.config.placement.subgroup_size
         sizes = [hi - lo for b in stages for lo, hi in self.owned[b].bounds()]
         wanted = min(requested or default_subgroup_size(max(sizes)), max(sizes))
-        # The budget: what the gradient buffers hold, free once the backward has ended;
-        # auto's subgroups also no more than the GPU has free beyond the run's plan.
         budget = self.buffers.grad_buffers.nbytes
-        headroom = self.config.device_headroom_bytes
-        if stride is None and headroom is not None:
-            budget = min(budget, headroom)
         size = planned_subgroup_size(requested, max(sizes), budget)
-        if stride is None and size < min(wanted, MIN_SUBGROUP):  # memory left too little
-            print(f"rank {self.rank}: optimizer GPU stride k = 0 (auto): {format_bytes(budget)} "
-                  "of device memory beyond the run's needs hold no useful subgroup", flush=True)
-            stride = 0
-        if stride is None:
-            rates = calibrated_update_rates(
-                self.device, self.cpu_adam.threads, self.config.rates_cache_dir,
-                log=lambda line: print(f"rank {self.rank}: {line}", flush=True),
-                subgroup=size)  # within the device memory the subgroups get
-            choice = auto_split(rates, max(sizes), size)  # priced at the layout it gets
-            stride = choice.split
-            predicted = ", ".join(f"{split_flag(s)} {t:.3g} s" for s, t in
-                                  choice.predicted_s.items())
-            what = (f"stride k = {stride}" if stride >= 0
-                    else f"split {split_flag(stride)} (GPU-heavy)")
-            print(f"rank {self.rank}: optimizer GPU {what} (Eq. 1: {choice.model.k_real:.3g}; "
-                  f"predicted for {max(sizes)} parameters in subgroups of {size}: "
-                  f"{predicted}) for stages "
-                  f"{[tuple(b) for b in stages]}", flush=True)
-        if stride == 0:
-            return DeviceSubgroups()
         if size < wanted:
             print(f"rank {self.rank}: optimizer subgroups of {wanted} parameters would need "
                   f"{DeviceSubgroupUpdater.bytes_needed(wanted)} bytes of device memory, more "
@@ -423,20 +392,23 @@ class Pipeline:
             dist.barrier(group=self.host_group)
 
     def _host_memory(self) -> dict:
-        """Host memory this process holds for the optimizer (fp32 master, m, v) and
-        the shared memory of the segments per node (max over processes and nodes).
-        Collective."""
+        """Host memory this process holds for the optimizer (fp32 master, m, v), the
+        shared memory of the segments per node, and what a process page-locks on CUDA
+        (the segments it maps and its gradient pool: against ulimit -l) (max over
+        processes and nodes). Collective."""
         state = self.cpu_adam.host_state_bytes()
         nodes = -(-self.layout.world_size // self.store.procs_per_node)
-        table = torch.zeros(nodes + 1, dtype=torch.float64)
+        table = torch.zeros(nodes + 2, dtype=torch.float64)
         table[self.store.node] = sum(seg.params.nbytes for seg in self.store.created())
         table[nodes] = state
+        table[nodes + 1] = self.store.mapped_bytes() + self.buffers.host_pool.capacity_bytes
         maxima = table.clone()
         dist.all_reduce(table, group=self.host_group)
         dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=self.host_group)
         return {"host_optimizer_state_bytes": int(maxima[nodes]),
                 "host_gradient_pool_bytes": self.buffers.host_pool.capacity_bytes,
-                "shared_memory_bytes_per_node": int(table[:nodes].max())}
+                "shared_memory_bytes_per_node": int(table[:nodes].max()),
+                "pinned_bytes_per_process": int(maxima[nodes + 1])}
 
     def close(self) -> None:
         if self.reducer is not None:

@@ -1,8 +1,10 @@
 """What the pipeline runtime needs of a run, resolved for this process: the validated
 schedule every rank runs, torch dtypes, thread counts, the optimizer's settings.
 
-`pipeline_config` derives it from the run configuration and the schedule (generated, or
-read from a schedule file, by megatron/planning/shape.py).
+`pipeline_config` projects it from the run's plan (megatron/planning/run_plan.py: the
+schedule and its validation, the optimizer's resolved placement) and the run
+configuration (hyper-parameters, dtypes, testing switches): the pipeline runs exactly the
+plan.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from megatron.config.placement import DEFAULT_PLACEMENT, Placement
 from megatron.config.run import PrecisionConfig, RunConfig
 from megatron.optimizer.cpu_adam import usable_cores
 from megatron.optimizer.loss_scaler import ConstantLossScaler, DynamicLossScaler, LossScaler
+from megatron.planning.run_plan import RunPlan
 from megatron.schedules.instructions import BackwardStage, Schedule
 from megatron.schedules.validator import ValidationReport
 
@@ -77,12 +80,9 @@ class PipelineConfig:
     inject_overflow: tuple[int, BackwardStage] | None = None  # testing: (iteration, stage)
     record_timeline_at: int | None = None  # the iteration whose events are gathered
     p2p_check: bool = False  # testing: a header with each tensor, checked on receipt
-    # where the optimizer's updates run and its states live (the assembly executes it)
+    # where the optimizer's updates run and its states live, as the plan resolved it (the
+    # assembly executes it; a split still to choose is not one it can run)
     placement: Placement = DEFAULT_PLACEMENT
-    rates_cache_dir: str = ""  # where --optimizer-gpu-stride auto caches calibrated rates
-    # device bytes free beyond the run's plan (the fit check's device_headroom): auto's
-    # subgroups stay within them; None: not measured (no limit)
-    device_headroom_bytes: int | None = None
     device_sanitizer: bool = False  # check the device layer's stream order
     device_chaos: int | None = None  # a seed: delay the copy streams at random
     # Replicas of the pipeline (world = ranks x data_parallel_size) and how they split
@@ -117,23 +117,28 @@ def working_dtype(precision: PrecisionConfig) -> torch.dtype:
     return TORCH_DTYPES[precision.dtype]
 
 
-def pipeline_config(run: RunConfig, schedule: Schedule, report: ValidationReport,
+def optimizer_threads(run: RunConfig) -> int:
+    """This process's CPU AdamW threads: --cpu-optimizer-threads, or its share of the cores
+    it may run on (affinity respected) among its node's processes."""
+    local_procs = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return run.cpu_optimizer.cpu_optimizer_threads or max(1, len(usable_cores()) // local_procs)
+
+
+def pipeline_config(run: RunConfig, plan: RunPlan,
                     device: DeviceChoice | None = None) -> PipelineConfig:
-    """The runtime's view of `run` executing `schedule` (validated: `report`) in this
-    process, on `device` (the process's device decision)."""
+    """The runtime's view of `run` executing `plan` (its schedule, validated, and its
+    resolved placement) in this process, on `device` (the process's device decision)."""
     o, p, c = run.optimization, run.precision, run.cpu_optimizer
     dtype = working_dtype(p)
-    # Default threads: this process's share of the cores it may run on (affinity respected).
-    local_procs = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    threads = c.cpu_optimizer_threads or max(1, len(usable_cores()) // local_procs)
+    threads = optimizer_threads(run)
     inject = None
     if run.testing.inject_overflow is not None:
         iteration, stage, sub = run.testing.inject_overflow
         inject = (iteration, BackwardStage(stage, sub))
     logging = run.logging
     return PipelineConfig(
-        schedule=schedule,
-        report=report,
+        schedule=plan.schedule,
+        report=plan.report,
         dtype=dtype,
         micro_batch_size=run.training.micro_batch_size,
         optimizer=OptimizerSettings(lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
@@ -152,8 +157,7 @@ def pipeline_config(run: RunConfig, schedule: Schedule, report: ValidationReport
         p2p_check=run.testing.p2p_check,
         device_sanitizer=run.device_checks.device_sanitizer,
         device_chaos=run.device_checks.device_chaos,
-        placement=c.placement,
-        rates_cache_dir=run.data.data_cache_dir,
+        placement=plan.placement,
         data_parallel_size=run.data_parallel_size,
         zero_stage=run.parallel.zero_stage,
         device=device,

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from megatron.pipeline.host_group import gloo_group
+
 
 @dataclass(frozen=True)
 class ParallelLayout:
@@ -97,7 +99,7 @@ def create_host_groups(layout: ParallelLayout, world: dist.ProcessGroup | None
                          ("data_parallel", layout.all_data_parallel_groups()),
                          ("gradients", layout.all_data_parallel_groups())):
         for ranks in groups:
-            group = dist.new_group(ranks, backend="gloo")
+            group = gloo_group(ranks)
             if layout.rank in ranks:
                 mine[kind] = group
     return HostGroups(mine["pipeline"], mine["data_parallel"], mine["gradients"])

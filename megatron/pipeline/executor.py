@@ -93,8 +93,8 @@ class InstructionError(RuntimeError):
 
     def __init__(self, schedule: Schedule, rank: int, index: int, when: str,
                  cause: BaseException) -> None:
-        self.rank, self.index = rank, index
-        instr = schedule.programs[rank][index]
+        self.rank, self.index, self.when = rank, index, when
+        self.instruction = instr = schedule.programs[rank][index]
         super().__init__(f"rank {rank}: instruction {index} ({instr}) of {when} failed: "
                          f"{type(cause).__name__}: {cause}\n"
                          + format_programs(schedule, (rank, index)))
@@ -295,6 +295,10 @@ class PipelineExecutor:
     def _inject_failure(self) -> None:
         if self._fail_at[2] == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        if self._fail_at[2] == "stop":  # as `kill -STOP`: alive, answering no one
+            self._fail_at = None
+            os.kill(os.getpid(), signal.SIGSTOP)
+            return
         raise RuntimeError("failure injected by MEGATRON_SYSX_TEST_FAIL")
 
     def _execute(self, instr: Instruction) -> None:
@@ -569,8 +573,9 @@ def _state_file_fault(exc: BaseException) -> DiskStateError | None:
 
 
 def _failure_to_inject(rank: int) -> tuple[int, int, str] | None:
-    """Testing aid: MEGATRON_SYSX_TEST_FAIL=RANK,ITERATION,INSTRUCTION,raise|kill makes that
-    rank raise (or SIGKILL itself) at that instruction, to test how the job goes down."""
+    """Testing aid: MEGATRON_SYSX_TEST_FAIL=RANK,ITERATION,INSTRUCTION,raise|kill|stop makes
+    that rank raise (or SIGKILL, or SIGSTOP itself) at that instruction, to test how the job
+    goes down."""
     spec = os.environ.get("MEGATRON_SYSX_TEST_FAIL")
     if not spec:
         return None

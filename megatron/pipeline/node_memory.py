@@ -1,8 +1,9 @@
 """This node's shared memory as the training loop sees it, before and while a pipeline runs.
 
 The loop measures what is free and cleans up after dead runs before any segment exists,
-and names the two ways a node's shared memory ends a run; the segments themselves, their
-names and headers are the offload layer's business, reached only through this module.
+names the two ways a node's shared memory ends a run, and compares what a process
+page-locks with its limit; the segments themselves, their names and headers are the
+offload layer's business, reached only through this module.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import os
 
 from megatron.common.units import format_bytes
+from megatron.offload.host_pinning import PinningShortfall, memlock_limit, memlock_shortfall
 from megatron.offload.naming import resolve_job_id, resolve_procs_per_node
 from megatron.offload.param_store import job_segments, sweep_dead_segments
 from megatron.offload.shm import SegmentInUseError
@@ -17,8 +19,9 @@ from megatron.offload.shm_header import read_header
 from megatron.offload.shm_space import DEFAULT_SHM_DIR, ShmSpaceError, free_bytes
 
 # the offload layer's names the loop uses, as they are
-__all__ = ["DEFAULT_SHM_DIR", "SegmentInUseError", "ShmSpaceError", "free_bytes",
-           "live_job_with_this_id", "resolve_procs_per_node", "sweep_left_behind"]
+__all__ = ["DEFAULT_SHM_DIR", "PinningShortfall", "SegmentInUseError", "ShmSpaceError",
+           "free_bytes", "live_job_with_this_id", "memlock_limit", "memlock_shortfall",
+           "resolve_procs_per_node", "sweep_left_behind"]
 
 
 def sweep_left_behind() -> None:

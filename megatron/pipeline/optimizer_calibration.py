@@ -26,7 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from megatron.common.files import atomic_write
-from megatron.offload.device import DeviceLayer
+from megatron.config.device_choice import DeviceChoice
+from megatron.offload.device import DeviceLayer, get_device
 from megatron.optimizer.cpu_adam import CPUAdamW
 from megatron.optimizer.subgroups import AdamHyper
 from megatron.pipeline.subgroup_device import DeviceSubgroupUpdater
@@ -237,3 +238,14 @@ def calibrated_update_rates(device: DeviceLayer, threads: int, cache_dir: str,
         f"{rates.device_subgroup_params_per_s or 0:.3g} and {rates.subgroup_overhead_s * 1e6:.0f} "
         f"us each, overlapping the CPU's {rates.overlap:.2f} ({source})")
     return rates
+
+
+def update_rates_here(choice: DeviceChoice | None, threads: int, cache_dir: str,
+                      log: Callable[[str], None] = print,
+                      subgroup: int = CALIBRATION_NUMEL) -> UpdateRates:
+    """calibrated_update_rates on this process's device (`choice`; None: the machine's),
+    through a device layer of its own: the run's plan resolves --optimizer-gpu-stride auto
+    with them before the pipeline exists."""
+    kind, index = (choice.kind, choice.index) if choice else (None, None)
+    with get_device(kind=kind, index=index) as device:
+        return calibrated_update_rates(device, threads, cache_dir, log, subgroup)

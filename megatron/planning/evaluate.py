@@ -9,12 +9,12 @@ model, the global batch, the working precision) is the run configuration's.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from megatron.config.errors import ConfigError
 from megatron.config.placement import (
     ON_HOST,
-    AutoSplit,
     DeviceShare,
     Interleaved,
     Placement,
@@ -28,15 +28,15 @@ from megatron.schedules.cost_model import (
 )
 from megatron.schedules.hardware import HardwareProfile, get_hardware, update_rates
 from megatron.schedules.instructions import BackwardStage, Op, Schedule
-from megatron.schedules.memory_model import MemoryPlan, Shortfall, shortfalls
+from megatron.schedules.memory_model import UPCAST_CHUNK, MemoryPlan, Shortfall, shortfalls
 from megatron.schedules.optimizer_placement import place_device_subgroups
-from megatron.schedules.optimizer_stride import auto_split
+from megatron.schedules.optimizer_stride import SplitChoice, UpdateRates, auto_split
 from megatron.schedules.placement_cost import device_update_costs
 from megatron.schedules.simulator import SimResult, simulate
 from megatron.schedules.subgroup_memory import (
     MIN_SUBGROUP,
+    default_subgroup_size,
     planned_subgroup_size,
-    subgroup_slots_bytes,
 )
 from megatron.schedules.validator import ValidationReport, validate
 
@@ -106,6 +106,22 @@ def optimizer_bytes(run: RunConfig, config: Configuration) -> int:
     return optimizer_state_bytes(DTYPE_BYTES[master], DTYPE_BYTES[moments])
 
 
+@dataclass(frozen=True)
+class Where:
+    """Where a plan is for: its pipeline ranks per node, whether they run on CUDA, and
+    what its memory is held against: the hardware profile's capacity (--plan, the search),
+    or what the machine has free when the run starts (the trainer's fit check, fit.py)."""
+
+    procs_per_node: int
+    on_cuda: bool
+    against_profile: bool = True
+
+
+def where_of(run: RunConfig, hardware: HardwareProfile) -> Where:
+    """A plan on `hardware`'s nodes, held against its capacity."""
+    return Where(gpus_per_node(run, hardware), hardware.device_kind == "cuda")
+
+
 @dataclass
 class Evaluation:
     config: Configuration
@@ -116,10 +132,22 @@ class Evaluation:
     simulation: SimResult | None = None
     mfu: float | None = None  # model FLOPs utilization of the simulated iteration
     optimizer_bytes_per_param: int = 0  # host bytes of the master and moments per parameter
+    where: Where | None = None  # None: the hardware profile's nodes (where_of)
+    # the device subgroups' size where the plan sets it (auto's, within the memory left);
+    # None: the flag's, or the runtime's default
+    subgroup_size: int | None = None
+    split_choice: SplitChoice | None = None  # what --optimizer-gpu-stride auto weighed
 
     @property
     def fits(self) -> bool:
         return not self.missing
+
+    def placement(self, run: RunConfig) -> Placement:
+        """Where the optimizer's updates run and its states live, as planned."""
+        placement = self.config.placement(run)
+        if self.subgroup_size is not None:
+            placement = replace(placement, subgroup_size=self.subgroup_size)
+        return placement
 
     def summary(self) -> dict:
         s = self.schedule
@@ -147,7 +175,13 @@ def plan_hardware(run: RunConfig) -> HardwareProfile:
     try:
         return get_hardware(name)
     except KeyError as exc:
-        raise ConfigError("--hardware", name, str(exc).strip("'\"")) from None
+        raise ConfigError("--hardware", name, exc.args[0]) from None
+
+
+def run_hardware(run: RunConfig) -> HardwareProfile | None:
+    """The profile a training run's plan is priced on: --hardware's, none without it (the
+    default profile describes another machine than the one the run is on)."""
+    return plan_hardware(run) if run.planning.hardware is not None else None
 
 
 def gpus_per_node(run: RunConfig, hardware: HardwareProfile) -> int:
@@ -221,33 +255,41 @@ def with_subgroups(run: RunConfig, plain: Evaluation, updates: DeviceShare,
     update would be exposed; only optimizer starts change, so its validation holds."""
     placed = place_device_subgroups(plain.schedule, report=plain.report)
     return planned(run, replace(plain.config, updates=updates), placed, plain.report,
-                   hardware)
+                   hardware, where=plain.where)
 
 
 def planned(run: RunConfig, config: Configuration, schedule: Schedule,
-            report: ValidationReport, hardware: HardwareProfile,
-            subgroup_size: int | None = None) -> Evaluation:
+            report: ValidationReport, hardware: HardwareProfile | None,
+            subgroup_size: int | None = None, where: Where | None = None) -> Evaluation:
     """`config`'s memory plan (its schedule given) and what it lacks on `hardware`
-    (`subgroup_size`: the device subgroups', default the flag's)."""
-    placement = config.placement(run)
-    if subgroup_size is not None:
-        placement = replace(placement, subgroup_size=subgroup_size)
-    memory = memory_plan(run, schedule, PlannedShape(
-        run.model, config.micro_batch_size, procs_per_node=gpus_per_node(run, hardware),
-        on_cuda=hardware.device_kind == "cuda", placement=placement,
-        optimizer_bytes=optimizer_bytes(run, config), hardware=hardware), report)
-    return Evaluation(config, schedule, memory, shortfalls(memory, hardware), report,
-                      optimizer_bytes_per_param=optimizer_bytes(run, config))
+    (`subgroup_size`: the device subgroups', default the flag's; `where`: the nodes it is
+    for, default the profile's, whose capacity it is then held against)."""
+    where = where or where_of(run, hardware)
+    evaluation = Evaluation(config, schedule, None, [], report,
+                            optimizer_bytes_per_param=optimizer_bytes(run, config),
+                            where=where, subgroup_size=subgroup_size)
+    evaluation.memory = memory_plan(run, schedule, PlannedShape(
+        run.model, config.micro_batch_size, procs_per_node=where.procs_per_node,
+        on_cuda=where.on_cuda, placement=evaluation.placement(run),
+        optimizer_bytes=evaluation.optimizer_bytes_per_param, hardware=hardware), report)
+    if where.against_profile:
+        evaluation.missing = shortfalls(evaluation.memory, hardware)
+    return evaluation
 
 
 def simulated(run: RunConfig, evaluation: Evaluation, hardware: HardwareProfile
               ) -> Evaluation:
     """`evaluation` with its simulated iteration (the schedule is reused); device subgroups
-    are priced from the profile's rates when it has them (else like a CPU update)."""
+    are priced from the profile's rates when it has them (else like a CPU update). A split
+    chosen at start-up (auto) is resolved first, from the profile's rates and the device
+    memory the profile's GPU leaves (resolved_split)."""
     if evaluation.simulation is None:
         config, schedule = evaluation.config, evaluation.schedule
-        if isinstance(config.updates, AutoSplit):
-            return resolved_auto(run, evaluation, hardware)
+        if config.updates.split is None:
+            plain = planned(run, replace(config, updates=ON_HOST), schedule,
+                            evaluation.report, hardware, where=evaluation.where)
+            return resolved_split(run, plain, profile_headroom(plain, hardware),
+                                  lambda _: update_rates(hardware), hardware)
         costs = derived_costs(schedule, run.model, hardware, config.micro_batch_size,
                               run.model.seq_length, optimizer_bytes(run, config))
         rates = update_rates(hardware)
@@ -261,45 +303,79 @@ def simulated(run: RunConfig, evaluation: Evaluation, hardware: HardwareProfile
     return evaluation
 
 
-def resolved_auto(run: RunConfig, auto: Evaluation, hardware: HardwareProfile) -> Evaluation:
-    """--optimizer-gpu-stride auto as the plan prices it: the evaluation of the split it
-    resolves to. The subgroups get the device memory that stride 0's plan leaves free on
-    each GPU (their slots live beside the gradient buffers; the runtime caps them at what
-    those hold); Eq. 1's candidates are priced at the subgroup size that memory allows
-    (auto_split), and the split found is simulated against stride 0: it is taken only
-    where it fits as stride 0 does and its iteration is shorter, so auto never loses."""
-    plain = simulated(run, planned(run, replace(auto.config, updates=ON_HOST),
-                                   auto.schedule, auto.report, hardware), hardware)
-    rates = update_rates(hardware)
-    s = auto.schedule
-    params = backward_stage_params(run.model, s.partition, s.backward_split)
-    largest = {rank: max(params[BackwardStage(i.stage, i.sub)] for i in program
-                         if i.op == Op.OPTIMIZER_START_SUBGROUPS)
-               for rank, program in enumerate(s.programs)
-               if any(i.op == Op.OPTIMIZER_START_SUBGROUPS for i in program)}
-    if rates is None or not largest:
-        return plain
+def profile_headroom(plan: Evaluation, hardware: HardwareProfile) -> dict[int, int | None]:
+    """The device bytes each rank's GPU has beyond `plan` on `hardware` (None where the
+    profile does not know the GPU's memory)."""
     gpu_free = hardware.gpu_memory_bytes - hardware.gpu_reserved_bytes
+    return {rank: gpu_free - plan.memory.gpu_total(rank) if hardware.gpu_memory_bytes else None
+            for rank in range(plan.schedule.ranks)}
+
+
+def resolved_split(run: RunConfig, plain: Evaluation, headroom: dict[int, int | None],
+                   rates_for: Callable[[int], UpdateRates | None],
+                   hardware: HardwareProfile | None) -> Evaluation:
+    """--optimizer-gpu-stride auto resolved on the ranks of `headroom`: `plain` (its
+    updates on the CPU, the subgroups' marks in its schedule) with the split it takes, or
+    itself (stride 0). The subgroups get the device bytes each rank has beyond `plain`
+    (`headroom`, None: unbounded), no more than its gradient buffers hold (the runtime's
+    cap), in subgroups of the flag's size (or the default) shrunk to that; where that
+    leaves them too small, stride 0. Eq. 1's candidates are priced at that layout over
+    `rates_for(size)` (auto_split: the profile's rates for --plan, the rates calibrated on
+    this machine for the run), and with a profile to simulate on (`hardware`), the split
+    is taken only where it fits as stride 0 does and its iteration is shorter: auto never
+    loses."""
+    s = plain.schedule
+    params = backward_stage_params(run.model, s.partition, s.backward_split)
+    largest = {rank: max(params[b] for b in stages)
+               for rank in headroom if (stages := subgroup_stages(s, rank))}
+    resolved = replace(plain, split_choice=None)
+    if hardware is not None:
+        resolved = simulated(run, resolved, hardware)
+    if not largest:
+        return resolved
+    requested = run.cpu_optimizer.optimizer_subgroup_size
     sizes = []
     for rank, numel in largest.items():
-        size = planned_subgroup_size(run.cpu_optimizer.optimizer_subgroup_size, numel,
-                                     auto.memory.per_gpu[rank]["gradient_buffers"])
-        if hardware.gpu_memory_bytes:  # 0: a profile that does not know the GPU's memory
-            beside = gpu_free - plain.memory.gpu_total(rank)
-            size = min(size, max(0, beside) // subgroup_slots_bytes(
-                1, run.precision.working_bytes))
+        budget = gradient_buffer_bytes(run, plain, rank)
+        if headroom[rank] is not None:
+            budget = min(budget, max(0, headroom[rank]))
+        size = planned_subgroup_size(requested, numel, budget)
+        wanted = min(requested or default_subgroup_size(numel), numel)
+        if size < min(wanted, MIN_SUBGROUP):  # the memory left holds no useful subgroup
+            return resolved
         sizes.append(size)
-    if min(sizes) < min(MIN_SUBGROUP, min(largest.values())):
-        return plain
-    split = auto_split(rates, max(largest.values()), min(sizes)).split
-    if split == 0:
-        return plain
-    candidate = simulated(run, planned(run, replace(auto.config, updates=Interleaved(split)),
-                                       s, auto.report, hardware, min(sizes)), hardware)
-    if candidate.fits >= plain.fits and (candidate.simulation.iteration_time
-                                         < plain.simulation.iteration_time):
+    rates = rates_for(min(sizes))
+    if rates is None:
+        return resolved
+    choice = auto_split(rates, max(largest.values()), min(sizes))
+    resolved.split_choice, resolved.subgroup_size = choice, min(sizes)
+    if choice.split == 0:
+        return resolved
+    candidate = planned(run, replace(plain.config, updates=Interleaved(choice.split)), s,
+                        plain.report, hardware, min(sizes), plain.where)
+    candidate.split_choice = choice
+    if hardware is None:
         return candidate
-    return plain
+    candidate = simulated(run, candidate, hardware)
+    if candidate.fits >= resolved.fits and (candidate.simulation.iteration_time
+                                            < resolved.simulation.iteration_time):
+        return candidate
+    return resolved
+
+
+def gradient_buffer_bytes(run: RunConfig, plan: Evaluation, rank: int) -> int:
+    """What `rank`'s gradient buffers hold (the budget the runtime gives its subgroups):
+    the memory plan's term without the gradient offload's fp32 upcast chunk (on CUDA)."""
+    p = run.precision
+    upcast = (UPCAST_CHUNK * p.host_gradient_bytes(plan.where.on_cuda)
+              if p.host_gradient_bytes(plan.where.on_cuda) != p.working_bytes else 0)
+    return plan.memory.per_gpu[rank]["gradient_buffers"] - upcast
+
+
+def subgroup_stages(schedule: Schedule, rank: int) -> list[BackwardStage]:
+    """The stages `rank`'s program updates in subgroups (OPTIMIZER_START_SUBGROUPS)."""
+    return [BackwardStage(i.stage, i.sub) for i in schedule.programs[rank]
+            if i.op == Op.OPTIMIZER_START_SUBGROUPS]
 
 
 def model_flops_utilization(run: RunConfig, evaluation: Evaluation,
@@ -309,6 +385,6 @@ def model_flops_utilization(run: RunConfig, evaluation: Evaluation,
     the datasheet peak where the profile has it (HardwareProfile.mfu_peak_flops)."""
     s, config = evaluation.schedule, evaluation.config
     tokens = s.micro_batches * config.micro_batch_size * run.model.seq_length
-    peak = ranks_of(run, config, hardware) * hardware.mfu_peak_flops
+    peak = s.ranks * hardware.mfu_peak_flops
     return model_flops_per_token(run.model) * tokens / (
         evaluation.simulation.iteration_time * peak)

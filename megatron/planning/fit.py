@@ -1,5 +1,6 @@
-"""Will this run fit this machine now: the memory model of the run about to start, against
-what its node and device have free (measured by the caller), as the error to raise.
+"""Will this run fit this machine now: the memory model of the run about to start (its
+RunPlan's, run_plan.py), against what its node and device have free (measured by the
+caller), as the error to raise; and what the device has beyond it (`device_headroom`).
 
 The trainer calls it before any segment, buffer or module exists (training/fit_check.py
 measures and agrees across ranks); --plan asks the same model about a hardware profile.
@@ -12,7 +13,7 @@ from dataclasses import dataclass, replace
 from megatron.common.units import format_bytes, format_shortfall
 from megatron.config.errors import ConfigError
 from megatron.config.model import ModelConfig
-from megatron.config.placement import ON_HOST, AutoSplit, Placement
+from megatron.config.placement import Placement
 from megatron.config.run import RunConfig
 from megatron.schedules.hardware import HardwareProfile
 from megatron.schedules.instructions import Schedule
@@ -69,36 +70,14 @@ class PlannedShape:
 
 
 def memory_plan(run: RunConfig, schedule: Schedule, shape: PlannedShape,
-                report: ValidationReport | None = None) -> MemoryPlan:
-    """The one place planning asks the memory model (`plan_memory`) about `schedule`."""
+                report: ValidationReport) -> MemoryPlan:
+    """The one place planning asks the memory model (`plan_memory`) about `schedule`
+    (`report`: its validation, done once where it was built)."""
     p = run.precision
     return plan_memory(schedule, MemoryShape(
         shape.model, shape.micro_batch_size, run.model.seq_length, p.working_bytes,
         p.host_gradient_bytes(shape.on_cuda), shape.optimizer_bytes, shape.procs_per_node),
         shape.placement, shape.hardware, report)
-
-
-def run_memory_plan(run: RunConfig, schedule: Schedule, vocab_size: int, procs_per_node: int,
-                    on_cuda: bool) -> MemoryPlan:
-    """What `run` executing `schedule` needs per GPU, process and node to start (auto's
-    subgroups take only what is left: start_placement). With data
-    parallelism, the memory model's view is one pipeline whose nodes hold the replicas'
-    processes (with ZeRO the replicas of a pipeline rank hold its optimizer state once
-    between them, as one process would)."""
-    return memory_plan(run, schedule, PlannedShape(
-        replace(run.model, vocab_size=vocab_size), run.training.micro_batch_size,
-        procs_per_node=max(1, procs_per_node // run.data_parallel_size), on_cuda=on_cuda,
-        placement=start_placement(run.cpu_optimizer.placement),
-        optimizer_bytes=run.precision.optimizer_bytes_per_param))
-
-
-def start_placement(placement: Placement) -> Placement:
-    """The placement a run must fit at its start. `--optimizer-gpu-stride auto` needs no
-    device memory of its own: its subgroups take what the run leaves free on the GPU
-    (`device_headroom`), or it resolves to stride 0, as --plan prices it."""
-    if isinstance(placement.updates, AutoSplit):
-        return replace(placement, updates=ON_HOST)
-    return placement
 
 
 def device_headroom(plan: MemoryPlan, pipeline_rank: int, free: FreeMemory) -> int:

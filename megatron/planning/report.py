@@ -15,15 +15,9 @@ from megatron.config.run import RunConfig
 from megatron.schedules.hardware import HardwareProfile, shape_differences
 from megatron.schedules.memory_model import GPU_TERMS, NODE_TERMS, pinning_shortfall
 
-from .evaluate import (
-    Evaluation,
-    base_configuration,
-    evaluate,
-    gpus_per_node,
-    plan_hardware,
-    ranks_of,
-)
+from .evaluate import Evaluation, plan_hardware
 from .largest import largest_model, largest_text
+from .run_plan import RunPlan, plan_on_profile
 from .search import (
     SEARCH_TOP,
     SearchResult,
@@ -41,9 +35,10 @@ def _gib(n: int) -> str:
     return f"{n / GIB:8.2f}"
 
 
-def _table(title: str, names: tuple[str, ...], rows: list[tuple[str, dict, int]],
+def _table(title: str, names: tuple[str, ...], rows: list[tuple[str, dict, int | None]],
            capacity_label: str) -> list[str]:
-    """Columns as wide as their whole header (a cut header reads as another word)."""
+    """Columns as wide as their whole header (a cut header reads as another word); a
+    capacity of None or 0 (not known, not bounded) prints as '-'."""
     headers = [n.replace("_", " ") for n in names]
     widths = [max(len(h), 8) + 2 for h in headers]
     head = f"{title:<10}" + "".join(f"{h:>{w}}" for h, w in zip(headers, widths))
@@ -57,53 +52,59 @@ def _table(title: str, names: tuple[str, ...], rows: list[tuple[str, dict, int]]
     return lines
 
 
-def describe(run: RunConfig, evaluation: Evaluation, hardware: HardwareProfile) -> str:
-    s, c, m = evaluation.schedule, evaluation.config, evaluation.memory
-    gpus = gpus_per_node(run, hardware)
-    lines = [f"plan: {run.model.name} model on {c.nodes} node(s) x {gpus} GPUs "
-             f"({hardware.name}), {s.name}, {s.forward_stages} forward stages, "
+def describe(run: RunConfig, plan: RunPlan) -> str:
+    """The plan as --plan prints it, and the run at its start (on its own machine)."""
+    s, c, m, hardware = plan.schedule, plan.config, plan.memory, plan.hardware
+    machine = hardware.name if hardware is not None else "this machine, no profile"
+    lines = [f"plan: {run.model.name} model on {c.nodes} node(s) x {plan.where.procs_per_node} "
+             f"GPUs ({machine}), {s.name}, {s.forward_stages} forward stages, "
              f"d={s.backward_split}, {s.micro_batches} micro-batches of {c.micro_batch_size} x "
              f"{run.model.seq_length} tokens, {run.precision.dtype}, optimizer state "
-             f"{evaluation.optimizer_bytes_per_param} bytes per parameter (m and v "
+             f"{plan.optimizer_bytes_per_param} bytes per parameter (m and v "
              f"{run.precision.optimizer_state_dtype}, master {run.precision.master_dtype})",
              "memory in GiB" + ("" if run.model.vocab_size else
                                 f" (vocabulary {run.model.planned_vocab_size} assumed: give "
                                 "--vocab-size)")]
-    gpu_free = hardware.gpu_memory_bytes - hardware.gpu_reserved_bytes
-    lines += _table("per GPU", GPU_TERMS, [(f"rank {r}", t, gpu_free)
+    cap = plan.capacity
+    lines += _table("per GPU", GPU_TERMS, [(f"rank {r}", t, cap.gpu)
                                            for r, t in enumerate(m.per_gpu)], "free")
-    lines += _table("per node", NODE_TERMS, [(f"node {n}", t, hardware.host_memory_bytes)
+    lines += _table("per node", NODE_TERMS, [(f"node {n}", t, cap.host)
                                              for n, t in enumerate(m.per_node)], "host")
     shm = max(t["shm_parameters"] for t in m.per_node)
-    lines.append(f"/dev/shm: {shm / GIB:.2f} GiB of {hardware.shm_bytes / GIB:.2f} GiB "
+    lines.append(f"/dev/shm: {shm / GIB:.2f} GiB of {cap.shm / GIB:.2f} GiB "
                  "on the fullest node")
-    over = pinning_shortfall(m, hardware)
+    over = pinning_shortfall(m, hardware) if plan.where.against_profile else 0
     if over:
         lines.append(f"memlock: the pinned gradient buffers exceed ulimit -l by {over / GIB:.2f} "
                      "GiB; they fall back to pageable memory (slower copies): raise ulimit -l")
-    if evaluation.fits:
+    if plan.fits:
         lines.append("fits: yes")
     else:
         worst = {}
-        for short in evaluation.missing:  # the worst of each resource (they come sorted)
+        for short in plan.missing:  # the worst of each resource (they come sorted)
             worst.setdefault(short.resource, short)
         for short in worst.values():
             lines.append(f"fits: no: {short.resource} on {short.where} needs "
                          f"{short.needed / GIB:.2f} GiB, {short.available / GIB:.2f} GiB there "
                          f"({short.missing / GIB:.2f} GiB short)")
-    if evaluation.simulation is not None:
-        sim = evaluation.simulation
-        lines.append(f"predicted iteration {sim.iteration_time:.3f} s, MFU {evaluation.mfu:.3f}, "
+    if plan.split_note:
+        lines.append(("" if plan.rank is None else f"rank {plan.rank}: ") + plan.split_note)
+    if plan.simulation is not None:
+        sim = plan.simulation
+        lines.append(f"predicted iteration {sim.iteration_time:.3f} s, MFU {plan.mfu:.3f}, "
                      f"bubble ratio {sim.mean_bubble_ratio:.3f}, exposed optimizer "
                      f"{sim.exposed_optimizer_time:.3f} s")
         if m.disk_per_node:
             keeps_up = ("keeps up" if sim.state_io_busy_time <= sim.iteration_time
                         else "does not keep up")
             lines.append(f"optimizer states on NVMe: {max(m.disk_per_node) / GIB:.2f} GiB per "
-                         f"node (two versions) of {hardware.nvme_capacity_bytes / GIB:.2f} GiB; "
+                         f"node (two versions) of {cap.nvme / GIB:.2f} GiB; "
                          f"the drive {keeps_up}: busy {sim.state_io_busy_time:.3f} s per "
                          f"iteration, {sim.exposed_state_io_time:.3f} s after the last compute")
-    return "\n".join(lines + profile_notes(run, hardware))
+    elif hardware is None:
+        lines.append("predicted iteration: none (give --hardware FILE, this machine's profile "
+                     "from tools/profile_hardware.py)")
+    return "\n".join(lines + (profile_notes(run, hardware) if hardware is not None else []))
 
 
 def mfu_basis(hardware: HardwareProfile) -> str:
@@ -163,25 +164,27 @@ def run_plan(run: RunConfig) -> int:
         candidates = search(run, hardware)
         if candidates.ranked:
             run, _ = auto_configure(run, hardware, found=candidates)
-    evaluation = evaluate(run, base_configuration(run), hardware)
-    nearest = None if evaluation.fits else nearest_fit(run, evaluation, hardware)
+    plan = plan_on_profile(run, hardware)
+    nearest = None if plan.fits else nearest_fit(run, plan.evaluation(), hardware)
     # On one GPU, the next question is which model it trains (well under a second)
-    one_gpu = ranks_of(run, evaluation.config, hardware) == 1
+    one_gpu = plan.schedule.ranks == 1
     largest = largest_model(run, hardware) if one_gpu else None
     if run.planning.json:
-        out = {"fits": evaluation.fits, "hardware": hardware.name,
+        out = {"fits": plan.fits, "hardware": hardware.name,
                "mfu_against": mfu_basis(hardware),
                "compute_shape_differences": shape_differences(hardware, run.model),
-               "configuration": evaluation.summary(),
-               "per_gpu": [dict(t, rank=r) for r, t in enumerate(evaluation.memory.per_gpu)],
-               "per_node": [dict(t, node=n) for n, t in enumerate(evaluation.memory.per_node)],
-               "capacity": {"gpu_free": hardware.gpu_memory_bytes - hardware.gpu_reserved_bytes,
-                            "host": hardware.host_memory_bytes, "shm": hardware.shm_bytes}}
-        if not evaluation.fits:
-            worst = evaluation.missing[0]
+               "configuration": plan.summary(),
+               "per_gpu": [dict(t, rank=r) for r, t in enumerate(plan.memory.per_gpu)],
+               "per_node": [dict(t, node=n) for n, t in enumerate(plan.memory.per_node)],
+               "capacity": {"gpu_free": plan.capacity.gpu or 0, "host": plan.capacity.host,
+                            "shm": plan.capacity.shm}}
+        if plan.split_note:
+            out["optimizer_split"] = plan.split_note
+        if not plan.fits:
+            worst = plan.missing[0]
             out.update(resource=worst.resource, where=worst.where, needed=worst.needed,
                        available=worst.available, short_by=worst.missing,
-                       shortfalls=[vars(s) | {"short_by": s.missing} for s in evaluation.missing],
+                       shortfalls=[vars(s) | {"short_by": s.missing} for s in plan.missing],
                        nearest_fit=nearest.summary() if nearest else None)
         if largest is not None:
             out["largest_model"] = largest.summary()
@@ -195,12 +198,12 @@ def run_plan(run: RunConfig) -> int:
     else:
         if run.planning.auto_config:
             print(candidates_text(candidates))
-        print(describe(run, evaluation, hardware))
-        if not evaluation.fits:
+        print(describe(run, plan))
+        if not plan.fits:
             print(nearest_text(run, nearest))
         if largest is not None:
             print(largest_text(run, hardware, largest))
-    return EXIT_FITS if evaluation.fits else EXIT_DOES_NOT_FIT
+    return EXIT_FITS if plan.fits else EXIT_DOES_NOT_FIT
 
 
 def model_size(run: RunConfig) -> str:

@@ -93,8 +93,22 @@ def _partition(run: RunConfig, forward_stages: int, vocab_size: int,
     try:
         return tuple(model_partition(replace(run.model, vocab_size=vocab_size), forward_stages,
                                      run.model.seq_length, min_layers))
-    except ValueError as exc:  # fewer layers than the split needs
-        return Unbuildable("--backward-split", min_layers, str(exc))
+    except ValueError as exc:  # fewer layers than the stages (and the split) need
+        return _too_few_layers(run, forward_stages, str(exc))
+
+
+def _too_few_layers(run: RunConfig, forward_stages: int, reason: str) -> Unbuildable:
+    """Blamed on the flag that asked for it: a backward split or a stage count that was
+    given; else (both defaults) on the layers, fewer than the pipeline ranks' stages."""
+    p = run.parallel
+    if p.backward_split is not None and p.backward_split > 1:
+        return Unbuildable("--backward-split", p.backward_split, reason)
+    if p.forward_stages is not None:
+        return Unbuildable("--forward-stages", p.forward_stages, reason)
+    return Unbuildable("--num-layers", run.model.num_layers,
+                       f"{reason} ({forward_stages} forward stages: at least one per pipeline "
+                       "rank); expected fewer pipeline ranks (a plan's: --nodes x "
+                       "--gpus-per-node, by default the hardware profile's) or more layers")
 
 
 def schedule_name(run: RunConfig) -> str:
@@ -111,6 +125,16 @@ def build_run_schedule(run: RunConfig, world_size: int, vocab_size: int,
     defaults filled in), with the optimizer's device subgroups placed when
     --optimizer-gpu-stride asks for them; with `lower` False, its shape only (no programs,
     see build_schedule). Unbuildable when the shape does not exist."""
+    built = _generated(run, world_size, vocab_size, lower)
+    if isinstance(built, Unbuildable):
+        return built
+    return built[0]
+
+
+def _generated(run: RunConfig, world_size: int, vocab_size: int, lower: bool
+               ) -> tuple[Schedule, ValidationReport | None] | Unbuildable:
+    """build_run_schedule's schedule, and its validation where placing the device
+    subgroups needed one (the placement only renames optimizer starts: it holds)."""
     p = run.parallel
     name = schedule_name(run)
     kind = schedule_kind(name)
@@ -138,12 +162,14 @@ def build_run_schedule(run: RunConfig, world_size: int, vocab_size: int,
         if "split" in str(exc):
             return Unbuildable("--backward-split", split, str(exc))
         return Unbuildable("--forward-stages", stages, str(exc))
+    report = None
     placement = run.cpu_optimizer.placement
     if lower and placement.updates.marks_exposed_stages:
-        schedule = place_device_subgroups(schedule)  # where updates would be exposed
+        report = validate(schedule)  # where updates would be exposed: simulated on it
+        schedule = place_device_subgroups(schedule, report=report)
     if lower and placement.states.on_nvme:
-        schedule = place_state_io(schedule)
-    return schedule
+        schedule, report = place_state_io(schedule), None  # new instructions
+    return schedule, report
 
 
 def generate_schedule(run: RunConfig, world_size: int, vocab_size: int,
@@ -197,12 +223,15 @@ def load_schedule_file(run: RunConfig, world_size: int) -> tuple[Schedule, Valid
 
 def run_schedule(run: RunConfig, world_size: int, vocab_size: int
                  ) -> tuple[Schedule, ValidationReport]:
-    """The program every rank of this run executes, and its validation: --schedule-file's,
-    or the generated one (valid by construction, and proven so)."""
+    """The program every rank of this run executes, and its validation, done once:
+    --schedule-file's, or the generated one (valid by construction, and proven so)."""
     if run.parallel.schedule_file is not None:
         return load_schedule_file(run, world_size)
-    schedule = generate_schedule(run, world_size, vocab_size)
-    return schedule, validate(schedule)
+    built = _generated(run, world_size, vocab_size, lower=True)
+    if isinstance(built, Unbuildable):
+        raise built.error()
+    schedule, report = built
+    return schedule, report or validate(schedule)
 
 
 def with_schedule(run: RunConfig, name: str) -> RunConfig:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import statistics
 from dataclasses import dataclass
@@ -19,6 +20,120 @@ from megatron.config.model import ModelConfig, materializes_attention_scores
 from .optimizer_stride import UpdateRates
 
 PROFILE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hardware_profiles")
+
+
+class ProfileError(ValueError):
+    """A profile field whose value means nothing: one line naming the field, the value
+    and what was expected."""
+
+
+@dataclass(frozen=True)
+class FieldRule:
+    """What one profile field may hold: its type, its range (`low`, `above`: the bound
+    excluded, `high`; for a string `low` is its least length), null when `nullable`, one
+    of `choices`; `expected` says it in the message's words."""
+
+    kind: type
+    expected: str
+    low: float | None = None
+    above: bool = False
+    high: float | None = None
+    nullable: bool = False
+    choices: tuple[str, ...] = ()
+
+    def checked(self, name: str, value: object) -> object:
+        """`value` as the profile keeps it (a whole float in an int field becomes an int);
+        ProfileError when the rule refuses it."""
+        if value is None and self.nullable:
+            return value
+        if self.kind in (int, float) and isinstance(value, (int, float)) \
+                and not isinstance(value, bool):
+            number = value
+            if self.kind is int and isinstance(value, float):
+                if not (math.isfinite(value) and value.is_integer()):
+                    raise self.error(name, value)
+                number = int(value)
+            if not math.isfinite(number) or (self.low is not None and (
+                    number < self.low or (self.above and number == self.low))) or (
+                    self.high is not None and number > self.high):
+                raise self.error(name, value)
+            return number
+        if self.kind is str and isinstance(value, str) and (
+                not self.choices or value in self.choices) and len(value) >= (self.low or 0):
+            return value
+        if self.kind is dict and isinstance(value, dict):
+            return value
+        raise self.error(name, value)
+
+    def error(self, name: str, value: object) -> ProfileError:
+        try:
+            shown = json.dumps(value)  # as the file spells it (null, true, NaN)
+        except (TypeError, ValueError):
+            shown = repr(value)
+        return ProfileError(f"field {name!r} is {shown}; expected {self.expected}")
+
+
+def _positive(unit: str) -> FieldRule:
+    return FieldRule(float, f"{unit} > 0 (a finite number)", low=0.0, above=True)
+
+
+def _zero_unknown(unit: str, kind: type = float, zero: str = "unknown") -> FieldRule:
+    return FieldRule(kind, f"{unit} >= 0 (0: {zero})", low=0.0)
+
+
+def _fraction(lowest_meaningful: str) -> FieldRule:
+    return FieldRule(float, f"a fraction {lowest_meaningful} to 1", low=0.0,
+                     above=lowest_meaningful == "above 0", high=1.0)
+
+
+_TEXT = FieldRule(str, "a string")
+# One rule per field of HardwareProfile, by what the figure means: a rate or capacity the
+# models divide by is > 0; one where 0 (or null) stands for unknown, none or "the default"
+# is >= 0 (or null); fractions are in range; every number is finite.
+FIELD_RULES: dict[str, FieldRule] = {
+    "name": FieldRule(str, "a non-empty name", low=1),
+    "description": _TEXT,
+    "gpu_peak_flops": _positive("FLOP/s"),
+    "gpu_max_efficiency": _fraction("above 0"),
+    "efficiency_half_tokens": _zero_unknown("a whole number of tokens", int,
+                                            "the peak at any size"),
+    "pcie_bytes_per_s": _positive("bytes per second"),
+    "p2p_bytes_per_s": _positive("bytes per second"),
+    "cpu_optimizer_params_per_s": _positive("parameters per second"),
+    "gpus_per_node": FieldRule(int, "a whole number of GPUs >= 1", low=1),
+    "gpu_memory_bytes": _zero_unknown("bytes", int),
+    "gpu_reserved_bytes": _zero_unknown("bytes", int, "none"),
+    "d2h_bytes_per_s": _zero_unknown("bytes per second", zero="as pcie_bytes_per_s"),
+    "h2d_shm_bytes_per_s": _zero_unknown("bytes per second"),
+    "host_memory_bytes_per_s": _zero_unknown("bytes per second"),
+    "cpu_cores": _zero_unknown("a whole number of cores", int),
+    "host_memory_bytes": _zero_unknown("bytes", int),
+    "shm_bytes": _zero_unknown("bytes", int),
+    "memlock_bytes": FieldRule(int, "bytes >= 0, or null (unlimited)", low=0, nullable=True),
+    "process_baseline_bytes": _zero_unknown("bytes", int, "not counted"),
+    "inter_node_bytes_per_s": _zero_unknown("bytes per second"),
+    "gpu_update_params_per_s": _zero_unknown("parameters per second"),
+    "downscale_params_per_s": _zero_unknown("parameters per second"),
+    "nvme_read_bytes_per_s": _zero_unknown("bytes per second", zero="no drive"),
+    "nvme_write_bytes_per_s": _zero_unknown("bytes per second", zero="no drive"),
+    "nvme_capacity_bytes": _zero_unknown("bytes", int, "no drive"),
+    "pass_overhead_s": _zero_unknown("seconds", zero="none"),
+    "backward_over_forward": _zero_unknown("a ratio", zero="a free backward"),
+    "p2p_latency_s": _zero_unknown("seconds", zero="bandwidth alone"),
+    "instruction_overhead_s": _zero_unknown("seconds", zero="free"),
+    "device_kind": FieldRule(str, '"cuda" or "cpu"', choices=("cuda", "cpu")),
+    "source": _TEXT,
+    "datasheet_peak_flops": FieldRule(float, "FLOP/s > 0, or null (unknown)", low=0.0,
+                                      above=True, nullable=True),
+    "compute_shape": FieldRule(dict, "an object (the measured layer), or null",
+                               nullable=True),
+    "compute_spread": _zero_unknown("a relative spread", zero="none measured"),
+    "device_subgroup_params_per_s": FieldRule(float, "parameters per second > 0, or null "
+                                              "(Eq. 1's rate)", low=0.0, above=True,
+                                              nullable=True),
+    "subgroup_overhead_s": _zero_unknown("seconds", zero="none"),
+    "update_overlap": _fraction("from 0"),
+}
 
 
 @dataclass(frozen=True)
@@ -89,15 +204,13 @@ class HardwareProfile:
     update_overlap: float = 1.0
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.update_overlap <= 1.0:
-            raise ValueError(f"update_overlap={self.update_overlap!r}: expected 0 to 1")
-        if not self.subgroup_overhead_s >= 0.0:
-            raise ValueError(f"subgroup_overhead_s={self.subgroup_overhead_s!r}: expected "
-                             "seconds >= 0")
-        rate = self.device_subgroup_params_per_s
-        if rate is not None and not rate > 0.0:
-            raise ValueError(f"device_subgroup_params_per_s={rate!r}: expected parameters "
-                             "per second > 0, or null")
+        """Every field checked by its rule in FIELD_RULES (a field without one is an error
+        here, at import: no figure reaches the planner unchecked)."""
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            kept = FIELD_RULES[f.name].checked(f.name, value)
+            if kept is not value:
+                object.__setattr__(self, f.name, kept)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2) + "\n"
@@ -111,6 +224,14 @@ class HardwareProfile:
         """A GPU's peak that model FLOPs utilization divides by: the datasheet's where the
         profile has it, else the profile's own peak rate."""
         return self.datasheet_peak_flops or self.gpu_peak_flops
+
+
+# A field added without its rule (or a rule left without its field) stops the import here,
+# with its name, before any profile is read.
+_UNRULED = sorted({f.name for f in dataclasses.fields(HardwareProfile)} ^ set(FIELD_RULES))
+if _UNRULED:
+    raise TypeError(f"HardwareProfile and FIELD_RULES disagree on {_UNRULED}: every field "
+                    "needs one rule")
 
 
 def layer_shape(model: ModelConfig) -> dict:
@@ -153,16 +274,24 @@ def shape_differences(hardware: HardwareProfile, model: ModelConfig) -> list[str
 
 
 def profile_from_dict(values: dict, origin: str = "profile") -> HardwareProfile:
-    """A profile from parsed JSON; ValueError naming the field on a missing or unknown key."""
+    """A profile from parsed JSON; ProfileError naming `origin` and the field on a missing,
+    unknown or meaningless one (FIELD_RULES)."""
+    if not isinstance(values, dict):
+        raise ProfileError(f"{origin}: expected a JSON object of fields, found "
+                           f"{type(values).__name__}")
     fields = {f.name: f for f in dataclasses.fields(HardwareProfile)}
     unknown = sorted(set(values) - set(fields))
     if unknown:
-        raise ValueError(f"{origin}: unknown field {unknown[0]!r}; expected {', '.join(fields)}")
+        raise ProfileError(f"{origin}: unknown field {unknown[0]!r}; expected "
+                           f"{', '.join(fields)}")
     missing = [name for name, f in fields.items()
                if f.default is dataclasses.MISSING and name not in values]
     if missing:
-        raise ValueError(f"{origin}: missing field {missing[0]!r}")
-    return HardwareProfile(**values)
+        raise ProfileError(f"{origin}: missing field {missing[0]!r}")
+    try:
+        return HardwareProfile(**values)
+    except ProfileError as exc:
+        raise ProfileError(f"{origin}: {exc}") from None
 
 
 def _builtin_profiles() -> dict[str, HardwareProfile]:
@@ -189,7 +318,8 @@ def _decode_problem(exc: ValueError) -> str:
 
 
 def get_hardware(name: str) -> HardwareProfile:
-    """A built-in profile by name, or a JSON profile file by path."""
+    """A built-in profile by name, or a JSON profile file by path; KeyError with one line
+    (its first argument) naming what is wrong."""
     if name in HARDWARE_PROFILES:
         return HARDWARE_PROFILES[name]
     if name.endswith(".json") or os.sep in name:
@@ -202,8 +332,8 @@ def get_hardware(name: str) -> HardwareProfile:
             raise KeyError(f"hardware profile {name!r} is not a JSON profile from "
                            f"tools/profile_hardware.py ({_decode_problem(exc)})") from None
         try:
-            return profile_from_dict(values, name)
-        except (TypeError, ValueError) as exc:
+            return profile_from_dict(values, f"hardware profile {name!r}")
+        except ProfileError as exc:
             raise KeyError(str(exc)) from None
     raise KeyError(f"unknown hardware {name!r}; expected one of {', '.join(HARDWARE_PROFILES)} "
                    "or a profile file (tools/profile_hardware.py)")

@@ -39,6 +39,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron.config.attention_kernel import (
+    AttentionCall,
+    attention_kernel,
+    cpu_layer_gpu,
+    kept_bytes,
+)
 from megatron.config.model import ModelConfig, materializes_attention_scores
 from megatron.config.placement import DEFAULT_PLACEMENT, Placement
 
@@ -94,11 +100,13 @@ def layer_saved_bytes(model: ModelConfig, tokens: int, seq_length: int, itemsize
     alike on every device) and the linear after it its output; SwiGLU keeps gate, up,
     their product's input and fc2's input (4 x FFN); attention's output projection keeps
     its input. Per sequence:
-    the rotary tables (4 x sequence x head dim). Core attention depends on its kernel
-    (--attention-backend): the unfused one keeps Q, K and V (K and V expanded to all heads),
-    the scores and the probabilities (heads x sequence each) and reads the causal mask
-    (sequence^2 bytes); a fused one (SDPA, flash) keeps Q, K and V of the query groups, its
-    output and one fp32 log-sum-exp per head.
+    the rotary tables (4 x sequence x head dim). Core attention depends on its kernel: the
+    unfused one (--attention-backend unfused) keeps Q, K and V (K and V expanded to all
+    heads), the scores and the probabilities (heads x sequence each) and reads the causal
+    mask (sequence^2 bytes); an SDPA kernel keeps what megatron.config.attention_kernel
+    says it keeps, chosen by its rule for the GPU the CPU device layer plays (a fused one:
+    Q, K and V of the query groups, its output, an fp32 log-sum-exp per head and a few
+    bytes of RNG state; math: fp32 Q, K and V of every head and the probabilities twice).
     """
     h, ffn, heads = model.hidden_size, model.ffn_hidden_size, model.num_attention_heads
     q_width = heads * model.head_dim
@@ -108,10 +116,15 @@ def layer_saved_bytes(model: ModelConfig, tokens: int, seq_length: int, itemsize
     if materializes_attention_scores(model.attention_backend):
         working_per_token += 3 * q_width + 2 * heads * seq_length
         per_sequence += seq_length * seq_length
+        core_attention = 0
     else:
-        working_per_token += 2 * q_width + 2 * model.num_query_groups * model.head_dim
-        fp32_per_token += heads
-    return tokens * (fp32_per_token * FP32 + working_per_token * itemsize) + per_sequence
+        # fp16 takes the kernels bf16 takes from sm80 on (the CPU layer's GPU by default)
+        call = AttentionCall("fp32" if itemsize == FP32 else "bf16", heads,
+                             model.num_query_groups, model.head_dim, seq_length,
+                             tokens // seq_length)
+        core_attention = kept_bytes(attention_kernel(call, cpu_layer_gpu()), call)
+    return (tokens * (fp32_per_token * FP32 + working_per_token * itemsize) + per_sequence
+            + core_attention)
 
 
 def head_saved_bytes(model: ModelConfig, tokens: int, itemsize: int) -> int:

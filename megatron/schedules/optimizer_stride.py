@@ -145,6 +145,8 @@ class SplitChoice:
     split: int
     model: StrideModel
     predicted_s: dict[int, float]
+    numel: int = REFERENCE_NUMEL  # the layout they are predicted at: parameters
+    subgroup: int = REFERENCE_SUBGROUP  # in subgroups of this many
 
     def as_dict(self) -> dict:
         return {"split": self.split, "flag": split_flag(self.split),
@@ -168,7 +170,8 @@ def auto_split(rates: UpdateRates, numel: int = REFERENCE_NUMEL,
         n = 1.0 + 1.0 / model.k_real
         candidates += sorted({-max(2, math.floor(n)), -max(2, math.ceil(n))}, reverse=True)
     predicted = {s: interleaved_update_time(numel, subgroup, s, rates) for s in candidates}
-    return SplitChoice(min(candidates, key=predicted.__getitem__), model, predicted)
+    return SplitChoice(min(candidates, key=predicted.__getitem__), model, predicted, numel,
+                       subgroup)
 
 
 def interleaved_update_time(numel: int, subgroup: int, split: int, rates: UpdateRates) -> float:

@@ -402,7 +402,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--hardware", default=None, metavar="PROFILE",
                    help="a built-in hardware profile (paper-v100, h100-sxm, dgx-h100, "
                         "h100-host128) or a JSON file from tools/profile_hardware.py "
-                        "(default: paper-v100)")
+                        "(default for --plan: paper-v100); a training run prices its plan "
+                        "on it and records the prediction beside each measured iteration")
     _add_megatron_design_flags(p)
     return p
 

@@ -115,6 +115,13 @@ def saved_args(common: dict | None) -> dict:
     return args
 
 
+def saved_vocab_rows(common: dict | None) -> int | None:
+    """The padded vocabulary a checkpoint's embedding and output layer have (ours record
+    it beside the args, Megatron-LM's in its args); None when it recorded none."""
+    rows = (common or {}).get("padded_vocab_size") or saved_args(common).get("padded_vocab_size")
+    return int(rows) if rows else None
+
+
 # This design's architecture as Megatron-LM's flags: what its --use-checkpoint-args
 # (load_args_from_checkpoint) reads to rebuild the model, with the values that name it.
 MEGATRON_ARCHITECTURE = {

@@ -120,11 +120,55 @@ _TOP_NAMES = {
 }
 
 
+# What config.json says each Hugging Face tensor's shape is: (its keys, the shape from
+# them), by the name's ending (the layers' names end the same way in every layer)
+_HF_SHAPES = {
+    "embed_tokens.weight": (("vocab_size", "hidden_size"), lambda c: (c.vocab_size, c.hidden_size)),
+    "lm_head.weight": (("vocab_size", "hidden_size"), lambda c: (c.vocab_size, c.hidden_size)),
+    "norm.weight": (("hidden_size",), lambda c: (c.hidden_size,)),
+    "layernorm.weight": (("hidden_size",), lambda c: (c.hidden_size,)),
+    "q_proj.weight": (("hidden_size",), lambda c: (c.hidden_size, c.hidden_size)),
+    "k_proj.weight": (("num_key_value_heads", "num_attention_heads", "hidden_size"),
+                      lambda c: (c.num_query_groups * _head_dim(c), c.hidden_size)),
+    "o_proj.weight": (("hidden_size",), lambda c: (c.hidden_size, c.hidden_size)),
+    "gate_proj.weight": (("intermediate_size", "hidden_size"),
+                         lambda c: (c.ffn_hidden_size, c.hidden_size)),
+    "down_proj.weight": (("hidden_size", "intermediate_size"),
+                         lambda c: (c.hidden_size, c.ffn_hidden_size)),
+}
+_HF_SHAPES["v_proj.weight"] = _HF_SHAPES["k_proj.weight"]
+_HF_SHAPES["up_proj.weight"] = _HF_SHAPES["gate_proj.weight"]
+_CONFIG_VALUES = {"vocab_size": "vocab_size", "hidden_size": "hidden_size",
+                  "num_key_value_heads": "num_query_groups",
+                  "num_attention_heads": "num_attention_heads",
+                  "intermediate_size": "ffn_hidden_size"}
+# Buffers some exports carry beside the weights (recomputed by every model): not converted
+_DERIVED = ("rotary_emb.inv_freq",)
+
+
+def check_hf_shape(cfg: LlamaConfig, name: str, tensor: torch.Tensor) -> None:
+    """ConversionError when `tensor`'s shape is not the one config.json gives `name`."""
+    for ending, (keys, shape_of) in _HF_SHAPES.items():
+        if name.endswith(ending):
+            expected = shape_of(cfg)
+            if tuple(tensor.shape) != expected:
+                said = ", ".join(f"{k} {getattr(cfg, _CONFIG_VALUES[k])}" for k in keys)
+                raise ConversionError(
+                    f"config.json disagrees with the weights: {name} has shape "
+                    f"{list(tensor.shape)}, config.json ({said}) gives {list(expected)}")
+            return
+
+
 def hf_to_gpt(cfg: LlamaConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Hugging Face LlamaForCausalLM state -> GPTModel state (fp32)."""
+    """Hugging Face LlamaForCausalLM state -> GPTModel state (fp32), every tensor checked
+    against the shape config.json gives it, none left over."""
+    used: set[str] = set()
+
     def take(name: str) -> torch.Tensor:
         if name not in hf:
             raise ConversionError(f"the safetensors hold no tensor {name!r}")
+        check_hf_shape(cfg, name, hf[name])
+        used.add(name)
         return hf[name].float()
 
     out = {}
@@ -140,6 +184,13 @@ def hf_to_gpt(cfg: LlamaConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.
             cfg, *(take(f"{src}self_attn.{p}_proj.weight") for p in "qkv"))
         out[dst + "mlp.linear_fc1.weight"] = torch.cat(
             [take(src + "mlp.gate_proj.weight"), take(src + "mlp.up_proj.weight")])
+    left = sorted(k for k in set(hf) - used if not k.endswith(_DERIVED))
+    if left:
+        raise ConversionError(f"config.json disagrees with the weights: the safetensors hold "
+                              f"{left[0]!r} (and {len(left) - 1} more) beyond config.json's "
+                              f"num_hidden_layers {cfg.num_layers}" if ".layers." in left[0]
+                              else f"the safetensors hold {left[0]!r}, which a LLaMA model "
+                              "does not have")
     return out
 
 

@@ -53,7 +53,7 @@ from megatron.common.meminfo import available_host_memory
 from megatron.config.model import MODEL_FIELDS
 from megatron.config.run import RunConfig
 from megatron.models.llama import LlamaConfig
-from megatron.pipeline.host_group import host_group
+from megatron.pipeline.host_group import gloo_group, host_group
 from megatron.training import checkpoint_layout as layout
 from megatron.training.checkpoint_format import (
     CHECKSUMS,
@@ -230,7 +230,7 @@ class CheckpointSaver:
         self.log = log
         self.rank, self.world_size = _world()
         # The writer's collectives must not interleave with training's on the host group.
-        self._group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        self._group = gloo_group() if dist.is_initialized() else None
         self._thread: threading.Thread | None = None
         self._buffers: dict[str, torch.Tensor] | None = None  # the async snapshot
         self._error: BaseException | None = None

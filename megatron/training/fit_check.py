@@ -16,16 +16,16 @@ import torch.distributed as dist
 from megatron.common.meminfo import available_host_memory
 from megatron.config.device_choice import DeviceChoice, cpu_device_capacity
 from megatron.config.run import RunConfig
-from megatron.pipeline.node_memory import DEFAULT_SHM_DIR, free_bytes, resolve_procs_per_node
+from megatron.pipeline.host_group import host_group
+from megatron.pipeline.node_memory import DEFAULT_SHM_DIR, free_bytes
 from megatron.planning.fit import (
     FreeMemory,
     ResourceError,
     device_headroom,
     first_shortfall,
-    run_memory_plan,
     single_process_shortfall,
 )
-from megatron.schedules.instructions import Schedule
+from megatron.schedules.memory_model import MemoryPlan
 
 
 def free_memory(shm_dir: str = DEFAULT_SHM_DIR) -> FreeMemory:
@@ -41,27 +41,23 @@ def free_memory(shm_dir: str = DEFAULT_SHM_DIR) -> FreeMemory:
                       device_in_host=True)
 
 
-def refuse_what_does_not_fit(run: RunConfig, schedule: Schedule, vocab_size: int,
-                             pipeline_rank: int, group: dist.ProcessGroup | None,
-                             found: Exception | None = None) -> int:
-    """Raise ResourceError on every rank when any rank's node or GPU lacks memory; `found`:
+def refuse_what_does_not_fit(memory: MemoryPlan, run: RunConfig, pipeline_rank: int,
+                             free: FreeMemory, found: Exception | None = None) -> int | None:
+    """Raise ResourceError on every rank when any rank's node or GPU lacks what `memory`
+    (the start of the run's plan) needs of `free` (free_memory, measured now); `found`:
     another reason this rank cannot start (raised here, the others stop with it). Returns
-    the device bytes this rank has free beyond its plan (device_headroom): what
+    the device bytes this rank has free beyond the plan (device_headroom): what
     --optimizer-gpu-stride auto's subgroups may take."""
-    free = free_memory()
-    plan = run_memory_plan(run, schedule, vocab_size,
-                           resolve_procs_per_node(run.parallel.procs_per_node),
-                           on_cuda=not free.device_in_host)
-    error = found or first_shortfall(plan, pipeline_rank, free, run.precision.working_bytes)
-    if schedule.ranks * run.data_parallel_size > 1 and dist.is_initialized():
+    error = found or first_shortfall(memory, pipeline_rank, free, run.precision.working_bytes)
+    if len(memory.per_gpu) * run.data_parallel_size > 1 and dist.is_initialized():
         flag = torch.tensor([1.0 if error else 0.0])
-        dist.all_reduce(flag, group=group)
+        dist.all_reduce(flag, group=host_group())
         if flag.item() and error is None:
             error = ResourceError("memory", "another rank cannot start this run (its node or "
                                   "GPU lacks memory, or its node runs a job with this id)")
     if error is not None:
         raise error
-    return device_headroom(plan, pipeline_rank, free)
+    return device_headroom(memory, pipeline_rank, free)
 
 
 def refuse_single_process_that_does_not_fit(run: RunConfig, vocab_size: int,

@@ -13,8 +13,11 @@ import shutil
 from megatron.common.units import format_bytes
 from megatron.config.errors import ConfigError, flag_name
 from megatron.config.model import MODEL_FIELDS
-from megatron.config.run import RunConfig
+from megatron.config.run import ONE_PROCESS_SCHEDULE, RunConfig
 from megatron.optimizer.state_io import ALIGNMENT
+from megatron.planning.shape import Unbuildable, build_run_schedule
+from megatron.schedules.generators import DEFAULT_SCHEDULE
+from megatron.training.checkpoint_format import saved_args
 
 OUTPUT_FILE_FIELDS = ("metrics_file", "timeline", "trace")
 
@@ -179,12 +182,114 @@ def check_load_dir(run: RunConfig) -> None:
 RESUMED_ARCHITECTURE = ("kv_channels", "rotary_base", "rotary_percent", "norm_epsilon")
 
 
-def check_checkpoint_model(run: RunConfig, saved: dict | None, where: str) -> None:
+def check_checkpoint_model(run: RunConfig, saved: dict | None, where: str,
+                           saved_vocab_rows: int | None = None) -> None:
     """The model flags of this run equal those the checkpoint in `where` was saved with
-    (`saved`: the flags it recorded, RunConfig.flags())."""
+    (`saved`: the flags it recorded, RunConfig.flags()); before the data, so the
+    vocabulary is compared where --vocab-size gives it (`saved_vocab_rows`: the padded
+    vocabulary the checkpoint recorded; check_checkpoint_vocabulary again with the
+    tokenizer's)."""
+    saved = saved or {}
     fields = MODEL_FIELDS + (() if run.checkpointing.finetune else RESUMED_ARCHITECTURE)
     for field in fields:
-        theirs, ours = (saved or {}).get(field), getattr(run.model, field)
+        theirs, ours = saved.get(field), getattr(run.model, field)
+        if field == "kv_channels" and saved.get("hidden_size") and saved.get(
+                "num_attention_heads"):  # the head width, given or implied
+            theirs = theirs or saved["hidden_size"] // saved["num_attention_heads"]
+            ours = run.model.head_dim
         if theirs is not None and ours is not None and theirs != ours:
             raise ConfigError(flag_name(field), ours,
                               f"the checkpoint in {where} was saved with {theirs}")
+    check_checkpoint_vocabulary(run, saved, where, saved_vocab_rows)
+
+
+def check_checkpoint_vocabulary(run: RunConfig, saved: dict | None, where: str,
+                                saved_vocab_rows: int | None,
+                                vocab_rows: int | None = None) -> None:
+    """The embedding's and output layer's rows (the vocabulary padded to a multiple of
+    --make-vocab-size-divisible-by, as Megatron pads it) equal the checkpoint's, named by
+    the flag that decides them. `vocab_rows`: this run's, once the tokenizer gave them;
+    None: from --vocab-size, when given (before the data)."""
+    m = run.model
+    if saved_vocab_rows is None:
+        return
+    if vocab_rows is None:
+        if m.vocab_size is None or run.data.tokenizer_type == "NullTokenizer":
+            return  # the tokenizer decides: checked again after the data
+        vocab_rows = m.padded_vocab_size(m.vocab_size)
+    if vocab_rows == saved_vocab_rows:
+        return
+    divisor = m.make_vocab_size_divisible_by
+    theirs = (f"the checkpoint in {where} has {saved_vocab_rows} (its embedding and output "
+              "layer rows)")
+    saved_divisor = (saved or {}).get("make_vocab_size_divisible_by")
+    if saved_divisor not in (None, divisor):
+        raise ConfigError("--make-vocab-size-divisible-by", divisor,
+                          f"the vocabulary pads to {vocab_rows} rows; {theirs}, padded to a "
+                          f"multiple of {saved_divisor}")
+    pads = f"pads to {vocab_rows} rows (a multiple of --make-vocab-size-divisible-by {divisor})"
+    if m.vocab_size is not None:
+        raise ConfigError("--vocab-size", m.vocab_size, f"{pads}; {theirs}")
+    d = run.data
+    flag, value = (("--tokenizer-model", d.tokenizer_model) if d.tokenizer_model
+                   else ("--tokenizer-type", d.tokenizer_type or "the demo corpus's"))
+    raise ConfigError(flag, value, f"its vocabulary {pads}; {theirs}: the checkpoint of "
+                      "another tokenizer (give --vocab-size to pad to its rows)")
+
+
+def check_schedule_size(run: RunConfig, pipeline_size: int) -> None:
+    """The schedule the run asks for on `pipeline_size` ranks can be built: its size
+    (stages x micro-batches x (1 + backward split) FORWARD/BACKWARD instructions, bounded by
+    MAX_COMPUTE_INSTRUCTIONS) and its shape follow from the flags alone, with no vocabulary,
+    so this runs before the data phase writes anything (a --global-batch-size of 40
+    million would otherwise build gigabytes of index files first). A --schedule-file's
+    programs are read, not built: check_pipeline_shape reads and checks it."""
+    if run.parallel.schedule_file is not None:
+        return
+    shape = build_run_schedule(run, pipeline_size, vocab_size=1, lower=False)
+    if isinstance(shape, Unbuildable):
+        raise shape.error()
+
+
+# What a resume may change and still continue at the same sample: the iteration's sums (of
+# micro-batches' gradients, of the norm's squares) then run in another order, so it
+# continues within rounding of the run that saved it, not bit for bit.
+RESUME_SHAPE_FLAGS = ("micro_batch_size", "pipeline_schedule", "forward_stages",
+                      "backward_split", "stage_layers", "data_parallel_size")
+
+
+def resume_shape_notice(run: RunConfig, common: dict, world_size: int, where: str
+                        ) -> str | None:
+    """One line when this run resumes the checkpoint in `where` (its common state
+    `common`, saved by this program) with another shape than it was saved with: another
+    --micro-batch-size, schedule, stage split or number of processes; None when it
+    continues bit for bit (or starts over: --finetune)."""
+    if run.checkpointing.finetune or "format_version" not in common:
+        return None  # fine-tuning starts over; another program's run is not continued
+    theirs, ours = saved_args(common), run.flags()
+    saved_world = common.get("world_size")
+    changes = []
+    if saved_world not in (None, world_size):
+        changes.append(f"{world_size} process(es) (saved on {saved_world})")
+    for field in RESUME_SHAPE_FLAGS:
+        saved, now = theirs.get(field), ours.get(field)
+        if field == "pipeline_schedule":  # None: the one each side ran by default
+            saved = saved or _default_schedule(saved_world or world_size)
+            now = now or _default_schedule(world_size)
+        if saved is not None and now is not None and _shown(saved) != _shown(now):
+            changes.append(f"{flag_name(field)} {_shown(now)} (saved with {_shown(saved)})")
+    if not changes:
+        return None
+    return (f"resuming the checkpoint in {where} with {', '.join(changes)}: it continues at "
+            "the same sample within rounding of the run that saved it, not bit for bit "
+            "(each iteration's sums run in another order); the saved flags on as many "
+            "processes continue it exactly")
+
+
+def _shown(value: object) -> str:
+    """A flag's value as the command line spells it (a list: comma-separated)."""
+    return ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
+
+
+def _default_schedule(processes: int) -> str:
+    return DEFAULT_SCHEDULE if processes > 1 else ONE_PROCESS_SCHEDULE

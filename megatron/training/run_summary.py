@@ -4,9 +4,12 @@ took and where every file the run wrote went (a newcomer's first question after 
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass
 
 from megatron.config.run import RunConfig
+from megatron.pipeline.node_memory import PinningShortfall
+from megatron.planning.run_plan import PARTS, PredictedIteration
 from megatron.training.checkpointing import iteration_dir
 from megatron.training.metrics import format_duration
 
@@ -15,8 +18,9 @@ from megatron.training.metrics import format_duration
 class RunOutcome:
     """What the loop knows at the end: its per-iteration records (this run's only), the
     iteration it resumed from, why it stopped early (None: it ran to --train-iters), the
-    last iteration it saved, the seconds since the run started, and whether it recorded
-    a timeline (only a pipeline does)."""
+    last iteration it saved, the seconds since the run started, whether it recorded a
+    timeline (only a pipeline does), the memory it could not page-lock, and its plan's
+    predicted iteration."""
 
     records: list[dict]
     start_iteration: int
@@ -24,11 +28,40 @@ class RunOutcome:
     last_saved: int | None
     elapsed_s: float
     pipeline: bool
+    pinning: PinningShortfall | None = None  # page-locked memory the limit did not allow
+    prediction: PredictedIteration | None = None  # the run's plan's, on --hardware's profile
+
+
+PART_NAMES = dict(zip(PARTS, ("compute", "bubbles", "exposed optimizer")))
 
 
 def format_run_summary(run: RunConfig, outcome: RunOutcome) -> str:
-    """A headline and one line per output (only the outputs this run was asked for)."""
-    return "\n".join([_headline(run, outcome), *_outputs(run, outcome)])
+    """A headline, the plan's prediction beside the measured iteration, one line per output
+    (only the outputs this run was asked for), and what slowed the whole run down
+    (page-locked memory over its limit)."""
+    slowed = [outcome.pinning.summary_line()] if outcome.pinning is not None else []
+    return "\n".join([_headline(run, outcome), *_plan_check(outcome), *_outputs(run, outcome),
+                      *slowed])
+
+
+def _plan_check(outcome: RunOutcome) -> list[str]:
+    """The plan's predicted iteration beside the measured one (the median of this run's
+    iterations, the first left out as a warm-up when there are others), their ratio, and
+    the part of the iteration the prediction misses most (medians of the measured parts:
+    one slow iteration does not name a part)."""
+    prediction, records = outcome.prediction, outcome.records
+    if prediction is None or not records:
+        return []
+    measured = records[1:] or records
+    median = statistics.median(r["iter_time_s"] for r in measured)
+    parts = {name: (value, statistics.median(r[name] for r in measured))
+             for name, value in prediction.parts().items()}
+    name, (predicted, seen) = max(parts.items(), key=lambda kv: abs(kv[1][0] - kv[1][1]))
+    return [f"  plan:        predicted iteration {prediction.iteration_s:.3f} s "
+            f"({prediction.hardware}), measured {median:.3f} s (the median of iterations "
+            f"{measured[0]['iteration']}-{measured[-1]['iteration']}): predicted/measured "
+            f"{prediction.iteration_s / median:.2f}; off the most: {PART_NAMES[name]}, "
+            f"{predicted:.3f} s predicted, {seen:.3f} s measured"]
 
 
 def _headline(run: RunConfig, outcome: RunOutcome) -> str:

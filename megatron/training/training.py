@@ -18,22 +18,30 @@ import torch
 import torch.distributed as dist
 
 from megatron.common.progress import progress_enabled
+from megatron.common.save_lock import SaveLock
 from megatron.config.checks import run_notices
 from megatron.config.errors import ConfigError
 from megatron.config.run import RunConfig
 from megatron.data.run_data import RunData, prepare_data
 from megatron.data.sampling import training_micro_batches
-from megatron.models.llama import LlamaConfig
+from megatron.models.attention import forget_kernels_run, kernels_run
+from megatron.models.llama import LlamaConfig, layer_implementation
 from megatron.optimizer.disk_states import DiskStateError
 from megatron.pipeline.host_group import host_group
-from megatron.pipeline.node_memory import SegmentInUseError, ShmSpaceError
-from megatron.planning.evaluate import plan_hardware
+from megatron.pipeline.node_memory import (
+    PinningShortfall,
+    SegmentInUseError,
+    ShmSpaceError,
+    memlock_limit,
+    memlock_shortfall,
+)
+from megatron.planning.evaluate import plan_hardware, run_hardware
 from megatron.planning.report import candidates_text, model_size, run_plan
 from megatron.planning.search import auto_configure
 from megatron.planning.shape import check_pipeline_shape
 from megatron.schedules.cost_model import model_flops_per_token
 from megatron.training.arguments import exit_bad_input, parse_args
-from megatron.training.checkpoint_format import saved_args
+from megatron.training.checkpoint_format import saved_args, saved_vocab_rows
 from megatron.training.checkpointing import (
     CheckpointError,
     CheckpointSaver,
@@ -45,9 +53,12 @@ from megatron.training.checkpointing import (
 )
 from megatron.training.distributed import (
     DistInfo,
+    PeerTimeout,
+    collective_timeout,
     initialize_distributed,
     peer_gone,
     shutdown_distributed,
+    timed_out,
 )
 from megatron.training.evaluation import due, evaluate, evaluation_record, format_evaluation
 from megatron.training.fit_check import refuse_single_process_that_does_not_fit
@@ -59,16 +70,20 @@ from megatron.training.process_limits import check_process_limits
 from megatron.training.profiling import IterationProfiler
 from megatron.training.run_checks import (
     check_checkpoint_model,
+    check_checkpoint_vocabulary,
     check_load_dir,
     check_nvme_space,
     check_output_paths,
     check_save_space,
+    check_schedule_size,
     is_auto_resume,
+    resume_shape_notice,
 )
 from megatron.training.run_summary import RunOutcome, format_run_summary
-from megatron.training.save_lock import hold_save_directory
+from megatron.training.save_lock import hold_save_directory, keep_save_directory
 from megatron.training.scalar_logging import ScalarSinks, check_scalar_sinks
 from megatron.training.signals import INTERRUPT, INTERRUPTED_STATUS, ExitConditions
+from megatron.training.timeouts import waited_too_long
 from megatron.training.train_step import TrainStep, on_device
 
 Log = Callable[[str], object]
@@ -104,6 +119,8 @@ def check_before_start(run: RunConfig, dist_info: DistInfo) -> None:
     if runs_pipeline(run, dist_info.world_size) or (
             run.parallel.pipeline_model_parallel_size or 1) > 1:
         check_pipeline_shape(run, dist_info.pipeline_size)
+        check_schedule_size(run, dist_info.pipeline_size)  # before the data phase writes
+    run_hardware(run)  # --hardware's profile (the plan is priced on it): read and checked
     check_load_dir(run)  # the checks that create nothing first
     check_scalar_sinks(run)
     check_output_paths(run)
@@ -115,8 +132,10 @@ class TrainingLoop:
     """One run in an initialized process group: what it set up (data, train step, LR
     schedule, writers) and what it recorded. `close()` releases everything it holds."""
 
-    def __init__(self, run: RunConfig, dist_info: DistInfo, start_time: float) -> None:
+    def __init__(self, run: RunConfig, dist_info: DistInfo, start_time: float,
+                 save_lock: SaveLock | None = None) -> None:
         self.run = run
+        self.save_lock = save_lock  # rank 0's, of --save (kept through the run)
         self.dist_info = dist_info
         self.start_time = start_time
         # The metrics come from the process that sees the loss (the last rank of a pipeline
@@ -132,16 +151,20 @@ class TrainingLoop:
         self.sinks: ScalarSinks | None = None
         self.exits: ExitConditions | None = None
         self.start_iteration = 0
+        self.iteration = 0  # the one running (0: setting up)
         self.last_saved: int | None = None
         self.skipped_total = 0
         self.skipped_in_interval = 0  # since the last log line (Megatron's count)
         self.flops_per_token = 0.0  # model FLOPs, for --log-throughput
         self.model_cfg: LlamaConfig | None = None
+        self.pinning: PinningShortfall | None = None  # page-locked memory over ulimit -l
 
     # --- setup ---------------------------------------------------------------------------
 
     def set_up(self, on_step: Callable[[TrainStep], None] | None = None) -> None:
         run, log = self.run, self.log
+        forget_kernels_run()  # this run's, for the metrics' attention_kernel
+        self.layer_implementation = layer_implementation()
         load = run.checkpointing.load
         saved = None
         with setup_phase("checkpoint read", log, enabled=bool(load)), reading_checkpoint(load):
@@ -155,7 +178,11 @@ class TrainingLoop:
                     log(f"no checkpoint in {load}: starting from scratch"
                         + (f" ({why})" if is_auto_resume(run) else ""))
                 else:
-                    check_checkpoint_model(run, saved_args(saved), load)
+                    check_checkpoint_model(run, saved_args(saved), load,
+                                           saved_vocab_rows(saved))
+                    notice = resume_shape_notice(run, saved, self.dist_info.world_size, load)
+                    if notice:
+                        log(notice)
             elif load:
                 log(f"no checkpoint in {load}: starting from scratch ({why}; the directory "
                     "does not exist yet)")
@@ -166,6 +193,9 @@ class TrainingLoop:
                                                     self.dist_info.device)
         with setup_phase("data", log):
             self.data = prepare_data(run, log=log)
+        if saved is not None:  # with the tokenizer's vocabulary, before the model
+            check_checkpoint_vocabulary(run, saved_args(saved), load, saved_vocab_rows(saved),
+                                        self.data.vocab_size)
         check_save_space(run, self.data.vocab_size)  # the real checkpoint's bytes
         check_nvme_space(run, self.data.vocab_size)
         if saved is not None and saved.get("tokenizer_json") not in (
@@ -224,7 +254,12 @@ class TrainingLoop:
             f"{run.micro_batches * run.data_parallel_size} micro-batches of "
             f"{t.micro_batch_size} x {run.model.seq_length} tokens, {run.precision.dtype}")
         if isinstance(self.step, PipelineTrainStep):
-            log(format_host_memory(self.step.host_memory()))
+            memory = self.step.host_memory()
+            log(format_host_memory(memory))
+            self.pinning = memlock_shortfall(memory["pinned_bytes_per_process"],
+                                             memlock_limit(self.dist_info.device.kind))
+            if self.pinning is not None:
+                warn(self.pinning.startup_line(), self.dist_info)
         stopped = None
         profiler = IterationProfiler(run, self.dist_info.rank)
         try:
@@ -238,9 +273,10 @@ class TrainingLoop:
         finally:
             profiler.close()
         self._after_training(stopped)
+        pipeline = isinstance(self.step, PipelineTrainStep)
         outcome = RunOutcome(self.records, self.start_iteration, stopped, self.last_saved,
-                             time.time() - self.start_time,
-                             isinstance(self.step, PipelineTrainStep))
+                             time.time() - self.start_time, pipeline, self.pinning,
+                             self.step.plan.prediction if pipeline else None)
         log(format_run_summary(run, outcome))
 
     def _after_iteration(self, iteration: int) -> str | None:
@@ -275,7 +311,7 @@ class TrainingLoop:
 
     def _iteration(self, iteration: int) -> None:
         run, schedule = self.run, self.schedule
-        INTERRUPT.iteration = iteration
+        INTERRUPT.iteration = self.iteration = iteration
         micro_batches = on_device(
             training_micro_batches(self.data.datasets.train, iteration, run,
                                    self.dist_info.data_parallel_rank),
@@ -304,8 +340,14 @@ class TrainingLoop:
             "loss_scale": result.loss_scale,
             "grad_norm": result.grad_norm,
             "eta_s": eta_seconds(self.records, elapsed, run.training.train_iters - iteration),
+            # the kernel that computed core attention on this rank (pinned: the same on a GPU
+            # and on the CPU device layer playing it)
+            "attention_kernel": kernels_run(run.model.attention_backend,
+                                            self.layer_implementation),
             **result.extra,
         }
+        if "predicted_iteration_time_s" in record:  # the plan's, on --hardware's profile
+            record["predicted_over_measured"] = record["predicted_iteration_time_s"] / elapsed
         self.metrics.write(record)
         self.sinks.training(record)
         self.records.append(record)
@@ -335,6 +377,8 @@ class TrainingLoop:
                   "padded_vocab_size": self.data.vocab_size,
                   "num_floating_point_operations_so_far":
                       iteration * run.tokens_per_iteration * self.flops_per_token}
+        keep_save_directory(self.save_lock, run.checkpointing.save, self.dist_info.rank,
+                            self.dist_info.world_size, lambda line: warn(line, self.dist_info))
         if progress_enabled():  # a large model's save takes a while: say it started
             self.log(f"checkpoint iteration {iteration}: saving to {run.checkpointing.save}")
         with INTERRUPT.deferred():  # a checkpoint is committed whole or not begun
@@ -369,13 +413,23 @@ def train(run: RunConfig, dist_info: DistInfo,
         warn(line, dist_info)
     lock = hold_save_directory(run.checkpointing.save, dist_info.rank, dist_info.world_size,
                                print if dist_info.rank == 0 else (lambda *_: None))
-    loop = TrainingLoop(run, dist_info, start_time)
+    loop = TrainingLoop(run, dist_info, start_time, lock)
+    failed = False
     try:
         loop.set_up(on_step)
         loop.train()
+    except BaseException as exc:
+        failed = True
+        if isinstance(exc, RuntimeError) and timed_out(exc):
+            # gloo's traceback says neither who nor what: one line does
+            raise waited_too_long(run, dist_info.rank, loop.iteration, exc) from None
+        raise
     finally:
         try:
             loop.close()
+        except Exception:
+            if not failed:  # after a fault, the fault is what the user needs to see
+                raise
         finally:
             if lock is not None:
                 lock.release()
@@ -454,7 +508,7 @@ def _main(argv: Sequence[str] | None) -> int:
         # before gloo connects (its sockets count) and any thread starts
         check_process_limits(run, int(os.environ.get("WORLD_SIZE", "1")))
         dist_info = initialize_distributed(
-            timeout_s=60.0 * run.parallel.distributed_timeout_minutes,
+            timeout=collective_timeout(run.parallel.distributed_timeout_minutes),
             data_parallel_size=run.data_parallel_size, seed=run.training.seed,
             share_gpu=run.device_checks.share_gpu)
         try:
@@ -467,6 +521,9 @@ def _main(argv: Sequence[str] | None) -> int:
         raise SystemExit(1) from None
     except (ConfigError, CheckpointError) as exc:
         exit_bad_input(exc)
+    except PeerTimeout as exc:  # each rank that waited says what for (not necessarily 0)
+        print(f"pretrain_llama.py: error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
     except DiskStateError as exc:  # the drive of --optimizer-nvme-path failed mid-run
         print(f"pretrain_llama.py: error: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
