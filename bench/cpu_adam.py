@@ -19,6 +19,10 @@ step's bytes as raw words (no conversion, no arithmetic) on the same threads: th
 streaming bandwidth for those bytes. `fraction_of_stream` is a step's rate over its
 probe's; both write the working copy through the cache (its line is read first: 2 bytes
 per parameter more than the nominal ones), `stream_nt/` with non-temporal stores.
+Each also runs `in_cache` on every ISA: the same step on one thread over 131072 elements
+at a time (inside the last-level cache), as many calls as make N parameter-steps: the
+instructions' cost of each precision with no memory limit (`*_in_cache_ns_per_param`,
+`*_over_fp32_in_cache`), beside the byte limit above.
 On the best ISA also:
 - fp16_loss_scaled: fp32 states, fp16 gradient and copy, loss scale 1024 (unscaled in
   the step);
@@ -98,6 +102,7 @@ KNOBS: dict[str, dict] = {
     "block_256k": {"block": 262144},
     "pinned": {},
 }
+IN_CACHE = 131072  # elements: 3.7 MB of fp32 step traffic, inside a 32 MB L3
 CODES = {torch.float32: _kernel.F32, torch.float16: _kernel.F16, BF16: _kernel.BF16}
 
 
@@ -107,6 +112,7 @@ class Variant:
     isa: str
     threads: int
     bytes_per_param: int | None
+    params: int | None = None  # parameter-steps per run when not the bench's n
 
 
 class StepBuffers:
@@ -147,6 +153,19 @@ class StepBuffers:
             with kernel_tuning(stream_out=non_temporal):
                 return _kernel.touch(**self.common(threads, isa))
         return run
+
+
+def in_cache(n: int, precision: Precision, isa: str, gen: torch.Generator) -> Variant:
+    """n element-steps on one thread as steps of IN_CACHE elements (their 4 MiB or less
+    stay in the last-level cache): the instructions' cost of the step, no memory limit."""
+    buf = StepBuffers(IN_CACHE, precision, gen)
+    step = buf.step(1, isa)
+    calls = max(n // IN_CACHE, 1)
+
+    def run() -> None:
+        for _ in range(calls):
+            step()
+    return Variant(run, isa, 1, None, calls * IN_CACHE)
 
 
 def tuned(step: Callable[[], object], knobs: dict) -> Callable[[], object]:
@@ -265,6 +284,7 @@ def build_variants(n: int, threads: int, gen: torch.Generator) -> tuple[dict[str
         nbytes = buf.precision.bytes_per_param
         for isa in isas:
             v[f"{isa}/{name}"] = Variant(buf.step(threads, isa), isa, threads, nbytes)
+            v[f"{isa}/{name}/in_cache"] = in_cache(n, buf.precision, isa, gen)
         v[f"stream/{name}"] = Variant(buf.stream(threads, best), best, threads, nbytes)
         v[f"stream_nt/{name}"] = Variant(buf.stream(threads, best, True), best, threads, nbytes)
         if name != "bf16_all_nearest":
@@ -307,10 +327,10 @@ def summarize(n: int, variants: dict[str, Variant], times: dict[str, list[float]
               cpu_times: dict[str, list[float]]) -> dict:
     out = {}
     for name, variant in variants.items():
-        rates = [n / t for t in times[name]]
+        rates = [(variant.params or n) / t for t in times[name]]
         row = {"isa": variant.isa, "threads": variant.threads,
                "bytes_per_param": variant.bytes_per_param, "params_per_s": spread(rates),
-               "params_per_cpu_s": n / max(statistics.median(cpu_times[name]), 1e-9)}
+               "params_per_cpu_s": (variant.params or n) / max(statistics.median(cpu_times[name]), 1e-9)}
         if variant.bytes_per_param:
             row["gb_s"] = spread([r * variant.bytes_per_param / 1e9 for r in rates])
         out[name] = row
@@ -326,6 +346,9 @@ def per_isa_ratios(med: dict[str, float], isas: Sequence[str]) -> dict:
         for name in PRECISIONS:
             if name != "fp32":
                 r[f"{name}_over_fp32"] = med[f"{isa}/{name}"] / med[f"{isa}/fp32"]
+                r[f"{name}_over_fp32_in_cache"] = (med[f"{isa}/{name}/in_cache"]
+                                                   / med[f"{isa}/fp32/in_cache"])
+            r[f"{name}_in_cache_ns_per_param"] = 1e9 / med[f"{isa}/{name}/in_cache"]
             r[f"{name}_fraction_of_stream"] = med[f"{isa}/{name}"] / med[f"stream/{name}"]
             r[f"{name}_fraction_of_stream_nt"] = med[f"{isa}/{name}"] / med[f"stream_nt/{name}"]
         r["targets_met"] = {
