@@ -1,29 +1,48 @@
-"""Benchmark of the CPU optimizer's full mixed-precision step against torch and DeepSpeed.
+"""The CPU optimizer's step on every ISA this machine runs, against torch's fused AdamW
+and the streaming bandwidth of the step's own bytes.
 
     python bench/cpu_adam.py [--params N] [--threads T] [--repeats R] [--json]
 
-Everything runs in one process on the same sizes; each figure is the median of R rounds
-after one warm-up, every round running each variant once (the machine may be shared:
-interleaving spreads disturbances over all variants), with the spread (slowest and
-fastest round) under `spread`. Prints one JSON object (with --json, only that).
+Every variant runs once per round, in a shuffled order (fixed seed), after one warm-up;
+each figure is the median of R rounds with the slowest and fastest round beside it
+(`params_per_s`, `gb_s`: median, min, max). Every variant names its ISA and its threads.
 
-The full step: 16-bit gradients in, unscale, check for non-finite values, AdamW on fp32
-master/m/v, 16-bit working copy out.
-- ours: one call of the C++ kernel (megatron.optimizer.CPUAdamW); also in exact-rollback
-  mode (snapshots the state it changes) and the arithmetic rollback's own speed.
-- ours_bf16_states: m and v in bf16 (fp32 master): 20 bytes per parameter moved.
-- ours_bf16_all: m, v and the master in bf16, stochastic rounding: 16 bytes moved.
-- torch_composed: the fastest torch ops, all buffers preallocated: copy_ to fp32,
-  torch._amp_foreach_non_finite_check_and_unscale_ (unscale + check in one op, what
-  torch.amp uses), fused AdamW, copy_ to 16 bits.
-- torch_composed_isfinite: the same with mul_ and torch.isfinite(g).all() as the check.
-- torch_fused_adamw: torch's fused AdamW on fp32 gradients alone (less work than ours).
-- ours_fp32_grad: our kernel on torch_fused_adamw's inputs and outputs (fp32 gradient in,
-  no working copy out, scale 1: the same 28 bytes per parameter; ours still checks the
-  gradient and sums its squares); `ours_same_work_over_torch_fused` compares the two
-  kernels on equal bytes at --threads threads each.
-- deepspeed: DeepSpeedCPUAdam in place of the fused AdamW in torch_composed.
-- bandwidth_gb_s: torch.add(a, b, out=c) over fp32 buffers (3 x 4 bytes per element).
+Steps of the C++ kernel (bf16 gradient in, bf16 working copy out, no loss scale: a bf16
+run), on every ISA of available_isas() (portable, avx2, avx512 where the CPU has it):
+- fp32: fp32 master, m and v: 28 bytes per parameter (p, m, v read and written, the
+  gradient read, the copy written);
+- bf16_states: bf16 m and v (--optimizer-state-dtype bf16): 20 bytes;
+- bf16_all: bf16 m, v and master, stochastic rounding (--master-dtype bf16): 16 bytes;
+- bf16_all_nearest: the same, the master rounded to nearest (--master-rounding nearest).
+Each has its stream probe, `stream/<precision>`: the kernel's touch op, which moves the
+step's bytes as raw words (no conversion, no arithmetic) on the same threads: the
+streaming bandwidth for those bytes. `fraction_of_stream` is a step's rate over its
+probe's; both write the working copy through the cache (its line is read first: 2 bytes
+per parameter more than the nominal ones), `stream_nt/` with non-temporal stores.
+Each also runs `in_cache` on every ISA: the same step on one thread over 131072 elements
+at a time (inside the last-level cache), as many calls as make N parameter-steps: the
+instructions' cost of each precision with no memory limit (`*_in_cache_ns_per_param`,
+`*_over_fp32_in_cache`), beside the byte limit above.
+On the best ISA also:
+- fp16_loss_scaled: fp32 states, fp16 gradient and copy, loss scale 1024 (unscaled in
+  the step);
+- cpu_adamw: the fp32 step through CPUAdamW (what training calls: the kernel plus its
+  bookkeeping); exact: the same in exact-rollback mode (snapshots 12 more bytes: 40);
+  step_and_rollback: a step and its arithmetic rollback (`rollback_alone_params_per_s`:
+  the pair's time minus the step's);
+- same_work: our kernel on torch_fused_adamw's inputs and outputs (fp32 gradient, no
+  copy: the same 28 bytes; ours still checks the gradient and sums its squares);
+- the kernel's speed knobs on each precision (prefetch off / 1024, streaming stores of
+  the copy, blocks of 8k / 256k elements, threads pinned to cores 0..T-1).
+`params_per_cpu_s` (parameters per second of the process's CPU time, median) is the
+cost per core-second: on a machine shared with other jobs it moves less than the wall
+rate when the threads wait for a core; `per_isa_cpu` gives the per-ISA ratios on it
+(torch's OpenMP threads sleep between ops here: OMP_WAIT_POLICY=PASSIVE unless set).
+References: torch_fused_adamw (torch.optim.AdamW(fused=True) on fp32 gradients, 28 bytes),
+torch_composed (copy_ to fp32, torch.amp's unscale-and-check, fused AdamW, copy_ out;
+_isfinite: mul_ and isfinite().all() as the check), DeepSpeedCPUAdam in the composed step
+when it imports, triad (torch.add(a, b, out=c), 12 bytes per element).
+Threads: fp32 and bf16_all on the best ISA, their probes and torch's fused AdamW at 1..T.
 """
 
 from __future__ import annotations
@@ -31,137 +50,347 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
-import torch
+# torch's OpenMP threads spin for a while after each op; in an interleaved round they
+# would take the cores from whatever variant runs next (a pinned kernel thread cannot
+# move away) and count their spinning in its CPU time. Passive: they sleep at once (a
+# wake-up of microseconds against a step of milliseconds). Read when torch loads.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron.optimizer import CPUAdamW, available_isas  # noqa: E402
+from bench.machine import machine  # noqa: E402
+from bench.spread import spread  # noqa: E402
+from megatron.optimizer import CPUAdamW, available_isas, kernel_tuning  # noqa: E402
+from megatron.optimizer import _cpu_adam as _kernel  # noqa: E402
+from megatron.optimizer.adam_kernel import usable_cores  # noqa: E402
+from megatron.optimizer.worker_pool import shared_pool  # noqa: E402
 
-LR, INV_SCALE = 1e-4, 1.0 / 1024
-
-
-def seconds_interleaved(steps: dict[str, Callable[[], object]], repeats: int
-                        ) -> dict[str, list[float]]:
-    """Every time of each step over `repeats` rounds; every round runs each step once, so
-    that load from other processes on a shared machine disturbs all of them alike. The
-    order is shuffled every round (fixed seed): a step must not always follow the same one,
-    since torch's OpenMP threads spin for a while after an op and slow down what follows."""
-    for step in steps.values():
-        step()  # warm-up: page faults, JIT builds, thread pools
-    names = list(steps)
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    order = random.Random(0)
-    for _ in range(repeats):
-        order.shuffle(names)
-        for name in names:
-            start = time.perf_counter()
-            steps[name]()
-            times[name].append(time.perf_counter() - start)
-    return times
+LR, BETAS, EPS, WD = 1e-4, (0.9, 0.999), 1e-8, 0.1
+BF16 = torch.bfloat16
 
 
-# Bytes each variant reads and writes per parameter: p, m, v read and written in their
-# dtypes, the 16-bit gradient read, the 16-bit working copy written.
-BYTES_PER_PARAM = {"ours_bf16": 28, "ours_fp16": 28, "ours_bf16_states": 20,
-                   "ours_bf16_all": 16, "ours_fp32_grad": 28, "fused": 28}
+@dataclass(frozen=True)
+class Precision:
+    master: torch.dtype
+    states: torch.dtype
+    stochastic: bool
+    bytes_per_param: int
 
 
-def fp32_param(n: int, gen: torch.Generator) -> torch.nn.Parameter:
-    return torch.nn.Parameter(torch.randn(n, generator=gen))
+PRECISIONS = {
+    "fp32": Precision(torch.float32, torch.float32, False, 28),
+    "bf16_states": Precision(torch.float32, BF16, False, 20),
+    "bf16_all": Precision(BF16, BF16, True, 16),
+    "bf16_all_nearest": Precision(BF16, BF16, False, 16),
+}
+# Kernel knobs tried on the best ISA (megatron.optimizer.kernel_tuning); "pinned" pins the
+# kernel threads to cores 0..T-1 instead.
+KNOBS: dict[str, dict] = {
+    "prefetch_0": {"prefetch": 0},
+    "prefetch_1024": {"prefetch": 1024},
+    "stream_out": {"stream_out": True},
+    "block_8k": {"block": 8192},
+    "block_256k": {"block": 262144},
+    "pinned": {},
+}
+IN_CACHE = 131072  # elements: 3.7 MB of fp32 step traffic, inside a 32 MB L3
+CODES = {torch.float32: _kernel.F32, torch.float16: _kernel.F16, BF16: _kernel.BF16}
 
 
-def ours_step(
-    n: int, threads: int, dtype: torch.dtype, gen, exact: bool = False, rollback: bool = False,
-    state_dtype: torch.dtype = torch.float32, master_dtype: torch.dtype = torch.float32,
-    cores: Sequence[int] = (), working_copy: bool = True,
-) -> Callable[[], None]:
-    """Our full step; with rollback=True the step and then its rollback. cores: pin the
-    kernel threads (none: unpinned). working_copy=False: no 16-bit copy out and no loss
-    scale (torch's fused AdamW's work, with an fp32 `dtype`)."""
-    opt = CPUAdamW([torch.randn(n, generator=gen)], lr=LR, weight_decay=0.1, threads=threads,
-                   cores=cores, exact_rollback=exact, state_dtype=state_dtype,
-                   master_dtype=master_dtype)
-    scale = 1024 if working_copy else 1
-    grad = (torch.randn(n, generator=gen) * scale).to(dtype)
-    out = torch.empty(n, dtype=dtype) if working_copy else None
-
-    def step() -> None:
-        opt.step_group(0, grad, inv_scale=1.0 / scale, out=out)
-        if rollback:
-            opt.rollback_group(0)
-        else:
-            opt.commit_group(0)
-
-    return step
+@dataclass
+class Variant:
+    run: Callable[[], object]
+    isa: str
+    threads: int
+    bytes_per_param: int | None
+    params: int | None = None  # parameter-steps per run when not the bench's n
 
 
-def composed_step(
-    n: int, dtype: torch.dtype, gen, make_optimizer, check: str = "amp"
-) -> Callable[[], None]:
-    """16-bit grad -> fp32 copy -> unscale+check -> optimizer step -> 16-bit copy.
-    check="amp": torch's fused unscale-and-check op; "isfinite": mul_ then
-    torch.isfinite(g).all(), the textbook composition."""
-    param = fp32_param(n, gen)
+class StepBuffers:
+    """p, m, v, a bf16 gradient and a bf16 working copy of one precision; every ISA and
+    thread count steps the same buffers (the touch probe leaves p, m, v as they were)."""
+
+    def __init__(self, n: int, precision: Precision, gen: torch.Generator) -> None:
+        self.n, self.precision = n, precision
+        self.p = torch.randn(n, generator=gen).to(precision.master)
+        self.m = torch.zeros(n, dtype=precision.states)
+        self.v = torch.zeros(n, dtype=precision.states)
+        self.grad = torch.randn(n, generator=gen).to(BF16)
+        self.out = torch.empty(n, dtype=BF16)
+        self.format = _kernel.StateFormat()
+        self.format.master_dtype = CODES[precision.master]
+        self.format.state_dtype = CODES[precision.states]
+        if precision.stochastic:
+            self.format.runs = [[0, n, 0, 0x5EED]]
+        self.steps = 0
+
+    def common(self, threads: int, isa: str, cores: Sequence[int] = ()) -> dict:
+        return dict(p=self.p.data_ptr(), m=self.m.data_ptr(), v=self.v.data_ptr(),
+                    grad=self.grad.data_ptr(), grad_dtype=_kernel.BF16, out=self.out.data_ptr(),
+                    out_dtype=_kernel.BF16, n=self.n, pool=shared_pool(threads, cores), isa=isa,
+                    format=self.format)
+
+    def step(self, threads: int, isa: str, cores: Sequence[int] = ()) -> Callable[[], object]:
+        """One step (cores: pin the kernel threads; none: unpinned)."""
+        def run() -> object:
+            self.steps += 1
+            return _kernel.step(**self.common(threads, isa, cores), snapshot=0, lr=LR,
+                                beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=WD,
+                                step=self.steps, inv_scale=1.0)
+        return run
+
+    def stream(self, threads: int, isa: str, non_temporal: bool = False) -> Callable[[], object]:
+        def run() -> object:
+            with kernel_tuning(stream_out=non_temporal):
+                return _kernel.touch(**self.common(threads, isa))
+        return run
+
+
+def in_cache(n: int, precision: Precision, isa: str, gen: torch.Generator) -> Variant:
+    """n element-steps on one thread as steps of IN_CACHE elements (their 4 MiB or less
+    stay in the last-level cache): the instructions' cost of the step, no memory limit."""
+    buf = StepBuffers(IN_CACHE, precision, gen)
+    step = buf.step(1, isa)
+    calls = max(n // IN_CACHE, 1)
+
+    def run() -> None:
+        for _ in range(calls):
+            step()
+    return Variant(run, isa, 1, None, calls * IN_CACHE)
+
+
+def tuned(step: Callable[[], object], knobs: dict) -> Callable[[], object]:
+    def run() -> object:
+        with kernel_tuning(**knobs):
+            return step()
+    return run
+
+
+def cpu_adamw_step(n: int, threads: int, gen: torch.Generator, *, grad_dtype: torch.dtype,
+                   scale: float = 1.0, out: bool = True, exact: bool = False,
+                   rollback: bool = False) -> Callable[[], None]:
+    """A step of CPUAdamW (fp32 states) on the best ISA; rollback=True: step and rollback."""
+    opt = CPUAdamW([torch.randn(n, generator=gen)], lr=LR, betas=BETAS, eps=EPS,
+                   weight_decay=WD, threads=threads, exact_rollback=exact)
+    grad = (torch.randn(n, generator=gen) * scale).to(grad_dtype)
+    copy = torch.empty(n, dtype=grad_dtype) if out else None
+
+    def run() -> None:
+        opt.step_group(0, grad, inv_scale=1.0 / scale, out=copy)
+        (opt.rollback_group if rollback else opt.commit_group)(0)
+    return run
+
+
+def torch_threads(threads: int, call: Callable[[], object]) -> Callable[[], object]:
+    """Runs `call` with torch's intra-op threads set to `threads` (process-wide)."""
+    def run() -> object:
+        torch.set_num_threads(threads)
+        return call()
+    return run
+
+
+def torch_fused_step(n: int, gen: torch.Generator) -> Callable[[], object]:
+    param = torch.nn.Parameter(torch.randn(n, generator=gen))
+    param.grad = torch.randn(n, generator=gen)
+    return torch.optim.AdamW([param], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
+                             fused=True).step
+
+
+def composed_step(n: int, gen: torch.Generator, make_optimizer, check: str = "amp"
+                  ) -> Callable[[], None]:
+    """bf16 grad -> fp32 copy -> unscale+check -> optimizer step -> bf16 copy. check="amp":
+    torch.amp's fused unscale-and-check op; "isfinite": mul_ then isfinite(g).all()."""
+    param = torch.nn.Parameter(torch.randn(n, generator=gen))
     param.grad = torch.empty(n)
-    grad16 = (torch.randn(n, generator=gen) * 1024).to(dtype)
-    out = torch.empty(n, dtype=dtype)
-    found_inf = torch.zeros(1)
-    inv_scale = torch.tensor(INV_SCALE)
+    grad16 = torch.randn(n, generator=gen).to(BF16)
+    out = torch.empty(n, dtype=BF16)
+    found_inf, inv_scale = torch.zeros(1), torch.tensor(1.0)
     opt = make_optimizer(param)
 
-    def unscale_and_check() -> bool:
+    def finite() -> bool:
         if check == "isfinite":
-            param.grad.mul_(INV_SCALE)
+            param.grad.mul_(1.0)
             return bool(torch.isfinite(param.grad).all())
         found_inf.zero_()
         torch._amp_foreach_non_finite_check_and_unscale_([param.grad], found_inf, inv_scale)
         return found_inf.item() == 0.0
 
-    def step() -> None:
+    def run() -> None:
         param.grad.copy_(grad16)
-        if unscale_and_check():
+        if finite():
             opt.step()
         out.copy_(param)
-
-    return step
-
-
-def torch_fused(param: torch.nn.Parameter) -> torch.optim.Optimizer:
-    return torch.optim.AdamW([param], lr=LR, weight_decay=0.1, fused=True)
+    return run
 
 
-def deepspeed_optimizer(param: torch.nn.Parameter):
-    from deepspeed.ops.adam import DeepSpeedCPUAdam
-
-    return DeepSpeedCPUAdam([param], lr=LR, weight_decay=0.1, adamw_mode=True)
+def fused_adamw(param: torch.nn.Parameter) -> torch.optim.Optimizer:
+    return torch.optim.AdamW([param], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, fused=True)
 
 
-def deepspeed_step(n: int, dtype: torch.dtype, gen) -> tuple[Callable[[], None] | None, str | None]:
+def deepspeed_step(n: int, gen: torch.Generator) -> tuple[Callable[[], None] | None, str | None]:
     """DeepSpeedCPUAdam in the composed step, or None and why it cannot run."""
     try:
-        step = composed_step(n, dtype, gen, deepspeed_optimizer)
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        step = composed_step(n, gen, lambda p: DeepSpeedCPUAdam(
+            [p], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, adamw_mode=True))
         step()  # builds the extension on first use
         return step, None
     except Exception as error:  # noqa: BLE001 - any failure to import or build is the answer
         return None, f"{type(error).__name__}: {error}".splitlines()[0][:300]
 
 
-def torch_fused_fp32_step(n: int, gen) -> Callable[[], None]:
-    param = fp32_param(n, gen)
-    param.grad = torch.randn(n, generator=gen)
-    return torch_fused(param).step
-
-
-def triad_step(n: int) -> Callable[[], None]:
+def triad_step(n: int) -> Callable[[], object]:
     a, b, c = torch.ones(n), torch.ones(n), torch.empty(n)
     return lambda: torch.add(a, b, out=c)
+
+
+def seconds_interleaved(variants: dict[str, Variant], repeats: int
+                        ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Wall and process CPU seconds of each variant over `repeats` rounds; every round runs
+    each variant once in a shuffled order (fixed seed), so that load from other processes
+    on a shared machine disturbs all of them alike and no variant always follows the same
+    one (torch's OpenMP threads spin for a while after an op and slow down what follows)."""
+    for variant in variants.values():
+        variant.run()  # warm-up: page faults, thread pools
+    names = list(variants)
+    wall: dict[str, list[float]] = {name: [] for name in variants}
+    cpu: dict[str, list[float]] = {name: [] for name in variants}
+    order = random.Random(0)
+    for _ in range(repeats):
+        order.shuffle(names)
+        for name in names:
+            start, start_cpu = time.perf_counter(), time.process_time()
+            variants[name].run()
+            wall[name].append(time.perf_counter() - start)
+            cpu[name].append(time.process_time() - start_cpu)
+    return wall, cpu
+
+
+def build_variants(n: int, threads: int, gen: torch.Generator) -> tuple[dict[str, Variant], str | None]:
+    isas, best = available_isas(), available_isas()[-1]
+    buffers = {name: StepBuffers(n, p, gen) for name, p in PRECISIONS.items()}
+    v: dict[str, Variant] = {}
+    for name, buf in buffers.items():
+        nbytes = buf.precision.bytes_per_param
+        for isa in isas:
+            v[f"{isa}/{name}"] = Variant(buf.step(threads, isa), isa, threads, nbytes)
+            v[f"{isa}/{name}/in_cache"] = in_cache(n, buf.precision, isa, gen)
+        v[f"stream/{name}"] = Variant(buf.stream(threads, best), best, threads, nbytes)
+        v[f"stream_nt/{name}"] = Variant(buf.stream(threads, best, True), best, threads, nbytes)
+        if name != "bf16_all_nearest":
+            for knob, setting in KNOBS.items():
+                step = (buf.step(threads, best, usable_cores()[:threads]) if knob == "pinned"
+                        else tuned(buf.step(threads, best), setting))
+                v[f"{best}/{name}/{knob}"] = Variant(step, best, threads, nbytes)
+    for t in range(1, threads):  # the scaling; T threads itself is above
+        for name in ("fp32", "bf16_all"):
+            nbytes = PRECISIONS[name].bytes_per_param
+            v[f"{best}/{name}@{t}"] = Variant(buffers[name].step(t, best), best, t, nbytes)
+            v[f"stream/{name}@{t}"] = Variant(buffers[name].stream(t, best), best, t, nbytes)
+    v[f"{best}/fp16_loss_scaled"] = Variant(cpu_adamw_step(
+        n, threads, gen, grad_dtype=torch.float16, scale=1024.0), best, threads, 28)
+    v[f"{best}/cpu_adamw"] = Variant(cpu_adamw_step(n, threads, gen, grad_dtype=BF16), best,
+                                     threads, 28)
+    v[f"{best}/exact"] = Variant(cpu_adamw_step(n, threads, gen, grad_dtype=BF16, exact=True),
+                                 best, threads, 40)
+    v[f"{best}/step_and_rollback"] = Variant(cpu_adamw_step(
+        n, threads, gen, grad_dtype=BF16, rollback=True), best, threads, None)
+    v[f"{best}/same_work"] = Variant(cpu_adamw_step(n, threads, gen, grad_dtype=torch.float32,
+                                                    out=False), best, threads, 28)
+    fused = torch_fused_step(n, gen)
+    for t in range(1, threads + 1):
+        suffix = "" if t == threads else f"@{t}"
+        v[f"torch_fused_adamw{suffix}"] = Variant(torch_threads(t, fused), "torch", t, 28)
+    v["torch_composed"] = Variant(torch_threads(threads, composed_step(n, gen, fused_adamw)),
+                                  "torch", threads, None)
+    v["torch_composed_isfinite"] = Variant(torch_threads(threads, composed_step(
+        n, gen, fused_adamw, "isfinite")), "torch", threads, None)
+    v["triad"] = Variant(torch_threads(threads, triad_step(n)), "torch", threads, 12)
+    torch.set_num_threads(threads)
+    deepspeed, deepspeed_error = deepspeed_step(n, gen)
+    if deepspeed is not None:
+        v["deepspeed"] = Variant(torch_threads(threads, deepspeed), "deepspeed", threads, None)
+    return v, deepspeed_error
+
+
+def summarize(n: int, variants: dict[str, Variant], times: dict[str, list[float]],
+              cpu_times: dict[str, list[float]]) -> dict:
+    out = {}
+    for name, variant in variants.items():
+        rates = [(variant.params or n) / t for t in times[name]]
+        row = {"isa": variant.isa, "threads": variant.threads,
+               "bytes_per_param": variant.bytes_per_param, "params_per_s": spread(rates),
+               "params_per_cpu_s": (variant.params or n) / max(statistics.median(cpu_times[name]), 1e-9)}
+        if variant.bytes_per_param:
+            row["gb_s"] = spread([r * variant.bytes_per_param / 1e9 for r in rates])
+        out[name] = row
+    return out
+
+
+def per_isa_ratios(med: dict[str, float], isas: Sequence[str]) -> dict:
+    """Per ISA: the 16-bit steps over the fp32 step, the fp32 step over torch's fused
+    AdamW, each step over its stream probe, and the targets."""
+    per_isa = {}
+    for isa in isas:
+        r = {"fp32_over_torch_fused": med[f"{isa}/fp32"] / med["torch_fused_adamw"]}
+        for name in PRECISIONS:
+            if name != "fp32":
+                r[f"{name}_over_fp32"] = med[f"{isa}/{name}"] / med[f"{isa}/fp32"]
+                r[f"{name}_over_fp32_in_cache"] = (med[f"{isa}/{name}/in_cache"]
+                                                   / med[f"{isa}/fp32/in_cache"])
+            r[f"{name}_in_cache_ns_per_param"] = 1e9 / med[f"{isa}/{name}/in_cache"]
+            r[f"{name}_fraction_of_stream"] = med[f"{isa}/{name}"] / med[f"stream/{name}"]
+            r[f"{name}_fraction_of_stream_nt"] = med[f"{isa}/{name}"] / med[f"stream_nt/{name}"]
+        r["targets_met"] = {
+            "bf16_states_over_fp32 >= 1.15": r["bf16_states_over_fp32"] >= 1.15,
+            "bf16_all_over_fp32 >= 1.40": r["bf16_all_over_fp32"] >= 1.40,
+            "fp32_over_torch_fused >= 1.0": r["fp32_over_torch_fused"] >= 1.0,
+            **{f"{name}_fraction_of_stream >= 0.8": r[f"{name}_fraction_of_stream"] >= 0.8
+               for name in ("fp32", "bf16_states", "bf16_all")},
+        }
+        per_isa[isa] = r
+    return per_isa
+
+
+def ratios(results: dict, isas: Sequence[str], threads: int) -> dict:
+    """Medians over medians (per_isa: of the wall rates; per_isa_cpu: of the rates per
+    CPU second, which a thread waiting for a core on a loaded machine does not lower;
+    torch's OpenMP threads count their spinning there); and the thread scaling."""
+    med = {name: r["params_per_s"]["median"] for name, r in results.items()}
+    best = isas[-1]
+    knobs = {f"{name}/{knob}_over_default": med[f"{best}/{name}/{knob}"] / med[f"{best}/{name}"]
+             for name in PRECISIONS if name != "bf16_all_nearest" for knob in KNOBS}
+    scaling = {}
+    for name in (f"{best}/fp32", f"{best}/bf16_all", "stream/fp32", "stream/bf16_all",
+                 "torch_fused_adamw"):
+        by_t = {t: med[name if t == threads else f"{name}@{t}"] for t in range(1, threads + 1)}
+        scaling[name] = {"params_per_s": by_t, "over_1_thread": {t: r / by_t[1] for t, r in by_t.items()}}
+    # seconds per parameter of the step-and-rollback pair minus the step's
+    rollback = max(1 / med[f"{best}/step_and_rollback"] - 1 / med[f"{best}/cpu_adamw"], 1e-12)
+    return {
+        "per_isa": per_isa_ratios(med, isas),
+        "per_isa_cpu": per_isa_ratios(
+            {name: r["params_per_cpu_s"] for name, r in results.items()}, isas),
+        "same_work_over_torch_fused": med[f"{best}/same_work"] / med["torch_fused_adamw"],
+        "fp32_over_torch_composed": med[f"{best}/fp32"] / med["torch_composed"],
+        "fp32_over_torch_composed_isfinite": med[f"{best}/fp32"] / med["torch_composed_isfinite"],
+        "fp16_loss_scaled_over_fp32": med[f"{best}/fp16_loss_scaled"] / med[f"{best}/fp32"],
+        "cpu_adamw_over_kernel": med[f"{best}/cpu_adamw"] / med[f"{best}/fp32"],
+        "exact_over_fp32": med[f"{best}/exact"] / med[f"{best}/cpu_adamw"],
+        "rollback_alone_params_per_s": 1.0 / rollback,
+        "knobs": knobs,
+        "threads_scaling": scaling,
+    }
 
 
 def positive_int(text: str) -> int:
@@ -175,88 +404,40 @@ def positive_int(text: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[1])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--params", type=positive_int, default=20_000_000,
                         help="parameters per step (default 20M)")
-    parser.add_argument("--threads", type=positive_int, default=2, help="threads (default 2)")
-    parser.add_argument("--repeats", type=positive_int, default=7, help="timed repetitions")
+    parser.add_argument("--threads", type=positive_int, default=len(usable_cores()),
+                        help="kernel and torch threads (default: the usable cores)")
+    parser.add_argument("--repeats", type=positive_int, default=9, help="timed rounds")
     parser.add_argument("--json", action="store_true", help="print only the JSON object")
     args = parser.parse_args(argv)
-    n, threads, repeats = args.params, args.threads, args.repeats
-    torch.set_num_threads(threads)
-    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    n, threads = args.params, args.threads
     gen = torch.Generator().manual_seed(0)
-
-    steps = {
-        "ours_bf16": ours_step(n, threads, torch.bfloat16, gen),
-        "ours_fp16": ours_step(n, threads, torch.float16, gen),
-        "ours_bf16_states": ours_step(n, threads, torch.bfloat16, gen,
-                                      state_dtype=torch.bfloat16),
-        "ours_bf16_all": ours_step(n, threads, torch.bfloat16, gen, state_dtype=torch.bfloat16,
-                                   master_dtype=torch.bfloat16),
-        "ours_exact": ours_step(n, threads, torch.bfloat16, gen, exact=True),
-        "ours_step_rollback": ours_step(n, threads, torch.bfloat16, gen, rollback=True),
-        "ours_fp32_grad": ours_step(n, threads, torch.float32, gen, working_copy=False),
-        "composed": composed_step(n, torch.bfloat16, gen, torch_fused),
-        "composed_isfinite": composed_step(n, torch.bfloat16, gen, torch_fused, "isfinite"),
-        "fused": torch_fused_fp32_step(n, gen),
-        "triad": triad_step(n),
-    }
-    deepspeed, deepspeed_error = deepspeed_step(n, torch.bfloat16, gen)
-    if deepspeed is not None:
-        steps["deepspeed"] = deepspeed
-    times = seconds_interleaved(steps, repeats)
-    seconds = {name: statistics.median(t) for name, t in times.items()}
-    rate = {name: n / s for name, s in seconds.items()}
-    spread = {name: [n / max(t), n / min(t)] for name, t in times.items()}
-    ours_bf16, ours_fp16 = rate["ours_bf16"], rate["ours_fp16"]
-    composed, composed_isfinite, fused = rate["composed"], rate["composed_isfinite"], rate["fused"]
-    bandwidth = 12 * rate["triad"] / 1e9
-
-    result = {
-        "params": n,
-        "threads": threads,
-        "repeats": repeats,
-        "isa": available_isas()[-1],
-        "cpu": platform.processor() or platform.machine(),
-        "ours_params_per_s": ours_bf16,
-        "ours_bf16_params_per_s": ours_bf16,
-        "ours_fp16_params_per_s": ours_fp16,
-        "ours_bf16_states_params_per_s": rate["ours_bf16_states"],
-        "ours_bf16_all_params_per_s": rate["ours_bf16_all"],
-        "ours_exact_rollback_mode_params_per_s": rate["ours_exact"],
-        # the rollback alone: the step-then-rollback pair's time minus the step's
-        "ours_rollback_params_per_s": n / max(seconds["ours_step_rollback"] - seconds["ours_bf16"], 1e-9),
-        "torch_composed_params_per_s": composed,
-        "torch_composed_isfinite_params_per_s": composed_isfinite,
-        "torch_fused_adamw_params_per_s": fused,
-        "deepspeed_params_per_s": rate.get("deepspeed"),
+    load_before = os.getloadavg() if hasattr(os, "getloadavg") else None
+    variants, deepspeed_error = build_variants(n, threads, gen)
+    times, cpu_times = seconds_interleaved(variants, args.repeats)
+    results = summarize(n, variants, times, cpu_times)
+    isas = available_isas()
+    report = {
+        "params": n, "threads": threads, "repeats": args.repeats, "isas": isas,
+        "best_isa": isas[-1],
+        "machine": machine(load_average_before=load_before,
+                           load_average_after=os.getloadavg() if hasattr(os, "getloadavg") else None),
+        "statistic": f"median, min, max of {args.repeats} interleaved rounds",
         "deepspeed_error": deepspeed_error,
-        "bandwidth_gb_s": bandwidth,
-        # 4 reads (p, m, v: 4 B, grad: 2 B) and 4 writes (p, m, v: 4 B, copy: 2 B)
-        "ours_gb_s": ours_bf16 * 28 / 1e9,
-        "ours_fp32_grad_params_per_s": rate["ours_fp32_grad"],
-        "ours_over_torch_fused": ours_bf16 / fused,
-        # the two kernels on equal work and bytes (fp32 gradient, no copy out)
-        "ours_same_work_over_torch_fused": rate["ours_fp32_grad"] / fused,
-        "ours_over_torch_composed": ours_bf16 / composed,
-        "ours_over_torch_composed_isfinite": ours_bf16 / composed_isfinite,
-        "fp16_over_bf16": ours_fp16 / ours_bf16,
-        "bf16_states_over_fp32_states": rate["ours_bf16_states"] / ours_bf16,
-        "bf16_all_over_fp32_states": rate["ours_bf16_all"] / ours_bf16,
-        "bytes_per_param": BYTES_PER_PARAM,
-        "gb_s": {name: rate[name] * b / 1e9 for name, b in BYTES_PER_PARAM.items()},
-        "statistic": f"median of {repeats} interleaved rounds",
-        "spread": spread,  # params/s of the slowest and the fastest round
+        "variants": results,
+        "ratios": ratios(results, isas, threads),
     }
-    if args.json:
-        print(json.dumps(result))
-    else:
-        for key, value in result.items():
-            shown = (f"{value / 1e6:,.0f} M" if key.endswith("params_per_s") and value
-                     else value)
-            print(f"{key:32s} {shown}")
-        print(json.dumps(result))
+    if not args.json:
+        for name, r in results.items():
+            p = r["params_per_s"]
+            gb = f"{r['gb_s']['median']:6.1f} GB/s" if "gb_s" in r else ""
+            print(f"{name:34s} {r['isa']:9s} {r['threads']:2d} thr  {p['median'] / 1e6:7,.0f} "
+                  f"Mparam/s ({p['min'] / 1e6:,.0f}-{p['max'] / 1e6:,.0f})  {gb}  "
+                  f"{r['params_per_cpu_s'] / 1e6:,.0f} Mparam/cpu-s")
+        print(json.dumps(report["ratios"], indent=1))
+    print(json.dumps(report))
     return 0
 
 

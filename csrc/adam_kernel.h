@@ -28,30 +28,32 @@ static inline typename P::F load_as_f32(const void* base, int64_t i) {
   }
 }
 
-// kStream: a non-temporal store (the caller checked the alignment and fences after)
-template <class P, int D, bool kStream = false>
-static inline void store_h(void* base, int64_t i, typename P::H h) {
+// stream: a non-temporal store (the caller checked the alignment and fences after).
+template <class P>
+static inline void store_h(void* base, int64_t i, typename P::H h, bool stream = false) {
   uint16_t* const at = static_cast<uint16_t*>(base) + i;
-  if constexpr (kStream) {
+  if (stream) {
     P::stream_h(at, h);
   } else {
     P::store_h(at, h);
   }
 }
 
-template <class P, int D, bool kStream = false>
-static inline void store_from_f32(void* base, int64_t i, typename P::F x) {
+// kMayNan = false: the caller knows x holds no nan, so a bf16 rounding may skip the nan
+// rule (policies where that rule is free ignore it).
+template <class P, int D, bool kMayNan = true>
+static inline void store_from_f32(void* base, int64_t i, typename P::F x, bool stream = false) {
   if constexpr (D == kF32) {
     float* const at = static_cast<float*>(base) + i;
-    if constexpr (kStream) {
+    if (stream) {
       P::stream(at, x);
     } else {
       P::store(at, x);
     }
   } else if constexpr (D == kF16) {
-    store_h<P, D, kStream>(base, i, P::to_f16(x));
+    store_h<P>(base, i, P::to_f16(x), stream);
   } else if constexpr (D == kBF16) {
-    store_h<P, D, kStream>(base, i, P::to_bf16(x));
+    store_h<P>(base, i, P::template to_bf16<kMayNan>(x), stream);
   }
 }
 
@@ -133,10 +135,67 @@ template <class P, int GD, int MD, int SD>
 static inline void prefetch(const void* p, const void* m, const void* v, const void* grad,
                             int64_t k, bool on) {
   if (P::W > 1 && on) {
-    __builtin_prefetch(static_cast<const char*>(p) + k * bytes_of(MD), 1);
-    __builtin_prefetch(static_cast<const char*>(m) + k * bytes_of(SD), 1);
-    __builtin_prefetch(static_cast<const char*>(v) + k * bytes_of(SD), 1);
-    __builtin_prefetch(static_cast<const char*>(grad) + k * kGradBytes<GD>, 0);
+    P::prefetch(static_cast<const char*>(p) + k * bytes_of(MD));
+    P::prefetch(static_cast<const char*>(m) + k * bytes_of(SD));
+    P::prefetch(static_cast<const char*>(v) + k * bytes_of(SD));
+    P::prefetch(static_cast<const char*>(grad) + k * kGradBytes<GD>);
+  }
+}
+
+// Whether a step of these dtypes rounds its bf16 master stochastically.
+template <int MD>
+static inline bool rounds_stochastically(Op op, const Hyper& h) {
+  return MD == kBF16 && h.stochastic && op != Op::kInverse;
+}
+
+// Whether the working copy's vectors from element `at` on can be stored non-temporally:
+// the stream instructions need addresses aligned to the bytes they store at once.
+template <int OD>
+static inline bool can_stream(const Buffers& b, const Tuning& t, int64_t at, int vector_bytes) {
+  if constexpr (OD == kNone) {
+    return false;
+  } else {
+    const uintptr_t address = reinterpret_cast<uintptr_t>(b.out) + at * bytes_of(OD);
+    return t.stream_out && address % vector_bytes == 0;
+  }
+}
+
+// Whether a vector holds a nan among the values it rounds to bf16 (then the rounding
+// needs the nan rule; on AVX2 that rule costs a compare and a blend per vector, the check
+// a compare per two vectors).
+template <class P, int OD, int MD, int SD>
+static inline bool rounds_nan(typename P::F p, typename P::F m, typename P::F v) {
+  constexpr bool p16 = MD == kBF16 || OD == kBF16;
+  if constexpr (SD == kBF16) {
+    return P::any_nan(m, v, p16 ? p : m);
+  } else if constexpr (p16) {
+    return P::any_nan(p, p, p);
+  } else {
+    return false;
+  }
+}
+
+// Writes the vector's new p, m, v and working copy (kMayNan: with the nan rule).
+template <class P, int OD, int MD, int SD, bool kMayNan>
+static inline void store_state(void* pp, void* mp, void* vp, void* out, int64_t k,
+                               typename P::F p, typename P::F m, typename P::F v,
+                               bool stochastic, typename P::I index, typename P::I key,
+                               bool stream) {
+  store_from_f32<P, SD, kMayNan>(mp, k, m);
+  store_from_f32<P, SD, kMayNan>(vp, k, v);
+  if constexpr (MD == kBF16) {
+    // rounded once; the working copy is the stored master
+    const typename P::H p16 = stochastic ? P::template round_sr<kMayNan>(p, index, key)
+                                         : P::template to_bf16<kMayNan>(p);
+    store_h<P>(pp, k, p16);
+    if constexpr (OD == kBF16) {
+      store_h<P>(out, k, p16, stream);
+    } else if constexpr (OD != kNone) {
+      store_from_f32<P, OD>(out, k, P::from_bf16(p16), stream);
+    }
+  } else {
+    store_from_f32<P, MD>(pp, k, p);
+    if constexpr (OD != kNone) store_from_f32<P, OD, kMayNan>(out, k, p, stream);
   }
 }
 
@@ -146,9 +205,13 @@ static inline void prefetch(const void* p, const void* m, const void* v, const v
 // when all were finite); [lo, returned index) was updated. p, m, v are read and written
 // in their dtypes (MD for p, SD for m and v) with the arithmetic in fp32; a bf16 m or v
 // rounds to nearest even, a bf16 p stochastically (h.stochastic) or to nearest even.
-// kOp >= 0 fixes the op at compile time (the step, the hot path, then has no op tests in
-// its loop); kOp < 0 takes it from `op`. kStream: non-temporal stores for the working copy.
-template <class P, int GD, int OD, int MD, int SD, int kOp = -1, bool kStream = false>
+// Template values >= 0 fix at compile time what would be tested in the loop (the step,
+// the hot path, then carries no dead code that the register allocator must make room
+// for): kOp the op, kExact whether there is a snapshot, kScaled whether the loss scale
+// or the clip factor differs from 1 (g * 1 == g: skipping both changes no bit; bf16
+// training has neither). -1: decided at run time.
+template <class P, int GD, int OD, int MD, int SD, int kOp = -1, int kExact = -1,
+          int kScaled = -1>
 static inline int64_t update_part(Op op_arg, const Buffers& b, const Hyper& h,
                                   const Tuning& t, int64_t base, int64_t lo, int64_t hi,
                                   double& sumsq) {
@@ -161,7 +224,10 @@ static inline int64_t update_part(Op op_arg, const Buffers& b, const Hyper& h,
   const void* const grad = b.grad;
   void* const out = b.out;
   const SnapParts snap = snap_parts<MD, SD>(b);
-  const bool stochastic = MD == kBF16 && h.stochastic && op != Op::kInverse;
+  const bool exact = kExact >= 0 ? kExact == 1 : snap.p != nullptr;
+  const bool scaled = kScaled != 0;
+  const bool stochastic = rounds_stochastically<MD>(op, h);
+  const bool stream = op == Op::kStep && can_stream<OD>(b, t, base + lo, P::W * bytes_of(OD));
   const int64_t ahead = t.prefetch;
   const typename P::I key = P::splat(h.round_key);
   typename P::I index = P::lanes(h.index_base + static_cast<uint32_t>(base + lo));
@@ -170,11 +236,12 @@ static inline int64_t update_part(Op op_arg, const Buffers& b, const Hyper& h,
   for (; i < hi; i += P::W, index = P::next(index)) {
     const int64_t k = base + i;
     prefetch<P, GD, MD, SD>(pp, mp, vp, grad, k + ahead, ahead > 0);
-    const auto g = P::mul(load_as_f32<P, GD>(grad, k), c.inv_scale);
+    const auto g16 = load_as_f32<P, GD>(grad, k);
+    const auto g = scaled ? P::mul(g16, c.inv_scale) : g16;
     if (P::any(P::nonfinite_or(P::mask_zero(), g))) break;
     sq = P::add(sq, P::mul(g, g));
     typename P::F p, m, v;
-    if (op == Op::kCorrect && snap.p) {  // the pre-step state, bit-exact
+    if (op == Op::kCorrect && exact) {  // the pre-step state, bit-exact
       p = load_as_f32<P, MD>(snap.p, k);
       m = load_as_f32<P, SD>(snap.m, k);
       v = load_as_f32<P, SD>(snap.v, k);
@@ -184,54 +251,62 @@ static inline int64_t update_part(Op op_arg, const Buffers& b, const Hyper& h,
       v = load_as_f32<P, SD>(vp, k);
     }
     if (op == Op::kStep) {
-      if (snap.p) {  // exact copies: each value is representable in its dtype
+      if (exact) {  // exact copies: each value is representable in its dtype
         store_from_f32<P, MD>(snap.p, k, p);
         store_from_f32<P, SD>(snap.m, k, m);
         store_from_f32<P, SD>(snap.v, k, v);
       }
-      adam_forward<P>(p, m, v, P::mul(g, c.clip), c);
+      adam_forward<P>(p, m, v, scaled ? P::mul(g, c.clip) : g, c);
     } else if (op == Op::kCorrect) {
-      if (!snap.p) adam_inverse<P>(p, m, v, P::mul(g, c.undo_clip), c);
+      if (!exact) adam_inverse<P>(p, m, v, P::mul(g, c.undo_clip), c);
       adam_forward<P>(p, m, v, P::mul(g, c.clip), c);
     } else {
       adam_inverse<P>(p, m, v, P::mul(g, c.clip), c);
     }
-    store_from_f32<P, SD>(mp, k, m);
-    store_from_f32<P, SD>(vp, k, v);
-    if constexpr (MD == kBF16) {
-      // rounded once; the working copy is the stored master
-      const typename P::H p16 = stochastic ? P::round_sr(p, index, key) : P::to_bf16(p);
-      store_h<P, MD>(pp, k, p16);
-      if constexpr (OD == kBF16) {
-        store_h<P, OD, kStream>(out, k, p16);
-      } else if constexpr (OD != kNone) {
-        store_from_f32<P, OD, kStream>(out, k, P::from_bf16(p16));
-      }
+    if (rounds_nan<P, OD, MD, SD>(p, m, v)) {
+      store_state<P, OD, MD, SD, true>(pp, mp, vp, out, k, p, m, v, stochastic, index, key, stream);
     } else {
-      store_from_f32<P, MD>(pp, k, p);
-      if constexpr (OD != kNone) store_from_f32<P, OD, kStream>(out, k, p);
+      store_state<P, OD, MD, SD, false>(pp, mp, vp, out, k, p, m, v, stochastic, index, key, stream);
     }
   }
-  if constexpr (kStream) P::fence();  // the streamed copy is visible before the call returns
+  if (stream) P::fence();  // the streamed copy is visible before the call returns
   sumsq += P::hsum(sq);
   return i;
 }
 
-// Op::kTouch over tile elements [lo, hi): the loads and stores of a step (same streams,
-// prefetch and stores) with one add in place of the update, so that nothing is elided.
+// Op::kTouch: the bytes a step of these dtypes moves (p, m, v read and written in their
+// dtypes, the gradient read, the working copy written), as raw words, with neither
+// conversion nor arithmetic: the streaming limit of the step's own traffic. Element k of
+// a stream starts at word k * bytes / 4 (k even); 2W elements fill W words of a 16-bit
+// stream and 2W of an fp32 one.
+template <int D>
+static inline float* words_at(const void* base, int64_t k) {
+  return static_cast<float*>(const_cast<void*>(base)) + k * bytes_of(D) / 4;
+}
+
+template <class P, int D>
+static inline void touch_read_write(void* base, int64_t k) {
+  float* const w = words_at<D>(base, k);
+  for (int j = 0; j < bytes_of(D) / 2; ++j) P::store(w + j * P::W, P::opaque(P::load(w + j * P::W)));
+}
+
 template <class P, int GD, int OD, int MD, int SD, bool kStream>
 static inline void touch_part(const Buffers& b, const Tuning& t, int64_t base, int64_t lo,
                               int64_t hi) {
   const auto zero = P::set1(0.0f);
-  for (int64_t i = lo; i < hi; i += P::W) {
+  for (int64_t i = lo; i < hi; i += 2 * P::W) {
     const int64_t k = base + i;
     prefetch<P, GD, MD, SD>(b.p, b.m, b.v, b.grad, k + t.prefetch, t.prefetch > 0);
-    const auto z = P::mul(load_as_f32<P, GD>(b.grad, k), zero);
-    const auto p = P::add(load_as_f32<P, MD>(b.p, k), z);
-    store_from_f32<P, MD>(b.p, k, p);
-    store_from_f32<P, SD>(b.m, k, P::add(load_as_f32<P, SD>(b.m, k), z));
-    store_from_f32<P, SD>(b.v, k, P::add(load_as_f32<P, SD>(b.v, k), z));
-    store_from_f32<P, OD, kStream>(b.out, k, p);
+    for (int j = 0; j < bytes_of(GD) / 2; ++j) P::keep(P::load(words_at<GD>(b.grad, k) + j * P::W));
+    touch_read_write<P, MD>(b.p, k);
+    touch_read_write<P, SD>(b.m, k);
+    touch_read_write<P, SD>(b.v, k);
+    if constexpr (OD != kNone) {
+      for (int j = 0; j < bytes_of(OD) / 2; ++j) {
+        float* const w = words_at<OD>(b.out, k) + j * P::W;
+        if constexpr (kStream) P::stream(w, zero); else P::store(w, zero);
+      }
+    }
   }
   if constexpr (kStream) P::fence();
 }
@@ -250,30 +325,54 @@ static inline void restore_part(const Buffers& b, int64_t base, int64_t lo, int6
   }
 }
 
-// Whether the working copy's vectors from element `at` on can be stored non-temporally:
-// the stream instructions need addresses aligned to the vector's bytes.
-template <int OD>
-static inline bool can_stream(const Buffers& b, const Tuning& t, int64_t at) {
-  if constexpr (OD == kNone) {
-    return false;
-  } else {
-    const uintptr_t address = reinterpret_cast<uintptr_t>(b.out) + at * bytes_of(OD);
-    return t.stream_out && address % (Vec::W * bytes_of(OD)) == 0;
-  }
-}
+// The update's vector policy: VecBf16 where every stream is bf16 (an ISA may lay those
+// vectors out differently, see isa_avx2.cpp), Vec otherwise.
+template <int GD, int OD, int MD, int SD>
+constexpr bool kAllBf16 =
+    GD == kBF16 && (OD == kBF16 || OD == kNone) && MD == kBF16 && SD == kBF16;
+template <bool kBf16, class A, class B>
+struct PickPolicy {
+  using type = B;
+};
+template <class A, class B>
+struct PickPolicy<true, A, B> {
+  using type = A;
+};
+template <int GD, int OD, int MD, int SD>
+using UpdateVec = typename PickPolicy<kAllBf16<GD, OD, MD, SD>, VecBf16, Vec>::type;
 
 template <int GD, int OD, int MD, int SD>
 static int64_t update_vectors(Op op, const Buffers& b, const Hyper& h, const Tuning& t,
-                              int64_t base, int64_t hi, double& sumsq) {
-  if (op != Op::kStep) return update_part<Vec, GD, OD, MD, SD>(op, b, h, t, base, 0, hi, sumsq);
-  if constexpr (OD != kNone && Vec::W > 1) {
-    if (can_stream<OD>(b, t, base)) {
-      return update_part<Vec, GD, OD, MD, SD, static_cast<int>(Op::kStep), true>(
-          op, b, h, t, base, 0, hi, sumsq);
-    }
+                              int64_t base, int64_t lo, int64_t hi, double& sumsq) {
+  using V = UpdateVec<GD, OD, MD, SD>;
+  if (op != Op::kStep) return update_part<V, GD, OD, MD, SD>(op, b, h, t, base, lo, hi, sumsq);
+  constexpr int kStep = static_cast<int>(Op::kStep);
+  const bool exact = b.snap != nullptr;
+  const bool scaled = h.inv_scale != 1.0f || h.clip != 1.0f;
+  if (exact) {
+    return scaled ? update_part<V, GD, OD, MD, SD, kStep, 1, 1>(op, b, h, t, base, lo, hi, sumsq)
+                  : update_part<V, GD, OD, MD, SD, kStep, 1, 0>(op, b, h, t, base, lo, hi, sumsq);
   }
-  return update_part<Vec, GD, OD, MD, SD, static_cast<int>(Op::kStep)>(op, b, h, t, base, 0,
-                                                                        hi, sumsq);
+  return scaled ? update_part<V, GD, OD, MD, SD, kStep, 0, 1>(op, b, h, t, base, lo, hi, sumsq)
+                : update_part<V, GD, OD, MD, SD, kStep, 0, 0>(op, b, h, t, base, lo, hi, sumsq);
+}
+
+// Step, inverse or correction over the tile's elements [0, len); returns where it stopped
+// (len when every gradient was finite). Vectors of the stochastic rounding start at an
+// even element index (two lanes share a hash), so an odd start goes first alone.
+template <int GD, int OD, int MD, int SD>
+static int64_t update_tile(Op op, const Buffers& b, const Hyper& h, const Tuning& t,
+                           int64_t base, int64_t len, double& sumsq) {
+  using V = UpdateVec<GD, OD, MD, SD>;
+  const bool odd = rounds_stochastically<MD>(op, h) &&
+                   ((h.index_base + static_cast<uint32_t>(base)) & 1u) && len > 0;
+  const int64_t head = odd ? 1 : 0;
+  int64_t done = update_part<Scalar, GD, OD, MD, SD>(op, b, h, t, base, 0, head, sumsq);
+  if (done != head) return done;
+  const int64_t nv = head + (len - head) - (len - head) % V::W;
+  done = update_vectors<GD, OD, MD, SD>(op, b, h, t, base, head, nv, sumsq);
+  if (done != nv) return done;
+  return update_part<Scalar, GD, OD, MD, SD>(op, b, h, t, base, nv, len, sumsq);
 }
 
 template <int GD, int OD, int MD, int SD>
@@ -285,12 +384,13 @@ static RangeResult range_impl(Op op, const Buffers& b, const Hyper& h, const Tun
     const int64_t len = (end - t < kTile) ? end - t : kTile;
     const int64_t nv = len - len % Vec::W;
     if (op == Op::kTouch) {
-      if (can_stream<OD>(b, tune, t)) {
-        touch_part<Vec, GD, OD, MD, SD, true>(b, tune, t, 0, nv);
+      const int64_t even = len - len % (2 * Vec::W);
+      if (can_stream<OD>(b, tune, t, Vec::W * 4)) {  // words of W floats
+        touch_part<Vec, GD, OD, MD, SD, true>(b, tune, t, 0, even);
       } else {
-        touch_part<Vec, GD, OD, MD, SD, false>(b, tune, t, 0, nv);
+        touch_part<Vec, GD, OD, MD, SD, false>(b, tune, t, 0, even);
       }
-      touch_part<Scalar, GD, OD, MD, SD, false>(b, tune, t, nv, len);
+      touch_part<Scalar, GD, OD, MD, SD, false>(b, tune, t, even, len - len % 2);
     } else if (op == Op::kRestore) {
       restore_part<Vec, OD, MD, SD>(b, t, 0, nv);
       restore_part<Scalar, OD, MD, SD>(b, t, nv, len);
@@ -300,10 +400,7 @@ static RangeResult range_impl(Op op, const Buffers& b, const Hyper& h, const Tun
       check_part<Scalar, GD>(b.grad, t, nv, len, h.inv_scale, bad, r.sumsq);
       if (bad) r.finite = false;
     } else {
-      int64_t done = update_vectors<GD, OD, MD, SD>(op, b, h, tune, t, nv, r.sumsq);
-      if (done == nv) {
-        done = update_part<Scalar, GD, OD, MD, SD>(op, b, h, tune, t, nv, len, r.sumsq);
-      }
+      const int64_t done = update_tile<GD, OD, MD, SD>(op, b, h, tune, t, len, r.sumsq);
       if (done != len) {
         r.stop = t + done;
         r.finite = false;

@@ -26,7 +26,8 @@ using RangeFn = RangeResult (*)(Op, const Buffers&, const Hyper&, const Tuning&,
 // Threads take blocks of `block` elements from a shared counter, so that a thread slowed
 // down by other work on its core (another rank, a data loader) holds up no one. Default:
 // 16 tiles, a multiple of 64 elements, so no two threads share a cache line.
-// prefetch: 1 KiB of each fp32 stream ahead (measured +7-9% at 20M parameters on Zen 3).
+// prefetch: 1 KiB of each fp32 stream ahead (BENCHMARKS.md, "CPU optimizer": 0-4% at 20M
+// parameters on Zen 3, within the rounds' spread; the hardware prefetchers do most of it).
 constexpr Tuning kDefaultTuning{256, 0, 16 * 2048};
 
 int64_t env_int(const char* name, int64_t fallback) {

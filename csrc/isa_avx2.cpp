@@ -1,4 +1,16 @@
 // AVX2 + FMA + F16C kernel (x86-64 since Haswell / Zen), selected at run time.
+//
+// AVX2 has no bf16 instructions, so every bf16 load, rounding and store is built from
+// integer ops, and on Zen 2/3 the shifts and shuffles among them share two of the four
+// vector pipes with the multiplies and the divider. The policies below keep those to a
+// minimum (docs/cpu_optimizer.md, "The 16-bit paths on AVX2"):
+// - a bf16 value is kept in the high half of its 32-bit lane until it is stored, so
+//   rounding needs no shift and the store picks the high halves (one shuffle);
+// - round to nearest even adds 0x8000 minus "bit 16 clear" (a compare, not a shift);
+// - VecBf16, for steps whose streams are all bf16, holds 16 elements as their even and
+//   odd halves: a 32-byte load becomes two fp32 vectors with one shift and one AND, two
+//   rounded vectors become one 32-byte store with one shift and one word blend, and one
+//   hash gives the random bits of an even and an odd element (its low and high halves).
 #include <cstdint>
 
 #include "kernel_api.h"
@@ -10,11 +22,75 @@
 namespace cpu_adam::isa_avx2 {
 #include "scalar_policy.h"
 
+// Not __builtin_prefetch: GCC 12 at -O2 deletes it from the kernel loops (its mod/ref
+// analysis treats it as dead), so the prefetch knob did nothing.
+static inline void prefetch_line(const void* at) {
+  __asm__ volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(at)));
+}
+
+static inline __m256i fmix(__m256i x) {
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(0x85ebca6bu)));
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 13));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(0xc2b2ae35u)));
+  return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+}
+
+static inline __m128i fmix(__m128i x) {
+  x = _mm_xor_si128(x, _mm_srli_epi32(x, 16));
+  x = _mm_mullo_epi32(x, _mm_set1_epi32(static_cast<int>(0x85ebca6bu)));
+  x = _mm_xor_si128(x, _mm_srli_epi32(x, 13));
+  x = _mm_mullo_epi32(x, _mm_set1_epi32(static_cast<int>(0xc2b2ae35u)));
+  return _mm_xor_si128(x, _mm_srli_epi32(x, 16));
+}
+
+// The bf16 bits of x in the high half of each lane, nan as 0x7fc0 (f32_to_bf16's rule).
+// kMayNan = false: the caller checked that x holds no nan (any_nan), so no blend.
+template <bool kMayNan>
+static inline __m256i keep_nan(__m256 x, __m256i rounded) {
+  if constexpr (!kMayNan) return rounded;
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+  return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7fc00000), nan);
+}
+
+// Round to nearest even into the high half: u + 0x7fff + (bit 16) = u + 0x8000 - (bit 16
+// clear), where the compare gives -1 for a clear bit.
+template <bool kMayNan>
+static inline __m256i nearest_high(__m256 x) {
+  const __m256i u = _mm256_castps_si256(x);
+  const __m256i clear = _mm256_cmpeq_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x10000)),
+                                           _mm256_setzero_si256());
+  return keep_nan<kMayNan>(x, _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x8000)), clear));
+}
+
+// Stochastic rounding into the high half: the 16 random bits added below the kept mantissa.
+template <bool kMayNan>
+static inline __m256i stochastic_high(__m256 x, __m256i random16) {
+  return keep_nan<kMayNan>(x, _mm256_add_epi32(_mm256_castps_si256(x), random16));
+}
+
+// Whether a, b or c holds a nan: two compares for three vectors (unordered: either is nan).
+static inline bool any_nan8(__m256 a, __m256 b, __m256 c) {
+  return _mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(a, b, _CMP_UNORD_Q),
+                                         _mm256_cmp_ps(c, c, _CMP_UNORD_Q))) != 0;
+}
+
+static inline __m256i hash_pairs(__m256i pairs, __m256i key) {
+  return fmix(_mm256_xor_si256(pairs, key));
+}
+
+static inline float hsum8(__m256 x) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+
+// 8 consecutive elements per vector: any mix of fp32, fp16 and bf16 streams.
 struct Vec {
   using F = __m256;
   using M = __m256;
   using H = __m128i;  // 8 packed 16-bit values
-  using I = __m256i;
+  using I = __m128i;  // the rounding's counter: the 4 element pairs of the vector
   static constexpr int W = 8;
   static F set1(float x) { return _mm256_set1_ps(x); }
   static F load(const float* p) { return _mm256_loadu_ps(p); }
@@ -23,50 +99,52 @@ struct Vec {
   static F load_f16(const uint16_t* p) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
+  // the 16 bytes in both 128-bit lanes (a load), then words 0-3 and 4-7 into the high
+  // halves of lanes 0 and 1 (one in-lane shuffle)
   static F load_bf16(const uint16_t* p) {
-    return from_bf16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m256i b =
+        _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m256i to_high = _mm256_setr_epi8(-1, -1, 0, 1, -1, -1, 2, 3, -1, -1, 4, 5, -1, -1, 6, 7,
+                                             -1, -1, 8, 9, -1, -1, 10, 11, -1, -1, 12, 13, -1, -1, 14, 15);
+    return _mm256_castsi256_ps(_mm256_shuffle_epi8(b, to_high));
   }
   static F from_bf16(H h) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
   }
   static H to_f16(F x) { return _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-  // the low 16 bits of each 32-bit lane, packed (every lane is below 0x10000)
-  static H pack(__m256i r) {
-    // packus works per 128-bit lane: keep 64-bit elements 0 and 2
-    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08));
+  // the high halves of the 8 lanes, in order: gathered per 128-bit lane, then joined
+  static H pack_high(__m256i r) {
+    const __m256i gather = _mm256_setr_epi8(2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1,
+                                            2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1);
+    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_shuffle_epi8(r, gather), 0x08));
   }
-  static H to_bf16(F x) {
-    const __m256i u = _mm256_castps_si256(x);
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb);
-    r = _mm256_srli_epi32(r, 16);
-    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-    return pack(_mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan));
-  }
+  template <bool kMayNan = true>
+  static H to_bf16(F x) { return pack_high(nearest_high<kMayNan>(x)); }
+  static bool any_nan(F a, F b, F c) { return any_nan8(a, b, c); }
   static void store_h(uint16_t* p, H h) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h); }
   static void stream_h(uint16_t* p, H h) {  // p 16-byte aligned
     _mm_stream_si128(reinterpret_cast<__m128i*>(p), h);
   }
   static void fence() { _mm_sfence(); }
+  static void prefetch(const void* at) { prefetch_line(at); }
+  // the touch probe's values: opaque to the compiler, so its loads and stores stay
+  static F opaque(F x) {
+    __asm__("" : "+x"(x));
+    return x;
+  }
+  static void keep(F x) { __asm__ volatile("" : : "x"(x)); }
+  // `first` (the index of lane 0) is even: lanes 2j and 2j + 1 share pair first / 2 + j
   static I lanes(uint32_t first) {
-    return _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(first)),
-                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    return _mm_add_epi32(_mm_set1_epi32(static_cast<int>(first >> 1)), _mm_setr_epi32(0, 1, 2, 3));
   }
-  static I next(I index) { return _mm256_add_epi32(index, _mm256_set1_epi32(W)); }
-  static I splat(uint32_t x) { return _mm256_set1_epi32(static_cast<int>(x)); }
-  static __m256i fmix(__m256i x) {
-    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
-    x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(0x85ebca6bu)));
-    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 13));
-    x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(0xc2b2ae35u)));
-    return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
-  }
-  // Scalar::round_sr on every lane: the sum already is the bf16 bits, no second rounding
-  static H round_sr(F x, I index, I key) {
-    const __m256i r = _mm256_srli_epi32(fmix(_mm256_xor_si256(index, key)), 16);
-    const __m256i u = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(x), r), 16);
-    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-    return pack(_mm256_blendv_epi8(u, _mm256_set1_epi32(0x7fc0), nan));
+  static I next(I pairs) { return _mm_add_epi32(pairs, _mm_set1_epi32(W / 2)); }
+  static I splat(uint32_t x) { return _mm_set1_epi32(static_cast<int>(x)); }
+  // Scalar::round_sr on every lane: widening the 4 hashes' 16-bit halves gives lane 2j the
+  // low half of hash j and lane 2j + 1 its high half
+  template <bool kMayNan = true>
+  static H round_sr(F x, I pairs, I key) {
+    const __m256i random16 = _mm256_cvtepu16_epi32(fmix(_mm_xor_si128(pairs, key)));
+    return pack_high(stochastic_high<kMayNan>(x, random16));
   }
   static F add(F a, F b) { return _mm256_add_ps(a, b); }
   static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
@@ -82,11 +160,72 @@ struct Vec {
     return _mm256_or_ps(acc, _mm256_cmp_ps(_mm256_sub_ps(x, x), _mm256_setzero_ps(), _CMP_UNORD_Q));
   }
   static bool any(M acc) { return _mm256_movemask_ps(acc) != 0; }
-  static float hsum(F x) {
-    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-    const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+  static float hsum(F x) { return hsum8(x); }
+};
+
+// 16 consecutive elements held as their even and odd halves: only for steps whose every
+// stream is bf16 (adam_kernel.h picks it through kAllBf16). The lane order differs from
+// memory order, which no elementwise update can tell, and one hash serves lane j of both
+// halves (elements 2j and 2j + 1: Scalar::round_sr's pairing).
+struct VecBf16 {
+  struct F {
+    __m256 even, odd;
+  };
+  using M = __m256;
+  using H = __m256i;  // 16 packed bf16 values, in memory order
+  using I = __m256i;  // the rounding's counter: the 8 element pairs
+  static constexpr int W = 16;
+  static F set1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+  // 32-bit lane j holds elements 2j (low half) and 2j + 1 (high half)
+  static F load_bf16(const uint16_t* p) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return {_mm256_castsi256_ps(_mm256_slli_epi32(h, 16)),
+            _mm256_castsi256_ps(_mm256_and_si256(h, _mm256_set1_epi32(static_cast<int>(0xffff0000u))))};
   }
+  // rounded even and odd lanes (bf16 bits in their high halves) back in memory order
+  static H join(__m256i even, __m256i odd) {
+    return _mm256_blend_epi16(_mm256_srli_epi32(even, 16), odd, 0xaa);
+  }
+  template <bool kMayNan = true>
+  static H to_bf16(F x) {
+    return join(nearest_high<kMayNan>(x.even), nearest_high<kMayNan>(x.odd));
+  }
+  static bool any_nan(F a, F b, F c) {  // unordered: either lane is nan
+    const __m256 ab = _mm256_or_ps(_mm256_cmp_ps(a.even, a.odd, _CMP_UNORD_Q),
+                                   _mm256_cmp_ps(b.even, b.odd, _CMP_UNORD_Q));
+    return _mm256_movemask_ps(_mm256_or_ps(ab, _mm256_cmp_ps(c.even, c.odd, _CMP_UNORD_Q))) != 0;
+  }
+  static void store_h(uint16_t* p, H h) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), h); }
+  static void stream_h(uint16_t* p, H h) {  // p 32-byte aligned
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(p), h);
+  }
+  static void fence() { _mm_sfence(); }
+  static void prefetch(const void* at) { prefetch_line(at); }
+  static I lanes(uint32_t first) {  // `first` is even
+    return _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(first >> 1)),
+                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  }
+  static I next(I pairs) { return _mm256_add_epi32(pairs, _mm256_set1_epi32(W / 2)); }
+  static I splat(uint32_t x) { return _mm256_set1_epi32(static_cast<int>(x)); }
+  template <bool kMayNan = true>
+  static H round_sr(F x, I pairs, I key) {
+    const __m256i h = hash_pairs(pairs, key);
+    return join(stochastic_high<kMayNan>(x.even, _mm256_and_si256(h, _mm256_set1_epi32(0xffff))),
+                stochastic_high<kMayNan>(x.odd, _mm256_srli_epi32(h, 16)));
+  }
+  static F add(F a, F b) { return {_mm256_add_ps(a.even, b.even), _mm256_add_ps(a.odd, b.odd)}; }
+  static F sub(F a, F b) { return {_mm256_sub_ps(a.even, b.even), _mm256_sub_ps(a.odd, b.odd)}; }
+  static F mul(F a, F b) { return {_mm256_mul_ps(a.even, b.even), _mm256_mul_ps(a.odd, b.odd)}; }
+  static F div(F a, F b) { return {_mm256_div_ps(a.even, b.even), _mm256_div_ps(a.odd, b.odd)}; }
+  static F sqrt(F a) { return {_mm256_sqrt_ps(a.even), _mm256_sqrt_ps(a.odd)}; }
+  static F max0(F a) { return {Vec::max0(a.even), Vec::max0(a.odd)}; }
+  static M mask_zero() { return _mm256_setzero_ps(); }
+  static M nonfinite_or(M acc, F x) {  // one compare: unordered when either lane is nan
+    return _mm256_or_ps(acc, _mm256_cmp_ps(_mm256_sub_ps(x.even, x.even),
+                                           _mm256_sub_ps(x.odd, x.odd), _CMP_UNORD_Q));
+  }
+  static bool any(M acc) { return _mm256_movemask_ps(acc) != 0; }
+  static float hsum(F x) { return hsum8(_mm256_add_ps(x.even, x.odd)); }
 };
 
 #include "adam_kernel.h"

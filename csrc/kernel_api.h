@@ -64,11 +64,12 @@ struct Hyper {
   // before it, so it is the unclipped norm's): g_step = (g * inv_scale) * clip.
   float clip;
   float undo_clip;      // kCorrect: the clip factor of the step being corrected
-  // Stochastic rounding of a bf16 master (kStep, kCorrect): element k of the call gets the
-  // random bits fmix32((index_base + k) ^ round_key) (uint32 arithmetic), where
-  // index_base + k is the element's index inside its parameter and round_key mixes the
-  // seed, the parameter and the step (megatron/optimizer/rounding.py). The caller splits
-  // a range where the parameter changes. stochastic == 0: round to nearest even.
+  // Stochastic rounding of a bf16 master (kStep, kCorrect): element k of the call, whose
+  // index inside its parameter is i = index_base + k (uint32 arithmetic), gets the 16
+  // random bits of h = fmix32((i >> 1) ^ round_key): its low half for an even i, its high
+  // half for an odd one; round_key mixes the seed, the parameter and the step
+  // (megatron/optimizer/rounding.py). The caller splits a range where the parameter
+  // changes. stochastic == 0: round to nearest even.
   int stochastic;
   uint32_t index_base;
   uint32_t round_key;

@@ -57,12 +57,20 @@ static inline uint32_t fmix32(uint32_t x) {
   return x;
 }
 
+// The 16 random bits of the element with index `index` in its parameter: elements 2j and
+// 2j + 1 share one hash, fmix32(j ^ key), the even one taking its low half and the odd
+// one its high half (one hash per two elements: the vector kernels' lanes pair up).
+static inline uint32_t random16(uint32_t index, uint32_t key) {
+  const uint32_t h = fmix32((index >> 1) ^ key);
+  return (index & 1u) ? h >> 16 : h & 0xffffu;
+}
+
 // x rounded stochastically to bf16: adds 16 random bits below the kept mantissa and
 // truncates, so x rounds away from zero with probability equal to the dropped fraction.
 // nan becomes 0x7fc0 (as f32_to_bf16 stores it).
-static inline uint16_t bf16_stochastic(float x, uint32_t random) {
+static inline uint16_t bf16_stochastic(float x, uint32_t random16) {
   if (x != x) return 0x7fc0;
-  return static_cast<uint16_t>((bits_of(x) + (random >> 16)) >> 16);
+  return static_cast<uint16_t>((bits_of(x) + random16) >> 16);
 }
 
 struct Scalar {
@@ -79,15 +87,25 @@ struct Scalar {
   static F load_bf16(const uint16_t* p) { return bf16_to_f32(*p); }
   static F from_bf16(H h) { return bf16_to_f32(h); }
   static H to_f16(F x) { return f32_to_f16(x); }
+  template <bool kMayNan = true>  // the nan rule costs nothing here: always applied
   static H to_bf16(F x) { return f32_to_bf16(x); }
   static void store_h(uint16_t* p, H h) { *p = h; }
   static void stream_h(uint16_t* p, H h) { *p = h; }
   static void fence() {}
-  // lane j holds first + j (one lane here); next() advances every lane by W
+  static void prefetch(const void*) {}
+  // the touch probe's values: opaque to the compiler, so its loads and stores stay
+  static F opaque(F x) {
+    __asm__("" : "+m"(x));
+    return x;
+  }
+  static void keep(F x) { __asm__ volatile("" : : "m"(x)); }
+  // The rounding's counter: the element's index here (one lane); next() advances by W
   static I lanes(uint32_t first) { return first; }
   static I next(I index) { return index + 1; }
   static I splat(uint32_t x) { return x; }
-  static H round_sr(F x, I index, I key) { return bf16_stochastic(x, fmix32(index ^ key)); }
+  template <bool kMayNan = true>
+  static H round_sr(F x, I index, I key) { return bf16_stochastic(x, random16(index, key)); }
+  static bool any_nan(F, F, F) { return false; }  // (the roundings apply the nan rule anyway)
   static F add(F a, F b) { return a + b; }
   static F sub(F a, F b) { return a - b; }
   static F mul(F a, F b) { return a * b; }

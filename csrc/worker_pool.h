@@ -39,8 +39,10 @@ class WorkerPool {
   struct Job {
     const std::function<void(int64_t)>* body;
     int64_t count;
-    std::atomic<int64_t> next{0};
-    int64_t done = 0;  // guarded by mutex_
+    // Every worker takes its blocks from here: on a cache line of its own, so that the
+    // claims do not keep invalidating the fields below (written under mutex_).
+    alignas(64) std::atomic<int64_t> next{0};
+    alignas(64) int64_t done = 0;  // guarded by mutex_
     int active = 0;    // workers holding a pointer to this job; guarded by mutex_
     std::exception_ptr error;
     std::condition_variable finished;

@@ -459,3 +459,17 @@ def _read(path: str) -> str:
             return f.read()
     except FileNotFoundError:
         return ""
+
+
+def segments_left(job: str, timeout_s: float = 10.0) -> list[str]:
+    """The shared-memory segments of `job` still there once its reapers have had
+    `timeout_s` to run: a rank killed by a signal leaves its segments to its reaper, which
+    removes them when it sees the rank gone, a moment after the rank's exit is reported."""
+    import time
+
+    from megatron.offload.param_store import job_segments
+
+    deadline = time.monotonic() + timeout_s
+    while (left := job_segments(job)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left

@@ -32,10 +32,13 @@ def np_fmix32(x):
 
 
 def np_bits(seed, name, index, step):
-    """The documented generator: fmix32(index ^ key) >> 16, key from seed, name, step."""
+    """The documented generator: h = fmix32((index >> 1) ^ key), its low half for an even
+    index and its high half for an odd one; key from seed, name, step."""
     key = np_fmix32(np_fmix32(np_fmix32(seed) ^ np.uint32(zlib.crc32(name.encode())))
                     ^ np.uint32(step))
-    return np_fmix32(index.astype(np.uint32) ^ key) >> np.uint32(16)
+    index = index.astype(np.uint32)
+    h = np_fmix32((index >> np.uint32(1)) ^ key)
+    return np.where(index & np.uint32(1), h >> np.uint32(16), h & np.uint32(0xFFFF))
 
 
 def np_to_bf16_nearest(x):
@@ -194,6 +197,26 @@ def test_stochastic_rounding_keeps_updates_smaller_than_half_a_bf16_step():
     assert finals["fp32"] == pytest.approx(1.0 - steps * lr, rel=1e-4)
     assert finals["nearest"] == 1.0  # every update rounded away
     assert finals["stochastic"] == pytest.approx(finals["fp32"], abs=2e-4)
+
+
+@pytest.mark.parametrize("isa", available_isas())
+def test_paired_elements_round_up_independently_with_the_right_probability(isa):
+    """Elements 2j and 2j + 1 take the two halves of one hash: each must still round up
+    with the probability of its dropped fraction, and independently of its partner. The
+    first Adam step moves every weight by lr: 1 + 2^-9 is a quarter of the way from 1.0
+    to the next bf16 value (1 + 2^-7)."""
+    n = 1 << 18
+    opt = CPUAdamW([torch.ones(n)], lr=2.0**-9, betas=BETAS, eps=EPS, weight_decay=0.0,
+                   master_dtype=BF16, stochastic_rounding=True, rounding_seed=7, isa=isa,
+                   threads=1)
+    assert opt.step_group(0, -torch.ones(n)).updated
+    p = opt.master(0).float()
+    assert set(p.unique().tolist()) == {1.0, 1.0 + 2.0**-7}
+    up = (p > 1.0).reshape(-1, 2).double()
+    even, odd = up[:, 0], up[:, 1]
+    assert even.mean().item() == pytest.approx(0.25, abs=0.01)
+    assert odd.mean().item() == pytest.approx(0.25, abs=0.01)
+    assert (even * odd).mean().item() == pytest.approx(0.0625, abs=0.005)  # independent
 
 
 @pytest.mark.parametrize("isa", available_isas())

@@ -16,7 +16,6 @@ import uuid
 import pytest
 
 from megatron.common.save_lock import LOCK_NAME
-from megatron.offload.param_store import job_segments
 from megatron.training.checkpointing import TRACKER, iteration_dir
 from megatron.training.distributed import TEST_TIMEOUT_ENV
 from megatron.training.training import main
@@ -89,10 +88,7 @@ def test_a_stopped_rank_is_one_line_and_a_second_job_on_its_save_is_refused(
     assert (save / TRACKER).read_text() == "2"
     assert os.path.isdir(iteration_dir(str(save), 2))
     assert sorted(os.listdir(save)) == ["iter_0000001", "iter_0000002", TRACKER]  # no lock
-    deadline = time.monotonic() + 10  # the reapers run when their processes are gone
-    while job_segments(f"run:{run_id}") and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not job_segments(f"run:{run_id}")
+    assert forked_ranks.segments_left(f"run:{run_id}") == []
 
 
 def test_a_rank_that_never_joins_is_one_line_naming_it(tmp_path):

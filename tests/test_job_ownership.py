@@ -243,6 +243,7 @@ def test_every_gloo_group_waits_as_long_as_the_flag_says(monkeypatch):
     )
 
     assert str(collective_timeout(10)) == "600 s (--distributed-timeout-minutes 10)"
+    shutdown_distributed()  # initialize_distributed is idempotent: an earlier test's group stays
     initialize_distributed(timeout=CollectiveTimeout(7.0, "test"))
     try:
         options = gloo_group()._get_backend(torch.device("cpu")).options

@@ -148,3 +148,121 @@ def test_memory_model_matches_the_runtime_on_two_processes(tmp_path, demo_cache)
     # The run received checkpoints and sent some (both lifetimes are covered above).
     assert any(i.op == Op.IRECV_CKPT for i in schedule.programs[0])
     assert any(i.op == Op.ISEND_CKPT for p in schedule.programs for i in p)
+
+
+@pytest.mark.parametrize("name,split", [("decoupled", 3), ("mobius", 1), ("interleaved-1f1b", 1)])
+def test_slots_are_sized_by_the_stages_they_take_and_the_runtime_takes_the_same(name, split):
+    """The slot plan walks a rank's program as ParamSlots fills its slots (lowest free
+    index): driving ParamSlots.sized through the same prefetches and releases never finds
+    no room, holds what the memory model prices, and beats a uniform slot size on the
+    ranks with the embedding's or the output layer's stage (larger than a layer's)."""
+    from megatron.offload.device import get_device
+    from megatron.offload.prefetch import ParamSlots
+    from megatron.schedules.cost_model import model_partition
+    from megatron.schedules.slot_plan import slot_numels
+    from megatron.schedules.validator import validate
+
+    preset = replace(get_preset("10b"), num_layers=12, vocab_size=32000)
+    schedule = build_schedule(name, 2, 4, split, 4, model_partition(preset, 4, min_layers=split))
+    report = validate(schedule)
+    numel = backward_stage_params(preset, schedule.partition, split)
+    numel = {b: n // 10_000 for b, n in numel.items()}  # small tensors, the same proportions
+    plan = plan_memory(schedule, MemoryShape(preset, 1, 64, 4, 4), report=report)
+    saved = []
+    for rank in range(schedule.ranks):
+        sizes = slot_numels([schedule], rank, numel)
+        assert len(sizes) == max(2, report.peak_params[rank])
+        with get_device("cpu") as device:
+            slots = ParamSlots.sized(device, list(sizes), torch.float32)
+            held = {}
+            for ins in schedule.programs[rank]:
+                for b in schedule.params_of(ins.stage, ins.sub):
+                    if ins.op == Op.PREFETCH_PARAMS:
+                        held[b] = slots.prefetch(b, torch.zeros(numel[b]))
+                        assert held[b].index == min(
+                            i for i, s in enumerate(slots.slots)
+                            if s is held[b] or not s.in_use)  # the lowest free index
+                    elif ins.op == Op.RELEASE_PARAMS and b in held:
+                        slots.release(held.pop(b))
+            # the device layer's bytes for the slots, against the plan's (full-size stages)
+            assert slots.nbytes == 4 * sum(sizes)
+        full = slot_numels([schedule], rank, backward_stage_params(
+            preset, schedule.partition, split))
+        assert plan.per_gpu[rank]["parameter_slots"] == 4 * sum(full)
+        saved.append(len(full) * max(full) - sum(full))
+    assert max(saved) > 0  # the rank with the embedding's or the head's stage
+
+
+def test_head_working_memory_is_what_its_forward_and_backward_hold_at_their_peak():
+    """The output layer's stage: what its recomputed forward and its backward hold at their
+    peak beyond the stage's inputs and weights, measured from glibc's own count of the
+    bytes it has handed out, sampled around every operator: autograd's saved tensors (the
+    fp32 softmax megatron-core's cross-entropy keeps), the logits in the working dtype
+    beside them (the memory model's operator working: the forward's output, then the
+    backward's cast of the gradient the cross-entropy computes in place)."""
+    import ctypes
+
+    if not hasattr(ctypes.CDLL("libc.so.6"), "mallinfo2"):
+        pytest.skip("glibc without mallinfo2")
+    held, planned, before = measure_head_memory()
+    assert abs(planned - held) <= 0.05 * held, (planned, held)
+    # the term before (the logits' gradient in fp32: 2 more bytes per logit) over-counted
+    assert before - held > 0.15 * held
+
+
+def measure_head_memory() -> tuple[int, int, int]:
+    """(held, planned, the plan before): bytes at the head stage's peak, measured and
+    planned (its saved tensors and operator working), 256 tokens x 16384 logits in bf16."""
+    import ctypes
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from megatron.models.llama import LlamaConfig, build_piece
+    from megatron.schedules.memory_model import head_saved_bytes
+    from megatron.training.distributed import initialize_distributed, shutdown_distributed
+
+    class MallInfo(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+            "uordblks", "fordblks", "keepcost")]
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = MallInfo
+
+    def in_use() -> int:  # allocated and not freed: in the heap's arenas and mmap'd
+        info = libc.mallinfo2()
+        return info.hblkhd + info.uordblks
+
+    class Peak(TorchDispatchMode):
+        first = peak = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.first = self.first or in_use()  # before the first operator
+            self.peak = max(self.peak, in_use())
+            out = func(*args, **(kwargs or {}))
+            self.peak = max(self.peak, in_use())
+            return out
+
+    tokens, hidden, vocab = 256, 64, 16384
+    initialize_distributed()
+    try:
+        cfg = LlamaConfig(num_layers=1, hidden_size=hidden, ffn_hidden_size=160,
+                          num_attention_heads=4, num_query_groups=4, vocab_size=vocab,
+                          seq_length=tokens)
+        head = build_piece(cfg, 2).to(torch.bfloat16)
+        x = torch.randn(tokens, 1, hidden, dtype=torch.bfloat16, requires_grad=True)
+        batch = {"labels": torch.randint(0, vocab, (1, tokens)),
+                 "loss_mask": torch.ones(1, tokens)}
+        head(x, batch).backward()  # once first: lazy imports and caches are not the head's
+        x.grad = None
+        for p in head.parameters():
+            p.grad = None
+        with Peak() as measured:
+            head(x, batch).backward()
+    finally:
+        shutdown_distributed()
+    # the peak (the forward's logits beside their fp32 copy, or the backward's cast of the
+    # gradient) comes before the weights' and the input's gradients exist
+    model = ModelPreset("t", 1, hidden, 160, 4, 4, tokens, vocab)
+    saved = head_saved_bytes(model, tokens, 2)
+    return measured.peak - measured.first, saved + tokens * vocab * 2, saved + tokens * vocab * 4

@@ -53,7 +53,8 @@ def test_bad_hardware_exits_2_with_one_line(capsys):
 def test_builtin_profiles_name_their_sources():
     assert {"paper-v100", "h100-sxm", "dgx-h100"} <= set(HARDWARE_PROFILES)
     v100 = HARDWARE_PROFILES["paper-v100"]
-    assert v100.gpus_per_node == 4 and v100.gpu_memory_bytes == 32 * 2**30
+    # 32 GB of HBM2, as much as CUDA reports of it (PyTorch: "31.74 GiB total capacity")
+    assert v100.gpus_per_node == 4 and v100.gpu_memory_bytes == 34089730048
     assert v100.host_memory_bytes == 512 * 2**30 and v100.cpu_cores == 32
     assert all(p.source for p in HARDWARE_PROFILES.values())
 

@@ -291,7 +291,7 @@ def test_two_jobs_with_the_same_run_id_the_second_is_one_line(tmp_path, cache):
     assert "exit status 2" in second.stderr  # every rank stopped with bad input
     assert len(errors) == 1, second.stderr[-3000:]
     assert "another job with the same job id" in errors[0] and "--rdzv-id" in errors[0]
-    assert job_segments(f"run:{run_id}") == []
+    assert forked_ranks.segments_left(f"run:{run_id}") == []
 
 
 def test_a_save_dir_without_room_for_a_checkpoint_is_refused_at_start(tmp_path, cache,

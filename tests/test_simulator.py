@@ -174,3 +174,52 @@ def test_blocking_transfers_do_not_serialize_along_the_pipeline(name, split):
     blocking = max(sum(ins.op in BLOCKING_SENDS or ins.op in BLOCKING_RECVS for ins in program)
                    for program in schedule.programs)
     assert base < slowed <= base + p2p * (blocking + 2 * stages)
+
+
+def test_shared_lane_ends_against_hand_worked_cases():
+    """`shared_lane_ends`: n updates in progress each advance at min(share, 1/n)."""
+    from megatron.schedules.simulator import shared_lane_ends
+
+    # two at once share the lane: both end at their summed work, whatever the share >= 1/2
+    assert shared_lane_ends([(0.0, 1.0), (0.0, 1.0)], 1.0) == pytest.approx([2.0, 2.0])
+    assert shared_lane_ends([(0.0, 1.0), (0.0, 1.0)], 0.5) == pytest.approx([2.0, 2.0])
+    # one alone runs at its share: 1 / 0.5
+    assert shared_lane_ends([(3.0, 1.0)], 0.5) == pytest.approx([5.0])
+    # 0-0.5 alone at 0.8 (0.4 done); both at 0.5 until the first's 0.6 left is done at 1.7
+    # (the second has 0.6 done by then); the second alone: 0.4 / 0.8 more
+    assert shared_lane_ends([(0.0, 1.0), (0.5, 1.0)], 0.8) == pytest.approx([1.7, 2.2])
+    # apart in time: each alone, none waits for the other
+    assert shared_lane_ends([(0.0, 1.0), (5.0, 2.0)], 0.5) == pytest.approx([2.0, 9.0])
+
+
+def test_single_update_share_slows_the_lone_last_update_not_the_synchronous_ones():
+    """The decoupled schedule's last update runs alone after the compute: its exposed part
+    takes 1/share as long; Mobius steps its two equal stages together after the check, which
+    reach the lane's whole rate either way."""
+    from dataclasses import replace
+
+    results = {}
+    for config in (FIG2, FIG8):
+        schedule = build_schedule(*config)
+        costs = uniform_costs(schedule, optimizer_time=0.5)  # no backlog: each update alone
+        results[config[0]] = [simulate(schedule, replace(costs, single_update_share=share))
+                              for share in (1.0, 0.5)]
+    whole, half = results["decoupled"]
+    assert half.exposed_optimizer_time == pytest.approx(2 * whole.exposed_optimizer_time)
+    assert half.compute_end == pytest.approx(whole.compute_end)
+    whole, half = results["mobius"]
+    assert half.iteration_time == pytest.approx(whole.iteration_time)
+
+
+def test_single_update_share_is_checked_and_reaches_the_cost_model():
+    from dataclasses import replace
+
+    v100 = get_hardware("paper-v100")
+    for bad in (0.0, -0.1, 1.5):
+        with pytest.raises(ValueError, match="single_update_share"):
+            replace(v100, single_update_share=bad)
+    schedule = build_schedule("decoupled", 4, 8, 2, 8,
+                              model_partition("10b", 8, min_layers=2))
+    costs = derived_costs(schedule, "10b", replace(v100, single_update_share=0.6), 2)
+    assert costs.single_update_share == 0.6
+    assert derived_costs(schedule, "10b", "h100-sxm", 2).single_update_share == 1.0

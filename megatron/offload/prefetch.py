@@ -8,7 +8,8 @@
     ... forward / backward of stage (3, 1) ...
 
 Both halves are allocated once; binding only re-points `.data`, so nothing is allocated
-per use. A prefetch into a released half first waits (on the h2d stream) for the compute
+per use. A rank's pipeline sizes each slot for the stages its programs put there
+(`ParamSlots.sized`, from megatron/schedules/slot_plan.py). A prefetch into a released half first waits (on the h2d stream) for the compute
 that used it, so a copy never overwrites parameters still in use.
 """
 
@@ -43,7 +44,8 @@ class Slot:
 
 
 class ParamSlots:
-    """Two device halves of `budget_bytes // 2` each, reused for every stage."""
+    """Device slots for stages' parameters (two halves of `budget_bytes // 2` each by
+    default), reused for every stage."""
 
     def __init__(
         self, device: DeviceLayer, budget_bytes: int, dtype: torch.dtype, slots: int = 2
@@ -58,13 +60,25 @@ class ParamSlots:
             raise ValueError(
                 f"budget_bytes={budget_bytes}: too small for {slots} slots of {dtype} parameters"
             )
+        self._allocate(device, dtype, [half_numel] * slots)
+
+    @classmethod
+    def sized(cls, device: DeviceLayer, numels: list[int], dtype: torch.dtype) -> ParamSlots:
+        """One slot of `numels[i]` elements each (a slot plan's sizes)."""
+        if not numels or min(numels) <= 0:
+            raise ValueError(f"slot sizes {numels}: expected at least one, each > 0")
+        slots = cls.__new__(cls)
+        slots._allocate(device, dtype, list(numels))
+        return slots
+
+    def _allocate(self, device: DeviceLayer, dtype: torch.dtype, numels: list[int]) -> None:
         self.device = device
         self.dtype = dtype
-        self.budget_bytes = budget_bytes
-        self.half_numel = half_numel
-        self.slots = [Slot(i, device.empty(half_numel, dtype, name=f"parameter slot {i}"))
-                      for i in range(slots)]
+        self.slots = [Slot(i, device.empty(n, dtype, name=f"parameter slot {i}"))
+                      for i, n in enumerate(numels)]
         self.nbytes = sum(slot.flat.nbytes for slot in self.slots)
+        self.budget_bytes = self.nbytes
+        self.half_numel = max(numels)  # the largest stage a slot takes
 
     def resident(self, key: BackwardStage) -> Slot | None:
         """The slot already holding (or receiving) `key`, if any."""
@@ -91,7 +105,12 @@ class ParamSlots:
             raise RuntimeError(
                 f"prefetch of stage {key}: all {len(self.slots)} slots hold stages {held}; release one"
             )
-        slot = free[0]
+        # the free slot of lowest index that is large enough (a slot plan's: the lowest)
+        slot = next((s for s in free if s.flat.numel() >= source.numel()), None)
+        if slot is None:
+            raise RuntimeError(
+                f"prefetch of stage {key} ({source.numel()} elements): the free slots hold "
+                f"{[s.flat.numel() for s in free]}; the slot plan did not foresee this order")
         stream = self.device.h2d_stream
         if slot.freed is not None:
             stream.wait_event(slot.freed)

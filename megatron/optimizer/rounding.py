@@ -8,12 +8,16 @@ counter-based generator, a pure function of (seed, parameter, index inside the p
 step):
 
     key(seed, parameter, step) = fmix32(fmix32(fmix32(seed) ^ parameter) ^ step)
-    bits(element) = fmix32(index ^ key) >> 16
+    h = fmix32((index >> 1) ^ key)
+    bits(element) = h & 0xFFFF if index is even else h >> 16
 
 fmix32 is murmur3's 32-bit finalizer, `parameter` the CRC-32 of the parameter's
-whole-model name (GPTModel's). Nothing depends on where the element sits in a buffer, so
-the same parameter rounds the same way whatever the pipeline shape, the optimizer groups,
-the subgroups, the thread count or the shard that updates it.
+whole-model name (GPTModel's). Elements 2j and 2j + 1 of a parameter share one hash, one
+half each: a vector of lanes then hashes once per two elements, which is what keeps the
+rounding off the critical path on AVX2 (docs/cpu_optimizer.md). Nothing depends on where
+the element sits in a buffer, so the same parameter rounds the same way whatever the
+pipeline shape, the optimizer groups, the subgroups, the thread count or the shard that
+updates it.
 """
 
 from __future__ import annotations
@@ -90,13 +94,14 @@ def random_bits(rows: torch.Tensor, n: int, device: torch.device) -> torch.Tenso
     rows = rows.to(device=device, dtype=torch.int64)
     lengths = rows[:, 1] - rows[:, 0]
     x = torch.repeat_interleave(rows[:, 2], lengths, output_size=n)
-    x = (x + torch.arange(n, dtype=torch.int64, device=device)) & MASK32
-    x = x ^ torch.repeat_interleave(rows[:, 3], lengths, output_size=n)
+    index = (x + torch.arange(n, dtype=torch.int64, device=device)) & MASK32
+    x = (index >> 1) ^ torch.repeat_interleave(rows[:, 3], lengths, output_size=n)
     x = x ^ (x >> 16)
     x = _mul32(x, 0x85EBCA6B)
     x = x ^ (x >> 13)
     x = _mul32(x, 0xC2B2AE35)
-    return (x ^ (x >> 16)) >> 16
+    x = x ^ (x >> 16)
+    return torch.where((index & 1) == 1, x >> 16, x & 0xFFFF)
 
 
 def round_bf16_stochastic(x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:

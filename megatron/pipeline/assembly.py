@@ -61,7 +61,6 @@ from megatron.schedules.lowering import forward_only_schedule
 from megatron.schedules.replica_plan import plan_replicas
 from megatron.schedules.subgroup_memory import default_subgroup_size, planned_subgroup_size
 from megatron.schedules.timeline import TimedEvent
-from megatron.schedules.validator import validate
 
 
 @dataclass
@@ -120,8 +119,8 @@ class Pipeline:
             max_workers=max(1, min(4, self.cpu_adam.num_groups)),
             process_group=self._verdict_group(), thread_setup=device.bind_current_thread)
         self.buffers = rank_buffers(device, config.dtype, self.rank,
-                                    max(m.layout.numel for m in self.modules.values()),
-                                    self.owned, config.report, validate(self.eval_schedule),
+                                    {b: m.layout.numel for b, m in self.modules.items()},
+                                    self.owned, (schedule, self.eval_schedule), config.report,
                                     config.host_gradient_dtype)
         self.subgroups = self._device_updates()
         # Each replica's backward divides by the replicas too: their sum is the mean.

@@ -14,6 +14,8 @@ from megatron.offload.grad_offload import GradientOffloader, default_grad_host_d
 from megatron.offload.host_memory import HostBufferPool
 from megatron.offload.prefetch import ParamSlots
 from megatron.pipeline.owner import OwnedStages
+from megatron.schedules.instructions import BackwardStage, Schedule
+from megatron.schedules.slot_plan import slot_numels
 from megatron.schedules.validator import ValidationReport
 
 
@@ -25,18 +27,19 @@ class RankBuffers:
     grad_buffers: GradientBuffers
 
 
-def rank_buffers(device: DeviceLayer, dtype: torch.dtype, rank: int, slot_numel: int,
-                 owned: OwnedStages, training: ValidationReport,
-                 evaluation: ValidationReport,
+def rank_buffers(device: DeviceLayer, dtype: torch.dtype, rank: int,
+                 stage_numel: dict[BackwardStage, int], owned: OwnedStages,
+                 schedules: tuple[Schedule, Schedule], training: ValidationReport,
                  host_gradient_dtype: torch.dtype | None = None) -> RankBuffers:
-    """Parameter slots for the most stages this rank's training or evaluation program holds
-    at once (at least two: one computes while the next is prefetched); a pinned pool of one
-    buffer per owned stage in `host_gradient_dtype` (None: the device's default; a stage's
-    buffer goes back when its update is published, before its next offload); gradient
-    buffers for the backward stages in flight at once, plus one so the next starts while
-    the previous one's offload runs."""
-    slots = max(2, training.peak_params[rank], evaluation.peak_params[rank])
-    param_slots = ParamSlots(device, slots * slot_numel * dtype.itemsize, dtype, slots=slots)
+    """Parameter slots for the stages this rank's training and evaluation programs (of
+    `schedules`) hold at once, each as large as the stages it takes (slot_plan.py; at
+    least two: one computes while the next is prefetched); a pinned pool of one buffer per
+    owned stage in `host_gradient_dtype` (None: the device's default; a stage's buffer goes
+    back when its update is published, before its next offload); gradient buffers for the
+    backward stages in flight at once, plus one so the next starts while the previous one's
+    offload runs."""
+    numels = slot_numels(schedules, rank, stage_numel)
+    param_slots = ParamSlots.sized(device, list(numels), dtype)
     offloader_dtype = host_gradient_dtype or default_grad_host_dtype(device, dtype)
     host_pool = HostBufferPool(
         device, sum(owner.numel for owner in owned.values()) * offloader_dtype.itemsize or 1)

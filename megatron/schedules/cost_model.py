@@ -45,6 +45,10 @@ class CostModel:
     inter_node_transfer: dict[BackwardStage, float] = field(default_factory=dict)
     # Optimizer states on NVMe: what READ/WRITE_OPTIMIZER_STATES cost (None: in host memory)
     disk: DiskCosts | None = None
+    # The share of its rank's CPU rate (`optimizer` prices the full rate) that one update
+    # reaches while no other update of the rank runs beside it (1: any update alone uses
+    # the whole; see HardwareProfile.single_update_share)
+    single_update_share: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -180,7 +184,8 @@ def derived_costs(
     move in 16-bit; the CPU optimizer throughput of a node is shared by its GPUs; every
     forward and backward pass adds the profile's `pass_overhead_s`, every transfer between
     ranks (activation, gradient, checkpoint) its `p2p_latency_s`, every other instruction
-    its `instruction_overhead_s`. A schedule with
+    its `instruction_overhead_s`; one update alone reaches the profile's
+    `single_update_share` of its rank's CPU rate. A schedule with
     READ/WRITE_OPTIMIZER_STATES reads and writes `optimizer_bytes` per parameter on the
     node's drives.
     """
@@ -231,6 +236,7 @@ def derived_costs(
                               for piece, n in params.items()}
                              if hardware.inter_node_bytes_per_s > 0 else {}),
         disk=_disk_costs(schedule, params, hardware, optimizer_bytes),
+        single_update_share=hardware.single_update_share,
     )
 
 

@@ -133,6 +133,7 @@ FIELD_RULES: dict[str, FieldRule] = {
                                               nullable=True),
     "subgroup_overhead_s": _zero_unknown("seconds", zero="none"),
     "update_overlap": _fraction("from 0"),
+    "single_update_share": _fraction("above 0"),
 }
 
 
@@ -202,6 +203,13 @@ class HardwareProfile:
     device_subgroup_params_per_s: float | None = None
     subgroup_overhead_s: float = 0.0
     update_overlap: float = 1.0
+    # The share of its GPU's part of the node's CPU Adam rate (cpu_optimizer_params_per_s /
+    # gpus_per_node) that one stage's update reaches while no other update of that GPU's
+    # process runs beside it; two or more side by side reach the whole. 1: an update alone
+    # takes all of it (this runtime: every update of a process shares one pool of kernel
+    # threads); below 1: each update on threads of its own that one alone cannot fill (the
+    # SysX implementation's thread per backward stage). Range (0, 1].
+    single_update_share: float = 1.0
 
     def __post_init__(self) -> None:
         """Every field checked by its rule in FIELD_RULES (a field without one is an error

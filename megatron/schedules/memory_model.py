@@ -5,8 +5,9 @@ working memory: activation working memory AWM and model-state working memory MSW
 sized the way this runtime allocates them:
 
 Per GPU (the device layer's categories, `MEMORY_CATEGORIES`):
-- parameter_slots: max(2, the validator's peak of resident backward stages) slots, each as
-  large as the largest backward stage the rank computes, in the working dtype;
+- parameter_slots: the slots the rank's program fills (slot_plan.py: a prefetch takes the
+  free slot of lowest index), each as large as the largest backward stage it takes, at
+  least two, in the working dtype;
 - gradient_buffers: one buffer per backward stage whose gradients are in flight at once
   (the validator's peak) plus one, as large as the largest owned stage; on a GPU also the
   fp32 upcast scratch of the gradient offload (one chunk of UPCAST_CHUNK elements);
@@ -22,7 +23,10 @@ Per GPU (the device layer's categories, `MEMORY_CATEGORIES`):
   stage's largest group taken as the whole stage: an upper bound); or, for the static
   split, fp32 p, m, v and a gradient buffer per resident parameter;
 - operator_working: MSWM beyond the slots and buffers: the largest operator's transient
-  output gradient (the logits' at the head). Not in the device layer's book.
+  beyond what autograd saves: fc1's output gradient (2 x FFN per token), or at the head
+  the logits in the working dtype (the forward's output beside the fp32 copy the loss
+  keeps, and the backward's cast of the gradient that megatron-core's cross-entropy
+  computes in place in that copy). Not in the device layer's book.
 
 Per node (host memory):
 - shm_parameters: one segment per backward stage read or owned on the node (the working
@@ -56,6 +60,7 @@ from .hardware import HardwareProfile
 from .instructions import WHOLE_STAGE, BackwardStage, Op, Schedule
 from .partition import sub_stage_layers
 from .placement_cost import RankOptimizer, device_optimizer_bytes
+from .slot_plan import slot_numels
 from .validator import ValidationReport, validate
 
 # Elements the gradient offload upcasts to fp32 at a time, through one device scratch
@@ -272,10 +277,9 @@ def _gpu_terms(schedule: Schedule, rank: int, shape: MemoryShape, sizes: _Sizes,
     params, param_bytes, model = sizes.params, shape.param_bytes, shape.model
     owned = schedule.owned_by(rank)
     largest_owned = max((params[b] for b in owned), default=0)
-    slots = max(2, report.peak_params[rank])
     buffers = min(report.peak_gradients[rank] + 1, max(1, len(owned))) if owned else 0
     upcast = UPCAST_CHUNK * shape.grad_host_bytes if shape.grad_host_bytes != param_bytes else 0
-    largest_operator = max(sizes.tokens * model.planned_vocab_size * FP32
+    largest_operator = max(sizes.tokens * model.planned_vocab_size * param_bytes
                            if schedule.head in owned else 0,
                            sizes.tokens * 2 * model.ffn_hidden_size * param_bytes)
     gradient_buffers = buffers * largest_owned * param_bytes
@@ -283,9 +287,9 @@ def _gpu_terms(schedule: Schedule, rank: int, shape: MemoryShape, sizes: _Sizes,
         sum(params[b] for b in owned),
         tuple(params[b] for b in _stages_updating_subgroups(schedule, rank)),
         gradient_buffers, param_bytes, placement.subgroup_size)
+    used = {b: params[b] for b in _stages_used(schedule, rank)}
     return {
-        "parameter_slots": slots * max(params[b] for b in _stages_used(schedule, rank))
-        * param_bytes,
+        "parameter_slots": sum(slot_numels([schedule], rank, used)) * param_bytes,
         "gradient_buffers": gradient_buffers + upcast,
         "optimizer_subgroups": device_optimizer_bytes(placement.updates, optimizer),
         "activation_checkpoints": checkpoints_held(schedule, rank, report) * sizes.message,

@@ -6,7 +6,10 @@ communication (a rendezvous: both sides leave at max(arrivals) + transfer, the l
 included) and with the cost model's host time of every other instruction. Parallel
 resources per rank: an H2D stream (PREFETCH_PARAMS, compute waits for its parameters), a
 D2H stream (OFFLOAD_GRAD), and a CPU optimizer lane (OPTIMIZER_START runs once its
-gradients are home, FIFO; the node's CPU throughput is split among its GPUs). Checkpoint
+gradients are home; the node's CPU throughput is split among its GPUs). The lane runs its
+updates one after the other (FIFO), or, when one update alone reaches only a share of the
+lane's rate (the cost model's `single_update_share` < 1: an update on its own thread),
+side by side, each at min(share, 1 / updates in progress) of it. Checkpoint
 transfers start when both ISEND and IRECV are posted; links are not contended. Optimizer
 states on NVMe: READ/WRITE_OPTIMIZER_STATES queue on their node's drive (one per node,
 shared by its ranks), a read waits for a free buffer of the rank's window (the
@@ -102,12 +105,38 @@ class _StateDrives:
         return start, end
 
 
+def shared_lane_ends(jobs: list[tuple[float, float]], share: float) -> list[float]:
+    """When each update (arrival, seconds at the lane's full rate) of one CPU lane ends,
+    the updates in progress sharing the lane: n of them each advance at min(share, 1 / n)
+    of its rate (share 1: the lane is always fully used, as FIFO)."""
+    ends = [0.0] * len(jobs)
+    pending = sorted(range(len(jobs)), key=lambda j: jobs[j][0])
+    left = {}
+    clock = 0.0
+    while pending or left:
+        if not left:
+            clock = max(clock, jobs[pending[0]][0])
+        while pending and jobs[pending[0]][0] <= clock:
+            j = pending.pop(0)
+            left[j] = jobs[j][1]
+        rate = min(share, 1.0 / len(left))
+        done = clock + min(left.values()) / rate
+        step = min(done, jobs[pending[0]][0]) if pending else done
+        for j in left:
+            left[j] -= rate * (step - clock)
+        clock = step
+        for j in [j for j, work in left.items() if work <= 1e-12 * max(1.0, jobs[j][1])]:
+            ends[j] = clock
+            del left[j]
+    return ends
+
+
 class _OptimizerLane:
-    """The optimizer's part of the simulation: each rank's CPU optimizer lane (FIFO, a
-    step starts once its gradients are home), the device subgroups' copies and updates,
-    and the states' reads and writes on the node's drive. The handlers are the
-    simulator's, for the optimizer's ops; the rank's clock and copy streams are the
-    simulator's."""
+    """The optimizer's part of the simulation: each rank's CPU optimizer lane (a step
+    starts once its gradients are home; FIFO, or shared: `shared_lane_ends`), the device
+    subgroups' copies and updates, and the states' reads and writes on the node's drive.
+    The handlers are the simulator's, for the optimizer's ops; the rank's clock and copy
+    streams are the simulator's."""
 
     def __init__(self, simulator: _Simulator, window: tuple[int, ...]) -> None:
         ranks = range(simulator.schedule.ranks)
@@ -116,9 +145,39 @@ class _OptimizerLane:
         self.device_free = [0.0 for _ in ranks]  # device subgroups flushed
         self.drives = _StateDrives(simulator.costs, window, simulator.schedule.ranks)
         self.step_end: dict[BackwardStage, float] = {}
+        costs = simulator.costs
+        # side by side only for plain host updates (the drives' and the subgroups' timing
+        # follows each step's end as it is posted)
+        self.shared = (costs.single_update_share < 1.0 and costs.disk is None
+                       and costs.device_update is None)
+        self.jobs: list[list[tuple[float, float, Instruction]]] = [[] for _ in ranks]
+
+    def _settle(self, rank: int) -> None:
+        """The rank's lane free when all its posted updates end (shared lane)."""
+        if self.shared and self.jobs[rank]:
+            jobs = [(start, work) for start, work, _ in self.jobs[rank]]
+            self.cpu_free[rank] = max(shared_lane_ends(jobs, self.sim.costs.single_update_share))
+
+    def finish(self) -> None:
+        """The shared lanes' updates as events, once every one is posted."""
+        if not self.shared:
+            return
+        for rank, posted in enumerate(self.jobs):
+            ends = shared_lane_ends([(start, work) for start, work, _ in posted],
+                                    self.sim.costs.single_update_share)
+            for (start, _, ins), end in zip(posted, ends):
+                b = BackwardStage(ins.stage, ins.sub)
+                self.step_end[b] = end
+                self.sim.event(rank, "cpu-optimizer", start, end,
+                               f"o{_label(*b, self.sim.schedule.backward_split)}", "optimizer",
+                               ins)
 
     def _optimizer_start(self, rank: int, ins: Instruction) -> None:
         b = BackwardStage(ins.stage, ins.sub)
+        if self.shared:
+            start = max(self.sim.clock[rank], self.sim.grad_ready[b])
+            self.jobs[rank].append((start, self.sim.costs.optimizer[b], ins))
+            return
         start = max(self.sim.clock[rank], self.sim.grad_ready[b], self.cpu_free[rank],
                     self.drives.ready.get(b, 0.0))
         end = start + self.sim.costs.optimizer[b]
@@ -170,11 +229,13 @@ class _OptimizerLane:
                        f"w{_label(*b, self.sim.schedule.backward_split)}", "state-io", ins)
 
     def _optimizer_wait_all(self, rank: int, ins: Instruction) -> None:
+        self._settle(rank)
         self.sim.clock[rank] = max(self.sim.clock[rank], self.cpu_free[rank],
                                    self.device_free[rank])
 
     def _rollback_if_overflow(self, rank: int, ins: Instruction) -> None:
         """The expected cost of corrections (cost model's `rollback`, 0: no overflow)."""
+        self._settle(rank)
         start = max(self.sim.clock[rank], self.cpu_free[rank])
         end = start + self.sim.costs.rollback
         self.sim.clock[rank] = self.cpu_free[rank] = end
@@ -327,6 +388,7 @@ def simulate(schedule: Schedule, cost_model: CostModel,
                          "cost model prices no disk")
     simulator = _Simulator(schedule, cost_model, params_arrive, report.peak_optimizer_states)
     simulator.run()
+    simulator.optimizer.finish()
     events = simulator.events
     iteration = max([*simulator.clock, *(e.end for e in events)])
     compute_end = max((e.end for e in events if e.resource == "compute"), default=0.0)
