@@ -145,6 +145,33 @@ def test_the_flags_reach_the_precision_and_the_plans_price_them():
     assert TORCH_DTYPES[fp32.host_gradient_dtype(on_cuda=False)] == torch.float32
 
 
+@pytest.mark.unit
+def test_the_opt_in_copies_of_the_states_are_priced_when_on(tmp_path):
+    """--optimizer-exact-rollback keeps a snapshot of each step (the optimizer's books count
+    it: the states twice), --async-save a snapshot to write from: each adds the owned states
+    once more to the plan's host memory; on NVMe exact rollbacks cost nothing."""
+    from megatron.planning.run_plan import run_start
+
+    base = ["--model-preset", "tiny", "--bf16", "--pipeline-schedule", "decoupled"]
+    save = ["--save", str(tmp_path / "ckpt")]
+
+    def states(*flags: str) -> list[int]:
+        plan = run_start(parse_args([*base, *flags]), 2, 2, on_cuda=False).memory
+        return [p["optimizer_states"] for p in plan.per_process]
+
+    plain = states()
+    assert states(*save) == plain  # a synchronous save writes from the live buffers
+    assert states("--optimizer-exact-rollback") == [2 * s for s in plain]
+    assert states(*save, "--async-save") == [2 * s for s in plain]
+    assert states(*save, "--async-save", "--optimizer-exact-rollback") == [3 * s for s in plain]
+    nvme = ["--optimizer-state-location", "nvme", "--optimizer-nvme-path", str(tmp_path)]
+    assert states(*nvme, "--optimizer-exact-rollback") == states(*nvme)
+    params = [torch.zeros(1000)]
+    books = [CPUAdamW(params, threads=1, exact_rollback=exact).host_state_bytes()
+             for exact in (False, True)]
+    assert books[1] == 2 * books[0]
+
+
 @pytest.mark.multiproc
 def test_16_bit_host_gradients_train_as_one_process_and_as_fp32_host_gradients(tmp_path,
                                                                                  demo_cache):

@@ -35,7 +35,9 @@ Per node (host memory):
   `optimizer_bytes`: 8 with bf16 m and v, 6 all in bf16); with the states on NVMe, the
   window instead: the stages the program holds read and not yet written at once (the
   validator's peak, each as large as the rank's largest stage) and one scratch chunk of
-  STATE_SCRATCH_CHUNK elements that rollbacks, corrections and loads go through;
+  STATE_SCRATCH_CHUNK elements that rollbacks, corrections and loads go through; plus the
+  opt-in copies (`state_snapshots`): --optimizer-exact-rollback's step snapshot in host
+  memory and --async-save's snapshot, each the owned states once more;
 - host_gradients: the offloaded gradients of the owned stages (pooled, pinned on CUDA);
 - process_baseline: the interpreter, torch and the CUDA context of each process.
 
@@ -225,6 +227,9 @@ class MemoryShape:
     # m and v, 6 all in bf16)
     optimizer_bytes: int = OPTIMIZER_BYTES_PER_PARAM
     procs_per_node: int | None = None  # None: all ranks on one node
+    # Copies of the owned states kept beside them in host memory, each as large: the step
+    # snapshot of --optimizer-exact-rollback (states in host memory) and --async-save's
+    state_snapshots: int = 0
 
 
 @dataclass(frozen=True)
@@ -308,6 +313,7 @@ def _host_terms(schedule: Schedule, rank: int, shape: MemoryShape, sizes: _Sizes
         largest = max(owned, default=0)  # most) and the scratch chunk
         states = min(states, shape.optimizer_bytes
                      * (window * largest + min(STATE_SCRATCH_CHUNK, largest)))
+    states += shape.state_snapshots * shape.optimizer_bytes * sum(owned)
     return {"optimizer_states": states, "host_gradients": shape.grad_host_bytes * sum(owned)}
 
 
