@@ -3,8 +3,11 @@
     torchrun --nproc-per-node N tests/run_memory_probe.py --out-dir DIR [pretrain_llama.py flags]
 
 Writes DIR/metrics.jsonl (the device layer's peaks by category) and DIR/rank_R.json: the
-process's private host memory (RssAnon) before training and after the last iteration, and
-the bytes of the shared-memory segments this rank created (owned stages and replicas).
+process's private host memory (RssAnon) before training and after the last iteration, the
+bytes of the shared-memory segments this rank created (owned stages and replicas), and,
+after the last iteration, the project's books (the optimizer's state bytes, what the
+gradient pool holds, the device layer's buffers) beside the kernel's view of the same
+tensors (their resident bytes, megatron/common/process_memory.py).
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.host_memory import storage_spans  # noqa: E402
+from megatron.common.process_memory import resident_bytes  # noqa: E402
 from megatron.training.arguments import parse_args  # noqa: E402
 from megatron.training.distributed import initialize_distributed, shutdown_distributed  # noqa: E402
 from megatron.training.training import train  # noqa: E402
@@ -31,6 +36,19 @@ def rss_anon_bytes() -> int:
 
 
 M_MMAP_THRESHOLD = -3  # mallopt's parameter (malloc.h)
+
+
+def books_and_residency(pipeline) -> tuple[dict, dict]:
+    """What the runtime's books say it holds, and what the kernel says of those tensors."""
+    adam = pipeline.cpu_adam
+    states = [t for g in range(adam.num_groups) for t in adam.states(g)]
+    pool, device = pipeline.buffers.host_pool, pipeline.device
+    books = {"optimizer_states": adam.host_state_bytes(), "host_gradients": pool.allocated_bytes,
+             "device_buffers": device.device_bytes}
+    resident = {name: resident_bytes(storage_spans(tensors)) for name, tensors in (
+        ("optimizer_states", states), ("host_gradients", pool.buffers()),
+        ("device_buffers", device.live_buffers()))}
+    return books, resident
 
 
 def main() -> int:
@@ -57,6 +75,7 @@ def main() -> int:
             probe.setdefault("rss_anon_steps", []).append(probe["rss_anon_after"])
             probe["created_segment_bytes"] = sum(
                 os.path.getsize(s.path) for s in store._segments.values() if s.owner)
+            probe["books"], probe["resident"] = books_and_residency(step.pipeline)
             return result
         step.step = step_and_measure
 

@@ -8,9 +8,10 @@ runs play this GPU (MEGATRON_CPU_DEVICE_GPU): core attention takes the kernel CU
 it (megatron.config.attention_kernel), math pinned on both for fp32 with grouped-query
 attention, flash or cuDNN in bf16 and fp16, which the CPU computes with its flash kernel
 keeping what the CUDA kernel keeps; so the books are equal. The cases:
-every schedule at one rank (the one-process path `single` included), bf16, fp16, GPU
-optimizer subgroups (a stride and device:N), a resident fraction, optimizer states on NVMe,
-and two ranks sharing the one GPU (--share-gpu: gloo, point-to-point staged through pinned
+every schedule at one rank (the one-process path `single` included), bf16 (its host
+gradients in fp32 and in bf16), fp16, GPU optimizer subgroups (a stride and device:N), a
+resident fraction, optimizer states on NVMe, and two ranks sharing the one GPU
+(--share-gpu: gloo, point-to-point staged through pinned
 host memory). All the selected runs start together, a few at a time, so the module costs
 about the time of its slowest few runs. Skipped without CUDA (docs/gpu-validation.md).
 """
@@ -48,6 +49,9 @@ CASES = {
     "mobius": (["--pipeline-schedule", "mobius", "--forward-stages", "4"], 1, FP32_RTOL),
     "decoupled": (DECOUPLED, 1, FP32_RTOL),
     "decoupled-bf16": ([*DECOUPLED, "--bf16"], 1, HALF_RTOL),
+    # the host gradients in bf16 on CUDA as well (fp32 by default there)
+    "decoupled-bf16-host-gradients": ([*DECOUPLED, "--bf16", "--grad-reduce-in-bf16"], 1,
+                                      HALF_RTOL),
     "decoupled-fp16": ([*DECOUPLED, "--fp16"], 1, HALF_RTOL),
     "gpu-stride": ([*DECOUPLED, "--optimizer-gpu-stride", "2"], 1, FP32_RTOL),
     "gpu-device-n": ([*DECOUPLED, "--optimizer-gpu-stride", "device:2"], 1, FP32_RTOL),

@@ -26,17 +26,18 @@ from megatron.optimizer.disk_states import (
     window_bytes,
 )
 from megatron.optimizer.state_io import round_up
+from megatron.optimizer.subgroups import Subgroup
 
 REPO = Path(__file__).resolve().parents[1]
 SIZES = [1000, 37, 5000, 4096, 1]
 
 
 def pair(tmp_path, master_dtype=torch.float32, state_dtype=torch.float32, window=2,
-         exact=True):
+         exact=True, **disk_kwargs):
     torch.manual_seed(0)
     params = [torch.randn(n) for n in SIZES]
     disk = DiskStates(tmp_path, SIZES, master_dtype, state_dtype, window=window,
-                      job="test", rank=0, tracker=REAPER)
+                      job="test", rank=0, tracker=REAPER, **disk_kwargs)
     kwargs = dict(lr=1e-2, weight_decay=0.1, threads=1, master_dtype=master_dtype,
                   state_dtype=state_dtype, exact_rollback=exact)
     return CPUAdamW(params, **kwargs), CPUAdamW(params, disk=disk, **kwargs), disk
@@ -50,35 +51,8 @@ F32, BF16 = torch.float32, torch.bfloat16
                          ids=["fp32", "bf16-states", "bf16-all"])
 def test_steps_rollbacks_and_corrections_equal_host_memory(tmp_path, master, states, exact):
     host, nvme, disk = pair(tmp_path, master, states, exact=exact)
-    outs = {o: [torch.zeros(n, dtype=torch.bfloat16) for n in SIZES] for o in ("host", "nvme")}
     try:
-        for iteration in range(7):
-            grads = [torch.randn(n) for n in SIZES]
-            if iteration == 4:
-                grads[2][17] = float("inf")  # its own step leaves it; the verdict rolls back
-            for g in range(len(SIZES)):
-                host.step_group(g, grads[g], out=outs["host"][g], clip=0.8)
-                nvme.storage.request_read(g)
-                nvme.step_group(g, grads[g], out=outs["nvme"][g], clip=0.8)
-                nvme.storage.request_write(g)
-            for g in range(len(SIZES)):
-                if iteration in (1, 4) and host.has_update(g):  # an overflow elsewhere
-                    host.rollback_group(g)
-                    nvme.storage.reserve(g)
-                    nvme.rollback_group(g)
-                    nvme.storage.release(g)
-                elif iteration in (2, 5):  # the true clip factor differs
-                    host.correct_group(g, 0.5)
-                    nvme.storage.reserve(g)
-                    nvme.correct_group(g, 0.5)
-                    nvme.storage.release(g)
-                host.commit_group(g)
-                nvme.commit_group(g)
-        for g in range(len(SIZES)):
-            for want, got in zip(host.states(g), nvme.states(g)):
-                assert torch.equal(want, got), g
-            assert torch.equal(outs["host"][g], outs["nvme"][g]), g
-            assert host.step_count(g) == nvme.step_count(g)
+        train_both(host, nvme)
         # a window of 2 and the scratch buffer, each the largest group's p, m, v padded
         largest = round_up(max(SIZES) * master.itemsize) + \
             2 * round_up(max(SIZES) * states.itemsize)
@@ -90,6 +64,61 @@ def test_steps_rollbacks_and_corrections_equal_host_memory(tmp_path, master, sta
     finally:
         disk.close()
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("exact", [True, False], ids=["exact", "inverse"])
+def test_the_scratch_holds_a_chunk_and_chunks_across_subgroups_equal_host_memory(tmp_path,
+                                                                                  exact):
+    """Rollbacks, corrections and the initial states go through the scratch buffer a chunk
+    at a time (here 4096 elements: the 5000-element group in two, its middle subgroup cut
+    by the chunk boundary, stochastic rounding by element position): the same bits as host
+    memory, and the scratch holds a chunk, not the largest group."""
+    host, nvme, disk = pair(tmp_path, BF16, BF16, exact=exact, chunk=4096)
+    split = (Subgroup(0, 1000, False), Subgroup(1000, 4500, False), Subgroup(4500, 5000, False))
+    for optimizer in (host, nvme):
+        optimizer.set_subgroups(2, split)
+    try:
+        train_both(host, nvme)
+        assert nvme.host_state_bytes() == 2 * 3 * round_up(max(SIZES) * 2) + 3 * 4096 * 2
+    finally:
+        disk.close()
+    with pytest.raises(ValueError, match="multiple of 4096"):
+        DiskStates(tmp_path, SIZES, F32, F32, window=1, job="test", rank=0, tracker=REAPER,
+                   chunk=1000)
+    assert os.listdir(tmp_path) == []
+
+
+def train_both(host: CPUAdamW, nvme: CPUAdamW) -> None:
+    """Seven iterations in the order a program issues them (an overflow at 1 and 4, a
+    clip correction at 2 and 5) on both; states, working copies and steps equal."""
+    outs = {o: [torch.zeros(n, dtype=torch.bfloat16) for n in SIZES] for o in ("host", "nvme")}
+    for iteration in range(7):
+        grads = [torch.randn(n) for n in SIZES]
+        if iteration == 4:
+            grads[2][17] = float("inf")  # its own step leaves it; the verdict rolls back
+        for g in range(len(SIZES)):
+            host.step_group(g, grads[g], out=outs["host"][g], clip=0.8)
+            nvme.storage.request_read(g)
+            nvme.step_group(g, grads[g], out=outs["nvme"][g], clip=0.8)
+            nvme.storage.request_write(g)
+        for g in range(len(SIZES)):
+            if iteration in (1, 4) and host.has_update(g):  # an overflow elsewhere
+                host.rollback_group(g)
+                nvme.storage.reserve(g)
+                nvme.rollback_group(g)
+                nvme.storage.release(g)
+            elif iteration in (2, 5):  # the true clip factor differs
+                host.correct_group(g, 0.5)
+                nvme.storage.reserve(g)
+                nvme.correct_group(g, 0.5)
+                nvme.storage.release(g)
+            host.commit_group(g)
+            nvme.commit_group(g)
+    for g in range(len(SIZES)):
+        for want, got in zip(host.states(g), nvme.states(g)):
+            assert torch.equal(want, got), g
+        assert torch.equal(outs["host"][g], outs["nvme"][g]), g
+        assert host.step_count(g) == nvme.step_count(g)
 
 
 def test_a_read_waits_for_a_window_buffer_and_never_exceeds_the_window(tmp_path):

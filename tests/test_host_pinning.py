@@ -60,6 +60,60 @@ def test_a_refused_registration_warns_once_with_the_limit(store, monkeypatch):
     store.release((0, 1))
 
 
+class Recording:
+    """cudaHostRegister/-Unregister as calls recorded (registration refused when asked)."""
+
+    def __init__(self, refuse=False):
+        self.calls, self.refuse = [], refuse
+
+    def cudaHostRegister(self, address, nbytes, flags):
+        self.calls.append(("register", address, nbytes))
+        return 2 if self.refuse else 0
+
+    def cudaHostUnregister(self, address):
+        self.calls.append(("unregister", address))
+
+
+def test_pinned_buffers_lock_exactly_their_size_until_the_last_view_is_gone(monkeypatch):
+    import gc
+
+    cudart = Recording()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(host_pinning, "_cudart", lambda: cudart)
+    buffer = host_pinning.pinned_empty(3_000_001, torch.bfloat16)
+    # torch's pinned allocator would have taken 8 MiB (the next power of two)
+    assert cudart.calls == [("register", buffer.data_ptr(), 6_000_002)]
+    assert buffer.untyped_storage().nbytes() == 6_000_002
+    buffer.fill_(1.0)
+    view = buffer[100:]
+    del buffer
+    gc.collect()
+    assert len(cudart.calls) == 1  # a view still uses the memory
+    assert view.float().sum().item() == 3_000_001 - 100
+    address = cudart.calls[0][1]
+    del view
+    gc.collect()
+    assert cudart.calls[-1] == ("unregister", address)
+
+
+def test_a_refused_pinned_buffer_raises_for_the_pool_to_fall_back(monkeypatch):
+    cudart = Recording(refuse=True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(host_pinning, "_cudart", lambda: cudart)
+    with pytest.raises(RuntimeError, match="cudaHostRegister of 4000 bytes failed"):
+        host_pinning.pinned_empty(1000, torch.float32)
+    assert [c[0] for c in cudart.calls] == ["register"]  # nothing left to unregister
+
+
+@pytest.mark.cuda
+def test_pinned_buffers_are_page_locked_on_cuda():
+    buffer = host_pinning.pinned_empty(3_000_001, torch.bfloat16)
+    assert buffer.is_pinned() and buffer.untyped_storage().nbytes() == 6_000_002
+    copied = buffer.fill_(1.0).to("cuda", non_blocking=True)
+    torch.cuda.synchronize()
+    assert copied.float().sum().item() == 3_000_001
+
+
 def test_what_a_process_page_locks_beyond_its_limit_is_said_with_the_fix(monkeypatch):
     """The limit is ulimit -l on CUDA; the CPU device layer, which pins nothing, has none
     unless a test stands one in (MEGATRON_CPU_DEVICE_MEMLOCK)."""

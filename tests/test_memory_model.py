@@ -2,7 +2,10 @@
 
 One 2-process run of the small preset (2 iterations) gives, per rank, the device layer's
 accounted peak by category, the shared-memory segments created on the node and the
-process's private host memory; every term of the model must be within 15 % of it.
+process's private host memory; every term of the model must be within 15 % of it. The
+same run checks the runtime's books against the kernel's view of the tensors they count:
+the optimizer's state and the gradient pool are resident as booked, the device layer's
+buffers no more than booked.
 """
 
 import json
@@ -130,6 +133,16 @@ def test_memory_model_matches_the_runtime_on_two_processes(tmp_path, demo_cache)
                 + gpu["gradient_buffers"])
         probe = probes[rank]
         close(held, probe["rss_anon_after"] - probe["rss_anon_before"], (rank, "host"))
+        # the books are what the kernel holds: states and gradients written whole (each
+        # tensor's last page partly beyond), the gradient pool one buffer per owned stage, as
+        # planned
+        books, resident = probe["books"], probe["resident"]
+        for term in ("optimizer_states", "host_gradients"):
+            assert 0 <= resident[term] - books[term] <= 64 * 4096, (rank, term, books, resident)
+        assert books["host_gradients"] == plan.per_process[rank]["host_gradients"]
+        assert books["optimizer_states"] == plan.per_process[rank]["optimizer_states"]
+        # slots larger than a smaller stage's parameters are not all written
+        assert 0 < resident["device_buffers"] <= books["device_buffers"] + 4096 * 8
     created = sum(p["created_segment_bytes"] for p in probes)  # one node
     close(plan.per_node[0]["shm_parameters"], created, "shm")
     # The run received checkpoints and sent some (both lifetimes are covered above).

@@ -52,6 +52,7 @@ import torch.distributed as dist  # noqa: E402
 
 from bench.nvme_optimizer import filesystem_of  # noqa: E402
 from megatron.common.files import atomic_write  # noqa: E402
+from megatron.common.process_memory import memory_status  # noqa: E402
 from megatron.config.model import MODEL_FIELDS, ModelConfig  # noqa: E402
 from megatron.config.run import RunConfig  # noqa: E402
 from megatron.models.llama import LlamaConfig, build_piece  # noqa: E402
@@ -441,12 +442,14 @@ def meminfo(key: str) -> int:
     return 0
 
 
-def rss_anon() -> int:
-    with open("/proc/self/status", encoding="ascii") as f:
-        for line in f:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    return 0
+def process_baseline() -> int:
+    """What a training process holds in host memory before its model: RssAnon once the
+    trainer's modules are imported and, on CUDA, its context made (measured before any
+    measurement here, as bench/host_memory.py measures a rank)."""
+    import megatron.training.training  # noqa: F401 - what a training process imports
+    if torch.cuda.is_available():
+        torch.zeros(1, device="cuda")  # the CUDA context
+    return memory_status()["anon"]
 
 
 def measured_dtype(run: RunConfig, on_cuda: bool) -> torch.dtype:
@@ -456,7 +459,7 @@ def measured_dtype(run: RunConfig, on_cuda: bool) -> torch.dtype:
     return torch.bfloat16 if (run.precision.dtype == "bf16" or on_cuda) else torch.float32
 
 
-def profile(args: argparse.Namespace, run: RunConfig) -> HardwareProfile:
+def profile(args: argparse.Namespace, run: RunConfig, baseline: int) -> HardwareProfile:
     started = time.perf_counter()
     device = get_device()
     on_cuda = device.kind == "cuda"
@@ -582,7 +585,7 @@ def profile(args: argparse.Namespace, run: RunConfig) -> HardwareProfile:
         host_memory_bytes=host_total,
         shm_bytes=shm_free,
         memlock_bytes=memlock,
-        process_baseline_bytes=rss_anon(),
+        process_baseline_bytes=baseline,
         nvme_read_bytes_per_s=nvme_read,
         nvme_write_bytes_per_s=nvme_write,
         nvme_capacity_bytes=nvme_capacity,
@@ -657,9 +660,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.exit(2, f"{parser.prog}: error: --rounds {args.rounds}: expected a positive "
                        "integer\n")
     run = planned_run(model_flags)
+    baseline = process_baseline()
     initialize_distributed()  # megatron-core's layers need its (one-process) groups
     try:
-        text = profile(args, run).to_json()
+        text = profile(args, run, baseline).to_json()
     finally:
         shutdown_distributed()
     if args.out:

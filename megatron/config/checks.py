@@ -48,6 +48,9 @@ def check_run(run: RunConfig) -> None:
 def run_notices(run: RunConfig) -> list[str]:
     """What is allowed but probably not meant, one line each, printed at start."""
     notices = []
+    if run.precision.grad_reduce_in_bf16 and run.precision.dtype != "bf16":
+        notices.append(f"--grad-reduce-in-bf16 with {run.precision.dtype}: no effect (as in "
+                       "Megatron-LM, it applies to --bf16 runs)")
     if run.checkpointing.save is None:
         for field in ("exit_interval", "exit_duration_in_mins"):
             value = getattr(run.exit, field)

@@ -28,10 +28,20 @@ from megatron.config.values import parse_split
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
-def host_gradient_dtype(working_dtype: str, on_cuda: bool) -> str:
-    """The dtype gradients are offloaded to the host in: fp32 on CUDA (upcast on the
-    device, measured faster there), the working dtype on the CPU device layer. The one
-    rule the offload, the memory plans and the fit check follow."""
+def host_gradient_dtype(working_dtype: str, on_cuda: bool, grad_reduce_in_bf16: bool = False,
+                        accumulate_allreduce_grads_in_fp32: bool = False) -> str:
+    """The dtype the gradients are offloaded to the host in, reduced across data-parallel
+    replicas in and read by the CPU optimizer in (Megatron's main gradients). Megatron-LM's
+    flags decide it as there: a bf16 run with --grad-reduce-in-bf16 keeps bf16 (it wins
+    over the other flag, as in Megatron-LM; with fp16 it has no effect, as there);
+    --accumulate-allreduce-grads-in-fp32 makes it fp32. Neither: fp32 on CUDA (Megatron's
+    bf16 default; upcast on the device, measured faster there), the working dtype on the
+    CPU device layer (measured faster there). The one rule the offload, the memory plans
+    and the fit check follow."""
+    if working_dtype == "bf16" and grad_reduce_in_bf16:
+        return "bf16"
+    if accumulate_allreduce_grads_in_fp32:
+        return "fp32"
     return "fp32" if on_cuda else working_dtype
 CUSTOM_MODEL = "custom"
 DEFAULT_EVAL_ITERS = 100  # Megatron's
@@ -91,6 +101,9 @@ class PrecisionConfig:
     optimizer_state_dtype: str  # Adam's m and v: fp32 or bf16
     master_dtype: str  # the master weights: fp32 or bf16
     master_rounding: str  # a bf16 master: stochastic or nearest
+    # the host gradients' dtype (host_gradient_dtype): Megatron-LM's two flags
+    grad_reduce_in_bf16: bool = False
+    accumulate_allreduce_grads_in_fp32: bool = False
 
     @property
     def dtype(self) -> str:
@@ -102,7 +115,8 @@ class PrecisionConfig:
         return DTYPE_BYTES[self.dtype]
 
     def host_gradient_dtype(self, on_cuda: bool) -> str:
-        return host_gradient_dtype(self.dtype, on_cuda)
+        return host_gradient_dtype(self.dtype, on_cuda, self.grad_reduce_in_bf16,
+                                   self.accumulate_allreduce_grads_in_fp32)
 
     def host_gradient_bytes(self, on_cuda: bool) -> int:
         return DTYPE_BYTES[self.host_gradient_dtype(on_cuda)]

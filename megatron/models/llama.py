@@ -88,7 +88,10 @@ def layer_implementation(cuda_available: bool | None = None,
     return "transformer_engine" if te_importable else "local"
 
 
-def transformer_config(cfg: LlamaConfig):
+def transformer_config(cfg: LlamaConfig, initialize: bool = True):
+    """megatron-core's config of the pieces; `initialize=False`: weights are allocated but
+    not initialized (a structure whose parameters will point elsewhere: nothing is
+    written, so the kernel gives them no memory, and no random numbers are drawn)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(
@@ -111,6 +114,7 @@ def transformer_config(cfg: LlamaConfig):
         bf16=cfg.params_dtype == torch.bfloat16,
         fp16=cfg.params_dtype == torch.float16,
         use_cpu_initialization=True,
+        perform_initialization=initialize,
         # The fusions are CUDA kernels; the unfused paths are exact on every device.
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
@@ -246,11 +250,12 @@ def uses_weight_decay(name: str, param: torch.Tensor) -> bool:
     return param.dim() > 1 and not name.endswith(".bias")
 
 
-def build_piece(cfg: LlamaConfig, index: int) -> nn.Module:
-    """Build piece `index` with weights that depend only on (cfg.seed, index)."""
+def build_piece(cfg: LlamaConfig, index: int, initialize: bool = True) -> nn.Module:
+    """Build piece `index` with weights that depend only on (cfg.seed, index)
+    (`initialize=False`: left uninitialized, see transformer_config)."""
     if not 0 <= index < cfg.num_pieces:
         raise IndexError(f"piece index {index} out of range 0..{cfg.num_pieces - 1}")
-    tcfg = transformer_config(cfg)
+    tcfg = transformer_config(cfg, initialize)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed * 100_003 + index)
         if index == 0:
@@ -260,8 +265,9 @@ def build_piece(cfg: LlamaConfig, index: int) -> nn.Module:
         return DecoderLayerPiece(cfg, tcfg, layer_number=index)
 
 
-def build_pieces(cfg: LlamaConfig, indices: Iterable[int]) -> nn.ModuleList:
-    return nn.ModuleList(build_piece(cfg, i) for i in indices)
+def build_pieces(cfg: LlamaConfig, indices: Iterable[int], initialize: bool = True
+                 ) -> nn.ModuleList:
+    return nn.ModuleList(build_piece(cfg, i, initialize) for i in indices)
 
 
 def run_pieces(pieces: Sequence[nn.Module], hidden: torch.Tensor | None, batch: Batch):

@@ -58,6 +58,7 @@ from typing import Protocol
 
 import torch
 
+import megatron.offload.host_pinning as host_pinning
 from megatron.common.units import format_bytes
 from megatron.config.device_choice import CPU_DEVICE_MEMORY_ENV, cpu_device_capacity
 from megatron.offload.sanitizer import Clock, Sanitizer
@@ -396,6 +397,7 @@ class LiveBytes:
         self.capacity_bytes = capacity_bytes
         self._nbytes = 0
         self._lock = threading.RLock()  # finalizers may run inside it
+        self._buffers: weakref.WeakSet[torch.Tensor] = weakref.WeakSet()
 
     def count(self, tensor: torch.Tensor) -> torch.Tensor:
         with self._lock:
@@ -404,6 +406,7 @@ class LiveBytes:
                 raise out_of_memory(f"tried to allocate {format_bytes(tensor.nbytes)} with "
                                     f"{format_bytes(self._nbytes)} held", self.capacity_bytes)
             self._nbytes += tensor.nbytes
+            self._buffers.add(tensor)
         weakref.finalize(tensor, self._freed, tensor.nbytes)
         return tensor
 
@@ -415,6 +418,11 @@ class LiveBytes:
     def nbytes(self) -> int:
         with self._lock:
             return self._nbytes
+
+    def buffers(self) -> list[torch.Tensor]:
+        """The buffers still referenced (for measurements of the memory behind them)."""
+        with self._lock:
+            return list(self._buffers)
 
 
 class DeviceLayer:
@@ -504,6 +512,11 @@ class DeviceLayer:
         (by their owner or by a stream's keep-alive), on CUDA and the CPU alike."""
         return self._live.nbytes
 
+    def live_buffers(self) -> list[torch.Tensor]:
+        """The device buffers counted in `device_bytes` (on the CPU layer, host memory:
+        what bench/host_memory.py measures as the layer's own)."""
+        return self._live.buffers()
+
     def mem_get_info(self) -> tuple[int, int] | None:
         """(free, total) device bytes, as torch.cuda.mem_get_info: on the CPU layer the
         capacity less what this layer holds; None when the CPU layer is unbounded."""
@@ -514,9 +527,10 @@ class DeviceLayer:
         return max(0, self.capacity_bytes - self.device_bytes), self.capacity_bytes
 
     def pin_host(self, numel: int, dtype: torch.dtype, name: str | None = None) -> torch.Tensor:
-        """Page-locked host memory on CUDA; raises if pinning fails. CPU: plain memory."""
+        """Page-locked host memory on CUDA, exactly this size (host_pinning.pinned_empty);
+        raises if pinning fails. CPU: plain memory."""
         if self.kind == "cuda":
-            return torch.empty(numel, dtype=dtype, pin_memory=True)
+            return host_pinning.pinned_empty(numel, dtype)
         return self.checks.register(torch.empty(numel, dtype=dtype), name, "pinned host buffer")
 
     def allocator_peak_bytes(self) -> int | None:

@@ -68,7 +68,13 @@ class HostBufferPool:
 
     @property
     def allocated_bytes(self) -> int:
+        """Bytes of the buffers the pool holds now (in use or free for reuse)."""
         return self._allocated_bytes
+
+    def buffers(self) -> list[torch.Tensor]:
+        """Every buffer the pool holds now, in use or free (for measurements)."""
+        with self._lock:
+            return [*self._in_use.values(), *(b for bufs in self._free.values() for b in bufs)]
 
     @property
     def in_use(self) -> int:

@@ -1,12 +1,17 @@
-"""Page-locking the shared-memory segments on CUDA, so that prefetch copies out of them
-run on the copy engine while compute proceeds; and what a run's page-locked memory needs
-of the locked-memory limit.
+"""Page-locking host memory on CUDA, so that copies to and from it run on the copy engine
+while compute proceeds: the shared-memory segments (prefetch sources) and the device
+layer's pinned buffers (the host gradients); and what a run's page-locked memory needs of
+the locked-memory limit.
 
 A pageable source turns a "non-blocking" H2D copy into a staged, host-blocking one. Each
 segment's mapping is registered with `cudaHostRegister` when it is created or attached and
 unregistered before it is unmapped. Registration can fail (the locked-memory limit:
 `ulimit -l`, a container's memlock); the copy then stays pageable and one warning names the
 limit. Without CUDA nothing is registered.
+
+Pinned buffers (`pinned_empty`) are anonymous mappings of exactly their size, registered
+the same way: torch's pinned allocator (`pin_memory=True`) rounds every request up to the
+next power of two, up to twice the host memory a stage's gradients need.
 
 A process page-locks the segments it maps and its pooled gradient buffers
 (host_memory.py). When that is more than its limit, what does not fit stays pageable for
@@ -17,6 +22,8 @@ with MEGATRON_CPU_DEVICE_MEMLOCK (bytes), and the run goes down the same path as
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import os
 import resource
 import warnings
@@ -60,6 +67,30 @@ def register(address: int, nbytes: int) -> bool:
 def unregister(address: int) -> None:
     if torch.cuda.is_available():
         _cudart().cudaHostUnregister(address)
+
+
+class _PinnedMapping(mmap.mmap):
+    """An anonymous mapping registered with CUDA; unregistered when the last tensor on it
+    is gone (a tensor's storage holds its buffer), before it is unmapped."""
+
+    address = 0
+
+    def __del__(self) -> None:
+        if self.address:
+            unregister(self.address)
+
+
+def pinned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """Page-locked host memory of exactly `numel` elements (rounded to whole pages);
+    RuntimeError when CUDA refuses to lock it (the caller falls back to pageable memory)."""
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    mapping = _PinnedMapping(-1, max(nbytes, 1))
+    address = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
+    error = int(_cudart().cudaHostRegister(address, len(mapping), 0))
+    if error != 0:
+        raise RuntimeError(f"cudaHostRegister of {len(mapping)} bytes failed (error {error})")
+    mapping.address = address
+    return torch.frombuffer(mapping, dtype=dtype, count=numel)
 
 
 @dataclass(frozen=True)

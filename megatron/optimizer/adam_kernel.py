@@ -138,18 +138,20 @@ class AdamKernel:
         return kernel_runs(self.runs[group], lo, hi, self.rounding_seed, step)
 
     def args(self, group: int, tensors: GroupTensors, r: StepRecord, lo: int, hi: int,
-             snapshot: torch.Tensor | None) -> dict:
-        """The kernel's arguments for elements [lo, hi) (`snapshot`: that range's block)."""
+             snapshot: torch.Tensor | None, base: int = 0) -> dict:
+        """The kernel's arguments for elements [lo, hi) (`snapshot`: that range's block).
+        `base`: the group's element that p, m and v begin at (a chunk of the group read
+        from disk); the gradient and the working copy are the whole group's."""
         fmt = _kernel.StateFormat()
         fmt.master_dtype = DTYPE_CODES[self.master_dtype]
         fmt.state_dtype = DTYPE_CODES[self.state_dtype]
         fmt.runs = self.rounding_rows(group, lo, hi, r.step) or []
 
-        def at(t: torch.Tensor) -> int:
-            return t.data_ptr() + lo * t.element_size()
+        def at(t: torch.Tensor, first: int = 0) -> int:
+            return t.data_ptr() + (lo - first) * t.element_size()
         p, m, v = tensors
         return dict(
-            p=at(p), m=at(m), v=at(v), grad=at(r.grad),
+            p=at(p, base), m=at(m, base), v=at(v, base), grad=at(r.grad),
             grad_dtype=DTYPE_CODES[r.grad.dtype],
             out=0 if r.out is None else at(r.out),
             out_dtype=_kernel.NONE if r.out is None else DTYPE_CODES[r.out.dtype],

@@ -113,7 +113,9 @@ class CPUAdamW:
     """AdamW (decoupled weight decay, bias correction; torch.optim.AdamW's arithmetic)
     over flat groups held in host memory.
 
-    params: one flat tensor per group, copied into the masters (master_dtype).
+    params: one flat tensor per group, copied into the masters (master_dtype); with
+        `adopt=True` a contiguous one already in master_dtype becomes the master itself
+        (the caller gives it up: no second copy of the masters at start-up).
     threads: kernel threads per step (default: all usable cores), from the process's
         persistent pool for (threads, cores), shared with every optimizer so configured.
     cores: pin the kernel threads to these cores (thread i -> cores[i % len]).
@@ -156,6 +158,7 @@ class CPUAdamW:
         rounding_seed: int = 0,
         element_runs: Sequence[Sequence[ElementRun]] | None = None,
         disk: DiskStates | None = None,
+        adopt: bool = False,
     ) -> None:
         _check_hyper(betas, eps, weight_decay, isa, state_dtype, master_dtype)
         self.threads, self.cores = _check_threads(threads, cores)
@@ -185,7 +188,7 @@ class CPUAdamW:
         # Where p, m and v live; on disk it also takes the program's reads and writes
         # (READ/WRITE_OPTIMIZER_STATES, skip, and the reserve/release of a correction).
         self.storage: StateStorage = (
-            HostStorage(params, self._kernel, self._share, self._ledger) if disk is None
+            HostStorage(params, self._kernel, self._share, self._ledger, adopt) if disk is None
             else DiskStorage(params, disk, self._kernel, self._share, self.exact_rollback))
 
     # --- state -------------------------------------------------------------------------

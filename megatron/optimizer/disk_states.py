@@ -15,8 +15,10 @@ state (a reader thread takes a window buffer, waiting for one if all are lent, a
 the read), the step waits for the read, WRITE_OPTIMIZER_STATES asks for the staged write
 (a writer thread waits for the step, writes, then gives the buffer back). Both threads
 take requests in program order; a read never waits for a write asked for after it, so
-no request waits on the main thread. Rollbacks and corrections use one scratch buffer of
-their own, so they never wait for the window the next iteration's reads hold.
+no request waits on the main thread. Rollbacks, corrections and loads go through one
+scratch buffer of their own, a chunk of a group at a time (STATE_SCRATCH_CHUNK elements of
+p, m and v: the window holds stages, the scratch never more than a chunk), so they never
+wait for the window the next iteration's reads hold.
 
 Layout: per group and version, [p | m | v], each part padded to the I/O alignment
 (state_layout.py). Files are named after the host, the job, the rank and the pid
@@ -40,15 +42,17 @@ import torch
 
 from megatron.common.units import format_bytes
 from megatron.optimizer.state_file_names import state_file_name, sweep_stale
-from megatron.optimizer.state_io import StateFile, aligned_empty, shared_engine
+from megatron.optimizer.state_io import ALIGNMENT, StateFile, aligned_empty, round_up, shared_engine
 from megatron.optimizer.state_layout import (
     buffer_sizes,
     file_bytes,
     layout_regions,
     region_views,
+    scratch_elements,
     window_bytes,
 )
 from megatron.optimizer.state_versions import VersionBook
+from megatron.schedules.memory_model import STATE_SCRATCH_CHUNK
 
 # Callers import the file's names and sizes from here with the states themselves.
 __all__ = ["DiskStateError", "DiskStates", "FileTracker", "file_bytes", "state_file_name",
@@ -89,6 +93,9 @@ class _Residency:
         self.error: BaseException | None = None
 
 
+ChunkRun = Callable[[int, int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]], None]
+
+
 class DiskStates:
     """The state file of one process and its host window (see the module docstring).
     `versions`: the book of each group's committed and staged versions (its verdicts,
@@ -98,12 +105,16 @@ class DiskStates:
                  master_dtype: torch.dtype, state_dtype: torch.dtype, window: int,
                  job: str, rank: int, tracker: FileTracker,
                  classes: Sequence[int] | None = None, log: Callable[[str], None] = print,
-                 io_threads: int = 4) -> None:
+                 io_threads: int = 4, chunk: int = STATE_SCRATCH_CHUNK) -> None:
         """`window` buffers per class of groups (`classes[g]`, default one class): a
         pipeline stage has two groups, its decayed elements and the others (classes 0 and
-        1), so a window of W stages holds W of each, not 2W of the largest."""
+        1), so a window of W stages holds W of each, not 2W of the largest. `chunk`: the
+        elements the scratch buffer holds (a multiple of the I/O alignment)."""
         if window < 1:
             raise ValueError(f"window={window} must be >= 1")
+        if chunk < 1 or chunk % ALIGNMENT:
+            raise ValueError(f"chunk={chunk} must be a positive multiple of {ALIGNMENT}")
+        self.chunk = chunk
         self.master_dtype, self.state_dtype = master_dtype, state_dtype
         self.regions = layout_regions(numels, master_dtype, state_dtype)
         self.path = str(Path(directory) / state_file_name(job, rank))
@@ -138,10 +149,13 @@ class DiskStates:
             self._free[kind] = queue.Queue()
             for _ in range(window):
                 self._free[kind].put(aligned_empty(size))
-        self._scratch = aligned_empty(max(sizes.values()))
+        scratch = scratch_elements(numels, self.chunk)
+        self._scratch_region = layout_regions([scratch], self.master_dtype,
+                                              self.state_dtype)[0]
+        self._scratch = aligned_empty(self._scratch_region.version_bytes)
         self._scratch_lock = threading.Lock()
         self.host_bytes = window_bytes(numels, self.master_dtype, self.state_dtype, window,
-                                       self.classes)
+                                       self.classes, self.chunk)
         self.versions = VersionBook(len(numels))
         self._cond = self.versions.cond  # also guards the hand-over of window buffers
         self._current: list[_Residency | None] = [None] * len(numels)  # latest read asked
@@ -173,20 +187,74 @@ class DiskStates:
 
     # --- start-up, checkpoints -----------------------------------------------------------
 
+    def _chunk_io(self, group: int, lo: int, hi: int, version: int, write: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Elements [lo, hi) of the group's p, m and v between the file's `version` and the
+        scratch buffer (lo a multiple of the chunk: every offset stays aligned, each part
+        padded as in the file); their views in the scratch buffer."""
+        r = self.regions[group]
+        views = self._chunk_views(hi - lo)
+        starts = (0, round_up(r.p_bytes), round_up(r.p_bytes) + round_up(r.s_bytes))
+        base = self._scratch.data_ptr()
+        transfer = self._file.write_from if write else self._file.read_into
+        try:
+            tickets = []
+            for view, start in zip(views, starts):
+                at = view.data_ptr() - base
+                tickets.append(transfer(self._scratch[at:at + round_up(view.nbytes)],
+                                        r.version_offset(version) + start
+                                        + lo * view.element_size()))
+            for ticket in tickets:
+                ticket.wait()
+        except OSError as error:
+            what = "write" if write else "read"
+            raise DiskStateError(f"optimizer state file {self.path}: {what} failed: "
+                                 f"{error.strerror or error}") from error
+        return views
+
+    def each_chunk(self, group: int, run: ChunkRun, staged: bool = False,
+                   stage: bool = False) -> None:
+        """`run(lo, hi, (p, m, v))` over the group a chunk at a time, in the scratch buffer:
+        each chunk read from the committed version (the staged one when `staged`) and,
+        when `stage`, written as the staged version after `run` (the group then has a
+        staged state)."""
+        if staged and not self.versions.staged(group):
+            raise RuntimeError(f"optimizer group {group} has no staged state")
+        n = self.regions[group].numel
+        with self._scratch_lock:
+            committed = self.versions.committed(group)
+            source = 1 - committed if staged else committed
+            for lo in range(0, n, self.chunk):
+                hi = min(n, lo + self.chunk)
+                run(lo, hi, self._chunk_io(group, lo, hi, source, write=False))
+                if stage:
+                    self._chunk_io(group, lo, hi, 1 - committed, write=True)
+            if stage:
+                self.versions.set_staged(group, True)
+
+    def _chunk_views(self, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """p, m, v of `n` elements in the scratch buffer, unread."""
+        return tuple(t[:n] for t in region_views(self._scratch_region, self._scratch,
+                                                   self.master_dtype, self.state_dtype))
+
     def write_committed(self, group: int, p: torch.Tensor, m: torch.Tensor | None = None,
                         v: torch.Tensor | None = None) -> None:
-        """Set the committed state (m, v zero when not given), synchronously."""
+        """Set the committed state (m, v zero when not given), synchronously, a chunk at a
+        time through the scratch buffer."""
         self.versions.settle(group)
         if self._is_committed_view(group, p):  # a load into committed_views(): in place
             self._mapped.flush()  # on the drive before the next O_DIRECT read of it
             self.versions.set_staged(group, False)
             return
+        p, m, v = (None if t is None else t.reshape(-1) for t in (p, m, v))
+        n = self.regions[group].numel
         with self._scratch_lock:
-            vp, vm, vv = self.views(group, self._scratch)
-            vp.copy_(p)
-            vm.copy_(m) if m is not None else vm.zero_()
-            vv.copy_(v) if v is not None else vv.zero_()
-            self._io(group, self._scratch, self.versions.committed(group), write=True)
+            committed = self.versions.committed(group)
+            for lo in range(0, n, self.chunk):
+                hi = min(n, lo + self.chunk)
+                for dst, src in zip(self._chunk_views(hi - lo), (p, m, v)):
+                    dst.copy_(src[lo:hi]) if src is not None else dst.zero_()
+                self._chunk_io(group, lo, hi, committed, write=True)
             self.versions.set_staged(group, False)
 
     def committed_views(self, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -297,14 +365,6 @@ class DiskStates:
         """Wait for the group's staged write (a correction rewrites the same bytes)."""
         self.versions.wait_written(group)
 
-    def scratch(self, group: int, staged: bool = False) -> _Scratch:
-        """The committed state (the staged one when `staged`) read into the scratch buffer,
-        for a rollback or correction (`with states.scratch(g) as (p, m, v):`; `.stage()`
-        writes it as the staged one)."""
-        if staged and not self.versions.staged(group):
-            raise RuntimeError(f"optimizer group {group} has no staged state")
-        return _Scratch(self, group, staged)
-
     def settle_all(self) -> None:
         for group in range(len(self.versions)):
             self.versions.settle(group)
@@ -346,29 +406,3 @@ class DiskStates:
                 pass
         self._file.close(unlink=True)
         self._tracker.untrack(self.path)
-
-
-class _Scratch:
-    def __init__(self, states: DiskStates, group: int, staged: bool = False) -> None:
-        self.states, self.group, self.staged = states, group, staged
-
-    def __enter__(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        s = self.states
-        s._scratch_lock.acquire()
-        try:
-            committed = s.versions.committed(self.group)
-            s._io(self.group, s._scratch, 1 - committed if self.staged else committed,
-                  write=False)
-        except BaseException:
-            s._scratch_lock.release()
-            raise
-        return s.views(self.group, s._scratch)
-
-    def stage(self) -> None:
-        """Write the scratch buffer as the group's staged state."""
-        s = self.states
-        s._io(self.group, s._scratch, 1 - s.versions.committed(self.group), write=True)
-        s.versions.set_staged(self.group, True)
-
-    def __exit__(self, *exc: object) -> None:
-        self.states._scratch_lock.release()

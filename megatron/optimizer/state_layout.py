@@ -1,6 +1,7 @@
 """The optimizer state file's layout: per group and version, [p | m | v], each part padded
 to the I/O alignment; the host buffers that hold one group's version (the window, one per
-class of groups, as large as the class's largest group, and the scratch buffer)."""
+class of groups, as large as the class's largest group) and the scratch buffer that
+rollbacks, corrections and loads go through a chunk at a time."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron.optimizer.state_io import round_up
+from megatron.schedules.memory_model import STATE_SCRATCH_CHUNK
 
 
 @dataclass(frozen=True)
@@ -54,13 +56,26 @@ def buffer_sizes(regions: Sequence[GroupRegion], classes: Sequence[int]) -> dict
     return sizes
 
 
+def scratch_elements(numels: Sequence[int], chunk: int) -> int:
+    """Elements the scratch buffer holds: a chunk, or the largest group when smaller."""
+    return max(1, min(chunk, max(numels, default=1)))
+
+
+def scratch_bytes(numels: Sequence[int], master_dtype: torch.dtype, state_dtype: torch.dtype,
+                  chunk: int) -> int:
+    """The scratch buffer's bytes: p, m and v of `scratch_elements`, each part padded."""
+    n = scratch_elements(numels, chunk)
+    return round_up(n * master_dtype.itemsize) + 2 * round_up(n * state_dtype.itemsize)
+
+
 def window_bytes(numels: Sequence[int], master_dtype: torch.dtype, state_dtype: torch.dtype,
-                 window: int, classes: Sequence[int] | None = None) -> int:
+                 window: int, classes: Sequence[int] | None = None,
+                 chunk: int = STATE_SCRATCH_CHUNK) -> int:
     """Host bytes of the window (`window` buffers per class of groups, each as large as the
-    class's largest group) and of the scratch buffer (the largest group)."""
+    class's largest group) and of the scratch buffer (a chunk of `chunk` elements)."""
     regions = layout_regions(numels or [1], master_dtype, state_dtype)
     sizes = buffer_sizes(regions, classes or [0] * len(regions))
-    return window * sum(sizes.values()) + max(sizes.values())
+    return window * sum(sizes.values()) + scratch_bytes(numels, master_dtype, state_dtype, chunk)
 
 
 def region_views(region: GroupRegion, buffer: torch.Tensor, master_dtype: torch.dtype,

@@ -72,9 +72,10 @@ class HostStorage:
     may hold the current values of some ranges, written back before a host reader."""
 
     def __init__(self, params: Sequence[torch.Tensor], kernel: AdamKernel,
-                 share: SubgroupShare, ledger: StepLedger) -> None:
+                 share: SubgroupShare, ledger: StepLedger, adopt: bool = False) -> None:
+        """`adopt`: a param already contiguous in the master dtype is the master (no copy)."""
         self._kernel, self._share, self._ledger = kernel, share, ledger
-        self._tensors = [(p.detach().to(kernel.master_dtype, copy=True).contiguous(),
+        self._tensors = [(p.detach().to(kernel.master_dtype, copy=not adopt).contiguous(),
                           torch.zeros(p.numel(), dtype=kernel.state_dtype),
                           torch.zeros(p.numel(), dtype=kernel.state_dtype)) for p in params]
 
@@ -168,34 +169,40 @@ class DiskStorage:
             return
         self.disk.wait_written(group)  # the committed version is the state before the step
         self.disk.versions.discard(group)
-        if record.out is not None:
-            with self.disk.scratch(group) as (p, _, _):
-                record.out.copy_(p)  # the working copy a step writes: p rounded
+        if record.out is not None:  # the working copy a step writes: p rounded
+            out = record.out.reshape(-1)
+            self.disk.each_chunk(group, lambda lo, hi, tensors: out[lo:hi].copy_(tensors[0]))
 
     def correct(self, group: int, record: StepRecord, corrected: StepRecord) -> None:
         if not self._exact:  # inverse and step again on the staged state, as in host memory
             self._on_staged(group, corrected,
                             lambda call: self._kernel.correct(call, record.clip))
             return
-        self.disk.wait_written(group)  # the same step again, from the committed state:
-        scratch = self.disk.scratch(group)  # its staged bytes are rewritten
-        with scratch as tensors:  # on the kernel, every subgroup: what a correction in
-            for call in self._share.kernel_args(group, tensors, corrected):  # memory does
-                finite, _ = self._kernel.step(call)
-                if not finite:
-                    raise RuntimeError(f"group {group}: gradient became non-finite "
-                                       "after its step")
-            scratch.stage()
+
+        def step(call: dict) -> None:
+            finite, _ = self._kernel.step(call)
+            if not finite:
+                raise RuntimeError(f"group {group}: gradient became non-finite after its step")
+        # the same step again, from the committed state, on the kernel for every subgroup
+        # (what a correction in memory does): its staged bytes are rewritten
+        self.disk.wait_written(group)
+        self._over_chunks(group, corrected, step, staged=False)
 
     def _on_staged(self, group: int, record: StepRecord, run: Callable[[dict], object]) -> None:
-        """`run` over each range's kernel arguments of `record` with the group's staged
-        state read into the scratch buffer, which is then staged again."""
+        """`run` over each range's kernel arguments of `record` on the group's staged state,
+        which is then staged again."""
         self.disk.wait_written(group)  # the step's staged bytes are read, then rewritten
-        scratch = self.disk.scratch(group, staged=True)
-        with scratch as tensors:
-            for call in self._share.kernel_args(group, tensors, record):
+        self._over_chunks(group, record, run, staged=True)
+
+    def _over_chunks(self, group: int, record: StepRecord, run: Callable[[dict], object],
+                     staged: bool) -> None:
+        """`run` over the kernel arguments of `record`, a chunk of the group at a time in
+        the scratch buffer (read from the committed version, or the staged one when
+        `staged`), each chunk written back as the staged version."""
+        def chunk(lo: int, hi: int, tensors: GroupTensors) -> None:
+            for call in self._share.kernel_args(group, tensors, record, span=(lo, hi)):
                 run(call)
-            scratch.stage()
+        self.disk.each_chunk(group, chunk, staged=staged, stage=True)
 
     def commit(self, group: int) -> None:
         """The staged state becomes the committed one."""

@@ -59,10 +59,21 @@ class SubgroupShare:
         return self._subgroups[group]
 
     def kernel_args(self, group: int, tensors: GroupTensors, r: StepRecord,
-                    on_device: bool | None = None) -> list[dict]:
+                    on_device: bool | None = None,
+                    span: tuple[int, int] | None = None) -> list[dict]:
         """Kernel arguments per subgroup (each with its own snapshot block), or the whole
-        group's when it is not split; on_device=False: only the CPU subgroups."""
+        group's when it is not split; on_device=False: only the CPU subgroups. `span`:
+        only elements [lo, hi) of the group, which `tensors` hold (a chunk read from
+        disk, where no snapshots are kept)."""
         subgroups = self._subgroups[group]
+        if span is not None:
+            if self._ledger.snapshot(group) is not None:
+                raise RuntimeError(f"group {group}: a chunk of a group with snapshots")
+            lo, hi = span
+            ranges = [(0, self._numel[group])] if subgroups is None else [
+                (s.lo, s.hi) for s in subgroups if on_device is None or s.on_device == on_device]
+            return [self._kernel.args(group, tensors, r, max(a, lo), min(b, hi), None, base=lo)
+                    for a, b in ranges if max(a, lo) < min(b, hi)]
         if subgroups is None:
             return [self._kernel.args(group, tensors, r, 0, self._numel[group],
                                       self._ledger.snapshot(group))]

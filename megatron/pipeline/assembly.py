@@ -16,16 +16,16 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
+from megatron.common.host_allocator import return_free_memory
 from megatron.common.units import format_bytes
 from megatron.config.placement import Interleaved, OnHost, Resident
 from megatron.models.llama import Batch, LlamaConfig
 from megatron.offload.device import get_device
-from megatron.offload.layout import copy_parameters_into
 from megatron.offload.param_store import ParameterStore
 from megatron.offload.reaper_client import REAPER
 from megatron.optimizer.cpu_adam import CPUAdamW
@@ -49,7 +49,7 @@ from megatron.pipeline.replicas import (
     holds_segment,
     transfer_events,
 )
-from megatron.pipeline.stage_modules import build_stage_modules
+from megatron.pipeline.stage_modules import build_stage_modules, drop_parameters, initial_parameters
 from megatron.pipeline.subgroup_device import (
     DeviceSubgroups,
     DeviceSubgroupUpdater,
@@ -87,9 +87,11 @@ class Pipeline:
             sanitize=config.device_sanitizer, chaos_seed=config.device_chaos)
         self.host_group = host_group()  # the whole world
         self.groups = create_host_groups(layout, self.host_group)
+        # Uninitialized: the owned stages' initial weights are made one at a time below.
         self.modules = build_stage_modules(model_cfg, schedule.partition,
                                            schedule.backward_split,
-                                           stages_used(schedule, self.rank), config.dtype)
+                                           stages_used(schedule, self.rank), config.dtype,
+                                           initialize=False)
         # A one-rank pipeline may run without a launcher: its segments are its own.
         job_id = f"process:{os.getpid()}" if layout.world_size == 1 else None
         self.store = ParameterStore(job_id=job_id, rank=rank, procs_per_node=config.procs_per_node)
@@ -109,7 +111,7 @@ class Pipeline:
                                            thread_setup=device.bind_current_thread)
         held = holds_segment(replicas, rank)  # replicas of stages owned on another node
         created = self._created_segments(held)
-        masters = self._map_segments(created, held)
+        masters = self._map_segments(model_cfg, created, held)
         self.cpu_adam, self.owned = self._optimizer_groups(masters, created)
         self.scaler = loss_scaler(config.loss_scaling)
         self.optimizer = AsyncGroupOptimizer(
@@ -118,7 +120,8 @@ class Pipeline:
             process_group=self._verdict_group(), thread_setup=device.bind_current_thread)
         self.buffers = rank_buffers(device, config.dtype, self.rank,
                                     {b: m.layout.numel for b, m in self.modules.items()},
-                                    self.owned, (schedule, self.eval_schedule), config.report)
+                                    self.owned, (schedule, self.eval_schedule), config.report,
+                                    config.host_gradient_dtype)
         self.subgroups = self._device_updates()
         # Each replica's backward divides by the replicas too: their sum is the mean.
         replica_count = layout.data_parallel_size
@@ -130,6 +133,7 @@ class Pipeline:
                                      replica_count, self.groups.data_parallel)
         self.last_iteration = 0
         self.memory = self._host_memory()
+        return_free_memory()  # what the construction freed (initial weights, modules)
 
     # --- assembly ----------------------------------------------------------------------
 
@@ -140,20 +144,19 @@ class Pipeline:
             return []
         return [*self.schedule.owned_by(self.rank), *held]
 
-    def _map_segments(self, created: list[BackwardStage], held: list[BackwardStage]
-                      ) -> dict[BackwardStage, torch.Tensor]:
+    def _map_segments(self, model_cfg: LlamaConfig, created: list[BackwardStage],
+                      held: list[BackwardStage]) -> dict[BackwardStage, torch.Tensor]:
         """Create the owned stages' segments (filled, version 0) and the replicas held for
-        other nodes, map the rest; return the owned stages' fp32 masters."""
+        other nodes, map the rest; return the owned stages' masters (in the optimizer's
+        master dtype: it keeps them without a copy). One stage's initial weights exist at a
+        time besides the masters."""
         dtype = self.config.dtype
         self.store.check_capacity({b: (self.modules[b].layout.numel, dtype) for b in created})
         masters = {}
         for b in self.schedule.owned_by(self.rank):
             module = self.modules[b]
-            master = torch.empty(module.layout.numel, dtype=torch.float32)
-            copy_parameters_into(module.module, replace(module.layout, dtype=torch.float32),
-                                 master)
             # the working copy starts from the master the optimizer will hold (bf16: rounded)
-            master.copy_(master.to(self.config.optimizer.master_dtype))
+            master = initial_parameters(model_cfg, module).to(self.config.optimizer.master_dtype)
             if b in created:
                 self.store.create(b, module.layout.numel, dtype).write(master, version=0)
             masters[b] = master
@@ -166,8 +169,7 @@ class Pipeline:
                 self.store.attach(b, self.modules[b].layout.numel, dtype)
         # Parameters live in the device slots from now on: drop the construction copies.
         for module in self.modules.values():
-            for param in module.module.parameters():
-                param.data = torch.empty(0, dtype=dtype, device=self.device.torch_device)
+            drop_parameters(module, self.device.torch_device)
         return masters
 
     def _optimizer_groups(self, masters: dict[BackwardStage, torch.Tensor],
@@ -194,7 +196,10 @@ class Pipeline:
                         state_dtype=o.state_dtype, master_dtype=o.master_dtype,
                         stochastic_rounding=o.stochastic_rounding, rounding_seed=o.seed,
                         element_runs=runs, exact_rollback=o.exact_rollback,
-                        disk=self._disk_states([g.numel() for g in groups]))
+                        disk=self._disk_states([g.numel() for g in groups]),
+                        # the masters are its own, unless a shard of each is (ZeRO): then
+                        # it copies its shard and the whole masters go
+                        adopt=self.reducer is None)
         return adam, OwnedStages(owners)
 
     def _disk_states(self, numels: list[int]) -> DiskStates | None:
@@ -311,7 +316,8 @@ class Pipeline:
             mean = torch.tensor([loss], dtype=torch.float64)
             dist.all_reduce(mean, group=self.groups.data_parallel)
             loss = float(mean[0]) / self.layout.data_parallel_size
-        breakdown.update(schedule=self.schedule.name, **self.memory)
+        breakdown.update(schedule=self.schedule.name, **{
+            **self.memory, "host_gradient_pool_bytes": self.buffers.host_pool.allocated_bytes})
         transfers = self.distributor.take_transfers()  # the pushes during this iteration
         if stats.events:
             stats.events.extend(transfer_events(transfers, self.rank, stats.origin_host_s))
@@ -389,11 +395,13 @@ class Pipeline:
         if republish:
             self.distributor.drain()
             dist.barrier(group=self.host_group)
+        return_free_memory()  # what the load freed (the reader's buffers)
 
     def _host_memory(self) -> dict:
-        """Host memory this process holds for the optimizer (fp32 master, m, v), the
-        shared memory of the segments per node, and what a process page-locks on CUDA
-        (the segments it maps and its gradient pool: against ulimit -l) (max over
+        """Host memory this process holds for the optimizer (fp32 master, m, v), what its
+        gradient pool will hold (one buffer per owned stage: `step` reports what it does
+        hold), the shared memory of the segments per node, and what a process page-locks on
+        CUDA (the segments it maps and its gradient pool: against ulimit -l) (max over
         processes and nodes). Collective."""
         state = self.cpu_adam.host_state_bytes()
         nodes = -(-self.layout.world_size // self.store.procs_per_node)

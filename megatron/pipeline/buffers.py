@@ -10,7 +10,7 @@ import torch
 
 from megatron.offload.device import DeviceLayer
 from megatron.offload.grad_buffers import GradientBuffers
-from megatron.offload.grad_offload import GradientOffloader
+from megatron.offload.grad_offload import GradientOffloader, default_grad_host_dtype
 from megatron.offload.host_memory import HostBufferPool
 from megatron.offload.prefetch import ParamSlots
 from megatron.pipeline.owner import OwnedStages
@@ -29,17 +29,21 @@ class RankBuffers:
 
 def rank_buffers(device: DeviceLayer, dtype: torch.dtype, rank: int,
                  stage_numel: dict[BackwardStage, int], owned: OwnedStages,
-                 schedules: tuple[Schedule, Schedule], training: ValidationReport
-                 ) -> RankBuffers:
+                 schedules: tuple[Schedule, Schedule], training: ValidationReport,
+                 host_gradient_dtype: torch.dtype | None = None) -> RankBuffers:
     """Parameter slots for the stages this rank's training and evaluation programs (of
     `schedules`) hold at once, each as large as the stages it takes (slot_plan.py; at
-    least two: one computes while the next is prefetched); a pinned pool for every owned
-    stage's gradients (fp32 at most); gradient buffers for the backward stages in flight at
-    once, plus one so the next starts while the previous one's offload runs."""
+    least two: one computes while the next is prefetched); a pinned pool of one buffer per
+    owned stage in `host_gradient_dtype` (None: the device's default; a stage's buffer goes
+    back when its update is published, before its next offload); gradient buffers for the
+    backward stages in flight at once, plus one so the next starts while the previous one's
+    offload runs."""
     numels = slot_numels(schedules, rank, stage_numel)
     param_slots = ParamSlots.sized(device, list(numels), dtype)
-    host_pool = HostBufferPool(device, sum(4 * owner.numel for owner in owned.values()) or 1)
-    offloader = GradientOffloader(device, host_pool, training_dtype=dtype)
+    offloader_dtype = host_gradient_dtype or default_grad_host_dtype(device, dtype)
+    host_pool = HostBufferPool(
+        device, sum(owner.numel for owner in owned.values()) * offloader_dtype.itemsize or 1)
+    offloader = GradientOffloader(device, host_pool, offloader_dtype, training_dtype=dtype)
     in_flight = training.peak_gradients[rank]
     grad_buffers = GradientBuffers(device, owned.largest, dtype,
                                    min(in_flight + 1, max(1, len(owned))))

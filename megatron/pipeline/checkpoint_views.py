@@ -11,9 +11,16 @@ makes what a load put in them durable.
 
 A parameter lies in one of its stage's two optimizer groups (decayed elements first, then
 the others).
+
+Each view is handed out with a storage of its own size over the same memory
+(`own_storage`): torch.distributed.checkpoint's writer clones a tensor whose storage is
+larger than it and keeps every tensor of a file until the file is closed, so views of the
+flat groups cost a second copy of the states at every synchronous save.
 """
 
 from __future__ import annotations
+
+import ctypes
 
 import torch
 import torch.distributed as dist
@@ -39,6 +46,10 @@ class CheckpointViews:
         """Every owned parameter's (master, exp_avg, exp_avg_sq), fp32 or bf16 as the
         optimizer keeps them. master()/exp_avg() bring subgroups kept on the device back to
         the host; the caller has finished the deferred corrections first."""
+        return {name: tuple(own_storage(t) for t in triple)
+                for name, triple in self._views().items()}
+
+    def _views(self) -> Views:
         self._copies = {}
         if self.replicas > 1:
             return self._gathered_views()
@@ -113,3 +124,13 @@ class CheckpointViews:
                     for own, tensor in zip(self._group_states(group), full):
                         own.copy_(tensor[lo:hi])
         self._gathered = {}
+
+
+def own_storage(view: torch.Tensor) -> torch.Tensor:
+    """`view` (contiguous) as a tensor whose storage is exactly its bytes, on the same
+    memory: writes go through, no copy. The storage keeps the memory's owner alive."""
+    if view.numel() == 0 or view.untyped_storage().nbytes() == view.nbytes:
+        return view
+    memory = (ctypes.c_char * view.nbytes).from_address(view.data_ptr())
+    memory.owner = view  # the storage holds `memory`, which holds the view's storage
+    return torch.frombuffer(memory, dtype=view.dtype).view(view.shape)

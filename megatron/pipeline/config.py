@@ -90,6 +90,9 @@ class PipelineConfig:
     data_parallel_size: int = 1
     zero_stage: int = 0
     device: DeviceChoice | None = None  # the process's device decision; None: the machine's
+    # the host gradients' dtype (megatron.config.run.host_gradient_dtype); None: the
+    # device's default
+    host_gradient_dtype: torch.dtype | None = None
 
     @property
     def ranks(self) -> int:
@@ -161,4 +164,6 @@ def pipeline_config(run: RunConfig, plan: RunPlan,
         data_parallel_size=run.data_parallel_size,
         zero_stage=run.parallel.zero_stage,
         device=device,
+        # the dtype the plan priced the host gradients in
+        host_gradient_dtype=TORCH_DTYPES[p.host_gradient_dtype(plan.where.on_cuda)],
     )

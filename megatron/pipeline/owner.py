@@ -137,8 +137,10 @@ class BackwardStageOwner:
                 optimizer.check(group, grad(lo, hi), ready=ready)
 
     def master(self, adam: CPUAdamW) -> torch.Tensor:
-        """The fp32 masters of the elements this process steps, in layout order."""
-        return self.state(adam)[0]
+        """The masters of the elements this process steps, in layout order (a copy of
+        those alone: this runs after a load, when m and v need no second copy)."""
+        live = self.live_groups()
+        return torch.cat([adam.master(g) for g in live]) if live else torch.zeros(0)
 
     def state(self, adam: CPUAdamW) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Master, exp_avg and exp_avg_sq of the elements this process steps (copies)."""

@@ -6,18 +6,23 @@ run in order. Each process builds the modules of the stages it runs, nothing els
 
 The flat layout puts the parameters that take weight decay first and the 1-D ones (norm
 weights) after them, so the CPU optimizer can treat each as one contiguous group.
+
+A pipeline needs a stage's initial weights once, in its owner, to fill the master: it builds
+its modules uninitialized (their parameters are pointed at the device slots before any use)
+and `initial_parameters` builds one owned stage's pieces initialized at a time, so that the
+start-up never holds a second copy of more than one stage.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
 from megatron.models.llama import LlamaConfig, build_pieces, run_pieces, uses_weight_decay
-from megatron.offload.layout import FlatLayout, ParamSlice
+from megatron.offload.layout import FlatLayout, ParamSlice, copy_parameters_into
 from megatron.schedules.instructions import BackwardStage
 from megatron.schedules.partition import sub_stage_layers
 
@@ -77,17 +82,35 @@ def build_stage_modules(
     backward_split: int,
     keys: Iterable[BackwardStage],
     dtype: torch.dtype,
+    initialize: bool = True,
 ) -> dict[BackwardStage, StageModule]:
-    """Modules of the backward stages `keys`, initialized in fp32 (the masters' values),
-    with layouts in the training dtype `dtype`."""
+    """Modules of the backward stages `keys`, in fp32 (initialized: the masters' values;
+    `initialize=False`: allocated, never written), with layouts in the training dtype
+    `dtype`."""
     indices = model_piece_indices(partition, backward_split, cfg.num_layers)
     fp32 = cfg.with_dtype(torch.float32)
     out = {}
     for key in sorted(set(keys)):
-        module = build_pieces(fp32, indices[key])
+        module = build_pieces(fp32, indices[key], initialize)
         layout, decay_numel = decay_first_layout(module, dtype)
         out[key] = StageModule(key, module, layout, decay_numel, tuple(indices[key]))
     return out
+
+
+def initial_parameters(cfg: LlamaConfig, stage: StageModule) -> torch.Tensor:
+    """The stage's initial weights, flat in its layout's order, in fp32: its pieces built
+    initialized (each from its own seed), copied out and dropped."""
+    pieces = build_pieces(cfg.with_dtype(torch.float32), stage.model_pieces)
+    flat = torch.empty(stage.layout.numel, dtype=torch.float32)
+    copy_parameters_into(pieces, replace(stage.layout, dtype=torch.float32), flat)
+    return flat
+
+
+def drop_parameters(stage: StageModule, device: torch.device) -> None:
+    """Point the stage's parameters at nothing: from now on they are views of the device
+    slots (bound before each use), and their construction memory goes back."""
+    for param in stage.module.parameters():
+        param.data = torch.empty(0, dtype=stage.layout.dtype, device=device)
 
 
 def _model_name(local: str, model_pieces: tuple[int, ...]) -> str:

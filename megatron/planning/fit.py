@@ -76,8 +76,18 @@ def memory_plan(run: RunConfig, schedule: Schedule, shape: PlannedShape,
     p = run.precision
     return plan_memory(schedule, MemoryShape(
         shape.model, shape.micro_batch_size, run.model.seq_length, p.working_bytes,
-        p.host_gradient_bytes(shape.on_cuda), shape.optimizer_bytes, shape.procs_per_node),
+        p.host_gradient_bytes(shape.on_cuda), shape.optimizer_bytes, shape.procs_per_node,
+        state_snapshots(run, shape.placement)),
         shape.placement, shape.hardware, report)
+
+
+def state_snapshots(run: RunConfig, placement: Placement) -> int:
+    """Copies of the optimizer states the run keeps in host memory beside them: the step
+    snapshot of --optimizer-exact-rollback (none on NVMe, where the file keeps the
+    committed version) and the snapshot --async-save writes from."""
+    exact = run.cpu_optimizer.optimizer_exact_rollback and not placement.states.on_nvme
+    saving = run.checkpointing.async_save and run.checkpointing.save is not None
+    return int(exact) + int(saving)
 
 
 def device_headroom(plan: MemoryPlan, pipeline_rank: int, free: FreeMemory) -> int:

@@ -97,10 +97,12 @@ def precision_note(run: RunConfig, config: Configuration) -> str:
     if config.optimizer_state_dtype is None and config.master_dtype is None and not on_disk:
         return ""
     moments, master = optimizer_precision(run, config)
-    where = "on NVMe (a window of stages in host memory)" if on_disk else "in host memory"
+    where = ("on NVMe (a window of stages in host memory)"
+             if config.placement(run).states.on_nvme else "in host memory")
+    size, own = optimizer_bytes(run, config), run.precision.optimizer_bytes_per_param
     return (f"the optimizer state {where} with m and v in {moments} and the master in "
-            f"{master}: {optimizer_bytes(run, config)} bytes per parameter instead of "
-            f"{run.precision.optimizer_bytes_per_param}")
+            f"{master}: {size} bytes per parameter" + (f" instead of {own}" if size != own
+                                                        else ""))
 
 
 def with_precision(config: Configuration, precision: Precision) -> Configuration:

@@ -32,7 +32,12 @@ Per node (host memory):
 - shm_parameters: one segment per backward stage read or owned on the node (the working
   dtype, a header each): owned stages, and replicas of stages owned elsewhere;
 - optimizer_states: master, m and v of every stage its ranks own (12 bytes/param in fp32;
-  `optimizer_bytes`: 8 with bf16 m and v, 6 all in bf16);
+  `optimizer_bytes`: 8 with bf16 m and v, 6 all in bf16); with the states on NVMe, the
+  window instead: the stages the program holds read and not yet written at once (the
+  validator's peak, each as large as the rank's largest stage) and one scratch chunk of
+  STATE_SCRATCH_CHUNK elements that rollbacks, corrections and loads go through; plus the
+  opt-in copies (`state_snapshots`): --optimizer-exact-rollback's step snapshot in host
+  memory and --async-save's snapshot, each the owned states once more;
 - host_gradients: the offloaded gradients of the owned stages (pooled, pinned on CUDA);
 - process_baseline: the interpreter, torch and the CUDA context of each process.
 
@@ -63,6 +68,11 @@ from .validator import ValidationReport, validate
 # Elements the gradient offload upcasts to fp32 at a time, through one device scratch
 # (megatron/offload/grad_offload.py): 64 MiB, against 4 bytes per parameter of a whole stage.
 UPCAST_CHUNK = 1 << 24
+# Elements of a group that the NVMe tier's rollbacks, corrections and loads hold in host
+# memory at a time (megatron/optimizer/disk_states.py's scratch buffer): 192 MiB of fp32
+# p, m and v, against 12 bytes per parameter of a whole stage. A multiple of 4096 (O_DIRECT
+# offsets stay aligned whatever the dtype).
+STATE_SCRATCH_CHUNK = 1 << 24
 
 GPU_TERMS = ("parameter_slots", "gradient_buffers", "activation_checkpoints", "activations",
              "optimizer_subgroups", "operator_working")
@@ -217,6 +227,9 @@ class MemoryShape:
     # m and v, 6 all in bf16)
     optimizer_bytes: int = OPTIMIZER_BYTES_PER_PARAM
     procs_per_node: int | None = None  # None: all ranks on one node
+    # Copies of the owned states kept beside them in host memory, each as large: the step
+    # snapshot of --optimizer-exact-rollback (states in host memory) and --async-save's
+    state_snapshots: int = 0
 
 
 @dataclass(frozen=True)
@@ -295,9 +308,12 @@ def _host_terms(schedule: Schedule, rank: int, shape: MemoryShape, sizes: _Sizes
     """The rank's optimizer states and offloaded gradients in host memory."""
     owned = [sizes.params[b] for b in schedule.owned_by(rank)]
     states = shape.optimizer_bytes * sum(owned)
-    if report.peak_optimizer_states:  # on NVMe: the window of the program and the
-        window = max(1, report.peak_optimizer_states[rank]) + 1  # scratch (a stage each
-        states = min(states, window * shape.optimizer_bytes * max(owned, default=0))  # at most)
+    if report.peak_optimizer_states:  # on NVMe: the program's window (stages read and not
+        window = max(1, report.peak_optimizer_states[rank])  # yet written, a stage each at
+        largest = max(owned, default=0)  # most) and the scratch chunk
+        states = min(states, shape.optimizer_bytes
+                     * (window * largest + min(STATE_SCRATCH_CHUNK, largest)))
+    states += shape.state_snapshots * shape.optimizer_bytes * sum(owned)
     return {"optimizer_states": states, "host_gradients": shape.grad_host_bytes * sum(owned)}
 
 

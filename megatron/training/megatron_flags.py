@@ -102,14 +102,11 @@ DESIGN_SWITCHES = {
     "--manual-gc": "accepted; Python's collector runs as usual",
     "--no-create-attention-mask-in-dataloader": "the causal mask is built by the model (always)",
     "--no-mmap-bin-files": "accepted; .bin files are memory-mapped",
-    "--accumulate-allreduce-grads-in-fp32": "gradients are accumulated and reduced in fp32 "
-                                            "in host memory (always)",
     "--legacy-tokenizer": "accepted; text is tokenized by tools/preprocess_data.py (where "
                           "it applies), training reads token ids",
     "--tokenizer-hf-use-fast": "accepted; training reads token ids (see --legacy-tokenizer)",
     "--tokenizer-hf-include-special-tokens": "accepted; training reads token ids (see "
                                              "--legacy-tokenizer)",
-    "--grad-reduce-in-bf16": "accepted; gradients are reduced in fp32 in host memory",
     "--calculate-per-token-loss": "equal to the per-micro-batch mean here: every sample has "
                                   "seq-length loss tokens",
     "--no-check-for-nan-in-loss-and-grad": "accepted; a non-finite gradient skips the "
