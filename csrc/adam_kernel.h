@@ -325,8 +325,9 @@ static inline void restore_part(const Buffers& b, int64_t base, int64_t lo, int6
   }
 }
 
-// The update's vector policy: VecBf16 where every stream is bf16 (an ISA may lay those
-// vectors out differently, see isa_avx2.cpp), Vec otherwise.
+// The update's vector policy: VecBf16 where every stream is bf16, VecBf16States where an
+// fp32 master sits beside bf16 m and v (an ISA may lay those vectors out differently, see
+// isa_avx2.cpp), Vec otherwise.
 template <int GD, int OD, int MD, int SD>
 constexpr bool kAllBf16 =
     GD == kBF16 && (OD == kBF16 || OD == kNone) && MD == kBF16 && SD == kBF16;
@@ -338,8 +339,13 @@ template <class A, class B>
 struct PickPolicy<true, A, B> {
   using type = A;
 };
+// VecBf16States: an fp32 master beside bf16 m and v, no fp16 stream.
 template <int GD, int OD, int MD, int SD>
-using UpdateVec = typename PickPolicy<kAllBf16<GD, OD, MD, SD>, VecBf16, Vec>::type;
+constexpr bool kBf16States = MD == kF32 && SD == kBF16 && GD != kF16 && OD != kF16;
+template <int GD, int OD, int MD, int SD>
+using UpdateVec = typename PickPolicy<
+    kAllBf16<GD, OD, MD, SD>, VecBf16,
+    typename PickPolicy<kBf16States<GD, OD, MD, SD>, VecBf16States, Vec>::type>::type;
 
 template <int GD, int OD, int MD, int SD>
 static int64_t update_vectors(Op op, const Buffers& b, const Hyper& h, const Tuning& t,

@@ -3,14 +3,17 @@
 // AVX2 has no bf16 instructions, so every bf16 load, rounding and store is built from
 // integer ops, and on Zen 2/3 the shifts and shuffles among them share two of the four
 // vector pipes with the multiplies and the divider. The policies below keep those to a
-// minimum (docs/cpu_optimizer.md, "The 16-bit paths on AVX2"):
+// minimum (docs/cpu_optimizer.md, "16-bit states on AVX2"):
 // - a bf16 value is kept in the high half of its 32-bit lane until it is stored, so
 //   rounding needs no shift and the store picks the high halves (one shuffle);
 // - round to nearest even adds 0x8000 minus "bit 16 clear" (a compare, not a shift);
 // - VecBf16, for steps whose streams are all bf16, holds 16 elements as their even and
 //   odd halves: a 32-byte load becomes two fp32 vectors with one shift and one AND, two
 //   rounded vectors become one 32-byte store with one shift and one word blend, and one
-//   hash gives the random bits of an even and an odd element (its low and high halves).
+//   hash gives the random bits of an even and an odd element (its low and high halves);
+// - VecBf16States, for an fp32 master beside bf16 m and v, holds 16 elements in the
+//   order that widening a 32-byte bf16 load gives (0-3 | 8-11 and 4-7 | 12-15): the
+//   16-bit streams cross no 128-bit lane, only the fp32 ones are permuted.
 #include <cstdint>
 
 #include "kernel_api.h"
@@ -163,19 +166,47 @@ struct Vec {
   static float hsum(F x) { return hsum8(x); }
 };
 
-// 16 consecutive elements held as their even and odd halves: only for steps whose every
-// stream is bf16 (adam_kernel.h picks it through kAllBf16). The lane order differs from
-// memory order, which no elementwise update can tell, and one hash serves lane j of both
-// halves (elements 2j and 2j + 1: Scalar::round_sr's pairing).
-struct VecBf16 {
+// 16 elements as two fp32 vectors a and b, in an order that VecBf16 and VecBf16States
+// choose; the elementwise arithmetic cannot tell the order from memory order.
+struct Vec2x8 {
   struct F {
-    __m256 even, odd;
+    __m256 a, b;
   };
   using M = __m256;
-  using H = __m256i;  // 16 packed bf16 values, in memory order
-  using I = __m256i;  // the rounding's counter: the 8 element pairs
+  using H = __m256i;  // 16 packed 16-bit values, in memory order
   static constexpr int W = 16;
   static F set1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+  static bool any_nan(F x, F y, F z) {  // unordered: either lane is nan
+    const __m256 xy = _mm256_or_ps(_mm256_cmp_ps(x.a, x.b, _CMP_UNORD_Q),
+                                   _mm256_cmp_ps(y.a, y.b, _CMP_UNORD_Q));
+    return _mm256_movemask_ps(_mm256_or_ps(xy, _mm256_cmp_ps(z.a, z.b, _CMP_UNORD_Q))) != 0;
+  }
+  static void store_h(uint16_t* p, H h) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), h); }
+  static void stream_h(uint16_t* p, H h) {  // p 32-byte aligned
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(p), h);
+  }
+  static void fence() { _mm_sfence(); }
+  static void prefetch(const void* at) { prefetch_line(at); }
+  static F add(F x, F y) { return {_mm256_add_ps(x.a, y.a), _mm256_add_ps(x.b, y.b)}; }
+  static F sub(F x, F y) { return {_mm256_sub_ps(x.a, y.a), _mm256_sub_ps(x.b, y.b)}; }
+  static F mul(F x, F y) { return {_mm256_mul_ps(x.a, y.a), _mm256_mul_ps(x.b, y.b)}; }
+  static F div(F x, F y) { return {_mm256_div_ps(x.a, y.a), _mm256_div_ps(x.b, y.b)}; }
+  static F sqrt(F x) { return {_mm256_sqrt_ps(x.a), _mm256_sqrt_ps(x.b)}; }
+  static F max0(F x) { return {Vec::max0(x.a), Vec::max0(x.b)}; }
+  static M mask_zero() { return _mm256_setzero_ps(); }
+  static M nonfinite_or(M acc, F x) {  // one compare: unordered when either lane is nan
+    return _mm256_or_ps(acc, _mm256_cmp_ps(_mm256_sub_ps(x.a, x.a),
+                                           _mm256_sub_ps(x.b, x.b), _CMP_UNORD_Q));
+  }
+  static bool any(M acc) { return _mm256_movemask_ps(acc) != 0; }
+  static float hsum(F x) { return hsum8(_mm256_add_ps(x.a, x.b)); }
+};
+
+// 16 consecutive elements held as their even (a) and odd (b) halves: only for steps whose
+// every stream is bf16 (adam_kernel.h picks it through kAllBf16). One hash serves lane j
+// of both halves (elements 2j and 2j + 1: Scalar::round_sr's pairing).
+struct VecBf16 : Vec2x8 {
+  using I = __m256i;  // the rounding's counter: the 8 element pairs
   // 32-bit lane j holds elements 2j (low half) and 2j + 1 (high half)
   static F load_bf16(const uint16_t* p) {
     const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -188,19 +219,8 @@ struct VecBf16 {
   }
   template <bool kMayNan = true>
   static H to_bf16(F x) {
-    return join(nearest_high<kMayNan>(x.even), nearest_high<kMayNan>(x.odd));
+    return join(nearest_high<kMayNan>(x.a), nearest_high<kMayNan>(x.b));
   }
-  static bool any_nan(F a, F b, F c) {  // unordered: either lane is nan
-    const __m256 ab = _mm256_or_ps(_mm256_cmp_ps(a.even, a.odd, _CMP_UNORD_Q),
-                                   _mm256_cmp_ps(b.even, b.odd, _CMP_UNORD_Q));
-    return _mm256_movemask_ps(_mm256_or_ps(ab, _mm256_cmp_ps(c.even, c.odd, _CMP_UNORD_Q))) != 0;
-  }
-  static void store_h(uint16_t* p, H h) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), h); }
-  static void stream_h(uint16_t* p, H h) {  // p 32-byte aligned
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(p), h);
-  }
-  static void fence() { _mm_sfence(); }
-  static void prefetch(const void* at) { prefetch_line(at); }
   static I lanes(uint32_t first) {  // `first` is even
     return _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(first >> 1)),
                             _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
@@ -210,22 +230,51 @@ struct VecBf16 {
   template <bool kMayNan = true>
   static H round_sr(F x, I pairs, I key) {
     const __m256i h = hash_pairs(pairs, key);
-    return join(stochastic_high<kMayNan>(x.even, _mm256_and_si256(h, _mm256_set1_epi32(0xffff))),
-                stochastic_high<kMayNan>(x.odd, _mm256_srli_epi32(h, 16)));
+    return join(stochastic_high<kMayNan>(x.a, _mm256_and_si256(h, _mm256_set1_epi32(0xffff))),
+                stochastic_high<kMayNan>(x.b, _mm256_srli_epi32(h, 16)));
   }
-  static F add(F a, F b) { return {_mm256_add_ps(a.even, b.even), _mm256_add_ps(a.odd, b.odd)}; }
-  static F sub(F a, F b) { return {_mm256_sub_ps(a.even, b.even), _mm256_sub_ps(a.odd, b.odd)}; }
-  static F mul(F a, F b) { return {_mm256_mul_ps(a.even, b.even), _mm256_mul_ps(a.odd, b.odd)}; }
-  static F div(F a, F b) { return {_mm256_div_ps(a.even, b.even), _mm256_div_ps(a.odd, b.odd)}; }
-  static F sqrt(F a) { return {_mm256_sqrt_ps(a.even), _mm256_sqrt_ps(a.odd)}; }
-  static F max0(F a) { return {Vec::max0(a.even), Vec::max0(a.odd)}; }
-  static M mask_zero() { return _mm256_setzero_ps(); }
-  static M nonfinite_or(M acc, F x) {  // one compare: unordered when either lane is nan
-    return _mm256_or_ps(acc, _mm256_cmp_ps(_mm256_sub_ps(x.even, x.even),
-                                           _mm256_sub_ps(x.odd, x.odd), _CMP_UNORD_Q));
+};
+
+// 16 consecutive elements as a = elements 0-3 | 8-11 and b = 4-7 | 12-15: for an fp32
+// master beside bf16 m and v (adam_kernel.h picks it through kBf16States). That order is
+// what widening a 32-byte bf16 load against zero gives (unpacklo/hi_epi16 work per
+// 128-bit lane), and what narrowing returns to memory order without crossing a lane, so
+// each 16-bit stream costs 2 shuffles per 16 elements to load and 3 to store (Vec: 2 and
+// 4); the fp32 streams pay two lane permutes each way instead.
+struct VecBf16States : Vec2x8 {
+  using I = __m256i;  // the rounding's counter: unused, an fp32 master rounds nothing
+  static F load(const float* p) {
+    const __m256 lo = _mm256_loadu_ps(p);  // elements 0-7
+    const __m256 hi = _mm256_loadu_ps(p + 8);
+    return {_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31)};
   }
-  static bool any(M acc) { return _mm256_movemask_ps(acc) != 0; }
-  static float hsum(F x) { return hsum8(_mm256_add_ps(x.even, x.odd)); }
+  static void store(float* p, F x) {
+    _mm256_storeu_ps(p, _mm256_permute2f128_ps(x.a, x.b, 0x20));
+    _mm256_storeu_ps(p + 8, _mm256_permute2f128_ps(x.a, x.b, 0x31));
+  }
+  static void stream(float* p, F x) {  // p 32-byte aligned
+    _mm256_stream_ps(p, _mm256_permute2f128_ps(x.a, x.b, 0x20));
+    _mm256_stream_ps(p + 8, _mm256_permute2f128_ps(x.a, x.b, 0x31));
+  }
+  // bf16 in the high half of a 32-bit lane is its exact fp32
+  static F load_bf16(const uint16_t* p) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    const __m256i zero = _mm256_setzero_si256();
+    return {_mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, h)),
+            _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, h))};
+  }
+  // rounded a and b (bf16 bits in their high halves) back in memory order: per 128-bit
+  // lane, a's four high halves then b's (each fits 16 bits: packus never saturates)
+  static H join(__m256i a, __m256i b) {
+    return _mm256_packus_epi32(_mm256_srli_epi32(a, 16), _mm256_srli_epi32(b, 16));
+  }
+  template <bool kMayNan = true>
+  static H to_bf16(F x) {
+    return join(nearest_high<kMayNan>(x.a), nearest_high<kMayNan>(x.b));
+  }
+  static I lanes(uint32_t) { return _mm256_setzero_si256(); }
+  static I next(I pairs) { return pairs; }
+  static I splat(uint32_t) { return _mm256_setzero_si256(); }
 };
 
 #include "adam_kernel.h"

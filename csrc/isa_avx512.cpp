@@ -100,6 +100,7 @@ struct Vec {
 };
 
 using VecBf16 = Vec;
+using VecBf16States = Vec;
 
 #include "adam_kernel.h"
 }  // namespace cpu_adam::isa_avx512

@@ -7,5 +7,6 @@ namespace cpu_adam::isa_portable {
 #include "scalar_policy.h"
 using Vec = Scalar;
 using VecBf16 = Scalar;
+using VecBf16States = Scalar;
 #include "adam_kernel.h"
 }  // namespace cpu_adam::isa_portable

@@ -53,9 +53,10 @@ def np_to_bf16_stochastic(x, bits):
     return np.where(np.isnan(x), x, u.astype(np.uint32).view(np.float32))
 
 
-def np_adamw(p, m, v, grads, names_sizes, seed, stochastic, wd=WD):
+def np_adamw(p, m, v, grads, names_sizes, seed, stochastic, wd=WD, bf16_master=True):
     """AdamW in float32 (the kernel's order of operations), state rounded to bf16 after
-    every step: m, v to nearest, p stochastically with the documented bits."""
+    every step: m, v to nearest, p (bf16_master) stochastically with the documented bits
+    or to nearest."""
     f = np.float32
     index = np.concatenate([np.arange(n) for _, n in names_sizes])
     for t, g in enumerate(grads, 1):
@@ -66,10 +67,10 @@ def np_adamw(p, m, v, grads, names_sizes, seed, stochastic, wd=WD):
         denom = np.sqrt(v) * f(1.0 / np.sqrt(bc2)) + f(EPS)
         p = p + (f(-(LR / bc1)) * m) / denom
         m, v = np_to_bf16_nearest(m), np_to_bf16_nearest(v)
-        if stochastic:
+        if bf16_master and stochastic:
             bits = np.concatenate([np_bits(seed, name, np.arange(n), t) for name, n in names_sizes])
             p = np_to_bf16_stochastic(p, bits.astype(np.uint64))
-        else:
+        elif bf16_master:
             p = np_to_bf16_nearest(p)
         assert index.size == p.size
     return p, m, v
@@ -148,6 +149,31 @@ def test_bf16_states_and_master_equal_the_numpy_reference_bit_for_bit(isa, stoch
     for got, want in ((opt.master(0), p), (opt.exp_avg(0), m), (opt.exp_avg_sq(0), v)):
         assert np.array_equal(got.float().numpy().view(np.uint32), want.view(np.uint32))
     assert torch.equal(out, opt.master(0).to(torch.float16))  # the working copy is the master
+
+
+@pytest.mark.parametrize("isa", available_isas())
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bf16_states_beside_an_fp32_master_equal_the_numpy_reference_bit_for_bit(isa, threads):
+    """--optimizer-state-dtype bf16: an fp32 master, bf16 m and v, a bf16 gradient and working
+    copy; 8078 elements (a SIMD tail), gradient and copy at odd, unaligned addresses, and a
+    nan and infinities in the master (the copy's nan rule)."""
+    gen = torch.Generator().manual_seed(6)
+    n = sum(size for _, size in NAMES)
+    p0 = torch.randn(n, generator=gen) * torch.logspace(-3, 3, n)
+    p0[[5, 100, 4001]] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    grads = [torch.randn(n + 1, generator=gen).to(BF16)[1:] for _ in range(4)]
+    opt = CPUAdamW([p0], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, state_dtype=BF16,
+                   isa=isa, threads=threads)
+    out = torch.empty(n + 1, dtype=BF16)[1:]
+    for g in grads:
+        assert opt.step_group(0, g, out=out).updated
+    zeros = np.zeros(n, dtype=np.float32)
+    p, m, v = np_adamw(p0.numpy(), zeros, zeros, [g.float().numpy() for g in grads], NAMES, 0,
+                       False, bf16_master=False)
+    assert opt.master(0).dtype == torch.float32 and opt.exp_avg(0).dtype == BF16
+    for got, want in ((opt.master(0), p), (opt.exp_avg(0).float(), m),
+                      (opt.exp_avg_sq(0).float(), v), (out.float(), np_to_bf16_nearest(p))):
+        assert np.array_equal(got.numpy().view(np.uint32), want.view(np.uint32))
 
 
 def test_the_result_does_not_depend_on_groups_subgroups_threads_or_device_updates():
