@@ -21,19 +21,10 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.host_memory import storage_spans  # noqa: E402
-from megatron.common.process_memory import resident_bytes  # noqa: E402
+from megatron.common.process_memory import memory_status, resident_bytes  # noqa: E402
 from megatron.training.arguments import parse_args  # noqa: E402
 from megatron.training.distributed import initialize_distributed, shutdown_distributed  # noqa: E402
 from megatron.training.training import train  # noqa: E402
-
-
-def rss_anon_bytes() -> int:
-    with open("/proc/self/status", encoding="ascii") as f:
-        for line in f:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no RssAnon in /proc/self/status")
-
 
 M_MMAP_THRESHOLD = -3  # mallopt's parameter (malloc.h)
 
@@ -62,16 +53,16 @@ def main() -> int:
     run = parse_args(rest).evolve(
         logging={"metrics_file": os.path.join(harness.out_dir, "metrics.jsonl")})
     dist_info = initialize_distributed()
-    probe: dict = {"rss_anon_before": rss_anon_bytes()}
+    probe: dict = {"rss_anon_before": memory_status()["anon"]}
 
     def watch(step) -> None:
-        probe["rss_anon_built"] = rss_anon_bytes()
+        probe["rss_anon_built"] = memory_status()["anon"]
         original = step.step
 
         def step_and_measure(*a, **kw):
             result = original(*a, **kw)
             store = step.pipeline.store
-            probe["rss_anon_after"] = rss_anon_bytes()
+            probe["rss_anon_after"] = memory_status()["anon"]
             probe.setdefault("rss_anon_steps", []).append(probe["rss_anon_after"])
             probe["created_segment_bytes"] = sum(
                 os.path.getsize(s.path) for s in store._segments.values() if s.owner)

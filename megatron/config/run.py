@@ -43,6 +43,8 @@ def host_gradient_dtype(working_dtype: str, on_cuda: bool, grad_reduce_in_bf16: 
     if accumulate_allreduce_grads_in_fp32:
         return "fp32"
     return "fp32" if on_cuda else working_dtype
+
+
 CUSTOM_MODEL = "custom"
 DEFAULT_EVAL_ITERS = 100  # Megatron's
 
