@@ -41,7 +41,8 @@ On the best ISA also:
 - same_work: our kernel on torch_fused_adamw's inputs and outputs (fp32 gradient, no
   copy: the same 28 bytes; ours still checks the gradient and sums its squares);
 - the kernel's speed knobs on each precision (prefetch off / 1024, streaming stores of
-  the copy, blocks of 8k / 256k elements, threads pinned to cores 0..T-1).
+  the copy, blocks of 8k / 256k elements, a static split of the blocks among the threads,
+  threads pinned to cores 0..T-1).
 `params_per_cpu_s` (parameters per second of the process's CPU time, median) is the
 cost per core-second: on a machine shared with other jobs it moves less than the wall
 rate when the threads wait for a core; `per_isa_cpu` gives the per-ISA ratios on it
@@ -108,6 +109,7 @@ KNOBS: dict[str, dict] = {
     "stream_out": {"stream_out": True},
     "block_8k": {"block": 8192},
     "block_256k": {"block": 262144},
+    "static_split": {"static_split": True},
     "pinned": {},
 }
 IN_CACHE = 131072  # elements: 3.7 MB of fp32 step traffic, inside a 32 MB L3
