@@ -519,6 +519,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {name:40s} {r['median']:6.3f} [{r['q1']:.3f}-{r['q3']:.3f}] "
                       f"({r['min']:.3f}-{r['max']:.3f})")
         print(f"  targets met: {report['ratios']['per_isa'][best]['targets_met']}")
+        print("thread scaling: Mparam/s by threads (paired ratio over 1 thread)")
+        for name, r in report["ratios"]["threads_scaling"].items():
+            cells = [f"{t}: {r['params_per_s'][t] / 1e6:,.0f} ({r['over_1_thread'][t]['median']:.2f})"
+                     for t in r["params_per_s"]]
+            print(f"  {name:24s} " + ", ".join(cells))
     print(json.dumps(report))
     return 0
 

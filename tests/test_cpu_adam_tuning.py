@@ -17,10 +17,8 @@ TUNINGS = [
     {"prefetch": 1024},
     {"stream_out": True},
     {"stream_out": True, "prefetch": 0},
-    {"block": 64},
+    {"block": 64, "static_split": True},  # 626 blocks in two shares, the rest stolen
     {"block": 262144},
-    {"static_split": True},
-    {"static_split": True, "block": 64},
 ]
 # (state_dtype, master_dtype); the last one rounds the master stochastically
 PRECISIONS = [(torch.float32, torch.float32), (BF16, torch.float32), (BF16, BF16)]
