@@ -1,11 +1,19 @@
 """The CPU optimizer's step on every ISA this machine runs, against torch's fused AdamW
 and the streaming bandwidth of the step's own bytes.
 
-    python bench/cpu_adam.py [--params N] [--threads T] [--repeats R] [--json]
+    python bench/cpu_adam.py [--params N] [--threads T] [--repeats R] [--calls K] [--json]
 
-Every variant runs once per round, in a shuffled order (fixed seed), after one warm-up;
-each figure is the median of R rounds with the slowest and fastest round beside it
-(`params_per_s`, `gb_s`: median, min, max). Every variant names its ISA and its threads.
+Every ratio is PAIRED: taken within one round, then summarised over the rounds (median,
+quartiles q1-q3, min, max, samples), so that the machine's drift between rounds minutes
+apart cancels out of it. R rounds (default 32; at least one per group below): every round
+runs the TARGETS group (the best ISA's four steps, their in-cache rates, their touch
+probes with and without streaming stores, torch's fused AdamW) and one other group in turn
+(each other ISA, the knobs of each precision, the thread scaling, CPUAdamW, torch's
+compositions), each group's variants back to back in a shuffled order (fixed seed), the
+two groups in a random order; each variant is called K times in a row (default 2) and
+keeps its fastest call of the round (on a shared machine a call is only ever slowed
+down). After one warm-up call of each. Per variant: `params_per_s`, `gb_s` (median, min,
+max over its rounds). Every variant names its ISA and its threads; `groups` lists them.
 
 Steps of the C++ kernel (bf16 gradient in, bf16 working copy out, no loss scale: a bf16
 run), on every ISA of available_isas() (portable, avx2, avx512 where the CPU has it):
@@ -17,7 +25,7 @@ run), on every ISA of available_isas() (portable, avx2, avx512 where the CPU has
 Each has its stream probe, `stream/<precision>`: the kernel's touch op, which moves the
 step's bytes as raw words (no conversion, no arithmetic) on the same threads: the
 streaming bandwidth for those bytes. `fraction_of_stream` is a step's rate over its
-probe's; both write the working copy through the cache (its line is read first: 2 bytes
+probe's of the same round; both write the working copy through the cache (its line is read first: 2 bytes
 per parameter more than the nominal ones), `stream_nt/` with non-temporal stores.
 Each also runs `in_cache` on every ISA: the same step on one thread over 131072 elements
 at a time (inside the last-level cache), as many calls as make N parameter-steps: the
@@ -33,7 +41,8 @@ On the best ISA also:
 - same_work: our kernel on torch_fused_adamw's inputs and outputs (fp32 gradient, no
   copy: the same 28 bytes; ours still checks the gradient and sums its squares);
 - the kernel's speed knobs on each precision (prefetch off / 1024, streaming stores of
-  the copy, blocks of 8k / 256k elements, threads pinned to cores 0..T-1).
+  the copy, blocks of 8k / 256k elements, a static split of the blocks among the threads,
+  threads pinned to cores 0..T-1).
 `params_per_cpu_s` (parameters per second of the process's CPU time, median) is the
 cost per core-second: on a machine shared with other jobs it moves less than the wall
 rate when the threads wait for a core; `per_isa_cpu` gives the per-ISA ratios on it
@@ -100,10 +109,12 @@ KNOBS: dict[str, dict] = {
     "stream_out": {"stream_out": True},
     "block_8k": {"block": 8192},
     "block_256k": {"block": 262144},
+    "static_split": {"static_split": True},
     "pinned": {},
 }
 IN_CACHE = 131072  # elements: 3.7 MB of fp32 step traffic, inside a 32 MB L3
 CODES = {torch.float32: _kernel.F32, torch.float16: _kernel.F16, BF16: _kernel.BF16}
+TARGETS = "targets"  # the group of variants that runs in every round
 
 
 @dataclass
@@ -254,140 +265,193 @@ def triad_step(n: int) -> Callable[[], object]:
     return lambda: torch.add(a, b, out=c)
 
 
-def seconds_interleaved(variants: dict[str, Variant], repeats: int
-                        ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
-    """Wall and process CPU seconds of each variant over `repeats` rounds; every round runs
-    each variant once in a shuffled order (fixed seed), so that load from other processes
-    on a shared machine disturbs all of them alike and no variant always follows the same
-    one (torch's OpenMP threads spin for a while after an op and slow down what follows)."""
-    for variant in variants.values():
-        variant.run()  # warm-up: page faults, thread pools
-    names = list(variants)
-    wall: dict[str, list[float]] = {name: [] for name in variants}
-    cpu: dict[str, list[float]] = {name: [] for name in variants}
+Rounds = dict[str, dict[int, float]]  # variant -> round -> seconds
+
+
+def seconds_interleaved(groups: dict[str, dict[str, Variant]], rounds: int, calls: int
+                        ) -> tuple[Rounds, Rounds]:
+    """Wall and process CPU seconds of each variant, by round. Every round runs the
+    TARGETS group and one other group in turn (round r: the (r mod G)-th), each group's
+    variants back to back in a shuffled order (fixed seed) and the two groups in a random
+    order: a ratio of two variants is taken within one round (paired), so the machine's
+    drift between rounds minutes apart cancels, and no variant always follows the same one
+    (torch's OpenMP threads spin for a while after an op and slow down what follows).
+    Each variant is called `calls` times in a row and keeps its fastest: on a shared
+    machine a call is only ever slowed down (a thread waiting for a core), never sped up."""
+    for group in groups.values():
+        for variant in group.values():
+            variant.run()  # warm-up: page faults, thread pools
+    others = [name for name in groups if name != TARGETS]
+    wall: Rounds = {name: {} for group in groups.values() for name in group}
+    cpu: Rounds = {name: {} for name in wall}
     order = random.Random(0)
-    for _ in range(repeats):
-        order.shuffle(names)
-        for name in names:
-            start, start_cpu = time.perf_counter(), time.process_time()
-            variants[name].run()
-            wall[name].append(time.perf_counter() - start)
-            cpu[name].append(time.process_time() - start_cpu)
+    for r in range(rounds):
+        blocks = [TARGETS] + ([others[r % len(others)]] if others else [])
+        order.shuffle(blocks)
+        for block in blocks:
+            names = list(groups[block])
+            order.shuffle(names)
+            for name in names:
+                for _ in range(calls):
+                    start, start_cpu = time.perf_counter(), time.process_time()
+                    groups[block][name].run()
+                    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - start_cpu
+                    wall[name][r] = min(wall[name].get(r, seconds), seconds)
+                    cpu[name][r] = min(cpu[name].get(r, cpu_seconds), cpu_seconds)
     return wall, cpu
 
 
-def build_variants(n: int, threads: int, gen: torch.Generator) -> tuple[dict[str, Variant], str | None]:
+def build_variants(n: int, threads: int, gen: torch.Generator
+                   ) -> tuple[dict[str, dict[str, Variant]], str | None]:
+    """The variants in groups: TARGETS (run every round: the best ISA's steps, their
+    probes and in-cache rates, torch's fused AdamW) and the others (one a round, in turn:
+    each other ISA, the knobs of each precision, the thread scaling, CPUAdamW, torch's
+    compositions)."""
     isas, best = available_isas(), available_isas()[-1]
     buffers = {name: StepBuffers(n, p, gen) for name, p in PRECISIONS.items()}
-    v: dict[str, Variant] = {}
+    groups: dict[str, dict[str, Variant]] = {TARGETS: {}}
+    targets = groups[TARGETS]
+    for isa in isas:
+        group = targets if isa == best else groups.setdefault(isa, {})
+        for name, buf in buffers.items():
+            group[f"{isa}/{name}"] = Variant(buf.step(threads, isa), isa, threads,
+                                             buf.precision.bytes_per_param)
+            group[f"{isa}/{name}/in_cache"] = in_cache(n, buf.precision, isa, gen)
     for name, buf in buffers.items():
         nbytes = buf.precision.bytes_per_param
-        for isa in isas:
-            v[f"{isa}/{name}"] = Variant(buf.step(threads, isa), isa, threads, nbytes)
-            v[f"{isa}/{name}/in_cache"] = in_cache(n, buf.precision, isa, gen)
-        v[f"stream/{name}"] = Variant(buf.stream(threads, best), best, threads, nbytes)
-        v[f"stream_nt/{name}"] = Variant(buf.stream(threads, best, True), best, threads, nbytes)
+        targets[f"stream/{name}"] = Variant(buf.stream(threads, best), best, threads, nbytes)
+        targets[f"stream_nt/{name}"] = Variant(buf.stream(threads, best, True), best, threads,
+                                               nbytes)
         if name != "bf16_all_nearest":
+            knobs = groups[f"knobs/{name}"] = {}
             for knob, setting in KNOBS.items():
                 step = (buf.step(threads, best, usable_cores()[:threads]) if knob == "pinned"
                         else tuned(buf.step(threads, best), setting))
-                v[f"{best}/{name}/{knob}"] = Variant(step, best, threads, nbytes)
-    for t in range(1, threads):  # the scaling; T threads itself is above
-        for name in ("fp32", "bf16_all"):
-            nbytes = PRECISIONS[name].bytes_per_param
-            v[f"{best}/{name}@{t}"] = Variant(buffers[name].step(t, best), best, t, nbytes)
-            v[f"stream/{name}@{t}"] = Variant(buffers[name].stream(t, best), best, t, nbytes)
-    v[f"{best}/fp16_loss_scaled"] = Variant(cpu_adamw_step(
-        n, threads, gen, grad_dtype=torch.float16, scale=1024.0), best, threads, 28)
-    v[f"{best}/cpu_adamw"] = Variant(cpu_adamw_step(n, threads, gen, grad_dtype=BF16), best,
-                                     threads, 28)
-    v[f"{best}/exact"] = Variant(cpu_adamw_step(n, threads, gen, grad_dtype=BF16, exact=True),
-                                 best, threads, 40)
-    v[f"{best}/step_and_rollback"] = Variant(cpu_adamw_step(
-        n, threads, gen, grad_dtype=BF16, rollback=True), best, threads, None)
-    v[f"{best}/same_work"] = Variant(cpu_adamw_step(n, threads, gen, grad_dtype=torch.float32,
-                                                    out=False), best, threads, 28)
+                knobs[f"{best}/{name}/{knob}"] = Variant(step, best, threads, nbytes)
     fused = torch_fused_step(n, gen)
-    for t in range(1, threads + 1):
-        suffix = "" if t == threads else f"@{t}"
-        v[f"torch_fused_adamw{suffix}"] = Variant(torch_threads(t, fused), "torch", t, 28)
-    v["torch_composed"] = Variant(torch_threads(threads, composed_step(n, gen, fused_adamw)),
-                                  "torch", threads, None)
-    v["torch_composed_isfinite"] = Variant(torch_threads(threads, composed_step(
+    targets["torch_fused_adamw"] = Variant(torch_threads(threads, fused), "torch", threads, 28)
+    if threads > 1:
+        scaling = groups["threads"] = {}
+        for t in range(1, threads):  # the scaling; T threads itself is in TARGETS
+            for name in ("fp32", "bf16_all"):
+                nbytes = PRECISIONS[name].bytes_per_param
+                scaling[f"{best}/{name}@{t}"] = Variant(buffers[name].step(t, best), best, t, nbytes)
+                scaling[f"stream/{name}@{t}"] = Variant(buffers[name].stream(t, best), best, t,
+                                                        nbytes)
+            scaling[f"torch_fused_adamw@{t}"] = Variant(torch_threads(t, fused), "torch", t, 28)
+    training = groups["cpu_adamw"] = {}
+    training[f"{best}/fp16_loss_scaled"] = Variant(cpu_adamw_step(
+        n, threads, gen, grad_dtype=torch.float16, scale=1024.0), best, threads, 28)
+    training[f"{best}/cpu_adamw"] = Variant(cpu_adamw_step(n, threads, gen, grad_dtype=BF16),
+                                            best, threads, 28)
+    training[f"{best}/exact"] = Variant(cpu_adamw_step(n, threads, gen, grad_dtype=BF16,
+                                                       exact=True), best, threads, 40)
+    training[f"{best}/step_and_rollback"] = Variant(cpu_adamw_step(
+        n, threads, gen, grad_dtype=BF16, rollback=True), best, threads, None)
+    training[f"{best}/same_work"] = Variant(cpu_adamw_step(
+        n, threads, gen, grad_dtype=torch.float32, out=False), best, threads, 28)
+    composed = groups["torch"] = {}
+    composed["torch_composed"] = Variant(torch_threads(threads, composed_step(
+        n, gen, fused_adamw)), "torch", threads, None)
+    composed["torch_composed_isfinite"] = Variant(torch_threads(threads, composed_step(
         n, gen, fused_adamw, "isfinite")), "torch", threads, None)
-    v["triad"] = Variant(torch_threads(threads, triad_step(n)), "torch", threads, 12)
+    composed["triad"] = Variant(torch_threads(threads, triad_step(n)), "torch", threads, 12)
     torch.set_num_threads(threads)
     deepspeed, deepspeed_error = deepspeed_step(n, gen)
     if deepspeed is not None:
-        v["deepspeed"] = Variant(torch_threads(threads, deepspeed), "deepspeed", threads, None)
-    return v, deepspeed_error
+        composed["deepspeed"] = Variant(torch_threads(threads, deepspeed), "deepspeed", threads,
+                                        None)
+    return groups, deepspeed_error
 
 
-def summarize(n: int, variants: dict[str, Variant], times: dict[str, list[float]],
-              cpu_times: dict[str, list[float]]) -> dict:
+def summarize(n: int, variants: dict[str, Variant], times: Rounds, cpu_times: Rounds) -> dict:
     out = {}
     for name, variant in variants.items():
-        rates = [(variant.params or n) / t for t in times[name]]
+        rates = [(variant.params or n) / t for t in times[name].values()]
         row = {"isa": variant.isa, "threads": variant.threads,
                "bytes_per_param": variant.bytes_per_param, "params_per_s": spread(rates),
-               "params_per_cpu_s": (variant.params or n) / max(statistics.median(cpu_times[name]), 1e-9)}
+               "params_per_cpu_s": (variant.params or n) / max(
+                   statistics.median(cpu_times[name].values()), 1e-9)}
         if variant.bytes_per_param:
             row["gb_s"] = spread([r * variant.bytes_per_param / 1e9 for r in rates])
         out[name] = row
     return out
 
 
-def per_isa_ratios(med: dict[str, float], isas: Sequence[str]) -> dict:
-    """Per ISA: the 16-bit steps over the fp32 step, the fp32 step over torch's fused
-    AdamW, each step over its stream probe, and the targets."""
+class PairedRates:
+    """Per-round rates (parameter-steps per second) of every variant, and the ratio of two
+    variants taken round by round: over the rounds that ran both, the median, quartiles,
+    min and max of (a's rate / b's rate) in the same round."""
+
+    def __init__(self, n: int, variants: dict[str, Variant], seconds: Rounds) -> None:
+        self.rate = {name: {r: (v.params or n) / max(t, 1e-12) for r, t in seconds[name].items()}
+                     for name, v in variants.items()}
+
+    def per_round(self, a: str, b: str) -> list[float]:
+        return [x / self.rate[b][r] for r, x in self.rate[a].items() if r in self.rate[b]]
+
+    def ratio(self, a: str, b: str) -> dict:
+        return spread(self.per_round(a, b), quartiles=True)
+
+
+def per_isa_ratios(rates: PairedRates, isas: Sequence[str]) -> dict:
+    """Per ISA, paired: the 16-bit steps over the fp32 step, the fp32 step over torch's
+    fused AdamW, each step over its stream probe of the same round; the targets on the
+    ratios' medians."""
     per_isa = {}
     for isa in isas:
-        r = {"fp32_over_torch_fused": med[f"{isa}/fp32"] / med["torch_fused_adamw"]}
+        r = {"fp32_over_torch_fused": rates.ratio(f"{isa}/fp32", "torch_fused_adamw")}
         for name in PRECISIONS:
             if name != "fp32":
-                r[f"{name}_over_fp32"] = med[f"{isa}/{name}"] / med[f"{isa}/fp32"]
-                r[f"{name}_over_fp32_in_cache"] = (med[f"{isa}/{name}/in_cache"]
-                                                   / med[f"{isa}/fp32/in_cache"])
-            r[f"{name}_in_cache_ns_per_param"] = 1e9 / med[f"{isa}/{name}/in_cache"]
-            r[f"{name}_fraction_of_stream"] = med[f"{isa}/{name}"] / med[f"stream/{name}"]
-            r[f"{name}_fraction_of_stream_nt"] = med[f"{isa}/{name}"] / med[f"stream_nt/{name}"]
+                r[f"{name}_over_fp32"] = rates.ratio(f"{isa}/{name}", f"{isa}/fp32")
+                r[f"{name}_over_fp32_in_cache"] = rates.ratio(f"{isa}/{name}/in_cache",
+                                                              f"{isa}/fp32/in_cache")
+            r[f"{name}_in_cache_ns_per_param"] = 1e9 / statistics.median(
+                rates.rate[f"{isa}/{name}/in_cache"].values())
+            r[f"{name}_fraction_of_stream"] = rates.ratio(f"{isa}/{name}", f"stream/{name}")
+            r[f"{name}_fraction_of_stream_nt"] = rates.ratio(f"{isa}/{name}",
+                                                             f"stream_nt/{name}")
+        med = {key: value["median"] for key, value in r.items() if isinstance(value, dict)}
         r["targets_met"] = {
-            "bf16_states_over_fp32 >= 1.15": r["bf16_states_over_fp32"] >= 1.15,
-            "bf16_all_over_fp32 >= 1.40": r["bf16_all_over_fp32"] >= 1.40,
-            "fp32_over_torch_fused >= 1.0": r["fp32_over_torch_fused"] >= 1.0,
-            **{f"{name}_fraction_of_stream >= 0.8": r[f"{name}_fraction_of_stream"] >= 0.8
+            "bf16_states_over_fp32 >= 1.15": med["bf16_states_over_fp32"] >= 1.15,
+            "bf16_all_over_fp32 >= 1.40": med["bf16_all_over_fp32"] >= 1.40,
+            "fp32_over_torch_fused >= 1.0": med["fp32_over_torch_fused"] >= 1.0,
+            **{f"{name}_fraction_of_stream >= 0.8": med[f"{name}_fraction_of_stream"] >= 0.8
                for name in ("fp32", "bf16_states", "bf16_all")},
         }
         per_isa[isa] = r
     return per_isa
 
 
-def ratios(results: dict, isas: Sequence[str], threads: int) -> dict:
-    """Medians over medians (per_isa: of the wall rates; per_isa_cpu: of the rates per
-    CPU second, which a thread waiting for a core on a loaded machine does not lower;
-    torch's OpenMP threads count their spinning there); and the thread scaling."""
-    med = {name: r["params_per_s"]["median"] for name, r in results.items()}
+def ratios(n: int, variants: dict[str, Variant], times: Rounds, cpu_times: Rounds,
+           isas: Sequence[str], threads: int) -> dict:
+    """Every ratio paired within rounds (per_isa: of the wall rates; per_isa_cpu: of the
+    rates per CPU second, which a thread waiting for a core on a loaded machine does not
+    lower; torch's OpenMP threads count their spinning there); and the thread scaling."""
+    wall, cpu = PairedRates(n, variants, times), PairedRates(n, variants, cpu_times)
     best = isas[-1]
-    knobs = {f"{name}/{knob}_over_default": med[f"{best}/{name}/{knob}"] / med[f"{best}/{name}"]
+    knobs = {f"{name}/{knob}_over_default": wall.ratio(f"{best}/{name}/{knob}", f"{best}/{name}")
              for name in PRECISIONS if name != "bf16_all_nearest" for knob in KNOBS}
     scaling = {}
     for name in (f"{best}/fp32", f"{best}/bf16_all", "stream/fp32", "stream/bf16_all",
                  "torch_fused_adamw"):
-        by_t = {t: med[name if t == threads else f"{name}@{t}"] for t in range(1, threads + 1)}
-        scaling[name] = {"params_per_s": by_t, "over_1_thread": {t: r / by_t[1] for t, r in by_t.items()}}
-    # seconds per parameter of the step-and-rollback pair minus the step's
-    rollback = max(1 / med[f"{best}/step_and_rollback"] - 1 / med[f"{best}/cpu_adamw"], 1e-12)
+        at = {t: name if t == threads else f"{name}@{t}" for t in range(1, threads + 1)}
+        scaling[name] = {
+            "params_per_s": {t: statistics.median(wall.rate[v].values()) for t, v in at.items()},
+            "over_1_thread": {t: wall.ratio(v, at[1]) for t, v in at.items()}}
+    # seconds per parameter of the step-and-rollback pair minus the step's, per round
+    pair, alone = wall.rate[f"{best}/step_and_rollback"], wall.rate[f"{best}/cpu_adamw"]
+    rollback = [1.0 / max(1 / pair[r] - 1 / alone[r], 1e-12) for r in pair if r in alone]
     return {
-        "per_isa": per_isa_ratios(med, isas),
-        "per_isa_cpu": per_isa_ratios(
-            {name: r["params_per_cpu_s"] for name, r in results.items()}, isas),
-        "same_work_over_torch_fused": med[f"{best}/same_work"] / med["torch_fused_adamw"],
-        "fp32_over_torch_composed": med[f"{best}/fp32"] / med["torch_composed"],
-        "fp32_over_torch_composed_isfinite": med[f"{best}/fp32"] / med["torch_composed_isfinite"],
-        "fp16_loss_scaled_over_fp32": med[f"{best}/fp16_loss_scaled"] / med[f"{best}/fp32"],
-        "cpu_adamw_over_kernel": med[f"{best}/cpu_adamw"] / med[f"{best}/fp32"],
-        "exact_over_fp32": med[f"{best}/exact"] / med[f"{best}/cpu_adamw"],
-        "rollback_alone_params_per_s": 1.0 / rollback,
+        "per_isa": per_isa_ratios(wall, isas),
+        "per_isa_cpu": per_isa_ratios(cpu, isas),
+        "same_work_over_torch_fused": wall.ratio(f"{best}/same_work", "torch_fused_adamw"),
+        "fp32_over_torch_composed": wall.ratio(f"{best}/fp32", "torch_composed"),
+        "fp32_over_torch_composed_isfinite": wall.ratio(f"{best}/fp32", "torch_composed_isfinite"),
+        "fp16_loss_scaled_over_fp32": wall.ratio(f"{best}/fp16_loss_scaled", f"{best}/fp32"),
+        "cpu_adamw_over_kernel": wall.ratio(f"{best}/cpu_adamw", f"{best}/fp32"),
+        "exact_over_fp32": wall.ratio(f"{best}/exact", f"{best}/cpu_adamw"),
+        "rollback_alone_params_per_s": spread(rollback, quartiles=True),
         "knobs": knobs,
         "threads_scaling": scaling,
     }
@@ -409,25 +473,37 @@ def main(argv: list[str] | None = None) -> int:
                         help="parameters per step (default 20M)")
     parser.add_argument("--threads", type=positive_int, default=len(usable_cores()),
                         help="kernel and torch threads (default: the usable cores)")
-    parser.add_argument("--repeats", type=positive_int, default=9, help="timed rounds")
+    parser.add_argument("--repeats", type=positive_int, default=32,
+                        help="rounds (at least one for each group of other variants; "
+                             "default 32)")
+    parser.add_argument("--calls", type=positive_int, default=2,
+                        help="calls of each variant in a round, the fastest kept (default 2)")
     parser.add_argument("--json", action="store_true", help="print only the JSON object")
     args = parser.parse_args(argv)
     n, threads = args.params, args.threads
     gen = torch.Generator().manual_seed(0)
     load_before = os.getloadavg() if hasattr(os, "getloadavg") else None
-    variants, deepspeed_error = build_variants(n, threads, gen)
-    times, cpu_times = seconds_interleaved(variants, args.repeats)
+    started = time.perf_counter()
+    groups, deepspeed_error = build_variants(n, threads, gen)
+    rounds = max(args.repeats, len(groups) - 1)
+    times, cpu_times = seconds_interleaved(groups, rounds, args.calls)
+    variants = {name: v for group in groups.values() for name, v in group.items()}
     results = summarize(n, variants, times, cpu_times)
     isas = available_isas()
     report = {
-        "params": n, "threads": threads, "repeats": args.repeats, "isas": isas,
+        "params": n, "threads": threads, "repeats": rounds, "calls": args.calls, "isas": isas,
         "best_isa": isas[-1],
         "machine": machine(load_average_before=load_before,
                            load_average_after=os.getloadavg() if hasattr(os, "getloadavg") else None),
-        "statistic": f"median, min, max of {args.repeats} interleaved rounds",
+        "statistic": (f"{rounds} rounds; the targets group in every round, each other group in "
+                      f"one round of {len(groups) - 1}; in a round, the fastest of {args.calls} "
+                      f"calls of a variant; variants: median, min, max over their rounds; "
+                      f"ratios: median, quartiles, min, max of the per-round ratio"),
+        "groups": {name: sorted(group) for name, group in groups.items()},
+        "seconds": round(time.perf_counter() - started, 1),
         "deepspeed_error": deepspeed_error,
         "variants": results,
-        "ratios": ratios(results, isas, threads),
+        "ratios": ratios(n, variants, times, cpu_times, isas, threads),
     }
     if not args.json:
         for name, r in results.items():
@@ -436,7 +512,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name:34s} {r['isa']:9s} {r['threads']:2d} thr  {p['median'] / 1e6:7,.0f} "
                   f"Mparam/s ({p['min'] / 1e6:,.0f}-{p['max'] / 1e6:,.0f})  {gb}  "
                   f"{r['params_per_cpu_s'] / 1e6:,.0f} Mparam/cpu-s")
-        print(json.dumps(report["ratios"], indent=1))
+        best = report["best_isa"]
+        print(f"paired ratios on {best}: median [q1-q3] (min-max) of {rounds} rounds")
+        for name, r in report["ratios"]["per_isa"][best].items():
+            if isinstance(r, dict) and "median" in r:
+                print(f"  {name:40s} {r['median']:6.3f} [{r['q1']:.3f}-{r['q3']:.3f}] "
+                      f"({r['min']:.3f}-{r['max']:.3f})")
+        print(f"  targets met: {report['ratios']['per_isa'][best]['targets_met']}")
+        print("thread scaling: Mparam/s by threads (paired ratio over 1 thread)")
+        for name, r in report["ratios"]["threads_scaling"].items():
+            cells = [f"{t}: {r['params_per_s'][t] / 1e6:,.0f} ({r['over_1_thread'][t]['median']:.2f})"
+                     for t in r["params_per_s"]]
+            print(f"  {name:24s} " + ", ".join(cells))
     print(json.dumps(report))
     return 0
 

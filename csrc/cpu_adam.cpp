@@ -28,7 +28,7 @@ using RangeFn = RangeResult (*)(Op, const Buffers&, const Hyper&, const Tuning&,
 // 16 tiles, a multiple of 64 elements, so no two threads share a cache line.
 // prefetch: 1 KiB of each fp32 stream ahead (BENCHMARKS.md, "CPU optimizer": 0-4% at 20M
 // parameters on Zen 3, within the rounds' spread; the hardware prefetchers do most of it).
-constexpr Tuning kDefaultTuning{256, 0, 16 * 2048};
+constexpr Tuning kDefaultTuning{256, 0, 16 * 2048, 0};
 
 int64_t env_int(const char* name, int64_t fallback) {
   const char* text = std::getenv(name);
@@ -52,7 +52,8 @@ void check_tuning(const Tuning& t) {
 Tuning tuning_from_env() {
   Tuning t{env_int("CPU_ADAM_PREFETCH", kDefaultTuning.prefetch),
            static_cast<int>(env_int("CPU_ADAM_STREAM_OUT", kDefaultTuning.stream_out) != 0),
-           env_int("CPU_ADAM_BLOCK", kDefaultTuning.block)};
+           env_int("CPU_ADAM_BLOCK", kDefaultTuning.block),
+           static_cast<int>(env_int("CPU_ADAM_STATIC_SPLIT", kDefaultTuning.static_split) != 0)};
   check_tuning(t);
   return t;
 }
@@ -221,7 +222,7 @@ py::tuple step(uintptr_t p, uintptr_t m, uintptr_t v, uintptr_t grad, int grad_d
     pool.run(blocks.count, [&](int64_t k) {
       results[k] = run_pieces(fn, Op::kStep, b, h, t, format, blocks.begin(k), blocks.end(k),
                               &abort);
-    });
+    }, t.static_split);
     for (const auto& r : results) {
       finite = finite && r.finite;
       sumsq += r.sumsq;
@@ -231,7 +232,7 @@ py::tuple step(uintptr_t p, uintptr_t m, uintptr_t v, uintptr_t grad, int grad_d
       const Op undo = b.snap ? Op::kRestore : Op::kInverse;
       pool.run(blocks.count, [&](int64_t k) {
         fn(undo, b, h, t, blocks.begin(k), results[k].stop, nullptr);
-      });
+      }, t.static_split);
     }
   }
   return py::make_tuple(finite, finite ? sumsq : INFINITY);
@@ -249,7 +250,7 @@ void run_all(Op op, RangeFn fn, const Buffers& b, const Hyper& h, const StateFor
     py::gil_scoped_release release;
     pool.run(blocks.count, [&](int64_t k) {
       results[k] = run_pieces(fn, op, b, h, t, format, blocks.begin(k), blocks.end(k), nullptr);
-    });
+    }, t.static_split);
   }
   for (int64_t k = 0; k < blocks.count; ++k) {
     if (!results[k].finite || results[k].stop != blocks.end(k)) {
@@ -309,7 +310,7 @@ py::tuple check(uintptr_t grad, int grad_dtype, int64_t n, double inv_scale, Wor
     int abort = 0;
     pool.run(blocks.count, [&](int64_t k) {
       results[k] = fn(Op::kCheck, b, h, t, blocks.begin(k), blocks.end(k), &abort);
-    });
+    }, t.static_split);
     for (const auto& r : results) {
       finite = finite && r.finite;
       sumsq += r.sumsq;
@@ -324,16 +325,18 @@ py::dict tuning_dict(const Tuning& t) {
   d["prefetch"] = t.prefetch;
   d["stream_out"] = t.stream_out != 0;
   d["block"] = t.block;
+  d["static_split"] = t.static_split != 0;
   return d;
 }
 
 // Replaces the knobs given (None: keep); returns the previous setting.
 py::dict set_tuning(std::optional<int64_t> prefetch, std::optional<bool> stream_out,
-                    std::optional<int64_t> block) {
+                    std::optional<int64_t> block, std::optional<bool> static_split) {
   Tuning next = g_tuning;
   if (prefetch) next.prefetch = *prefetch;
   if (stream_out) next.stream_out = *stream_out ? 1 : 0;
   if (block) next.block = *block;
+  if (static_split) next.static_split = *static_split ? 1 : 0;
   check_tuning(next);
   const py::dict previous = tuning_dict(g_tuning);
   g_tuning = next;
@@ -368,9 +371,11 @@ PYBIND11_MODULE(_cpu_adam, mod) {
       .def_readwrite("runs", &StateFormat::runs);
   g_tuning = tuning_from_env();
   mod.def("get_tuning", [] { return tuning_dict(g_tuning); },
-          "The speed knobs every call uses: prefetch (elements), stream_out, block (elements).");
+          "The speed knobs every call uses: prefetch (elements), stream_out, block (elements), "
+          "static_split.");
   mod.def("set_tuning", &set_tuning, py::arg("prefetch") = py::none(),
           py::arg("stream_out") = py::none(), py::arg("block") = py::none(),
+          py::arg("static_split") = py::none(),
           "Set speed knobs (results do not change); returns the previous setting.");
   mod.def("available_isas", &available_names,
           "Kernels this CPU can run, from least to most capable ('auto' picks the last).");

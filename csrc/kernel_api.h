@@ -82,6 +82,7 @@ struct Tuning {
   int64_t prefetch;  // elements ahead each stream is software-prefetched; 0: none
   int stream_out;    // non-temporal stores for the working copy of a step (when aligned)
   int64_t block;     // elements per block the threads take from the shared counter
+  int static_split;  // each worker first takes its own contiguous share of the blocks
 };
 
 struct RangeResult {

@@ -79,7 +79,21 @@ void WorkerPool::close() {
   }
 }
 
-void WorkerPool::work(int /*index*/) {
+int64_t WorkerPool::claim(Job& job, int index) {
+  if (!job.shares) {
+    const int64_t k = job.next++;
+    return k < job.count ? k : -1;
+  }
+  for (int s = 0; s < threads_; ++s) {  // its own share first, then the next ones
+    Share& share = job.shares[(index + s) % threads_];
+    if (share.next.load(std::memory_order_relaxed) >= share.end) continue;
+    const int64_t k = share.next++;
+    if (k < share.end) return k;
+  }
+  return -1;
+}
+
+void WorkerPool::work(int index) {
   std::unique_lock<std::mutex> lock(mutex_);
   for (;;) {
     wake_.wait(lock, [&] { return closing_ || !queue_.empty(); });
@@ -88,7 +102,7 @@ void WorkerPool::work(int /*index*/) {
     ++job->active;
     lock.unlock();
     int64_t ran = 0;
-    for (int64_t k = job->next++; k < job->count; k = job->next++, ++ran) {
+    for (int64_t k = claim(*job, index); k >= 0; k = claim(*job, index), ++ran) {
       try {
         (*job->body)(k);
       } catch (...) {
@@ -105,7 +119,8 @@ void WorkerPool::work(int /*index*/) {
   }
 }
 
-void WorkerPool::run(int64_t count, const std::function<void(int64_t)>& body) {
+void WorkerPool::run(int64_t count, const std::function<void(int64_t)>& body,
+                     bool static_split) {
   if (count <= 0) return;
   if (workers_.empty()) {
     if (closing_) throw std::runtime_error("the optimizer's worker pool is closed");
@@ -115,6 +130,13 @@ void WorkerPool::run(int64_t count, const std::function<void(int64_t)>& body) {
   Job job;
   job.body = &body;
   job.count = count;
+  if (static_split) {
+    job.shares.reset(new Share[threads_]);
+    for (int w = 0; w < threads_; ++w) {
+      job.shares[w].next = count * w / threads_;
+      job.shares[w].end = count * (w + 1) / threads_;
+    }
+  }
   std::unique_lock<std::mutex> lock(mutex_);
   if (closing_) throw std::runtime_error("the optimizer's worker pool is closed");
   queue_.push_back(&job);

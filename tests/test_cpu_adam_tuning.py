@@ -1,5 +1,6 @@
 """The kernel's speed knobs (prefetch distance, streaming stores of the working copy, block
-size) change nothing but speed: every setting gives the default's bits."""
+size, a static split of the blocks among the threads) change nothing but speed: every
+setting gives the default's bits."""
 
 import os
 import subprocess
@@ -16,7 +17,7 @@ TUNINGS = [
     {"prefetch": 1024},
     {"stream_out": True},
     {"stream_out": True, "prefetch": 0},
-    {"block": 64},
+    {"block": 64, "static_split": True},  # 626 blocks in two shares, the rest stolen
     {"block": 262144},
 ]
 # (state_dtype, master_dtype); the last one rounds the master stochastically
@@ -53,8 +54,8 @@ def test_every_tuning_gives_the_default_bits(isa, state_dtype, master_dtype, out
 
 def test_tuning_is_restored_and_bad_values_are_refused_naming_them():
     before = kernel_tuning_setting()
-    with kernel_tuning(prefetch=0, stream_out=True, block=4096) as inside:
-        assert inside == {"prefetch": 0, "stream_out": True, "block": 4096}
+    with kernel_tuning(prefetch=0, stream_out=True, block=4096, static_split=True) as inside:
+        assert inside == {"prefetch": 0, "stream_out": True, "block": 4096, "static_split": True}
     assert kernel_tuning_setting() == before
     with pytest.raises(ValueError, match="block=100"), kernel_tuning(block=100):
         pass

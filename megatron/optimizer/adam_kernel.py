@@ -51,18 +51,20 @@ def available_isas() -> list[str]:
 
 def kernel_tuning_setting() -> dict:
     """The kernel's speed knobs: prefetch (elements ahead, 0: none), stream_out
-    (non-temporal stores of the working copy), block (elements per thread block). They
-    start from CPU_ADAM_PREFETCH, CPU_ADAM_STREAM_OUT, CPU_ADAM_BLOCK; results never
-    depend on them."""
+    (non-temporal stores of the working copy), block (elements per thread block),
+    static_split (each worker first takes its own contiguous share of a call's blocks, the
+    same share on every call). They start from CPU_ADAM_PREFETCH, CPU_ADAM_STREAM_OUT,
+    CPU_ADAM_BLOCK, CPU_ADAM_STATIC_SPLIT; results never depend on them."""
     return dict(_kernel.get_tuning())
 
 
 @contextlib.contextmanager
 def kernel_tuning(prefetch: int | None = None, stream_out: bool | None = None,
-                  block: int | None = None) -> Iterator[dict]:
+                  block: int | None = None, static_split: bool | None = None) -> Iterator[dict]:
     """Run the enclosed kernel calls with these knobs (None: unchanged), then restore
     the previous ones. Process-wide: meant for benchmarks, not for concurrent steps."""
-    previous = _kernel.set_tuning(prefetch=prefetch, stream_out=stream_out, block=block)
+    previous = _kernel.set_tuning(prefetch=prefetch, stream_out=stream_out, block=block,
+                                  static_split=static_split)
     try:
         yield kernel_tuning_setting()
     finally:
