@@ -116,7 +116,8 @@ def test_memory_model_matches_the_runtime_on_two_processes(tmp_path, demo_cache)
     schedule = generate_schedule(run, 2, vocab)
     plan = plan_memory(schedule, MemoryShape(replace(get_preset("small"), vocab_size=vocab),
                                              run.training.micro_batch_size, run.model.seq_length,
-                                             param_bytes=4, grad_host_bytes=4, procs_per_node=2))
+                                             param_bytes=4, grad_host_bytes=4, procs_per_node=2,
+                                             sends_complete=False))
 
     def close(predicted, actual, what):
         assert abs(predicted - actual) <= TOLERANCE * actual, (what, predicted, actual)
@@ -148,6 +149,41 @@ def test_memory_model_matches_the_runtime_on_two_processes(tmp_path, demo_cache)
     # The run received checkpoints and sent some (both lifetimes are covered above).
     assert any(i.op == Op.IRECV_CKPT for i in schedule.programs[0])
     assert any(i.op == Op.ISEND_CKPT for p in schedule.programs for i in p)
+
+
+@pytest.mark.unit
+def test_checkpoints_and_the_recompute_are_counted_at_one_moment():
+    """An AFAB schedule holds every micro-batch's checkpoint of each backward stage a rank
+    runs until that backward; the recompute's saved tensors come only after the first of
+    them is used. The plan counts both at the moment their sum peaks: on the rank of a
+    backward stage per forward stage (decoupled, 2 forward stages per rank, d = 3), at most
+    the rank's own backward stages' checkpoints of every micro-batch, where adding
+    the two terms' own peaks counts the forward's fresh and in-flight ones and the
+    recomputed stage's input twice."""
+    from megatron.schedules.memory_model import backward_stage_saved_bytes
+    from megatron.schedules.validator import validate
+
+    preset = replace(get_preset("10b"), num_layers=24, vocab_size=32000)
+    micro_batches, seq = 8, 256
+    schedule = build_schedule("decoupled", 4, 8, 3, micro_batches)
+    report = validate(schedule)
+    plan = plan_memory(schedule, MemoryShape(preset, 1, seq, 2, 4), report=report)
+    message = seq * preset.hidden_size * 2
+    saved = backward_stage_saved_bytes(preset, schedule.partition, 3, 1, seq, 2)
+    for rank in range(schedule.ranks):
+        gpu = plan.per_gpu[rank]
+        owned = schedule.owned_by(rank)
+        both_peaks = ((report.peak_checkpoints[rank] + 1) * message
+                      + max(saved[b] for b in owned) + 2 * message)
+        assert gpu["activation_checkpoints"] + gpu["activations"] < both_peaks
+        # at a recompute's moment: at most its backward stages' checkpoints of every
+        # micro-batch (the one in use among the recompute's saved tensors), one send in
+        # flight allowed for; the forward's fresh ones are sent by then
+        assert gpu["activation_checkpoints"] <= len(owned) * micro_batches * message
+        assert gpu["activations"] in {saved[b] + 2 * message for b in owned}
+    # where the checkpoints' own peak is more (the forward's fresh ones not yet sent)
+    assert max(p + 1 - len(schedule.owned_by(r)) * micro_batches
+               for r, p in enumerate(report.peak_checkpoints)) > 0
 
 
 @pytest.mark.parametrize("name,split", [("decoupled", 3), ("mobius", 1), ("interleaved-1f1b", 1)])

@@ -14,8 +14,10 @@ Per GPU (the device layer's categories, `MEMORY_CATEGORIES`):
 - activation_checkpoints: checkpoints held at once (AFAB keeps every micro-batch's until
   its backward): the validator's residency bound plus the sent ones still in flight
   (`checkpoints_held`), each micro-batch x sequence x hidden;
-- activations: AWM, what autograd saves while one backward stage is recomputed (the
-  largest the rank runs), plus the activation and gradient messages in flight;
+- activations: AWM, what autograd saves while one backward stage is recomputed, plus the
+  activation and gradient messages in flight;
+  these two at the moment their sum peaks (`checkpoints_and_activations`): the turn of an
+  AFAB schedule, or a recompute with the checkpoints held while it runs;
 - optimizer_subgroups: the device's share of the optimizer step, as the placement prices
   it (megatron/schedules/placement_cost.py): two subgroup slots (fp32 p, m, v, gradient
   and the 16-bit copy; SUBGROUP_SLOTS, for a stride and a GPU-heavy split alike) on ranks
@@ -190,7 +192,9 @@ def _stages_updating_subgroups(schedule: Schedule, rank: int) -> set[BackwardSta
 
 def checkpoints_held(schedule: Schedule, rank: int,
                      report: ValidationReport | None = None) -> int:
-    """Activation checkpoints the runtime holds at most on `rank`, in checkpoints.
+    """Activation checkpoints the runtime holds at most on `rank`, in checkpoints, where a
+    send is known complete when it is (NCCL: the executor queries it after every
+    instruction).
 
     The validator's residency bound: a checkpoint is held from its forward (or from the
     posting of its receive) until its backward has used it. A sent one is dropped when its
@@ -200,6 +204,37 @@ def checkpoints_held(schedule: Schedule, rank: int,
     report = report if report is not None else validate(schedule)
     sends = any(ins.op == Op.ISEND_CKPT for ins in _program(schedule, rank))
     return report.peak_checkpoints[rank] + int(sends)
+
+
+def checkpoints_and_activations(schedule: Schedule, rank: int, sizes: _Sizes,
+                                report: ValidationReport, sends_complete: bool = True
+                                ) -> tuple[int, int]:
+    """Bytes of activation checkpoints and of activations `rank` holds when their sum peaks.
+
+    The two peak at different moments, so their peaks are not added: the checkpoints'
+    own peak falls between instructions (an AFAB schedule's turn, every micro-batch's
+    held), when the activations are an activation and a gradient message at most; a
+    backward's recompute adds what it saves (the stage's AWM, its checkpoint among it:
+    autograd keeps the stage's input) to the checkpoints held while it runs, one fewer.
+    `sends_complete`: a sent checkpoint is dropped once its send completes, one in flight
+    allowed for (`checkpoints_held`); False: the backend reports a send complete only when
+    it is waited for, at the iteration's end (gloo, the CPU device layer), so every
+    checkpoint sent so far is still held.
+    """
+    if sends_complete or not report.peak_checkpoints_sent:
+        peak = checkpoints_held(schedule, rank, report)
+        sends = peak - report.peak_checkpoints[rank]
+        in_backward = {b: n + sends for b, n in (report.checkpoints_in_backward[rank]
+                                                 if report.checkpoints_in_backward else {}
+                                                 ).items()}
+    else:
+        peak = report.peak_checkpoints_sent[rank]
+        in_backward = report.checkpoints_in_backward_sent[rank]
+    messages = 2 * sizes.message
+    moments = [(peak * sizes.message, messages)]
+    moments += [(in_backward.get(b, peak) * sizes.message, sizes.saved[b] + messages)
+                for b in schedule.owned_by(rank)]
+    return max(moments, key=sum)
 
 
 def shape_report(schedule: Schedule) -> ValidationReport:
@@ -230,6 +265,9 @@ class MemoryShape:
     # Copies of the owned states kept beside them in host memory, each as large: the step
     # snapshot of --optimizer-exact-rollback (states in host memory) and --async-save's
     state_snapshots: int = 0
+    # Whether the backend reports a checkpoint's send complete when it is (NCCL, CUDA);
+    # gloo (the CPU device layer) does only when it is waited for, at the iteration's end
+    sends_complete: bool = True
 
 
 @dataclass(frozen=True)
@@ -297,8 +335,9 @@ def _gpu_terms(schedule: Schedule, rank: int, shape: MemoryShape, sizes: _Sizes,
         "parameter_slots": sum(slot_numels([schedule], rank, used)) * param_bytes,
         "gradient_buffers": gradient_buffers + upcast,
         "optimizer_subgroups": device_optimizer_bytes(placement.updates, optimizer),
-        "activation_checkpoints": checkpoints_held(schedule, rank, report) * sizes.message,
-        "activations": max((sizes.saved[b] for b in owned), default=0) + 2 * sizes.message,
+        **dict(zip(("activation_checkpoints", "activations"),
+                   checkpoints_and_activations(schedule, rank, sizes, report,
+                                               shape.sends_complete))),
         "operator_working": largest_operator if owned else 0,
     }
 
