@@ -73,6 +73,10 @@ class ValidationReport:
     checkpoints_in_backward: tuple[dict[BackwardStage, int], ...] = ()
     peak_checkpoints_sent: tuple[int, ...] = ()
     checkpoints_in_backward_sent: tuple[dict[BackwardStage, int], ...] = ()
+    # activations and gradients held at the checkpoints' peak (the most, where it is reached
+    # more than once), without and with the sent checkpoints
+    messages_at_peak: tuple[int, ...] = ()
+    messages_at_peak_sent: tuple[int, ...] = ()
 
 
 class _StateWindow:
@@ -216,6 +220,9 @@ class _Checker(Interpreter):
         self.sent_ckpts = [0 for _ in ranks]  # ISEND_CKPTs posted so far
         self.peak_ckpts_sent = [0 for _ in ranks]
         self.ckpts_in_backward_sent: list[dict[BackwardStage, int]] = [{} for _ in ranks]
+        # (checkpoints, activation and gradient messages) at the checkpoints' peak
+        self.ckpt_peak_moment = [(0, 0) for _ in ranks]
+        self.ckpt_peak_moment_sent = [(0, 0) for _ in ranks]
         self.live_gradients = [0 for _ in ranks]
         self.peak_gradients = [0 for _ in ranks]
         self.computed: set[Instruction] = set()
@@ -244,9 +251,13 @@ class _Checker(Interpreter):
     def _measure(self, rank: int) -> None:
         self.peak_params[rank] = max(self.peak_params[rank], len(self.resident[rank]))
         held = self.held_ckpts[rank] + len(self.posted_irecvs[rank])
+        messages = len(self.tensors[rank]) - self.held_ckpts[rank]  # activations, gradients
         self.peak_ckpts[rank] = max(self.peak_ckpts[rank], held)
         self.peak_ckpts_sent[rank] = max(self.peak_ckpts_sent[rank],
                                          held + self.sent_ckpts[rank])
+        for moments, count in ((self.ckpt_peak_moment, held),
+                               (self.ckpt_peak_moment_sent, held + self.sent_ckpts[rank])):
+            moments[rank] = max(moments[rank], (count, messages))
 
     def _compute(self, rank: int, index: int, ins: Instruction) -> None:
         s = self.schedule
@@ -442,6 +453,8 @@ def validate(schedule: Schedule) -> ValidationReport:
         checkpoints_in_backward=tuple(checker.ckpts_in_backward),
         peak_checkpoints_sent=tuple(checker.peak_ckpts_sent),
         checkpoints_in_backward_sent=tuple(checker.ckpts_in_backward_sent),
+        messages_at_peak=tuple(m for _, m in checker.ckpt_peak_moment),
+        messages_at_peak_sent=tuple(m for _, m in checker.ckpt_peak_moment_sent),
         peak_gradients=tuple(checker.peak_gradients),
         peak_optimizer_states=(tuple(checker.optimizer.states.peak)
                                if checker.optimizer.states_on_disk else ()),
