@@ -63,18 +63,24 @@ def slot_numels(schedules: Sequence[Schedule], rank: int,
     return tuple(sizes + [largest] * (MIN_SLOTS - len(sizes)))
 
 
+def _last_releases(schedule: Schedule, rank: int) -> list[tuple[int, BackwardStage, int]]:
+    """(program index, backward stage, slot) of each release after which its slot is filled
+    no more in `rank`'s program."""
+    events = list(_fills(schedule, rank))
+    last_fill = {slot: index for index, op, _, slot in events if op == Op.PREFETCH_PARAMS}
+    return [(index, b, slot) for index, op, b, slot in events
+            if op == Op.RELEASE_PARAMS and index > last_fill[slot]]
+
+
 def slots_given_back(schedule: Schedule, rank: int) -> dict[int, tuple[BackwardStage, ...]]:
     """Program index of each RELEASE_PARAMS after which a slot is filled no more in the
     program -> the backward stages whose slots it so frees. The runtime gives such a
     slot's memory back there (the forward's slots are idle through the backward, where
     the checkpoints and the recompute peak) and allocates it again at its next fill, the
     next program's."""
-    events = list(_fills(schedule, rank))
-    last_fill = {slot: index for index, op, _, slot in events if op == Op.PREFETCH_PARAMS}
     back: dict[int, tuple[BackwardStage, ...]] = {}
-    for index, op, b, slot in events:
-        if op == Op.RELEASE_PARAMS and index > last_fill[slot]:
-            back[index] = back.get(index, ()) + (b,)
+    for index, b, _ in _last_releases(schedule, rank):
+        back[index] = back.get(index, ()) + (b,)
     return back
 
 
@@ -82,12 +88,9 @@ def slot_elements_held(schedule: Schedule, rank: int, sizes: Sequence[int]) -> l
     """Elements of the slots (of `sizes`) allocated after each instruction of `rank`'s
     program, each given back where `slots_given_back` says (allocated from the program's
     start: the first iteration's, the most)."""
-    events = list(_fills(schedule, rank))
-    last_fill = {slot: index for index, op, _, slot in events if op == Op.PREFETCH_PARAMS}
     freed = [0] * len(schedule.programs[rank])
-    for index, op, _, slot in events:
-        if op == Op.RELEASE_PARAMS and index > last_fill[slot]:
-            freed[index] += sizes[slot]
+    for index, _, slot in _last_releases(schedule, rank):
+        freed[index] += sizes[slot]
     held, total = [], sum(sizes)
     for amount in freed:
         total -= amount
