@@ -79,6 +79,13 @@ def bind_parameters(module: nn.Module, layout: FlatLayout, flat: torch.Tensor) -
         param.data = view
 
 
+def unbind_parameters(module: nn.Module) -> None:
+    """Point every parameter of `module` at an empty tensor: no view of a slot is left, so
+    the slot's memory can go (bind_parameters points them back before the next use)."""
+    for param in module.parameters():
+        param.data = param.data.new_empty(0)
+
+
 def bind_gradients(module: nn.Module, layout: FlatLayout, flat_grad: torch.Tensor) -> None:
     """Make every `.grad` a view of `flat_grad`; autograd then accumulates into it in place."""
     for param, view in zip(_parameters(module, layout), layout.views(flat_grad)):

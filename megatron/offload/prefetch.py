@@ -7,9 +7,12 @@
     buf.bind(nxt, module, layout)                 # compute waits for the copy; params -> views
     ... forward / backward of stage (3, 1) ...
 
-Both halves are allocated once; binding only re-points `.data`, so nothing is allocated
+The slots are allocated once; binding only re-points `.data`, so nothing is allocated
 per use. A rank's pipeline sizes each slot for the stages its programs put there
-(`ParamSlots.sized`, from megatron/schedules/slot_plan.py). A prefetch into a released half first waits (on the h2d stream) for the compute
+(`ParamSlots.sized`, from megatron/schedules/slot_plan.py) and gives a slot back where its
+program fills it no more (`give_back`: the forward's slots, idle through an AFAB
+schedule's backward, where the checkpoints peak); it is allocated again at its next fill,
+the next iteration's. A prefetch into a released half first waits (on the h2d stream) for the compute
 that used it, so a copy never overwrites parameters still in use.
 """
 
@@ -30,7 +33,8 @@ class Slot:
     """One half of the double buffer and the stage it holds."""
 
     index: int
-    flat: torch.Tensor
+    flat: torch.Tensor | None  # None: given back (`ParamSlots.give_back`) until its next fill
+    capacity: int = 0  # elements
     key: BackwardStage | None = None
     numel: int = 0
     ready: Event | None = None  # the H2D copy of `key` has finished
@@ -74,7 +78,7 @@ class ParamSlots:
     def _allocate(self, device: DeviceLayer, dtype: torch.dtype, numels: list[int]) -> None:
         self.device = device
         self.dtype = dtype
-        self.slots = [Slot(i, device.empty(n, dtype, name=f"parameter slot {i}"))
+        self.slots = [Slot(i, device.empty(n, dtype, name=f"parameter slot {i}"), n)
                       for i, n in enumerate(numels)]
         self.nbytes = sum(slot.flat.nbytes for slot in self.slots)
         self.budget_bytes = self.nbytes
@@ -106,12 +110,19 @@ class ParamSlots:
                 f"prefetch of stage {key}: all {len(self.slots)} slots hold stages {held}; release one"
             )
         # the free slot of lowest index that is large enough (a slot plan's: the lowest)
-        slot = next((s for s in free if s.flat.numel() >= source.numel()), None)
+        slot = next((s for s in free if s.capacity >= source.numel()), None)
         if slot is None:
             raise RuntimeError(
                 f"prefetch of stage {key} ({source.numel()} elements): the free slots hold "
-                f"{[s.flat.numel() for s in free]}; the slot plan did not foresee this order")
+                f"{[s.capacity for s in free]}; the slot plan did not foresee this order")
         stream = self.device.h2d_stream
+        if slot.flat is None:
+            # allocated in the compute stream's order (as at the start): the copy waits for
+            # the compute work queued so far, which may still use the memory it reuses
+            slot.flat = self.device.empty(slot.capacity, self.dtype,
+                                          name=f"parameter slot {slot.index}")
+            self.nbytes += slot.flat.nbytes
+            slot.freed = self.device.compute_stream.record_event()
         if slot.freed is not None:
             stream.wait_event(slot.freed)
         slot.key, slot.numel, slot.in_use = key, source.numel(), True
@@ -137,3 +148,13 @@ class ParamSlots:
         """The stage in `slot` is done; its half can receive the next prefetch."""
         slot.freed = self.device.compute_stream.record_event()
         slot.in_use = False
+
+    def give_back(self, slot: Slot) -> None:
+        """A released slot the program fills no more: its memory goes back to the device
+        (in the compute stream's order: work queued there before the release still reads
+        it) and is allocated again at its next fill. The caller drops any other view of it
+        (a module's parameters bound to it)."""
+        if slot.in_use or slot.flat is None:
+            raise RuntimeError(f"slot {slot.index} is in use or already given back")
+        self.nbytes -= slot.flat.nbytes
+        slot.flat, slot.ready, slot.freed, slot.key, slot.numel = None, None, None, None, 0

@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.offload.device import DeviceLayer, Event
-from megatron.offload.layout import bind_gradients
+from megatron.offload.layout import bind_gradients, unbind_parameters
 from megatron.offload.param_store import ParameterStore
 from megatron.offload.prefetch import Slot
 from megatron.optimizer.disk_states import DiskStateError
@@ -74,6 +74,7 @@ from megatron.schedules.instructions import (
     Schedule,
     transfer_batches,
 )
+from megatron.schedules.slot_plan import slots_given_back
 from megatron.schedules.timeline import TimedEvent
 
 Batch = dict[str, torch.Tensor]
@@ -137,6 +138,7 @@ class PipelineExecutor:
         self._correction_wait_s = 0.0
         self._verdict_wait_s = 0.0
         self._sanitized = device.sanitizer is not None
+        self._given_back: dict[int, dict[int, tuple[BackwardStage, ...]]] = {}
 
     # --- one iteration -----------------------------------------------------------------
 
@@ -146,7 +148,7 @@ class PipelineExecutor:
             raise ValueError(f"{len(micro_batches)} micro-batches, the schedule has "
                              f"{self.schedule.micro_batches}")
         self._iteration = iteration
-        self._begin(iteration - 1, micro_batches, self.program)
+        self._begin(iteration - 1, micro_batches, self.schedule)
         self._correction_wait_s = 0.0
         self._verdict_wait_s = 0.0
         syncs_before = self.device.host_syncs
@@ -159,6 +161,7 @@ class PipelineExecutor:
         start_event = self.device.compute_stream.record_event()
         start = time.perf_counter()
         for index, instr in enumerate(self.program):
+            self._index = index
             t0 = time.perf_counter()
             before = self.device.compute_stream.record_event() if instr.op in COMPUTE else None
             if self._sanitized:  # the text only when someone reads it
@@ -227,8 +230,16 @@ class PipelineExecutor:
                    for instr, begin, end in waited if instr.op == Op.OPTIMIZER_WAIT_ALL)
 
     def _begin(self, params_version: int, micro_batches: Sequence[Batch],
-               program: Sequence[Instruction]) -> None:
+               schedule: Schedule) -> None:
+        program = schedule.programs[self.rank]
         self._params_version = params_version  # what PREFETCH_PARAMS waits for
+        # the RELEASE_PARAMS (by program index) after which a slot is filled no more: its
+        # memory goes back to the device there (the forward's slots, idle in the backward)
+        key = id(schedule)
+        if key not in self._given_back:
+            self._given_back[key] = slots_given_back(schedule, self.rank)
+        self._give_back_at = self._given_back[key]
+        self._index = -1  # of the instruction being executed
         # the last instruction of each batch of blocking transfers, and the batch being
         # gathered: (instruction, tensor sent, (books, key) where a received tensor goes)
         self._transfer_batch_ends = frozenset(program[batch[-1]]
@@ -257,10 +268,11 @@ class PipelineExecutor:
         if len(micro_batches) != schedule.micro_batches:
             raise ValueError(f"{len(micro_batches)} micro-batches, the schedule has "
                              f"{schedule.micro_batches}")
-        self._begin(params_version, micro_batches, schedule.programs[self.rank])
+        self._begin(params_version, micro_batches, schedule)
         training_kept, self._kept_act_ckpts = self._kept_act_ckpts, frozenset()
         try:
             for index, instr in enumerate(schedule.programs[self.rank]):
+                self._index = index
                 if self._sanitized:
                     self.device.checks.at_instruction(
                         f"rank {self.rank} instruction {index} of the forward-only program: "
@@ -322,10 +334,16 @@ class PipelineExecutor:
                 self._h2d_parameter_bytes += segment.params.nbytes
 
     def _release(self, instr: Instruction) -> None:
+        released = {}
         for b in self.schedule.params_of(instr.stage, instr.sub):
             slot = self._slots.pop(b, None)
             if slot is not None:
                 self.param_slots.release(slot)
+                released[b] = slot
+        for b in self._give_back_at.get(self._index, ()):
+            # the module's parameters view the slot: dropped, so that its memory goes
+            unbind_parameters(self.modules[b].module)
+            self.param_slots.give_back(released[b])
 
     # --- communication ---------------------------------------------------------------------
 

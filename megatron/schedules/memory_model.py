@@ -14,8 +14,10 @@ Per GPU (the device layer's categories, `MEMORY_CATEGORIES`):
 - activation_checkpoints: checkpoints held at once (AFAB keeps every micro-batch's until
   its backward): the validator's residency bound plus the sent ones still in flight
   (`checkpoints_held`), each micro-batch x sequence x hidden;
-- activations: AWM, what autograd saves while one backward stage is recomputed (the
-  largest the rank runs), plus the activation and gradient messages in flight;
+- activations: AWM, what autograd saves while one backward stage is recomputed, plus the
+  activation and gradient messages in flight;
+  these two at the moment their sum peaks (`checkpoints_and_activations`): the turn of an
+  AFAB schedule, or a recompute with the checkpoints held while it runs;
 - optimizer_subgroups: the device's share of the optimizer step, as the placement prices
   it (megatron/schedules/placement_cost.py): two subgroup slots (fp32 p, m, v, gradient
   and the 16-bit copy; SUBGROUP_SLOTS, for a stride and a GPU-heavy split alike) on ranks
@@ -62,7 +64,7 @@ from .hardware import HardwareProfile
 from .instructions import WHOLE_STAGE, BackwardStage, Op, Schedule
 from .partition import sub_stage_layers
 from .placement_cost import RankOptimizer, device_optimizer_bytes
-from .slot_plan import slot_numels
+from .slot_plan import slot_elements_held, slot_numels
 from .validator import ValidationReport, validate
 
 # Elements the gradient offload upcasts to fp32 at a time, through one device scratch
@@ -190,7 +192,9 @@ def _stages_updating_subgroups(schedule: Schedule, rank: int) -> set[BackwardSta
 
 def checkpoints_held(schedule: Schedule, rank: int,
                      report: ValidationReport | None = None) -> int:
-    """Activation checkpoints the runtime holds at most on `rank`, in checkpoints.
+    """Activation checkpoints the runtime holds at most on `rank`, in checkpoints, where a
+    send is known complete when it is (NCCL: the executor queries it after every
+    instruction).
 
     The validator's residency bound: a checkpoint is held from its forward (or from the
     posting of its receive) until its backward has used it. A sent one is dropped when its
@@ -202,10 +206,65 @@ def checkpoints_held(schedule: Schedule, rank: int,
     return report.peak_checkpoints[rank] + int(sends)
 
 
+def slots_checkpoints_and_activations(schedule: Schedule, rank: int, sizes: _Sizes,
+                                      report: ValidationReport, numels: tuple[int, ...],
+                                      param_bytes: int, sends_complete: bool = True
+                                      ) -> tuple[int, int, int]:
+    """Bytes of parameter slots, activation checkpoints and activations `rank` holds when
+    their sum peaks (`numels`: its slots' elements, all allocated at the start).
+
+    They peak at different moments, so their peaks are not added: the checkpoints' own
+    peak falls between instructions (an AFAB schedule's turn, every micro-batch's held,
+    the last forward's not yet sent), with the activation and gradient messages the
+    validator finds held then and every slot counted; a backward's recompute adds what
+    it saves (the stage's AWM, its checkpoint among it: autograd keeps the stage's input)
+    to the checkpoints held while it runs and to the slots still allocated then (a slot
+    the program fills no more is given back at its last release, slot_plan.slots_given_back:
+    the forward's, idle in the backward). `sends_complete`: a sent checkpoint is dropped
+    once its send completes, one in flight allowed for (`checkpoints_held`); False: the
+    backend reports a send complete only when it is waited for, at the iteration's end
+    (gloo, the CPU device layer), so every checkpoint sent so far is still held.
+    """
+    messages = 2 * sizes.message
+    if sends_complete or not report.peak_checkpoints_sent:
+        peak = checkpoints_held(schedule, rank, report)
+        sends = peak - report.peak_checkpoints[rank]
+        in_backward = {b: n + sends for b, n in (report.checkpoints_in_backward[rank]
+                                                 if report.checkpoints_in_backward else {}
+                                                 ).items()}
+        at_peak = report.messages_at_peak[rank] if report.messages_at_peak else 0
+    else:
+        peak = report.peak_checkpoints_sent[rank]
+        in_backward = report.checkpoints_in_backward_sent[rank]
+        at_peak = report.messages_at_peak_sent[rank]
+    slot_bytes = sum(numels) * param_bytes
+    slots_at = _slot_bytes_at_backwards(schedule, rank, numels, param_bytes)
+    moments = [(slot_bytes, peak * sizes.message, at_peak * sizes.message)]
+    # without a program (a shape): at least the slot holding the stage being recomputed
+    moments += [(slots_at.get(b, sizes.params[b] * param_bytes),
+                 in_backward.get(b, peak) * sizes.message, sizes.saved[b] + messages)
+                for b in schedule.owned_by(rank)]
+    return max(moments, key=sum)
+
+
+def _slot_bytes_at_backwards(schedule: Schedule, rank: int, numels: tuple[int, ...],
+                             param_bytes: int) -> dict[BackwardStage, int]:
+    """Slot bytes still allocated at each backward stage's first backward on `rank` (the
+    most its backwards see: slots are only given back within a program)."""
+    program = _program(schedule, rank)
+    held = slot_elements_held(schedule, rank, numels) if program else []
+    at: dict[BackwardStage, int] = {}
+    for index, ins in enumerate(program):
+        if ins.op == Op.BACKWARD:
+            at.setdefault(BackwardStage(ins.stage, ins.sub), held[index] * param_bytes)
+    return at
+
+
 def shape_report(schedule: Schedule) -> ValidationReport:
     """Peaks of zero for a schedule's shape (build_schedule(..., lower=False)): plan_memory
-    with it gives a lower bound of every term before the programs exist (two parameter
-    slots, one gradient buffer, no checkpoint; /dev/shm counts the owned stages only), so
+    with it gives a lower bound of every term before the programs exist (the slots,
+    checkpoints and activations together: two parameter slots, or the one of a stage being
+    recomputed, no checkpoint; one gradient buffer; /dev/shm counts the owned stages only), so
     a planner can drop what cannot fit without building it."""
     zeros = (0,) * schedule.ranks
     return ValidationReport(instructions=zeros, peak_params=zeros, peak_checkpoints=zeros,
@@ -230,6 +289,9 @@ class MemoryShape:
     # Copies of the owned states kept beside them in host memory, each as large: the step
     # snapshot of --optimizer-exact-rollback (states in host memory) and --async-save's
     state_snapshots: int = 0
+    # Whether the backend reports a checkpoint's send complete when it is (NCCL, CUDA);
+    # gloo (the CPU device layer) does only when it is waited for, at the iteration's end
+    sends_complete: bool = True
 
 
 @dataclass(frozen=True)
@@ -294,11 +356,12 @@ def _gpu_terms(schedule: Schedule, rank: int, shape: MemoryShape, sizes: _Sizes,
         gradient_buffers, param_bytes, placement.subgroup_size)
     used = {b: params[b] for b in _stages_used(schedule, rank)}
     return {
-        "parameter_slots": sum(slot_numels([schedule], rank, used)) * param_bytes,
         "gradient_buffers": gradient_buffers + upcast,
         "optimizer_subgroups": device_optimizer_bytes(placement.updates, optimizer),
-        "activation_checkpoints": checkpoints_held(schedule, rank, report) * sizes.message,
-        "activations": max((sizes.saved[b] for b in owned), default=0) + 2 * sizes.message,
+        **dict(zip(("parameter_slots", "activation_checkpoints", "activations"),
+                   slots_checkpoints_and_activations(
+                       schedule, rank, sizes, report, slot_numels([schedule], rank, used),
+                       param_bytes, shape.sends_complete))),
         "operator_working": largest_operator if owned else 0,
     }
 

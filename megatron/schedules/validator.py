@@ -55,7 +55,12 @@ class ValidationReport:
 
     peak_params[r] counts backward stages' parameters resident at once on rank r (a whole
     forward stage counts `backward_split`); peak_checkpoints[r] counts activation
-    checkpoints held (kept for a local backward, or received/being received).
+    checkpoints held (kept for a local backward, or received/being received);
+    checkpoints_in_backward[r][b] the most held while a backward of stage b recomputes
+    (its own taken: autograd then keeps it as the stage's input), so that a memory model
+    can add what that recompute saves at the moment it saves it. The `_sent` variants
+    count, besides, every checkpoint the rank has sent so far in the iteration: what a
+    sender holds when its sends are known complete only at the iteration's end (gloo).
     """
 
     instructions: tuple[int, ...]
@@ -65,6 +70,13 @@ class ValidationReport:
     # Optimizer states on NVMe: backward stages' states read and not yet written at once,
     # per rank (the host window); () when the states stay in host memory.
     peak_optimizer_states: tuple[int, ...] = ()
+    checkpoints_in_backward: tuple[dict[BackwardStage, int], ...] = ()
+    peak_checkpoints_sent: tuple[int, ...] = ()
+    checkpoints_in_backward_sent: tuple[dict[BackwardStage, int], ...] = ()
+    # activations and gradients held at the checkpoints' peak (the most, where it is reached
+    # more than once), without and with the sent checkpoints
+    messages_at_peak: tuple[int, ...] = ()
+    messages_at_peak_sent: tuple[int, ...] = ()
 
 
 class _StateWindow:
@@ -204,6 +216,13 @@ class _Checker(Interpreter):
         self.posted_irecvs = [set() for _ in ranks]
         self.peak_params = [0 for _ in ranks]
         self.peak_ckpts = [0 for _ in ranks]
+        self.ckpts_in_backward: list[dict[BackwardStage, int]] = [{} for _ in ranks]
+        self.sent_ckpts = [0 for _ in ranks]  # ISEND_CKPTs posted so far
+        self.peak_ckpts_sent = [0 for _ in ranks]
+        self.ckpts_in_backward_sent: list[dict[BackwardStage, int]] = [{} for _ in ranks]
+        # (checkpoints, activation and gradient messages) at the checkpoints' peak
+        self.ckpt_peak_moment = [(0, 0) for _ in ranks]
+        self.ckpt_peak_moment_sent = [(0, 0) for _ in ranks]
         self.live_gradients = [0 for _ in ranks]
         self.peak_gradients = [0 for _ in ranks]
         self.computed: set[Instruction] = set()
@@ -232,7 +251,13 @@ class _Checker(Interpreter):
     def _measure(self, rank: int) -> None:
         self.peak_params[rank] = max(self.peak_params[rank], len(self.resident[rank]))
         held = self.held_ckpts[rank] + len(self.posted_irecvs[rank])
+        messages = len(self.tensors[rank]) - self.held_ckpts[rank]  # activations, gradients
         self.peak_ckpts[rank] = max(self.peak_ckpts[rank], held)
+        self.peak_ckpts_sent[rank] = max(self.peak_ckpts_sent[rank],
+                                         held + self.sent_ckpts[rank])
+        for moments, count in ((self.ckpt_peak_moment, held),
+                               (self.ckpt_peak_moment_sent, held + self.sent_ckpts[rank])):
+            moments[rank] = max(moments[rank], (count, messages))
 
     def _compute(self, rank: int, index: int, ins: Instruction) -> None:
         s = self.schedule
@@ -268,6 +293,10 @@ class _Checker(Interpreter):
             return
         if b != (0, 0):
             self._take(rank, index, ins, ("ckpt", *b, ins.mb), "checkpoint")
+        held = self.held_ckpts[rank] + len(self.posted_irecvs[rank])
+        for books, count in ((self.ckpts_in_backward, held),
+                             (self.ckpts_in_backward_sent, held + self.sent_ckpts[rank])):
+            books[rank][b] = max(books[rank].get(b, 0), count)
         after = s.next_backward_stage(b)
         if after is not None:
             self._take(rank, index, ins, ("grad", *after, ins.mb), "incoming gradient")
@@ -300,6 +329,7 @@ class _Checker(Interpreter):
 
     def _isend_act_ckpt(self, rank: int, index: int, ins: Instruction) -> None:
         self._take(rank, index, ins, ins.tensor_key, "checkpoint")
+        self.sent_ckpts[rank] += 1
 
     def _irecv_act_ckpt(self, rank: int, index: int, ins: Instruction) -> None:
         self.posted_irecvs[rank].add(ins.tensor_key)
@@ -420,6 +450,11 @@ def validate(schedule: Schedule) -> ValidationReport:
         instructions=tuple(len(program) for program in schedule.programs),
         peak_params=tuple(checker.peak_params),
         peak_checkpoints=tuple(checker.peak_ckpts),
+        checkpoints_in_backward=tuple(checker.ckpts_in_backward),
+        peak_checkpoints_sent=tuple(checker.peak_ckpts_sent),
+        checkpoints_in_backward_sent=tuple(checker.ckpts_in_backward_sent),
+        messages_at_peak=tuple(m for _, m in checker.ckpt_peak_moment),
+        messages_at_peak_sent=tuple(m for _, m in checker.ckpt_peak_moment_sent),
         peak_gradients=tuple(checker.peak_gradients),
         peak_optimizer_states=(tuple(checker.optimizer.states.peak)
                                if checker.optimizer.states_on_disk else ()),
