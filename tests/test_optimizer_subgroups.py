@@ -202,7 +202,9 @@ def clipped_reference(tmp_path_factory, demo_cache):
     multi-process tests below, started once (beside the first one's pipeline) and shared."""
     from tests.test_pipeline_executor import start
 
-    return start(tmp_path_factory.mktemp("clipped"), "single", 1, *CLIP)
+    run = start(tmp_path_factory.mktemp("clipped"), "single", 1, *CLIP)
+    yield run
+    run.wait()  # gone even when no test waited for it
 
 
 @pytest.mark.multiproc
