@@ -13,7 +13,7 @@ import torch
 
 from megatron.training.checkpoint_state import EXP_AVG, EXP_AVG_SQ, MASTER
 from megatron.training.checkpointing import TRACKER, iteration_dir, read_all_tensors
-from tests.test_pipeline_executor import FEATURE_SCHEDULES, ScheduleRun, launch, metrics, start
+from tests.test_pipeline_executor import FEATURE_SCHEDULES, ScheduleRun, metrics, start
 
 pytestmark = pytest.mark.multiproc
 BF16_STATES = ["--optimizer-state-dtype", "bf16", "--master-dtype", "bf16",
@@ -41,22 +41,26 @@ def test_bf16_states_on_a_speculative_and_an_interleaved_schedule_and_a_resume_e
     one = start(tmp_path, "one", 1, *BF16_STATES, "--save-interval", "3")
     two = start(tmp_path, "two", 2, *BF16_STATES, "--schedules", ",".join(FEATURE_SCHEDULES),
                 script="tests/run_schedules.py", timeout=600)
-    one, two = one.wait(), two.wait()  # started together: one's bubbles are the other's compute
+    one = one.wait()  # started together: one's bubbles are the other's compute
     assert one.returncode == 0, one.stderr[-4000:]
     reference = metrics(one)
     assert [m["iteration"] for m in reference] == [1, 2, 3, 4, 5]
+
+    saved = tmp_path / "saved"  # the one-process run's iteration 3, as if it died there
+    saved.mkdir()
+    shutil.copytree(iteration_dir(str(one.out / "ckpt"), 3), saved / "iter_0000003")
+    (saved / TRACKER).write_text("3")
+    # the resume needs only the one-process run: it starts beside the 2-process job's end
+    resumed = start(tmp_path, "resumed", 2, *BF16_STATES, "--load", str(saved),
+                    "--pipeline-schedule", "1f1b", "--backward-split", "1")
+    two = two.wait()
     assert two.returncode == 0, two.stderr[-4000:]
     for name in FEATURE_SCHEDULES:
         run = ScheduleRun(two, name)
         assert_identical(metrics(run), reference, states(run.out / "ckpt", 5),
                          states(one.out / "ckpt", 5))
 
-    saved = tmp_path / "saved"  # the one-process run's iteration 3, as if it died there
-    saved.mkdir()
-    shutil.copytree(iteration_dir(str(one.out / "ckpt"), 3), saved / "iter_0000003")
-    (saved / TRACKER).write_text("3")
-    resumed = launch(tmp_path, "resumed", 2, *BF16_STATES, "--load", str(saved),
-                     "--pipeline-schedule", "1f1b", "--backward-split", "1")
+    resumed = resumed.wait()
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert_identical(metrics(resumed), reference[3:], states(resumed.out / "ckpt", 5),
                      states(one.out / "ckpt", 5))

@@ -3,9 +3,6 @@ a kill mid-write, the old formats, a full disk, the load flags and auto-resume."
 
 
 import os
-import signal
-import subprocess
-import sys
 import textwrap
 import threading
 import time
@@ -31,6 +28,7 @@ from megatron.training.checkpointing import (
 )
 from megatron.training.distributed import initialize_distributed, shutdown_distributed
 from megatron.training.training import main
+from tests import forked_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -156,6 +154,7 @@ def test_the_async_save_returns_before_the_write_and_the_next_save_waits(tmp_pat
 NORM = MASTER + "decoder.final_layernorm.weight"
 KILLED_WRITER = textwrap.dedent("""
     import sys, time, torch
+    sys.path.insert(0, sys.argv[3])  # the repository
     from megatron.training.distributed import initialize_distributed
     initialize_distributed()
     import megatron.training.checkpointing as c
@@ -170,7 +169,7 @@ KILLED_WRITER = textwrap.dedent("""
     saver.save(1, state(1.0), {})
     saver.wait()
     def never_commits(*args):
-        print("writing", flush=True)
+        open(sys.argv[2], "w").close()  # iteration 2's shard is written
         time.sleep(120)
     c._commit = never_commits
     saver.save(2, state(2.0), {})
@@ -180,15 +179,20 @@ KILLED_WRITER = textwrap.dedent("""
 
 @pytest.mark.multiproc
 def test_a_kill_during_an_async_save_leaves_the_previous_checkpoint_loadable(tmp_path):
-    root = str(tmp_path / "ckpt")
-    proc = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, root], cwd=ROOT,
-                            stdout=subprocess.PIPE, text=True)
+    root, writing = str(tmp_path / "ckpt"), tmp_path / "writing"
+    script = tmp_path / "killed_writer.py"
+    script.write_text(KILLED_WRITER)
+    # a process of its own, forked from the session's preloaded zygote (tests/forked_ranks.py:
+    # no second torch import), killed with SIGKILL as iteration 2's commit is due
+    job = forked_ranks.start(str(script), [root, str(writing), ROOT])
     try:
-        lines = iter(proc.stdout.readline, "")
-        assert "writing" in (line.strip() for line in lines)  # iteration 2's shard is written
+        deadline = time.monotonic() + 120
+        while not writing.exists() and job.running() and time.monotonic() < deadline:
+            time.sleep(0.02)
     finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+        job.kill()
+        killed = job.wait()
+    assert writing.exists(), killed.stderr[-3000:]  # iteration 2's shard is written
     assert os.path.isdir(iteration_dir(root, 2) + ".tmp")
     target = OwnedState({NORM: torch.zeros(10)}, 0, None)
     assert load_checkpoint(root, target, MODEL, finetune=True)["iteration"] == 1

@@ -1,16 +1,13 @@
 """Bad input gets a one-line error naming the argument; pinning and the bench CLI."""
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from megatron.optimizer import CPUAdamW, check_gradient
 from megatron.optimizer.cpu_adam import usable_cores
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests import forked_ranks
 
 
 @pytest.fixture
@@ -88,7 +85,8 @@ def test_check_gradient_rejects_other_dtypes():
 
 @pytest.mark.multiproc  # runs the bench script in its own process
 def test_bench_cli_exits_2_on_bad_input():
-    proc = subprocess.run([sys.executable, "bench/cpu_adam.py", "--params", "0"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60)
+    # a fork of the session's preloaded zygote (tests/forked_ranks.py): `python
+    # bench/cpu_adam.py` as __main__ with its exit status, without a second torch import
+    proc = forked_ranks.launch("bench/cpu_adam.py", ["--params", "0"], timeout=60)
     assert proc.returncode == 2
     assert "argument --params: 0 must be >= 1" in proc.stderr

@@ -31,6 +31,36 @@ SMALL = ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "160",
 TIMEOUT_S = 8
 
 
+@pytest.fixture(scope="module", autouse=True)
+def started(request, tmp_path_factory):
+    """The lone rank of test_a_rank_that_never_joins_is_one_line_naming_it, when selected,
+    started with the module: its wait for the missing rank overlaps the stopped-rank test's
+    wait, where the cores are otherwise idle."""
+    needed = {name for item in request.session.items if item.module is request.module
+              for name in item.fixturenames}
+    runs = {}
+    if "never_joined" in needed:
+        with socket.socket() as s:  # a port nobody listens on
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        env = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port), TEST_TIMEOUT_ENV: "2"}
+        directory = tmp_path_factory.mktemp("never-joined")
+        save = directory / "ckpt"
+        job = forked_ranks.start("pretrain_llama.py", [*SMALL, "--train-iters", "1", "--save",
+                                                       str(save)], torchrun=False, env=env)
+        runs["never_joined"] = job, port, directory, save
+    yield runs
+    for job, *_ in runs.values():
+        job.wait(timeout=120)  # gone even when no test waited for it
+
+
+@pytest.fixture
+def never_joined(started):
+    job, port, directory, save = started["never_joined"]
+    return job.wait(timeout=120), port, directory, save
+
+
 def _stuck(pid: int) -> bool:
     """Whether process `pid` is stopped (SIGSTOP)."""
     try:
@@ -91,21 +121,13 @@ def test_a_stopped_rank_is_one_line_and_a_second_job_on_its_save_is_refused(
     assert forked_ranks.segments_left(f"run:{run_id}") == []
 
 
-def test_a_rank_that_never_joins_is_one_line_naming_it(tmp_path):
+def test_a_rank_that_never_joins_is_one_line_naming_it(never_joined):
     """Rank 0 of two started alone (WORLD_SIZE=2, no rank 1): one line naming the missing
     rank and the timeout, exit status 1, nothing created."""
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(port), TEST_TIMEOUT_ENV: "2"}
-    save = tmp_path / "ckpt"
-    proc = forked_ranks.launch("pretrain_llama.py", [*SMALL, "--train-iters", "1", "--save",
-                                                     str(save)], torchrun=False, env=env,
-                               timeout=120)
+    proc, port, directory, save = never_joined
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [
         f"pretrain_llama.py: error: rank 0: only 1 of 2 ranks (WORLD_SIZE) joined within 2 s "
         f"({TEST_TIMEOUT_ENV}); missing: rank 1: start every rank, with MASTER_ADDR:MASTER_PORT "
         f"127.0.0.1:{port} reachable from its node"]
-    assert not save.exists() and LOCK_NAME not in os.listdir(tmp_path)
+    assert not save.exists() and LOCK_NAME not in os.listdir(directory)

@@ -193,8 +193,23 @@ def _state_of(adam, group):
     return [t.clone() for t in (adam.master(group), adam.exp_avg(group), adam.exp_avg_sq(group))]
 
 
+CLIP = ["--clip-grad", "1e-3", "--cpu-optimizer-threads", "1"]
+
+
+@pytest.fixture(scope="module")
+def clipped_reference(tmp_path_factory, demo_cache):
+    """One process with CLIP (torch's AdamW in memory, no pipeline): the reference of both
+    multi-process tests below, started once (beside the first one's pipeline) and shared."""
+    from tests.test_pipeline_executor import start
+
+    run = start(tmp_path_factory.mktemp("clipped"), "single", 1, *CLIP)
+    yield run
+    run.wait()  # gone even when no test waited for it
+
+
 @pytest.mark.multiproc
-def test_schedules_with_device_subgroups_match_one_process(tmp_path, demo_cache):
+def test_schedules_with_device_subgroups_match_one_process(tmp_path, demo_cache,
+                                                          clipped_reference):
     """2 processes, the decoupled and the interleaved schedule in one job, --optimizer-gpu-stride auto with the rates
     of the paper's worked example cached (Eq. 1: k = 2), clipping in every iteration (the
     corrections of device-updated subgroups and of the stages updated on the CPU alone
@@ -223,12 +238,11 @@ def test_schedules_with_device_subgroups_match_one_process(tmp_path, demo_cache)
         key = machine_key(device, 1)
     with open(os.path.join(cache_dir, f"optimizer-rates-{key}.json"), "w") as f:
         json.dump({"version": CACHE_VERSION, "rates": PAPER_RATES}, f)
-    clip = ["--clip-grad", "1e-3", "--cpu-optimizer-threads", "1"]
-    one = start(tmp_path, "single", 1, *clip)
+    clip = CLIP
     two = start(tmp_path, "subgroups", 2, *clip, "--optimizer-gpu-stride", "auto",
                 "--optimizer-subgroup-size", "2048", "--schedules", ",".join(FEATURE_SCHEDULES),
                 script="tests/run_schedules.py", timeout=600)
-    reference, run = one.wait(), two.wait()
+    reference, run = clipped_reference.wait(), two.wait()
     assert reference.returncode == 0, reference.stderr[-3000:]
     assert run.returncode == 0, run.stderr[-4000:]
     assert "optimizer GPU stride k = 2" in run.stdout + run.stderr
@@ -263,7 +277,7 @@ def test_schedules_with_device_subgroups_match_one_process(tmp_path, demo_cache)
 
 
 @pytest.mark.multiproc
-def test_the_gpu_heavy_split_matches_one_process(tmp_path, demo_cache):
+def test_the_gpu_heavy_split_matches_one_process(tmp_path, demo_cache, clipped_reference):
     """2 processes, decoupled, --optimizer-gpu-stride device:3 (2 of every 3 subgroups of the
     exposed stages on the device), clipping in every iteration: training equals one
     process, and the device memory the subgroups held is what the memory model plans."""
@@ -274,11 +288,10 @@ def test_the_gpu_heavy_split_matches_one_process(tmp_path, demo_cache):
     from megatron.training.arguments import parse_args
     from tests.test_pipeline_executor import MODEL, assert_same_training, metrics, start
 
-    clip = ["--clip-grad", "1e-3", "--cpu-optimizer-threads", "1"]
+    clip = CLIP
     heavy = ["--optimizer-gpu-stride", "device:3", "--optimizer-subgroup-size", "2048"]
-    one = start(tmp_path, "single", 1, *clip)
     two = start(tmp_path, "heavy", 2, *clip, "--pipeline-schedule", "decoupled", *heavy)
-    reference, run = one.wait(), two.wait()
+    reference, run = clipped_reference.wait(), two.wait()
     assert reference.returncode == 0, reference.stderr[-3000:]
     assert_same_training(run, reference)
     rows = metrics(run)

@@ -17,6 +17,7 @@ from megatron.offload.reaper_client import REAPER, REAPER_SCRIPT
 from megatron.offload.shm import SegmentInUseError, SharedSegment
 from megatron.offload.shm_header import MAGIC
 from megatron.offload.shm_space import ShmSpaceError, free_bytes
+from tests import forked_ranks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -154,13 +155,16 @@ def test_exception_inside_the_store_context_removes_its_segments(job_id):
 
 CHILD = textwrap.dedent(
     """
-    import sys, time, torch
+    import os, sys, time, torch
+    sys.path.insert(0, sys.argv[4])  # the repository
     from megatron.offload.param_store import ParameterStore
     from megatron.offload.reaper_client import REAPER
     store = ParameterStore(job_id=sys.argv[1], rank=0)
     for key in ((0, 0), (0, 1)):
         store.create(key, 4096, torch.bfloat16).write(torch.ones(4096), 1)
-    print(REAPER._proc.pid, flush=True)
+    with open(sys.argv[3] + ".tmp", "w") as f:  # the reaper's pid, once the segments exist
+        f.write(str(REAPER._proc.pid))
+    os.replace(sys.argv[3] + ".tmp", sys.argv[3])
     if sys.argv[2] == "raise":
         raise RuntimeError("uncaught error in a rank")
     time.sleep(120)
@@ -186,33 +190,30 @@ def pid_gone(pid: int) -> bool:
 
 
 @pytest.mark.multiproc  # starts ranks and kills them
-def test_killed_rank_and_crashed_rank_leave_dev_shm_clean(job_id):
-    env = {**os.environ, "PYTHONPATH": REPO}
+def test_killed_rank_and_crashed_rank_leave_dev_shm_clean(job_id, tmp_path):
+    # each rank a process of its own, forked from the session's preloaded zygote
+    # (tests/forked_ranks.py: ends as an interpreter does, without a second torch import)
+    script = tmp_path / "rank.py"
+    script.write_text(CHILD)
     jobs = {mode: f"{job_id}-{mode}" for mode in ("kill", "raise")}
-    children = {
-        mode: subprocess.Popen(
-            [sys.executable, "-c", CHILD, job, mode],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            env=env,
-            text=True,
-        )
-        for mode, job in jobs.items()
-    }
+    reaper_files = {mode: tmp_path / f"reaper-{mode}" for mode in jobs}
+    children = {mode: forked_ranks.start(str(script), [job, mode, str(reaper_files[mode]), REPO])
+                for mode, job in jobs.items()}
     try:
-        reapers = {mode: int(child.stdout.readline()) for mode, child in children.items()}
-        assert len(job_segments(jobs["kill"])) == 2  # mid-run: the segments exist
-        children["kill"].kill()  # SIGKILL: no Python cleanup runs in the child
-        assert children["kill"].wait(timeout=30) == -9
-        assert children["raise"].wait(timeout=30) == 1
-        for mode, job in jobs.items():
-            assert wait_until(lambda job=job: job_segments(job) == []), f"{mode}: left behind"
-            assert wait_until(lambda mode=mode: pid_gone(reapers[mode])), f"{mode}: reaper alive"
+        wait_until(lambda: all(reaper_files[m].exists() or not c.running()
+                               for m, c in children.items()), 120)
+        reapers = {mode: int(f.read_text()) for mode, f in reaper_files.items() if f.exists()}
+        mid_run = len(job_segments(jobs["kill"]))
     finally:
-        for child in children.values():
-            child.kill()
-            child.wait()
-            child.stdout.close()
+        children["kill"].kill()  # SIGKILL: no Python cleanup runs in the child
+        killed, crashed = (children[mode].wait(timeout=30) for mode in ("kill", "raise"))
+    assert reapers.keys() == jobs.keys(), killed.stderr[-3000:] + crashed.stderr[-3000:]
+    assert mid_run == 2  # mid-run: the segments exist
+    assert killed.returncode == -9
+    assert crashed.returncode == 1
+    for mode, job in jobs.items():
+        assert wait_until(lambda job=job: job_segments(job) == []), f"{mode}: left behind"
+        assert wait_until(lambda mode=mode: pid_gone(reapers[mode])), f"{mode}: reaper alive"
 
 
 @pytest.mark.multiproc  # kills and restarts the reaper process

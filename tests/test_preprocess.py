@@ -5,8 +5,6 @@ import importlib.util
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -21,6 +19,7 @@ from megatron.common.files import remove_dead_temporaries, staged_paths
 from megatron.data.checks import DataError, check_data_prefix
 from megatron.data.indexed_dataset_writer import write_indexed_dataset
 from megatron.data.tokenizer import load_tokenizer
+from tests import forked_ranks
 from tests.tokenizer_files import CORPUS, ReferenceGPT2, build_tokenizer_files
 
 REPO = Path(__file__).resolve().parent.parent
@@ -183,13 +182,15 @@ def test_interrupt_while_writing_leaves_no_files(tmp_path, corpus):
 
 
 def test_cli_exit_status_in_a_real_process(tmp_path):
-    """The status the shell sees, not just main()'s return value."""
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "preprocess_data.py"),
-         "--input", str(tmp_path / "missing.jsonl"), "--tokenizer-model", "t.json",
+    """The status the shell sees, not just main()'s return value: `python
+    tools/preprocess_data.py ...` in a process of its own, forked from the session's
+    preloaded zygote (tests/forked_ranks.py: run as __main__, the interpreter's exit status;
+    a fresh interpreter would spend seconds importing megatron.data first)."""
+    proc = forked_ranks.launch(
+        str(REPO / "tools" / "preprocess_data.py"),
+        ["--input", str(tmp_path / "missing.jsonl"), "--tokenizer-model", "t.json",
          "--output-prefix", str(tmp_path / "o")],
-        capture_output=True, text=True, timeout=120, cwd=tmp_path,
-        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+        timeout=120, cwd=str(tmp_path), env={"PYTHONWARNINGS": "ignore"},
     )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
