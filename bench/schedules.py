@@ -4,6 +4,7 @@ and simulated; and how well the run's own plan predicted each.
     torchrun --standalone --nproc-per-node 2 bench/schedules.py --model-preset tiny \
         --train-iters 6 --json [--schedules decoupled,mobius] [--rounds 3] \
         [--baseline mobius] [--out-dir DIR] [--hardware FILE | --profile-each-round]
+        [--compute-each-run]
 
 Each round runs every schedule once, the order rotated from round to round; a schedule's
 figures are medians over the rounds, with min and max, and its speed-up over --baseline is
@@ -32,6 +33,18 @@ drifting since the profile), and at_run_compute_over_measured, the plan's predic
 with each stage's compute taken from the run's own trace, against that traced (last)
 iteration (the pricing of everything else: transfers, overheads, the optimizer, the
 schedule's bubbles).
+
+With --compute-each-run the compute is measured again right before every run: rank 0
+times the fixed work, then both ranks at once a one-layer stage's FORWARD and BACKWARD at
+the run's shape (tools/profile_hardware.py's pass_times, a second of them), and the run is
+priced on the round's profile (or --hardware's) with its compute's level and backward
+ratio taken from those (tools/profile_hardware.py's with_pass_times), the rest of the
+profile as measured; after the run rank 0 times the fixed work again. Per run, beside the
+ratio: round_profile_predicted_over_measured (the round's profile as it was),
+fixed_work_after_over_before_run (the machine's drift across the run: what a prediction
+made just before it cannot see) and fixed_work_before_run_over_round_start; per stage,
+the traced FORWARD and BACKWARD over their prices (stage_*_measured_over_predicted).
+Over all runs: how many lie within 0.85-1.15, their median, min and max.
 
 Rank 0 prints one JSON object (--json) or a table. With --out-dir, each schedule's
 metrics file, the last measured iteration's trace (trace.json), with --compute-each-run
@@ -321,6 +334,7 @@ def summarize(name: str, rows: list[dict], baseline_rows: list[dict] | None) -> 
         for key in ("measured_over_predicted_compute", "at_run_compute_over_measured",
                     "round_profile_predicted_over_measured", "fixed_work_after_over_before_run",
                     "fixed_work_before_run_over_round_start",
+                    "run_compute_forward_s", "run_compute_backward_s",
                     "stage_forward_measured_over_predicted",
                     "stage_backward_measured_over_predicted"):
             if key in rows[0]:
@@ -469,6 +483,16 @@ def main(argv: list[str] | None = None) -> int:
         drift = summary["fixed_work_per_s"]["spread"]
         if drift is not None:
             print(f"the machine's drift over the rounds (a fixed piece of work): {drift:.1%}")
+        for key, what in (("predicted_over_measured_all_runs", "predicted/measured"),
+                          ("round_profile_predicted_over_measured_all_runs",
+                           "on the round's profile"),
+                          ("fixed_work_after_over_before_run_all_runs",
+                           "fixed work after/before each run")):
+            over = summary[key]
+            if over is not None:
+                print(f"{what}: {over['within_target']} of {over['runs']} runs within "
+                      f"{TARGET[0]}-{TARGET[1]}, median {over['median']:.2f}, "
+                      f"{over['min']:.2f}-{over['max']:.2f}")
     return 0
 
 
