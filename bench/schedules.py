@@ -39,12 +39,15 @@ times the fixed work, then both ranks at once a one-layer stage's FORWARD and BA
 the run's shape (tools/profile_hardware.py's pass_times, a second of them), and the run is
 priced on the round's profile (or --hardware's) with its compute's level and backward
 ratio taken from those (tools/profile_hardware.py's with_pass_times), the rest of the
-profile as measured; after the run rank 0 times the fixed work again. Per run, beside the
-ratio: round_profile_predicted_over_measured (the round's profile as it was),
-fixed_work_after_over_before_run (the machine's drift across the run: what a prediction
-made just before it cannot see) and fixed_work_before_run_over_round_start; per stage,
-the traced FORWARD and BACKWARD over their prices (stage_*_measured_over_predicted).
-Over all runs: how many lie within 0.85-1.15, their median, min and max.
+profile as measured; after the run both ranks time the layer's passes again and rank 0
+the fixed work. Per run, beside the ratio: round_profile_predicted_over_measured (the
+round's profile as it was), the machine's drift across the run, what a prediction made
+just before it cannot see (run_compute_after_over_before: the layer's FORWARD after the
+run over before it; fixed_work_after_over_before_run) and
+fixed_work_before_run_over_round_start; per stage, the traced FORWARD and BACKWARD over
+their prices (stage_*_measured_over_predicted). Over all runs: how many lie within
+0.85-1.15, their median, min and max; steady_runs: the same over the runs whose layer
+FORWARD held within 10 % across them.
 
 Rank 0 prints one JSON object (--json) or a table. With --out-dir, each schedule's
 metrics file, the last measured iteration's trace (trace.json), with --compute-each-run
@@ -102,6 +105,7 @@ from tools.profile_hardware import measured_dtype, pass_times, with_pass_times  
 ORDER = ("decoupled", "mobius", "interleaved-1f1b", "1f1b", "gpipe")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGET = (0.85, 1.15)  # predicted / measured, every round
+STEADY = (0.9, 1.1)  # the layer's FORWARD after a run over before it: the machine held
 LAUNCHER_VARIABLES = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                       "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE",
                       "MASTER_ADDR", "MASTER_PORT"}
@@ -284,13 +288,11 @@ def plan_priced(step: PipelineTrainStep, hardware: HardwareProfile,
     return simulate(plan.schedule, costs, plan.report).iteration_time
 
 
-def compute_now(base: RunConfig, round_profile: str, out: str) -> dict:
-    """Right before a run: rank 0 times the fixed work (the machine's speed now, beside
-    the round's start), then both ranks at once a one-layer stage's FORWARD and BACKWARD
-    at the run's shape (tools/profile_hardware.py's pass_times, as its profile measures
-    them: every process playing one GPU at once); rank 0 writes `round_profile` with that
-    compute (with_pass_times) to `out`. Returns the figures measured, on every rank."""
-    rate = fixed_work_rate(seconds=0.5) if dist.get_rank() == 0 else 0.0
+def layer_passes(base: RunConfig) -> tuple[float, float]:
+    """Both ranks at once: a one-layer stage's FORWARD and BACKWARD at the run's shape
+    (tools/profile_hardware.py's pass_times, as its profile measures them: every process
+    playing one GPU at once, about a second of them); the means over the ranks, on every
+    rank."""
     device = get_device()
     try:
         dtype = measured_dtype(base, device.kind == "cuda")
@@ -301,8 +303,16 @@ def compute_now(base: RunConfig, round_profile: str, out: str) -> dict:
         device.close()
     passes = [None] * dist.get_world_size()
     dist.all_gather_object(passes, (forward_s, backward_s))
-    forward_s = statistics.mean(f for f, _ in passes)
-    backward_s = statistics.mean(b for _, b in passes)
+    return statistics.mean(f for f, _ in passes), statistics.mean(b for _, b in passes)
+
+
+def compute_now(base: RunConfig, round_profile: str, out: str) -> dict:
+    """Right before a run: rank 0 times the fixed work (the machine's speed now, beside
+    the round's start), then both ranks the layer's passes (layer_passes); rank 0 writes
+    `round_profile` with that compute (with_pass_times) to `out`. Returns the figures
+    measured, on every rank."""
+    rate = fixed_work_rate(seconds=0.5) if dist.get_rank() == 0 else 0.0
+    forward_s, backward_s = layer_passes(base)
     if dist.get_rank() == 0:
         hardware = with_pass_times(get_hardware(round_profile), base.model,
                                    base.training.micro_batch_size, forward_s, backward_s)
@@ -335,6 +345,7 @@ def summarize(name: str, rows: list[dict], baseline_rows: list[dict] | None) -> 
                     "round_profile_predicted_over_measured", "fixed_work_after_over_before_run",
                     "fixed_work_before_run_over_round_start",
                     "run_compute_forward_s", "run_compute_backward_s",
+                    "run_compute_after_over_before",
                     "stage_forward_measured_over_predicted",
                     "stage_backward_measured_over_predicted"):
             if key in rows[0]:
@@ -401,8 +412,11 @@ def run(bench: argparse.Namespace, base: RunConfig) -> dict:
                 before = compute_now(base, round_profile, run_profile)
                 row = measure(name, base, bench, trace, opt_s, copy_s, run_profile,
                               round_profile)
-                if dist.get_rank() == 0:  # the machine's drift beside this run
+                # the machine's drift beside this run: the same passes and fixed work after
+                forward_after, _ = layer_passes(base)
+                if dist.get_rank() == 0:
                     after = fixed_work_rate(seconds=0.5)
+                    row["run_compute_after_over_before"] = forward_after / before["forward_s"]
                     row["run_compute_forward_s"] = before["forward_s"]
                     row["run_compute_backward_s"] = before["backward_s"]
                     row["fixed_work_per_s_before_run"] = before["fixed_work_per_s"]
@@ -439,13 +453,21 @@ def run(bench: argparse.Namespace, base: RunConfig) -> dict:
         # the machine's drift across each run: the fixed work after it over before it
         "fixed_work_after_over_before_run_all_runs": over_runs(
             rows, "fixed_work_after_over_before_run"),
+        "run_compute_after_over_before_all_runs": over_runs(
+            rows, "run_compute_after_over_before"),
+        # the runs whose layer passes held within 10 % from before the run to after it:
+        # where the machine held still, what the prediction itself is worth
+        "steady_runs": over_runs(rows, "predicted_over_measured", steady=STEADY),
     }
 
 
-def over_runs(rows: dict[str, list[dict]], key: str) -> dict | None:
-    """`key` over every run of every schedule: how many lie within the target, their
+def over_runs(rows: dict[str, list[dict]], key: str,
+              steady: tuple[float, float] | None = None) -> dict | None:
+    """`key` over every run of every schedule (with `steady`, those whose
+    run_compute_after_over_before lies in it): how many lie within the target, their
     median, min and max (None where no run has it)."""
-    values = [r[key] for runs in rows.values() for r in runs if key in r]
+    values = [r[key] for runs in rows.values() for r in runs if key in r and (
+        steady is None or steady[0] <= r.get("run_compute_after_over_before", 0) <= steady[1])]
     if not values:
         return None
     return {"runs": len(values),
@@ -487,7 +509,11 @@ def main(argv: list[str] | None = None) -> int:
                           ("round_profile_predicted_over_measured_all_runs",
                            "on the round's profile"),
                           ("fixed_work_after_over_before_run_all_runs",
-                           "fixed work after/before each run")):
+                           "fixed work after/before each run"),
+                          ("run_compute_after_over_before_all_runs",
+                           "the layer's FORWARD after/before each run"),
+                          ("steady_runs", "predicted/measured where that held within "
+                           f"{STEADY[0]}-{STEADY[1]}")):
             over = summary[key]
             if over is not None:
                 print(f"{what}: {over['within_target']} of {over['runs']} runs within "

@@ -72,6 +72,7 @@ def test_profile_based_prediction_is_near_the_measured_iteration(tmp_path, demo_
         assert row["run_compute_backward_s"] > row["run_compute_forward_s"]
         assert row["round_profile_predicted_over_measured"] > 0
         assert row["fixed_work_after_over_before_run"] > 0
+        assert row["run_compute_after_over_before"] > 0
     assert summary["predicted_over_measured_all_runs"]["runs"] == 2
     # each run printed its plan: --plan's for the same flags on the profile it was priced
     # on (the file's, its compute re-measured before the run), but for the capacities
