@@ -4,6 +4,7 @@ and simulated; and how well the run's own plan predicted each.
     torchrun --standalone --nproc-per-node 2 bench/schedules.py --model-preset tiny \
         --train-iters 6 --json [--schedules decoupled,mobius] [--rounds 3] \
         [--baseline mobius] [--out-dir DIR] [--hardware FILE | --profile-each-round]
+        [--compute-each-run]
 
 Each round runs every schedule once, the order rotated from round to round; a schedule's
 figures are medians over the rounds, with min and max, and its speed-up over --baseline is
@@ -33,9 +34,25 @@ with each stage's compute taken from the run's own trace, against that traced (l
 iteration (the pricing of everything else: transfers, overheads, the optimizer, the
 schedule's bubbles).
 
+With --compute-each-run the compute is measured again right before every run: rank 0
+times the fixed work, then both ranks at once a one-layer stage's FORWARD and BACKWARD at
+the run's shape (tools/profile_hardware.py's pass_times, a second of them), and the run is
+priced on the round's profile (or --hardware's) with its compute's level and backward
+ratio taken from those (tools/profile_hardware.py's with_pass_times), the rest of the
+profile as measured; after the run both ranks time the layer's passes again and rank 0
+the fixed work. Per run, beside the ratio: round_profile_predicted_over_measured (the
+round's profile as it was), the machine's drift across the run, what a prediction made
+just before it cannot see (run_compute_after_over_before: the layer's FORWARD after the
+run over before it; fixed_work_after_over_before_run) and
+fixed_work_before_run_over_round_start; per stage, the traced FORWARD and BACKWARD over
+their prices (stage_*_measured_over_predicted). Over all runs: how many lie within
+0.85-1.15, their median, min and max; steady_runs: the same over the runs whose layer
+FORWARD held within 10 % across them.
+
 Rank 0 prints one JSON object (--json) or a table. With --out-dir, each schedule's
-metrics file, the last measured iteration's trace (trace.json) and with --save-final its
-last checkpoint go to DIR/<schedule>/.
+metrics file, the last measured iteration's trace (trace.json), with --compute-each-run
+the profile its last run was priced on (hardware.json) and with --save-final its last
+checkpoint go to DIR/<schedule>/.
 """
 
 from __future__ import annotations
@@ -60,8 +77,10 @@ import torch.distributed as dist  # noqa: E402
 
 from bench.machine import fixed_work_rate, machine, relative_spread  # noqa: E402
 from bench.spread import spread  # noqa: E402
+from megatron.common.files import atomic_write  # noqa: E402
 from megatron.config.errors import ConfigError  # noqa: E402
 from megatron.config.run import RunConfig  # noqa: E402
+from megatron.offload.device import get_device  # noqa: E402
 from megatron.pipeline.calibration import (  # noqa: E402
     copy_seconds_per_byte,
     optimizer_seconds_per_param,
@@ -74,16 +93,19 @@ from megatron.schedules.cost_model import (  # noqa: E402
     derived_costs,
 )
 from megatron.schedules.generators import SCHEDULE_NAMES  # noqa: E402
+from megatron.schedules.hardware import HardwareProfile, get_hardware  # noqa: E402
 from megatron.schedules.simulator import simulate  # noqa: E402
 from megatron.schedules.timeline import read_chrome_trace  # noqa: E402
 from megatron.training.arguments import exit_bad_input, parse_args  # noqa: E402
 from megatron.training.distributed import initialize_distributed, shutdown_distributed  # noqa: E402
 from megatron.training.pipeline_step import PipelineTrainStep  # noqa: E402
 from megatron.training.training import train  # noqa: E402
+from tools.profile_hardware import measured_dtype, pass_times, with_pass_times  # noqa: E402
 
 ORDER = ("decoupled", "mobius", "interleaved-1f1b", "1f1b", "gpipe")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGET = (0.85, 1.15)  # predicted / measured, every round
+STEADY = (0.9, 1.1)  # the layer's FORWARD after a run over before it: the machine held
 LAUNCHER_VARIABLES = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                       "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE",
                       "MASTER_ADDR", "MASTER_PORT"}
@@ -107,6 +129,11 @@ def bench_parser() -> argparse.ArgumentParser:
                    help="measure this machine (tools/profile_hardware.py) at the start of "
                         "every round and price that round's runs on it (instead of "
                         "--hardware FILE)")
+    p.add_argument("--compute-each-run", action="store_true",
+                   help="right before each run, both ranks re-measure a one-layer stage's "
+                        "FORWARD and BACKWARD at the run's shape (tools/profile_hardware.py's "
+                        "pass_times) and the run is priced on the profile with that compute "
+                        "(with --hardware or --profile-each-round)")
     p.add_argument("--baseline", default="mobius",
                    help="the schedule each one's speed-up is measured against, per round")
     return p
@@ -131,6 +158,10 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, RunConfig]:
     if bench.profile_each_round and base.planning.hardware is not None:
         exit_bad_input(ConfigError("--hardware", base.planning.hardware,
                                    "one of --hardware and --profile-each-round"))
+    if (bench.compute_each_run and not bench.profile_each_round
+            and base.planning.hardware is None):
+        exit_bad_input(ConfigError("--compute-each-run", "set",
+                                   "needs --hardware FILE or --profile-each-round"))
     bench.model_flags = rest
     return bench, base
 
@@ -148,10 +179,12 @@ def schedule_run(base: RunConfig, name: str, bench: argparse.Namespace,
 
 
 def measure(name: str, base: RunConfig, bench: argparse.Namespace, trace: str,
-            opt_s: float, copy_s: float, profile: str | None = None) -> dict:
+            opt_s: float, copy_s: float, profile: str | None = None,
+            round_profile: str | None = None) -> dict:
     """One training run of `name`: its iteration times (the first, a warm-up, left out),
     breakdown means, device memory, the calibrated simulation of the same run and, priced
-    on `profile` (or --hardware's), its plan's prediction."""
+    on `profile` (or --hardware's), its plan's prediction; with `round_profile` (the
+    profile `profile` brought up to date from), that profile's prediction beside it."""
     run = schedule_run(base, name, bench, trace, profile)
     built: list = []
     with contextlib.redirect_stdout(sys.stderr):  # stdout carries only the result
@@ -193,8 +226,18 @@ def measure(name: str, base: RunConfig, bench: argparse.Namespace, trace: str,
         row["measured_over_predicted_compute"] = (row["gpu_time_s"]
                                                   / row["predicted_gpu_time_s"])
         if costs is not None:  # against the traced iteration itself (the last)
-            row["at_run_compute_over_measured"] = (predicted_at_run_compute(step, costs)
+            row["at_run_compute_over_measured"] = (plan_priced(step, step.plan.hardware, costs)
                                                    / records[-1]["iter_time_s"])
+        if costs is not None:  # each stage's traced FORWARD and BACKWARD over its price
+            priced = plan_costs(step, step.plan.hardware)
+            row["stage_forward_measured_over_predicted"] = [
+                m / p for m, p in zip(costs.forward, priced.forward)]
+            row["stage_backward_measured_over_predicted"] = [
+                (costs.backward[k] + costs.recompute[k])
+                / (priced.backward[k] + priced.recompute[k]) for k in sorted(priced.backward)]
+        if round_profile is not None:  # the compute as the round's profile measured it
+            row["round_profile_predicted_over_measured"] = (
+                plan_priced(step, get_hardware(round_profile)) / row["iteration_time_s"])
     dist.barrier()
     return row
 
@@ -222,20 +265,61 @@ def measured_costs(step: PipelineTrainStep, trace_path: str, optimizer_s_per_par
                             itemsize, optimizer_s_per_param, copy_s_per_byte)
 
 
-def predicted_at_run_compute(step: PipelineTrainStep, measured: CostModel) -> float:
-    """The plan's prediction with its compute (each stage's FORWARD and BACKWARD) taken
-    from the run's own traced iteration: what the plan's pricing of everything else
-    (transfers, per-instruction overheads, the optimizer, the schedule's bubbles) gives at
-    the compute the machine delivered during the run. Beside the plan's own prediction it
-    separates the machine's drift since the profile from the rest of the pricing."""
+def plan_costs(step: PipelineTrainStep, hardware: HardwareProfile) -> CostModel:
+    """The cost model the run's plan is priced with on `hardware`."""
     plan, run = step.plan, step.run
     model = replace(run.model, vocab_size=step.model_cfg.vocab_size)
-    costs = replace(derived_costs(plan.schedule, model, plan.hardware,
-                                  run.training.micro_batch_size, model.seq_length,
-                                  plan.optimizer_bytes_per_param),
-                    forward=measured.forward, backward=measured.backward,
-                    recompute=measured.recompute)
+    return derived_costs(plan.schedule, model, hardware, run.training.micro_batch_size,
+                         model.seq_length, plan.optimizer_bytes_per_param)
+
+
+def plan_priced(step: PipelineTrainStep, hardware: HardwareProfile,
+                measured: CostModel | None = None) -> float:
+    """The run's plan priced on `hardware`, as the run priced it on its own profile; with
+    `measured`, its compute (each stage's FORWARD and BACKWARD) taken from the run's own
+    traced iteration instead: what the plan's pricing of everything else (transfers,
+    per-instruction overheads, the optimizer, the schedule's bubbles) gives at the compute
+    the machine delivered during the run. Beside the plan's own prediction that separates
+    the machine's drift since the profile from the rest of the pricing."""
+    plan, costs = step.plan, plan_costs(step, hardware)
+    if measured is not None:
+        costs = replace(costs, forward=measured.forward, backward=measured.backward,
+                        recompute=measured.recompute)
     return simulate(plan.schedule, costs, plan.report).iteration_time
+
+
+def layer_passes(base: RunConfig) -> tuple[float, float]:
+    """Both ranks at once: a one-layer stage's FORWARD and BACKWARD at the run's shape
+    (tools/profile_hardware.py's pass_times, as its profile measures them: every process
+    playing one GPU at once, about a second of them); the means over the ranks, on every
+    rank."""
+    device = get_device()
+    try:
+        dtype = measured_dtype(base, device.kind == "cuda")
+        forward_s, backward_s = pass_times(device, base.model, dtype,
+                                           base.training.micro_batch_size, budget_s=1.0,
+                                           ready=dist.barrier)
+    finally:
+        device.close()
+    passes = [None] * dist.get_world_size()
+    dist.all_gather_object(passes, (forward_s, backward_s))
+    return statistics.mean(f for f, _ in passes), statistics.mean(b for _, b in passes)
+
+
+def compute_now(base: RunConfig, round_profile: str, out: str) -> dict:
+    """Right before a run: rank 0 times the fixed work (the machine's speed now, beside
+    the round's start), then both ranks the layer's passes (layer_passes); rank 0 writes
+    `round_profile` with that compute (with_pass_times) to `out`. Returns the figures
+    measured, on every rank."""
+    rate = fixed_work_rate(seconds=0.5) if dist.get_rank() == 0 else 0.0
+    forward_s, backward_s = layer_passes(base)
+    if dist.get_rank() == 0:
+        hardware = with_pass_times(get_hardware(round_profile), base.model,
+                                   base.training.micro_batch_size, forward_s, backward_s)
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        atomic_write(out, lambda stream: stream.write(hardware.to_json().encode()))
+    dist.barrier()
+    return {"fixed_work_per_s": rate, "forward_s": forward_s, "backward_s": backward_s}
 
 
 def summarize(name: str, rows: list[dict], baseline_rows: list[dict] | None) -> dict:
@@ -257,7 +341,13 @@ def summarize(name: str, rows: list[dict], baseline_rows: list[dict] | None) -> 
         out["predicted_over_measured_spread"] = spread(ratios)
         out["predicted_over_measured_per_round"] = ratios
         out["within_target"] = all(TARGET[0] <= r <= TARGET[1] for r in ratios)
-        for key in ("measured_over_predicted_compute", "at_run_compute_over_measured"):
+        for key in ("measured_over_predicted_compute", "at_run_compute_over_measured",
+                    "round_profile_predicted_over_measured", "fixed_work_after_over_before_run",
+                    "fixed_work_before_run_over_round_start",
+                    "run_compute_forward_s", "run_compute_backward_s",
+                    "run_compute_after_over_before",
+                    "stage_forward_measured_over_predicted",
+                    "stage_backward_measured_over_predicted"):
             if key in rows[0]:
                 out[f"{key}_per_round"] = [r[key] for r in rows]
     return out
@@ -306,11 +396,35 @@ def run(bench: argparse.Namespace, base: RunConfig) -> dict:
                     bench, os.path.join(scratch, f"profile-{round_index}.json"))
                 with open(profile) as f:
                     profiles.append(json.load(f))
+            round_profile = profile or base.planning.hardware
             shift = round_index % len(bench.names)
             for name in bench.names[shift:] + bench.names[:shift]:
                 trace = (os.path.join(bench.out_dir, name, "trace.json") if bench.out_dir
                          else os.path.join(scratch, f"{name}.json"))
-                rows[name].append(measure(name, base, bench, trace, opt_s, copy_s, profile))
+                if not bench.compute_each_run:
+                    rows[name].append(measure(name, base, bench, trace, opt_s, copy_s,
+                                              profile))
+                    continue
+                # the profile this run is priced on (under --out-dir: the last round's)
+                run_profile = (os.path.join(bench.out_dir, name, "hardware.json")
+                               if bench.out_dir
+                               else os.path.join(scratch, f"profile-{round_index}-{name}.json"))
+                before = compute_now(base, round_profile, run_profile)
+                row = measure(name, base, bench, trace, opt_s, copy_s, run_profile,
+                              round_profile)
+                # the machine's drift beside this run: the same passes and fixed work after
+                forward_after, _ = layer_passes(base)
+                if dist.get_rank() == 0:
+                    after = fixed_work_rate(seconds=0.5)
+                    row["run_compute_after_over_before"] = forward_after / before["forward_s"]
+                    row["run_compute_forward_s"] = before["forward_s"]
+                    row["run_compute_backward_s"] = before["backward_s"]
+                    row["fixed_work_per_s_before_run"] = before["fixed_work_per_s"]
+                    row["fixed_work_after_over_before_run"] = after / before["fixed_work_per_s"]
+                    row["fixed_work_before_run_over_round_start"] = (
+                        before["fixed_work_per_s"] / drift[-1])
+                dist.barrier()
+                rows[name].append(row)
     finally:
         dist.barrier()
         if dist.get_rank() == 0:
@@ -333,7 +447,32 @@ def run(bench: argparse.Namespace, base: RunConfig) -> dict:
                              "spread": relative_spread(drift) if drift else None},
         "profiles": [{k: p[k] for k in PROFILED} for p in profiles],
         "schedules": [summarize(name, rows[name], baseline) for name in bench.names],
+        "predicted_over_measured_all_runs": over_runs(rows, "predicted_over_measured"),
+        "round_profile_predicted_over_measured_all_runs": over_runs(
+            rows, "round_profile_predicted_over_measured"),
+        # the machine's drift across each run: the fixed work after it over before it
+        "fixed_work_after_over_before_run_all_runs": over_runs(
+            rows, "fixed_work_after_over_before_run"),
+        "run_compute_after_over_before_all_runs": over_runs(
+            rows, "run_compute_after_over_before"),
+        # the runs whose layer passes held within 10 % from before the run to after it:
+        # where the machine held still, what the prediction itself is worth
+        "steady_runs": over_runs(rows, "predicted_over_measured", steady=STEADY),
     }
+
+
+def over_runs(rows: dict[str, list[dict]], key: str,
+              steady: tuple[float, float] | None = None) -> dict | None:
+    """`key` over every run of every schedule (with `steady`, those whose
+    run_compute_after_over_before lies in it): how many lie within the target, their
+    median, min and max (None where no run has it)."""
+    values = [r[key] for runs in rows.values() for r in runs if key in r and (
+        steady is None or steady[0] <= r.get("run_compute_after_over_before", 0) <= steady[1])]
+    if not values:
+        return None
+    return {"runs": len(values),
+            "within_target": sum(TARGET[0] <= v <= TARGET[1] for v in values),
+            "median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -366,6 +505,20 @@ def main(argv: list[str] | None = None) -> int:
         drift = summary["fixed_work_per_s"]["spread"]
         if drift is not None:
             print(f"the machine's drift over the rounds (a fixed piece of work): {drift:.1%}")
+        for key, what in (("predicted_over_measured_all_runs", "predicted/measured"),
+                          ("round_profile_predicted_over_measured_all_runs",
+                           "on the round's profile"),
+                          ("fixed_work_after_over_before_run_all_runs",
+                           "fixed work after/before each run"),
+                          ("run_compute_after_over_before_all_runs",
+                           "the layer's FORWARD after/before each run"),
+                          ("steady_runs", "predicted/measured where that held within "
+                           f"{STEADY[0]}-{STEADY[1]}")):
+            over = summary[key]
+            if over is not None:
+                print(f"{what}: {over['within_target']} of {over['runs']} runs within "
+                      f"{TARGET[0]}-{TARGET[1]}, median {over['median']:.2f}, "
+                      f"{over['min']:.2f}-{over['max']:.2f}")
     return 0
 
 

@@ -8,6 +8,8 @@ import json
 import pytest
 
 from megatron.config.presets import get_preset
+from megatron.schedules.cost_model import derived_costs, model_partition
+from megatron.schedules.generators import build_schedule
 from megatron.schedules.hardware import (
     FIELD_RULES,
     HardwareProfile,
@@ -18,6 +20,7 @@ from megatron.schedules.hardware import (
     shape_differences,
 )
 from megatron.training.training import main
+from tools.profile_hardware import with_pass_times
 
 # a small plan: seconds of simulation, no training
 TINY_PLAN = ["--plan", "--json", "--model-preset", "tiny", "--gpus-per-node", "2",
@@ -165,3 +168,21 @@ def test_a_shape_the_profile_cannot_hold_blames_what_was_given(capsys):
         main(["--plan", "--model-preset", "tiny", "--hardware", "dgx-h100",
               "--gpus-per-node", "2", "--backward-split", "3"])
     assert "error: --backward-split 3: needs 3 layers" in capsys.readouterr().err
+
+
+def test_a_profile_brought_up_to_date_prices_a_layer_at_the_passes_just_measured():
+    """bench/schedules.py --compute-each-run re-measures a one-layer stage's FORWARD and
+    BACKWARD right before a run: the profile it prices that run on must charge a
+    decoder layer exactly those (the cost model's own pricing, checked on a profile whose
+    curve has a maximum efficiency below 1 and a half-efficiency point), the rest kept."""
+    preset = get_preset("tiny")
+    measured = dataclasses.replace(get_hardware("paper-v100"), pass_overhead_s=0.0)
+    forward_s, backward_s = 0.010, 0.027  # a BACKWARD recomputes its forward
+    now = with_pass_times(measured, preset, 4, forward_s, backward_s)
+    schedule = build_schedule("decoupled", 2, 4, 1, 2, model_partition(preset, 4))
+    costs = derived_costs(schedule, preset, now, micro_batch_size=4)
+    layer_only = next(b for b in costs.backward if b.stage == 1)  # no embedding, no head
+    assert costs.forward[1] == pytest.approx(forward_s)
+    assert costs.backward[layer_only] + costs.recompute[layer_only] == pytest.approx(backward_s)
+    assert dataclasses.replace(now, gpu_peak_flops=measured.gpu_peak_flops,
+                               backward_over_forward=measured.backward_over_forward) == measured

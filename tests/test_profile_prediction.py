@@ -55,7 +55,8 @@ def test_profile_based_prediction_is_near_the_measured_iteration(tmp_path, demo_
     run = forked_ranks.launch(
         "bench/schedules.py",
         ["--model-preset", "tiny", "--train-iters", "4", "--rounds", "1", "--json",
-         "--schedules", "decoupled,1f1b", "--hardware", str(profile),
+         "--schedules", "decoupled,1f1b", "--hardware", str(profile), "--compute-each-run",
+         "--out-dir", str(tmp_path / "runs"),
          "--data-cache-dir", demo_cache],
         2, env={"OMP_NUM_THREADS": "1", "MEGATRON_DEVICE_SANITIZER": "0"}, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -65,12 +66,23 @@ def test_profile_based_prediction_is_near_the_measured_iteration(tmp_path, demo_
         ratio = row["predicted_over_measured"]
         assert 0.5 < ratio < 2, (row["schedule"], row["predicted_iteration_time_s"],
                                  row["iteration_time_s"])
-    # each run printed its plan: --plan's for the same flags on the same profile, but for
-    # the capacities (what is free now, where --plan has the profile's)
+        # the compute re-measured right before the run priced it; the file's prediction and
+        # the machine's drift across the run beside it
+        assert row["run_compute_forward_s"] > 0
+        assert row["run_compute_backward_s"] > row["run_compute_forward_s"]
+        assert row["round_profile_predicted_over_measured"] > 0
+        assert row["fixed_work_after_over_before_run"] > 0
+        assert row["run_compute_after_over_before"] > 0
+    assert summary["predicted_over_measured_all_runs"]["runs"] == 2
+    # each run printed its plan: --plan's for the same flags on the profile it was priced
+    # on (the file's, its compute re-measured before the run), but for the capacities
+    # (what is free now, where --plan has the profile's)
     for name in ("decoupled", "1f1b"):
+        priced_on = tmp_path / "runs" / name / "hardware.json"
+        assert json.loads(priced_on.read_text())["p2p_latency_s"] == measured["p2p_latency_s"]
         with contextlib.redirect_stdout(io.StringIO()) as out:
             assert main(["--plan", "--model-preset", "tiny", "--vocab-size", "4096",
-                         "--pipeline-schedule", name, "--hardware", str(profile)]) == 0
+                         "--pipeline-schedule", name, "--hardware", str(priced_on)]) == 0
         planned = without_capacity(out.getvalue().strip().splitlines())
         start = run.stderr.index(planned[0])
         printed = without_capacity(run.stderr[start:].splitlines()[:len(planned)])

@@ -31,6 +31,7 @@ built-in profiles (megatron/schedules/hardware_profiles/).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import mmap
 import os
 import platform
@@ -259,6 +260,36 @@ def pass_times(device, model: ModelConfig, dtype: torch.dtype, micro_batch: int,
     pairs = min(41, max(9, int(budget_s / first)))
     times = [(timed(forward), timed(backward)) for _ in range(pairs)]
     return (statistics.median(f for f, _ in times), statistics.median(b for _, b in times))
+
+
+def backward_over_forward(forward_s: float, backward_s: float) -> float:
+    """A one-layer stage's BACKWARD (its recompute, one forward, taken out) over its
+    FORWARD, from pass_times' two medians."""
+    return max(0.0, backward_s / forward_s - 1.0)
+
+
+def peak_at_forward(model: ModelConfig, micro_batch: int, half_tokens: float,
+                    max_efficiency: float, forward_s: float) -> float:
+    """The efficiency curve's peak that prices one decoder layer's forward at
+    `micro_batch` at the measured FORWARD `forward_s` (the curve's shape, its half tokens
+    and maximum efficiency, kept): the FORWARD sets the curve's level at the run's
+    micro-batch."""
+    tokens = micro_batch * model.seq_length
+    return (layer_forward_flops_per_token(model, model.seq_length) * (tokens + half_tokens)
+            / (max_efficiency * forward_s))
+
+
+def with_pass_times(hardware: HardwareProfile, model: ModelConfig, micro_batch: int,
+                    forward_s: float, backward_s: float) -> HardwareProfile:
+    """`hardware` with its compute's level and backward ratio taken from a one-layer
+    stage's FORWARD and BACKWARD measured now (pass_times at the run's shape): how a
+    profile's compute is brought up to date right before the run it prices, with the
+    rest of the profile (its curve's shape, copies, optimizer, latencies) as measured."""
+    return dataclasses.replace(
+        hardware,
+        gpu_peak_flops=peak_at_forward(model, micro_batch, hardware.efficiency_half_tokens,
+                                       hardware.gpu_max_efficiency, forward_s),
+        backward_over_forward=backward_over_forward(forward_s, backward_s))
 
 
 def handoff_s(device, repeats: int = 200) -> float:
@@ -519,11 +550,11 @@ def profile(args: argparse.Namespace, run: RunConfig, baseline: int) -> Hardware
     # sets the curve's level there, the curve its shape across micro-batches. Taking their
     # difference as a per-pass overhead instead made the noise between two samples of one
     # quantity a cost of every pass (never below 0: the prediction only ever rose with it).
-    backward_ratio = max(0.0, backward_s / forward_s - 1.0)
+    backward_ratio = backward_over_forward(forward_s, backward_s)
     tokens_mb = micro_batch * model.seq_length
     compute = (layer_forward_flops_per_token(model, model.seq_length) * tokens_mb
                * (tokens_mb + half) / (peak * tokens_mb))
-    peak *= compute / forward_s
+    peak = peak_at_forward(model, micro_batch, half, 1.0, forward_s)
     progress(f"a one-layer stage at micro-batch {micro_batch} ({processes} process(es) at "
              f"once): FORWARD {forward_s * 1e3:.2f} ms (the curve: {compute * 1e3:.2f} ms; its "
              f"peak set to {peak / 1e9:.1f} GFLOP/s by the FORWARD), BACKWARD "
