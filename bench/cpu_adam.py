@@ -45,7 +45,8 @@ On the best ISA also:
   threads pinned to cores 0..T-1).
 `params_per_cpu_s` (parameters per second of the process's CPU time, median) is the
 cost per core-second: on a machine shared with other jobs it moves less than the wall
-rate when the threads wait for a core; `per_isa_cpu` gives the per-ISA ratios on it
+rate when the threads wait for a core; `per_isa_cpu` gives the per-ISA ratios on it,
+`overlap_cpu` whether a step pays the larger or the sum of its byte and instruction costs
 (torch's OpenMP threads sleep between ops here: OMP_WAIT_POLICY=PASSIVE unless set).
 References: torch_fused_adamw (torch.optim.AdamW(fused=True) on fp32 gradients, 28 bytes),
 torch_composed (copy_ to fp32, torch.amp's unscale-and-check, fused AdamW, copy_ out;
@@ -423,6 +424,26 @@ def per_isa_ratios(rates: PairedRates, isas: Sequence[str]) -> dict:
     return per_isa
 
 
+def overlap(cpu: PairedRates, isa: str) -> dict:
+    """Per precision, paired, on CPU seconds per parameter (they add up over threads, so
+    the one-thread in-cache run and the step on T threads compare): the larger of the
+    step's byte cost (its stream probe) and its instruction cost (its in-cache run) over
+    the step's cost, and their sum over it. larger_over_step near 1: the step overlaps its
+    arithmetic with its memory traffic and pays only the larger; sum_over_step near 1: it
+    pays both, one after the other."""
+    out = {}
+    for name in PRECISIONS:
+        step, probe, cache = (cpu.rate[f"{isa}/{name}"], cpu.rate[f"stream/{name}"],
+                              cpu.rate[f"{isa}/{name}/in_cache"])
+        rounds = [r for r in step if r in probe and r in cache]
+        out[name] = {
+            "larger_over_step": spread([max(1 / probe[r], 1 / cache[r]) * step[r] for r in rounds],
+                                       quartiles=True),
+            "sum_over_step": spread([(1 / probe[r] + 1 / cache[r]) * step[r] for r in rounds],
+                                    quartiles=True)}
+    return out
+
+
 def ratios(n: int, variants: dict[str, Variant], times: Rounds, cpu_times: Rounds,
            isas: Sequence[str], threads: int) -> dict:
     """Every ratio paired within rounds (per_isa: of the wall rates; per_isa_cpu: of the
@@ -445,6 +466,7 @@ def ratios(n: int, variants: dict[str, Variant], times: Rounds, cpu_times: Round
     return {
         "per_isa": per_isa_ratios(wall, isas),
         "per_isa_cpu": per_isa_ratios(cpu, isas),
+        "overlap_cpu": overlap(cpu, best),
         "same_work_over_torch_fused": wall.ratio(f"{best}/same_work", "torch_fused_adamw"),
         "fp32_over_torch_composed": wall.ratio(f"{best}/fp32", "torch_composed"),
         "fp32_over_torch_composed_isfinite": wall.ratio(f"{best}/fp32", "torch_composed_isfinite"),
