@@ -24,11 +24,18 @@ Per GPU (the device layer's categories, `MEMORY_CATEGORIES`):
   whose program updates subgroups on the device, sized as the runtime sizes them (a
   stage's largest group taken as the whole stage: an upper bound); or, for the static
   split, fp32 p, m, v and a gradient buffer per resident parameter;
-- operator_working: MSWM beyond the slots and buffers: the largest operator's transient
-  beyond what autograd saves: fc1's output gradient (2 x FFN per token), or at the head
-  the logits in the working dtype (the forward's output beside the fp32 copy the loss
-  keeps, and the backward's cast of the gradient that megatron-core's cross-entropy
-  computes in place in that copy). Not in the device layer's book.
+- operator_working: MSWM beyond the slots and buffers: what the operators running at the
+  moment the sum peaks hold beyond their inputs, outputs and saved tensors (measured on
+  megatron-core's modules, tests/test_memory_model.py). A forward (no grad: the pass
+  before the backward recomputes it) at the checkpoints' peak: a layer's SwiGLU holds fc1's
+  output (2 x FFN per token), silu(gate), the up half plus its offset and their product (FFN
+  each) beside the residual (5 x FFN + hidden per token); the head its logits, their fp32
+  copy and the loss's per-token temporaries. A backward stage's backward (its recompute
+  holds less beyond what it saves): a layer's fc2 input gradient beside fc2's weight
+  gradient (FFN x (tokens + hidden): autograd makes it before adding it into the
+  gradient buffer) or the gate's and up's gradients (2 x FFN per token); the head the cast
+  of the logits' gradient to the working dtype (or, in fp32, its input and weight
+  gradients); the embedding its dense weight gradient. Not in the device layer's book.
 
 Per node (host memory):
 - shm_parameters: one segment per backward stage read or owned on the node (the working
@@ -156,6 +163,70 @@ def embedding_saved_bytes(tokens: int) -> int:
     return tokens * 8  # the token ids (int64)
 
 
+# Bytes per token megatron-core's vocab-parallel cross-entropy allocates beside the logits:
+# the labels, their masks, gathered logits and per-token fp32 results (measured 37 without
+# grad, 28 with).
+LOSS_TOKEN_BYTES = 40
+
+
+@dataclass(frozen=True)
+class Working:
+    """Operator working memory of a piece: the most its forward without grad holds beyond
+    its input and output, and the most its backward holds beyond what it held before (its
+    saved tensors, the output's gradient; the weights' gradients are added into the
+    gradient buffer in place, each made first)."""
+
+    forward: int
+    backward: int
+
+
+def layer_working_bytes(model: ModelConfig, tokens: int, itemsize: int) -> Working:
+    """A decoder layer's: SwiGLU's moments (fused attention kernels hold less; see the
+    module docstring)."""
+    h, ffn = model.hidden_size, model.ffn_hidden_size
+    return Working(tokens * (5 * ffn + h) * itemsize,
+                   max(ffn * (tokens + h), 2 * tokens * ffn) * itemsize)
+
+
+def head_working_bytes(model: ModelConfig, tokens: int, itemsize: int) -> Working:
+    """The head's: the logits beside the final norm's output, or beside their fp32 copy and
+    the loss's temporaries (the copy is the logits themselves in fp32); in the backward the
+    logits again while recomputing, the cast of the logits' gradient, or the output layer's
+    input and weight gradients once the fp32 gradient is gone."""
+    h, vocab = model.hidden_size, model.planned_vocab_size
+    upcast = tokens * vocab * FP32 if itemsize != FP32 else 0
+    forward = max(tokens * (vocab + h) * itemsize,
+                  tokens * (vocab * itemsize + LOSS_TOKEN_BYTES) + upcast)
+    cast = tokens * vocab * itemsize if itemsize != FP32 else 0
+    # recomputing, the logits in the working dtype are not saved (their fp32 copy is)
+    recompute = tokens * (vocab * itemsize + LOSS_TOKEN_BYTES) if upcast else 0
+    backward = max(recompute, cast, cast - upcast + (tokens + vocab) * h * itemsize)
+    return Working(forward, backward)
+
+
+def embedding_working_bytes(model: ModelConfig, tokens: int, itemsize: int) -> Working:
+    """The embedding's: the looked-up rows before their transposed copy; in the backward
+    the weight's gradient, made dense (vocabulary x hidden)."""
+    h = model.hidden_size
+    return Working(tokens * h * itemsize, model.planned_vocab_size * h * itemsize)
+
+
+def backward_stage_working_bytes(model: ModelConfig, partition: tuple[int, ...],
+                                 backward_split: int, tokens: int, itemsize: int
+                                 ) -> dict[BackwardStage, Working]:
+    """Operator working memory of every backward stage: the most of its pieces'."""
+    layer = layer_working_bytes(model, tokens, itemsize)
+    head = head_working_bytes(model, tokens, itemsize)
+    embedding = embedding_working_bytes(model, tokens, itemsize)
+    out = {}
+    for b, r in sub_stage_layers(partition, backward_split).items():
+        pieces = ([layer] if r.count else []) + ([head] if r.has_head else []) + (
+            [embedding] if r.has_embedding else [])
+        out[BackwardStage(*b)] = Working(max((p.forward for p in pieces), default=0),
+                                         max((p.backward for p in pieces), default=0))
+    return out
+
+
 def backward_stage_saved_bytes(model: ModelConfig, partition: tuple[int, ...], backward_split: int,
                                micro_batch_size: int, seq_length: int, itemsize: int
                                ) -> dict[BackwardStage, int]:
@@ -209,9 +280,10 @@ def checkpoints_held(schedule: Schedule, rank: int,
 def slots_checkpoints_and_activations(schedule: Schedule, rank: int, sizes: _Sizes,
                                       report: ValidationReport, numels: tuple[int, ...],
                                       param_bytes: int, sends_complete: bool = True
-                                      ) -> tuple[int, int, int]:
-    """Bytes of parameter slots, activation checkpoints and activations `rank` holds when
-    their sum peaks (`numels`: its slots' elements, all allocated at the start).
+                                      ) -> tuple[int, int, int, int]:
+    """Bytes of parameter slots, activation checkpoints, activations and operator working
+    memory `rank` holds when their sum peaks (`numels`: its slots' elements, all allocated
+    at the start).
 
     They peak at different moments, so their peaks are not added: the checkpoints' own
     peak falls between instructions (an AFAB schedule's turn, every micro-batch's held,
@@ -224,6 +296,9 @@ def slots_checkpoints_and_activations(schedule: Schedule, rank: int, sizes: _Siz
     once its send completes, one in flight allowed for (`checkpoints_held`); False: the
     backend reports a send complete only when it is waited for, at the iteration's end
     (gloo, the CPU device layer), so every checkpoint sent so far is still held.
+    Operators add their working memory: at the checkpoints' peak a forward's (no grad,
+    the largest of the rank's forward stages: a forward runs with at most that many
+    checkpoints held), at a backward the stage's backward's.
     """
     messages = 2 * sizes.message
     if sends_complete or not report.peak_checkpoints_sent:
@@ -239,10 +314,14 @@ def slots_checkpoints_and_activations(schedule: Schedule, rank: int, sizes: _Siz
         at_peak = report.messages_at_peak_sent[rank]
     slot_bytes = sum(numels) * param_bytes
     slots_at = _slot_bytes_at_backwards(schedule, rank, numels, param_bytes)
-    moments = [(slot_bytes, peak * sizes.message, at_peak * sizes.message)]
+    forward = max((sizes.working[b].forward for i in range(schedule.forward_stages)
+                   if schedule.forward_rank[i] == rank
+                   for b in schedule.params_of(i, WHOLE_STAGE)), default=0)
+    moments = [(slot_bytes, peak * sizes.message, at_peak * sizes.message, forward)]
     # without a program (a shape): at least the slot holding the stage being recomputed
     moments += [(slots_at.get(b, sizes.params[b] * param_bytes),
-                 in_backward.get(b, peak) * sizes.message, sizes.saved[b] + messages)
+                 in_backward.get(b, peak) * sizes.message, sizes.saved[b] + messages,
+                 sizes.working[b].backward)
                 for b in schedule.owned_by(rank)]
     return max(moments, key=sum)
 
@@ -300,6 +379,7 @@ class _Sizes:
 
     params: dict[BackwardStage, int]  # of each backward stage
     saved: dict[BackwardStage, int]  # AWM of each backward stage
+    working: dict[BackwardStage, Working]  # operator working memory of each backward stage
     tokens: int  # of one micro-batch
     message: int  # bytes of one activation, gradient or checkpoint
 
@@ -311,6 +391,9 @@ class _Sizes:
                    backward_stage_saved_bytes(model, schedule.partition,
                                               schedule.backward_split, shape.micro_batch_size,
                                               seq, shape.param_bytes),
+                   backward_stage_working_bytes(model, schedule.partition,
+                                                schedule.backward_split, tokens,
+                                                shape.param_bytes),
                    tokens, tokens * model.hidden_size * shape.param_bytes)
 
 
@@ -341,14 +424,11 @@ def plan_memory(schedule: Schedule, shape: MemoryShape, placement: Placement = D
 
 def _gpu_terms(schedule: Schedule, rank: int, shape: MemoryShape, sizes: _Sizes,
                placement: Placement, report: ValidationReport) -> dict[str, int]:
-    params, param_bytes, model = sizes.params, shape.param_bytes, shape.model
+    params, param_bytes = sizes.params, shape.param_bytes
     owned = schedule.owned_by(rank)
     largest_owned = max((params[b] for b in owned), default=0)
     buffers = min(report.peak_gradients[rank] + 1, max(1, len(owned))) if owned else 0
     upcast = UPCAST_CHUNK * shape.grad_host_bytes if shape.grad_host_bytes != param_bytes else 0
-    largest_operator = max(sizes.tokens * model.planned_vocab_size * param_bytes
-                           if schedule.head in owned else 0,
-                           sizes.tokens * 2 * model.ffn_hidden_size * param_bytes)
     gradient_buffers = buffers * largest_owned * param_bytes
     optimizer = RankOptimizer(
         sum(params[b] for b in owned),
@@ -358,11 +438,11 @@ def _gpu_terms(schedule: Schedule, rank: int, shape: MemoryShape, sizes: _Sizes,
     return {
         "gradient_buffers": gradient_buffers + upcast,
         "optimizer_subgroups": device_optimizer_bytes(placement.updates, optimizer),
-        **dict(zip(("parameter_slots", "activation_checkpoints", "activations"),
+        **dict(zip(("parameter_slots", "activation_checkpoints", "activations",
+                    "operator_working"),
                    slots_checkpoints_and_activations(
                        schedule, rank, sizes, report, slot_numels([schedule], rank, used),
                        param_bytes, shape.sends_complete))),
-        "operator_working": largest_operator if owned else 0,
     }
 
 
