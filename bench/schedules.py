@@ -392,7 +392,8 @@ def run(bench: argparse.Namespace, base: RunConfig) -> dict:
     dist.broadcast_object_list(shared, src=0)
     scratch = shared[0]
     drift, profiles, load = [], [], []
-    vocab = run_vocabulary(base) if bench.profile_each_round and dist.get_rank() == 0 else 0
+    # every rank, as training prepares its data (the dataset builder meets in barriers)
+    vocab = run_vocabulary(base) if bench.profile_each_round else 0
     try:
         threads = base.cpu_optimizer.cpu_optimizer_threads or 1
         opt_s, copy_s = optimizer_seconds_per_param(threads), copy_seconds_per_byte()
