@@ -219,9 +219,12 @@ def derived_costs(
         BackwardStage(*b): layers.count * layer_time + (head_time if layers.has_head else 0.0)
         for b, layers in pieces.items()
     }
+    # the head's backward beyond the layers' ratio (0: priced at that ratio, bit for bit
+    # as before the head had its own)
+    head_extra = (head_backward - hardware.backward_over_forward) * head_time
     backward_piece = {
-        BackwardStage(*b): (hardware.backward_over_forward * layers.count * layer_time
-                            + (head_backward * head_time if layers.has_head else 0.0))
+        BackwardStage(*b): (hardware.backward_over_forward * forward_piece[BackwardStage(*b)]
+                            + (head_extra if layers.has_head else 0.0))
         for b, layers in pieces.items()
     }
     forward = tuple(
