@@ -80,6 +80,7 @@ from bench.spread import spread  # noqa: E402
 from megatron.common.files import atomic_write  # noqa: E402
 from megatron.config.errors import ConfigError  # noqa: E402
 from megatron.config.run import RunConfig  # noqa: E402
+from megatron.data.run_data import prepare_data  # noqa: E402
 from megatron.offload.device import get_device  # noqa: E402
 from megatron.pipeline.calibration import (  # noqa: E402
     copy_seconds_per_byte,
@@ -111,7 +112,8 @@ LAUNCHER_VARIABLES = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "G
                       "MASTER_ADDR", "MASTER_PORT"}
 # what each round's profile measured of the figures the prediction reads most
 PROFILED = ("gpu_peak_flops", "efficiency_half_tokens", "backward_over_forward",
-            "pass_overhead_s", "p2p_latency_s", "instruction_overhead_s",
+            "pass_overhead_s", "head_rate_over_layer", "head_backward_over_forward",
+            "p2p_latency_s", "instruction_overhead_s",
             "cpu_optimizer_params_per_s", "pcie_bytes_per_s", "p2p_bytes_per_s")
 
 
@@ -298,7 +300,7 @@ def layer_passes(base: RunConfig) -> tuple[float, float]:
         dtype = measured_dtype(base, device.kind == "cuda")
         forward_s, backward_s = pass_times(device, base.model, dtype,
                                            base.training.micro_batch_size, budget_s=1.0,
-                                           ready=dist.barrier)
+                                           ready=dist.barrier)["layer"]
     finally:
         device.close()
     passes = [None] * dist.get_world_size()
@@ -353,17 +355,25 @@ def summarize(name: str, rows: list[dict], baseline_rows: list[dict] | None) -> 
     return out
 
 
-def profile_machine(bench: argparse.Namespace, out: str) -> str | None:
+def run_vocabulary(base: RunConfig) -> int:
+    """The vocabulary the runs train with (--vocab-size or the tokenizer's, padded), as
+    training resolves it from the data."""
+    with contextlib.redirect_stdout(sys.stderr):
+        return prepare_data(base, log=lambda _: None).vocab_size
+
+
+def profile_machine(bench: argparse.Namespace, out: str, vocab_size: int) -> str | None:
     """Rank 0 measures this machine into `out` (tools/profile_hardware.py for the run's
-    model, one process per rank of this job) while the other ranks wait; every rank
-    returns the path."""
+    model at its vocabulary `vocab_size`, the head's shape, one process per rank of this
+    job) while the other ranks wait; every rank returns the path."""
     if dist.get_rank() == 0:
         # a job of its own: without this job's launcher variables (its store, its ranks)
         env = {k: v for k, v in os.environ.items()
                if k not in LAUNCHER_VARIABLES and not k.startswith("TORCHELASTIC_")}
         done = subprocess.run(
             [sys.executable, os.path.join(ROOT, "tools", "profile_hardware.py"), "--out", out,
-             "--gpus-per-node", str(dist.get_world_size()), *bench.model_flags],
+             "--gpus-per-node", str(dist.get_world_size()), *bench.model_flags,
+             "--vocab-size", str(vocab_size)],
             capture_output=True, text=True, cwd=ROOT, env=env)
         if done.returncode != 0:
             raise SystemExit(f"bench/schedules.py: tools/profile_hardware.py failed "
@@ -382,6 +392,8 @@ def run(bench: argparse.Namespace, base: RunConfig) -> dict:
     dist.broadcast_object_list(shared, src=0)
     scratch = shared[0]
     drift, profiles, load = [], [], []
+    # every rank, as training prepares its data (the dataset builder meets in barriers)
+    vocab = run_vocabulary(base) if bench.profile_each_round else 0
     try:
         threads = base.cpu_optimizer.cpu_optimizer_threads or 1
         opt_s, copy_s = optimizer_seconds_per_param(threads), copy_seconds_per_byte()
@@ -393,7 +405,7 @@ def run(bench: argparse.Namespace, base: RunConfig) -> dict:
             profile = None
             if bench.profile_each_round:
                 profile = profile_machine(
-                    bench, os.path.join(scratch, f"profile-{round_index}.json"))
+                    bench, os.path.join(scratch, f"profile-{round_index}.json"), vocab)
                 with open(profile) as f:
                     profiles.append(json.load(f))
             round_profile = profile or base.planning.hardware

@@ -8,7 +8,12 @@ import json
 import pytest
 
 from megatron.config.presets import get_preset
-from megatron.schedules.cost_model import derived_costs, model_partition
+from megatron.schedules.cost_model import (
+    derived_costs,
+    head_forward_flops_per_token,
+    layer_forward_flops_per_token,
+    model_partition,
+)
 from megatron.schedules.generators import build_schedule
 from megatron.schedules.hardware import (
     FIELD_RULES,
@@ -17,10 +22,12 @@ from megatron.schedules.hardware import (
     fit_efficiency_curve,
     get_hardware,
     layer_shape,
+    profile_from_dict,
     shape_differences,
 )
+from megatron.schedules.instructions import BackwardStage
 from megatron.training.training import main
-from tools.profile_hardware import with_pass_times
+from tools.profile_hardware import head_over_layer, with_pass_times
 
 # a small plan: seconds of simulation, no training
 TINY_PLAN = ["--plan", "--json", "--model-preset", "tiny", "--gpus-per-node", "2",
@@ -83,6 +90,10 @@ def test_plan_names_the_layer_fields_a_profile_measured_differently(capsys, tmp_
                      compute_shape=layer_shape(tiny))
     assert same["compute_shape_differences"] == []
     assert "seq_length 128 -> 256" in other["compute_shape_differences"]
+    headed = dataclasses.replace(measured, compute_shape={**layer_shape(tiny),
+                                                          "vocab_size": 4096})
+    assert shape_differences(headed, dataclasses.replace(tiny, vocab_size=4000)) == []
+    assert shape_differences(headed, tiny) == ["vocab_size 4096 -> 32000"]
 
 
 # --- every field checked when a profile is loaded ------------------------------------------
@@ -186,3 +197,46 @@ def test_a_profile_brought_up_to_date_prices_a_layer_at_the_passes_just_measured
     assert costs.backward[layer_only] + costs.recompute[layer_only] == pytest.approx(backward_s)
     assert dataclasses.replace(now, gpu_peak_flops=measured.gpu_peak_flops,
                                backward_over_forward=measured.backward_over_forward) == measured
+
+
+@pytest.mark.unit
+def test_a_measured_head_is_priced_at_its_passes_and_scales_by_its_flops():
+    """A profile that measured the head (tools/profile_hardware.py: a head stage's FORWARD
+    and BACKWARD beside a one-layer stage's) prices the last stage's head at exactly those
+    passes at the measured shape; at other tokens and vocabularies the head keeps its rate
+    relative to a layer's, so its time over a layer's goes with their flops. A profile file
+    without the head's fields loads, and prices the head as before: its flops at a
+    layer's rate, its backward at the layer's ratio."""
+    preset = get_preset("tiny")  # 4 layers, one a stage: stage 1 a layer, stage 3 + the head
+    layer, head = (0.010, 0.027), (0.060, 0.150)
+    rate, head_backward = head_over_layer(preset, layer, head)
+    measured = dataclasses.replace(
+        with_pass_times(dataclasses.replace(get_hardware("paper-v100"), pass_overhead_s=0.0),
+                        preset, 4, *layer),
+        head_rate_over_layer=rate, head_backward_over_forward=head_backward)
+    schedule = build_schedule("decoupled", 2, 4, 1, 2, [1, 1, 1, 1])
+    last = BackwardStage(3, 0)
+
+    def head_part(hardware, model, micro_batch):
+        costs = derived_costs(schedule, model, hardware, micro_batch_size=micro_batch)
+        return (costs.forward[3] - costs.forward[1],
+                costs.backward[last] + costs.recompute[last]
+                - costs.backward[BackwardStage(1, 0)] - costs.recompute[BackwardStage(1, 0)],
+                costs.forward[1])
+    forward, backward, _ = head_part(measured, preset, 4)
+    assert (forward, backward) == pytest.approx(head)
+    wide = dataclasses.replace(preset, vocab_size=4 * preset.planned_vocab_size)
+    for model, micro_batch, vocab in ((preset, 8, 1), (wide, 4, 4), (wide, 1, 4)):
+        forward, backward, layer_forward = head_part(measured, model, micro_batch)
+        assert forward / layer_forward == pytest.approx(vocab * head[0] / layer[0])
+        assert backward / forward == pytest.approx(head[1] / head[0])
+
+    values = json.loads(measured.to_json())
+    del values["head_rate_over_layer"], values["head_backward_over_forward"]
+    old = profile_from_dict(values)
+    assert (old.head_rate_over_layer, old.head_backward_over_forward) == (1.0, None)
+    forward, backward, layer_forward = head_part(old, preset, 4)
+    assert forward / layer_forward == pytest.approx(
+        head_forward_flops_per_token(preset)
+        / layer_forward_flops_per_token(preset, preset.seq_length))
+    assert backward / forward == pytest.approx(layer[1] / layer[0])

@@ -35,6 +35,7 @@ def test_profile_based_prediction_is_near_the_measured_iteration(tmp_path, demo_
     on_a_drive = filesystem_of(str(drive)) not in ("tmpfs", "ramfs") and \
         direct_io_supported(str(drive))  # else the NVMe part is tested where it can be
     done = profile_hardware("--gpus-per-node", "2", "--out", str(profile),
+                            "--vocab-size", "4096",  # the demo corpus's, the run's head
                             *(["--nvme-path", str(drive), "--nvme-bytes", "16MiB"]
                               if on_a_drive else []))
     assert done.returncode == 0, done.stderr[-3000:]
@@ -50,7 +51,11 @@ def test_profile_based_prediction_is_near_the_measured_iteration(tmp_path, demo_
     # compute measured at the planned model's layer (the tiny preset: micro-batch 4), with
     # the spread over its rounds
     assert measured["compute_shape"] == {**layer_shape(get_preset("tiny")),
-                                         "micro_batch_sizes": [1, 4, 8], "dtype": "float32"}
+                                         "micro_batch_sizes": [1, 4, 8], "dtype": "float32",
+                                         "vocab_size": 4096}
+    # the head measured at the run's vocabulary, beside the layer
+    assert measured["head_rate_over_layer"] > 0
+    assert measured["head_backward_over_forward"] is not None
     assert measured["compute_spread"] >= 0
     run = forked_ranks.launch(
         "bench/schedules.py",

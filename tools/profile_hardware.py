@@ -20,7 +20,9 @@ efficiency curve (on CUDA the GPU's; on the CPU device layer the CPU's, measured
 per GPU at once, as training shares the cores), a one-layer stage's FORWARD and BACKWARD
 instructions: the backward's time over the forward's (backward_over_forward, the recompute
 taken out), and the FORWARD's time, which sets the curve's level at the run's micro-batch
-(pass_overhead_s stays 0: the two time one layer), half a small send/recv round trip between two GPUs' processes (p2p_latency_s), the bandwidth between two
+(pass_overhead_s stays 0: the two time one layer), alternating with them a head stage's
+(final norm, output layer to the vocabulary of --vocab-size or LLaMA-2's, loss): its rate
+over the layer's and its backward's ratio, and an embedding stage's (printed only), half a small send/recv round trip between two GPUs' processes (p2p_latency_s), the bandwidth between two
 devices (two GPUs when there are; on the CPU layer the loopback socket gloo would use);
 free /dev/shm, host memory and `ulimit -l`. With --nvme-path DIR, the drive for optimizer
 states on NVMe: O_DIRECT sequential write then read of a temporary file in DIR through the
@@ -73,7 +75,10 @@ from megatron.pipeline.optimizer_calibration import (  # noqa: E402
     downscale_rate,
     measure_mechanism,
 )
-from megatron.schedules.cost_model import layer_forward_flops_per_token  # noqa: E402
+from megatron.schedules.cost_model import (  # noqa: E402
+    head_forward_flops_per_token,
+    layer_forward_flops_per_token,
+)
 from megatron.schedules.gpu_peaks import datasheet_peak_flops  # noqa: E402
 from megatron.schedules.hardware import (  # noqa: E402
     HardwareProfile,
@@ -84,6 +89,9 @@ from megatron.training.arguments import parse_args  # noqa: E402
 from megatron.training.distributed import initialize_distributed, shutdown_distributed  # noqa: E402
 
 MIB = 2**20
+# the pieces a stage's FORWARD and BACKWARD are timed for: a decoder layer (the compute's
+# level), the head (its own rate) and the embedding (shown, not priced)
+PIECES = ("layer", "head", "embedding")
 
 
 def progress(text: str) -> None:
@@ -174,13 +182,14 @@ def matmul_flops(device, hidden: int, ffn: int, tokens: int, dtype: torch.dtype)
     return best_rate(run, 2.0 * tokens * hidden * ffn)
 
 
-def decoder_layer(device, model: ModelConfig, dtype: torch.dtype, micro_batch: int
-                  ) -> tuple[torch.nn.Module, torch.Tensor]:
-    """One decoder layer of `model` (its sizes and attention kernel) on the device and an
-    input of `micro_batch` sequences."""
+def decoder_layer(device, model: ModelConfig, dtype: torch.dtype, micro_batch: int,
+                  piece: str = "layer") -> tuple[torch.nn.Module, torch.Tensor]:
+    """One decoder layer of `model` (its sizes and attention kernel; or its "head" or
+    "embedding" piece) on the device and a hidden input of `micro_batch` sequences."""
     cfg = LlamaConfig.from_model(model, model.planned_vocab_size, seed=1)
-    layer = build_piece(cfg, 1).to(device.torch_device, dtype)  # piece 1: decoder layer 0
-    return layer, layer_input(device, model, dtype, micro_batch)
+    index = {"embedding": 0, "layer": 1, "head": cfg.num_layers + 1}[piece]
+    module = build_piece(cfg, index).to(device.torch_device, dtype)  # 1: decoder layer 0
+    return module, layer_input(device, model, dtype, micro_batch)
 
 
 def layer_input(device, model: ModelConfig, dtype: torch.dtype, micro_batch: int) -> torch.Tensor:
@@ -228,18 +237,45 @@ def spread(values: list[float]) -> float:
     return (max(values) - min(values)) / statistics.median(values)
 
 
-def pass_times(device, model: ModelConfig, dtype: torch.dtype, micro_batch: int,
-               budget_s: float = 3.0,
-               ready: Callable[[], None] = lambda: None) -> tuple[float, float]:
-    """Median seconds of a FORWARD and of a BACKWARD instruction of a one-layer stage, as
-    the executor runs them: timed between events recorded on the compute stream, the
-    forward without autograd, the backward recomputing from its input checkpoint and
-    back-propagating the next stage's gradient into the parameters' gradients. The two
-    alternate (a change of the machine's load touches both alike), 9 to 41 pairs, as many
-    as fit in about `budget_s`. `ready`: as layer_rates'."""
-    layer, hidden = decoder_layer(device, model, dtype, micro_batch)
-    ready()
+def stage_passes(device, model: ModelConfig, dtype: torch.dtype, micro_batch: int,
+                 piece: str) -> tuple[Callable[[], None], Callable[[], None]]:
+    """A FORWARD and a BACKWARD instruction of a stage holding one `piece` of `model` at
+    `micro_batch`, as the executor runs them: the forward without autograd; the backward
+    recomputing from its input checkpoint and back-propagating into the parameters'
+    gradients: from the next stage's gradient ("layer": one decoder layer), from the loss
+    ("head": the final norm, the output layer to the vocabulary and the cross-entropy), or
+    from the first layer's gradient into the table ("embedding", its input the tokens)."""
+    module, hidden = decoder_layer(device, model, dtype, micro_batch, piece)
+    tokens = torch.randint(0, model.planned_vocab_size, (micro_batch, model.seq_length),
+                           device=device.torch_device)
+    batch = {"tokens": tokens, "labels": tokens.roll(-1, dims=1),
+             "loss_mask": torch.ones(micro_batch, model.seq_length,
+                                     device=device.torch_device)}
     grad_out = torch.randn_like(hidden)
+
+    def forward() -> None:
+        with torch.no_grad():
+            module(None if piece == "embedding" else hidden, batch)
+
+    def backward() -> None:
+        checkpoint = None if piece == "embedding" else hidden.detach().requires_grad_(True)
+        with torch.enable_grad():
+            out = module(checkpoint, batch)
+            out.backward(None if piece == "head" else grad_out)  # the loss: a scalar
+    return forward, backward
+
+
+def pass_times(device, model: ModelConfig, dtype: torch.dtype, micro_batch: int,
+               budget_s: float = 3.0, ready: Callable[[], None] = lambda: None,
+               pieces: tuple[str, ...] = ("layer",)) -> dict[str, tuple[float, float]]:
+    """Median seconds of a FORWARD and of a BACKWARD instruction of a stage holding one of
+    each of `pieces` (stage_passes), per piece: timed between events recorded on the
+    compute stream. All alternate, forward and backward, piece after piece (a change of
+    the machine's load touches them alike), 9 to 41 rounds, as many as fit in about
+    `budget_s`. `ready`: as layer_rates'."""
+    stages = {piece: stage_passes(device, model, dtype, micro_batch, piece)
+              for piece in pieces}
+    ready()
     stream = device.compute_stream
 
     def timed(work: Callable[[], None]) -> float:
@@ -248,18 +284,13 @@ def pass_times(device, model: ModelConfig, dtype: torch.dtype, micro_batch: int,
         end = stream.record_event()
         return end.time_s() - begin.time_s()
 
-    def forward() -> None:
-        with torch.no_grad():
-            layer(hidden, {})
-
-    def backward() -> None:
-        checkpoint = hidden.detach().requires_grad_(True)
-        with torch.enable_grad():
-            layer(checkpoint, {}).backward(grad_out)
-    first = timed(forward) + timed(backward)  # a warm-up
-    pairs = min(41, max(9, int(budget_s / first)))
-    times = [(timed(forward), timed(backward)) for _ in range(pairs)]
-    return (statistics.median(f for f, _ in times), statistics.median(b for _, b in times))
+    def one_round() -> dict[str, tuple[float, float]]:
+        return {piece: (timed(forward), timed(backward))
+                for piece, (forward, backward) in stages.items()}
+    first = sum(f + b for f, b in one_round().values())  # a warm-up
+    rounds = [one_round() for _ in range(min(41, max(9, int(budget_s / first))))]
+    return {piece: (statistics.median(r[piece][0] for r in rounds),
+                    statistics.median(r[piece][1] for r in rounds)) for piece in pieces}
 
 
 def backward_over_forward(forward_s: float, backward_s: float) -> float:
@@ -277,6 +308,17 @@ def peak_at_forward(model: ModelConfig, micro_batch: int, half_tokens: float,
     tokens = micro_batch * model.seq_length
     return (layer_forward_flops_per_token(model, model.seq_length) * (tokens + half_tokens)
             / (max_efficiency * forward_s))
+
+
+def head_over_layer(model: ModelConfig, layer: tuple[float, float],
+                    head: tuple[float, float]) -> tuple[float, float]:
+    """The profile's head_rate_over_layer and head_backward_over_forward from pass_times'
+    (FORWARD, BACKWARD) of a one-layer stage and of a head stage at the same tokens: the
+    head's flops per second of its FORWARD over the layer's, as the cost model counts
+    their flops, and its BACKWARD (the recompute taken out) over its FORWARD."""
+    layer_rate = layer_forward_flops_per_token(model, model.seq_length) / layer[0]
+    head_rate = head_forward_flops_per_token(model) / head[0]
+    return head_rate / layer_rate, backward_over_forward(*head)
 
 
 def with_pass_times(hardware: HardwareProfile, model: ModelConfig, micro_batch: int,
@@ -329,13 +371,15 @@ def p2p_latency(device, peer: int, first: bool, round_trips: int = 200) -> float
 def compute_measurements(device, model: ModelConfig, dtype: torch.dtype,
                          batches: tuple[int, ...], rounds: int, micro_batch: int,
                          ready: Callable[[], None] = lambda: None
-                         ) -> tuple[dict[int, list[float]], float, float, float]:
+                         ) -> tuple[dict[int, list[float]], dict[str, tuple[float, float]],
+                                    float]:
     """The layer's rates per micro-batch and round (layer_rates), the FORWARD and BACKWARD
-    pass times at `micro_batch` (pass_times) and a stream hand-off's (handoff_s)."""
+    pass times at `micro_batch` of a stage holding a decoder layer, the head or the
+    embedding (pass_times, PIECES) and a stream hand-off's (handoff_s)."""
     rates = layer_rates(device, model, dtype, batches, rounds, ready=ready)
-    forward_s, backward_s = pass_times(device, model, dtype, micro_batch, ready=ready)
+    passes = pass_times(device, model, dtype, micro_batch, ready=ready, pieces=PIECES)
     ready()
-    return rates, forward_s, backward_s, handoff_s(device)
+    return rates, passes, handoff_s(device)
 
 
 def _pair_worker(rank: int, world: int, port: int, model: ModelConfig, dtype: torch.dtype,
@@ -363,7 +407,8 @@ def _pair_worker(rank: int, world: int, port: int, model: ModelConfig, dtype: to
 
 def pair_measurements(processes: int, model: ModelConfig, dtype: torch.dtype,
                       batches: tuple[int, ...], rounds: int, micro_batch: int
-                      ) -> tuple[dict[int, list[float]], float, float, float, float]:
+                      ) -> tuple[dict[int, list[float]], dict[str, tuple[float, float]],
+                                 float, float]:
     """`processes` workers at once (see _pair_worker): compute_measurements' figures, the
     means over the processes (the rates round by round), and the point-to-point latency."""
     context = torch.multiprocessing.get_context("spawn")
@@ -384,8 +429,9 @@ def pair_measurements(processes: int, model: ModelConfig, dtype: torch.dtype,
     rows = [results.get() for _ in workers]
     rates = {b: [statistics.mean(row[1][b][r] for row in rows) for r in range(rounds)]
              for b in batches}
-    return (rates, *(statistics.mean(row[i] for row in rows) for i in (2, 3, 4)),
-            max(row[5] for row in rows))
+    passes = {piece: tuple(statistics.mean(row[2][piece][i] for row in rows) for i in (0, 1))
+              for piece in PIECES}
+    return rates, passes, statistics.mean(row[3] for row in rows), max(row[4] for row in rows)
 
 
 def loopback_rate(nbytes: int) -> float:
@@ -529,10 +575,10 @@ def profile(args: argparse.Namespace, run: RunConfig, baseline: int) -> Hardware
     # the processes training runs on this node, each playing one GPU (on CUDA one per GPU)
     processes = gpus if not on_cuda else min(gpus, torch.cuda.device_count())
     if processes > 1:
-        rates, forward_s, backward_s, handoff, latency = pair_measurements(
+        rates, passes, handoff, latency = pair_measurements(
             processes, model, dtype, batches, args.rounds, micro_batch)
     else:
-        rates, forward_s, backward_s, handoff = compute_measurements(
+        rates, passes, handoff = compute_measurements(
             device, model, dtype, batches, args.rounds, micro_batch)
         latency = 0.0
     peak, half = fit_efficiency_curve({b * model.seq_length: statistics.median(r)
@@ -550,6 +596,7 @@ def profile(args: argparse.Namespace, run: RunConfig, baseline: int) -> Hardware
     # sets the curve's level there, the curve its shape across micro-batches. Taking their
     # difference as a per-pass overhead instead made the noise between two samples of one
     # quantity a cost of every pass (never below 0: the prediction only ever rose with it).
+    forward_s, backward_s = passes["layer"]
     backward_ratio = backward_over_forward(forward_s, backward_s)
     tokens_mb = micro_batch * model.seq_length
     compute = (layer_forward_flops_per_token(model, model.seq_length) * tokens_mb
@@ -560,6 +607,16 @@ def profile(args: argparse.Namespace, run: RunConfig, baseline: int) -> Hardware
              f"peak set to {peak / 1e9:.1f} GFLOP/s by the FORWARD), BACKWARD "
              f"{backward_s * 1e3:.2f} ms with its recompute: backward {backward_ratio:.2f} x "
              "forward")
+    head_rate, head_backward = head_over_layer(model, passes["layer"], passes["head"])
+    progress(f"a head stage (final norm, output layer to {model.planned_vocab_size} words, "
+             f"loss) at micro-batch {micro_batch}: FORWARD {passes['head'][0] * 1e3:.2f} ms, "
+             f"its flops at {head_rate:.2f} x the layer's rate; BACKWARD "
+             f"{passes['head'][1] * 1e3:.2f} ms with its recompute: backward "
+             f"{head_backward:.2f} x forward")
+    embedding_s = sum(passes["embedding"])
+    progress(f"an embedding stage's FORWARD + BACKWARD {embedding_s * 1e3:.2f} ms, "
+             f"{embedding_s / (forward_s + backward_s):.1%} of the one-layer stage's (not "
+             "priced: a table lookup)")
     progress(f"a stream hand-off (one-element copy, submit to wait) {handoff * 1e6:.0f} us")
     if processes > 1:
         progress(f"point-to-point latency {latency * 1e6:.0f} us (half a one-element round "
@@ -622,6 +679,8 @@ def profile(args: argparse.Namespace, run: RunConfig, baseline: int) -> Hardware
         nvme_capacity_bytes=nvme_capacity,
         pass_overhead_s=0.0,  # in the FORWARD's level (see above)
         backward_over_forward=backward_ratio,
+        head_rate_over_layer=head_rate,
+        head_backward_over_forward=head_backward,
         p2p_latency_s=latency,
         instruction_overhead_s=handoff,
         device_kind=device.kind,
@@ -630,7 +689,8 @@ def profile(args: argparse.Namespace, run: RunConfig, baseline: int) -> Hardware
         datasheet_peak_flops=(datasheet_peak_flops(what, "fp16" if dtype == torch.float16
                                                    else "bf16") if on_cuda else None),
         compute_shape={**layer_shape(model), "micro_batch_sizes": list(batches),
-                       "dtype": str(dtype).removeprefix("torch.")},
+                       "dtype": str(dtype).removeprefix("torch."),
+                       "vocab_size": model.planned_vocab_size},
         compute_spread=compute_spread,
         source=f"measured on {time.strftime('%Y-%m-%d')} in "
                f"{time.perf_counter() - started:.0f} s (compute: a decoder layer of the model "

@@ -179,8 +179,11 @@ def derived_costs(
 ) -> CostModel:
     """Costs of `model` on `hardware` for the schedule's partition (layers per stage).
 
-    Backward is the profile's `backward_over_forward` times the forward (2 unless measured),
-    recompute equals the forward; parameters and gradients
+    A decoder layer's forward is its flops at the profile's efficiency curve at the
+    micro-batch's tokens, the head's its flops at `head_rate_over_layer` times that rate;
+    backward is the profile's `backward_over_forward` times the forward (2 unless
+    measured; the head's `head_backward_over_forward` where measured), recompute equals
+    the forward; parameters and gradients
     move in 16-bit; the CPU optimizer throughput of a node is shared by its GPUs; every
     forward and backward pass adds the profile's `pass_overhead_s`, every transfer between
     ranks (activation, gradient, checkpoint) its `p2p_latency_s`, every other instruction
@@ -203,13 +206,26 @@ def derived_costs(
     efficiency = hardware.gpu_max_efficiency * tokens / (tokens + hardware.efficiency_half_tokens)
     flops_per_s = hardware.gpu_peak_flops * efficiency
     layer_time = layer_forward_flops_per_token(model, seq) * tokens / flops_per_s
-    head_time = head_forward_flops_per_token(model) * tokens / flops_per_s
+    # the head at its own rate, a fixed ratio to the layer's at these tokens
+    head_time = (head_forward_flops_per_token(model) * tokens
+                 / (flops_per_s * hardware.head_rate_over_layer))
+    head_backward = (hardware.backward_over_forward if hardware.head_backward_over_forward
+                     is None else hardware.head_backward_over_forward)
     optimizer_rate = hardware.cpu_optimizer_params_per_s / hardware.gpus_per_node
 
     params = backward_stage_params(model, schedule.partition, schedule.backward_split)
+    pieces = sub_stage_layers(schedule.partition, schedule.backward_split)
     forward_piece = {
         BackwardStage(*b): layers.count * layer_time + (head_time if layers.has_head else 0.0)
-        for b, layers in sub_stage_layers(schedule.partition, schedule.backward_split).items()
+        for b, layers in pieces.items()
+    }
+    # the head's backward beyond the layers' ratio (0: priced at that ratio, bit for bit
+    # as before the head had its own)
+    head_extra = (head_backward - hardware.backward_over_forward) * head_time
+    backward_piece = {
+        BackwardStage(*b): (hardware.backward_over_forward * forward_piece[BackwardStage(*b)]
+                            + (head_extra if layers.has_head else 0.0))
+        for b, layers in pieces.items()
     }
     forward = tuple(
         sum(forward_piece[(stage, sub)] for sub in range(schedule.backward_split))
@@ -223,8 +239,7 @@ def derived_costs(
     overhead = hardware.pass_overhead_s
     return CostModel(
         forward=tuple(t + overhead for t in forward),
-        backward={piece: hardware.backward_over_forward * t + overhead
-                  for piece, t in forward_piece.items()},
+        backward={piece: t + overhead for piece, t in backward_piece.items()},
         recompute=dict(forward_piece),
         optimizer={piece: n / optimizer_rate for piece, n in params.items()},
         param_transfer={piece: 2.0 * n / hardware.pcie_bytes_per_s for piece, n in params.items()},

@@ -119,6 +119,9 @@ FIELD_RULES: dict[str, FieldRule] = {
     "nvme_capacity_bytes": _zero_unknown("bytes", int, "no drive"),
     "pass_overhead_s": _zero_unknown("seconds", zero="none"),
     "backward_over_forward": _zero_unknown("a ratio", zero="a free backward"),
+    "head_rate_over_layer": _positive("a ratio"),
+    "head_backward_over_forward": FieldRule(float, "a ratio >= 0, or null (as "
+                                            "backward_over_forward)", low=0.0, nullable=True),
     "p2p_latency_s": _zero_unknown("seconds", zero="bandwidth alone"),
     "instruction_overhead_s": _zero_unknown("seconds", zero="free"),
     "device_kind": FieldRule(str, '"cuda" or "cpu"', choices=("cuda", "cpu")),
@@ -176,6 +179,13 @@ class HardwareProfile:
     # A backward pass's time over its forward's, the recompute not counted (2: twice the
     # flops, the usual figure; the CPU device layer's is measured)
     backward_over_forward: float = 2.0
+    # The head (final norm, output layer to the vocabulary, cross-entropy loss): its
+    # forward's rate in the flops the cost model counts for it (2 * hidden * vocabulary a
+    # token) over a decoder layer's forward rate at the same tokens per micro-batch, and
+    # its BACKWARD's time (the recompute taken out) over its FORWARD's; measured as a
+    # one-layer stage's, at the run's shape (1 and None: priced as a decoder layer)
+    head_rate_over_layer: float = 1.0
+    head_backward_over_forward: float | None = None
     # One small point-to-point message between two GPUs' processes (half a ping-pong round
     # trip: the communication library's launch, the rendezvous and the wire's latency), added
     # to every activation, gradient and checkpoint transfer (0: bandwidth alone)
@@ -191,7 +201,8 @@ class HardwareProfile:
     # reported against gpu_peak_flops, the profile's own measured rate, and says so
     datasheet_peak_flops: float | None = None
     # The decoder layer compute was measured at (tools/profile_hardware.py: layer_shape()
-    # of the model it was given, plus the micro-batch sizes and dtype); None: not measured
+    # of the model it was given, plus the micro-batch sizes, dtype and the vocabulary of
+    # the head it measured); None: not measured
     compute_shape: dict | None = None
     # The measured layer rate's spread over the profile's rounds: (max - min) / median
     compute_spread: float = 0.0
@@ -273,11 +284,15 @@ def fit_efficiency_curve(points: dict[int, float]) -> tuple[float, float]:
 
 def shape_differences(hardware: HardwareProfile, model: ModelConfig) -> list[str]:
     """The layer-shape fields where `model` differs from the layer the profile measured
-    ("name measured -> model's"); empty when they agree or the profile measured none."""
+    ("name measured -> model's"), and the vocabulary where it measured the head; empty
+    when they agree or the profile measured none."""
     if hardware.compute_shape is None:
         return []
+    # the vocabulary where the profile measured the head (its rate changes with it)
+    head = ({"vocab_size": model.planned_vocab_size}
+            if "vocab_size" in hardware.compute_shape else {})
     return [f"{name} {hardware.compute_shape.get(name)} -> {value}"
-            for name, value in layer_shape(model).items()
+            for name, value in {**layer_shape(model), **head}.items()
             if hardware.compute_shape.get(name) != value]
 
 
