@@ -15,8 +15,8 @@ BF16 = torch.bfloat16
 TUNINGS = [
     {"prefetch": 0},
     {"prefetch": 1024},
-    {"stream_out": True},
-    {"stream_out": True, "prefetch": 0},
+    {"stream_out": False},  # the default streams the working copy: the cached stores
+    {"stream_out": False, "prefetch": 0},
     {"block": 64, "static_split": True},  # 626 blocks in two shares, the rest stolen
     {"block": 262144},
 ]
