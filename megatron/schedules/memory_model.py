@@ -16,8 +16,9 @@ Per GPU (the device layer's categories, `MEMORY_CATEGORIES`):
   (`checkpoints_held`), each micro-batch x sequence x hidden;
 - activations: AWM, what autograd saves while one backward stage is recomputed, plus the
   activation and gradient messages in flight;
-  these two at the moment their sum peaks (`checkpoints_and_activations`): the turn of an
-  AFAB schedule, or a recompute with the checkpoints held while it runs;
+  these two, the parameter slots and operator_working at the moment their sum peaks
+  (`slots_checkpoints_and_activations`): the turn of an AFAB schedule, or a recompute
+  with the checkpoints held while it runs;
 - optimizer_subgroups: the device's share of the optimizer step, as the placement prices
   it (megatron/schedules/placement_cost.py): two subgroup slots (fp32 p, m, v, gradient
   and the 16-bit copy; SUBGROUP_SLOTS, for a stride and a GPU-heavy split alike) on ranks

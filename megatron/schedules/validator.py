@@ -215,12 +215,11 @@ class _Checker(Interpreter):
         self.held_ckpts = [0 for _ in ranks]  # the "ckpt" keys among them
         self.posted_irecvs = [set() for _ in ranks]
         self.peak_params = [0 for _ in ranks]
-        self.peak_ckpts = [0 for _ in ranks]
         self.ckpts_in_backward: list[dict[BackwardStage, int]] = [{} for _ in ranks]
         self.sent_ckpts = [0 for _ in ranks]  # ISEND_CKPTs posted so far
-        self.peak_ckpts_sent = [0 for _ in ranks]
         self.ckpts_in_backward_sent: list[dict[BackwardStage, int]] = [{} for _ in ranks]
-        # (checkpoints, activation and gradient messages) at the checkpoints' peak
+        # (checkpoints, activation and gradient messages) at the checkpoints' peak: the
+        # peak itself, and the most messages where it is reached more than once
         self.ckpt_peak_moment = [(0, 0) for _ in ranks]
         self.ckpt_peak_moment_sent = [(0, 0) for _ in ranks]
         self.live_gradients = [0 for _ in ranks]
@@ -248,13 +247,14 @@ class _Checker(Interpreter):
         self.tensors[rank].add(key)
         self.held_ckpts[rank] += key[0] == "ckpt"
 
+    def _checkpoints_held(self, rank: int) -> int:
+        """Checkpoints kept for a local backward, or received or being received."""
+        return self.held_ckpts[rank] + len(self.posted_irecvs[rank])
+
     def _measure(self, rank: int) -> None:
         self.peak_params[rank] = max(self.peak_params[rank], len(self.resident[rank]))
-        held = self.held_ckpts[rank] + len(self.posted_irecvs[rank])
+        held = self._checkpoints_held(rank)
         messages = len(self.tensors[rank]) - self.held_ckpts[rank]  # activations, gradients
-        self.peak_ckpts[rank] = max(self.peak_ckpts[rank], held)
-        self.peak_ckpts_sent[rank] = max(self.peak_ckpts_sent[rank],
-                                         held + self.sent_ckpts[rank])
         for moments, count in ((self.ckpt_peak_moment, held),
                                (self.ckpt_peak_moment_sent, held + self.sent_ckpts[rank])):
             moments[rank] = max(moments[rank], (count, messages))
@@ -293,7 +293,7 @@ class _Checker(Interpreter):
             return
         if b != (0, 0):
             self._take(rank, index, ins, ("ckpt", *b, ins.mb), "checkpoint")
-        held = self.held_ckpts[rank] + len(self.posted_irecvs[rank])
+        held = self._checkpoints_held(rank)
         for books, count in ((self.ckpts_in_backward, held),
                              (self.ckpts_in_backward_sent, held + self.sent_ckpts[rank])):
             books[rank][b] = max(books[rank].get(b, 0), count)
@@ -449,9 +449,9 @@ def validate(schedule: Schedule) -> ValidationReport:
     return ValidationReport(
         instructions=tuple(len(program) for program in schedule.programs),
         peak_params=tuple(checker.peak_params),
-        peak_checkpoints=tuple(checker.peak_ckpts),
+        peak_checkpoints=tuple(c for c, _ in checker.ckpt_peak_moment),
         checkpoints_in_backward=tuple(checker.ckpts_in_backward),
-        peak_checkpoints_sent=tuple(checker.peak_ckpts_sent),
+        peak_checkpoints_sent=tuple(c for c, _ in checker.ckpt_peak_moment_sent),
         checkpoints_in_backward_sent=tuple(checker.ckpts_in_backward_sent),
         messages_at_peak=tuple(m for _, m in checker.ckpt_peak_moment),
         messages_at_peak_sent=tuple(m for _, m in checker.ckpt_peak_moment_sent),
