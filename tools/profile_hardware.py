@@ -182,10 +182,11 @@ def matmul_flops(device, hidden: int, ffn: int, tokens: int, dtype: torch.dtype)
     return best_rate(run, 2.0 * tokens * hidden * ffn)
 
 
-def decoder_layer(device, model: ModelConfig, dtype: torch.dtype, micro_batch: int,
-                  piece: str = "layer") -> tuple[torch.nn.Module, torch.Tensor]:
-    """One decoder layer of `model` (its sizes and attention kernel; or its "head" or
-    "embedding" piece) on the device and a hidden input of `micro_batch` sequences."""
+def model_piece(device, model: ModelConfig, dtype: torch.dtype, micro_batch: int,
+                piece: str = "layer") -> tuple[torch.nn.Module, torch.Tensor]:
+    """One piece of `model` on the device, a decoder layer ("layer": its sizes and
+    attention kernel), the "head" or the "embedding", and a hidden input of `micro_batch`
+    sequences."""
     cfg = LlamaConfig.from_model(model, model.planned_vocab_size, seed=1)
     index = {"embedding": 0, "layer": 1, "head": cfg.num_layers + 1}[piece]
     module = build_piece(cfg, index).to(device.torch_device, dtype)  # 1: decoder layer 0
@@ -206,7 +207,7 @@ def layer_rates(device, model: ModelConfig, dtype: torch.dtype, batches: tuple[i
     fit in about `budget_s`. The sizes take turns within a round, so a change of the
     machine's load touches them alike. `ready` is called once the layer is built, before
     the timing (processes measuring at once meet there)."""
-    layer, _ = decoder_layer(device, model, dtype, 1)
+    layer, _ = model_piece(device, model, dtype, 1)
     inputs = {b: layer_input(device, model, dtype, b) for b in batches}
     ready()
 
@@ -245,7 +246,7 @@ def stage_passes(device, model: ModelConfig, dtype: torch.dtype, micro_batch: in
     gradients: from the next stage's gradient ("layer": one decoder layer), from the loss
     ("head": the final norm, the output layer to the vocabulary and the cross-entropy), or
     from the first layer's gradient into the table ("embedding", its input the tokens)."""
-    module, hidden = decoder_layer(device, model, dtype, micro_batch, piece)
+    module, hidden = model_piece(device, model, dtype, micro_batch, piece)
     tokens = torch.randint(0, model.planned_vocab_size, (micro_batch, model.seq_length),
                            device=device.torch_device)
     batch = {"tokens": tokens, "labels": tokens.roll(-1, dims=1),
