@@ -162,11 +162,14 @@ static inline bool can_stream(const Buffers& b, const Tuning& t, int64_t at, int
 
 // Whether a vector holds a nan among the values it rounds to bf16 (then the rounding
 // needs the nan rule; on AVX2 that rule costs a compare and a blend per vector, the check
-// a compare per two vectors).
+// a compare per two vectors). forward: p, m, v come from adam_forward, whose new p is
+// computed from the new m and v (p + (-step * m) / (sqrt(v) * c + eps)): a nan in m or v
+// makes p nan (IEEE arithmetic propagates nan), so p alone tells.
 template <class P, int OD, int MD, int SD>
-static inline bool rounds_nan(typename P::F p, typename P::F m, typename P::F v) {
+static inline bool rounds_nan(typename P::F p, typename P::F m, typename P::F v, bool forward) {
   constexpr bool p16 = MD == kBF16 || OD == kBF16;
   if constexpr (SD == kBF16) {
+    if (forward) return P::any_nan(p, p, p);
     return P::any_nan(m, v, p16 ? p : m);
   } else if constexpr (p16) {
     return P::any_nan(p, p, p);
@@ -174,6 +177,14 @@ static inline bool rounds_nan(typename P::F p, typename P::F m, typename P::F v)
     return false;
   }
 }
+
+// Whether rounds_nan looks at the new p after a forward step: then a non-finite gradient
+// need not be checked before the update (adam_forward turns an inf or nan gradient into a
+// nan p: m and v become inf or nan, and inf / inf, like any nan operand, gives nan), only
+// where p is nan, before anything is stored. Not with a snapshot to write first, and not
+// where any_nan does not look (kFindsNan false: the roundings apply the nan rule anyway).
+template <class P, int OD, int MD, int SD>
+constexpr bool kLateGradCheck = P::kFindsNan && (MD == kBF16 || OD == kBF16 || SD == kBF16);
 
 // Writes the vector's new p, m, v and working copy (kMayNan: with the nan rule).
 template <class P, int OD, int MD, int SD, bool kMayNan>
@@ -232,14 +243,15 @@ static inline int64_t update_part(Op op_arg, const Buffers& b, const Hyper& h,
   const typename P::I key = P::splat(h.round_key);
   typename P::I index = P::lanes(h.index_base + static_cast<uint32_t>(base + lo));
   typename P::F sq = P::set1(0.0f);
+  const bool forward = op != Op::kInverse;
+  const bool late = kLateGradCheck<P, OD, MD, SD> && forward && !(exact && op == Op::kStep);
   int64_t i = lo;
   for (; i < hi; i += P::W, index = P::next(index)) {
     const int64_t k = base + i;
     prefetch<P, GD, MD, SD>(pp, mp, vp, grad, k + ahead, ahead > 0);
     const auto g16 = load_as_f32<P, GD>(grad, k);
     const auto g = scaled ? P::mul(g16, c.inv_scale) : g16;
-    if (P::any(P::nonfinite_or(P::mask_zero(), g))) break;
-    sq = P::add(sq, P::mul(g, g));
+    if (!late && P::any(P::nonfinite_or(P::mask_zero(), g))) break;
     typename P::F p, m, v;
     if (op == Op::kCorrect && exact) {  // the pre-step state, bit-exact
       p = load_as_f32<P, MD>(snap.p, k);
@@ -263,11 +275,13 @@ static inline int64_t update_part(Op op_arg, const Buffers& b, const Hyper& h,
     } else {
       adam_inverse<P>(p, m, v, P::mul(g, c.clip), c);
     }
-    if (rounds_nan<P, OD, MD, SD>(p, m, v)) {
+    if (rounds_nan<P, OD, MD, SD>(p, m, v, forward)) {
+      if (late && P::any(P::nonfinite_or(P::mask_zero(), g))) break;
       store_state<P, OD, MD, SD, true>(pp, mp, vp, out, k, p, m, v, stochastic, index, key, stream);
     } else {
       store_state<P, OD, MD, SD, false>(pp, mp, vp, out, k, p, m, v, stochastic, index, key, stream);
     }
+    sq = P::add(sq, P::mul(g, g));
   }
   if (stream) P::fence();  // the streamed copy is visible before the call returns
   sumsq += P::hsum(sq);

@@ -31,12 +31,12 @@ static inline void prefetch_line(const void* at) {
   __asm__ volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(at)));
 }
 
-static inline __m256i fmix(__m256i x) {
+// murmur3's fmix32 (Scalar's fmix32) but its last step, x ^ (x >> 16)
+static inline __m256i fmix_before_last(__m256i x) {
   x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
   x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(0x85ebca6bu)));
   x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 13));
-  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(0xc2b2ae35u)));
-  return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+  return _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(0xc2b2ae35u)));
 }
 
 static inline __m128i fmix(__m128i x) {
@@ -76,10 +76,6 @@ static inline __m256i stochastic_high(__m256 x, __m256i random16) {
 static inline bool any_nan8(__m256 a, __m256 b, __m256 c) {
   return _mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(a, b, _CMP_UNORD_Q),
                                          _mm256_cmp_ps(c, c, _CMP_UNORD_Q))) != 0;
-}
-
-static inline __m256i hash_pairs(__m256i pairs, __m256i key) {
-  return fmix(_mm256_xor_si256(pairs, key));
 }
 
 static inline float hsum8(__m256 x) {
@@ -124,6 +120,7 @@ struct Vec {
   template <bool kMayNan = true>
   static H to_bf16(F x) { return pack_high(nearest_high<kMayNan>(x)); }
   static bool any_nan(F a, F b, F c) { return any_nan8(a, b, c); }
+  static constexpr bool kFindsNan = true;
   static void store_h(uint16_t* p, H h) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h); }
   static void stream_h(uint16_t* p, H h) {  // p 16-byte aligned
     _mm_stream_si128(reinterpret_cast<__m128i*>(p), h);
@@ -181,6 +178,7 @@ struct Vec2x8 {
                                    _mm256_cmp_ps(y.a, y.b, _CMP_UNORD_Q));
     return _mm256_movemask_ps(_mm256_or_ps(xy, _mm256_cmp_ps(z.a, z.b, _CMP_UNORD_Q))) != 0;
   }
+  static constexpr bool kFindsNan = true;
   static void store_h(uint16_t* p, H h) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), h); }
   static void stream_h(uint16_t* p, H h) {  // p 32-byte aligned
     _mm256_stream_si256(reinterpret_cast<__m256i*>(p), h);
@@ -225,13 +223,23 @@ struct VecBf16 : Vec2x8 {
     return _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(first >> 1)),
                             _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
   }
-  static I next(I pairs) { return _mm256_add_epi32(pairs, _mm256_set1_epi32(W / 2)); }
+  // the step as a memory operand (inline assembly: GCC 12 otherwise rebuilds the constant
+  // from a general register in every iteration, 3 instructions of which 2 vector)
+  static I next(I pairs) {
+    alignas(32) static const int32_t step[8] = {W / 2, W / 2, W / 2, W / 2, W / 2, W / 2, W / 2, W / 2};
+    __asm__("vpaddd %1, %0, %0" : "+x"(pairs) : "m"(step));
+    return pairs;
+  }
   static I splat(uint32_t x) { return _mm256_set1_epi32(static_cast<int>(x)); }
+  // fmix's last step is h = y ^ (y >> 16): its high half is y's, so h >> 16 is the
+  // y >> 16 it already computed (one shift fewer)
   template <bool kMayNan = true>
   static H round_sr(F x, I pairs, I key) {
-    const __m256i h = hash_pairs(pairs, key);
+    const __m256i y = fmix_before_last(_mm256_xor_si256(pairs, key));
+    const __m256i high = _mm256_srli_epi32(y, 16);
+    const __m256i h = _mm256_xor_si256(y, high);
     return join(stochastic_high<kMayNan>(x.a, _mm256_and_si256(h, _mm256_set1_epi32(0xffff))),
-                stochastic_high<kMayNan>(x.b, _mm256_srli_epi32(h, 16)));
+                stochastic_high<kMayNan>(x.b, high));
   }
 };
 

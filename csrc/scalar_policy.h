@@ -106,6 +106,7 @@ struct Scalar {
   template <bool kMayNan = true>
   static H round_sr(F x, I index, I key) { return bf16_stochastic(x, random16(index, key)); }
   static bool any_nan(F, F, F) { return false; }  // (the roundings apply the nan rule anyway)
+  static constexpr bool kFindsNan = false;         // any_nan does not look
   static F add(F a, F b) { return a + b; }
   static F sub(F a, F b) { return a - b; }
   static F mul(F a, F b) { return a * b; }
