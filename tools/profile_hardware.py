@@ -74,6 +74,7 @@ from megatron.optimizer.state_io import (  # noqa: E402
     disk_free_bytes,
     shared_engine,
 )
+from megatron.pipeline.executor import OPTIMIZER_OPS  # noqa: E402
 from megatron.pipeline.optimizer_calibration import (  # noqa: E402
     CALIBRATION_NUMEL,
     device_update_rate,
@@ -92,6 +93,7 @@ from megatron.schedules.hardware import (  # noqa: E402
 )
 from megatron.training.arguments import parse_args  # noqa: E402
 from megatron.training.distributed import initialize_distributed, shutdown_distributed  # noqa: E402
+from megatron.training.pipeline_step import PipelineTrainStep  # noqa: E402
 
 MIB = 2**20
 # the pieces a stage's FORWARD and BACKWARD are timed for: a decoder layer (the compute's
@@ -374,10 +376,8 @@ def executor_instruction_s(model_flags: list[str], micro_batch: int,
     the program's own dispatch: parameter slots filled and released, modules bound, events
     recorded, memory books kept, transfers posted. Its median over the iterations after the
     first, over the instructions it covers (all but the optimizer's). Needs the profile's
-    one-process group (main)."""
-    from megatron.pipeline.executor import _OPTIMIZER_OPS
-    from megatron.training.pipeline_step import PipelineTrainStep
-
+    one-process group (main). It holds four layers' parameters and optimizer states, the
+    model's layer counted four times."""
     run = parse_args([*model_flags, "--num-layers", str(PROGRAM_STAGES),
                       "--pipeline-schedule", "decoupled",
                       "--forward-stages", str(PROGRAM_STAGES),
@@ -397,7 +397,7 @@ def executor_instruction_s(model_flags: list[str], micro_batch: int,
         program = step.config.schedule.programs[0]
     finally:
         step.close()
-    covered = sum(1 for ins in program if ins.op not in _OPTIMIZER_OPS)
+    covered = sum(1 for ins in program if ins.op not in OPTIMIZER_OPS)
     return statistics.median(bubbles[1:]) / covered
 
 
