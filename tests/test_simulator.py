@@ -223,3 +223,28 @@ def test_single_update_share_is_checked_and_reaches_the_cost_model():
     costs = derived_costs(schedule, "10b", replace(v100, single_update_share=0.6), 2)
     assert costs.single_update_share == 0.6
     assert derived_costs(schedule, "10b", "h100-sxm", 2).single_update_share == 1.0
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("name,stages", [("decoupled", 4), ("mobius", 4), ("gpipe", 1)])
+def test_every_instruction_pays_the_dispatch_alike(name, stages):
+    """The cost model's `instruction` (the executor's host time per instruction) is paid
+    once by every instruction, compute, transfers and collectives alike: one rank, where
+    nothing waits on a peer, lasts its compute plus one dispatch per instruction; on two,
+    each rank's clock pays its own program's dispatches, and no more than both programs'
+    delay the iteration."""
+    from dataclasses import replace
+    dispatch = 0.01
+    one = build_schedule(name, 1, stages, 1, 2)
+    free = uniform_costs(one)
+    alone = simulate(one, replace(free, instruction=dispatch)).iteration_time
+    assert alone == pytest.approx(simulate(one, free).iteration_time
+                                  + dispatch * len(one.programs[0]))
+    two = build_schedule(name, 2, max(stages, 2), 1, 2)
+    free = uniform_costs(two, p2p_time=0.05)
+    base = simulate(two, free)
+    priced = simulate(two, replace(free, instruction=dispatch))
+    for rank, program in enumerate(two.programs):
+        assert priced.iteration_time >= base.busy[rank] + dispatch * len(program) - 1e-12
+    assert base.iteration_time < priced.iteration_time <= (
+        base.iteration_time + dispatch * sum(map(len, two.programs)) + 1e-12)

@@ -22,7 +22,10 @@ instructions: the backward's time over the forward's (backward_over_forward, the
 taken out), and the FORWARD's time, which sets the curve's level at the run's micro-batch
 (pass_overhead_s stays 0: the two time one layer), alternating with them a head stage's
 (final norm, output layer to the vocabulary of --vocab-size or LLaMA-2's, loss): its rate
-over the layer's and its backward's ratio, and an embedding stage's (printed only), half a small send/recv round trip between two GPUs' processes (p2p_latency_s), the bandwidth between two
+over the layer's and its backward's ratio, and an embedding stage's (printed only), half a
+small round trip between two GPUs' processes posted as the executor posts its transfers
+(p2p_latency_s), the executor's host time per instruction beyond its compute, from a
+one-process pipeline of the model's layers (instruction_overhead_s), the bandwidth between two
 devices (two GPUs when there are; on the CPU layer the loopback socket gloo would use);
 free /dev/shm, host memory and `ulimit -l`. With --nvme-path DIR, the drive for optimizer
 states on NVMe: O_DIRECT sequential write then read of a temporary file in DIR through the
@@ -33,7 +36,9 @@ built-in profiles (megatron/schedules/hardware_profiles/).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import io
 import mmap
 import os
 import platform
@@ -69,6 +74,7 @@ from megatron.optimizer.state_io import (  # noqa: E402
     disk_free_bytes,
     shared_engine,
 )
+from megatron.pipeline.executor import OPTIMIZER_OPS  # noqa: E402
 from megatron.pipeline.optimizer_calibration import (  # noqa: E402
     CALIBRATION_NUMEL,
     device_update_rate,
@@ -87,6 +93,7 @@ from megatron.schedules.hardware import (  # noqa: E402
 )
 from megatron.training.arguments import parse_args  # noqa: E402
 from megatron.training.distributed import initialize_distributed, shutdown_distributed  # noqa: E402
+from megatron.training.pipeline_step import PipelineTrainStep  # noqa: E402
 
 MIB = 2**20
 # the pieces a stage's FORWARD and BACKWARD are timed for: a decoder layer (the compute's
@@ -335,52 +342,76 @@ def with_pass_times(hardware: HardwareProfile, model: ModelConfig, micro_batch: 
         backward_over_forward=backward_over_forward(forward_s, backward_s))
 
 
-def handoff_s(device, repeats: int = 200) -> float:
-    """Median seconds of a one-element copy on the H2D stream, from the host's submit to
-    its wait's return: what a PREFETCH_PARAMS, OFFLOAD_GRAD or an optimizer hand-off costs
-    the host beyond its bytes (on the CPU device layer a worker thread's wake-up, on CUDA
-    a launch and an event synchronization)."""
-    src = device.pin_host(1, torch.float32)
-    dst = device.empty(1, torch.float32)
-    times = []
-    for i in range(repeats + 10):  # 10 warm-up copies
-        t0 = time.perf_counter()
-        device.copy_async(dst, src, device.h2d_stream).wait()
-        if i >= 10:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def p2p_latency(device, peer: int, first: bool, round_trips: int = 200) -> float:
-    """Half the median round trip of a one-element message with `peer` (dist.send/recv, as
-    the executor's blocking transfers); `first`: this side sends first."""
+    """Half the median round trip of a one-element message with `peer`, posted as the
+    executor posts its blocking transfers (a batch_isend_irecv of one operation, then its
+    wait); `first`: this side sends first."""
     message = torch.zeros(1, device=device.torch_device)
+
+    def post(op: Callable) -> None:
+        for work in dist.batch_isend_irecv([dist.P2POp(op, message, peer)]):
+            work.wait()
     times = []
     for i in range(round_trips + 10):  # 10 warm-up round trips
         t0 = time.perf_counter()
-        if first:
-            dist.send(message, dst=peer)
-            dist.recv(message, src=peer)
-        else:
-            dist.recv(message, src=peer)
-            dist.send(message, dst=peer)
+        for op in ((dist.isend, dist.irecv) if first else (dist.irecv, dist.isend)):
+            post(op)
         if i >= 10:
             times.append(time.perf_counter() - t0)
     return statistics.median(times) / 2
 
 
+# The one-process pipeline executor_instruction_s runs: one decoder layer a forward stage,
+# the decoupled schedule's program (every kind of instruction a rank runs without a peer)
+PROGRAM_STAGES = 4
+
+
+def executor_instruction_s(model_flags: list[str], micro_batch: int,
+                           iterations: int = 6) -> float:
+    """The executor's host time per instruction beyond its compute: a one-process pipeline
+    (the decoupled schedule, PROGRAM_STAGES forward stages of one layer of the model
+    `model_flags` names, 2 micro-batches of `micro_batch`, synthetic tokens) trains
+    `iterations` iterations; with no peer to wait for, an iteration's time outside its
+    FORWARD/BACKWARD instructions and its optimizer waits (the executor's bubble time) is
+    the program's own dispatch: parameter slots filled and released, modules bound, events
+    recorded, memory books kept, transfers posted. Its median over the iterations after the
+    first, over the instructions it covers (all but the optimizer's). Needs the profile's
+    one-process group (main). It holds four layers' parameters and optimizer states, the
+    model's layer counted four times."""
+    run = parse_args([*model_flags, "--num-layers", str(PROGRAM_STAGES),
+                      "--pipeline-schedule", "decoupled",
+                      "--forward-stages", str(PROGRAM_STAGES),
+                      "--micro-batch-size", str(micro_batch),
+                      "--global-batch-size", str(2 * micro_batch)])
+    dist_info = initialize_distributed()
+    model_cfg = LlamaConfig.from_model(run.model, run.model.planned_vocab_size, seed=1)
+    with contextlib.redirect_stdout(io.StringIO()):  # the plan it prints is not the profile's
+        step = PipelineTrainStep(model_cfg, run, dist_info)
+    try:
+        tokens = torch.randint(0, model_cfg.vocab_size, (micro_batch, run.model.seq_length),
+                               device=dist_info.torch_device)
+        batch = {"tokens": tokens, "labels": tokens.roll(-1, dims=1),
+                 "loss_mask": torch.ones_like(tokens, dtype=torch.float32)}
+        bubbles = [step.step(i, [batch, batch], 1e-5, 0.0).extra["bubble_time_s"]
+                   for i in range(1, iterations + 1)]
+        program = step.config.schedule.programs[0]
+    finally:
+        step.close()
+    covered = sum(1 for ins in program if ins.op not in OPTIMIZER_OPS)
+    return statistics.median(bubbles[1:]) / covered
+
+
 def compute_measurements(device, model: ModelConfig, dtype: torch.dtype,
                          batches: tuple[int, ...], rounds: int, micro_batch: int,
                          ready: Callable[[], None] = lambda: None
-                         ) -> tuple[dict[int, list[float]], dict[str, tuple[float, float]],
-                                    float]:
-    """The layer's rates per micro-batch and round (layer_rates), the FORWARD and BACKWARD
-    pass times at `micro_batch` of a stage holding a decoder layer, the head or the
-    embedding (pass_times, PIECES) and a stream hand-off's (handoff_s)."""
+                         ) -> tuple[dict[int, list[float]], dict[str, tuple[float, float]]]:
+    """The layer's rates per micro-batch and round (layer_rates) and the FORWARD and
+    BACKWARD pass times at `micro_batch` of a stage holding a decoder layer, the head or
+    the embedding (pass_times, PIECES)."""
     rates = layer_rates(device, model, dtype, batches, rounds, ready=ready)
     passes = pass_times(device, model, dtype, micro_batch, ready=ready, pieces=PIECES)
     ready()
-    return rates, passes, handoff_s(device)
+    return rates, passes
 
 
 def _pair_worker(rank: int, world: int, port: int, model: ModelConfig, dtype: torch.dtype,
@@ -409,7 +440,7 @@ def _pair_worker(rank: int, world: int, port: int, model: ModelConfig, dtype: to
 def pair_measurements(processes: int, model: ModelConfig, dtype: torch.dtype,
                       batches: tuple[int, ...], rounds: int, micro_batch: int
                       ) -> tuple[dict[int, list[float]], dict[str, tuple[float, float]],
-                                 float, float]:
+                                 float]:
     """`processes` workers at once (see _pair_worker): compute_measurements' figures, the
     means over the processes (the rates round by round), and the point-to-point latency."""
     context = torch.multiprocessing.get_context("spawn")
@@ -432,7 +463,7 @@ def pair_measurements(processes: int, model: ModelConfig, dtype: torch.dtype,
              for b in batches}
     passes = {piece: tuple(statistics.mean(row[2][piece][i] for row in rows) for i in (0, 1))
               for piece in PIECES}
-    return rates, passes, statistics.mean(row[3] for row in rows), max(row[4] for row in rows)
+    return rates, passes, max(row[3] for row in rows)
 
 
 def loopback_rate(nbytes: int) -> float:
@@ -539,6 +570,8 @@ def measured_dtype(run: RunConfig, on_cuda: bool) -> torch.dtype:
 
 def profile(args: argparse.Namespace, run: RunConfig, baseline: int) -> HardwareProfile:
     started = time.perf_counter()
+    # first, before this process's device layer: the pipeline builds its own
+    per_instruction = executor_instruction_s(args.model_flags, run.training.micro_batch_size)
     device = get_device()
     on_cuda = device.kind == "cuda"
     gpus = args.gpus_per_node or (torch.cuda.device_count() if on_cuda else 2)
@@ -576,10 +609,10 @@ def profile(args: argparse.Namespace, run: RunConfig, baseline: int) -> Hardware
     # the processes training runs on this node, each playing one GPU (on CUDA one per GPU)
     processes = gpus if not on_cuda else min(gpus, torch.cuda.device_count())
     if processes > 1:
-        rates, passes, handoff, latency = pair_measurements(
+        rates, passes, latency = pair_measurements(
             processes, model, dtype, batches, args.rounds, micro_batch)
     else:
-        rates, passes, handoff = compute_measurements(
+        rates, passes = compute_measurements(
             device, model, dtype, batches, args.rounds, micro_batch)
         latency = 0.0
     peak, half = fit_efficiency_curve({b * model.seq_length: statistics.median(r)
@@ -618,7 +651,8 @@ def profile(args: argparse.Namespace, run: RunConfig, baseline: int) -> Hardware
     progress(f"an embedding stage's FORWARD + BACKWARD {embedding_s * 1e3:.2f} ms, "
              f"{embedding_s / (forward_s + backward_s):.1%} of the one-layer stage's (not "
              "priced: a table lookup)")
-    progress(f"a stream hand-off (one-element copy, submit to wait) {handoff * 1e6:.0f} us")
+    progress(f"the executor's host time per instruction {per_instruction * 1e6:.0f} us (a "
+             f"one-process pipeline of {PROGRAM_STAGES} one-layer stages, beyond compute)")
     if processes > 1:
         progress(f"point-to-point latency {latency * 1e6:.0f} us (half a one-element round "
                  f"trip, {'nccl' if on_cuda else 'gloo'})")
@@ -683,7 +717,7 @@ def profile(args: argparse.Namespace, run: RunConfig, baseline: int) -> Hardware
         head_rate_over_layer=head_rate,
         head_backward_over_forward=head_backward,
         p2p_latency_s=latency,
-        instruction_overhead_s=handoff,
+        instruction_overhead_s=per_instruction,
         device_kind=device.kind,
         # a GPU's datasheet peak from the table of GPUs; None (the CPU, an unknown GPU):
         # --plan's MFU is then against the measured `peak`
@@ -705,14 +739,19 @@ def profile(args: argparse.Namespace, run: RunConfig, baseline: int) -> Hardware
     return profile
 
 
-def planned_run(model_flags: list[str]) -> RunConfig:
-    """The run whose model the compute is measured at: pretrain_llama.py's flags, parsed
-    as training parses them (a bad one exits 2 in one line); the small preset when they
-    name no model."""
+def planned_flags(model_flags: list[str]) -> list[str]:
+    """pretrain_llama.py's flags of the run whose model the compute is measured at: the
+    small preset when they name no model."""
     names = {"--model-preset", *(f"--{field.replace('_', '-')}" for field in MODEL_FIELDS)}
     if not any(flag.split("=")[0] in names for flag in model_flags):
-        model_flags = ["--model-preset", "small", *model_flags]
-    return parse_args(model_flags)
+        return ["--model-preset", "small", *model_flags]
+    return model_flags
+
+
+def planned_run(model_flags: list[str]) -> RunConfig:
+    """The run of `planned_flags`, parsed as training parses them (a bad one exits 2 in
+    one line)."""
+    return parse_args(planned_flags(model_flags))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -737,6 +776,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nvme-bytes", type=parse_mib, default=256 * MIB, metavar="SIZE",
                         help="the temporary file's size (default 256MiB)")
     args, model_flags = parser.parse_known_args(argv)
+    args.model_flags = planned_flags(model_flags)
     if args.nvme_path is not None and not os.path.isdir(args.nvme_path):
         parser.exit(2, f"{parser.prog}: error: --nvme-path {args.nvme_path}: not a directory\n")
     if args.nvme_path is not None and (filesystem_of(args.nvme_path) in ("tmpfs", "ramfs")

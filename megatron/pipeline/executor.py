@@ -79,7 +79,7 @@ from megatron.schedules.timeline import TimedEvent
 
 Batch = dict[str, torch.Tensor]
 # Ops whose time on the main thread counts as optimizer time the GPUs are not hidden by.
-_OPTIMIZER_OPS = frozenset(op for op, spec in OP_SPECS.items()
+OPTIMIZER_OPS = frozenset(op for op, spec in OP_SPECS.items()
                            if spec.resource in ("cpu-optimizer", "host"))
 # How the main thread's waits of the iteration's tail are labelled on the timeline (the
 # legend in megatron/schedules/timeline.py): waiting for its own steps, in the verdict's
@@ -182,7 +182,7 @@ class PipelineExecutor:
             self._observe_memory()
             if before is not None:
                 computed.append((instr, before, self.device.compute_stream.record_event()))
-            elif instr.op in _OPTIMIZER_OPS:
+            elif instr.op in OPTIMIZER_OPS:
                 waited.append((instr, t0, time.perf_counter()))
         self.device.checks.at_instruction(f"rank {self.rank} after the program")
         for work, _ in self._isends:

@@ -34,8 +34,8 @@ class CostModel:
     p2p_activation: float = 0.0  # one activation or gradient between ranks
     p2p_checkpoint: float = 0.0  # one activation checkpoint between ranks
     rollback: float = 0.0  # expected corrections per iteration and rank (0: no overflow)
-    # host seconds of every instruction other than FORWARD/BACKWARD and the blocking
-    # transfers (their time is in `forward`/`backward` and `p2p_activation`)
+    # host seconds of every instruction beyond its compute and transfer (the executor's
+    # dispatch), each kind alike, on the issuing rank's clock before it takes effect
     instruction: float = 0.0
     # OPTIMIZER_START_SUBGROUPS: how the device part of a stage's update is priced (None:
     # the instruction costs what OPTIMIZER_START does)
@@ -186,8 +186,8 @@ def derived_costs(
     the forward; parameters and gradients
     move in 16-bit; the CPU optimizer throughput of a node is shared by its GPUs; every
     forward and backward pass adds the profile's `pass_overhead_s`, every transfer between
-    ranks (activation, gradient, checkpoint) its `p2p_latency_s`, every other instruction
-    its `instruction_overhead_s`; one update alone reaches the profile's
+    ranks (activation, gradient, checkpoint) its `p2p_latency_s`, every instruction (those
+    included) its `instruction_overhead_s`; one update alone reaches the profile's
     `single_update_share` of its rank's CPU rate. A schedule with
     READ/WRITE_OPTIMIZER_STATES reads and writes `optimizer_bytes` per parameter on the
     node's drives.

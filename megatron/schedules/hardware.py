@@ -190,9 +190,10 @@ class HardwareProfile:
     # trip: the communication library's launch, the rendezvous and the wire's latency), added
     # to every activation, gradient and checkpoint transfer (0: bandwidth alone)
     p2p_latency_s: float = 0.0
-    # Host time of every other instruction of a program (a prefetch, an offload, a
-    # release, an optimizer hand-off, a checkpoint's post or wait): the dispatch and the
-    # stream hand-off, added to the issuing rank's clock (0: free)
+    # Host time of every instruction of a program beyond its compute and its transfer
+    # (the executor's dispatch: slots filled and released, modules bound, events recorded,
+    # transfers posted), added to the issuing rank's clock before each instruction, every
+    # kind alike; measured on a one-process pipeline, where nothing waits on a peer (0: free)
     instruction_overhead_s: float = 0.0
     device_kind: str = "cuda"  # "cpu": the CPU device layer plays the GPUs (tests, CI)
     source: str = ""  # where the figures come from

@@ -3,7 +3,8 @@
 Per rank, the program runs in order on a host thread whose clock advances with compute
 (FORWARD/BACKWARD occupy the compute stream synchronously), with blocking
 communication (a rendezvous: both sides leave at max(arrivals) + transfer, the latency
-included) and with the cost model's host time of every other instruction. Parallel
+included), each instruction, of every kind alike, first paying the cost model's host
+time of its dispatch (`instruction`) on its rank's clock. Parallel
 resources per rank: an H2D stream (PREFETCH_PARAMS, compute waits for its parameters), a
 D2H stream (OFFLOAD_GRAD), and a CPU optimizer lane (OPTIMIZER_START runs once its
 gradients are home; the node's CPU throughput is split among its GPUs). The lane runs its
@@ -27,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .cost_model import CostModel
-from .instructions import COMPUTE, OP_SPECS, WHOLE_STAGE, BackwardStage, Instruction, Op, Schedule
+from .instructions import OP_SPECS, WHOLE_STAGE, BackwardStage, Instruction, Op, Schedule
 from .interpreter import Interpreter
 from .optimizer_stride import device_share
 from .timeline import TimedEvent
@@ -296,8 +297,7 @@ class _Simulator(Interpreter):
     _forward = _backward = _compute
 
     def local(self, rank: int, index: int, ins: Instruction) -> None:
-        if ins.op not in COMPUTE:  # the host's dispatch and hand-off, before it takes effect
-            self.clock[rank] += self.costs.instruction
+        self.clock[rank] += self.costs.instruction  # the host's dispatch, before it takes effect
         self._handler(ins.op)(rank, ins)
 
     def _prefetch(self, rank: int, ins: Instruction) -> None:
@@ -339,6 +339,8 @@ class _Simulator(Interpreter):
 
     def rendezvous(self, sender: int, send_index: int, receiver: int, recv_index: int) -> None:
         ins = self.schedule.programs[sender][send_index]
+        for rank in (sender, receiver):  # each side's dispatch of its instruction
+            self.clock[rank] += self.costs.instruction
         getattr(self, OP_SPECS[ins.op].method)(sender, receiver, ins)
 
     def _transfer(self, sender: int, receiver: int, ins: Instruction) -> None:
@@ -352,6 +354,8 @@ class _Simulator(Interpreter):
     _send_activation = _send_gradient = _recv_activation = _recv_gradient = _transfer
 
     def collective(self, op: Op, indices: list[int]) -> None:
+        for rank in range(self.schedule.ranks):  # every rank's dispatch of its instruction
+            self.clock[rank] += self.costs.instruction
         meet = getattr(self, OP_SPECS[op].method)()
         for rank in range(self.schedule.ranks):
             self.clock[rank] = meet
