@@ -31,9 +31,9 @@ Per GPU (the device layer's categories, `MEMORY_CATEGORIES`):
   before the backward recomputes it) at the checkpoints' peak: a layer's most of SwiGLU's
   moment, its RMSNorm's and attention's (`attention_working_bytes`, by the kernel the
   runtime pins; with --attention-backend unfused plus the scores' buffer megatron-core
-  keeps): SwiGLU holds fc1's output (2 x FFN per token), silu(gate), the up half plus its
-  offset and their product (FFN each) beside the residual (5 x FFN + hidden per token);
-  the head its logits, their fp32
+  keeps): SwiGLU, computed in place in fc1's output without grad (megatron.models.swiglu),
+  holds fc1's output (2 x FFN per token) beside the residual and fc2's output (2 x FFN + 2 x
+  hidden per token); the head its logits, their fp32
   copy and the loss's per-token temporaries. A backward stage's backward (its recompute
   holds less beyond what it saves): a layer's fc2 input gradient beside fc2's weight
   gradient (FFN x (tokens + hidden): autograd makes it before adding it into the
@@ -191,7 +191,7 @@ def layer_working_bytes(model: ModelConfig, tokens: int, seq_length: int, itemsi
     half precision) and SwiGLU's, plus the scores' scratch megatron-core's unfused
     attention keeps between calls; the backward's, SwiGLU's (see the module docstring)."""
     h, ffn = model.hidden_size, model.ffn_hidden_size
-    swiglu = tokens * (5 * ffn + h) * itemsize
+    swiglu = tokens * (2 * ffn + 2 * h) * itemsize  # in place (megatron.models.swiglu)
     norm = tokens * ((12 if itemsize != FP32 else 8) * h + FP32)
     forward = max(swiglu, norm, attention_working_bytes(model, tokens, seq_length, itemsize))
     return Working(forward + unfused_scores_scratch_bytes(model, tokens, seq_length, itemsize),
