@@ -188,14 +188,20 @@ def layer_working_bytes(model: ModelConfig, tokens: int, seq_length: int, itemsi
                         ) -> Working:
     """A decoder layer's: the no-grad forward's most, of attention's moment, the RMSNorm's
     (its fp32 input, the squares and two products: 8 x hidden fp32 bytes per token, 12 in
-    half precision) and SwiGLU's, plus the scores' scratch megatron-core's unfused
-    attention keeps between calls; the backward's, SwiGLU's (see the module docstring)."""
+    half precision) and SwiGLU's; the backward's, SwiGLU's or unfused attention's softmax
+    backward; both plus the scores' scratch megatron-core's unfused attention keeps between
+    calls (see the module docstring)."""
     h, ffn = model.hidden_size, model.ffn_hidden_size
     swiglu = tokens * (2 * ffn + 2 * h) * itemsize  # in place (megatron.models.swiglu)
     norm = tokens * ((12 if itemsize != FP32 else 8) * h + FP32)
     forward = max(swiglu, norm, attention_working_bytes(model, tokens, seq_length, itemsize))
-    return Working(forward + unfused_scores_scratch_bytes(model, tokens, seq_length, itemsize),
-                   max(ffn * (tokens + h), 2 * tokens * ffn) * itemsize)
+    scratch = unfused_scores_scratch_bytes(model, tokens, seq_length, itemsize)
+    swiglu_backward = max(ffn * (tokens + h), 2 * tokens * ffn) * itemsize
+    # unfused attention's softmax backward holds the fp32 gradients of the probabilities
+    # and of the scores at once: 8 bytes per score, an upper bound (what autograd has freed
+    # of the saved tensors by then is not subtracted)
+    softmax_backward = 8 * scratch // itemsize
+    return Working(forward + scratch, max(swiglu_backward, softmax_backward) + scratch)
 
 
 def unfused_scores_scratch_bytes(model: ModelConfig, tokens: int, seq_length: int,
