@@ -187,13 +187,14 @@ class Working:
 def layer_working_bytes(model: ModelConfig, tokens: int, seq_length: int, itemsize: int
                         ) -> Working:
     """A decoder layer's: the no-grad forward's most, of attention's moment, the RMSNorm's
-    (its fp32 input, the squares and two products: 8 x hidden fp32 bytes per token, 12 in
-    half precision) and SwiGLU's; the backward's, SwiGLU's or unfused attention's softmax
+    (megatron.models.rms_norm: in half precision the fp32 input beside its squares, 8 x
+    hidden bytes per token; in fp32 the product, 4 x hidden; and the fp32 scalar) and
+    SwiGLU's; the backward's, SwiGLU's or unfused attention's softmax
     backward; both plus the scores' scratch megatron-core's unfused attention keeps between
     calls (see the module docstring)."""
     h, ffn = model.hidden_size, model.ffn_hidden_size
     swiglu = tokens * (2 * ffn + 2 * h) * itemsize  # in place (megatron.models.swiglu)
-    norm = tokens * ((12 if itemsize != FP32 else 8) * h + FP32)
+    norm = tokens * ((8 if itemsize != FP32 else 4) * h + FP32)
     forward = max(swiglu, norm, attention_working_bytes(model, tokens, seq_length, itemsize))
     scratch = unfused_scores_scratch_bytes(model, tokens, seq_length, itemsize)
     swiglu_backward = max(ffn * (tokens + h), 2 * tokens * ffn) * itemsize
