@@ -120,3 +120,27 @@ def test_paper_presets_match_the_size_column_when_counted_as_full_attention(name
     assert real < mha  # grouped-query attention has narrower K/V projections
     assert p.hidden_size % p.num_attention_heads == 0
     assert p.num_attention_heads % p.num_query_groups == 0
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_in_place_swiglu_without_grad_is_megatron_cores_bit_for_bit(dtype):
+    """The layer's forward without grad (its SwiGLU in place in fc1's output) gives
+    megatron-core's MLP's output bit for bit, and the forward with grad (megatron-core's
+    own) the same."""
+    from megatron.core.transformer.mlp import MLP
+
+    from megatron.models.swiglu import NoGradInPlaceSwiGLUMLP
+
+    piece = build_piece(CFG.with_dtype(dtype), 1)
+    mlp = piece.layer.mlp
+    assert isinstance(mlp, NoGradInPlaceSwiGLUMLP)
+    x = torch.randn(CFG.seq_length, 2, CFG.hidden_size, dtype=dtype)
+    with torch.no_grad():
+        in_place = piece(x, {})
+        mlp.forward = lambda hidden, per_token_scale=None, **kw: MLP.forward(
+            mlp, hidden, per_token_scale, **kw)
+        megatron_core = piece(x, {})
+        del mlp.forward
+    assert torch.equal(in_place, megatron_core)
+    assert torch.equal(in_place, piece(x, {}).detach())

@@ -137,8 +137,12 @@ def layer_spec(implementation: str | None = None, attention_backend: str = "auto
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
     spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
     # the norms autograd records alike on every device (megatron.models.rms_norm)
-    spec = replace(spec, submodules=replace(spec.submodules, input_layernorm=RMSNorm,
-                                            pre_mlp_layernorm=RMSNorm))
+    # and the SwiGLU in place without grad (megatron.models.swiglu)
+    from megatron.models.swiglu import NoGradInPlaceSwiGLUMLP
+
+    spec = replace(spec, submodules=replace(
+        spec.submodules, input_layernorm=RMSNorm, pre_mlp_layernorm=RMSNorm,
+        mlp=NoGradInPlaceSwiGLUMLP))
     if core_attention_kernel(attention_backend) == "sdpa":
         return with_sdpa_core_attention(spec)
     return spec

@@ -30,9 +30,11 @@ class _RMSNorm(torch.autograd.Function):
         upcast = _opmath(x)
         reduce = tuple(range(-dims, 0))
         rstd = torch.rsqrt(upcast.pow(2).mean(reduce, keepdim=True).add_(eps))
-        out = upcast.mul(rstd)
+        # in place where the tensor is this function's own (the upcast copy, the product):
+        # the same ops on the same values, one fp32 tensor fewer held (x is saved, kept)
+        out = upcast.mul(rstd) if upcast is x else upcast.mul_(rstd)
         if weight is not None:
-            out = out.mul(weight)
+            out.mul_(weight)
         out = out.type_as(x)
         ctx.save_for_backward(x, rstd, weight)
         ctx.dims = dims

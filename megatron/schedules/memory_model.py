@@ -28,9 +28,12 @@ Per GPU (the device layer's categories, `MEMORY_CATEGORIES`):
 - operator_working: MSWM beyond the slots and buffers: what the operators running at the
   moment the sum peaks hold beyond their inputs, outputs and saved tensors (measured on
   megatron-core's modules, tests/test_memory_model.py). A forward (no grad: the pass
-  before the backward recomputes it) at the checkpoints' peak: a layer's SwiGLU holds fc1's
-  output (2 x FFN per token), silu(gate), the up half plus its offset and their product (FFN
-  each) beside the residual (5 x FFN + hidden per token); the head its logits, their fp32
+  before the backward recomputes it) at the checkpoints' peak: a layer's most of SwiGLU's
+  moment, its RMSNorm's and attention's (`attention_working_bytes`, by the kernel the
+  runtime pins; with --attention-backend unfused plus the scores' buffer megatron-core
+  keeps): SwiGLU, computed in place in fc1's output without grad (megatron.models.swiglu),
+  holds fc1's output (2 x FFN per token) beside the residual and fc2's output (2 x FFN + 2 x
+  hidden per token); the head its logits, their fp32
   copy and the loss's per-token temporaries. A backward stage's backward (its recompute
   holds less beyond what it saves): a layer's fc2 input gradient beside fc2's weight
   gradient (FFN x (tokens + hidden): autograd makes it before adding it into the
@@ -181,12 +184,92 @@ class Working:
     backward: int
 
 
-def layer_working_bytes(model: ModelConfig, tokens: int, itemsize: int) -> Working:
-    """A decoder layer's: SwiGLU's moments (fused attention kernels hold less; see the
-    module docstring)."""
+def layer_working_bytes(model: ModelConfig, tokens: int, seq_length: int, itemsize: int
+                        ) -> Working:
+    """A decoder layer's: the no-grad forward's most, of attention's moment, the RMSNorm's
+    (megatron.models.rms_norm: in half precision the fp32 input beside its squares, 8 x
+    hidden bytes per token; in fp32 the product, 4 x hidden; and the fp32 scalar) and
+    SwiGLU's; the backward's, SwiGLU's or unfused attention's softmax
+    backward; both plus the scores' scratch megatron-core's unfused attention keeps between
+    calls (see the module docstring)."""
     h, ffn = model.hidden_size, model.ffn_hidden_size
-    return Working(tokens * (5 * ffn + h) * itemsize,
-                   max(ffn * (tokens + h), 2 * tokens * ffn) * itemsize)
+    swiglu = tokens * (2 * ffn + 2 * h) * itemsize  # in place (megatron.models.swiglu)
+    norm = tokens * ((8 if itemsize != FP32 else 4) * h + FP32)
+    forward = max(swiglu, norm, attention_working_bytes(model, tokens, seq_length, itemsize))
+    scratch = unfused_scores_scratch_bytes(model, tokens, seq_length, itemsize)
+    swiglu_backward = max(ffn * (tokens + h), 2 * tokens * ffn) * itemsize
+    # unfused attention's softmax backward holds the fp32 gradients of the probabilities
+    # and of the scores at once: 8 bytes per score, an upper bound (what autograd has freed
+    # of the saved tensors by then is not subtracted)
+    softmax_backward = 8 * scratch // itemsize
+    return Working(forward + scratch, max(swiglu_backward, softmax_backward) + scratch)
+
+
+def unfused_scores_scratch_bytes(model: ModelConfig, tokens: int, seq_length: int,
+                                 itemsize: int) -> int:
+    """megatron-core's unfused attention computes the scores into a buffer of its global
+    memory buffer, kept between calls as large as the largest scores: held all along."""
+    if not materializes_attention_scores(model.attention_backend):
+        return 0
+    return tokens * model.num_attention_heads * seq_length * itemsize
+
+
+# The RNG state a fused kernel returns beside its output (flash: two uint64 and one more;
+# the others a philox seed and offset, int64 each): the larger.
+KERNEL_RNG_BYTES = 24
+
+
+def attention_working_bytes(model: ModelConfig, tokens: int, seq_length: int, itemsize: int
+                            ) -> int:
+    """The most a layer's no-grad forward holds, beyond its input and output, up to the
+    output projection, with the core-attention kernel the runtime picks (megatron.config.
+    attention_kernel's rule, for the GPU the CPU device layer plays, or --attention-backend
+    unfused).
+
+    Held throughout, per token: the norm's output, the fused QKV projection, a contiguous
+    copy of the queries with grouped-query attention, the rotated queries and keys. RoPE
+    holds, while it rotates a tensor, three more of its size (the cosine product, the
+    rotated half, the sine product) beside the cosine and sine tables. Then the kernel's
+    moment: a fused kernel's output, its fp32 log-sum-exp per head and, where flash pads the
+    head dimension to a multiple of 8, the padded inputs (the sliced output is then copied
+    to [sequence, batch, hidden]), or the output projection's output beside its input;
+    math's fp32 scaled query, keys and values expanded to every head and scaled keys, the
+    causal mask in fp32, the scores and the masked scores (half inputs upcast first);
+    megatron-core's unfused DotProductAttention (keys and values expanded to every head)
+    the scores and probabilities, in half precision with their fp32 copies inside the
+    softmax, then beside the context and its contiguous copy. Less the layer's output
+    (hidden per token), as SwiGLU's moment counts it."""
+    h, heads, groups, d = (model.hidden_size, model.num_attention_heads,
+                           model.num_query_groups, model.head_dim)
+    q, kv = heads * d, groups * d
+    grouped = groups != heads
+    batch = tokens // seq_length
+    scores = batch * heads * seq_length * seq_length  # elements
+    half = itemsize != FP32
+    projected = tokens * (h + q + 2 * kv + (q if grouped else 0)) * itemsize
+    tables = 2 * seq_length * d * itemsize
+    rotary = max(projected + 3 * q * tokens * itemsize,
+                 projected + (q + 3 * kv) * tokens * itemsize) + tables
+    held = projected + (q + kv) * tokens * itemsize
+    call = AttentionCall("fp32" if not half else "bf16", heads, groups, d, seq_length, batch)
+    kernel = attention_kernel(call, cpu_layer_gpu(), model.attention_backend)
+    if kernel == "unfused":
+        expanded = 2 * q * tokens * itemsize if grouped else 0
+        moment = (expanded + 2 * scores * itemsize
+                  + max(8 * scores if half else 0, 2 * q * tokens * itemsize))
+    elif kernel == "math":
+        upcast = tokens * (q + 2 * kv) * FP32 if half else 0
+        moment = upcast + seq_length * seq_length * FP32 + max(
+            (4 * q * tokens + scores) * FP32, (3 * q * tokens + 2 * scores) * FP32)
+    else:
+        padded = -(-d // 8) * 8 if kernel == "flash" else d
+        pad = padded != d
+        q_padded, kv_padded = heads * padded, groups * padded
+        moment = max(tokens * (heads * FP32 + (q_padded + (q_padded + 2 * kv_padded) * pad)
+                               * itemsize),
+                     tokens * (q_padded + q) * itemsize * pad,
+                     tokens * (q + h) * itemsize) + KERNEL_RNG_BYTES
+    return max(rotary, held + moment) - tokens * h * itemsize
 
 
 def head_working_bytes(model: ModelConfig, tokens: int, itemsize: int) -> Working:
@@ -213,10 +296,10 @@ def embedding_working_bytes(model: ModelConfig, tokens: int, itemsize: int) -> W
 
 
 def backward_stage_working_bytes(model: ModelConfig, partition: tuple[int, ...],
-                                 backward_split: int, tokens: int, itemsize: int
-                                 ) -> dict[BackwardStage, Working]:
+                                 backward_split: int, tokens: int, seq_length: int,
+                                 itemsize: int) -> dict[BackwardStage, Working]:
     """Operator working memory of every backward stage: the most of its pieces'."""
-    layer = layer_working_bytes(model, tokens, itemsize)
+    layer = layer_working_bytes(model, tokens, seq_length, itemsize)
     head = head_working_bytes(model, tokens, itemsize)
     embedding = embedding_working_bytes(model, tokens, itemsize)
     out = {}
@@ -393,7 +476,7 @@ class _Sizes:
                                               schedule.backward_split, shape.micro_batch_size,
                                               seq, shape.param_bytes),
                    backward_stage_working_bytes(model, schedule.partition,
-                                                schedule.backward_split, tokens,
+                                                schedule.backward_split, tokens, seq,
                                                 shape.param_bytes),
                    tokens, tokens * model.hidden_size * shape.param_bytes)
 
