@@ -226,10 +226,11 @@ def attention_working_bytes(model: ModelConfig, tokens: int, seq_length: int, it
     attention_kernel's rule, for the GPU the CPU device layer plays, or --attention-backend
     unfused).
 
-    Held throughout, per token: the norm's output, the fused QKV projection, a contiguous
-    copy of the queries with grouped-query attention, the rotated queries and keys. RoPE
-    holds, while it rotates a tensor, three more of its size (the cosine product, the
-    rotated half, the sine product) beside the cosine and sine tables. Then the kernel's
+    Held throughout, per token: the norm's output, the fused QKV projection and a
+    contiguous copy of the queries with grouped-query attention (of more than one group),
+    rotated in place
+    (megatron.models.rope). RoPE holds, while it rotates the queries, two half-size
+    products (the queries' size) beside the cosine and sine tables. Then the kernel's
     moment: a fused kernel's output, its fp32 log-sum-exp per head and, where flash pads the
     head dimension to a multiple of 8, the padded inputs (the sliced output is then copied
     to [sequence, batch, hidden]), or the output projection's output beside its input;
@@ -246,13 +247,16 @@ def attention_working_bytes(model: ModelConfig, tokens: int, seq_length: int, it
     batch = tokens // seq_length
     scores = batch * heads * seq_length * seq_length  # elements
     half = itemsize != FP32
-    projected = tokens * (h + q + 2 * kv + (q if grouped else 0)) * itemsize
-    tables = 2 * seq_length * d * itemsize
-    rotary = max(projected + 3 * q * tokens * itemsize,
-                 projected + (q + 3 * kv) * tokens * itemsize) + tables
-    held = projected + (q + kv) * tokens * itemsize
     call = AttentionCall("fp32" if not half else "bf16", heads, groups, d, seq_length, batch)
     kernel = attention_kernel(call, cpu_layer_gpu(), model.attention_backend)
+    # the queries' reshape copies them where groups hold several heads each; with one group
+    # it is a view, which megatron-core's unfused attention then copies into [seq, b x heads]
+    query_copy = q if grouped and (groups > 1 or kernel == "unfused") else 0
+    projected = tokens * (h + q + 2 * kv + query_copy) * itemsize
+    tables = 2 * seq_length * d * itemsize
+    # RoPE rotates in place without grad (megatron.models.rope): two half-size products
+    rotary = projected + q * tokens * itemsize + tables
+    held = projected
     if kernel == "unfused":
         expanded = 2 * q * tokens * itemsize if grouped else 0
         moment = (expanded + 2 * scores * itemsize
