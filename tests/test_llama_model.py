@@ -125,8 +125,9 @@ def test_paper_presets_match_the_size_column_when_counted_as_full_attention(name
 @pytest.mark.unit
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_in_place_swiglu_without_grad_is_megatron_cores_bit_for_bit(dtype):
-    """The layer's forward without grad (its SwiGLU in place in fc1's output) gives
-    megatron-core's MLP's output bit for bit, and the forward with grad (megatron-core's
+    """The layer's forward without grad (its SwiGLU in place in fc1's output, over pieces
+    of the sequence where memory_model.swiglu_chunks says) gives megatron-core's MLP's
+    output bit for bit, and the forward with grad (megatron-core's
     own) the same."""
     from megatron.core.transformer.mlp import MLP
 
@@ -136,6 +137,8 @@ def test_in_place_swiglu_without_grad_is_megatron_cores_bit_for_bit(dtype):
     mlp = piece.layer.mlp
     assert isinstance(mlp, NoGradInPlaceSwiGLUMLP)
     x = torch.randn(CFG.seq_length, 2, CFG.hidden_size, dtype=dtype)
+    # in bf16 over three pieces of the sequence (its moment above attention's), in fp32 one
+    assert mlp._chunks(x) == (3 if dtype == torch.bfloat16 else 1)
     with torch.no_grad():
         in_place = piece(x, {})
         mlp.forward = lambda hidden, per_token_scale=None, **kw: MLP.forward(
