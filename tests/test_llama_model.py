@@ -125,8 +125,9 @@ def test_paper_presets_match_the_size_column_when_counted_as_full_attention(name
 @pytest.mark.unit
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_in_place_swiglu_without_grad_is_megatron_cores_bit_for_bit(dtype):
-    """The layer's forward without grad (its SwiGLU in place in fc1's output) gives
-    megatron-core's MLP's output bit for bit, and the forward with grad (megatron-core's
+    """The layer's forward without grad (its SwiGLU in place in fc1's output, over pieces
+    of the sequence where memory_model.swiglu_chunks says) gives megatron-core's MLP's
+    output bit for bit, and the forward with grad (megatron-core's
     own) the same."""
     from megatron.core.transformer.mlp import MLP
 
@@ -136,6 +137,8 @@ def test_in_place_swiglu_without_grad_is_megatron_cores_bit_for_bit(dtype):
     mlp = piece.layer.mlp
     assert isinstance(mlp, NoGradInPlaceSwiGLUMLP)
     x = torch.randn(CFG.seq_length, 2, CFG.hidden_size, dtype=dtype)
+    # in bf16 over three pieces of the sequence (its moment above attention's), in fp32 one
+    assert mlp._chunks(x) == (3 if dtype == torch.bfloat16 else 1)
     with torch.no_grad():
         in_place = piece(x, {})
         mlp.forward = lambda hidden, per_token_scale=None, **kw: MLP.forward(
@@ -144,3 +147,33 @@ def test_in_place_swiglu_without_grad_is_megatron_cores_bit_for_bit(dtype):
         del mlp.forward
     assert torch.equal(in_place, megatron_core)
     assert torch.equal(in_place, piece(x, {}).detach())
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_in_place_rope_without_grad_is_megatron_cores_bit_for_bit(dtype):
+    """RoPE without grad (rotated in place in the query copy and the keys) gives
+    megatron-core's rotation bit for bit, alone and through the layer's attention."""
+    from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+    from megatron.core.transformer import attention
+
+    from megatron.models import rope
+
+    piece = build_piece(CFG.with_dtype(dtype), 1)
+    config = piece.layer.config
+    assert attention.apply_rotary_pos_emb is rope.rotary_in_place_without_grad
+    freqs = piece._rotary(CFG.seq_length)
+    t = torch.randn(CFG.seq_length, 2, 3, freqs.shape[-1], dtype=dtype)
+    expected = apply_rotary_pos_emb(t, freqs, config=config)
+    with torch.no_grad():
+        rotated = rope.rotary_in_place_without_grad(t.clone(), freqs, config, mscale=1.0)
+    assert torch.equal(rotated, expected)
+    x = torch.randn(CFG.seq_length, 2, CFG.hidden_size, dtype=dtype)
+    with torch.no_grad():
+        in_place = piece(x, {})
+        attention.apply_rotary_pos_emb = apply_rotary_pos_emb
+        try:
+            megatron_core = piece(x, {})
+        finally:
+            attention.apply_rotary_pos_emb = rope.rotary_in_place_without_grad
+    assert torch.equal(in_place, megatron_core)

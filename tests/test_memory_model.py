@@ -468,3 +468,39 @@ def check_operator_working(dtype, embedding_working_bytes, layer_working_bytes,
             assert forward <= planned.forward <= 1.1 * forward, (shape, forward, planned)
             assert max(recompute, backward) <= planned.backward <= 1.1 * backward, (
                 shape, recompute, backward, planned)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("dtype, chunks", [(torch.float32, 2), (torch.bfloat16, 4)])
+def test_no_grad_swiglu_over_pieces_holds_what_the_model_prices(dtype, chunks):
+    """The no-grad MLP over pieces of the sequence (100 positions: uneven pieces) holds,
+    beyond its output, one piece's fc1 and fc2 outputs, as swiglu_working_bytes prices it
+    (less the residual and the output it counts), and gives megatron-core's MLP's bits."""
+    from megatron.core.transformer.mlp import MLP
+
+    from megatron.config.model import ModelConfig
+    from megatron.models.llama import LlamaConfig, build_piece
+    from megatron.schedules.memory_model import swiglu_chunks, swiglu_working_bytes
+    from megatron.training.distributed import initialize_distributed, shutdown_distributed
+
+    h, ffn, heads, groups, seq, batch = 432, 1152, 3, 1, 100, 3
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    shape = ModelConfig("t", 1, h, ffn, heads, groups, seq, None)
+    x = torch.randn(seq, batch, h, dtype=dtype)
+    initialize_distributed()
+    try:
+        piece = build_piece(LlamaConfig(
+            num_layers=1, hidden_size=h, ffn_hidden_size=ffn, num_attention_heads=heads,
+            num_query_groups=groups, vocab_size=64, seq_length=seq, seed=1).with_dtype(dtype), 1)
+        mlp = piece.layer.mlp
+        assert swiglu_chunks(shape, seq * batch, seq, itemsize) == chunks == mlp._chunks(x)
+        with torch.no_grad():
+            mlp(x)
+            with OperatorBytes() as counted:
+                out, _ = mlp(x)
+            megatron_core, _ = MLP.forward(mlp, x)
+    finally:
+        shutdown_distributed()
+    planned = swiglu_working_bytes(shape, seq * batch, seq, itemsize, chunks)
+    assert counted.peak - out.untyped_storage().nbytes() == planned - 2 * h * seq * batch * itemsize
+    assert torch.equal(out, megatron_core)

@@ -137,8 +137,11 @@ def layer_spec(implementation: str | None = None, attention_backend: str = "auto
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
     spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
     # the norms autograd records alike on every device (megatron.models.rms_norm)
-    # and the SwiGLU in place without grad (megatron.models.swiglu)
+    # the SwiGLU and RoPE in place without grad (megatron.models.swiglu, .rope)
+    from megatron.models import rope
     from megatron.models.swiglu import NoGradInPlaceSwiGLUMLP
+
+    rope.install()
 
     spec = replace(spec, submodules=replace(
         spec.submodules, input_layernorm=RMSNorm, pre_mlp_layernorm=RMSNorm,

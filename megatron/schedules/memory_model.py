@@ -33,7 +33,8 @@ Per GPU (the device layer's categories, `MEMORY_CATEGORIES`):
   runtime pins; with --attention-backend unfused plus the scores' buffer megatron-core
   keeps): SwiGLU, computed in place in fc1's output without grad (megatron.models.swiglu),
   holds fc1's output (2 x FFN per token) beside the residual and fc2's output (2 x FFN + 2 x
-  hidden per token); the head its logits, their fp32
+  hidden per token), or over pieces of the sequence where that exceeds attention's moment
+  (`swiglu_chunks`: 2 x hidden + (2 x FFN + hidden) / pieces); the head its logits, their fp32
   copy and the loss's per-token temporaries. A backward stage's backward (its recompute
   holds less beyond what it saves): a layer's fc2 input gradient beside fc2's weight
   gradient (FFN x (tokens + hidden): autograd makes it before adding it into the
@@ -59,7 +60,7 @@ No data parallelism exists yet, so nothing is divided by a data-parallel degree.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from megatron.config.attention_kernel import (
     AttentionCall,
@@ -193,7 +194,8 @@ def layer_working_bytes(model: ModelConfig, tokens: int, seq_length: int, itemsi
     backward; both plus the scores' scratch megatron-core's unfused attention keeps between
     calls (see the module docstring)."""
     h, ffn = model.hidden_size, model.ffn_hidden_size
-    swiglu = tokens * (2 * ffn + 2 * h) * itemsize  # in place (megatron.models.swiglu)
+    swiglu = swiglu_working_bytes(model, tokens, seq_length, itemsize,
+                                  swiglu_chunks(model, tokens, seq_length, itemsize))
     norm = tokens * ((8 if itemsize != FP32 else 4) * h + FP32)
     forward = max(swiglu, norm, attention_working_bytes(model, tokens, seq_length, itemsize))
     scratch = unfused_scores_scratch_bytes(model, tokens, seq_length, itemsize)
@@ -203,6 +205,34 @@ def layer_working_bytes(model: ModelConfig, tokens: int, seq_length: int, itemsi
     # of the saved tensors by then is not subtracted)
     softmax_backward = 8 * scratch // itemsize
     return Working(forward + scratch, max(swiglu_backward, softmax_backward) + scratch)
+
+
+def swiglu_working_bytes(model: ModelConfig, tokens: int, seq_length: int, itemsize: int,
+                         chunks: int) -> int:
+    """The no-grad SwiGLU MLP's moment, in place in fc1's output (megatron.models.swiglu)
+    over `chunks` pieces of the sequence: in one, fc1's output (2 x FFN per token) beside
+    the residual and fc2's output (2 x FFN + 2 x hidden per token); in several, the
+    layer's output and the residual beside one piece's fc1 output and fc2 output (its
+    rows, copied into the layer's output)."""
+    h, ffn = model.hidden_size, model.ffn_hidden_size
+    if chunks == 1:
+        return tokens * (2 * ffn + 2 * h) * itemsize
+    piece = -(-seq_length // chunks) * (tokens // seq_length)
+    return (2 * h * tokens + (2 * ffn + h) * piece) * itemsize
+
+
+def swiglu_chunks(model: ModelConfig, tokens: int, seq_length: int, itemsize: int) -> int:
+    """How many pieces of the sequence the no-grad SwiGLU MLP runs over: one where its
+    moment is no larger than attention's (the kernel the default --attention-backend pins),
+    else the fewest that make it so (at most one position each). A GEMM over fewer rows
+    may pick another kernel on CUDA, so one piece wherever memory allows. One rule for the
+    runtime (megatron.models.swiglu) and this model."""
+    bound = attention_working_bytes(replace(model, attention_backend="auto"), tokens,
+                                    seq_length, itemsize)
+    for chunks in range(1, seq_length + 1):
+        if swiglu_working_bytes(model, tokens, seq_length, itemsize, chunks) <= bound:
+            return chunks
+    return seq_length
 
 
 def unfused_scores_scratch_bytes(model: ModelConfig, tokens: int, seq_length: int,
@@ -226,10 +256,11 @@ def attention_working_bytes(model: ModelConfig, tokens: int, seq_length: int, it
     attention_kernel's rule, for the GPU the CPU device layer plays, or --attention-backend
     unfused).
 
-    Held throughout, per token: the norm's output, the fused QKV projection, a contiguous
-    copy of the queries with grouped-query attention, the rotated queries and keys. RoPE
-    holds, while it rotates a tensor, three more of its size (the cosine product, the
-    rotated half, the sine product) beside the cosine and sine tables. Then the kernel's
+    Held throughout, per token: the norm's output, the fused QKV projection and a
+    contiguous copy of the queries with grouped-query attention (of more than one group),
+    rotated in place
+    (megatron.models.rope). RoPE holds, while it rotates the queries, two half-size
+    products (the queries' size) beside the cosine and sine tables. Then the kernel's
     moment: a fused kernel's output, its fp32 log-sum-exp per head and, where flash pads the
     head dimension to a multiple of 8, the padded inputs (the sliced output is then copied
     to [sequence, batch, hidden]), or the output projection's output beside its input;
@@ -246,13 +277,16 @@ def attention_working_bytes(model: ModelConfig, tokens: int, seq_length: int, it
     batch = tokens // seq_length
     scores = batch * heads * seq_length * seq_length  # elements
     half = itemsize != FP32
-    projected = tokens * (h + q + 2 * kv + (q if grouped else 0)) * itemsize
-    tables = 2 * seq_length * d * itemsize
-    rotary = max(projected + 3 * q * tokens * itemsize,
-                 projected + (q + 3 * kv) * tokens * itemsize) + tables
-    held = projected + (q + kv) * tokens * itemsize
     call = AttentionCall("fp32" if not half else "bf16", heads, groups, d, seq_length, batch)
     kernel = attention_kernel(call, cpu_layer_gpu(), model.attention_backend)
+    # the queries' reshape copies them where groups hold several heads each; with one group
+    # it is a view, which megatron-core's unfused attention then copies into [seq, b x heads]
+    query_copy = q if grouped and (groups > 1 or kernel == "unfused") else 0
+    projected = tokens * (h + q + 2 * kv + query_copy) * itemsize
+    tables = 2 * seq_length * d * itemsize
+    # RoPE rotates in place without grad (megatron.models.rope): two half-size products
+    rotary = projected + q * tokens * itemsize + tables
+    held = projected
     if kernel == "unfused":
         expanded = 2 * q * tokens * itemsize if grouped else 0
         moment = (expanded + 2 * scores * itemsize
