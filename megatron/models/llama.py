@@ -21,8 +21,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.config.model import ModelConfig
+from megatron.models import rope
 from megatron.models.attention import SDPAttention, core_attention_kernel, with_sdpa_core_attention
 from megatron.models.rms_norm import RMSNorm
+from megatron.models.swiglu import NoGradInPlaceSwiGLUMLP
 
 Batch = dict[str, torch.Tensor]
 
@@ -138,9 +140,6 @@ def layer_spec(implementation: str | None = None, attention_backend: str = "auto
     spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
     # the norms autograd records alike on every device (megatron.models.rms_norm)
     # the SwiGLU and RoPE in place without grad (megatron.models.swiglu, .rope)
-    from megatron.models import rope
-    from megatron.models.swiglu import NoGradInPlaceSwiGLUMLP
-
     rope.install()
 
     spec = replace(spec, submodules=replace(
