@@ -131,11 +131,11 @@ def test_in_place_swiglu_without_grad_is_megatron_cores_bit_for_bit(dtype):
     own) the same."""
     from megatron.core.transformer.mlp import MLP
 
-    from megatron.models.swiglu import NoGradInPlaceSwiGLUMLP
+    from megatron.models.swiglu import no_grad_in_place_mlp
 
     piece = build_piece(CFG.with_dtype(dtype), 1)
     mlp = piece.layer.mlp
-    assert isinstance(mlp, NoGradInPlaceSwiGLUMLP)
+    assert isinstance(mlp, no_grad_in_place_mlp())
     x = torch.randn(CFG.seq_length, 2, CFG.hidden_size, dtype=dtype)
     # in bf16 over three pieces of the sequence (its moment above attention's), in fp32 one
     assert mlp._chunks(x) == (3 if dtype == torch.bfloat16 else 1)

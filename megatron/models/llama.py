@@ -24,7 +24,7 @@ from megatron.config.model import ModelConfig
 from megatron.models import rope
 from megatron.models.attention import SDPAttention, core_attention_kernel, with_sdpa_core_attention
 from megatron.models.rms_norm import RMSNorm
-from megatron.models.swiglu import NoGradInPlaceSwiGLUMLP
+from megatron.models.swiglu import no_grad_in_place_mlp
 
 Batch = dict[str, torch.Tensor]
 
@@ -144,7 +144,7 @@ def layer_spec(implementation: str | None = None, attention_backend: str = "auto
 
     spec = replace(spec, submodules=replace(
         spec.submodules, input_layernorm=RMSNorm, pre_mlp_layernorm=RMSNorm,
-        mlp=NoGradInPlaceSwiGLUMLP))
+        mlp=no_grad_in_place_mlp()))
     if core_attention_kernel(attention_backend) == "sdpa":
         return with_sdpa_core_attention(spec)
     return spec

@@ -22,21 +22,37 @@ megatron-core's, and of the recompute, on CUDA).
 The layer spec names the class itself, not a ModuleSpec: megatron-core's TransformerLayer
 then builds it with the config alone (for a ModuleSpec of any MLP class but its own it logs
 a warning per layer); the class takes the local spec's fc1 and fc2 and megatron-core's
-default tensor-parallel group, what the TransformerLayer hands its own MLP.
+default tensor-parallel group, what the TransformerLayer hands its own MLP. The class is
+built on first use (`no_grad_in_place_mlp`): importing megatron-core's transformer modules
+when this module is imported would do so in every process that imports the model's code,
+before it forks (a forked child of a process holding their threads' locks can hang).
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
-from megatron.core.transformer.mlp import MLP
 
 from megatron.config.model import ModelConfig
 from megatron.schedules.memory_model import swiglu_chunks
 
 
-class NoGradInPlaceSwiGLUMLP(MLP):
-    """megatron-core's MLP (same parameters, same checkpoints); see the module docstring."""
+@functools.cache
+def no_grad_in_place_mlp() -> type:
+    """The MLP class the local layer spec names (see the module docstring)."""
+    from megatron.core.transformer.mlp import MLP
+
+    class NoGradInPlaceSwiGLUMLP(_InPlaceSwiGLU, MLP):
+        """megatron-core's MLP (same parameters, same checkpoints); its forward without
+        grad in place in fc1's output."""
+
+    return NoGradInPlaceSwiGLUMLP
+
+
+class _InPlaceSwiGLU:
+    """The methods no_grad_in_place_mlp's class puts before megatron-core's MLP."""
 
     def __init__(self, config, submodules=None, **kwargs) -> None:
         if submodules is None:
