@@ -37,8 +37,9 @@ train: setup
 	    --metrics-file runs/tiny/metrics.jsonl --timeline runs/tiny/timeline.png \
 	    --trace runs/tiny/trace.json $(ARGS)
 
-# The suite as two pytest sessions at once (tests/run_suite.py): the one-process tier beside
-# the multi-process one. PYTEST_ARGS=...: one pytest session with them (a selection).
+# The suite as two pytest sessions at once (tests/run_suite.py): the one-process tier, then
+# the multi-process modules marked after_unit, beside the other multi-process tests.
+# PYTEST_ARGS=...: one pytest session with them (a selection).
 # -rfEs: one line per failed, erroring or skipped test (a skip with its reason: the cuda
 # tests without a GPU, ...)
 test: setup

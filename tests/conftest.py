@@ -22,6 +22,16 @@ MULTIPROC_MODULES = {
     "test_data_demo_corpus",
     "test_preprocess",
 }
+# Multi-process modules that `make test` runs in the one-process tier's session, after its
+# tests (tests/run_suite.py): about 140 s of the other session's 500, so that the two end
+# together. Chosen among those with no tight time limit of their own (not the Slurm job).
+AFTER_UNIT_MODULES = {
+    "test_doc_commands",
+    "test_gpu_host_rehearsal",
+    "test_megatron_compat",
+    "test_wait_mutants",
+    "test_data_parallel",
+}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -34,6 +44,9 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.multiproc)
         elif "multiproc" not in item.keywords:
             item.add_marker(pytest.mark.unit)
+        if ("multiproc" in item.keywords
+                and item.module.__name__.rsplit(".", 1)[-1] in AFTER_UNIT_MODULES):
+            item.add_marker(pytest.mark.after_unit)
     # whole modules move (their module-scoped fixtures are set up once), order kept
     later = {item.module for item in items if "multiproc" in item.keywords}
     items.sort(key=lambda item: item.module in later)

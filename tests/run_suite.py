@@ -1,12 +1,16 @@
-"""`make test`: the whole suite as two pytest sessions at once, the one-process tier
-(`-m unit`) beside the rest (the multi-process and CUDA tests). The multi-process tests
-leave part of the machine idle (a rank waits on its peer, a launcher on its ranks), and
-the one-process tests fill it: on 2 cores the suite took 0.93 of one session's time
-(BENCHMARKS.md, "Two pytest sessions at once"). The tiers share nothing a test compares: each has its own temporary directory, and
-the tests that look at /dev/shm look at their own job's segments only.
+"""`make test`: the whole suite as two pytest sessions at once. One runs the one-process
+tier (`-m unit`) and then the multi-process modules marked `after_unit` (tests/conftest.py);
+the other runs the rest of the multi-process tests. The multi-process tests leave part of
+the machine idle (a rank waits on its peer, a launcher on its ranks), and the other session
+fills it: on 2 cores the suite took 0.93 of one session's time (BENCHMARKS.md, "Two pytest
+sessions at once"); the `after_unit` modules move about 140 s of the multi-process tests
+into the first session, which ended first by about that much. The sessions share nothing a
+test compares: each has its own temporary directory, the tests that look at /dev/shm look
+at their own job's segments only, and the demo corpus they share is built once, under its
+own file lock (MEGATRON_TEST_CACHE).
 
-    python tests/run_suite.py              both tiers at once; the rest streams, the
-                                           one-process tier's report follows it
+    python tests/run_suite.py              both sessions at once; the multi-process one
+                                           streams, the first one's report follows it
     python tests/run_suite.py ARGS...      one pytest session with ARGS (a selection)
 
 Exit status: 0 when both sessions passed, else the first failing one's (pytest's codes).
@@ -25,6 +29,8 @@ import tempfile
 import time
 
 PYTEST = [sys.executable, "-m", "pytest", "-q", "-rfEs"]  # failures, errors, skips
+FIRST, SECOND = "unit or after_unit", "not unit and not after_unit"  # the sessions' -m
+CORPUS_ENV = "MEGATRON_TEST_CACHE"  # tests/shared_corpus.py builds the corpus there
 PR_SET_PDEATHSIG = 1
 STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
@@ -66,31 +72,32 @@ def run_tiers() -> int:
         codes = _both_sessions()
     finally:
         signal.signal(signal.SIGTERM, previous)
-    print(f"run_suite: both tiers in {time.monotonic() - started:.1f} s (one-process tier "
-          f"exit {codes[0]}, the rest exit {codes[1]})", flush=True)
+    print(f"run_suite: both sessions in {time.monotonic() - started:.1f} s (-m '{FIRST}' "
+          f"exit {codes[0]}, -m '{SECOND}' exit {codes[1]})", flush=True)
     return next((code for code in codes if code != 0), 0)
 
 
 def _both_sessions() -> list[int]:
-    """Both sessions' exit statuses, the one-process tier's first; its report printed after
-    the other's."""
+    """Both sessions' exit statuses, the first session's (the one-process tier's) first; its
+    report printed after the other's."""
     with tempfile.TemporaryDirectory(prefix="pytest-tiers-") as tmp:
-        unit_log = os.path.join(tmp, "unit.log")
-        with open(unit_log, "w") as log:
+        first_log = os.path.join(tmp, "unit.log")
+        env = {**os.environ, CORPUS_ENV: os.path.join(tmp, "corpus")}  # one demo corpus
+        with open(first_log, "w") as log:
             procs: list[subprocess.Popen] = []
             # Ctrl-C and SIGTERM wait while the sessions start: one started but not yet in
             # `procs` could not be ended (its children would outlive it)
             signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
             try:
-                # the one-process tier: its report is printed after the other tier's
+                # the one-process tier first: its report is printed after the other's
                 procs.append(subprocess.Popen(
-                    [*PYTEST, "-m", "unit", "-p", "no:cacheprovider",
+                    [*PYTEST, "-m", FIRST, "-p", "no:cacheprovider",
                      "--basetemp", os.path.join(tmp, "unit")],
                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                    preexec_fn=_end_with_this_process))
+                    preexec_fn=_end_with_this_process, env=env))
                 procs.append(subprocess.Popen(
-                    [*PYTEST, "-m", "not unit", "--basetemp", os.path.join(tmp, "rest")],
-                    start_new_session=True, preexec_fn=_end_with_this_process))
+                    [*PYTEST, "-m", SECOND, "--basetemp", os.path.join(tmp, "rest")],
+                    start_new_session=True, preexec_fn=_end_with_this_process, env=env))
                 signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # one pending: now
                 codes = [proc.wait() for proc in reversed(procs)][::-1]
             except BaseException:
@@ -98,9 +105,9 @@ def _both_sessions() -> list[int]:
                 raise
             finally:
                 signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
-        print("\n===== the one-process tier (-m unit), run beside the above =====",
-              flush=True)
-        with open(unit_log) as log:
+        print(f"\n===== the one-process tier and the after_unit modules (-m '{FIRST}'), "
+              "run beside the above =====", flush=True)
+        with open(first_log) as log:
             sys.stdout.write(log.read())
     return codes
 

@@ -1,6 +1,8 @@
-"""tests/run_suite.py, which `make test` runs: both tiers at once, each in its own
-temporary directory, the one-process tier's report after the other's, and the exit status
-of the first tier that failed. Stand-in sessions (a few lines of Python) play pytest."""
+"""tests/run_suite.py, which `make test` runs: both sessions at once (the one-process tier
+and the `after_unit` modules; the other multi-process tests), each in its own temporary
+directory with one demo corpus between them, the first session's report after the
+other's, and the exit status of the first session that failed. Stand-in sessions (a few
+lines of Python) play pytest."""
 
 import os
 import signal
@@ -14,14 +16,15 @@ from tests import run_suite
 
 pytestmark = pytest.mark.unit
 
-# a stand-in pytest: says which tier it is and where it writes, then exits with the status
-# the test gives that tier. The one-process tier waits for a sign that the other has
-# started (in the directory their temporary directories share): run one after the other,
-# it would give up and fail.
+# a stand-in pytest: says which session it is (its -m, shortened to "unit" for the first
+# and "not unit" for the second), where it writes and where its demo corpus is, then exits
+# with the status the test gives that session. The first waits for a sign that the other
+# has started (in the directory their temporary directories share): run one after the
+# other, it would give up and fail.
 STAND_IN = """
 import os, sys, time
 args = sys.argv[1:]
-tier = args[args.index("-m") + 1]
+tier = {{FIRST!r}: "unit", {SECOND!r}: "not unit"}[args[args.index("-m") + 1]]
 basetemp = args[args.index("--basetemp") + 1]
 sign = os.path.join(os.path.dirname(basetemp), "the other tier started")
 if tier == "unit":
@@ -33,14 +36,15 @@ if tier == "unit":
 else:
     open(sign, "w").close()
     time.sleep(0.3)
-print(f"{tier} session in {basetemp}", flush=True)
+print(f"{tier} session in {basetemp} corpus {os.environ['MEGATRON_TEST_CACHE']}", flush=True)
 sys.exit({codes}[tier])
 """
 
 
 def _stand_in(monkeypatch, codes: dict[str, int]) -> None:
-    monkeypatch.setattr(run_suite, "PYTEST", [sys.executable, "-c",
-                                              STAND_IN.replace("{codes}", repr(codes))])
+    script = (STAND_IN.replace("{codes}", repr(codes)).replace("{FIRST!r}", repr(run_suite.FIRST))
+              .replace("{SECOND!r}", repr(run_suite.SECOND)))
+    monkeypatch.setattr(run_suite, "PYTEST", [sys.executable, "-c", script])
 
 
 def test_both_tiers_run_at_once_and_the_one_process_report_comes_last(monkeypatch, capfd):
@@ -48,11 +52,14 @@ def test_both_tiers_run_at_once_and_the_one_process_report_comes_last(monkeypatc
     assert run_suite.main([]) == 0
     out = capfd.readouterr().out
     rest, unit = out.index("not unit session in"), out.index("\nunit session in")
-    assert rest < out.index("one-process tier (-m unit)") < unit  # streamed, then the report
+    assert rest < out.index("one-process tier and the after_unit modules") < unit  # streamed, then the report
     # each tier has its own temporary directory
     assert out.split("not unit session in ")[1].split()[0].endswith("rest")
     assert out.split("\nunit session in ")[1].split()[0].endswith("unit")
-    assert out.strip().splitlines()[-1].startswith("run_suite: both tiers in ")
+    # one demo corpus for both, beside their temporary directories
+    corpora = {line.split(" corpus ")[1] for line in out.splitlines() if " corpus " in line}
+    assert len(corpora) == 1 and corpora.pop().endswith("corpus")
+    assert out.strip().splitlines()[-1].startswith("run_suite: both sessions in ")
 
 
 @pytest.mark.parametrize("codes, want", [({"unit": 1, "not unit": 0}, 1),
