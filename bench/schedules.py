@@ -113,7 +113,7 @@ LAUNCHER_VARIABLES = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "G
 # what each round's profile measured of the figures the prediction reads most
 PROFILED = ("gpu_peak_flops", "efficiency_half_tokens", "backward_over_forward",
             "pass_overhead_s", "head_rate_over_layer", "head_backward_over_forward",
-            "p2p_latency_s", "instruction_overhead_s",
+            "p2p_latency_s", "instruction_overhead_s", "executor_compute_over_pass",
             "cpu_optimizer_params_per_s", "pcie_bytes_per_s", "p2p_bytes_per_s")
 
 
