@@ -24,8 +24,10 @@ taken out), and the FORWARD's time, which sets the curve's level at the run's mi
 (final norm, output layer to the vocabulary of --vocab-size or LLaMA-2's, loss): its rate
 over the layer's and its backward's ratio, and an embedding stage's (printed only), half a
 small round trip between two GPUs' processes posted as the executor posts its transfers
-(p2p_latency_s), the executor's host time per instruction beyond its compute, from a
-one-process pipeline of the model's layers (instruction_overhead_s), the bandwidth between two
+(p2p_latency_s), the executor's host time per instruction beyond its compute and its
+one-layer stage's FORWARD and BACKWARD over the same stage's timed alone, from a
+one-process pipeline of the model's layers in each process at once (instruction_overhead_s,
+executor_compute_over_pass), the bandwidth between two
 devices (two GPUs when there are; on the CPU layer the loopback socket gloo would use);
 free /dev/shm, host memory and `ulimit -l`. With --nvme-path DIR, the drive for optimizer
 states on NVMe: O_DIRECT sequential write then read of a temporary file in DIR through the
@@ -440,27 +442,18 @@ def compute_measurements(device, model: ModelConfig, dtype: torch.dtype,
     return rates, passes
 
 
-def free_ports(count: int) -> list[int]:
-    """`count` distinct free TCP ports on this host, for rendezvous (all held open until
-    every one is chosen, so none is chosen twice)."""
-    with contextlib.ExitStack() as held:
-        probes = [held.enter_context(socket.socket()) for _ in range(count)]
-        for probe in probes:
-            probe.bind(("127.0.0.1", 0))
-        return [probe.getsockname()[1] for probe in probes]
-
-
-def _pair_worker(rank: int, world: int, ports: list[int], model_flags: list[str],
+def _pair_worker(rank: int, world: int, port: int, model_flags: list[str],
                  model: ModelConfig, dtype: torch.dtype, batches: tuple[int, ...],
                  rounds: int, micro_batch: int, ready, results) -> None:
     """One of `world` processes, each playing one GPU as training does: compute_measurements
     by all at once (on the CPU device layer they share the cores as the training processes
     do, with torchrun's one thread each unless OMP_NUM_THREADS says otherwise), then ranks
-    0 and 1 ping-pong; then, each in a one-process group of its own (`ports[1 + rank]`),
-    all at once again (they meet at `ready`), executor_times: the executor's instructions
-    right after the passes alone."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports[0]))
+    0 and 1 ping-pong; then, each in a one-process group of its own, all at once again
+    (they meet at `ready`), executor_times: the executor's instructions right after the
+    passes alone."""
+    launcher = dict(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                    MASTER_PORT=str(port))
+    os.environ.update(LOCAL_RANK=str(rank), **launcher)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     warnings.filterwarnings("ignore", category=UserWarning)
     initialize_distributed()
@@ -474,9 +467,11 @@ def _pair_worker(rank: int, world: int, ports: list[int], model_flags: list[str]
     finally:
         device.close()
         shutdown_distributed()
-    # the executor's program in a one-process pipeline of this process's own (its own
-    # job: its own rendezvous and shared-memory names), the GPU still this process's
-    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_PORT=str(ports[1 + rank]))
+    # the executor's program in a one-process pipeline of this process's own, the GPU
+    # still this process's: no launcher, so a group in this process alone (no port to
+    # rendezvous at) and segments named by its pid
+    for name in launcher:
+        del os.environ[name]
     try:
         per_instruction, executor_over_pass = executor_times(
             model_flags, model, dtype, micro_batch, ready=ready.wait)
@@ -508,12 +503,19 @@ def pair_measurements(processes: int, model_flags: list[str], model: ModelConfig
     context = torch.multiprocessing.get_context("spawn")
     results = context.SimpleQueue()
     ready = context.Barrier(processes)
-    ports = free_ports(processes + 1)
+    with socket.socket() as probe:  # a free port for the rendezvous
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
     workers = [context.Process(target=_pair_worker, args=(
-        rank, processes, ports, model_flags, model, dtype, batches, rounds, micro_batch,
+        rank, processes, port, model_flags, model, dtype, batches, rounds, micro_batch,
         ready, results)) for rank in range(processes)]
     for worker in workers:
         worker.start()
+    while any(w.is_alive() for w in workers):
+        time.sleep(0.2)
+        if any(w.exitcode not in (None, 0) for w in workers):
+            ready.abort()  # the others stop at `ready` instead of waiting there for it
+            break
     for worker in workers:
         worker.join()
     failed = [w.exitcode for w in workers if w.exitcode != 0]
