@@ -36,7 +36,8 @@ from bench.machine import fixed_work_rate, relative_spread  # noqa: E402
 # The profile's fields that --plan's cost model reads (megatron/schedules/hardware.py)
 PRICED_FIELDS = (
     "gpu_peak_flops", "efficiency_half_tokens", "pass_overhead_s", "backward_over_forward",
-    "head_rate_over_layer", "head_backward_over_forward", "p2p_latency_s", "instruction_overhead_s", "cpu_optimizer_params_per_s",
+    "head_rate_over_layer", "head_backward_over_forward", "p2p_latency_s", "instruction_overhead_s",
+    "executor_compute_over_pass", "cpu_optimizer_params_per_s",
     "pcie_bytes_per_s", "d2h_bytes_per_s", "h2d_shm_bytes_per_s", "p2p_bytes_per_s",
     "host_memory_bytes_per_s", "gpu_update_params_per_s", "downscale_params_per_s",
     "device_subgroup_params_per_s", "subgroup_overhead_s", "update_overlap",

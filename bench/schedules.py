@@ -45,7 +45,9 @@ round's profile as it was), the machine's drift across the run, what a predictio
 just before it cannot see (run_compute_after_over_before: the layer's FORWARD after the
 run over before it; fixed_work_after_over_before_run) and
 fixed_work_before_run_over_round_start; per stage, the traced FORWARD and BACKWARD over
-their prices (stage_*_measured_over_predicted). Over all runs: how many lie within
+their prices (stage_*_measured_over_predicted). Beside every prediction, the same plan
+priced at the profile's passes alone (passes_alone_predicted_over_measured: the
+profile's executor_compute_over_pass taken as 1), what that measured factor changes. Over all runs: how many lie within
 0.85-1.15, their median, min and max; steady_runs: the same over the runs whose layer
 FORWARD held within 10 % across them.
 
@@ -113,7 +115,7 @@ LAUNCHER_VARIABLES = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "G
 # what each round's profile measured of the figures the prediction reads most
 PROFILED = ("gpu_peak_flops", "efficiency_half_tokens", "backward_over_forward",
             "pass_overhead_s", "head_rate_over_layer", "head_backward_over_forward",
-            "p2p_latency_s", "instruction_overhead_s",
+            "p2p_latency_s", "instruction_overhead_s", "executor_compute_over_pass",
             "cpu_optimizer_params_per_s", "pcie_bytes_per_s", "p2p_bytes_per_s")
 
 
@@ -237,6 +239,11 @@ def measure(name: str, base: RunConfig, bench: argparse.Namespace, trace: str,
             row["stage_backward_measured_over_predicted"] = [
                 (costs.backward[k] + costs.recompute[k])
                 / (priced.backward[k] + priced.recompute[k]) for k in sorted(priced.backward)]
+        # the same plan priced at the passes alone (the profile's compute not scaled by
+        # its executor's): what the executor_compute_over_pass changes, run by run
+        row["passes_alone_predicted_over_measured"] = plan_priced(
+            step, replace(step.plan.hardware, executor_compute_over_pass=1.0)
+        ) / row["iteration_time_s"]
         if round_profile is not None:  # the compute as the round's profile measured it
             row["round_profile_predicted_over_measured"] = (
                 plan_priced(step, get_hardware(round_profile)) / row["iteration_time_s"])
@@ -344,6 +351,7 @@ def summarize(name: str, rows: list[dict], baseline_rows: list[dict] | None) -> 
         out["predicted_over_measured_per_round"] = ratios
         out["within_target"] = all(TARGET[0] <= r <= TARGET[1] for r in ratios)
         for key in ("measured_over_predicted_compute", "at_run_compute_over_measured",
+                    "passes_alone_predicted_over_measured",
                     "round_profile_predicted_over_measured", "fixed_work_after_over_before_run",
                     "fixed_work_before_run_over_round_start",
                     "run_compute_forward_s", "run_compute_backward_s",
@@ -462,6 +470,8 @@ def run(bench: argparse.Namespace, base: RunConfig) -> dict:
         "predicted_over_measured_all_runs": over_runs(rows, "predicted_over_measured"),
         "round_profile_predicted_over_measured_all_runs": over_runs(
             rows, "round_profile_predicted_over_measured"),
+        "passes_alone_predicted_over_measured_all_runs": over_runs(
+            rows, "passes_alone_predicted_over_measured"),
         # the machine's drift across each run: the fixed work after it over before it
         "fixed_work_after_over_before_run_all_runs": over_runs(
             rows, "fixed_work_after_over_before_run"),
@@ -520,6 +530,8 @@ def main(argv: list[str] | None = None) -> int:
         for key, what in (("predicted_over_measured_all_runs", "predicted/measured"),
                           ("round_profile_predicted_over_measured_all_runs",
                            "on the round's profile"),
+                          ("passes_alone_predicted_over_measured_all_runs",
+                           "priced at the passes alone"),
                           ("fixed_work_after_over_before_run_all_runs",
                            "fixed work after/before each run"),
                           ("run_compute_after_over_before_all_runs",

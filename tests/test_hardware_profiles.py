@@ -200,6 +200,34 @@ def test_a_profile_brought_up_to_date_prices_a_layer_at_the_passes_just_measured
 
 
 @pytest.mark.unit
+def test_the_executors_compute_over_the_passes_scales_every_priced_pass():
+    """A profile's executor_compute_over_pass (tools/profile_hardware.py: a one-layer
+    stage's FORWARD and BACKWARD as the executor runs them over the stage's timed alone)
+    prices every FORWARD, BACKWARD and recompute, the head's included, at that multiple
+    of the passes, and nothing else; bringing the compute up to date (with_pass_times)
+    keeps it, and a profile file written without it prices the passes alone."""
+    preset = get_preset("tiny")
+    measured = with_pass_times(dataclasses.replace(get_hardware("paper-v100"),
+                                                   pass_overhead_s=0.0), preset, 4, 0.010, 0.027)
+    executor = dataclasses.replace(measured, executor_compute_over_pass=1.2)
+    schedule = build_schedule("decoupled", 2, 4, 1, 2, [1, 1, 1, 1])
+    alone = derived_costs(schedule, preset, measured, micro_batch_size=4)
+    priced = derived_costs(schedule, preset, executor, micro_batch_size=4)
+    assert priced.forward == pytest.approx([1.2 * t for t in alone.forward])
+    for part in ("backward", "recompute"):
+        assert getattr(priced, part) == pytest.approx(
+            {b: 1.2 * t for b, t in getattr(alone, part).items()})
+    for part in ("optimizer", "param_transfer", "grad_transfer", "p2p_activation",
+                 "p2p_checkpoint", "instruction"):
+        assert getattr(priced, part) == getattr(alone, part)
+    assert with_pass_times(executor, preset, 4, 0.011, 0.030).executor_compute_over_pass == 1.2
+    values = json.loads(executor.to_json())
+    del values["executor_compute_over_pass"]
+    assert derived_costs(schedule, preset, profile_from_dict(values),
+                         micro_batch_size=4) == alone
+
+
+@pytest.mark.unit
 def test_a_measured_head_is_priced_at_its_passes_and_scales_by_its_flops():
     """A profile that measured the head (tools/profile_hardware.py: a head stage's FORWARD
     and BACKWARD beside a one-layer stage's) prices the last stage's head at exactly those

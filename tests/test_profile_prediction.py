@@ -24,9 +24,12 @@ pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
 
 def profile_hardware(*args: str):
-    """`python tools/profile_hardware.py ARGS` (a fork of the session's preloaded zygote)."""
+    """`python tools/profile_hardware.py ARGS` (a fork of the session's preloaded zygote),
+    without the device sanitizer, as the runs it prices below: its executor's pipeline
+    times the instructions as those runs execute them."""
     return forked_ranks.launch("tools/profile_hardware.py", ["--model-preset", "tiny", *args],
-                               env={"OMP_NUM_THREADS": "1"}, timeout=300)
+                               env={"OMP_NUM_THREADS": "1", "MEGATRON_DEVICE_SANITIZER": "0"},
+                               timeout=300)
 
 
 def test_profile_based_prediction_is_near_the_measured_iteration(tmp_path, demo_cache):
@@ -48,6 +51,10 @@ def test_profile_based_prediction_is_near_the_measured_iteration(tmp_path, demo_
         assert [line for line in done.stderr.splitlines() if "profile_hardware: NVMe" in line]
         assert os.listdir(drive) == []  # the temporary file is gone
     assert measured["p2p_latency_s"] > 0 and measured["instruction_overhead_s"] > 0
+    # the executor's one-layer stage against the stage alone, measured and printed
+    assert measured["executor_compute_over_pass"] > 0
+    assert [line for line in done.stderr.splitlines()
+            if "a one-layer stage's FORWARD and BACKWARD there" in line]
     # compute measured at the planned model's layer (the tiny preset: micro-batch 4), with
     # the spread over its rounds
     assert measured["compute_shape"] == {**layer_shape(get_preset("tiny")),

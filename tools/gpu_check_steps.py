@@ -273,7 +273,8 @@ PROFILE_FIELDS = ("gpu_peak_flops", "efficiency_half_tokens", "pcie_bytes_per_s"
                   "d2h_bytes_per_s", "h2d_shm_bytes_per_s", "cpu_optimizer_params_per_s",
                   "host_memory_bytes_per_s", "gpu_update_params_per_s", "pass_overhead_s",
                   "backward_over_forward", "head_rate_over_layer",
-                  "head_backward_over_forward", "compute_spread", "datasheet_peak_flops")
+                  "head_backward_over_forward", "executor_compute_over_pass",
+                  "compute_spread", "datasheet_peak_flops")
 PROFILES = 2  # back to back: how far two profiles of this machine, and their plans, differ
 
 

@@ -24,8 +24,10 @@ taken out), and the FORWARD's time, which sets the curve's level at the run's mi
 (final norm, output layer to the vocabulary of --vocab-size or LLaMA-2's, loss): its rate
 over the layer's and its backward's ratio, and an embedding stage's (printed only), half a
 small round trip between two GPUs' processes posted as the executor posts its transfers
-(p2p_latency_s), the executor's host time per instruction beyond its compute, from a
-one-process pipeline of the model's layers (instruction_overhead_s), the bandwidth between two
+(p2p_latency_s), the executor's host time per instruction beyond its compute and its
+one-layer stage's FORWARD and BACKWARD over the same stage's timed alone, from a
+one-process pipeline of the model's layers in each process at once (instruction_overhead_s,
+executor_compute_over_pass), the bandwidth between two
 devices (two GPUs when there are; on the CPU layer the loopback socket gloo would use);
 free /dev/shm, host memory and `ulimit -l`. With --nvme-path DIR, the drive for optimizer
 states on NVMe: O_DIRECT sequential write then read of a temporary file in DIR through the
@@ -273,6 +275,14 @@ def stage_passes(device, model: ModelConfig, dtype: torch.dtype, micro_batch: in
     return forward, backward
 
 
+def timed(device, work: Callable[[], None]) -> float:
+    """Seconds of `work` between events recorded on the device's compute stream."""
+    begin = device.compute_stream.record_event()
+    work()
+    end = device.compute_stream.record_event()
+    return end.time_s() - begin.time_s()
+
+
 def pass_times(device, model: ModelConfig, dtype: torch.dtype, micro_batch: int,
                budget_s: float = 3.0, ready: Callable[[], None] = lambda: None,
                pieces: tuple[str, ...] = ("layer",)) -> dict[str, tuple[float, float]]:
@@ -284,16 +294,9 @@ def pass_times(device, model: ModelConfig, dtype: torch.dtype, micro_batch: int,
     stages = {piece: stage_passes(device, model, dtype, micro_batch, piece)
               for piece in pieces}
     ready()
-    stream = device.compute_stream
-
-    def timed(work: Callable[[], None]) -> float:
-        begin = stream.record_event()
-        work()
-        end = stream.record_event()
-        return end.time_s() - begin.time_s()
 
     def one_round() -> dict[str, tuple[float, float]]:
-        return {piece: (timed(forward), timed(backward))
+        return {piece: (timed(device, forward), timed(device, backward))
                 for piece, (forward, backward) in stages.items()}
     first = sum(f + b for f, b in one_round().values())  # a warm-up
     rounds = [one_round() for _ in range(min(41, max(9, int(budget_s / first))))]
@@ -361,44 +364,69 @@ def p2p_latency(device, peer: int, first: bool, round_trips: int = 200) -> float
     return statistics.median(times) / 2
 
 
-# The one-process pipeline executor_instruction_s runs: one decoder layer a forward stage,
-# the decoupled schedule's program (every kind of instruction a rank runs without a peer)
+# The one-process pipeline executor_times runs: one decoder layer a forward stage, the
+# decoupled schedule's program (every kind of instruction a rank runs without a peer)
 PROGRAM_STAGES = 4
+PROGRAM_MICRO_BATCHES = 2
 
 
-def executor_instruction_s(model_flags: list[str], micro_batch: int,
-                           iterations: int = 6) -> float:
-    """The executor's host time per instruction beyond its compute: a one-process pipeline
-    (the decoupled schedule, PROGRAM_STAGES forward stages of one layer of the model
-    `model_flags` names, 2 micro-batches of `micro_batch`, synthetic tokens) trains
-    `iterations` iterations; with no peer to wait for, an iteration's time outside its
+def executor_times(model_flags: list[str], model: ModelConfig, dtype: torch.dtype,
+                   micro_batch: int, iterations: int = 6,
+                   ready: Callable[[], None] = lambda: None) -> tuple[float, float]:
+    """The executor's host time per instruction beyond its compute, and a one-layer
+    stage's FORWARD and BACKWARD instructions as it runs them over the same stage's passes
+    timed alone: a one-process pipeline (the decoupled schedule, PROGRAM_STAGES forward
+    stages of one layer of the model `model_flags` names, the first with the embedding,
+    the last with the head, PROGRAM_MICRO_BATCHES micro-batches of `micro_batch`,
+    synthetic tokens) trains `iterations` iterations, its copy and optimizer threads
+    running as in training. With no peer to wait for, an iteration's time outside its
     FORWARD/BACKWARD instructions and its optimizer waits (the executor's bubble time) is
     the program's own dispatch: parameter slots filled and released, modules bound, events
-    recorded, memory books kept, transfers posted. Its median over the iterations after the
-    first, over the instructions it covers (all but the optimizer's). Needs the profile's
-    one-process group (main). It holds four layers' parameters and optimizer states, the
-    model's layer counted four times."""
+    recorded, memory books kept, transfers posted; its median over the iterations after the
+    first, over the instructions it covers (all but the optimizer's). The one-layer stage:
+    the stages between the first and the last, their instructions' compute from each
+    iteration's events, per micro-batch, over a one-layer stage's FORWARD and BACKWARD
+    timed alone (stage_passes, `model` in `dtype`, the median of three) right after that
+    iteration, so that the machine's drift touches both alike; the median of those ratios
+    over the same iterations. Needs a one-process group. It holds four layers' parameters
+    and optimizer states, the model's layer counted four times. `ready`: called once the
+    pipeline is built, before the timing (processes measuring at once meet there)."""
     run = parse_args([*model_flags, "--num-layers", str(PROGRAM_STAGES),
                       "--pipeline-schedule", "decoupled",
                       "--forward-stages", str(PROGRAM_STAGES),
                       "--micro-batch-size", str(micro_batch),
-                      "--global-batch-size", str(2 * micro_batch)])
+                      "--global-batch-size", str(PROGRAM_MICRO_BATCHES * micro_batch)])
     dist_info = initialize_distributed()
     model_cfg = LlamaConfig.from_model(run.model, run.model.planned_vocab_size, seed=1)
     with contextlib.redirect_stdout(io.StringIO()):  # the plan it prints is not the profile's
         step = PipelineTrainStep(model_cfg, run, dist_info)
+    device = get_device()  # the stage alone, beside the pipeline's own device layer
     try:
+        forward, backward = stage_passes(device, model, dtype, micro_batch, "layer")
         tokens = torch.randint(0, model_cfg.vocab_size, (micro_batch, run.model.seq_length),
                                device=dist_info.torch_device)
         batch = {"tokens": tokens, "labels": tokens.roll(-1, dims=1),
                  "loss_mask": torch.ones_like(tokens, dtype=torch.float32)}
-        bubbles = [step.step(i, [batch, batch], 1e-5, 0.0).extra["bubble_time_s"]
-                   for i in range(1, iterations + 1)]
+        ready()
+        bubbles, ratios = [], []
+        layer_stages = range(1, PROGRAM_STAGES - 1)  # no embedding, no head
+        for i in range(1, iterations + 1):
+            report = step.pipeline.step(i, [batch] * PROGRAM_MICRO_BATCHES, 1e-5, 0.0,
+                                        record_timeline=True)
+            in_executor = (sum(e.end - e.start for e in report.events
+                               if e.resource == "compute" and e.stage in layer_stages)
+                           / (len(layer_stages) * PROGRAM_MICRO_BATCHES))
+            alone = statistics.median(timed(device, forward) + timed(device, backward)
+                                      for _ in range(3))
+            if i > 1:  # the first: a warm-up
+                bubbles.append(report.breakdown["bubble_time_s"])
+                ratios.append(in_executor / alone)
         program = step.config.schedule.programs[0]
     finally:
+        device.close()
         step.close()
     covered = sum(1 for ins in program if ins.op not in OPTIMIZER_OPS)
-    return statistics.median(bubbles[1:]) / covered
+    return statistics.median(bubbles) / covered, statistics.median(ratios)
 
 
 def compute_measurements(device, model: ModelConfig, dtype: torch.dtype,
@@ -414,45 +442,80 @@ def compute_measurements(device, model: ModelConfig, dtype: torch.dtype,
     return rates, passes
 
 
-def _pair_worker(rank: int, world: int, port: int, model: ModelConfig, dtype: torch.dtype,
-                 batches: tuple[int, ...], rounds: int, micro_batch: int, results) -> None:
+def _pair_worker(rank: int, world: int, port: int, model_flags: list[str],
+                 model: ModelConfig, dtype: torch.dtype, batches: tuple[int, ...],
+                 rounds: int, micro_batch: int, ready, results) -> None:
     """One of `world` processes, each playing one GPU as training does: compute_measurements
     by all at once (on the CPU device layer they share the cores as the training processes
     do, with torchrun's one thread each unless OMP_NUM_THREADS says otherwise), then ranks
-    0 and 1 ping-pong."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    0 and 1 ping-pong; then, each in a one-process group of its own, all at once again
+    (they meet at `ready`), executor_times: the executor's instructions right after the
+    passes alone."""
+    launcher = dict(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                    MASTER_PORT=str(port))
+    os.environ.update(LOCAL_RANK=str(rank), **launcher)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     warnings.filterwarnings("ignore", category=UserWarning)
     initialize_distributed()
     device = get_device()
     try:
-        measured = compute_measurements(device, model, dtype, batches, rounds, micro_batch,
-                                        ready=dist.barrier)
+        rates, passes = compute_measurements(device, model, dtype, batches, rounds,
+                                             micro_batch, ready=dist.barrier)
         dist.barrier()
-        latency = p2p_latency(device, 1 - rank, rank == 0) if rank < 2 else 0.0
-        results.put((rank, *measured, latency))
+        latency = (p2p_latency(device, 1 - rank, rank == 0) if world > 1 and rank < 2
+                   else 0.0)
     finally:
         device.close()
         shutdown_distributed()
+    # the executor's program in a one-process pipeline of this process's own, the GPU
+    # still this process's: no launcher, so a group in this process alone (no port to
+    # rendezvous at) and segments named by its pid
+    for name in launcher:
+        del os.environ[name]
+    try:
+        per_instruction, executor_over_pass = executor_times(
+            model_flags, model, dtype, micro_batch, ready=ready.wait)
+    finally:
+        shutdown_distributed()
+    results.put((rank, rates, passes, latency, per_instruction,
+                 executor_over_pass))
 
 
-def pair_measurements(processes: int, model: ModelConfig, dtype: torch.dtype,
-                      batches: tuple[int, ...], rounds: int, micro_batch: int
-                      ) -> tuple[dict[int, list[float]], dict[str, tuple[float, float]],
-                                 float]:
-    """`processes` workers at once (see _pair_worker): compute_measurements' figures, the
-    means over the processes (the rates round by round), and the point-to-point latency."""
+@dataclasses.dataclass(frozen=True)
+class ComputeMeasurements:
+    """What the processes measured at once (means over them): the layer's rates per
+    micro-batch, round by round; each piece's FORWARD and BACKWARD (pass_times); the
+    point-to-point latency; the executor's host time per instruction and its one-layer
+    stage's FORWARD and BACKWARD over the same stage's timed alone (executor_times over
+    pass_times')."""
+
+    rates: dict[int, list[float]]
+    passes: dict[str, tuple[float, float]]
+    latency_s: float
+    instruction_s: float
+    executor_compute_over_pass: float
+
+
+def pair_measurements(processes: int, model_flags: list[str], model: ModelConfig,
+                      dtype: torch.dtype, batches: tuple[int, ...], rounds: int,
+                      micro_batch: int) -> ComputeMeasurements:
+    """`processes` workers at once (see _pair_worker), one or more."""
     context = torch.multiprocessing.get_context("spawn")
     results = context.SimpleQueue()
+    ready = context.Barrier(processes)
     with socket.socket() as probe:  # a free port for the rendezvous
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     workers = [context.Process(target=_pair_worker, args=(
-        rank, processes, port, model, dtype, batches, rounds, micro_batch, results))
-        for rank in range(processes)]
+        rank, processes, port, model_flags, model, dtype, batches, rounds, micro_batch,
+        ready, results)) for rank in range(processes)]
     for worker in workers:
         worker.start()
+    while any(w.is_alive() for w in workers):
+        time.sleep(0.2)
+        if any(w.exitcode not in (None, 0) for w in workers):
+            ready.abort()  # the others stop at `ready` instead of waiting there for it
+            break
     for worker in workers:
         worker.join()
     failed = [w.exitcode for w in workers if w.exitcode != 0]
@@ -463,7 +526,9 @@ def pair_measurements(processes: int, model: ModelConfig, dtype: torch.dtype,
              for b in batches}
     passes = {piece: tuple(statistics.mean(row[2][piece][i] for row in rows) for i in (0, 1))
               for piece in PIECES}
-    return rates, passes, max(row[3] for row in rows)
+    return ComputeMeasurements(rates, passes, max(row[3] for row in rows),
+                               statistics.mean(row[4] for row in rows),
+                               statistics.mean(row[5] for row in rows))
 
 
 def loopback_rate(nbytes: int) -> float:
@@ -570,8 +635,6 @@ def measured_dtype(run: RunConfig, on_cuda: bool) -> torch.dtype:
 
 def profile(args: argparse.Namespace, run: RunConfig, baseline: int) -> HardwareProfile:
     started = time.perf_counter()
-    # first, before this process's device layer: the pipeline builds its own
-    per_instruction = executor_instruction_s(args.model_flags, run.training.micro_batch_size)
     device = get_device()
     on_cuda = device.kind == "cuda"
     gpus = args.gpus_per_node or (torch.cuda.device_count() if on_cuda else 2)
@@ -608,13 +671,10 @@ def profile(args: argparse.Namespace, run: RunConfig, baseline: int) -> Hardware
     batches = tuple(sorted({1, micro_batch, 2 * micro_batch}))
     # the processes training runs on this node, each playing one GPU (on CUDA one per GPU)
     processes = gpus if not on_cuda else min(gpus, torch.cuda.device_count())
-    if processes > 1:
-        rates, passes, latency = pair_measurements(
-            processes, model, dtype, batches, args.rounds, micro_batch)
-    else:
-        rates, passes = compute_measurements(
-            device, model, dtype, batches, args.rounds, micro_batch)
-        latency = 0.0
+    measured = pair_measurements(processes, args.model_flags, model, dtype, batches,
+                                 args.rounds, micro_batch)
+    rates, passes, latency = measured.rates, measured.passes, measured.latency_s
+    per_instruction = measured.instruction_s
     peak, half = fit_efficiency_curve({b * model.seq_length: statistics.median(r)
                                        for b, r in rates.items()})
     compute_spread = max(spread(r) for r in rates.values())
@@ -652,7 +712,9 @@ def profile(args: argparse.Namespace, run: RunConfig, baseline: int) -> Hardware
              f"{embedding_s / (forward_s + backward_s):.1%} of the one-layer stage's (not "
              "priced: a table lookup)")
     progress(f"the executor's host time per instruction {per_instruction * 1e6:.0f} us (a "
-             f"one-process pipeline of {PROGRAM_STAGES} one-layer stages, beyond compute)")
+             f"one-process pipeline of {PROGRAM_STAGES} one-layer stages, beyond compute, "
+             f"{processes} process(es) at once); a one-layer stage's FORWARD and BACKWARD there "
+             f"{measured.executor_compute_over_pass:.3f} x the stage's alone")
     if processes > 1:
         progress(f"point-to-point latency {latency * 1e6:.0f} us (half a one-element round "
                  f"trip, {'nccl' if on_cuda else 'gloo'})")
@@ -718,6 +780,7 @@ def profile(args: argparse.Namespace, run: RunConfig, baseline: int) -> Hardware
         head_backward_over_forward=head_backward,
         p2p_latency_s=latency,
         instruction_overhead_s=per_instruction,
+        executor_compute_over_pass=measured.executor_compute_over_pass,
         device_kind=device.kind,
         # a GPU's datasheet peak from the table of GPUs; None (the CPU, an unknown GPU):
         # --plan's MFU is then against the measured `peak`
@@ -732,7 +795,10 @@ def profile(args: argparse.Namespace, run: RunConfig, baseline: int) -> Hardware
                f"({model.name}) at micro-batches {', '.join(map(str, batches))}, {args.rounds} "
                "rounds; the C++ AdamW rate is one process's times the GPUs per node, which "
                "assumes they do not contend for memory bandwidth; the layer's throughput, "
-               f"a pass's time and the latency measured by {processes} process(es) at once)"
+               f"a pass's time, the latency and the executor's one-process pipeline "
+               f"(its host time per instruction; its FORWARD/BACKWARD instructions' compute "
+               f"over the same stages' passes alone, which scales every priced pass) "
+               f"measured by {processes} process(es) at once)"
                + nvme_source,
     )
     device.close()

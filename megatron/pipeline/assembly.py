@@ -299,10 +299,14 @@ class Pipeline:
     # --- one iteration -----------------------------------------------------------------
 
     def step(self, iteration: int, micro_batches: Sequence[Batch], lr: float,
-             weight_decay: float) -> StepReport:
+             weight_decay: float, record_timeline: bool | None = None) -> StepReport:
+        """One iteration; its events gathered where `record_timeline` (None: at the
+        configuration's record_timeline_at)."""
         self.cpu_adam.lr, self.cpu_adam.weight_decay = lr, weight_decay
-        stats = self.executor.run_iteration(
-            iteration, micro_batches, record_timeline=iteration == self.config.record_timeline_at)
+        if record_timeline is None:
+            record_timeline = iteration == self.config.record_timeline_at
+        stats = self.executor.run_iteration(iteration, micro_batches,
+                                            record_timeline=record_timeline)
         if self.reducer:  # every shard's corrections must be in before the publish
             self.optimizer.drain()
             self._publish_shards(iteration)

@@ -183,7 +183,8 @@ def derived_costs(
     micro-batch's tokens, the head's its flops at `head_rate_over_layer` times that rate;
     backward is the profile's `backward_over_forward` times the forward (2 unless
     measured; the head's `head_backward_over_forward` where measured), recompute equals
-    the forward; parameters and gradients
+    the forward, every pass scaled by `executor_compute_over_pass` (the executor's
+    instructions against the passes alone); parameters and gradients
     move in 16-bit; the CPU optimizer throughput of a node is shared by its GPUs; every
     forward and backward pass adds the profile's `pass_overhead_s`, every transfer between
     ranks (activation, gradient, checkpoint) its `p2p_latency_s`, every instruction (those
@@ -205,10 +206,13 @@ def derived_costs(
     tokens = micro_batch_size * seq
     efficiency = hardware.gpu_max_efficiency * tokens / (tokens + hardware.efficiency_half_tokens)
     flops_per_s = hardware.gpu_peak_flops * efficiency
-    layer_time = layer_forward_flops_per_token(model, seq) * tokens / flops_per_s
+    # a pass as the executor's instructions deliver it (executor_compute_over_pass)
+    layer_time = (layer_forward_flops_per_token(model, seq) * tokens / flops_per_s
+                  * hardware.executor_compute_over_pass)
     # the head at its own rate, a fixed ratio to the layer's at these tokens
     head_time = (head_forward_flops_per_token(model) * tokens
-                 / (flops_per_s * hardware.head_rate_over_layer))
+                 / (flops_per_s * hardware.head_rate_over_layer)
+                 * hardware.executor_compute_over_pass)
     head_backward = (hardware.backward_over_forward if hardware.head_backward_over_forward
                      is None else hardware.head_backward_over_forward)
     optimizer_rate = hardware.cpu_optimizer_params_per_s / hardware.gpus_per_node

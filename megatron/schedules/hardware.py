@@ -124,6 +124,7 @@ FIELD_RULES: dict[str, FieldRule] = {
                                             "backward_over_forward)", low=0.0, nullable=True),
     "p2p_latency_s": _zero_unknown("seconds", zero="bandwidth alone"),
     "instruction_overhead_s": _zero_unknown("seconds", zero="free"),
+    "executor_compute_over_pass": _positive("a ratio"),
     "device_kind": FieldRule(str, '"cuda" or "cpu"', choices=("cuda", "cpu")),
     "source": _TEXT,
     "datasheet_peak_flops": FieldRule(float, "FLOP/s > 0, or null (unknown)", low=0.0,
@@ -195,6 +196,16 @@ class HardwareProfile:
     # transfers posted), added to the issuing rank's clock before each instruction, every
     # kind alike; measured on a one-process pipeline, where nothing waits on a peer (0: free)
     instruction_overhead_s: float = 0.0
+    # The compute of the executor's FORWARD and BACKWARD instructions over the same stages'
+    # passes timed alone (a stage's module and nothing else: tools/profile_hardware.py's
+    # pass_times), measured on that one-process pipeline, all GPUs' processes at once; it
+    # scales every priced pass. What an instruction's compute carries beyond its stage's
+    # pass: the parameters bound to their slot and the gradients to their buffer, the wait
+    # for a late copy, and, on the CPU device layer, where a rank's compute runs on its
+    # main thread, the cores it shares with the rank's own copy, optimizer and
+    # communication threads (on a GPU these run beside it; there it is near 1). 1: the
+    # passes alone (not measured)
+    executor_compute_over_pass: float = 1.0
     device_kind: str = "cuda"  # "cpu": the CPU device layer plays the GPUs (tests, CI)
     source: str = ""  # where the figures come from
     # The device's datasheet peak (dense, 16-bit), what MFU is reported against; None:
