@@ -47,9 +47,9 @@ run over before it; fixed_work_after_over_before_run) and
 fixed_work_before_run_over_round_start; per stage, the traced FORWARD and BACKWARD over
 their prices (stage_*_measured_over_predicted). Beside every prediction, the same plan
 priced at the profile's passes alone (passes_alone_predicted_over_measured: the
-profile's executor_compute_over_pass taken as 1), what that measured factor changes. Over all runs: how many lie within
-0.85-1.15, their median, min and max; steady_runs: the same over the runs whose layer
-FORWARD held within 10 % across them.
+profile's executor_compute_over_pass taken as 1), what that measured factor changes.
+Over all runs: how many lie within 0.85-1.15, their median, min and max; steady_runs:
+the same over the runs whose layer FORWARD held within 10 % across them.
 
 Rank 0 prints one JSON object (--json) or a table. With --out-dir, each schedule's
 metrics file, the last measured iteration's trace (trace.json), with --compute-each-run

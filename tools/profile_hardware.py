@@ -247,6 +247,14 @@ def spread(values: list[float]) -> float:
     return (max(values) - min(values)) / statistics.median(values)
 
 
+def synthetic_batch(vocab_size: int, micro_batch: int, seq_length: int,
+                    device: torch.device) -> dict[str, torch.Tensor]:
+    """A micro-batch of random tokens, its labels the next tokens, every token counted."""
+    tokens = torch.randint(0, vocab_size, (micro_batch, seq_length), device=device)
+    return {"tokens": tokens, "labels": tokens.roll(-1, dims=1),
+            "loss_mask": torch.ones(micro_batch, seq_length, device=device)}
+
+
 def stage_passes(device, model: ModelConfig, dtype: torch.dtype, micro_batch: int,
                  piece: str) -> tuple[Callable[[], None], Callable[[], None]]:
     """A FORWARD and a BACKWARD instruction of a stage holding one `piece` of `model` at
@@ -256,11 +264,8 @@ def stage_passes(device, model: ModelConfig, dtype: torch.dtype, micro_batch: in
     ("head": the final norm, the output layer to the vocabulary and the cross-entropy), or
     from the first layer's gradient into the table ("embedding", its input the tokens)."""
     module, hidden = model_piece(device, model, dtype, micro_batch, piece)
-    tokens = torch.randint(0, model.planned_vocab_size, (micro_batch, model.seq_length),
-                           device=device.torch_device)
-    batch = {"tokens": tokens, "labels": tokens.roll(-1, dims=1),
-             "loss_mask": torch.ones(micro_batch, model.seq_length,
-                                     device=device.torch_device)}
+    batch = synthetic_batch(model.planned_vocab_size, micro_batch, model.seq_length,
+                            device.torch_device)
     grad_out = torch.randn_like(hidden)
 
     def forward() -> None:
@@ -403,10 +408,8 @@ def executor_times(model_flags: list[str], model: ModelConfig, dtype: torch.dtyp
     device = get_device()  # the stage alone, beside the pipeline's own device layer
     try:
         forward, backward = stage_passes(device, model, dtype, micro_batch, "layer")
-        tokens = torch.randint(0, model_cfg.vocab_size, (micro_batch, run.model.seq_length),
-                               device=dist_info.torch_device)
-        batch = {"tokens": tokens, "labels": tokens.roll(-1, dims=1),
-                 "loss_mask": torch.ones_like(tokens, dtype=torch.float32)}
+        batch = synthetic_batch(model_cfg.vocab_size, micro_batch, run.model.seq_length,
+                                dist_info.torch_device)
         ready()
         bubbles, ratios = [], []
         layer_stages = range(1, PROGRAM_STAGES - 1)  # no embedding, no head

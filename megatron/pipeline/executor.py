@@ -80,7 +80,7 @@ from megatron.schedules.timeline import TimedEvent
 Batch = dict[str, torch.Tensor]
 # Ops whose time on the main thread counts as optimizer time the GPUs are not hidden by.
 OPTIMIZER_OPS = frozenset(op for op, spec in OP_SPECS.items()
-                           if spec.resource in ("cpu-optimizer", "host"))
+                          if spec.resource in ("cpu-optimizer", "host"))
 # How the main thread's waits of the iteration's tail are labelled on the timeline (the
 # legend in megatron/schedules/timeline.py): waiting for its own steps, in the verdict's
 # all-reduce (for every rank's), for the corrections; the others are "oS,k".
