@@ -16,7 +16,6 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.data.checks import check_data_prefix
 from megatron.data.demo_corpus import ensure_demo_corpus
 from megatron.data.tokenizer import load_tokenizer
-from tests import shared_corpus
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 SOURCES = ["json/__init__.py", "json/decoder.py", "json/encoder.py", "textwrap.py", "shlex.py"]
@@ -134,9 +133,8 @@ def test_killed_build_leaves_no_corpus_and_the_next_call_rebuilds_it_identically
 
 def test_default_corpus_comes_from_the_standard_library(demo_cache):
     """What `make train` uses: the whole standard library, no download (the session's
-    corpus, which this session built: see tests/shared_corpus.py)."""
-    lines = shared_corpus.build_log().splitlines()
-    assert any(BUILDING in line for line in lines)
+    corpus: built by this session or, under tests/run_suite.py, by whichever of its two
+    sessions took the corpus's lock first; tests/shared_corpus.py)."""
     again = []
     corpus = ensure_demo_corpus(demo_cache, log=again.append)
     assert again == []  # the build's result, served from the cache
