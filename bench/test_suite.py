@@ -8,6 +8,9 @@ and built C++ extension (the same sources are compiled in both); the two suites 
 one after the other, alternating which goes first each round, so that a load that comes
 and goes on the machine falls on both. Prints the wall time of every run, the median and
 range of each side and of the per-round ratio, and the counts of tests pytest reported.
+Beside the wall time, each run's CPU seconds (user + system of the suite and every process
+it started and waited for): the suite is CPU-bound on 2 cores, and CPU time moves less than
+wall time with the machine's load.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import glob
 import json
 import os
 import re
+import resource
 import shutil
 import subprocess
 import sys
@@ -40,15 +44,18 @@ def suite_command(checkout: str) -> list[str]:
 
 
 def run_suite(checkout: str) -> dict:
-    """The suite in `checkout`: wall time, exit status and the tests every session's summary
-    line counts."""
+    """The suite in `checkout`: wall and CPU time, exit status and the tests every session's
+    summary line counts."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.monotonic()
     proc = subprocess.run(suite_command(checkout), cwd=checkout, capture_output=True, text=True)
     seconds = time.monotonic() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     found = [SUMMARY.search(line) for line in proc.stdout.splitlines()
              if re.search(r" in [\d.]+s", line)]
     found = [f for f in found if f]
-    return {"seconds": seconds, "returncode": proc.returncode,
+    return {"seconds": seconds, "cpu_seconds": cpu, "returncode": proc.returncode,
             "passed": sum(int(f.group(1)) for f in found),
             "skipped": sum(int(f.group(2) or 0) for f in found),
             # what failed, so that a failing side says which tests
@@ -84,18 +91,22 @@ def main(argv: list[str] | None = None) -> int:
                 result = run_suite(checkouts[side])
                 runs[side].append(result)
                 if not args.json:
-                    print(f"round {round_ + 1}: {side} {result['seconds']:.1f} s, "
+                    print(f"round {round_ + 1}: {side} {result['seconds']:.1f} s "
+                          f"({result['cpu_seconds']:.0f} CPU s), "
                           f"{result['passed']} passed, rc {result['returncode']}",
                           file=sys.stderr)
     finally:
         subprocess.run(["git", "worktree", "remove", "--force",
                         os.path.join(scratch, "baseline")], cwd=ROOT, capture_output=True)
         shutil.rmtree(scratch, ignore_errors=True)
-    ratios = [t["seconds"] / b["seconds"] for t, b in zip(runs["this"], runs["baseline"])]
+    pairs = list(zip(runs["this"], runs["baseline"]))
     result = {
         "baseline": args.baseline, "rounds": args.rounds, "cores": os.cpu_count(),
         "seconds": {side: spread([r["seconds"] for r in rs]) for side, rs in runs.items()},
-        "this_over_baseline": spread(ratios),
+        "this_over_baseline": spread([t["seconds"] / b["seconds"] for t, b in pairs]),
+        "cpu_seconds": {side: spread([r["cpu_seconds"] for r in rs])
+                        for side, rs in runs.items()},
+        "cpu_this_over_baseline": spread([t["cpu_seconds"] / b["cpu_seconds"] for t, b in pairs]),
         "runs": runs,
     }
     print(json.dumps(result, indent=None if args.json else 1))
