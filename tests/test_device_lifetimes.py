@@ -14,7 +14,7 @@ import torch
 from megatron.offload.device import CopyError, DeviceLayer, KeepAlive
 from megatron.offload.sanitizer import StreamRaceError
 from megatron.optimizer.subgroups import AdamHyper, adam_step_torch
-from megatron.pipeline.subgroup_device import ResidentSubgroupUpdater
+from megatron.pipeline.subgroup_device import SUBGROUP_BOOK, ResidentSubgroupUpdater
 
 HYPER = AdamHyper(inv_scale=1.0, clip=1.0, decay=0.999, one_minus_b1=0.1, beta2=0.999,
                   one_minus_b2=0.001, inv_bc2_sqrt=1.0, eps=1e-8, neg_step=-1e-3)
@@ -119,6 +119,21 @@ def test_device_bytes_count_the_live_device_buffers_only(device):
     assert device.device_bytes == before + kept.nbytes
 
 
+def test_a_book_and_the_total_change_together_whichever_thread_frees(device):
+    """What the executor's memory check reads while optimizer threads allocate and free:
+    a buffer's book and the layer's total at one instant."""
+    plain = device.empty(10, torch.float32)
+    booked = [device.empty(25, torch.float32, book="mine") for _ in range(2)]
+    assert device.device_snapshot() == (device.device_bytes, {"mine": 200})
+    freer = threading.Thread(target=booked.pop)  # the last reference goes on another thread
+    freer.start()
+    freer.join()
+    assert device.device_snapshot() == (device.device_bytes, {"mine": 100})
+    assert device.device_bytes - 100 >= plain.nbytes
+    booked.clear()
+    assert device.device_snapshot()[1] == {"mine": 0}
+
+
 def test_resident_subgroups_under_the_sanitizer_step_like_the_kernel(device):
     """Its flags are written by the step on the update stream (a zero-fill on the caller's
     stream would race with it), and its staging buffers, dropped at launch, stay counted
@@ -135,6 +150,9 @@ def test_resident_subgroups_under_the_sanitizer_step_like_the_kernel(device):
     device.close()  # every stream done: the staging is freed
     assert finite and device.sanitizer.error is None
     assert updater.nbytes == 4 * 300 * 4 == device.device_bytes  # states and gradient
+    # in the layer's book of the subgroups, which the executor reads while they change
+    assert device.device_snapshot() == (device.device_bytes,
+                                        {SUBGROUP_BOOK: updater.nbytes})
     updater.to_host(p, m, v)
     for got, expected in zip((p, m, v), want):
         torch.testing.assert_close(got, expected)

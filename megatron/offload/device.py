@@ -389,35 +389,47 @@ class AccessChecks:
 
 class LiveBytes:
     """The bytes of the device buffers handed out that are still referenced: each counts
-    until the last reference to it is gone."""
+    until the last reference to it is gone. A buffer may name the `book` it is accounted
+    under: its bytes then also count there, changed under the same lock as the total, so
+    that a snapshot of both is consistent while other threads allocate and free."""
 
     def __init__(self, capacity_bytes: int | None = None) -> None:
         """`capacity_bytes`: more than this held raises torch.OutOfMemoryError (None: no
         limit)."""
         self.capacity_bytes = capacity_bytes
         self._nbytes = 0
+        self._by_book: dict[str, int] = {}
         self._lock = threading.RLock()  # finalizers may run inside it
         self._buffers: weakref.WeakSet[torch.Tensor] = weakref.WeakSet()
 
-    def count(self, tensor: torch.Tensor) -> torch.Tensor:
+    def count(self, tensor: torch.Tensor, book: str | None = None) -> torch.Tensor:
         with self._lock:
             if (self.capacity_bytes is not None
                     and self._nbytes + tensor.nbytes > self.capacity_bytes):
                 raise out_of_memory(f"tried to allocate {format_bytes(tensor.nbytes)} with "
                                     f"{format_bytes(self._nbytes)} held", self.capacity_bytes)
             self._nbytes += tensor.nbytes
+            if book is not None:
+                self._by_book[book] = self._by_book.get(book, 0) + tensor.nbytes
             self._buffers.add(tensor)
-        weakref.finalize(tensor, self._freed, tensor.nbytes)
+        weakref.finalize(tensor, self._freed, tensor.nbytes, book)
         return tensor
 
-    def _freed(self, nbytes: int) -> None:
+    def _freed(self, nbytes: int, book: str | None) -> None:
         with self._lock:
             self._nbytes -= nbytes
+            if book is not None:
+                self._by_book[book] -= nbytes
 
     @property
     def nbytes(self) -> int:
         with self._lock:
             return self._nbytes
+
+    def snapshot(self) -> tuple[int, dict[str, int]]:
+        """The total and each book's bytes, at one instant."""
+        with self._lock:
+            return self._nbytes, dict(self._by_book)
 
     def buffers(self) -> list[torch.Tensor]:
         """The buffers still referenced (for measurements of the memory behind them)."""
@@ -482,14 +494,15 @@ class DeviceLayer:
 
     # memory -------------------------------------------------------------------------
     def empty(self, numel: int, dtype: torch.dtype, name: str | None = None,
-              stream: Stream | None = None) -> torch.Tensor:
+              stream: Stream | None = None, book: str | None = None) -> torch.Tensor:
         """A flat buffer in device memory (`name`: what the sanitizer calls it). `stream`:
         the one that uses it first (default: the compute stream). On CUDA the caching
         allocator hands out memory in the order of the stream it is allocated on, so a
-        buffer first used on a side stream is allocated there."""
+        buffer first used on a side stream is allocated there. `book`: the part of
+        `device_snapshot` it counts in (for buffers other threads allocate and free)."""
         with self.on(stream or self.compute_stream):
             tensor = torch.empty(numel, dtype=dtype, device=self.torch_device)
-        return self._device_buffer(tensor, name)
+        return self._device_buffer(tensor, name, book)
 
     def zeros(self, numel: int, dtype: torch.dtype, name: str | None = None,
               stream: Stream | None = None) -> torch.Tensor:
@@ -502,15 +515,22 @@ class DeviceLayer:
         self.checks.kernel(stream, writes=(tensor,), what="zero-filling a new buffer")
         return tensor
 
-    def _device_buffer(self, tensor: torch.Tensor, name: str | None) -> torch.Tensor:
-        """Counted in `device_bytes` until the last reference to it is gone."""
-        return self.checks.register(self._live.count(tensor), name, "device buffer")
+    def _device_buffer(self, tensor: torch.Tensor, name: str | None,
+                       book: str | None = None) -> torch.Tensor:
+        """Counted in `device_bytes` (and `book`) until the last reference to it is gone."""
+        return self.checks.register(self._live.count(tensor, book), name, "device buffer")
 
     @property
     def device_bytes(self) -> int:
         """Bytes of the device buffers this layer handed out that are still referenced
         (by their owner or by a stream's keep-alive), on CUDA and the CPU alike."""
         return self._live.nbytes
+
+    def device_snapshot(self) -> tuple[int, dict[str, int]]:
+        """`device_bytes` and the bytes of each book (`empty`'s `book`), at one instant:
+        buffers that threads of their own allocate and free cannot change one without the
+        other between the two readings."""
+        return self._live.snapshot()
 
     def live_buffers(self) -> list[torch.Tensor]:
         """The device buffers counted in `device_bytes` (on the CPU layer, host memory:

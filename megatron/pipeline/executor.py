@@ -63,7 +63,7 @@ from megatron.pipeline.iteration_stats import IterationStats
 from megatron.pipeline.owner import OwnedStages
 from megatron.pipeline.p2p import PointToPoint
 from megatron.pipeline.stage_modules import StageModule
-from megatron.pipeline.subgroup_device import DeviceSubgroups
+from megatron.pipeline.subgroup_device import SUBGROUP_BOOK, DeviceSubgroups
 from megatron.schedules.grid import cell, format_programs
 from megatron.schedules.instructions import (
     COMPUTE,
@@ -453,15 +453,18 @@ class PipelineExecutor:
         activations = sum(t.nbytes for t in self._acts.values())
         activations += sum(t.nbytes for _, t, _ in self._transfers if t is not None)
         activations += sum(t.nbytes for t in self._grads.values() if t is not None)
+        # The optimizer threads allocate and free the subgroups' buffers while this runs:
+        # their part is the layer's own, read at the same instant as its total.
+        total, books = self.device.device_snapshot()
         held = {
             "parameter_slots": self.param_slots.nbytes,
             "gradient_buffers": self.grad_buffers.nbytes + upcast,
-            "optimizer_subgroups": self.subgroups.nbytes,
+            "optimizer_subgroups": books.get(SUBGROUP_BOOK, 0),
         }
-        if self._sanitized and sum(held.values()) != self.device.device_bytes:
+        if self._sanitized and sum(held.values()) != total:
             # what the layer handed out is what the book says the runtime holds
             raise RuntimeError(f"device memory book: {held} ({sum(held.values())} bytes) "
-                               f"but the device layer holds {self.device.device_bytes}")
+                               f"but the device layer holds {total}")
         self.device.memory.observe({
             **held,
             "activation_checkpoints": checkpoints,

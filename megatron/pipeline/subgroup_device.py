@@ -28,18 +28,23 @@ from megatron.optimizer.rounding import StateFormat
 from megatron.optimizer.subgroups import AdamHyper, adam_step_torch
 from megatron.schedules.subgroup_memory import SUBGROUP_SLOTS, subgroup_slots_bytes
 
+# The device layer's book of every buffer below: the optimizer threads allocate and free
+# them while the executor reads the device memory, which takes this part from the layer's
+# snapshot (DeviceLayer.device_snapshot) rather than from the updaters' own sums.
+SUBGROUP_BOOK = "optimizer_subgroups"
+
 
 class _Slot:
     def __init__(self, device: DeviceLayer, numel: int, index: int, loaded_on: Stream,
                  written_on: Stream) -> None:
         self.p, self.m, self.v, self.g = (
             device.empty(numel, torch.float32, name=f"optimizer slot {index} {what}",
-                         stream=loaded_on)
+                         stream=loaded_on, book=SUBGROUP_BOOK)
             for what in ("p", "m", "v", "gradient"))
         self.out: dict[torch.dtype, torch.Tensor] = {}
         # written by each step before it is read
         self.flags = device.empty(2, torch.float64, name=f"optimizer slot {index} flags",
-                                  stream=written_on)
+                                  stream=written_on, book=SUBGROUP_BOOK)
         self.free: Event | None = None  # the last flush out of this slot
 
 
@@ -109,7 +114,7 @@ class DeviceSubgroupUpdater:
             if out.dtype not in slot.out:
                 slot.out[out.dtype] = self.device.empty(
                     self.max_numel, out.dtype, name=f"optimizer slot {slot_index} out",
-                    stream=self.update)
+                    stream=self.update, book=SUBGROUP_BOOK)
             bout = slot.out[out.dtype][:n]
         if slot.free is not None:
             self.h2d.wait_event(slot.free)
@@ -208,7 +213,7 @@ class ResidentSubgroupUpdater:
                 n = p.numel()
                 self._state[key] = tuple(
                     self.device.empty(n, torch.float32, name=f"resident subgroup {what}",
-                                      stream=self.h2d)
+                                      stream=self.h2d, book=SUBGROUP_BOOK)
                     for what in ("p", "m", "v", "gradient"))
                 loads += list(zip(self._state[key][:3], (p, m, v)))
             dp, dm, dv, dg = self._state[key]
@@ -216,9 +221,10 @@ class ResidentSubgroupUpdater:
             # dout and flags: written by the step, read by the flush; dropped when this
             # returns (the streams' keep-alive holds them until the flush has run)
             dout = None if out is None else self.device.empty(
-                out.numel(), out.dtype, name="resident subgroup out", stream=self.update)
+                out.numel(), out.dtype, name="resident subgroup out", stream=self.update,
+                book=SUBGROUP_BOOK)
             flags = self.device.empty(2, torch.float64, name="resident subgroup flags",
-                                      stream=self.update)
+                                      stream=self.update, book=SUBGROUP_BOOK)
             for staged in (flags,) if dout is None else (flags, dout):
                 self._staged(staged)
 
@@ -280,8 +286,3 @@ class DeviceSubgroups:
 
     stride: int = 0
     updater: DeviceSubgroupUpdater | ResidentSubgroupUpdater | None = None
-
-    @property
-    def nbytes(self) -> int:
-        """Device memory the updater holds."""
-        return 0 if self.updater is None else self.updater.nbytes
