@@ -65,8 +65,9 @@ def test_schedules_with_states_on_disk_equal_host_memory(tmp_path, demo_cache):
 
 def test_bf16_states_on_disk_equal_host_memory_and_resume_on_another_shape(tmp_path,
                                                                          demo_cache):
-    """bf16 m, v and master; the NVMe run's checkpoint of iteration 3 resumed with another
-    backward split (states on disk again) continues it exactly. (The same schedule: a
+    """bf16 m, v and master; the NVMe run's checkpoint of iteration 3 resumed on another
+    shape (one rank instead of two, another backward split; states on disk again)
+    continues it exactly. (The same schedule: a
     speculative step corrected by the inverse ends a few ulps from a direct one, so a
     resume onto a schedule that steps directly continues exactly only with
     --optimizer-exact-rollback.)"""
@@ -89,7 +90,7 @@ def test_bf16_states_on_disk_equal_host_memory_and_resume_on_another_shape(tmp_p
     shutil.copytree(iteration_dir(str(uninterrupted.out / "ckpt"), 3), saved / "iter_0000003")
     (saved / TRACKER).write_text("3")
     # the resume needs only the NVMe run: it starts beside the end of the host-memory run
-    resumed = start(tmp_path, "resumed", 2, *bf16, *on_disk, "--load", str(saved),
+    resumed = start(tmp_path, "resumed", 1, *bf16, *on_disk, "--load", str(saved),
                     "--pipeline-schedule", "decoupled", "--backward-split", "1")
     host = host.wait()
     assert host.returncode == 0, host.stderr[-4000:]
