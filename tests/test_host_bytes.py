@@ -182,10 +182,16 @@ def test_16_bit_host_gradients_train_as_one_process_and_as_fp32_host_gradients(t
     the working dtype either way, the widening is exact. The pool holds half the bytes."""
     from tests.test_pipeline_executor import metrics, start
 
-    bf16 = ["--bf16", "--eval-iters", "0", "--cpu-optimizer-threads", "1", "--train-iters", "3"]
-    runs = {name: start(tmp_path, name, nproc, *bf16, *flags) for name, nproc, flags in (
-        ("one", 1, []), ("half", 2, ["--grad-reduce-in-bf16"]),
-        ("full", 2, ["--accumulate-allreduce-grads-in-fp32"]))}
+    # 4 layers (the gradients' dtype is the property, not the depth or the ranks): the
+    # one-rank decoupled pipeline, 2 forward stages each split in 2 backward stages as the
+    # test model's 8 layers are by default; its host gradient pool is a pipeline's
+    bf16 = ["--bf16", "--eval-iters", "0", "--cpu-optimizer-threads", "1", "--train-iters", "3",
+            "--num-layers", "4"]
+    pipeline = ["--pipeline-schedule", "decoupled", "--forward-stages", "2",
+                "--backward-split", "2"]
+    runs = {name: start(tmp_path, name, 1, *bf16, *flags) for name, flags in (
+        ("one", []), ("half", [*pipeline, "--grad-reduce-in-bf16"]),
+        ("full", [*pipeline, "--accumulate-allreduce-grads-in-fp32"]))}
     runs = {name: job.wait() for name, job in runs.items()}
     for run in runs.values():
         assert run.returncode == 0, run.stderr[-4000:]

@@ -264,7 +264,7 @@ def test_head_working_memory_is_what_its_forward_and_backward_hold_at_their_peak
 
 def measure_head_memory() -> tuple[int, int, int]:
     """(held, planned, the plan before): bytes at the head stage's peak, measured and
-    planned (its saved tensors and operator working), 256 tokens x 16384 logits in bf16."""
+    planned (its saved tensors and operator working), 128 tokens x 16384 logits in bf16."""
     import ctypes
 
     from megatron.models.llama import LlamaConfig, build_piece
@@ -293,7 +293,7 @@ def measure_head_memory() -> tuple[int, int, int]:
             self.peak = max(self.peak, in_use())
             return out
 
-    tokens, hidden, vocab = 256, 64, 16384
+    tokens, hidden, vocab = 128, 64, 16384
     initialize_distributed()
     try:
         cfg = LlamaConfig(num_layers=1, hidden_size=hidden, ffn_hidden_size=160,
