@@ -1,6 +1,7 @@
 """The layers stay layers: the import graph, the op table and its three consumers."""
 
 import ast
+import functools
 import json
 import os
 import subprocess
@@ -39,13 +40,19 @@ FORBIDDEN = {
 COMMAND_LINE = "megatron.training.arguments"  # the one module that reads argparse
 
 
-def _modules():
+@functools.cache
+def _modules() -> tuple[tuple[str, ast.Module], ...]:
+    """(dotted name, syntax tree) of every module of the package: parsed once per session,
+    as every test here reads the same source."""
+    found = []
     for folder, _, files in os.walk(PACKAGE):
         for name in files:
             if name.endswith(".py"):
                 path = os.path.join(folder, name)
                 rel = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
-                yield rel.removesuffix(".__init__"), path
+                with open(path, encoding="utf-8") as f:
+                    found.append((rel.removesuffix(".__init__"), ast.parse(f.read())))
+    return tuple(found)
 
 
 def _project_import(node: ast.AST, module: str) -> list[str]:
@@ -64,20 +71,31 @@ def _project_import(node: ast.AST, module: str) -> list[str]:
             and not n.endswith("._cpu_adam")]
 
 
-def _graph():
+def _imports_in_functions(tree: ast.Module, module: str) -> list[str]:
+    """module:line of each project import inside a function (at any depth), once each."""
+    found = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        if in_function and _project_import(node, module):
+            found.append(f"{module}:{node.lineno}")
+        inside = in_function or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        for child in ast.iter_child_nodes(node):
+            visit(child, inside)
+
+    visit(tree, False)
+    return found
+
+
+@functools.cache
+def _graph() -> tuple[dict[str, set[str]], list[str]]:
     modules = dict(_modules())
     graph, nested = {}, []
-    for module, path in modules.items():
-        tree = ast.parse(open(path, encoding="utf-8").read())
+    for module, tree in modules.items():
         edges = set()
         for node in tree.body:
             edges.update(n for n in _project_import(node, module) if n in modules)
         graph[module] = edges
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                for inner in ast.walk(node):
-                    if _project_import(inner, module):
-                        nested.append(f"{module}:{inner.lineno}")
+        nested += _imports_in_functions(tree, module)
     return graph, nested
 
 
@@ -117,10 +135,9 @@ def test_nothing_below_the_command_line_receives_a_namespace():
     """Only the command-line module imports argparse; no function elsewhere takes an
     `args` parameter or one annotated as a Namespace: they read the RunConfig."""
     found = []
-    for module, path in _modules():
+    for module, tree in _modules():
         if module == COMMAND_LINE:
             continue
-        tree = ast.parse(open(path, encoding="utf-8").read())
         for node in ast.walk(tree):
             if isinstance(node, ast.Import) and any(a.name == "argparse" for a in node.names):
                 found.append(f"{module}:{node.lineno} imports argparse")
@@ -142,9 +159,7 @@ def test_schedules_are_known_by_their_traits_not_their_names():
     allowed = {"megatron.schedules.generators": set(SCHEDULE_NAMES),
                "megatron.config.run": {ONE_PROCESS_SCHEDULE}}
     spelled = []
-    for module, path in _modules():
-        with open(path) as f:
-            tree = ast.parse(f.read())
+    for module, tree in _modules():
         for node in ast.walk(tree):
             if (isinstance(node, ast.Constant) and node.value in names
                     and node.value not in allowed.get(module, ())):
