@@ -112,24 +112,39 @@ def test_print_model_size_reports_count_and_model_state_memory(capsys):
 
 @pytest.fixture(scope="module")
 def learning(tmp_path_factory, cache):
-    """30 iterations of the tiny preset, started once the module's first test that asks for
-    it runs (the resume test runs beside it)."""
+    """25 iterations of the tiny preset (what the loss needs to fall: see the test),
+    started once the module's first test that asks for it runs (the resume test runs
+    beside it)."""
     metrics = tmp_path_factory.mktemp("learn") / "metrics.jsonl"
     job = forked_ranks.start("pretrain_llama.py", [
-        "--model-preset", "tiny", "--train-iters", "30", "--log-interval", "15",
+        "--model-preset", "tiny", "--train-iters", "25", "--log-interval", "15",
         "--metrics-file", str(metrics), "--data-cache-dir", cache])
     yield metrics, job
     job.wait(timeout=300)  # gone even when no test waited for it
 
 
-def test_resume_from_checkpoint_continues_the_same_run(tmp_path, cache, learning):
-    full, part = tmp_path / "full.jsonl", tmp_path / "part.jsonl"
-    common = [*SMALL, "--train-iters", "6", "--lr", "1e-3", "--lr-warmup-iters", "2"]
-    ckpt = tmp_path / "ckpt"
-    # The uninterrupted run is the reference; its saves do not change its training.
-    first = run_cli(*common, "--save", str(ckpt), "--save-interval", "3",
-                    "--metrics-file", str(full), cache=cache)
+SAVED_FLAGS = [*SMALL, "--lr", "1e-3", "--lr-warmup-iters", "2"]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory, cache):
+    """6 iterations saved every 3 (the uninterrupted run of the resume test), once for the
+    tests that load a checkpoint: (its result, its --save, its metrics file)."""
+    out = tmp_path_factory.mktemp("saved")
+    ckpt, full = out / "ckpt", out / "full.jsonl"
+    first = run_cli(*SAVED_FLAGS, "--train-iters", "6", "--save", str(ckpt),
+                    "--save-interval", "3", "--metrics-file", str(full), cache=cache)
     assert first.returncode == 0, first.stderr[-2000:]
+    return first, ckpt, full
+
+
+def test_resume_from_checkpoint_continues_the_same_run(tmp_path, cache, learning, saved):
+    part = tmp_path / "part.jsonl"
+    common = [*SAVED_FLAGS, "--train-iters", "6"]
+    # The uninterrupted run is the reference; its saves do not change its training.
+    first, saved_ckpt, full = saved
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(saved_ckpt, ckpt)  # the saved run stays whole for the other tests
     # Keep only the iteration-3 checkpoint, as if the first run had died after it.
     (ckpt / "latest_checkpointed_iteration.txt").write_text("3")
     r = run_cli(*common, "--load", str(ckpt), "--metrics-file", str(part), cache=cache)
@@ -137,14 +152,15 @@ def test_resume_from_checkpoint_continues_the_same_run(tmp_path, cache, learning
     resumed = read_metrics(part)
     assert [row["iteration"] for row in resumed] == [4, 5, 6]
     # each run ends saying what it trained and where its files went
-    assert f"checkpoint:  {ckpt}/iter_0000006 (the latest in {ckpt}" in first.stdout
+    assert (f"checkpoint:  {saved_ckpt}/iter_0000006 (the latest in {saved_ckpt}"
+            in first.stdout)
     assert f"metrics:     {full} " in first.stdout
     assert "run summary: iterations 4-6 of 6" in r.stdout
     reference = {row["iteration"]: row for row in read_metrics(full)}
     for row in resumed:
         assert row["loss"] == pytest.approx(reference[row["iteration"]]["loss"], rel=1e-6)
         assert row["lr"] == pytest.approx(reference[row["iteration"]]["lr"], rel=1e-12)
-    assert not list(ckpt.glob("*.tmp"))
+    assert not list(ckpt.glob("*.tmp")) and not list(saved_ckpt.glob("*.tmp"))
     assert "not bit for bit" not in r.stdout  # the same flags: nothing to say
 
 
@@ -154,7 +170,7 @@ def test_tiny_preset_learns_on_the_builtin_corpus(learning):
     assert r.returncode == 0, r.stderr[-3000:]
     assert "lm loss" in r.stdout and "tokens per second" in r.stdout
     rows = read_metrics(metrics)
-    assert [row["iteration"] for row in rows] == list(range(1, 31))
+    assert [row["iteration"] for row in rows] == list(range(1, 26))
     for key in ("iteration", "loss", "lr", "iter_time_s", "tokens_per_s"):
         assert key in rows[0]
     # a mean: one batch's loss is noisy. The tiny preset on the demo corpus falls from 8.3
@@ -188,17 +204,15 @@ def test_exit_interval_without_save_says_nothing_will_be_saved_and_stops(tmp_pat
     assert "exiting after iteration 2" in r.stdout
 
 
-def test_train_iters_below_the_checkpoint_ends_normally_saying_so(tmp_path, cache):
-    ckpt = tmp_path / "ckpt"
-    first = run_cli(*SMALL, "--train-iters", "3", "--save", str(ckpt), cache=cache)
-    assert first.returncode == 0, first.stderr[-2000:]
+def test_train_iters_below_the_checkpoint_ends_normally_saying_so(tmp_path, cache, saved):
+    _, ckpt, _ = saved  # at iteration 6
     metrics = tmp_path / "again.jsonl"
     r = run_cli(*SMALL, "--train-iters", "2", "--load", str(ckpt),
                 "--metrics-file", str(metrics), cache=cache)
     assert r.returncode == 0, r.stderr[-2000:]  # as Megatron: the loop does not run
     warnings = [line for line in r.stderr.splitlines() if "warning" in line]
     assert len(warnings) == 1, r.stderr
-    assert f"{ckpt} is already at iteration 3 >= --train-iters 2" in warnings[0]
+    assert f"{ckpt} is already at iteration 6 >= --train-iters 2" in warnings[0]
     assert not metrics.exists() or not metrics.read_text()
 
 
@@ -264,7 +278,10 @@ def test_a_save_the_file_system_refuses_is_one_line(async_save, tmp_path, cache)
 
 def test_two_jobs_with_the_same_run_id_the_second_is_one_line(tmp_path, cache):
     """Two jobs started with the same --rdzv-id (TORCHELASTIC_RUN_ID) on one node: the
-    second finds the first's live segments and stops in one line, exit 2."""
+    second finds the first's live segments and stops in one line, exit 2. The first is
+    paused (SIGSTOP) once every rank of it trains: its processes, and so its segments,
+    stay alive, and its iterations no longer take the cores the second starts on."""
+    import signal
     import time
     import uuid
 
@@ -272,18 +289,25 @@ def test_two_jobs_with_the_same_run_id_the_second_is_one_line(tmp_path, cache):
     run_id = f"same-{uuid.uuid4().hex}"
     env = {"TORCHELASTIC_RUN_ID": run_id}
     flags = [*SMALL, "--data-cache-dir", cache]
-    first = forked_ranks.start("pretrain_llama.py", [*flags, "--train-iters", "5000"], 2,
+    trained = tmp_path / "first.jsonl"
+    first = forked_ranks.start("pretrain_llama.py", [*flags, "--train-iters", "5000",
+                                                     "--metrics-file", str(trained)], 2,
                                env=env)
     try:
         deadline = time.monotonic() + 240
-        while not job_segments(f"run:{run_id}"):
+        # an iteration logged: every rank has created its segments
+        while not (trained.exists() and trained.read_text().endswith("\n")):
             assert first.running() and time.monotonic() < deadline
             time.sleep(0.05)
+        for pid in first.pids:
+            os.kill(pid, signal.SIGSTOP)
+        assert job_segments(f"run:{run_id}")
         second = forked_ranks.launch("pretrain_llama.py", [*flags, "--train-iters", "1"], 2,
                                      env=env, timeout=240)
     finally:
         for pid in first.pids:
-            os.kill(pid, 15)
+            os.kill(pid, signal.SIGTERM)
+            os.kill(pid, signal.SIGCONT)  # a paused process acts on SIGTERM once resumed
         first.wait(timeout=120)
     assert second.returncode != 0, second.stderr[-3000:]
     errors = [line for line in second.stderr.splitlines()  # the launcher's own lines aside

@@ -37,7 +37,8 @@ def test_profile_based_prediction_is_near_the_measured_iteration(tmp_path, demo_
     drive.mkdir()
     on_a_drive = filesystem_of(str(drive)) not in ("tmpfs", "ramfs") and \
         direct_io_supported(str(drive))  # else the NVMe part is tested where it can be
-    done = profile_hardware("--gpus-per-node", "2", "--out", str(profile),
+    # 2 rounds of the layer's compute (the default 3): a spread over rounds, a round less
+    done = profile_hardware("--gpus-per-node", "2", "--out", str(profile), "--rounds", "2",
                             "--vocab-size", "4096",  # the demo corpus's, the run's head
                             *(["--nvme-path", str(drive), "--nvme-bytes", "16MiB"]
                               if on_a_drive else []))

@@ -19,8 +19,10 @@ from tests.slurm_cluster import ClusterUnavailable, SlurmCluster, free_ports, un
 from tests.test_pipeline_executor import MODEL, ROOT, metrics, start
 
 SCRIPT = os.path.join(ROOT, "examples", "slurm_pretrain_llama.sbatch")
-TRAIN_ITERS = 8
-SIGNAL_AFTER = 2  # iterations logged before the signal: the handlers are installed by then
+# 5 iterations: the test model's evaluation at iteration 5 and at the end run after the
+# requeue; the signal leaves up to 4 iterations for Slurm to deliver it before the end
+TRAIN_ITERS = 5
+SIGNAL_AFTER = 1  # iterations logged before the signal: every rank's handlers are installed
 EXTRA = ["--train-iters", str(TRAIN_ITERS)]
 ADDED_BY_SCRIPT = ["--pipeline-schedule", "decoupled", "--bf16"]  # besides save/load/signals
 VENV_BIN = os.path.dirname(sys.executable)
@@ -57,18 +59,27 @@ def _read_metrics(path) -> list[dict]:
         return [json.loads(line) for line in f if line.endswith("\n")]
 
 
-def _wait(cluster, job_id, log, done, what, timeout=120.0):
-    """Poll until `done(job fields)`; a job that ends otherwise fails with its log."""
+def _wait(cluster, job_id, log, done, what, timeout=120.0, local=None):
+    """Poll until `done(job fields)`, or until `local()` (a file of the job's, looked at
+    every 0.1 s; the job's state is then asked once a second only to see it fail); a job
+    that ends otherwise fails with its log. Each question to Slurm is an scontrol process
+    and an RPC: asked every 0.5 s, not more often."""
     deadline = time.monotonic() + timeout
+    asked = -1.0
     while True:
-        fields = cluster.job(job_id)
-        if done(fields):
-            return fields
-        if fields.get("JobState") in ("FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "COMPLETED"):
-            break
+        if local is not None and local():
+            return None
+        if local is None or time.monotonic() - asked >= 1.0:
+            asked = time.monotonic()
+            fields = cluster.job(job_id)
+            if local is None and done(fields):
+                return fields
+            if fields.get("JobState") in ("FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL",
+                                          "COMPLETED"):
+                break
         if time.monotonic() > deadline:
             break
-        time.sleep(0.2)
+        time.sleep(0.1 if local is not None else 0.5)
     text = log.read_text() if log.exists() else "(no log)"
     pytest.fail(f"job {job_id} never reached {what}: {fields}\n{text[-4000:]}\n"
                 f"{cluster.logs()}")
@@ -100,8 +111,8 @@ def test_a_signal_before_the_time_limit_saves_requeues_and_continues_the_run(
         "--metrics-file", str(metrics_file), env=env).stdout.strip()
 
     # SIGUSR1 to the batch shell alone, as Slurm sends it before the time limit
-    _wait(slurm, job_id, log, lambda _: len(_read_metrics(metrics_file)) >= SIGNAL_AFTER,
-          f"iteration {SIGNAL_AFTER}")
+    _wait(slurm, job_id, log, None, f"iteration {SIGNAL_AFTER}",
+          local=lambda: len(_read_metrics(metrics_file)) >= SIGNAL_AFTER)
     slurm.run("scancel", "--batch", "--signal=USR1", job_id)
     _wait(slurm, job_id, log, lambda f: f.get("Restarts") == "1", "requeued")
     # the uninterrupted run, on the cores the requeued job leaves idle until it restarts
