@@ -19,10 +19,10 @@ from tests.slurm_cluster import ClusterUnavailable, SlurmCluster, free_ports, un
 from tests.test_pipeline_executor import MODEL, ROOT, metrics, start
 
 SCRIPT = os.path.join(ROOT, "examples", "slurm_pretrain_llama.sbatch")
-# 5 iterations: the test model's evaluation at iteration 5 and at the end run after the
-# requeue; the signal leaves up to 4 iterations for Slurm to deliver it before the end
-TRAIN_ITERS = 5
-SIGNAL_AFTER = 1  # iterations logged before the signal: every rank's handlers are installed
+# The signal leaves 6 iterations for Slurm to deliver it before the end (on a fast
+# machine an iteration of the test model takes a fraction of a second)
+TRAIN_ITERS = 8
+SIGNAL_AFTER = 2  # iterations logged before the signal: the handlers are installed by then
 EXTRA = ["--train-iters", str(TRAIN_ITERS)]
 ADDED_BY_SCRIPT = ["--pipeline-schedule", "decoupled", "--bf16"]  # besides save/load/signals
 VENV_BIN = os.path.dirname(sys.executable)
