@@ -3,28 +3,22 @@
     MEGATRON_TEST_DROP_WAIT=path:line:col torchrun ... tests/run_mutant.py [pretrain_llama.py flags]
 
 The site is one that tests/wait_mutants.py finds; without the variable nothing is removed.
-tests/test_wait_mutants.py, which has found the sites already, passes the whole site
-instead (SITE_ENV, its fields as JSON): each mutant run then skips a scan of every module
-of the package (about a second of CPU, a run's own cost again).
+The variable may also hold the site whole (`WaitSite.spec`, what tests/test_wait_mutants.py
+passes): the run then need not scan the package to find it.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import warnings
 
-SITE_ENV = "MEGATRON_TEST_DROP_WAIT_SITE"
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.core")
 
-if __name__ == "__main__":  # imported by the test for SITE_ENV alone
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.core")
-    from megatron.training.training import main
-    from tests.wait_mutants import WaitSite, drop_wait, drop_wait_from_environment
+from megatron.training.training import main  # noqa: E402
+from tests.wait_mutants import drop_wait_from_environment  # noqa: E402
 
-    if os.environ.get(SITE_ENV):
-        drop_wait(WaitSite(**json.loads(os.environ[SITE_ENV])))
-    else:
-        drop_wait_from_environment()
+if __name__ == "__main__":
+    drop_wait_from_environment()
     sys.exit(main())

@@ -11,17 +11,14 @@ process of the pipeline with all its stages: half the CPU of a 2-process run, an
 waits on the same paths.
 """
 
-import dataclasses
-import json
 import os
 
 import pytest
 
 from megatron.offload.device import SANITIZER_ENV
 from tests import forked_ranks
-from tests.run_mutant import SITE_ENV
 from tests.test_pipeline_executor import MODEL
-from tests.wait_mutants import find_waits
+from tests.wait_mutants import DROP_ENV, find_waits
 
 # Tiny shapes, one iteration without evaluation, one process running every stage (its
 # parameter slots and gradient buffers are reused within the iteration). Subgroups of 4096
@@ -49,7 +46,7 @@ def _configs_for(site):
 def _run(config, site=None):
     env = {"OMP_NUM_THREADS": "1", SANITIZER_ENV: "1"}
     if site is not None:  # the site whole: the run need not scan the package to find it
-        env[SITE_ENV] = json.dumps(dataclasses.asdict(site))
+        env[DROP_ENV] = site.spec()
     args = [*MODEL, "--data-cache-dir", os.environ["MEGATRON_TEST_CACHE"], *SHORT,
             *CONFIGS[config]]
     return forked_ranks.start("tests/run_mutant.py", args, 1, env=env)

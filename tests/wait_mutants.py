@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import ast
 import importlib
+import json
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from types import CodeType
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -37,8 +38,16 @@ class WaitSite:
     def __str__(self) -> str:
         return f"{self.path}:{self.line}:{self.col}"
 
+    def spec(self) -> str:
+        """The site whole, as DROP_ENV takes it: `parse` reads it back without a scan of
+        the package (about a second of CPU, as much as a mutant run's training)."""
+        return json.dumps(asdict(self))
+
     @classmethod
     def parse(cls, text: str) -> WaitSite:
+        """`spec()`'s JSON, or path:line:col (by hand: the site is looked up in find_waits)."""
+        if text.startswith("{"):
+            return cls(**json.loads(text))
         path, line, col = text.rsplit(":", 2)
         return next(s for s in find_waits() if (s.path, s.line, s.col) == (path, int(line), int(col)))
 
