@@ -264,7 +264,8 @@ def test_llama3_shape_round_trips_through_the_tool(tmp_path, dist_group):
     """A model saved by this transformers with what LLaMA-2's defaults are not: rope_theta
     500000, rms_norm_eps 1e-6, head_dim 24 of hidden 64, 1 KV group, a vocabulary of 300
     (not a multiple of 128): the tool prints the flags that build it, the checkpoint gives
-    transformers' logits, and the export is the same model."""
+    transformers' logits here and in megatron-core's GPTModel read by megatron-core's
+    dist_checkpointing, and the export is the same model."""
     torch.manual_seed(5)
     config = transformers.LlamaConfig(
         vocab_size=300, hidden_size=64, intermediate_size=100, num_hidden_layers=1,
@@ -287,7 +288,22 @@ def test_llama3_shape_round_trips_through_the_tool(tmp_path, dist_group):
         for name, p in ours.named_parameters():
             p.copy_(tensors[MASTER + checkpoint_name(cfg, name)])
         x = torch.randint(0, 300, (2, 9), generator=torch.Generator().manual_seed(0))
-        assert (our_logits(ours, x) - model(x).logits).abs().max() < 1e-4
+        want = model(x).logits
+        assert (our_logits(ours, x) - want).abs().max() < 1e-4
+    # megatron-core's own reader fills its GPTModel of this shape from the torch_dist files
+    from megatron.core import dist_checkpointing
+    from megatron.core.models.gpt import GPTModel
+
+    from megatron.models.llama import layer_spec, transformer_config
+
+    gpt = GPTModel(config=transformer_config(cfg), transformer_layer_spec=layer_spec(),
+                   vocab_size=300, max_sequence_length=9, position_embedding_type="rope",
+                   rotary_base=500000, share_embeddings_and_output_weights=False).eval()
+    gpt.load_state_dict(dist_checkpointing.load(gpt.sharded_state_dict(),
+                                                iteration_dir(root, 0)), strict=False)
+    mask = torch.triu(torch.ones(1, 1, 9, 9, dtype=torch.bool), diagonal=1)
+    with torch.no_grad():
+        assert (gpt(x, torch.arange(9).expand(2, 9), mask) - want).abs().max() < 1e-4
     r = convert("--from", "megatron", "--to", "hf", "--input", root, "--output",
                 str(tmp_path / "back"))
     assert r.returncode == 0, r.stderr[-3000:]
