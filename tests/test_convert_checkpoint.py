@@ -223,12 +223,18 @@ def test_rope_base_norm_epsilon_and_head_width_come_from_config_json(change, exp
     assert (cfg.rope_base, cfg.norm_epsilon, cfg.kv_channels) == expected
 
 
-def test_a_partial_rotary_checkpoint_is_refused_on_export():
-    """A Hugging Face LLaMA rotates every channel of a head: no config.json says 0.5."""
-    cfg = LlamaConfig(num_layers=1, hidden_size=64, ffn_hidden_size=160, num_attention_heads=4,
-                      num_query_groups=2, vocab_size=256, seq_length=8, rotary_percent=0.5)
-    with pytest.raises(ConversionError, match="rotary_percent 0.5: a Hugging Face LLaMA "
-                                              "rotates every channel"):
+@pytest.mark.parametrize("change,fragment", [
+    ({"rotary_percent": 0.5}, "rotary_percent 0.5: a Hugging Face LLaMA rotates every channel"),
+    ({"hidden_size": 100, "num_attention_heads": 3, "kv_channels": 32},
+     "hidden_size 100: a Hugging Face LLaMA config expects a multiple of num_attention_heads 3"),
+])
+def test_a_model_transformers_llama_cannot_be_is_refused_on_export(change, fragment):
+    """What this project trains (--rotary-percent, --kv-channels beside a hidden size the
+    heads do not divide) and no LlamaForCausalLM config can say."""
+    cfg = LlamaConfig(**{"num_layers": 1, "hidden_size": 64, "ffn_hidden_size": 160,
+                         "num_attention_heads": 4, "num_query_groups": 1, "vocab_size": 256,
+                         "seq_length": 8, **change})
+    with pytest.raises(ConversionError, match=fragment):
         hf_config_from_model(cfg)
 
 

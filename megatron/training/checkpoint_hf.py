@@ -105,11 +105,17 @@ def model_config_from_hf(hf: dict, seq_length: int | None = None) -> LlamaConfig
 
 
 def hf_config_from_model(cfg: LlamaConfig) -> dict:
-    """A Hugging Face LLaMA config.json for this project's model; ConversionError when
-    RoPE rotates part of each head (Hugging Face's LLaMA rotates every channel)."""
+    """A Hugging Face LLaMA config.json for this project's model; ConversionError where
+    transformers' LLaMA cannot be that model: RoPE over part of each head (it rotates every
+    channel), a hidden size that is not a multiple of the heads (its config refuses one,
+    head_dim or not)."""
     if cfg.rotary_percent != 1.0:
         raise ConversionError(f"the checkpoint's rotary_percent {cfg.rotary_percent}: a "
                               "Hugging Face LLaMA rotates every channel of a head (expected 1.0)")
+    if cfg.hidden_size % cfg.num_attention_heads:
+        raise ConversionError(f"the checkpoint's hidden_size {cfg.hidden_size}: a Hugging Face "
+                              "LLaMA config expects a multiple of num_attention_heads "
+                              f"{cfg.num_attention_heads}")
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_hidden_size,
