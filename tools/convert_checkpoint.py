@@ -32,7 +32,11 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from megatron.common.files import staged_paths  # noqa: E402
 from megatron.config.model import ARCHITECTURE_DEFAULTS  # noqa: E402
 from megatron.models.llama import LlamaConfig  # noqa: E402
-from megatron.training.checkpoint_format import saved_args, verify_checkpoint  # noqa: E402
+from megatron.training.checkpoint_format import (  # noqa: E402
+    foreign_architecture,
+    saved_args,
+    verify_checkpoint,
+)
 from megatron.training.checkpoint_hf import (  # noqa: E402
     ConversionError,
     gpt_to_hf,
@@ -153,6 +157,10 @@ def architecture_flags(cfg: LlamaConfig) -> dict:
 
 def _model_config(common: dict, tensors: dict[str, torch.Tensor]) -> LlamaConfig:
     a = saved_args(common)
+    foreign = foreign_architecture(a)
+    if foreign:
+        raise ConversionError(f"the checkpoint was saved with {foreign}: not a model this "
+                              "conversion writes faithfully")
     try:
         return LlamaConfig(
             num_layers=a["num_layers"], hidden_size=a["hidden_size"],
