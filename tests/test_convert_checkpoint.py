@@ -203,6 +203,7 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
     ({"rope_parameters": {"rope_theta": 500000.0, **LLAMA3_ROPE}},
      "rope_parameters rope_type 'llama3'"),
     ({"rope_theta": 10000.5}, "rope_theta 10000.5: expected a positive whole number"),
+    ({"rope_theta": float("inf")}, "rope_theta inf: expected a positive whole number"),
     ({"model_type": "mistral"}, "model_type 'mistral'"),
 ])
 def test_configurations_this_model_cannot_represent_are_refused(change, fragment):

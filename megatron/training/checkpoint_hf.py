@@ -20,6 +20,7 @@ Where conversions go wrong, and what this does about it:
 from __future__ import annotations
 
 import json
+import math
 
 import torch
 
@@ -73,7 +74,8 @@ def _rope_theta(hf: dict) -> int:
         elif value:
             raise ConversionError(f"config.json {key} {value!r}: not supported")
     theta = parameters.get("rope_theta", hf.get("rope_theta", 10000.0))
-    if not isinstance(theta, (int, float)) or theta != int(theta) or theta <= 0:
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or \
+            not math.isfinite(theta) or theta <= 0 or theta != int(theta):
         raise ConversionError(f"config.json rope_theta {theta!r}: expected a positive whole "
                               "number (Megatron's --rotary-base is an integer)")
     return int(theta)
