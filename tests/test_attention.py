@@ -36,7 +36,7 @@ def _forward_backward(piece: torch.nn.Module, hidden: torch.Tensor):
     return out.detach(), x.grad, {n: p.grad for n, p in piece.named_parameters()}
 
 
-@pytest.mark.parametrize("groups", [2, 4])
+@pytest.mark.parametrize("groups", [1, 2, 4])
 def test_sdpa_layer_equals_the_unfused_layer_forward_and_backward(groups):
     sdpa, unfused = _layer("auto", groups), _layer("unfused", groups)
     assert isinstance(sdpa.layer.self_attention.core_attention, SDPAttention)

@@ -256,6 +256,7 @@ def _qkv(dtype, heads, groups, head_dim, seq=40, batch=2, seed=0):
 CPU_CASES = [  # (kernel, dtype, heads, groups, head dim, masked)
     ("flash", torch.bfloat16, 4, 2, 16, False),
     ("flash", torch.float16, 4, 4, 12, False),  # padded to 16
+    ("flash", torch.bfloat16, 6, 1, 20, False),  # one query group, padded to 24
     ("efficient", torch.float32, 4, 4, 16, False),  # the log-sum-exp padded to 64
     ("efficient", torch.float32, 4, 4, 16, True),
     ("cudnn", torch.bfloat16, 4, 2, 16, False),

@@ -18,7 +18,13 @@ transformers = pytest.importorskip("transformers")
 
 from megatron.models.llama import LlamaConfig, LlamaModel  # noqa: E402
 from megatron.training.arguments import parse_args  # noqa: E402
-from megatron.training.checkpoint_hf import ConversionError, model_config_from_hf  # noqa: E402
+from megatron.training.checkpoint_hf import (  # noqa: E402
+    ConversionError,
+    gpt_to_hf,
+    hf_config_from_model,
+    hf_to_gpt,
+    model_config_from_hf,
+)
 from megatron.training.checkpoint_state import MASTER, checkpoint_name  # noqa: E402
 from megatron.training.checkpointing import (  # noqa: E402
     iteration_dir,
@@ -184,17 +190,134 @@ def test_finetuned_here_then_exported_scores_the_same_in_transformers(
         assert abs(float(start(batch)) - float(got)) > 1e-4
 
 
+HF_SIZES = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 160,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "vocab_size": 300}
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
 @pytest.mark.parametrize("change,fragment", [
-    ({"rope_theta": 500000.0}, "rope_theta 500000.0"),
-    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling"),
+    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling rope_type 'linear'"),
+    # transformers >= 5 writes Llama 3.1's scaling and base under rope_parameters
+    ({"rope_parameters": {"rope_theta": 500000.0, **LLAMA3_ROPE}},
+     "rope_parameters rope_type 'llama3'"),
+    ({"rope_theta": 10000.5}, "rope_theta 10000.5: expected a positive whole number"),
+    ({"rope_theta": float("inf")}, "rope_theta inf: expected a positive whole number"),
     ({"model_type": "mistral"}, "model_type 'mistral'"),
 ])
 def test_configurations_this_model_cannot_represent_are_refused(change, fragment):
-    config = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 160,
-              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-              "vocab_size": 300, **change}
     with pytest.raises(ConversionError, match=fragment.replace("(", r"\(")):
-        model_config_from_hf(config)
+        model_config_from_hf({**HF_SIZES, **change})
+
+
+@pytest.mark.parametrize("change,expected", [
+    ({"rope_theta": 500000.0, "rms_norm_eps": 1e-6}, (500000, 1e-6, None)),  # transformers < 5
+    ({"rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"}}, (500000, 1e-6, None)),
+    ({"rope_scaling": None, "rms_norm_eps": 1e-5, "head_dim": 24}, (10000, 1e-5, 24)),
+    ({"head_dim": 16}, (10000, 1e-6, None)),  # hidden / heads: Megatron's default
+])
+def test_rope_base_norm_epsilon_and_head_width_come_from_config_json(change, expected):
+    """Where each transformers version writes them; an absent rms_norm_eps is
+    transformers' default (1e-6)."""
+    cfg = model_config_from_hf({**HF_SIZES, **change})
+    assert (cfg.rope_base, cfg.norm_epsilon, cfg.kv_channels) == expected
+
+
+@pytest.mark.parametrize("change,fragment", [
+    ({"rotary_percent": 0.5}, "rotary_percent 0.5: a Hugging Face LLaMA rotates every channel"),
+    ({"hidden_size": 100, "num_attention_heads": 3, "kv_channels": 32},
+     "hidden_size 100: a Hugging Face LLaMA config expects a multiple of num_attention_heads 3"),
+])
+def test_a_model_transformers_llama_cannot_be_is_refused_on_export(change, fragment):
+    """What this project trains (--rotary-percent, --kv-channels beside a hidden size the
+    heads do not divide) and no LlamaForCausalLM config can say."""
+    cfg = LlamaConfig(**{"num_layers": 1, "hidden_size": 64, "ffn_hidden_size": 160,
+                         "num_attention_heads": 4, "num_query_groups": 1, "vocab_size": 256,
+                         "seq_length": 8, **change})
+    with pytest.raises(ConversionError, match=fragment):
+        hf_config_from_model(cfg)
+
+
+@pytest.mark.parametrize("heads,groups,head_dim", [(4, 1, 24), (4, 2, 24), (6, 2, 16),
+                                                    (6, 6, 16)])
+def test_grouped_query_layouts_and_head_widths_give_transformers_logits(
+        heads, groups, head_dim, dist_group):
+    """q/k/v fused per query group (multi-query, grouped, full) and heads whose width is not
+    hidden / heads (Megatron's --kv-channels): transformers' model converted here gives its
+    logits, and converts back to its own tensors bit for bit."""
+    torch.manual_seed(heads * 10 + groups)
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64 if heads == 4 else 96, intermediate_size=100,
+        num_hidden_layers=1, num_attention_heads=heads, num_key_value_heads=groups,
+        head_dim=head_dim, max_position_embeddings=7, tie_word_embeddings=False)
+    model = transformers.LlamaForCausalLM(config).eval()
+    cfg = model_config_from_hf(config.to_dict())
+    hf = model.state_dict()
+    gpt = hf_to_gpt(cfg, hf)
+    ours = LlamaModel(cfg).eval()
+    with torch.no_grad():
+        for name, p in ours.named_parameters():
+            p.copy_(gpt[checkpoint_name(cfg, name)])
+        x = torch.randint(0, 256, (3, 7), generator=torch.Generator().manual_seed(0))
+        assert (our_logits(ours, x) - model(x).logits).abs().max() < 1e-4
+    back = gpt_to_hf(cfg, gpt)
+    assert back.keys() == hf.keys()
+    assert all(torch.equal(back[k], hf[k]) for k in hf)
+    assert hf_config_from_model(cfg)["head_dim"] == head_dim
+
+
+def test_llama3_shape_round_trips_through_the_tool(tmp_path, dist_group):
+    """A model saved by this transformers with what LLaMA-2's defaults are not: rope_theta
+    500000, rms_norm_eps 1e-6, head_dim 24 of hidden 64, 1 KV group, a vocabulary of 300
+    (not a multiple of 128): the tool prints the flags that build it, the checkpoint gives
+    transformers' logits here and in megatron-core's GPTModel read by megatron-core's
+    dist_checkpointing, and the export is the same model."""
+    torch.manual_seed(5)
+    config = transformers.LlamaConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=100, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=24, max_position_embeddings=9,
+        rms_norm_eps=1e-6, rope_theta=500000.0, tie_word_embeddings=False)
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.save_pretrained(tmp_path / "hf")
+    r = convert("--from", "hf", "--to", "megatron", "--input", str(tmp_path / "hf"),
+                "--output", str(tmp_path / "ckpt"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip().splitlines()[-1].endswith(
+        "--vocab-size 300 --seq-length 9 --kv-channels 24 --rotary-base 500000 "
+        "--norm-epsilon 1e-06 --make-vocab-size-divisible-by 1")
+    run = parse_args([*r.stdout.split("--finetune ")[1].split(), "--micro-batch-size", "1"])
+    cfg = LlamaConfig.from_model(run.model, run.model.padded_vocab_size(300), seed=1)
+    root = str(tmp_path / "ckpt")
+    tensors = read_all_tensors(iteration_dir(root, latest_iteration(root)), MASTER)
+    ours = LlamaModel(cfg).eval()
+    with torch.no_grad():
+        for name, p in ours.named_parameters():
+            p.copy_(tensors[MASTER + checkpoint_name(cfg, name)])
+        x = torch.randint(0, 300, (2, 9), generator=torch.Generator().manual_seed(0))
+        want = model(x).logits
+        assert (our_logits(ours, x) - want).abs().max() < 1e-4
+    # megatron-core's own reader fills its GPTModel of this shape from the torch_dist files
+    from megatron.core import dist_checkpointing
+    from megatron.core.models.gpt import GPTModel
+
+    from megatron.models.llama import layer_spec, transformer_config
+
+    gpt = GPTModel(config=transformer_config(cfg), transformer_layer_spec=layer_spec(),
+                   vocab_size=300, max_sequence_length=9, position_embedding_type="rope",
+                   rotary_base=500000, share_embeddings_and_output_weights=False).eval()
+    gpt.load_state_dict(dist_checkpointing.load(gpt.sharded_state_dict(),
+                                                iteration_dir(root, 0)), strict=False)
+    mask = torch.triu(torch.ones(1, 1, 9, 9, dtype=torch.bool), diagonal=1)
+    with torch.no_grad():
+        assert (gpt(x, torch.arange(9).expand(2, 9), mask) - want).abs().max() < 1e-4
+    r = convert("--from", "megatron", "--to", "hf", "--input", root, "--output",
+                str(tmp_path / "back"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    back = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "back").eval()
+    want, got = model.state_dict(), back.state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert back.config.rope_parameters["rope_theta"] == 500000.0
 
 
 def test_a_megatron_core_gpt_model_loads_the_checkpoint_directly(hf_model, converted,

@@ -139,6 +139,36 @@ def test_a_checkpoint_that_cannot_resume_exactly_is_refused(tmp_path, capsys, co
     assert missing in err[0] and "--finetune starts from its weights at iteration 0" in err[0]
 
 
+@pytest.mark.parametrize("flag,value", [("use_rope_scaling", True),
+                                        ("rotary_interleaved", True)])
+def test_a_checkpoint_of_another_architecture_is_refused_by_load_and_export(
+        tmp_path, capsys, flag, value):
+    """Megatron-LM's LLaMA 3.1 (--use-rope-scaling) or interleaved RoPE: the same tensors
+    as this design's, another model. --load and the export to Hugging Face refuse it in
+    one line naming the flag (they read it as unscaled, rotate-half RoPE)."""
+    from megatron.training.checkpointing import iteration_dir, read_common
+    from tests.test_checkpointing import _convert_tool_main
+
+    root = tmp_path / "ckpt"
+    shutil.copytree(MCORE019, root)
+    common = read_common(iteration_dir(MCORE019, ITERATION))
+    plain = {k: v for k, v in vars(common["args"]).items()  # what pickles outside 0.19
+             if isinstance(v, (bool, int, float, str, type(None)))}
+    common["args"] = types.SimpleNamespace(**{**plain, flag: value})
+    torch.save(common, root / f"iter_{ITERATION:07d}" / "common.pt")
+    with pytest.raises(SystemExit) as exit_:
+        main([*FLAGS, "--load", str(root), "--data-cache-path", str(tmp_path)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and len(err) == 1, err
+    assert f"the checkpoint was saved with {flag} True (this model computes False)" in err[0]
+    code = _convert_tool_main()(["--from", "megatron", "--to", "hf", "--input", str(root),
+                                 "--output", str(tmp_path / "hf")])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, lines
+    assert f"saved with {flag} True (this model computes False)" in lines[0]
+    assert not (tmp_path / "hf").exists()
+
+
 @pytest.mark.skipif(not os.environ.get("MEGATRON_CORE_019_PYTHON"),
                     reason="set MEGATRON_CORE_019_PYTHON to a Python with megatron-core 0.19.2 "
                            "(see tests/fixtures/make_mcore019_checkpoint.py)")

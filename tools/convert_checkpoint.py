@@ -30,8 +30,13 @@ from safetensors import SafetensorError  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from megatron.common.files import staged_paths  # noqa: E402
+from megatron.config.model import ARCHITECTURE_DEFAULTS  # noqa: E402
 from megatron.models.llama import LlamaConfig  # noqa: E402
-from megatron.training.checkpoint_format import saved_args, verify_checkpoint  # noqa: E402
+from megatron.training.checkpoint_format import (  # noqa: E402
+    foreign_architecture,
+    saved_args,
+    verify_checkpoint,
+)
 from megatron.training.checkpoint_hf import (  # noqa: E402
     ConversionError,
     gpt_to_hf,
@@ -120,12 +125,13 @@ def hf_to_megatron(args: argparse.Namespace) -> None:
                   "ffn_hidden_size": cfg.ffn_hidden_size,
                   "num_attention_heads": cfg.num_attention_heads,
                   "num_query_groups": cfg.num_query_groups, "vocab_size": cfg.vocab_size,
-                  "seq_length": cfg.seq_length}
+                  "seq_length": cfg.seq_length, **architecture_flags(cfg)}
     created = not os.path.exists(args.output)
     try:
         saver = CheckpointSaver(args.output, cfg, async_save=False)
         saver.save(0, OwnedState({MASTER + k: v for k, v in gpt.items()}, 0, None),
-                   {"args": model_args, "hf_config": config, "consumed_samples": 0})
+                   {"args": model_args, "hf_config": config, "consumed_samples": 0,
+                    "padded_vocab_size": cfg.vocab_size})
         saver.close()
     except BaseException:
         if created:
@@ -136,8 +142,25 @@ def hf_to_megatron(args: argparse.Namespace) -> None:
           f"--finetune {flags}")
 
 
+def architecture_flags(cfg: LlamaConfig) -> dict:
+    """The flags beyond the sizes whose Megatron default would build another model than
+    `cfg`: the head width, RoPE base, norm epsilon, and a vocabulary that the default
+    padding (a multiple of 128) would grow beyond the converted rows."""
+    values = {"kv_channels": cfg.kv_channels, "rotary_base": cfg.rope_base,
+              "norm_epsilon": cfg.norm_epsilon,
+              "make_vocab_size_divisible_by": ARCHITECTURE_DEFAULTS[
+                  "make_vocab_size_divisible_by"]}
+    if cfg.vocab_size % values["make_vocab_size_divisible_by"]:
+        values["make_vocab_size_divisible_by"] = 1
+    return {k: v for k, v in values.items() if v != ARCHITECTURE_DEFAULTS[k]}
+
+
 def _model_config(common: dict, tensors: dict[str, torch.Tensor]) -> LlamaConfig:
     a = saved_args(common)
+    foreign = foreign_architecture(a)
+    if foreign:
+        raise ConversionError(f"the checkpoint was saved with {foreign}: not a model this "
+                              "conversion writes faithfully")
     try:
         return LlamaConfig(
             num_layers=a["num_layers"], hidden_size=a["hidden_size"],

@@ -63,6 +63,10 @@ class LlamaConfig:
     def num_pieces(self) -> int:
         return self.num_layers + 2
 
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
     def with_dtype(self, dtype: torch.dtype) -> LlamaConfig:
         return replace(self, params_dtype=dtype)
 

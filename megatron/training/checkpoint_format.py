@@ -131,10 +131,33 @@ MEGATRON_ARCHITECTURE = {
     "add_bias_linear": False, "disable_bias_linear": True, "add_qkv_bias": False,
     "squared_relu": False, "apply_layernorm_1p": False,
     "apply_query_key_layer_scaling": False, "num_experts": None, "mtp_num_layers": None,
+    "use_rope_scaling": False, "qk_layernorm": False, "multi_latent_attention": False,
     "spec": None, "ckpt_format": "torch_dist", "use_legacy_models": False,
     "tensor_model_parallel_size": 1, "context_parallel_size": 1,
     "expert_model_parallel_size": 1, "virtual_pipeline_model_parallel_size": None,
 }
+
+
+# The architecture flags that decide what a checkpoint's tensors compute. A model that
+# differs here (LLaMA 3.1's scaled RoPE, interleaved RoPE, tied embeddings, biases,
+# LayerNorm, ...) has tensors of the same names, or a subset: loaded or exported as this
+# design's, it would silently be another model.
+COMPUTED_ARCHITECTURE = ("swiglu", "normalization", "position_embedding_type",
+                         "rotary_interleaved", "use_rope_scaling",
+                         "untie_embeddings_and_output_weights", "add_bias_linear",
+                         "add_qkv_bias", "squared_relu", "apply_layernorm_1p", "qk_layernorm",
+                         "multi_latent_attention", "num_experts")
+
+
+def foreign_architecture(args: dict) -> str:
+    """'' when a checkpoint's args (saved_args) describe this design's layers, a flag it did
+    not record counting as this design's (ours record none); else the first that does not,
+    as "use_rope_scaling True (this model computes False)"."""
+    for key in COMPUTED_ARCHITECTURE:
+        value, ours = args.get(key), MEGATRON_ARCHITECTURE[key]
+        if value is not None and value != ours:
+            return f"{key} {value!r} (this model computes {ours!r})"
+    return ""
 
 
 def megatron_common(common: dict, iteration: int) -> dict:

@@ -11,18 +11,26 @@ Where conversions go wrong, and what this does about it:
   rotary_interleaved=False), so q and k rows are copied unpermuted.
 - Untied embeddings (LLaMA-2): a tied Hugging Face model gets its embedding copied into
   the output layer.
+- Head width: `head_dim` (when not hidden / heads) is Megatron's kv_channels, and sizes
+  q_proj, k_proj, v_proj and o_proj.
+- RoPE base: transformers < 5 writes `rope_theta`, >= 5 `rope_parameters.rope_theta`; a
+  scaled rotation (Llama 3.1's "llama3", "linear", ...) in either place is refused.
 """
 
 from __future__ import annotations
 
 import json
+import math
 
 import torch
 
 from megatron.models.llama import LlamaConfig
 
-# Values this project's model fixes (LlamaConfig defaults); another value is refused.
-FIXED = {"rope_theta": 10000.0, "rms_norm_eps": 1e-5, "hidden_act": "silu"}
+# Values this project's model fixes; another value is refused.
+FIXED = {"hidden_act": "silu"}
+# RoPE types that rotate by the plain base frequencies, as megatron-core's RotaryEmbedding
+# does (transformers >= 5 writes "default" in rope_parameters; older ones rope_scaling null).
+UNSCALED_ROPE = (None, "default")
 
 
 class ConversionError(ValueError):
@@ -50,6 +58,29 @@ def read_hf_config(path: str) -> dict:
     return config
 
 
+def _rope_theta(hf: dict) -> int:
+    """The RoPE base of a Hugging Face config: `rope_theta` (transformers < 5) or
+    `rope_parameters.rope_theta` (>= 5); refused when the rotation is scaled (Llama 3.1's
+    "llama3", "linear", "yarn", ...: this model's RoPE, like Megatron's default, is not) or
+    the base is not a whole number (Megatron's --rotary-base is an integer)."""
+    parameters = hf.get("rope_parameters") or {}
+    for key, value in (("rope_scaling", hf.get("rope_scaling")),
+                       ("rope_parameters", parameters)):
+        if isinstance(value, dict):
+            kind = value.get("rope_type", value.get("type"))
+            if kind not in UNSCALED_ROPE:
+                raise ConversionError(f"config.json {key} rope_type {kind!r}: not supported "
+                                      "(this model's RoPE is unscaled)")
+        elif value:
+            raise ConversionError(f"config.json {key} {value!r}: not supported")
+    theta = parameters.get("rope_theta", hf.get("rope_theta", 10000.0))
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or \
+            not math.isfinite(theta) or theta <= 0 or theta != int(theta):
+        raise ConversionError(f"config.json rope_theta {theta!r}: expected a positive whole "
+                              "number (Megatron's --rotary-base is an integer)")
+    return int(theta)
+
+
 def model_config_from_hf(hf: dict, seq_length: int | None = None) -> LlamaConfig:
     """This project's model configuration from a Hugging Face LLaMA config.json."""
     if hf.get("model_type") != "llama":
@@ -59,48 +90,55 @@ def model_config_from_hf(hf: dict, seq_length: int | None = None) -> LlamaConfig
         if found != value:
             raise ConversionError(f"config.json {key} {found!r}: expected {value!r} (the "
                                   "only value this model supports)")
-    for key in ("rope_scaling", "attention_bias", "mlp_bias"):
+    for key in ("attention_bias", "mlp_bias"):
         if hf.get(key):
             raise ConversionError(f"config.json {key} {hf[key]!r}: not supported")
+    rope_base = _rope_theta(hf)
     heads = hf["num_attention_heads"]
-    if hf.get("head_dim", hf["hidden_size"] // heads) != hf["hidden_size"] // heads:
-        raise ConversionError(f"config.json head_dim {hf['head_dim']}: expected "
-                              f"hidden_size / num_attention_heads")
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
     return LlamaConfig(
         num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
         ffn_hidden_size=hf["intermediate_size"], num_attention_heads=heads,
-        num_query_groups=hf.get("num_key_value_heads", heads), vocab_size=hf["vocab_size"],
+        num_query_groups=hf.get("num_key_value_heads") or heads, vocab_size=hf["vocab_size"],
         seq_length=seq_length or hf.get("max_position_embeddings", 4096),
-        rope_base=hf.get("rope_theta", 10000.0), norm_epsilon=hf.get("rms_norm_eps", 1e-5),
+        kv_channels=None if head_dim == hf["hidden_size"] // heads else head_dim,
+        rope_base=rope_base, norm_epsilon=hf.get("rms_norm_eps", 1e-6),
     )
 
 
 def hf_config_from_model(cfg: LlamaConfig) -> dict:
-    """A Hugging Face LLaMA config.json for this project's model."""
+    """A Hugging Face LLaMA config.json for this project's model; ConversionError where
+    transformers' LLaMA cannot be that model: RoPE over part of each head (it rotates every
+    channel), a hidden size that is not a multiple of the heads (its config refuses one,
+    head_dim or not)."""
+    if cfg.rotary_percent != 1.0:
+        raise ConversionError(f"the checkpoint's rotary_percent {cfg.rotary_percent}: a "
+                              "Hugging Face LLaMA rotates every channel of a head (expected 1.0)")
+    if cfg.hidden_size % cfg.num_attention_heads:
+        raise ConversionError(f"the checkpoint's hidden_size {cfg.hidden_size}: a Hugging Face "
+                              "LLaMA config expects a multiple of num_attention_heads "
+                              f"{cfg.num_attention_heads}")
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_hidden_size,
         "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.num_query_groups, "vocab_size": cfg.vocab_size,
-        "max_position_embeddings": cfg.seq_length, "rms_norm_eps": cfg.norm_epsilon,
-        "rope_theta": cfg.rope_base, "hidden_act": "silu", "tie_word_embeddings": False,
+        "num_key_value_heads": cfg.num_query_groups, "head_dim": cfg.head_dim,
+        "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.seq_length,
+        "rms_norm_eps": cfg.norm_epsilon, "rope_theta": float(cfg.rope_base),
+        "hidden_act": "silu", "tie_word_embeddings": False,
         "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32",
     }
 
 
-def _head_dim(cfg: LlamaConfig) -> int:
-    return cfg.hidden_size // cfg.num_attention_heads
-
-
 def fuse_qkv(cfg: LlamaConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    d, ng, h = _head_dim(cfg), cfg.num_query_groups, cfg.hidden_size
+    d, ng, h = cfg.head_dim, cfg.num_query_groups, cfg.hidden_size
     per_group = cfg.num_attention_heads // ng
     return torch.cat([q.reshape(ng, per_group * d, h), k.reshape(ng, d, h),
                       v.reshape(ng, d, h)], dim=1).reshape(-1, h)
 
 
 def split_qkv(cfg: LlamaConfig, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    d, ng, h = _head_dim(cfg), cfg.num_query_groups, cfg.hidden_size
+    d, ng, h = cfg.head_dim, cfg.num_query_groups, cfg.hidden_size
     per_group = cfg.num_attention_heads // ng
     grouped = qkv.reshape(ng, (per_group + 2) * d, h)
     q, k, v = grouped.split([per_group * d, d, d], dim=1)
@@ -127,10 +165,12 @@ _HF_SHAPES = {
     "lm_head.weight": (("vocab_size", "hidden_size"), lambda c: (c.vocab_size, c.hidden_size)),
     "norm.weight": (("hidden_size",), lambda c: (c.hidden_size,)),
     "layernorm.weight": (("hidden_size",), lambda c: (c.hidden_size,)),
-    "q_proj.weight": (("hidden_size",), lambda c: (c.hidden_size, c.hidden_size)),
-    "k_proj.weight": (("num_key_value_heads", "num_attention_heads", "hidden_size"),
-                      lambda c: (c.num_query_groups * _head_dim(c), c.hidden_size)),
-    "o_proj.weight": (("hidden_size",), lambda c: (c.hidden_size, c.hidden_size)),
+    "q_proj.weight": (("num_attention_heads", "head_dim", "hidden_size"),
+                      lambda c: (c.num_attention_heads * c.head_dim, c.hidden_size)),
+    "k_proj.weight": (("num_key_value_heads", "head_dim", "hidden_size"),
+                      lambda c: (c.num_query_groups * c.head_dim, c.hidden_size)),
+    "o_proj.weight": (("hidden_size", "num_attention_heads", "head_dim"),
+                      lambda c: (c.hidden_size, c.num_attention_heads * c.head_dim)),
     "gate_proj.weight": (("intermediate_size", "hidden_size"),
                          lambda c: (c.ffn_hidden_size, c.hidden_size)),
     "down_proj.weight": (("hidden_size", "intermediate_size"),
@@ -141,7 +181,7 @@ _HF_SHAPES["up_proj.weight"] = _HF_SHAPES["gate_proj.weight"]
 _CONFIG_VALUES = {"vocab_size": "vocab_size", "hidden_size": "hidden_size",
                   "num_key_value_heads": "num_query_groups",
                   "num_attention_heads": "num_attention_heads",
-                  "intermediate_size": "ffn_hidden_size"}
+                  "intermediate_size": "ffn_hidden_size", "head_dim": "head_dim"}
 # Buffers some exports carry beside the weights (recomputed by every model): not converted
 _DERIVED = ("rotary_emb.inv_freq",)
 

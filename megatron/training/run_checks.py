@@ -17,7 +17,7 @@ from megatron.config.run import ONE_PROCESS_SCHEDULE, RunConfig
 from megatron.optimizer.state_io import ALIGNMENT
 from megatron.planning.shape import Unbuildable, build_run_schedule
 from megatron.schedules.generators import DEFAULT_SCHEDULE
-from megatron.training.checkpoint_format import saved_args
+from megatron.training.checkpoint_format import foreign_architecture, saved_args
 
 OUTPUT_FILE_FIELDS = ("metrics_file", "timeline", "trace")
 
@@ -190,6 +190,9 @@ def check_checkpoint_model(run: RunConfig, saved: dict | None, where: str,
     vocabulary the checkpoint recorded; check_checkpoint_vocabulary again with the
     tokenizer's)."""
     saved = saved or {}
+    foreign = foreign_architecture(saved)
+    if foreign:
+        raise ConfigError("--load", where, f"the checkpoint was saved with {foreign}")
     fields = MODEL_FIELDS + (() if run.checkpointing.finetune else RESUMED_ARCHITECTURE)
     for field in fields:
         theirs, ours = saved.get(field), getattr(run.model, field)
