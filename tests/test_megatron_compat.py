@@ -143,6 +143,20 @@ def test_without_a_preset_the_defaults_are_megatrons():
 
 
 @pytest.mark.unit
+def test_profile_ranks_are_megatrons_list_and_default_to_every_rank():
+    """Megatron-LM 0.19: --profile-ranks 0 1 (nargs +); left out, every rank profiles."""
+    from megatron.training.profiling import IterationProfiler
+
+    profile = [*SMALL, "--profile", "--use-pytorch-profiler", "--tensorboard-dir", "tb"]
+    run = parse_args([*profile, "--profile-ranks", "0", "2"])
+    assert run.profiling.profile_ranks == (0, 2)
+    chosen = [IterationProfiler(run, rank)._torch for rank in range(3)]
+    assert chosen == [True, False, True]
+    every = parse_args(profile)
+    assert all(IterationProfiler(every, rank)._torch for rank in range(3))
+
+
+@pytest.mark.unit
 def test_help_is_one_line_per_flag(capsys):
     parser = build_parser()
     flags = [a for a in parser._actions if a.option_strings]

@@ -289,7 +289,7 @@ class ProfilingConfig:
     use_pytorch_profiler: bool
     profile_step_start: int  # the first iteration profiled
     profile_step_end: int  # the first iteration after them
-    profile_ranks: tuple[int, ...]
+    profile_ranks: tuple[int, ...]  # empty: every rank (Megatron's default)
 
 
 @dataclass(frozen=True)

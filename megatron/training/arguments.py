@@ -392,8 +392,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the first iteration profiled")
     g.add_argument("--profile-step-end", type=int, default=12,
                    help="the first iteration after the profiled ones")
-    g.add_argument("--profile-ranks", type=_int_list, default=[0], metavar="R,R,...",
-                   help="global ranks that profile")
+    g.add_argument("--profile-ranks", type=int, nargs="+", default=[], metavar="R",
+                   help="global ranks that profile (default: every rank, as Megatron)")
     g = p.add_argument_group("planning")
     g.add_argument("--plan", action="store_true",
                    help="print the memory needed per GPU and per node, whether it fits the "
