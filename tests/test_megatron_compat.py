@@ -104,6 +104,8 @@ def test_no_prefix_matching_and_loss_scale_is_the_loss_scale(capsys):
     (["--rampup-batch-size", "16", "16", "5859375"], "--rampup-batch-size 16 16 5859375",
      "constant --global-batch-size"),
     (["--optimizer", "sgd"], "--optimizer", "adam"),
+    (["--optimizer", "lion"], "--optimizer", "AdamW"),  # 0.19's newer choices: the same why
+    (["--position-embedding-type", "yarn"], "--position-embedding-type", "rotary"),
     (["--hidden-dropout", "0.1"], "--hidden-dropout", "0 only"),
     (["--transformer-impl", "inference_optimized"], "--transformer-impl", "local"),
     (["--max-position-embeddings", "16"], "--max-position-embeddings", ">= --seq-length"),

@@ -46,7 +46,7 @@ DESIGN_FLAGS = (
     DesignFlag("--expert-model-parallel-size", (1,), "mixture-of-experts models are not "
                "supported", type=int, help="1 only (no mixture of experts)"),
     DesignFlag("--position-embedding-type", ("rope",), "LLaMA uses rotary embeddings",
-               choices=("learned_absolute", "rope", "mrope", "relative", "none"),
+               choices=("learned_absolute", "rope", "yarn", "mrope", "relative", "none"),
                help="rope only (the default here)"),
     DesignFlag("--normalization", ("RMSNorm",), "LLaMA uses RMSNorm", choices=("LayerNorm", "RMSNorm"),
                help="RMSNorm only (the default here)"),
@@ -59,8 +59,8 @@ DESIGN_FLAGS = (
                choices=("local", "transformer_engine", "inference_optimized"),
                help="Transformer Engine layers where it imports on CUDA, local otherwise"),
     DesignFlag("--optimizer", ("adam",), "the CPU optimizer is AdamW",
-               choices=("adam", "sgd", "muon", "dist_muon"), help="adam only (AdamW, decoupled "
-               "weight decay, as Megatron's adam)"),
+               choices=("adam", "sgd", "muon", "dist_muon", "lion", "soap", "adaptive_muon"),
+               help="adam only (AdamW, decoupled weight decay, as Megatron's adam)"),
     DesignFlag("--distributed-backend", None, "",
                choices=("nccl", "gloo"), help="NCCL on CUDA; the CPU device layer uses gloo"),
     DesignFlag("--attention-backend", None, "",
