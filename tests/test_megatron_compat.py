@@ -92,6 +92,22 @@ def test_no_prefix_matching_and_loss_scale_is_the_loss_scale(capsys):
 
 
 @pytest.mark.unit
+def test_a_megatron_flag_this_design_lacks_is_refused_as_such_not_as_a_typo(capsys):
+    """Megatron-LM 0.19 flags pretrain_llama.py does not implement: one line that names each
+    as a Megatron-LM flag not supported here, apart from the typos beside them."""
+    code, lines = refused(capsys, [*SMALL, "--log-params-norm", "--timing-log-level", "2",
+                                   "--num-layer", "2"])
+    assert code == 2 and len(lines) == 1, lines
+    typos, _, megatron = lines[0].partition("; also ")
+    assert "--num-layer (did you mean --num-layers?)" in typos and "--log-params-norm" not in typos
+    assert megatron.startswith("Megatron-LM 0.19 flags --log-params-norm, --timing-log-level: "
+                               "not supported by this design")
+    code, lines = refused(capsys, [*SMALL, "--deterministic-mode"])
+    assert lines == ["pretrain_llama.py: error: Megatron-LM 0.19 flag --deterministic-mode: "
+                     "not supported by this design (--help lists the flags it takes): drop it"]
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize("flags,named,says", [
     (["--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size", "tensor parallel"),
     (["--context-parallel-size", "2"], "--context-parallel-size", "context parallel"),

@@ -38,6 +38,7 @@ from megatron.training.megatron_flags import (
     TUNING_VALUES,
     check_design_flags,
 )
+from megatron.training.megatron_lm_flag_names import MEGATRON_LM_FLAGS
 
 SCHEDULES = (ONE_PROCESS_SCHEDULE, *SCHEDULE_NAMES)
 
@@ -603,17 +604,26 @@ def _given(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[str]:
 
 def _unknown_flags(parser: argparse.ArgumentParser, unknown: Sequence[str]
                    ) -> tuple[str, str, str]:
-    """Every unknown flag, each with the closest known one, as one ConfigError's parts."""
+    """Every unknown flag, as one ConfigError's parts: a typo with the closest known flag,
+    a Megatron-LM flag this design lacks as such."""
     known = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
     flags = [item.split("=", 1)[0] for item in unknown if item.startswith("-")]
     if not flags:
         return "flags", " ".join(unknown), "unexpected values (every value follows its flag)"
+    megatron = [flag for flag in flags if flag in MEGATRON_LM_FLAGS]
+    lacking = (f"Megatron-LM 0.19 flag{'s' if len(megatron) > 1 else ''}", ", ".join(megatron),
+               "not supported by this design (--help lists the flags it takes): drop "
+               + ("them" if len(megatron) > 1 else "it"))
     parts = []
     for flag in flags:
-        close = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
-        parts.append(f"{flag} (did you mean {close[0]}?)" if close else flag)
+        if flag not in MEGATRON_LM_FLAGS:
+            close = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
+            parts.append(f"{flag} (did you mean {close[0]}?)" if close else flag)
+    if not parts:
+        return lacking
+    also = "; also " + str(ConfigError(*lacking)) if megatron else ""
     return ("unknown flag" + ("s" if len(parts) > 1 else ""), ", ".join(parts),
-            "not a flag of pretrain_llama.py (--help lists every flag, one line each)")
+            "not a flag of pretrain_llama.py (--help lists every flag, one line each)" + also)
 
 
 def exit_bad_input(exc: Exception) -> None:
