@@ -122,6 +122,16 @@ def test_a_megatron_flag_this_design_lacks_is_refused_as_such_not_as_a_typo(caps
     (["--optimizer", "sgd"], "--optimizer", "adam"),
     (["--optimizer", "lion"], "--optimizer", "AdamW"),  # 0.19's newer choices: the same why
     (["--position-embedding-type", "yarn"], "--position-embedding-type", "rotary"),
+    # flags of Megatron-LM 0.19 launch scripts that change the numbers: refused with the why
+    (["--recompute-activations"], "--recompute-activations", "whole layers"),
+    (["--eod-mask-loss"], "--eod-mask-loss", "every token's loss"),
+    (["--reset-position-ids"], "--reset-position-ids", "across documents"),
+    (["--qk-layernorm"], "--qk-layernorm", "LLaMA"),
+    (["--squared-relu"], "--squared-relu", "SwiGLU"),
+    (["--use-rope-scaling"], "--use-rope-scaling", "--rotary-base"),
+    (["--no-save-optim"], "--no-save-optim", "exact"),
+    (["--num-layers-per-virtual-pipeline-stage", "2"], "--num-layers-per-virtual-pipeline-stage",
+     "--pipeline-schedule"),
     (["--hidden-dropout", "0.1"], "--hidden-dropout", "0 only"),
     (["--transformer-impl", "inference_optimized"], "--transformer-impl", "local"),
     (["--max-position-embeddings", "16"], "--max-position-embeddings", ">= --seq-length"),
@@ -158,6 +168,16 @@ def test_without_a_preset_the_defaults_are_megatrons():
     assert with_data.evaluations == 1  # no --eval-interval: only at the end
     preset = parse_args(["--model-preset", "tiny"])  # LLaMA-2's recipe comes with a preset
     assert (preset.optimization.adam_beta2, preset.optimization.weight_decay) == (0.95, 0.1)
+
+
+@pytest.mark.unit
+def test_checkpoint_io_tuning_of_megatron_lm_0_19_is_accepted():
+    """Flags of Megatron's launch scripts that tune how a torch_dist checkpoint is written
+    or read, not what it holds."""
+    run = parse_args([*SMALL, "--ckpt-fully-parallel-save", "--ckpt-fully-parallel-load",
+                      "--use-persistent-ckpt-worker", "--ckpt-assume-constant-structure",
+                      "--auto-detect-ckpt-format"])
+    assert run.flags() == parse_args(SMALL).flags()
 
 
 @pytest.mark.unit

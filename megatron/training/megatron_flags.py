@@ -117,6 +117,14 @@ DESIGN_SWITCHES = {
     "--fsdp-manual-registration": "Megatron-FSDP buffer tuning: no effect here",
     "--record-memory-history": "accepted; no CUDA memory history is recorded (--trace "
                                "records the last iteration)",
+    # how a torch_dist checkpoint is written or read, not what it holds
+    "--ckpt-fully-parallel-save": "checkpoint I/O tuning (Megatron's default): no effect "
+                                  "on what is saved",
+    "--ckpt-fully-parallel-load": "checkpoint I/O tuning: no effect on what is loaded",
+    "--use-persistent-ckpt-worker": "checkpoint I/O tuning: --async-save writes from a "
+                                    "thread of its own either way",
+    "--ckpt-assume-constant-structure": "checkpoint I/O tuning: no effect on what is saved",
+    "--auto-detect-ckpt-format": "accepted; --load reads torch_dist, the only format",
 }
 
 # Megatron flags with a value that only tunes the runtime: accepted, no effect.
@@ -143,6 +151,22 @@ REFUSED_SWITCHES = {
     "--use-legacy-models": "only megatron-core models are supported (drop --use-legacy-models)",
     "--add-qkv-bias": "linear layers have no biases (LLaMA); drop --add-qkv-bias",
     "--fp8-param-gather": "FP8 is not supported: use --bf16",
+    "--recompute-activations": "selective recomputation; the backward stage recomputes "
+                               "whole layers (always): drop --recompute-activations",
+    "--eod-mask-loss": "every token's loss counts (Megatron's default): drop --eod-mask-loss",
+    "--reset-position-ids": "positions run across documents (Megatron's default): drop "
+                            "--reset-position-ids",
+    "--reset-attention-mask": "attention runs across documents (Megatron's default): drop "
+                              "--reset-attention-mask",
+    "--qk-layernorm": "LLaMA has no query/key normalization: drop --qk-layernorm",
+    "--squared-relu": "the MLP is LLaMA's SwiGLU (--swiglu)",
+    "--openai-gelu": "the MLP is LLaMA's SwiGLU (--swiglu)",
+    "--use-rope-scaling": "LLaMA-3.1's RoPE scaling is not supported: plain RoPE with "
+                          "--rotary-base",
+    "--no-save-optim": "a checkpoint always holds the optimizer state (a resume is exact): "
+                       "drop --no-save-optim, load with --no-load-optim or --finetune",
+    "--no-save-rng": "a checkpoint always holds the RNG state (a resume is exact): drop "
+                     "--no-save-rng, load with --no-load-rng",
     "--use-megatron-fsdp": "Megatron-FSDP is not supported (the model states live in host "
                            "memory): for ZeRO over the data-parallel replicas use "
                            "--use-distributed-optimizer with --zero-stage 1 (optim) or 2 "
@@ -156,6 +180,8 @@ REFUSED_VALUES = {
                            "--global-batch-size",
     "--step-batch-size-schedule": "batch-size schedules are not supported: give a constant "
                                   "--global-batch-size",
+    "--num-layers-per-virtual-pipeline-stage": "Megatron's interleaved schedule is not "
+                                               "supported: choose one with --pipeline-schedule",
 }
 
 
