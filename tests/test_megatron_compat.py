@@ -120,6 +120,7 @@ def test_a_megatron_flag_this_design_lacks_is_refused_as_such_not_as_a_typo(caps
     (["--rampup-batch-size", "16", "16", "5859375"], "--rampup-batch-size 16 16 5859375",
      "constant --global-batch-size"),
     (["--optimizer", "sgd"], "--optimizer", "adam"),
+    (["--empty-unused-memory-level", "3"], "--empty-unused-memory-level", "0, 1, 2"),
     (["--optimizer", "lion"], "--optimizer", "AdamW"),  # 0.19's newer choices: the same why
     (["--position-embedding-type", "yarn"], "--position-embedding-type", "rotary"),
     # flags of Megatron-LM 0.19 launch scripts that change the numbers: refused with the why

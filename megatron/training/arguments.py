@@ -426,8 +426,8 @@ def _add_megatron_design_flags(p: argparse.ArgumentParser) -> None:
                        help=spec.help)
     for flag, what in DESIGN_SWITCHES.items():
         g.add_argument(flag, action="store_true", help=what)
-    for flag, (kind, default, what) in TUNING_VALUES.items():
-        g.add_argument(flag, type=kind, default=default, help=what)
+    for flag, (kind, default, choices, what) in TUNING_VALUES.items():
+        g.add_argument(flag, type=kind, default=default, choices=choices, help=what)
     for flag, why in REFUSED_SWITCHES.items():
         g.add_argument(flag, action="store_true", help=why)
     for flag, why in REFUSED_VALUES.items():  # all their values, to refuse them as one

@@ -127,21 +127,26 @@ DESIGN_SWITCHES = {
     "--auto-detect-ckpt-format": "accepted; --load reads torch_dist, the only format",
 }
 
-# Megatron flags with a value that only tunes the runtime: accepted, no effect.
+# Megatron flags with a value that only tunes the runtime: accepted, no effect. By flag:
+# (type, Megatron's default, Megatron's choices or None, what it does here).
 TUNING_VALUES = {
-    "--num-workers": (int, 2, "data loader workers; samples are read in the training process"),
-    "--empty-unused-memory-level": (int, 0, "accepted; device memory is released per "
-                                             "instruction"),
-    "--tiktoken-pattern": (str, None, "only read by TikTokenizer (not supported)"),
+    "--num-workers": (int, 2, None, "data loader workers; samples are read in the training "
+                                    "process"),
+    "--empty-unused-memory-level": (int, 0, (0, 1, 2), "accepted; device memory is released "
+                                                       "per instruction"),
+    "--tiktoken-pattern": (str, None, ("v1", "v2"), "only read by TikTokenizer (not "
+                                                    "supported)"),
     # FP8 recipe details: Megatron reads them only with --fp8-format (refused here)
-    "--fp8-amax-history-len": (int, 1, "FP8 recipe detail; no effect without --fp8-format"),
-    "--fp8-amax-compute-algo": (str, "most_recent", "FP8 recipe detail; no effect without "
-                                                    "--fp8-format"),
-    "--logging-level": (int, None, "accepted; this program's log lines are not filtered by "
-                                   "level"),
+    "--fp8-amax-history-len": (int, 1, None, "FP8 recipe detail; no effect without "
+                                             "--fp8-format"),
+    "--fp8-amax-compute-algo": (str, "most_recent", ("most_recent", "max"),
+                                "FP8 recipe detail; no effect without --fp8-format"),
+    "--logging-level": (int, None, None, "accepted; this program's log lines are not "
+                                         "filtered by level"),
     # Megatron-FSDP's ZeRO stage, read only with --use-megatron-fsdp (refused here)
-    "--data-parallel-sharding-strategy": (str, "optim_grads_params", "Megatron-FSDP's sharding; with "
-                                                           "data parallelism use --zero-stage"),
+    "--data-parallel-sharding-strategy": (
+        str, "optim_grads_params", ("no_shard", "optim", "optim_grads", "optim_grads_params"),
+        "Megatron-FSDP's sharding; with data parallelism use --zero-stage"),
 }
 
 # Megatron switches naming features this design does not have: refused in one line.
