@@ -172,6 +172,22 @@ def test_without_a_preset_the_defaults_are_megatrons():
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("flags", [
+    ["--lr-warmup-iters", "0", "--lr-warmup-fraction", "0.1"],
+    ["--train-samples", "40", "--lr-warmup-iters", "0"],
+    ["--train-samples", "40", "--lr-warmup-samples", "0", "--lr-warmup-fraction", "0.1"],
+    ["--train-iters", "10", "--lr-warmup-samples", "0"],
+])
+def test_a_warmup_of_zero_is_megatrons_default_not_a_second_warmup(flags):
+    """Megatron-LM 0.19 checks the other unit's warmup against its default 0 (asserts
+    lr_warmup_iters == 0), so a launch that spells the 0 out is accepted."""
+    run = parse_args([*SMALL, *flags])
+    fraction = "--lr-warmup-fraction" in flags
+    assert run.optimization.lr_warmup_fraction == (0.1 if fraction else None)
+    assert (run.optimization.lr_warmup_iters, run.optimization.lr_warmup_samples) == (0, 0)
+
+
+@pytest.mark.unit
 def test_checkpoint_io_tuning_of_megatron_lm_0_19_is_accepted():
     """Flags of Megatron's launch scripts that tune how a torch_dist checkpoint is written
     or read, not what it holds."""

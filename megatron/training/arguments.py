@@ -506,6 +506,9 @@ def _resolve_training_length(args: argparse.Namespace, given: set[str]) -> None:
     Megatron checks them; the LR schedule counts samples either way (RunConfig)."""
     iteration_flags = {"train_iters", "lr_decay_iters", "lr_warmup_iters", "lr_wsd_decay_iters"}
     sample_flags = {"lr_decay_samples", "lr_warmup_samples", "lr_wsd_decay_samples"}
+    # A warmup given as 0 is Megatron's default, which its checks accept beside the others.
+    given = {name for name in given if not (name in ("lr_warmup_iters", "lr_warmup_samples")
+                                            and getattr(args, name) == 0)}
     if args.train_samples is not None:
         mixed = sorted(iteration_flags & given)
         if mixed:
