@@ -271,6 +271,54 @@ def test_sample_based_schedule_equals_the_iteration_based_one():
 
 
 @pytest.mark.unit
+def test_warmup_start_and_weight_decay_increment_follow_megatrons_formulas():
+    """--lr-warmup-init: the warmup rises linearly from it; --weight-decay-incr-style
+    linear: the decay goes from --start- to --end-weight-decay over the training's samples."""
+    run = parse_args([*SMALL, "--global-batch-size", "4", "--train-iters", "10", "--lr", "1e-3",
+                      "--lr-warmup-iters", "4", "--lr-warmup-init", "1e-4",
+                      "--start-weight-decay", "0.0", "--end-weight-decay", "0.1",
+                      "--weight-decay-incr-style", "linear"])
+    schedule, lrs, wds = LRSchedule(run), [], []
+    for _ in range(10):
+        lrs.append(schedule.lr)
+        wds.append(schedule.weight_decay)
+        schedule.step()
+    assert lrs[0] == pytest.approx(1e-4) and lrs[2] == pytest.approx(1e-4 + 0.9e-3 * 2 / 4)
+    assert wds[0] == 0.0 and wds[5] == pytest.approx(0.05) and wds[9] == pytest.approx(0.09)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("flags,named", [
+    (["--start-weight-decay", "0.1"], "--start-weight-decay"),
+    (["--weight-decay-incr-style", "linear", "--end-weight-decay", "0.1"],
+     "--weight-decay-incr-style"),
+    (["--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"],
+     "--override-opt_param-scheduler"),
+])
+def test_megatrons_checks_of_the_schedule_flags_are_one_line(capsys, flags, named):
+    code, lines = refused(capsys, [*SMALL, *flags])
+    assert code == 2 and len(lines) == 1 and named in lines[0], lines
+
+
+@pytest.mark.unit
+def test_on_resume_the_schedule_is_the_checkpoints_unless_overridden():
+    """--override-opt_param-scheduler: the resumed run's --lr; otherwise (and with
+    --use-checkpoint-opt_param-scheduler) the checkpoint's."""
+    base = [*SMALL, "--train-iters", "10", "--lr-decay-style", "constant"]
+    saved = LRSchedule(parse_args([*base, "--lr", "1e-3"]))
+    for _ in range(3):
+        saved.step()
+    lrs = {}
+    for extra in ([], ["--use-checkpoint-opt_param-scheduler"],
+                  ["--override-opt_param-scheduler"]):
+        resumed = LRSchedule(parse_args([*base, "--lr", "2e-3", *extra]))
+        resumed.load_state_dict(saved.state_dict())
+        lrs[tuple(extra)] = (resumed.lr, resumed.num_steps)
+    assert lrs == {(): (1e-3, 3), ("--use-checkpoint-opt_param-scheduler",): (1e-3, 3),
+                   ("--override-opt_param-scheduler",): (2e-3, 3)}
+
+
+@pytest.mark.unit
 def test_dynamic_loss_scale_follows_megatrons_grad_scaler(monkeypatch):
     """Hysteresis, back-off and growth against megatron-core's DynamicGradScaler (its
     tensors moved off CUDA)."""

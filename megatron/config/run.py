@@ -86,6 +86,14 @@ class OptimizationConfig:
     adam_beta1: float
     adam_beta2: float
     adam_eps: float
+    lr_warmup_init: float = 0.0  # the learning rate the warmup starts from
+    # weight decay from start to end over the training (Megatron's; constant: --weight-decay)
+    start_weight_decay: float | None = None
+    end_weight_decay: float | None = None
+    weight_decay_incr_style: str = "constant"
+    # on resume, the LR schedule of this run's flags instead of the checkpoint's
+    override_opt_param_scheduler: bool = False
+    use_checkpoint_opt_param_scheduler: bool = False  # the checkpoint's (the default here)
 
 
 @dataclass(frozen=True)

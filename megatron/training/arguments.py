@@ -181,7 +181,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="WSD: iterations of the final decay")
     g.add_argument("--lr-wsd-decay-samples", type=int, default=None,
                    help="WSD: samples of the final decay (with --train-samples)")
+    g.add_argument("--lr-warmup-init", type=float, default=0.0,
+                   help="learning rate the linear warmup starts from (default 0)")
+    g.add_argument("--override-opt_param-scheduler", action="store_true",
+                   help="with --load: this run's LR schedule flags, not the checkpoint's")
+    g.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
+                   help="with --load: the checkpoint's LR schedule (the default here; "
+                        "Megatron refuses a mismatch without one of the two)")
     g.add_argument("--weight-decay", type=float, help="decoupled weight decay (default 0.01)")
+    g.add_argument("--start-weight-decay", type=float, default=None,
+                   help="weight decay at the start (with --weight-decay-incr-style linear "
+                        "or cosine)")
+    g.add_argument("--end-weight-decay", type=float, default=None,
+                   help="weight decay at the end of training (with --weight-decay-incr-style "
+                        "linear or cosine)")
+    g.add_argument("--weight-decay-incr-style", default="constant",
+                   choices=["constant", "linear", "cosine"],
+                   help="weight decay from --start- to --end-weight-decay over the training "
+                        "(default constant: --weight-decay)")
     g.add_argument("--clip-grad", type=float, help="global gradient-norm clip; 0 disables")
     g.add_argument("--adam-beta1", type=float, help="Adam beta1 (default 0.9)")
     g.add_argument("--adam-beta2", type=float, help="Adam beta2 (default 0.999)")
