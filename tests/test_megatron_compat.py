@@ -95,12 +95,12 @@ def test_no_prefix_matching_and_loss_scale_is_the_loss_scale(capsys):
 def test_a_megatron_flag_this_design_lacks_is_refused_as_such_not_as_a_typo(capsys):
     """Megatron-LM 0.19 flags pretrain_llama.py does not implement: one line that names each
     as a Megatron-LM flag not supported here, apart from the typos beside them."""
-    code, lines = refused(capsys, [*SMALL, "--log-params-norm", "--timing-log-level", "2",
+    code, lines = refused(capsys, [*SMALL, "--log-params-norm", "--log-num-zeros-in-grad",
                                    "--num-layer", "2"])
     assert code == 2 and len(lines) == 1, lines
     typos, _, megatron = lines[0].partition("; also ")
     assert "--num-layer (did you mean --num-layers?)" in typos and "--log-params-norm" not in typos
-    assert megatron.startswith("Megatron-LM 0.19 flags --log-params-norm, --timing-log-level: "
+    assert megatron.startswith("Megatron-LM 0.19 flags --log-params-norm, --log-num-zeros-in-grad: "
                                "not supported by this design")
     code, lines = refused(capsys, [*SMALL, "--deterministic-mode"])
     assert lines == ["pretrain_llama.py: error: Megatron-LM 0.19 flag --deterministic-mode: "
@@ -188,12 +188,14 @@ def test_a_warmup_of_zero_is_megatrons_default_not_a_second_warmup(flags):
 
 
 @pytest.mark.unit
-def test_checkpoint_io_tuning_of_megatron_lm_0_19_is_accepted():
+def test_checkpoint_io_and_timer_tuning_of_megatron_lm_0_19_is_accepted():
     """Flags of Megatron's launch scripts that tune how a torch_dist checkpoint is written
-    or read, not what it holds."""
+    or read, not what it holds, or Megatron's own timers; validation perplexity is always
+    written."""
     run = parse_args([*SMALL, "--ckpt-fully-parallel-save", "--ckpt-fully-parallel-load",
                       "--use-persistent-ckpt-worker", "--ckpt-assume-constant-structure",
-                      "--auto-detect-ckpt-format"])
+                      "--auto-detect-ckpt-format", "--timing-log-level", "2",
+                      "--timing-log-option", "all", "--log-validation-ppl-to-tensorboard"])
     assert run.flags() == parse_args(SMALL).flags()
 
 

@@ -82,6 +82,8 @@ def _check_sizes(run: RunConfig) -> None:
     for field in ("micro_batch_size", "global_batch_size", "train_iters", "train_samples"):
         _positive(getattr(t, field), field)
     _positive(run.logging.log_interval, "log_interval")
+    _positive(run.logging.tensorboard_log_interval, "tensorboard_log_interval")
+    _positive(run.logging.tensorboard_queue_size, "tensorboard_queue_size")
     _positive(run.parallel.distributed_timeout_minutes, "distributed_timeout_minutes")
 
 

@@ -248,6 +248,8 @@ class LoggingConfig:
     wandb_exp_name: str | None
     timeline: str | None  # PNG of the measured last iteration
     trace: str | None  # Chrome trace of the measured last iteration
+    tensorboard_log_interval: int = 1  # TensorBoard and W&B scalars every N iterations
+    tensorboard_queue_size: int = 1000  # events the TensorBoard writer queues
 
 
 @dataclass(frozen=True)

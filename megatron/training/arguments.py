@@ -284,6 +284,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: 100 with a validation set, else 0)")
     g.add_argument("--tensorboard-dir", default=None, metavar="DIR",
                    help="TensorBoard event files with Megatron's scalar names")
+    g.add_argument("--tensorboard-log-interval", type=int, default=1,
+                   help="write the training scalars every N iterations (default 1)")
+    g.add_argument("--tensorboard-queue-size", type=int, default=1000,
+                   help="events the TensorBoard writer queues before it flushes (default 1000)")
     g.add_argument("--wandb-project", default=None, help="log the same scalars to W&B")
     g.add_argument("--wandb-exp-name", default=None, help="W&B run name")
     g.add_argument("--exit-interval", type=int, default=None,

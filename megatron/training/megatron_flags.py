@@ -117,6 +117,7 @@ DESIGN_SWITCHES = {
     "--fsdp-manual-registration": "Megatron-FSDP buffer tuning: no effect here",
     "--record-memory-history": "accepted; no CUDA memory history is recorded (--trace "
                                "records the last iteration)",
+    "--log-validation-ppl-to-tensorboard": "validation perplexity is written (always)",
     # how a torch_dist checkpoint is written or read, not what it holds
     "--ckpt-fully-parallel-save": "checkpoint I/O tuning (Megatron's default): no effect "
                                   "on what is saved",
@@ -141,6 +142,10 @@ TUNING_VALUES = {
                                              "--fp8-format"),
     "--fp8-amax-compute-algo": (str, "most_recent", ("most_recent", "max"),
                                 "FP8 recipe detail; no effect without --fp8-format"),
+    "--timing-log-level": (int, 0, (0, 1, 2), "Megatron's timer detail: the timers here are "
+                                              "this runtime's (--log-timers-to-tensorboard)"),
+    "--timing-log-option": (str, "minmax", ("max", "minmax", "all"), "Megatron's timer "
+                            "reduction across ranks: see --timing-log-level"),
     "--logging-level": (int, None, None, "accepted; this program's log lines are not "
                                          "filtered by level"),
     # Megatron-FSDP's ZeRO stage, read only with --use-megatron-fsdp (refused here)

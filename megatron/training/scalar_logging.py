@@ -70,6 +70,7 @@ class ScalarSinks:
         self._wandb = None
         log = run.logging
         self._tensorboard_dir = log.tensorboard_dir
+        self._interval = log.tensorboard_log_interval
         self._scalars = {**TRAINING_SCALARS,
                          **(TIMER_SCALARS if log.log_timers_to_tensorboard else {}),
                          **({"tflops_per_gpu": "throughput"} if log.log_throughput else {})}
@@ -81,7 +82,8 @@ class ScalarSinks:
 
             _quiet_event_writer_thread()
             try:
-                self._tensorboard = SummaryWriter(log_dir=log.tensorboard_dir, max_queue=1000)
+                self._tensorboard = SummaryWriter(log_dir=log.tensorboard_dir,
+                                                  max_queue=log.tensorboard_queue_size)
             except OSError as exc:
                 warn_line(output_failed("--tensorboard-dir", log.tensorboard_dir, exc))
         if log.wandb_project:
@@ -91,6 +93,8 @@ class ScalarSinks:
                                      config=run.flags())
 
     def training(self, record: dict) -> None:
+        if record["iteration"] % self._interval:
+            return  # --tensorboard-log-interval, as Megatron (W&B too)
         scalars = {name: record[key] for key, name in self._scalars.items()
                    if isinstance(record.get(key), (int, float)) and not isinstance(record[key], bool)}
         self._write(scalars, record["iteration"], record.get("consumed_samples"))
