@@ -126,6 +126,24 @@ def test_load_of_a_missing_directory_is_an_error_unless_optional(tmp_path):
     assert run.checkpointing.load_optional
 
 
+@pytest.mark.unit
+def test_wandb_files_go_where_megatron_puts_them(tmp_path, monkeypatch):
+    """W&B's local files: --wandb-save-dir, else --save's wandb/ (Megatron's); the entity."""
+    import sys
+    import types
+
+    runs = []
+    fake = types.SimpleNamespace(init=lambda **kwargs: runs.append(kwargs))
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    save = str(tmp_path / "ckpt")
+    ScalarSinks(parse_args([*TINY, "--wandb-project", "p", "--save", save]), enabled=True)
+    ScalarSinks(parse_args([*TINY, "--wandb-project", "p", "--save", save, "--wandb-save-dir",
+                            str(tmp_path / "w"), "--wandb-entity", "team"]), enabled=True)
+    assert [(r["dir"], r.get("entity")) for r in runs] == [
+        (os.path.join(save, "wandb"), None), (str(tmp_path / "w"), "team")]
+    assert os.path.isdir(runs[0]["dir"]) and os.path.isdir(runs[1]["dir"])
+
+
 def test_wandb_without_the_package_is_a_clear_error(tmp_path, monkeypatch):
     import importlib.util
     real = importlib.util.find_spec

@@ -250,6 +250,8 @@ class LoggingConfig:
     trace: str | None  # Chrome trace of the measured last iteration
     tensorboard_log_interval: int = 1  # TensorBoard and W&B scalars every N iterations
     tensorboard_queue_size: int = 1000  # events the TensorBoard writer queues
+    wandb_save_dir: str | None = None  # None: --save's wandb/ (Megatron's), else W&B's own
+    wandb_entity: str | None = None
 
 
 @dataclass(frozen=True)

@@ -290,6 +290,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="events the TensorBoard writer queues before it flushes (default 1000)")
     g.add_argument("--wandb-project", default=None, help="log the same scalars to W&B")
     g.add_argument("--wandb-exp-name", default=None, help="W&B run name")
+    g.add_argument("--wandb-save-dir", default=None, metavar="DIR",
+                   help="W&B's local files (default: --save's wandb/, as Megatron)")
+    g.add_argument("--wandb-entity", default=None, help="W&B team or user of the run")
     g.add_argument("--exit-interval", type=int, default=None,
                    help="save and exit 0 after the iteration that is a multiple of N")
     g.add_argument("--exit-duration-in-mins", type=float, default=None,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import os
 import threading
 
 from megatron.config.errors import ConfigError
@@ -89,8 +90,17 @@ class ScalarSinks:
         if log.wandb_project:
             import wandb
 
+            save_dir = log.wandb_save_dir or (
+                os.path.join(run.checkpointing.save, "wandb") if run.checkpointing.save else None)
+            if save_dir is not None:
+                try:
+                    os.makedirs(save_dir, exist_ok=True)
+                except OSError as exc:  # an output that fails is said, training goes on
+                    warn_line(output_failed("--wandb-save-dir", save_dir, exc))
+                    save_dir = None
+            entity = {"entity": log.wandb_entity} if log.wandb_entity else {}
             self._wandb = wandb.init(project=log.wandb_project, name=log.wandb_exp_name,
-                                     config=run.flags())
+                                     config=run.flags(), dir=save_dir, **entity)
 
     def training(self, record: dict) -> None:
         if record["iteration"] % self._interval:
