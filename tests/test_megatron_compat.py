@@ -92,6 +92,22 @@ def test_no_prefix_matching_and_loss_scale_is_the_loss_scale(capsys):
 
 
 @pytest.mark.unit
+def test_a_megatron_flag_this_design_lacks_is_refused_as_such_not_as_a_typo(capsys):
+    """Megatron-LM 0.19 flags pretrain_llama.py does not implement: one line that names each
+    as a Megatron-LM flag not supported here, apart from the typos beside them."""
+    code, lines = refused(capsys, [*SMALL, "--log-params-norm", "--log-num-zeros-in-grad",
+                                   "--num-layer", "2"])
+    assert code == 2 and len(lines) == 1, lines
+    typos, _, megatron = lines[0].partition("; also ")
+    assert "--num-layer (did you mean --num-layers?)" in typos and "--log-params-norm" not in typos
+    assert megatron.startswith("Megatron-LM 0.19 flags --log-params-norm, --log-num-zeros-in-grad: "
+                               "not supported by this design")
+    code, lines = refused(capsys, [*SMALL, "--deterministic-mode"])
+    assert lines == ["pretrain_llama.py: error: Megatron-LM 0.19 flag --deterministic-mode: "
+                     "not supported by this design (--help lists the flags it takes): drop it"]
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize("flags,named,says", [
     (["--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size", "tensor parallel"),
     (["--context-parallel-size", "2"], "--context-parallel-size", "context parallel"),
@@ -104,6 +120,19 @@ def test_no_prefix_matching_and_loss_scale_is_the_loss_scale(capsys):
     (["--rampup-batch-size", "16", "16", "5859375"], "--rampup-batch-size 16 16 5859375",
      "constant --global-batch-size"),
     (["--optimizer", "sgd"], "--optimizer", "adam"),
+    (["--empty-unused-memory-level", "3"], "--empty-unused-memory-level", "0, 1, 2"),
+    (["--optimizer", "lion"], "--optimizer", "AdamW"),  # 0.19's newer choices: the same why
+    (["--position-embedding-type", "yarn"], "--position-embedding-type", "rotary"),
+    # flags of Megatron-LM 0.19 launch scripts that change the numbers: refused with the why
+    (["--recompute-activations"], "--recompute-activations", "whole layers"),
+    (["--eod-mask-loss"], "--eod-mask-loss", "every token's loss"),
+    (["--reset-position-ids"], "--reset-position-ids", "across documents"),
+    (["--qk-layernorm"], "--qk-layernorm", "LLaMA"),
+    (["--squared-relu"], "--squared-relu", "SwiGLU"),
+    (["--use-rope-scaling"], "--use-rope-scaling", "--rotary-base"),
+    (["--no-save-optim"], "--no-save-optim", "exact"),
+    (["--num-layers-per-virtual-pipeline-stage", "2"], "--num-layers-per-virtual-pipeline-stage",
+     "--pipeline-schedule"),
     (["--hidden-dropout", "0.1"], "--hidden-dropout", "0 only"),
     (["--transformer-impl", "inference_optimized"], "--transformer-impl", "local"),
     (["--max-position-embeddings", "16"], "--max-position-embeddings", ">= --seq-length"),
@@ -140,6 +169,48 @@ def test_without_a_preset_the_defaults_are_megatrons():
     assert with_data.evaluations == 1  # no --eval-interval: only at the end
     preset = parse_args(["--model-preset", "tiny"])  # LLaMA-2's recipe comes with a preset
     assert (preset.optimization.adam_beta2, preset.optimization.weight_decay) == (0.95, 0.1)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("flags", [
+    ["--lr-warmup-iters", "0", "--lr-warmup-fraction", "0.1"],
+    ["--train-samples", "40", "--lr-warmup-iters", "0"],
+    ["--train-samples", "40", "--lr-warmup-samples", "0", "--lr-warmup-fraction", "0.1"],
+    ["--train-iters", "10", "--lr-warmup-samples", "0"],
+])
+def test_a_warmup_of_zero_is_megatrons_default_not_a_second_warmup(flags):
+    """Megatron-LM 0.19 checks the other unit's warmup against its default 0 (asserts
+    lr_warmup_iters == 0), so a launch that spells the 0 out is accepted."""
+    run = parse_args([*SMALL, *flags])
+    fraction = "--lr-warmup-fraction" in flags
+    assert run.optimization.lr_warmup_fraction == (0.1 if fraction else None)
+    assert (run.optimization.lr_warmup_iters, run.optimization.lr_warmup_samples) == (0, 0)
+
+
+@pytest.mark.unit
+def test_checkpoint_io_and_timer_tuning_of_megatron_lm_0_19_is_accepted():
+    """Flags of Megatron's launch scripts that tune how a torch_dist checkpoint is written
+    or read, not what it holds, or Megatron's own timers; validation perplexity is always
+    written."""
+    run = parse_args([*SMALL, "--ckpt-fully-parallel-save", "--ckpt-fully-parallel-load",
+                      "--use-persistent-ckpt-worker", "--ckpt-assume-constant-structure",
+                      "--auto-detect-ckpt-format", "--timing-log-level", "2",
+                      "--timing-log-option", "all", "--log-validation-ppl-to-tensorboard"])
+    assert run.flags() == parse_args(SMALL).flags()
+
+
+@pytest.mark.unit
+def test_profile_ranks_are_megatrons_list_and_default_to_every_rank():
+    """Megatron-LM 0.19: --profile-ranks 0 1 (nargs +); left out, every rank profiles."""
+    from megatron.training.profiling import IterationProfiler
+
+    profile = [*SMALL, "--profile", "--use-pytorch-profiler", "--tensorboard-dir", "tb"]
+    run = parse_args([*profile, "--profile-ranks", "0", "2"])
+    assert run.profiling.profile_ranks == (0, 2)
+    chosen = [IterationProfiler(run, rank)._torch for rank in range(3)]
+    assert chosen == [True, False, True]
+    every = parse_args(profile)
+    assert all(IterationProfiler(every, rank)._torch for rank in range(3))
 
 
 @pytest.mark.unit
@@ -199,6 +270,54 @@ def test_sample_based_schedule_equals_the_iteration_based_one():
     assert got == want
     assert got[1] == pytest.approx(0.5e-3)  # linear warmup: half-way after one of two
     assert got[-1] == pytest.approx(1e-4)  # decayed to --min-lr
+
+
+@pytest.mark.unit
+def test_warmup_start_and_weight_decay_increment_follow_megatrons_formulas():
+    """--lr-warmup-init: the warmup rises linearly from it; --weight-decay-incr-style
+    linear: the decay goes from --start- to --end-weight-decay over the training's samples."""
+    run = parse_args([*SMALL, "--global-batch-size", "4", "--train-iters", "10", "--lr", "1e-3",
+                      "--lr-warmup-iters", "4", "--lr-warmup-init", "1e-4",
+                      "--start-weight-decay", "0.0", "--end-weight-decay", "0.1",
+                      "--weight-decay-incr-style", "linear"])
+    schedule, lrs, wds = LRSchedule(run), [], []
+    for _ in range(10):
+        lrs.append(schedule.lr)
+        wds.append(schedule.weight_decay)
+        schedule.step()
+    assert lrs[0] == pytest.approx(1e-4) and lrs[2] == pytest.approx(1e-4 + 0.9e-3 * 2 / 4)
+    assert wds[0] == 0.0 and wds[5] == pytest.approx(0.05) and wds[9] == pytest.approx(0.09)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("flags,named", [
+    (["--start-weight-decay", "0.1"], "--start-weight-decay"),
+    (["--weight-decay-incr-style", "linear", "--end-weight-decay", "0.1"],
+     "--weight-decay-incr-style"),
+    (["--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"],
+     "--override-opt_param-scheduler"),
+])
+def test_megatrons_checks_of_the_schedule_flags_are_one_line(capsys, flags, named):
+    code, lines = refused(capsys, [*SMALL, *flags])
+    assert code == 2 and len(lines) == 1 and named in lines[0], lines
+
+
+@pytest.mark.unit
+def test_on_resume_the_schedule_is_the_checkpoints_unless_overridden():
+    """--override-opt_param-scheduler: the resumed run's --lr; otherwise (and with
+    --use-checkpoint-opt_param-scheduler) the checkpoint's."""
+    base = [*SMALL, "--train-iters", "10", "--lr-decay-style", "constant"]
+    saved = LRSchedule(parse_args([*base, "--lr", "1e-3"]))
+    for _ in range(3):
+        saved.step()
+    lrs = {}
+    for extra in ([], ["--use-checkpoint-opt_param-scheduler"],
+                  ["--override-opt_param-scheduler"]):
+        resumed = LRSchedule(parse_args([*base, "--lr", "2e-3", *extra]))
+        resumed.load_state_dict(saved.state_dict())
+        lrs[tuple(extra)] = (resumed.lr, resumed.num_steps)
+    assert lrs == {(): (1e-3, 3), ("--use-checkpoint-opt_param-scheduler",): (1e-3, 3),
+                   ("--override-opt_param-scheduler",): (2e-3, 3)}
 
 
 @pytest.mark.unit

@@ -126,6 +126,24 @@ def test_load_of_a_missing_directory_is_an_error_unless_optional(tmp_path):
     assert run.checkpointing.load_optional
 
 
+@pytest.mark.unit
+def test_wandb_files_go_where_megatron_puts_them(tmp_path, monkeypatch):
+    """W&B's local files: --wandb-save-dir, else --save's wandb/ (Megatron's); the entity."""
+    import sys
+    import types
+
+    runs = []
+    fake = types.SimpleNamespace(init=lambda **kwargs: runs.append(kwargs))
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    save = str(tmp_path / "ckpt")
+    ScalarSinks(parse_args([*TINY, "--wandb-project", "p", "--save", save]), enabled=True)
+    ScalarSinks(parse_args([*TINY, "--wandb-project", "p", "--save", save, "--wandb-save-dir",
+                            str(tmp_path / "w"), "--wandb-entity", "team"]), enabled=True)
+    assert [(r["dir"], r.get("entity")) for r in runs] == [
+        (os.path.join(save, "wandb"), None), (str(tmp_path / "w"), "team")]
+    assert os.path.isdir(runs[0]["dir"]) and os.path.isdir(runs[1]["dir"])
+
+
 def test_wandb_without_the_package_is_a_clear_error(tmp_path, monkeypatch):
     import importlib.util
     real = importlib.util.find_spec
@@ -422,3 +440,28 @@ def test_tensorboard_scalars_read_back_under_megatrons_names(tmp_path):
     assert "loss-scale" not in tags  # not reported: no loss scaling in fp32
     assert [(e.step, e.value) for e in events.Scalars("lm loss")] == [(1, 4.0), (2, 3.0), (3, 2.0)]
     assert [e.step for e in events.Scalars("lm loss vs samples")] == [8, 16, 24]
+
+
+@pytest.mark.unit
+def test_tensorboard_log_interval_writes_every_nth_iteration_as_megatron(tmp_path, monkeypatch):
+    import torch.utils.tensorboard as tensorboard
+
+    queues = []
+
+    class Writer(tensorboard.SummaryWriter):
+        def __init__(self, *args, **kwargs):
+            queues.append(kwargs.get("max_queue"))
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(tensorboard, "SummaryWriter", Writer)
+    sinks = ScalarSinks(parse_args([*TINY, "--tensorboard-dir", str(tmp_path),
+                                    "--tensorboard-log-interval", "2",
+                                    "--tensorboard-queue-size", "10"]), enabled=True)
+    assert queues == [10]
+    for it in (1, 2, 3, 4):
+        sinks.training({"iteration": it, "loss": 5.0 - it, "lr": 1e-3,
+                        "global_batch_size": 8, "consumed_samples": 8 * it})
+    sinks.close()
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("lm loss")] == [(2, 3.0), (4, 1.0)]

@@ -18,11 +18,12 @@ from megatron.config.values import parse_data_path, parse_split
 
 if TYPE_CHECKING:
     from megatron.config.placement import StateStorage
-    from megatron.config.run import RunConfig
+    from megatron.config.run import OptimizationConfig, RunConfig
 
 REQUIRED_MODEL_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size",
                          "num_attention_heads", "seq_length")
 FINITE_FIELDS = (("optimization", "lr"), ("optimization", "min_lr"),
+                 ("optimization", "lr_warmup_init"),
                  ("optimization", "weight_decay"), ("optimization", "clip_grad"),
                  ("optimization", "adam_beta1"), ("optimization", "adam_beta2"),
                  ("optimization", "adam_eps"), ("precision", "initial_loss_scale"),
@@ -81,6 +82,8 @@ def _check_sizes(run: RunConfig) -> None:
     for field in ("micro_batch_size", "global_batch_size", "train_iters", "train_samples"):
         _positive(getattr(t, field), field)
     _positive(run.logging.log_interval, "log_interval")
+    _positive(run.logging.tensorboard_log_interval, "tensorboard_log_interval")
+    _positive(run.logging.tensorboard_queue_size, "tensorboard_queue_size")
     _positive(run.parallel.distributed_timeout_minutes, "distributed_timeout_minutes")
 
 
@@ -191,6 +194,7 @@ def _check_optimization(run: RunConfig) -> None:
     for field in ("adam_beta1", "adam_beta2"):
         if not 0.0 <= getattr(o, field) < 1.0:
             raise ConfigError(flag_name(field), getattr(o, field), "expected a value in [0, 1)")
+    _check_schedule_flags(o)
     if o.lr_warmup_iters < 0:
         raise ConfigError("--lr-warmup-iters", o.lr_warmup_iters, "expected >= 0")
     if o.lr_warmup_samples < 0:
@@ -203,6 +207,23 @@ def _check_optimization(run: RunConfig) -> None:
     if o.lr_decay_style == "WSD" and run.lr_schedule_steps[3] is None:
         raise ConfigError("--lr-decay-style", "WSD", "needs --lr-wsd-decay-iters (or "
                           "--lr-wsd-decay-samples with --train-samples)")
+
+
+def _check_schedule_flags(o: OptimizationConfig) -> None:
+    """Megatron-LM's checks of the weight-decay increment and of the scheduler on resume."""
+    given = [f for f in ("start_weight_decay", "end_weight_decay") if getattr(o, f) is not None]
+    if o.weight_decay_incr_style == "constant" and given:
+        raise ConfigError(flag_name(given[0]), getattr(o, given[0]), "needs "
+                          "--weight-decay-incr-style linear or cosine (constant: --weight-decay)")
+    if o.weight_decay_incr_style != "constant" and len(given) < 2:
+        raise ConfigError("--weight-decay-incr-style", o.weight_decay_incr_style,
+                          "needs --start-weight-decay and --end-weight-decay")
+    for field in given:
+        if not math.isfinite(getattr(o, field)) or getattr(o, field) < 0:
+            raise ConfigError(flag_name(field), getattr(o, field), "expected a value >= 0")
+    if o.override_opt_param_scheduler and o.use_checkpoint_opt_param_scheduler:
+        raise ConfigError("--override-opt_param-scheduler", True, "give one of it and "
+                          "--use-checkpoint-opt_param-scheduler")
 
 
 def _check_checkpointing(run: RunConfig) -> None:

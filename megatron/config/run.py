@@ -86,6 +86,14 @@ class OptimizationConfig:
     adam_beta1: float
     adam_beta2: float
     adam_eps: float
+    lr_warmup_init: float = 0.0  # the learning rate the warmup starts from
+    # weight decay from start to end over the training (Megatron's; constant: --weight-decay)
+    start_weight_decay: float | None = None
+    end_weight_decay: float | None = None
+    weight_decay_incr_style: str = "constant"
+    # on resume, the LR schedule of this run's flags instead of the checkpoint's
+    override_opt_param_scheduler: bool = False
+    use_checkpoint_opt_param_scheduler: bool = False  # the checkpoint's (the default here)
 
 
 @dataclass(frozen=True)
@@ -240,6 +248,10 @@ class LoggingConfig:
     wandb_exp_name: str | None
     timeline: str | None  # PNG of the measured last iteration
     trace: str | None  # Chrome trace of the measured last iteration
+    tensorboard_log_interval: int = 1  # TensorBoard and W&B scalars every N iterations
+    tensorboard_queue_size: int = 1000  # events the TensorBoard writer queues
+    wandb_save_dir: str | None = None  # None: --save's wandb/ (Megatron's), else W&B's own
+    wandb_entity: str | None = None
 
 
 @dataclass(frozen=True)
@@ -289,7 +301,7 @@ class ProfilingConfig:
     use_pytorch_profiler: bool
     profile_step_start: int  # the first iteration profiled
     profile_step_end: int  # the first iteration after them
-    profile_ranks: tuple[int, ...]
+    profile_ranks: tuple[int, ...]  # empty: every rank (Megatron's default)
 
 
 @dataclass(frozen=True)

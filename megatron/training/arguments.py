@@ -38,6 +38,7 @@ from megatron.training.megatron_flags import (
     TUNING_VALUES,
     check_design_flags,
 )
+from megatron.training.megatron_lm_flag_names import MEGATRON_LM_FLAGS
 
 SCHEDULES = (ONE_PROCESS_SCHEDULE, *SCHEDULE_NAMES)
 
@@ -180,7 +181,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="WSD: iterations of the final decay")
     g.add_argument("--lr-wsd-decay-samples", type=int, default=None,
                    help="WSD: samples of the final decay (with --train-samples)")
+    g.add_argument("--lr-warmup-init", type=float, default=0.0,
+                   help="learning rate the linear warmup starts from (default 0)")
+    g.add_argument("--override-opt_param-scheduler", action="store_true",
+                   help="with --load: this run's LR schedule flags, not the checkpoint's")
+    g.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
+                   help="with --load: the checkpoint's LR schedule (the default here; "
+                        "Megatron refuses a mismatch without one of the two)")
     g.add_argument("--weight-decay", type=float, help="decoupled weight decay (default 0.01)")
+    g.add_argument("--start-weight-decay", type=float, default=None,
+                   help="weight decay at the start (with --weight-decay-incr-style linear "
+                        "or cosine)")
+    g.add_argument("--end-weight-decay", type=float, default=None,
+                   help="weight decay at the end of training (with --weight-decay-incr-style "
+                        "linear or cosine)")
+    g.add_argument("--weight-decay-incr-style", default="constant",
+                   choices=["constant", "linear", "cosine"],
+                   help="weight decay from --start- to --end-weight-decay over the training "
+                        "(default constant: --weight-decay)")
     g.add_argument("--clip-grad", type=float, help="global gradient-norm clip; 0 disables")
     g.add_argument("--adam-beta1", type=float, help="Adam beta1 (default 0.9)")
     g.add_argument("--adam-beta2", type=float, help="Adam beta2 (default 0.999)")
@@ -266,8 +284,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: 100 with a validation set, else 0)")
     g.add_argument("--tensorboard-dir", default=None, metavar="DIR",
                    help="TensorBoard event files with Megatron's scalar names")
+    g.add_argument("--tensorboard-log-interval", type=int, default=1,
+                   help="write the training scalars every N iterations (default 1)")
+    g.add_argument("--tensorboard-queue-size", type=int, default=1000,
+                   help="events the TensorBoard writer queues before it flushes (default 1000)")
     g.add_argument("--wandb-project", default=None, help="log the same scalars to W&B")
     g.add_argument("--wandb-exp-name", default=None, help="W&B run name")
+    g.add_argument("--wandb-save-dir", default=None, metavar="DIR",
+                   help="W&B's local files (default: --save's wandb/, as Megatron)")
+    g.add_argument("--wandb-entity", default=None, help="W&B team or user of the run")
     g.add_argument("--exit-interval", type=int, default=None,
                    help="save and exit 0 after the iteration that is a multiple of N")
     g.add_argument("--exit-duration-in-mins", type=float, default=None,
@@ -392,8 +417,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the first iteration profiled")
     g.add_argument("--profile-step-end", type=int, default=12,
                    help="the first iteration after the profiled ones")
-    g.add_argument("--profile-ranks", type=_int_list, default=[0], metavar="R,R,...",
-                   help="global ranks that profile")
+    g.add_argument("--profile-ranks", type=int, nargs="+", default=[], metavar="R",
+                   help="global ranks that profile (default: every rank, as Megatron)")
     g = p.add_argument_group("planning")
     g.add_argument("--plan", action="store_true",
                    help="print the memory needed per GPU and per node, whether it fits the "
@@ -425,8 +450,8 @@ def _add_megatron_design_flags(p: argparse.ArgumentParser) -> None:
                        help=spec.help)
     for flag, what in DESIGN_SWITCHES.items():
         g.add_argument(flag, action="store_true", help=what)
-    for flag, (kind, default, what) in TUNING_VALUES.items():
-        g.add_argument(flag, type=kind, default=default, help=what)
+    for flag, (kind, default, choices, what) in TUNING_VALUES.items():
+        g.add_argument(flag, type=kind, default=default, choices=choices, help=what)
     for flag, why in REFUSED_SWITCHES.items():
         g.add_argument(flag, action="store_true", help=why)
     for flag, why in REFUSED_VALUES.items():  # all their values, to refuse them as one
@@ -505,6 +530,9 @@ def _resolve_training_length(args: argparse.Namespace, given: set[str]) -> None:
     Megatron checks them; the LR schedule counts samples either way (RunConfig)."""
     iteration_flags = {"train_iters", "lr_decay_iters", "lr_warmup_iters", "lr_wsd_decay_iters"}
     sample_flags = {"lr_decay_samples", "lr_warmup_samples", "lr_wsd_decay_samples"}
+    # A warmup given as 0 is Megatron's default, which its checks accept beside the others.
+    given = {name for name in given if not (name in ("lr_warmup_iters", "lr_warmup_samples")
+                                            and getattr(args, name) == 0)}
     if args.train_samples is not None:
         mixed = sorted(iteration_flags & given)
         if mixed:
@@ -603,17 +631,26 @@ def _given(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[str]:
 
 def _unknown_flags(parser: argparse.ArgumentParser, unknown: Sequence[str]
                    ) -> tuple[str, str, str]:
-    """Every unknown flag, each with the closest known one, as one ConfigError's parts."""
+    """Every unknown flag, as one ConfigError's parts: a typo with the closest known flag,
+    a Megatron-LM flag this design lacks as such."""
     known = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
     flags = [item.split("=", 1)[0] for item in unknown if item.startswith("-")]
     if not flags:
         return "flags", " ".join(unknown), "unexpected values (every value follows its flag)"
+    megatron = [flag for flag in flags if flag in MEGATRON_LM_FLAGS]
+    lacking = (f"Megatron-LM 0.19 flag{'s' if len(megatron) > 1 else ''}", ", ".join(megatron),
+               "not supported by this design (--help lists the flags it takes): drop "
+               + ("them" if len(megatron) > 1 else "it"))
     parts = []
     for flag in flags:
-        close = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
-        parts.append(f"{flag} (did you mean {close[0]}?)" if close else flag)
+        if flag not in MEGATRON_LM_FLAGS:
+            close = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
+            parts.append(f"{flag} (did you mean {close[0]}?)" if close else flag)
+    if not parts:
+        return lacking
+    also = "; also " + str(ConfigError(*lacking)) if megatron else ""
     return ("unknown flag" + ("s" if len(parts) > 1 else ""), ", ".join(parts),
-            "not a flag of pretrain_llama.py (--help lists every flag, one line each)")
+            "not a flag of pretrain_llama.py (--help lists every flag, one line each)" + also)
 
 
 def exit_bad_input(exc: Exception) -> None:

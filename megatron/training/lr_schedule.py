@@ -30,18 +30,21 @@ class LRSchedule:
         self._holder = _ParamGroupsHolder([{"lr": 0.0, "weight_decay": o.weight_decay}])
         self._scheduler = OptimizerParamScheduler(
             self._holder,
-            init_lr=0.0,
+            init_lr=o.lr_warmup_init,
             max_lr=o.lr,
             min_lr=o.min_lr,
             lr_warmup_steps=warmup,
             lr_decay_steps=max(decay, warmup + 1),
             lr_decay_style=o.lr_decay_style,
-            start_wd=o.weight_decay,
-            end_wd=o.weight_decay,
+            start_wd=o.weight_decay if o.start_weight_decay is None else o.start_weight_decay,
+            end_wd=o.weight_decay if o.end_weight_decay is None else o.end_weight_decay,
             wd_incr_steps=max(run.training.train_iters * self.samples_per_iteration, 1),
-            wd_incr_style="constant",
+            wd_incr_style=o.weight_decay_incr_style,
             wsd_decay_steps=wsd,
             lr_wsd_decay_style=o.lr_wsd_decay_style,
+            # a resume continues the checkpoint's schedule unless this run's is asked for
+            use_checkpoint_opt_param_scheduler=not o.override_opt_param_scheduler,
+            override_opt_param_scheduler=o.override_opt_param_scheduler,
         )
 
     @property

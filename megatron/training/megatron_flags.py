@@ -46,7 +46,7 @@ DESIGN_FLAGS = (
     DesignFlag("--expert-model-parallel-size", (1,), "mixture-of-experts models are not "
                "supported", type=int, help="1 only (no mixture of experts)"),
     DesignFlag("--position-embedding-type", ("rope",), "LLaMA uses rotary embeddings",
-               choices=("learned_absolute", "rope", "mrope", "relative", "none"),
+               choices=("learned_absolute", "rope", "yarn", "mrope", "relative", "none"),
                help="rope only (the default here)"),
     DesignFlag("--normalization", ("RMSNorm",), "LLaMA uses RMSNorm", choices=("LayerNorm", "RMSNorm"),
                help="RMSNorm only (the default here)"),
@@ -59,8 +59,8 @@ DESIGN_FLAGS = (
                choices=("local", "transformer_engine", "inference_optimized"),
                help="Transformer Engine layers where it imports on CUDA, local otherwise"),
     DesignFlag("--optimizer", ("adam",), "the CPU optimizer is AdamW",
-               choices=("adam", "sgd", "muon", "dist_muon"), help="adam only (AdamW, decoupled "
-               "weight decay, as Megatron's adam)"),
+               choices=("adam", "sgd", "muon", "dist_muon", "lion", "soap", "adaptive_muon"),
+               help="adam only (AdamW, decoupled weight decay, as Megatron's adam)"),
     DesignFlag("--distributed-backend", None, "",
                choices=("nccl", "gloo"), help="NCCL on CUDA; the CPU device layer uses gloo"),
     DesignFlag("--attention-backend", None, "",
@@ -117,23 +117,41 @@ DESIGN_SWITCHES = {
     "--fsdp-manual-registration": "Megatron-FSDP buffer tuning: no effect here",
     "--record-memory-history": "accepted; no CUDA memory history is recorded (--trace "
                                "records the last iteration)",
+    "--log-validation-ppl-to-tensorboard": "validation perplexity is written (always)",
+    # how a torch_dist checkpoint is written or read, not what it holds
+    "--ckpt-fully-parallel-save": "checkpoint I/O tuning (Megatron's default): no effect "
+                                  "on what is saved",
+    "--ckpt-fully-parallel-load": "checkpoint I/O tuning: no effect on what is loaded",
+    "--use-persistent-ckpt-worker": "checkpoint I/O tuning: --async-save writes from a "
+                                    "thread of its own either way",
+    "--ckpt-assume-constant-structure": "checkpoint I/O tuning: no effect on what is saved",
+    "--auto-detect-ckpt-format": "accepted; --load reads torch_dist, the only format",
 }
 
-# Megatron flags with a value that only tunes the runtime: accepted, no effect.
+# Megatron flags with a value that only tunes the runtime: accepted, no effect. By flag:
+# (type, Megatron's default, Megatron's choices or None, what it does here).
 TUNING_VALUES = {
-    "--num-workers": (int, 2, "data loader workers; samples are read in the training process"),
-    "--empty-unused-memory-level": (int, 0, "accepted; device memory is released per "
-                                             "instruction"),
-    "--tiktoken-pattern": (str, None, "only read by TikTokenizer (not supported)"),
+    "--num-workers": (int, 2, None, "data loader workers; samples are read in the training "
+                                    "process"),
+    "--empty-unused-memory-level": (int, 0, (0, 1, 2), "accepted; device memory is released "
+                                                       "per instruction"),
+    "--tiktoken-pattern": (str, None, ("v1", "v2"), "only read by TikTokenizer (not "
+                                                    "supported)"),
     # FP8 recipe details: Megatron reads them only with --fp8-format (refused here)
-    "--fp8-amax-history-len": (int, 1, "FP8 recipe detail; no effect without --fp8-format"),
-    "--fp8-amax-compute-algo": (str, "most_recent", "FP8 recipe detail; no effect without "
-                                                    "--fp8-format"),
-    "--logging-level": (int, None, "accepted; this program's log lines are not filtered by "
-                                   "level"),
+    "--fp8-amax-history-len": (int, 1, None, "FP8 recipe detail; no effect without "
+                                             "--fp8-format"),
+    "--fp8-amax-compute-algo": (str, "most_recent", ("most_recent", "max"),
+                                "FP8 recipe detail; no effect without --fp8-format"),
+    "--timing-log-level": (int, 0, (0, 1, 2), "Megatron's timer detail: the timers here are "
+                                              "this runtime's (--log-timers-to-tensorboard)"),
+    "--timing-log-option": (str, "minmax", ("max", "minmax", "all"), "Megatron's timer "
+                            "reduction across ranks: see --timing-log-level"),
+    "--logging-level": (int, None, None, "accepted; this program's log lines are not "
+                                         "filtered by level"),
     # Megatron-FSDP's ZeRO stage, read only with --use-megatron-fsdp (refused here)
-    "--data-parallel-sharding-strategy": (str, "optim_grads_params", "Megatron-FSDP's sharding; with "
-                                                           "data parallelism use --zero-stage"),
+    "--data-parallel-sharding-strategy": (
+        str, "optim_grads_params", ("no_shard", "optim", "optim_grads", "optim_grads_params"),
+        "Megatron-FSDP's sharding; with data parallelism use --zero-stage"),
 }
 
 # Megatron switches naming features this design does not have: refused in one line.
@@ -143,6 +161,22 @@ REFUSED_SWITCHES = {
     "--use-legacy-models": "only megatron-core models are supported (drop --use-legacy-models)",
     "--add-qkv-bias": "linear layers have no biases (LLaMA); drop --add-qkv-bias",
     "--fp8-param-gather": "FP8 is not supported: use --bf16",
+    "--recompute-activations": "selective recomputation; the backward stage recomputes "
+                               "whole layers (always): drop --recompute-activations",
+    "--eod-mask-loss": "every token's loss counts (Megatron's default): drop --eod-mask-loss",
+    "--reset-position-ids": "positions run across documents (Megatron's default): drop "
+                            "--reset-position-ids",
+    "--reset-attention-mask": "attention runs across documents (Megatron's default): drop "
+                              "--reset-attention-mask",
+    "--qk-layernorm": "LLaMA has no query/key normalization: drop --qk-layernorm",
+    "--squared-relu": "the MLP is LLaMA's SwiGLU (--swiglu)",
+    "--openai-gelu": "the MLP is LLaMA's SwiGLU (--swiglu)",
+    "--use-rope-scaling": "LLaMA-3.1's RoPE scaling is not supported: plain RoPE with "
+                          "--rotary-base",
+    "--no-save-optim": "a checkpoint always holds the optimizer state (a resume is exact): "
+                       "drop --no-save-optim, load with --no-load-optim or --finetune",
+    "--no-save-rng": "a checkpoint always holds the RNG state (a resume is exact): drop "
+                     "--no-save-rng, load with --no-load-rng",
     "--use-megatron-fsdp": "Megatron-FSDP is not supported (the model states live in host "
                            "memory): for ZeRO over the data-parallel replicas use "
                            "--use-distributed-optimizer with --zero-stage 1 (optim) or 2 "
@@ -156,6 +190,8 @@ REFUSED_VALUES = {
                            "--global-batch-size",
     "--step-batch-size-schedule": "batch-size schedules are not supported: give a constant "
                                   "--global-batch-size",
+    "--num-layers-per-virtual-pipeline-stage": "Megatron's interleaved schedule is not "
+                                               "supported: choose one with --pipeline-schedule",
 }
 
 

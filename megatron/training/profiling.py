@@ -18,7 +18,7 @@ from megatron.config.run import RunConfig
 class IterationProfiler:
     def __init__(self, run: RunConfig, rank: int) -> None:
         p = run.profiling
-        chosen = p.profile and rank in p.profile_ranks
+        chosen = p.profile and (not p.profile_ranks or rank in p.profile_ranks)  # (): all
         self._torch = chosen and p.use_pytorch_profiler
         self._nsys = chosen and not p.use_pytorch_profiler and torch.cuda.is_available()
         self.start, self.end = p.profile_step_start, p.profile_step_end

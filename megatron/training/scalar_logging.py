@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import os
 import threading
 
 from megatron.config.errors import ConfigError
@@ -70,6 +71,7 @@ class ScalarSinks:
         self._wandb = None
         log = run.logging
         self._tensorboard_dir = log.tensorboard_dir
+        self._interval = log.tensorboard_log_interval
         self._scalars = {**TRAINING_SCALARS,
                          **(TIMER_SCALARS if log.log_timers_to_tensorboard else {}),
                          **({"tflops_per_gpu": "throughput"} if log.log_throughput else {})}
@@ -81,16 +83,28 @@ class ScalarSinks:
 
             _quiet_event_writer_thread()
             try:
-                self._tensorboard = SummaryWriter(log_dir=log.tensorboard_dir, max_queue=1000)
+                self._tensorboard = SummaryWriter(log_dir=log.tensorboard_dir,
+                                                  max_queue=log.tensorboard_queue_size)
             except OSError as exc:
                 warn_line(output_failed("--tensorboard-dir", log.tensorboard_dir, exc))
         if log.wandb_project:
             import wandb
 
+            save_dir = log.wandb_save_dir or (
+                os.path.join(run.checkpointing.save, "wandb") if run.checkpointing.save else None)
+            if save_dir is not None:
+                try:
+                    os.makedirs(save_dir, exist_ok=True)
+                except OSError as exc:  # an output that fails is said, training goes on
+                    warn_line(output_failed("--wandb-save-dir", save_dir, exc))
+                    save_dir = None
+            entity = {"entity": log.wandb_entity} if log.wandb_entity else {}
             self._wandb = wandb.init(project=log.wandb_project, name=log.wandb_exp_name,
-                                     config=run.flags())
+                                     config=run.flags(), dir=save_dir, **entity)
 
     def training(self, record: dict) -> None:
+        if record["iteration"] % self._interval:
+            return  # --tensorboard-log-interval, as Megatron (W&B too)
         scalars = {name: record[key] for key, name in self._scalars.items()
                    if isinstance(record.get(key), (int, float)) and not isinstance(record[key], bool)}
         self._write(scalars, record["iteration"], record.get("consumed_samples"))
