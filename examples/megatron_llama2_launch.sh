@@ -64,6 +64,7 @@ else
         --hidden-size "$HIDDEN"
         --ffn-hidden-size "$FFN"
         --num-attention-heads "$HEADS"
+        --group-query-attention
         --num-query-groups "$KV_GROUPS"
         --seq-length "$SEQ"
         --max-position-embeddings "$SEQ"

@@ -330,8 +330,9 @@ def test_use_checkpoint_args_takes_the_model_flags_from_the_checkpoint(tmp_path)
     """Megatron-LM's meaning: the recorded flags fill those not given (no --num-layers
     needed), a given size stays, the forced ones (query groups, rotary) are the
     checkpoint's."""
-    saved = parse_args(["--model-preset", "tiny", "--num-layers", "2", "--num-query-groups",
-                        "2", "--rotary-base", "500000"])
+    saved = parse_args(["--model-preset", "tiny", "--num-layers", "2",
+                        "--group-query-attention", "--num-query-groups", "2",
+                        "--rotary-base", "500000"])
     saver = CheckpointSaver(str(tmp_path), MODEL, async_save=False)
     saver.save(1, owned(1), {"args": saved.flags()})
     saver.close()
@@ -339,7 +340,8 @@ def test_use_checkpoint_args_takes_the_model_flags_from_the_checkpoint(tmp_path)
     alone = parse_args(load).model
     assert (alone.num_layers, alone.hidden_size, alone.num_query_groups, alone.rotary_base) \
         == (2, saved.model.hidden_size, 2, 500000)
-    given = parse_args([*load, "--num-layers", "6", "--num-query-groups", "4"]).model
+    given = parse_args([*load, "--num-layers", "6", "--group-query-attention",
+                        "--num-query-groups", "4"]).model
     assert (given.num_layers, given.num_query_groups) == (6, 2)
     assert parse_args(["--model-preset", "tiny", "--load", str(tmp_path)]).model.num_layers \
         == get_preset("tiny").num_layers

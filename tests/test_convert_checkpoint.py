@@ -39,7 +39,8 @@ TOOL = os.path.join(ROOT, "tools", "convert_checkpoint.py")
 VOCAB = 4096  # the demo corpus tokenizer's, so the fine-tuning run can use it
 SEQ = 32
 MODEL_FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "160",
-               "--num-attention-heads", "4", "--num-query-groups", "2", "--seq-length",
+               "--num-attention-heads", "4", "--group-query-attention",
+               "--num-query-groups", "2", "--seq-length",
                str(SEQ), "--vocab-size", str(VOCAB)]
 
 

@@ -31,7 +31,8 @@ from megatron.config.attention_kernel import CPU_DEVICE_GPU_ENV  # noqa: E402
 pytestmark = pytest.mark.cuda
 
 RUN = ["--num-layers", "8", "--hidden-size", "64", "--ffn-hidden-size", "160",
-       "--num-attention-heads", "4", "--num-query-groups", "2", "--seq-length", "32",
+       "--num-attention-heads", "4", "--group-query-attention",
+       "--num-query-groups", "2", "--seq-length", "32",
        "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "4",
        "--lr", "1e-3", "--lr-warmup-iters", "1", "--clip-grad", "0", "--log-interval", "1",
        "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "512",

@@ -26,7 +26,8 @@ from tests import forked_ranks
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ITERS = 3
 MODEL = ["--num-layers", "4", "--hidden-size", "64", "--ffn-hidden-size", "160",
-         "--num-attention-heads", "4", "--num-query-groups", "2", "--seq-length", "32",
+         "--num-attention-heads", "4", "--group-query-attention",
+         "--num-query-groups", "2", "--seq-length", "32",
          "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", str(ITERS),
          "--lr", "1e-3", "--lr-warmup-iters", "1", "--clip-grad", "0", "--log-interval", "1",
          "--inject-overflow", "1,1,1"]  # iteration 1 overflows in backward stage (1, 1)

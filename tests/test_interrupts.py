@@ -18,7 +18,8 @@ from megatron.training.signals import Interrupt
 from megatron.training.training import main
 
 SMALL = ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "160",
-         "--num-attention-heads", "4", "--num-query-groups", "2", "--seq-length", "32",
+         "--num-attention-heads", "4", "--group-query-attention",
+         "--num-query-groups", "2", "--seq-length", "32",
          "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "4",
          "--lr", "1e-3", "--log-interval", "1"]
 

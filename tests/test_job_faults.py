@@ -23,7 +23,8 @@ from tests import forked_ranks
 
 pytestmark = pytest.mark.multiproc
 SMALL = ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "160",
-         "--num-attention-heads", "4", "--num-query-groups", "2", "--seq-length", "32",
+         "--num-attention-heads", "4", "--group-query-attention",
+         "--num-query-groups", "2", "--seq-length", "32",
          "--micro-batch-size", "2", "--global-batch-size", "4", "--log-interval", "1",
          "--eval-iters", "0"]
 # Long enough that no rank of a two-process job on a loaded two-core box waits this long

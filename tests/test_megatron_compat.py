@@ -172,6 +172,23 @@ def test_without_a_preset_the_defaults_are_megatrons():
 
 
 @pytest.mark.unit
+def test_query_groups_take_effect_with_megatrons_switch_and_are_refused_without(capsys):
+    """Megatron-LM builds grouped-query attention only with --group-query-attention (a
+    group count alone is ignored there: multi-head attention); here the switch builds it,
+    as there, the count alone is refused in one line rather than read either way, and a
+    count equal to the heads (multi-head either way) needs no switch."""
+    with_switch = parse_args([*SMALL, "--group-query-attention", "--num-query-groups", "2"])
+    assert with_switch.model.num_query_groups == 2
+    assert parse_args([*SMALL, "--group-query-attention"]).model.num_query_groups == 1
+    assert parse_args([*SMALL, "--num-query-groups", "4"]).model.num_query_groups == 4
+    assert parse_args(SMALL).model.num_query_groups == 4
+    code, lines = refused(capsys, [*SMALL, "--num-query-groups", "2"])
+    assert code == 2 and len(lines) == 1
+    assert lines[0].startswith("pretrain_llama.py: error: --num-query-groups 2: needs "
+                               "--group-query-attention")
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize("flags", [
     ["--lr-warmup-iters", "0", "--lr-warmup-fraction", "0.1"],
     ["--train-samples", "40", "--lr-warmup-iters", "0"],

@@ -44,7 +44,8 @@ from tests import forked_ranks
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 MODEL = ["--num-layers", "8", "--hidden-size", "64", "--ffn-hidden-size", "160",
-         "--num-attention-heads", "4", "--num-query-groups", "2", "--seq-length", "32",
+         "--num-attention-heads", "4", "--group-query-attention",
+         "--num-query-groups", "2", "--seq-length", "32",
          "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "5",
          "--lr", "1e-3", "--lr-warmup-iters", "1", "--clip-grad", "0", "--log-interval", "1",
          "--p2p-check",  # every transfer checked: the tensor that arrives is the one expected

@@ -78,7 +78,8 @@ def test_a_run_that_cannot_fit_shared_memory_exits_2_before_any_segment(demo_cac
     with pytest.raises(SystemExit) as stop:
         main(["--pipeline-schedule", "decoupled", "--forward-stages", "2", "--num-layers", "64",
               "--hidden-size", "8192", "--ffn-hidden-size", "22016",
-              "--num-attention-heads", "64", "--num-query-groups", "8", "--seq-length", "32",
+              "--num-attention-heads", "64", "--group-query-attention",
+              "--num-query-groups", "8", "--seq-length", "32",
               "--train-iters", "1", "--data-cache-dir", demo_cache])
     assert stop.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()

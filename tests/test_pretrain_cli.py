@@ -14,8 +14,9 @@ from tests import forked_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "160",
-         "--num-attention-heads", "4", "--num-query-groups", "2", "--seq-length", "32",
-         "--micro-batch-size", "2", "--global-batch-size", "4", "--log-interval", "1"]
+         "--num-attention-heads", "4", "--group-query-attention", "--num-query-groups", "2",
+         "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4",
+         "--log-interval", "1"]
 
 
 def run_cli(*argv, cache=None, timeout=300):
@@ -53,7 +54,8 @@ def cache(demo_cache):
         (["--model-preset", "huge"], "--model-preset", "expected one of"),
         (["--model-preset", "tiny", "--hidden-size", "130"], "--hidden-size",
          "divisible by --num-attention-heads"),
-        (["--model-preset", "tiny", "--num-attention-heads", "4", "--num-query-groups", "3"],
+        (["--model-preset", "tiny", "--num-attention-heads", "4", "--group-query-attention",
+          "--num-query-groups", "3"],
          "--num-attention-heads", "divisible by --num-query-groups"),
         (["--model-preset", "tiny", "--micro-batch-size", "3", "--global-batch-size", "8"],
          "--global-batch-size", "multiple of --micro-batch-size"),
@@ -218,7 +220,8 @@ def test_train_iters_below_the_checkpoint_ends_normally_saying_so(tmp_path, cach
 
 @pytest.mark.parametrize("argv,advice", [
     (["--num-layers", "200", "--hidden-size", "8192", "--ffn-hidden-size", "22016",
-      "--num-attention-heads", "64", "--num-query-groups", "8"], "a smaller model"),
+      "--num-attention-heads", "64", "--group-query-attention",
+      "--num-query-groups", "8"], "a smaller model"),
     (["--seq-length", "1000000"], "a smaller --micro-batch-size or --seq-length"),
     (["--vocab-size", "1000000000"], "a smaller model"),
     (["--micro-batch-size", "100000", "--global-batch-size", "100000"],

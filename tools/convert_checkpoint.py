@@ -137,7 +137,10 @@ def hf_to_megatron(args: argparse.Namespace) -> None:
         if created:
             shutil.rmtree(args.output, ignore_errors=True)
         raise
-    flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in model_args.items())
+    # Megatron's meaning: a group count takes effect with --group-query-attention only
+    flags = " ".join(("--group-query-attention " if k == "num_query_groups"
+                      and v != cfg.num_attention_heads else "") + f"--{k.replace('_', '-')} {v}"
+                     for k, v in model_args.items())
     print(f"wrote {args.output}; train from it with: pretrain_llama.py --load {args.output} "
           f"--finetune {flags}")
 

@@ -126,8 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "multiple of 64)")
     g.add_argument("--num-attention-heads", type=int, help="query heads")
     g.add_argument("--num-query-groups", type=int,
-                   help="key/value heads (grouped-query attention; default: one per query "
-                        "head, or 1 with --group-query-attention as in Megatron)")
+                   help="key/value heads, with --group-query-attention (default: 1 with it, "
+                        "as in Megatron; one per query head without it)")
     g.add_argument("--kv-channels", type=int,
                    help="channels per attention head (default: hidden size / heads)")
     g.add_argument("--seq-length", type=int, help="tokens per sample")
@@ -465,6 +465,20 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers") from None
 
 
+def _check_query_groups_switch(args: argparse.Namespace, given: set[str]) -> None:
+    """Megatron-LM builds grouped-query attention only with --group-query-attention: a
+    --num-query-groups given without it is ignored there (multi-head attention). Taking
+    either meaning silently would train another model than the script's author gets from
+    one of the two, so a group count other than the heads' needs the switch."""
+    heads, groups = args.num_attention_heads, args.num_query_groups
+    if ("num_query_groups" in given and not args.group_query_attention
+            and heads is not None and groups != heads):
+        raise ConfigError("--num-query-groups", groups,
+                          "needs --group-query-attention beside it (without it Megatron-LM "
+                          "ignores the group count and builds multi-head attention): add "
+                          "--group-query-attention, or drop --num-query-groups")
+
+
 def _apply_preset_and_defaults(args: argparse.Namespace, given: set[str]) -> None:
     """Fill what the user left out: the preset's values, then the defaults, then the values
     that follow from other flags (as Megatron resolves them). `given`: the flags on the
@@ -483,6 +497,7 @@ def _apply_preset_and_defaults(args: argparse.Namespace, given: set[str]) -> Non
         for name, value in preset.training.items():
             if getattr(args, name) is None:
                 setattr(args, name, value)
+    _check_query_groups_switch(args, given)
     if args.group_query_attention and args.num_query_groups is None:
         args.num_query_groups = 1  # Megatron's default with --group-query-attention
     for name, value in DEFAULTS.items():
