@@ -1,8 +1,9 @@
 """A training run against Megatron-LM 0.19's training loop, written here on its own terms.
 
-This project trains a few iterations in one process (fp32, warmup then cosine decay,
-weight decay, clipping that clips in some iterations, three micro-batches per global
-batch) and saves every iteration. The reference is megatron-core's GPTModel with
+This project trains a few iterations in one process (fp32, three micro-batches per global
+batch, clipping that clips in some iterations; SCHEDULES: by iterations with warmup,
+cosine decay and weight decay, or by samples with a warmup ending within an iteration and
+a rising weight decay) and saves every iteration. The reference is megatron-core's GPTModel with
 megatron-core's stock local layer spec, its weights read by megatron-core's
 dist_checkpointing from the checkpoint of iteration 1 (the initial weights: Megatron's
 warmup runs iteration 1 at --lr-warmup-init, 0), trained by the loop below with
@@ -13,8 +14,9 @@ Megatron-LM 0.19's semantics, none of them taken from this project's code:
   layer are decayed;
 - torch.optim.AdamW, megatron-core's OptimizerParamScheduler built as
   megatron/training/training.py get_optimizer_param_scheduler builds it (steps count
-  samples: warmup and decay iterations times the global batch) and stepped after each
-  successful update by the global batch;
+  samples: iterations times the global batch; with --train-samples the weight decay
+  increment spans the samples) and stepped after each successful update by the global
+  batch;
 - the samples of a global batch in MegatronPretrainingSampler's order, stacked by
   default_collate;
 - each micro-batch's loss as pretrain_gpt.py's loss_func returns it (masked sum, tokens)
@@ -36,6 +38,8 @@ averagings (per micro-batch, per token of the global batch) agree and are not to
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -46,34 +50,83 @@ from megatron.training.distributed import initialize_distributed, shutdown_distr
 from megatron.training.training import train
 
 LAYERS, HIDDEN, FFN, HEADS, GROUPS, SEQ, VOCAB = 2, 64, 160, 4, 2, 32, 128
-MICRO, GLOBAL, ITERS, WARMUP = 2, 6, 5, 2
-LR, MIN_LR, WEIGHT_DECAY, CLIP = 1e-2, 1e-3, 0.1, 1.5
+MICRO, GLOBAL, ITERS = 2, 6, 5
+LR, MIN_LR, CLIP = 1e-2, 1e-3, 1.5
 FLAGS = ["--num-layers", str(LAYERS), "--hidden-size", str(HIDDEN),
          "--ffn-hidden-size", str(FFN), "--num-attention-heads", str(HEADS),
          "--group-query-attention", "--num-query-groups", str(GROUPS),
          "--seq-length", str(SEQ), "--micro-batch-size", str(MICRO),
-         "--global-batch-size", str(GLOBAL), "--train-iters", str(ITERS),
-         "--lr", str(LR), "--min-lr", str(MIN_LR), "--lr-decay-style", "cosine",
-         "--lr-warmup-iters", str(WARMUP), "--weight-decay", str(WEIGHT_DECAY),
+         "--global-batch-size", str(GLOBAL), "--lr", str(LR), "--min-lr", str(MIN_LR),
          "--clip-grad", str(CLIP), "--mock-data", "--tokenizer-type", "NullTokenizer",
          "--vocab-size", str(VOCAB), "--eval-iters", "0", "--save-interval", "1"]
+# Megatron-LM's schedule arguments (args.*) and the same as flags: by iterations with warmup
+# and cosine decay; by samples (ITERS whole global batches and 2 samples more), warmup
+# ending within an iteration, linear decay and a weight decay rising linearly.
+SCHEDULES = {
+    "iterations": {"train_iters": ITERS, "lr_warmup_iters": 2, "lr_decay_style": "cosine",
+                   "weight_decay": 0.1},
+    "samples": {"train_samples": ITERS * GLOBAL + 2, "lr_warmup_samples": 9,
+                "lr_decay_style": "linear", "start_weight_decay": 0.0,
+                "end_weight_decay": 0.1, "weight_decay_incr_style": "linear"},
+}
 TOLERANCE = 1e-5  # relative, fp32 kernel-order differences only
 MUTATIONS = ("decay_norms", "no_decay_on_embeddings", "lr_stepped_before_update",
              "micro_batch_losses_summed", "clip_after_update")
 
 
-@pytest.fixture(scope="module")
-def our_run(tmp_path_factory):
-    """This project's run (its per-iteration records, its checkpoint directory, its config),
-    in a process group the reference's GPTModel uses too."""
-    root = tmp_path_factory.mktemp("run")
-    run = parse_args([*FLAGS, "--save", str(root / "ckpt"),
+def schedule_flags(schedule: dict) -> list[str]:
+    return [f for key, value in schedule.items()
+            for f in ("--" + key.replace("_", "-"), str(value))]
+
+
+@pytest.fixture(scope="module", params=list(SCHEDULES))
+def our_run(request, tmp_path_factory):
+    """This project's run with one of SCHEDULES (its per-iteration records, its checkpoint
+    directory, its config, the schedule), in a process group the reference's GPTModel
+    uses too."""
+    root = tmp_path_factory.mktemp(request.param)
+    schedule = SCHEDULES[request.param]
+    run = parse_args([*FLAGS, *schedule_flags(schedule), "--save", str(root / "ckpt"),
                       "--data-cache-path", str(root / "cache")])
     dist_info = initialize_distributed()
     try:
-        yield train(run, dist_info), str(root / "ckpt"), run
+        yield train(run, dist_info), str(root / "ckpt"), run, schedule
     finally:
         shutdown_distributed()
+
+
+def megatron_param_scheduler(optimizer, schedule: dict):
+    """megatron-core's OptimizerParamScheduler as Megatron-LM 0.19's
+    get_optimizer_param_scheduler builds it from its arguments (defaults: Megatron's)."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    args = {"train_iters": None, "train_samples": None, "lr_decay_iters": None,
+            "lr_decay_samples": None, "lr_warmup_iters": 0, "lr_warmup_samples": 0,
+            "lr_warmup_fraction": None, "lr_warmup_init": 0.0, "weight_decay": 0.01,
+            "start_weight_decay": None, "end_weight_decay": None,
+            "weight_decay_incr_style": "constant", "global_batch_size": GLOBAL, **schedule}
+    a = types.SimpleNamespace(**args)
+    if a.start_weight_decay is None:  # Megatron's arguments.py
+        a.start_weight_decay = a.end_weight_decay = a.weight_decay
+    if a.train_iters:
+        a.lr_decay_iters = a.lr_decay_iters or a.train_iters
+        decay_steps = a.lr_decay_iters * a.global_batch_size
+        wd_incr_steps = a.train_iters * a.global_batch_size
+        warmup_steps = a.lr_warmup_iters * a.global_batch_size
+    else:
+        a.train_iters = a.train_samples // a.global_batch_size  # update_train_iters
+        a.lr_decay_samples = a.lr_decay_samples or a.train_samples
+        decay_steps = a.lr_decay_samples
+        wd_incr_steps = a.train_samples
+        warmup_steps = a.lr_warmup_samples
+    if a.lr_warmup_fraction is not None:
+        warmup_steps = a.lr_warmup_fraction * decay_steps
+    return OptimizerParamScheduler(
+        optimizer, init_lr=a.lr_warmup_init, max_lr=LR, min_lr=MIN_LR,
+        lr_warmup_steps=warmup_steps, lr_decay_steps=decay_steps,
+        lr_decay_style=a.lr_decay_style, start_wd=a.start_weight_decay,
+        end_wd=a.end_weight_decay, wd_incr_steps=wd_incr_steps,
+        wd_incr_style=a.weight_decay_incr_style), a.train_iters
 
 
 def gpt_model():
@@ -116,12 +169,11 @@ def load_checkpoint(directory: str):
     return model, loaded["exp_avg"], loaded["exp_avg_sq"]
 
 
-def megatron_lm_training(initial: str, dataset, mutation: str | None = None):
-    """Megatron-LM 0.19's loop from the weights in `initial` for ITERS iterations: the
-    records (loss, grad norm, lr), the model and its optimizer. `mutation` changes one
+def megatron_lm_training(initial: str, dataset, schedule: dict,
+                         mutation: str | None = None):
+    """Megatron-LM 0.19's loop from the weights in `initial` with `schedule` (SCHEDULES):
+    the records (loss, grad norm, lr), the model and its optimizer. `mutation` changes one
     semantic (MUTATIONS) to show the comparison catches it."""
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
     model, _, _ = load_checkpoint(initial)
     named = list(model.named_parameters())
 
@@ -136,15 +188,12 @@ def megatron_lm_training(initial: str, dataset, mutation: str | None = None):
     groups = [{"params": [p for n, p in named if wd_mult(n, p) == mult], "wd_mult": mult}
               for mult in (1.0, 0.0)]
     optimizer = torch.optim.AdamW(groups, lr=LR, betas=(0.9, 0.999), eps=1e-8)
-    scheduler = OptimizerParamScheduler(
-        optimizer, init_lr=0.0, max_lr=LR, min_lr=MIN_LR, lr_warmup_steps=WARMUP * GLOBAL,
-        lr_decay_steps=ITERS * GLOBAL, lr_decay_style="cosine", start_wd=WEIGHT_DECAY,
-        end_wd=WEIGHT_DECAY, wd_incr_steps=ITERS * GLOBAL, wd_incr_style="constant")
+    scheduler, iterations = megatron_param_scheduler(optimizer, schedule)
     causal = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), diagonal=1)
     micro_batches = GLOBAL // MICRO
     params = [p for _, p in named]
     records = []
-    for iteration in range(ITERS):
+    for iteration in range(iterations):
         if mutation == "lr_stepped_before_update":
             scheduler.step(increment=GLOBAL)
         optimizer.zero_grad()
@@ -182,15 +231,15 @@ def relative_differences(our_run, mutation: str | None = None) -> dict[str, floa
     """The largest relative difference between this project's run and the reference, per
     quantity: per-iteration loss, grad norm and lr; final weights and Adam moments (per
     tensor, the largest element difference over the tensor's largest magnitude)."""
-    records, checkpoints, run = our_run
+    records, checkpoints, run, schedule = our_run
     dataset = prepare_data(run, log=lambda *_: None).datasets.train
     reference, model, optimizer = megatron_lm_training(f"{checkpoints}/iter_0000001", dataset,
-                                                       mutation)
-    assert [r["iteration"] for r in records] == list(range(1, ITERS + 1))
+                                                       schedule, mutation)
+    assert [r["iteration"] for r in records] == list(range(1, len(reference) + 1))
     worst = {key: max(abs(ours[key] - theirs[key]) / abs(theirs[key])
                       for ours, theirs in zip(records, reference))
              for key in ("loss", "grad_norm", "lr")}
-    final, exp_avg, exp_avg_sq = load_checkpoint(f"{checkpoints}/iter_{ITERS:07d}")
+    final, exp_avg, exp_avg_sq = load_checkpoint(f"{checkpoints}/iter_{len(records):07d}")
     ours = dict(final.named_parameters())
     for name, p in model.named_parameters():
         p, state = p.detach(), optimizer.state[p]
@@ -211,6 +260,7 @@ def test_a_run_follows_megatron_lm_training_iteration_by_iteration(our_run):
     assert all(difference <= TOLERANCE for difference in worst.values()), worst
 
 
+@pytest.mark.parametrize("our_run", ["iterations"], indirect=True)
 @pytest.mark.parametrize("mutation", MUTATIONS)
 def test_the_comparison_catches_one_changed_megatron_semantic(our_run, mutation):
     worst = relative_differences(our_run, mutation)
