@@ -393,12 +393,14 @@ class RunConfig:
 
     @property
     def split_sizes(self) -> list[int]:
-        """Samples each data split must provide (Megatron's formula): train_iters x global
-        batch for training, evaluations x eval_iters x global batch for validation (every
-        evaluation reads new batches), eval_iters x global batch for the test set."""
-        batch, iters = self.training.global_batch_size, self.eval_iters
-        return [self.training.train_iters * batch, self.evaluations * iters * batch,
-                iters * batch]
+        """Samples each data split must provide (Megatron's formula): --train-samples, or
+        train_iters x global batch, for training (megatron-core's sample order depends on
+        it), evaluations x eval_iters x global batch for validation (every evaluation
+        reads new batches), eval_iters x global batch for the test set."""
+        t, iters = self.training, self.eval_iters
+        batch = t.global_batch_size
+        train = t.train_samples if t.train_samples is not None else t.train_iters * batch
+        return [train, self.evaluations * iters * batch, iters * batch]
 
     # --- conversions -------------------------------------------------------------------
 
