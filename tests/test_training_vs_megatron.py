@@ -3,8 +3,8 @@
 This project trains a few iterations in one process (fp32, three micro-batches per global
 batch, clipping that clips in some iterations; SCHEDULES: by iterations with warmup,
 cosine decay and weight decay, or by samples with a warmup ending within an iteration and
-a rising weight decay) and saves every iteration. The reference is megatron-core's GPTModel with
-megatron-core's stock local layer spec, its weights read by megatron-core's
+a rising weight decay) and saves every iteration. The reference is megatron-core's
+GPTModel with megatron-core's stock local layer spec, its weights read by megatron-core's
 dist_checkpointing from the checkpoint of iteration 1 (the initial weights: Megatron's
 warmup runs iteration 1 at --lr-warmup-init, 0), trained by the loop below with
 Megatron-LM 0.19's semantics, none of them taken from this project's code:
@@ -106,7 +106,7 @@ def megatron_param_scheduler(optimizer, schedule: dict):
             "start_weight_decay": None, "end_weight_decay": None,
             "weight_decay_incr_style": "constant", "global_batch_size": GLOBAL, **schedule}
     a = types.SimpleNamespace(**args)
-    if a.start_weight_decay is None:  # Megatron's arguments.py
+    if a.weight_decay_incr_style == "constant":  # Megatron's arguments.py: --weight-decay
         a.start_weight_decay = a.end_weight_decay = a.weight_decay
     if a.train_iters:
         a.lr_decay_iters = a.lr_decay_iters or a.train_iters
