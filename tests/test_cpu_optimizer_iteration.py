@@ -17,6 +17,7 @@ from megatron.optimizer import (
     DynamicLossScaler,
     GroupTaskError,
 )
+from megatron.optimizer.iteration_verdict import clip_factor
 
 SIZES = (5000, 7001, 3000)
 
@@ -132,6 +133,19 @@ def test_clipping_by_global_norm_matches_torch(mode):
     for s, p in enumerate(params):
         err = (opt.optimizer.master(s) - p.detach()).norm() / p.detach().norm()
         assert err < 1e-6
+
+
+@pytest.mark.parametrize("norm", [0.5, 1.0 - 4e-7, 1.0, 1.0 + 1e-7, 3.0])
+def test_clip_factor_is_torchs_and_megatrons_at_the_threshold(norm):
+    """The coefficient max_norm / (norm + 1e-6) whenever it is below 1, as Megatron's
+    clip_grad_by_total_norm_fp32 and torch's clip_grad_norm_ apply it: a norm at or just
+    under --clip-grad is scaled by a hair too."""
+    grad = torch.tensor([norm], dtype=torch.float64)
+    param = torch.nn.Parameter(torch.zeros(1, dtype=torch.float64))
+    param.grad = grad.clone()
+    torch.nn.utils.clip_grad_norm_([param], 1.0)
+    assert clip_factor(norm, 1.0) == pytest.approx(float(param.grad / grad), rel=1e-15)
+    assert clip_factor(norm, 0.0) == 1.0  # --clip-grad 0: no clipping
 
 
 def test_bf16_and_fp32_training_without_scaling():

@@ -5,6 +5,7 @@ import math
 import os
 import socket
 import subprocess
+import types
 
 import pytest
 import torch
@@ -304,6 +305,28 @@ def test_warmup_start_and_weight_decay_increment_follow_megatrons_formulas():
         schedule.step()
     assert lrs[0] == pytest.approx(1e-4) and lrs[2] == pytest.approx(1e-4 + 0.9e-3 * 2 / 4)
     assert wds[0] == 0.0 and wds[5] == pytest.approx(0.05) and wds[9] == pytest.approx(0.09)
+
+
+@pytest.mark.unit
+def test_weight_decay_increments_over_the_training_samples():
+    """--train-samples not a multiple of the global batch: the increment spans the samples
+    (Megatron-LM's wd_incr_steps = --train-samples), not the whole iterations within them."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    run = parse_args([*SMALL, "--global-batch-size", "4", "--train-samples", "42",
+                      "--start-weight-decay", "0.0", "--end-weight-decay", "0.1",
+                      "--weight-decay-incr-style", "linear"])
+    holder = types.SimpleNamespace(param_groups=[{"lr": 0.0, "weight_decay": 0.0}])
+    megatron = OptimizerParamScheduler(
+        holder, init_lr=0.0, max_lr=run.optimization.lr, min_lr=run.optimization.min_lr,
+        lr_warmup_steps=0, lr_decay_steps=42, lr_decay_style="linear", start_wd=0.0,
+        end_wd=0.1, wd_incr_steps=42, wd_incr_style="linear")
+    schedule = LRSchedule(run)
+    for _ in range(run.training.train_iters):
+        schedule.step()
+        megatron.step(increment=4)
+        assert schedule.weight_decay == holder.param_groups[0]["weight_decay"]
+    assert schedule.weight_decay == pytest.approx(0.1 * 40 / 42)
 
 
 @pytest.mark.unit

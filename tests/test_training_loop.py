@@ -15,6 +15,7 @@ from megatron.config.run import ExitConfig
 from megatron.data.blend import data_blend
 from megatron.data.datasets import build_datasets
 from megatron.data.indexed_dataset_writer import write_indexed_dataset
+from megatron.data.run_data import prepare_data
 from megatron.data.tokenizer import train_bpe_tokenizer
 from megatron.models.llama import LlamaConfig
 from megatron.schedules.cost_model import uniform_costs
@@ -364,6 +365,36 @@ def test_per_split_paths_give_each_split_its_own_data(two_datasets, tmp_path):
     assert test_ds is None
     assert {_source(tokenizer, train_ds[i]) for i in range(50)} == {"a"}
     assert {_source(tokenizer, valid_ds[i]) for i in range(20)} == {"b"}
+
+
+def test_train_samples_build_the_training_order_megatron_builds(two_datasets, tmp_path):
+    """--train-samples asks the dataset for that many samples, as Megatron-LM's
+    get_train_valid_test_num_samples does, not for the whole global batches within them:
+    megatron-core's sample order depends on the count (one shuffle over all epochs when
+    the last is at least 80% full, else the last shuffled apart), and the run reads
+    Megatron's order. The reference: the dataset built for exactly --train-samples."""
+    a, _, tokenizer, root = two_datasets
+    blend = data_blend(parse_args([*TINY, "--data-path", a, "--split", "1,0,0",
+                                   "--tokenizer-model", "t"]).data, None)
+
+    def built(samples: int):
+        return build_datasets(blend, tokenizer, 8, [samples, 0, 0], seed=1234,
+                              cache_dir=str(tmp_path / str(samples)))[0]
+
+    epoch = len(built(1))
+    samples = epoch + math.ceil(0.8 * epoch)  # the last epoch just 80% full: one shuffle
+    batch = next(b for b in (2, 3, 4, 5) if samples % b)
+    run = parse_args(["--model-preset", "tiny", "--data-path", a, "--split", "1,0,0",
+                      "--tokenizer-model", str(root / "tokenizer.json"), "--seq-length", "8",
+                      "--micro-batch-size", "1", "--global-batch-size", str(batch),
+                      "--train-samples", str(samples), "--eval-iters", "0",
+                      "--data-cache-path", str(tmp_path / "run")])
+    ours = prepare_data(run, log=lambda *_: None).datasets.train
+    megatron = built(samples)
+    consumed = run.training.train_iters * batch
+    first = [megatron[i]["tokens"].tolist() for i in range(consumed)]
+    assert first != [built(consumed)[i]["tokens"].tolist() for i in range(consumed)]
+    assert [ours[i]["tokens"].tolist() for i in range(consumed)] == first
 
 
 def test_a_missing_prefix_of_a_blend_is_named_with_its_flag(two_datasets):

@@ -382,13 +382,25 @@ class RunConfig:
         return batch, warmup, decay, wsd
 
     @property
+    def weight_decay_incr_steps(self) -> int:
+        """The span of the weight decay increment in the scheduler's units, samples, as
+        Megatron-LM's get_optimizer_param_scheduler sets it: --train-samples, or
+        --train-iters times the global batch."""
+        t = self.training
+        if t.train_samples is not None:
+            return t.train_samples
+        return t.train_iters * t.global_batch_size
+
+    @property
     def split_sizes(self) -> list[int]:
-        """Samples each data split must provide (Megatron's formula): train_iters x global
-        batch for training, evaluations x eval_iters x global batch for validation (every
-        evaluation reads new batches), eval_iters x global batch for the test set."""
-        batch, iters = self.training.global_batch_size, self.eval_iters
-        return [self.training.train_iters * batch, self.evaluations * iters * batch,
-                iters * batch]
+        """Samples each data split must provide (Megatron's formula): --train-samples, or
+        train_iters x global batch, for training (megatron-core's sample order depends on
+        it), evaluations x eval_iters x global batch for validation (every evaluation
+        reads new batches), eval_iters x global batch for the test set."""
+        t, iters = self.training, self.eval_iters
+        batch = t.global_batch_size
+        train = t.train_samples if t.train_samples is not None else t.train_iters * batch
+        return [train, self.evaluations * iters * batch, iters * batch]
 
     # --- conversions -------------------------------------------------------------------
 

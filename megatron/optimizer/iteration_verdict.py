@@ -23,10 +23,13 @@ class Verdict:
 
 
 def clip_factor(grad_norm: float, clip_grad: float) -> float:
-    """The factor on the gradient for a global norm of `grad_norm` (clip_grad 0: none)."""
-    if clip_grad <= 0.0 or not math.isfinite(grad_norm) or grad_norm <= clip_grad:
+    """The factor on the gradient for a global norm of `grad_norm` (clip_grad 0: none):
+    Megatron's clip coefficient clip_grad / (grad_norm + 1e-6), applied whenever it is
+    below 1 (so a norm within 1e-6 under clip_grad is scaled too, as there and in torch's
+    clip_grad_norm_)."""
+    if clip_grad <= 0.0 or not math.isfinite(grad_norm):
         return 1.0
-    return clip_grad / (grad_norm + 1e-6)  # Megatron's clip coefficient
+    return min(1.0, clip_grad / (grad_norm + 1e-6))
 
 
 def _all_reduce(local_overflow: bool, local_sq: float,

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from megatron.config.run import RunConfig
 from megatron.models.llama import Batch, LlamaConfig, LlamaModel, uses_weight_decay
+from megatron.optimizer.iteration_verdict import clip_factor
 from megatron.pipeline.config import LossScaling, working_dtype
 from megatron.training.checkpoint_state import OwnedState, named_tensors
 from megatron.training.train_step import StepResult
@@ -100,9 +101,10 @@ class LocalTrainStep:
             self.scaler.update(overflow)
         if overflow:
             return StepResult(total, skipped=True, grad_norm=norm, loss_scale=scale)
-        if self.clip_grad > 0 and norm > self.clip_grad:
+        clip = clip_factor(norm, self.clip_grad)
+        if clip < 1.0:
             for g in grads:
-                g.mul_(self.clip_grad / (norm + 1e-6))
+                g.mul_(clip)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
             group["weight_decay"] = weight_decay * group["wd_mult"]
