@@ -104,6 +104,8 @@ def test_wrong_combinations_name_the_flag_value_and_expectation(files, tmp_path)
          "--vocab-file", "<|endoftext|>"),
         (TokenizerSpec("GPT2BPETokenizer", vocab_file=files.sp_model,
                        merge_file=files.gpt2_merges), "--vocab-file", "not a GPT-2 vocab.json"),
+        (TokenizerSpec("GPT2BPETokenizer", vocab_file=files.gpt2_vocab,
+                       merge_file=files.sp_model), "--merge-file", "not a GPT-2 merges.txt"),
         (TokenizerSpec("NullTokenizer"), "--vocab-size", "needs --vocab-size"),
     ]
     for spec, flag, fragment in cases:
