@@ -159,6 +159,11 @@ def initialize_distributed(timeout: CollectiveTimeout | None = None,
                                         timeout=timedelta(seconds=timeout.seconds),
                                         **process_group_options(choice))
             except (dist.DistStoreError, dist.DistNetworkError) as exc:
+                if "EADDRINUSE" in str(exc):  # rank 0 could not listen: bad input
+                    raise ConfigError("environment variable MASTER_PORT",
+                                      os.environ.get("MASTER_PORT"),
+                                      "in use by another process on this node; expected a "
+                                      "free port for rank 0's store") from None
                 raise rendezvous_failure(exc, timeout) from None
         else:
             dist.init_process_group(choice.backend, store=dist.HashStore(), rank=0,
