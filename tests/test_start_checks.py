@@ -200,3 +200,13 @@ def test_a_master_port_in_use_is_one_line(capsys, monkeypatch, tmp_path):
     assert err == (f"pretrain_llama.py: error: environment variable MASTER_PORT {port}: in use "
                    "by another process on this node; expected a free port for rank 0's store")
     assert os.listdir(tmp_path) == []
+
+
+def test_a_bad_cpu_device_memlock_is_refused_before_anything_starts(monkeypatch):
+    """MEGATRON_CPU_DEVICE_MEMLOCK was read by the pipeline's set-up: its line came after
+    the shared-memory segments were made, the model built and the plan printed."""
+    from megatron.training.distributed import decide_device
+    monkeypatch.setenv("MEGATRON_CPU_DEVICE_MEMLOCK", "lots")
+    with pytest.raises(ConfigError, match="MEGATRON_CPU_DEVICE_MEMLOCK 'lots': expected a "
+                                          "byte count"):
+        decide_device()

@@ -34,6 +34,7 @@ from megatron.config.attention_kernel import cpu_layer_gpu
 from megatron.config.device_choice import DeviceChoice, choose_device, cpu_device_capacity
 from megatron.config.errors import ConfigError
 from megatron.models.cpu_adaptation import set_up_megatron_core
+from megatron.offload.host_pinning import memlock_limit
 from megatron.pipeline.data_parallel import ParallelLayout
 from megatron.pipeline.host_group import forget_host_group, set_group_timeout
 
@@ -118,6 +119,7 @@ def decide_device(share_gpu: bool = False) -> DeviceChoice:
     if choice.kind == "cpu":  # refused before any start: a bad
         cpu_device_capacity()  # MEGATRON_CPU_DEVICE_MEMORY
         cpu_layer_gpu()  # MEGATRON_CPU_DEVICE_GPU
+        memlock_limit(choice.kind)  # MEGATRON_CPU_DEVICE_MEMLOCK (read again by a pipeline)
     return choice
 
 
