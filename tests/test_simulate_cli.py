@@ -95,7 +95,7 @@ def test_bad_input_is_one_line_and_exit_status_2(args, needle, tmp_path):
 
 def test_missing_schedule_file_exits_2(tmp_path):
     done = run("--schedule-file", str(tmp_path / "nope.csv"))
-    assert done.returncode == 2 and "does not exist" in done.stderr
+    assert done.returncode == 2 and "file not found" in done.stderr
 
 
 @pytest.mark.parametrize("args,needle", [

@@ -30,7 +30,8 @@ def check_writable_prefix(prefix: str) -> None:
     """Raise DataError unless files `prefix`.* can be created."""
     directory = os.path.dirname(os.path.abspath(prefix))
     if not os.path.isdir(directory):
-        raise DataError(f"'{prefix}': directory '{directory}' does not exist")
+        what = "is a file" if os.path.exists(directory) else "does not exist"
+        raise DataError(f"'{prefix}': directory '{directory}' {what}")
     if not os.access(directory, os.W_OK | os.X_OK):
         raise DataError(f"'{prefix}': directory '{directory}' is not writable")
 
