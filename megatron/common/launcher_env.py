@@ -3,8 +3,8 @@ and MASTER_PORT, as torchrun sets them (or a Slurm script or a hand-written laun
 
 Checked once, before the command line is read: a value torchrun would never set is bad
 input, one line naming the variable, its value and what was expected, instead of the
-ValueError traceback of the first int() that reads it, or a process that trains alone as
-rank 3 of 1 (and so prints nothing: only rank 0 speaks).
+ValueError traceback of the first int() that reads it, or a process that trains as rank 0
+of 1 with RANK=3 ignored (Megatron-LM fails on it).
 
 Imports only the standard library and the error type (pretrain_llama.py reads the rank
 before torch is imported).
