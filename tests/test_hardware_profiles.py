@@ -287,3 +287,20 @@ def test_a_profile_out_that_cannot_be_written_is_refused_before_measuring(out, e
     lines = capsys.readouterr().err.splitlines()  # the program's name is argv[0]'s
     assert len(lines) == 1 and lines[0].endswith(": error: " + expected.format(tmp=tmp_path))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_dir", "a_file"]
+
+
+@pytest.mark.multiproc
+def test_a_bad_input_of_the_profiler_is_its_only_line(tmp_path):
+    """In a fresh interpreter, as a user runs it: megatron-core's import warnings (8 lines)
+    came before the error line."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tool = Path(__file__).resolve().parents[1] / "tools" / "profile_hardware.py"
+    done = subprocess.run([sys.executable, str(tool), "--out", str(tmp_path),
+                           "--model-preset", "tiny"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [f"profile_hardware.py: error: --out {tmp_path}: "
+                                        "expected a file path, found a directory"]

@@ -56,6 +56,9 @@ import warnings
 from collections.abc import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# megatron-core warns at import that the GPU-only Apex / Transformer Engine are absent: 8
+# lines on stderr before a bad input's one (pretrain_llama.py filters them the same way)
+warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.core")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
