@@ -5,7 +5,12 @@ import stat
 
 import pytest
 
-from megatron.common.files import atomic_write, leftover_temporaries, staged_paths
+from megatron.common.files import (
+    atomic_write,
+    leftover_temporaries,
+    missing_file,
+    staged_paths,
+)
 
 
 def _mode(path) -> int:
@@ -84,3 +89,22 @@ def test_leftover_temporaries_are_those_of_the_target_only(tmp_path):
     (tmp_path / ".tmp-abc123other").mkdir()
     (tmp_path / "corpus.lock").write_text("")
     assert leftover_temporaries(str(target)) == [str(killed)]
+
+
+def test_a_directory_given_for_an_input_file_is_named_as_one(tmp_path):
+    """Was "file not found" / "does not exist", which sends the user looking for a typo."""
+    from megatron.data.checks import DataError, check_writable_prefix
+    from megatron.data.tokenizer import TokenizerError, load_tokenizer
+    from megatron.schedules.schedule_file import read_schedule
+
+    assert missing_file(str(tmp_path)) == "a directory, not a file"
+    assert missing_file(str(tmp_path / "none")) == "file not found"
+    (tmp_path / "link").symlink_to(tmp_path / "none")
+    assert missing_file(str(tmp_path / "link")) == "a broken symbolic link"
+    with pytest.raises(ValueError, match="': a directory, not a file$"):
+        read_schedule(str(tmp_path))
+    with pytest.raises(TokenizerError, match="': a directory, not a file .*HuggingFaceTokenizer"):
+        load_tokenizer(str(tmp_path))
+    (tmp_path / "file").write_text("")
+    with pytest.raises(DataError, match=f"directory '{tmp_path / 'file'}' is a file$"):
+        check_writable_prefix(str(tmp_path / "file" / "out"))

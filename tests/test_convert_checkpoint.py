@@ -159,6 +159,31 @@ def test_bad_input_exits_2_in_one_line(argv, fragment, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("content,fragment", [
+    (bytes(range(128, 256)), "not a Hugging Face tokenizer JSON (not UTF-8 text)"),
+    (b'{"a": 0, "<|endoftext|>": 1}', "not a Hugging Face tokenizer JSON ("),  # a vocab.json
+    ("big", f"{VOCAB + 1} tokens, but the model has {VOCAB} embedding rows"),
+])
+def test_a_tokenizer_to_ship_that_is_not_one_is_one_line(converted, tmp_path, content,
+                                                         fragment):
+    """--tokenizer was copied unread: a binary was a UnicodeDecodeError traceback, a
+    vocab.json or a larger vocabulary an output directory transformers cannot use."""
+    tokenizer = tmp_path / "tokenizer.json"
+    if content == "big":
+        from tokenizers import Tokenizer, models
+        tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB + 1)}, unk_token="t0"))
+        tok.save(str(tokenizer))
+    else:
+        tokenizer.write_bytes(content)
+    r = convert("--from", "megatron", "--to", "hf", "--input", str(converted),
+                "--output", str(tmp_path / "out"), "--tokenizer", str(tokenizer))
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"--tokenizer {tokenizer}: " in lines[0], lines
+    assert fragment in lines[0], lines
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.multiproc  # builds the demo corpus
 def test_finetuned_here_then_exported_scores_the_same_in_transformers(
         converted, tmp_path, dist_group, demo_cache):

@@ -207,6 +207,14 @@ def test_check_data_prefix_rejects_missing_or_corrupt_files(data, tmp_path, dama
         check_data_prefix(prefix)
 
 
+def test_a_prefix_given_with_its_extension_names_the_prefix(data, tmp_path):
+    prefix = _copy_prefix(data[0], tmp_path)
+    for extension in (".bin", ".idx"):
+        with pytest.raises(DataError, match=f"file not found; expected the prefix without "
+                                            f"\\{extension}: {prefix}$"):
+            check_data_prefix(prefix + extension)
+
+
 def test_data_made_with_a_larger_vocabulary_is_rejected(data, tmp_path):
     prefix, tokenizer, _ = data
     biggest = int(numpy.fromfile(prefix + ".bin", dtype=numpy.uint16).max())

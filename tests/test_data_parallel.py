@@ -200,7 +200,8 @@ def test_shards_cover_a_stage_once(numel, parts):
 
 
 @pytest.mark.parametrize("extra,env,flag", [
-    (["--data-parallel-size", "2"], {"WORLD_SIZE": "3", "RANK": "0"}, "--data-parallel-size"),
+    (["--data-parallel-size", "2"], {"WORLD_SIZE": "3", "RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                                      "MASTER_PORT": "29500"}, "--data-parallel-size"),
     (["--data-parallel-size", "3"], {}, "--global-batch-size"),
     (["--zero-stage", "3"], {}, "--zero-stage"),
     (["--data-parallel-size", "2", "--procs-per-node", "3"], {}, "--procs-per-node"),

@@ -28,6 +28,7 @@ from megatron.schedules.hardware import (
 from megatron.schedules.instructions import BackwardStage
 from megatron.training.training import main
 from tools.profile_hardware import head_over_layer, with_pass_times
+from tools.profile_hardware import main as profile_main
 
 # a small plan: seconds of simulation, no training
 TINY_PLAN = ["--plan", "--json", "--model-preset", "tiny", "--gpus-per-node", "2",
@@ -268,3 +269,38 @@ def test_a_measured_head_is_priced_at_its_passes_and_scales_by_its_flops():
         head_forward_flops_per_token(preset)
         / layer_forward_flops_per_token(preset, preset.seq_length))
     assert backward / forward == pytest.approx(layer[1] / layer[0])
+
+
+@pytest.mark.parametrize("out,expected", [
+    ("a_dir", "--out {tmp}/a_dir: expected a file path, found a directory"),
+    ("a_file/hw.json", "--out {tmp}/a_file/hw.json: its directory is not writable (expected a "
+                       "writable directory ({tmp}/a_file is a file))"),
+])
+def test_a_profile_out_that_cannot_be_written_is_refused_before_measuring(out, expected,
+                                                                          tmp_path, capsys):
+    """Was an IsADirectoryError/NotADirectoryError traceback after a minute of measuring."""
+    (tmp_path / "a_dir").mkdir()
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(SystemExit) as exit_:
+        profile_main(["--out", str(tmp_path / out), "--model-preset", "tiny"])
+    assert exit_.value.code == 2
+    lines = capsys.readouterr().err.splitlines()  # the program's name is argv[0]'s
+    assert len(lines) == 1 and lines[0].endswith(": error: " + expected.format(tmp=tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_dir", "a_file"]
+
+
+@pytest.mark.multiproc
+def test_a_bad_input_of_the_profiler_is_its_only_line(tmp_path):
+    """In a fresh interpreter, as a user runs it: megatron-core's import warnings (8 lines)
+    came before the error line."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tool = Path(__file__).resolve().parents[1] / "tools" / "profile_hardware.py"
+    done = subprocess.run([sys.executable, str(tool), "--out", str(tmp_path),
+                           "--model-preset", "tiny"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [f"profile_hardware.py: error: --out {tmp_path}: "
+                                        "expected a file path, found a directory"]

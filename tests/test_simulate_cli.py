@@ -95,7 +95,7 @@ def test_bad_input_is_one_line_and_exit_status_2(args, needle, tmp_path):
 
 def test_missing_schedule_file_exits_2(tmp_path):
     done = run("--schedule-file", str(tmp_path / "nope.csv"))
-    assert done.returncode == 2 and "does not exist" in done.stderr
+    assert done.returncode == 2 and "file not found" in done.stderr
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -131,3 +131,35 @@ def test_a_binary_schedule_file_is_named_as_not_a_utf8_csv(tmp_path):
     assert done.returncode == 2
     assert len(done.stderr.strip().splitlines()) == 1
     assert str(path) in done.stderr and "is not a UTF-8 CSV" in done.stderr
+
+
+def test_outputs_that_cannot_be_written_are_refused_before_simulating(tmp_path):
+    """A directory or a file in the way of --plot/--trace/--schedule-file was an
+    IsADirectoryError/NotADirectoryError traceback after the simulation; one process runs
+    the three (the tool's imports are the cost). A missing directory is created."""
+    (tmp_path / "a_dir").mkdir()
+    (tmp_path / "a_file").write_text("")
+    refused = [["--plot", "a_dir"], ["--trace", "a_file/t.json"],
+               ["--schedule-file", "a_dir", "--plot", "new/dir/p.png"]]
+    script = (
+        "import sys\n"
+        f"sys.path.insert(0, {str(Path(TOOL).parent)!r})\n"
+        "from simulate_pipeline import main\n"
+        f"for outputs in {refused!r}:\n"
+        "    try:\n"
+        f"        main({FIG8!r} + outputs)\n"
+        "    except SystemExit as exc:\n"
+        "        print(exc.code)\n"
+        f"main({FIG8!r} + ['--trace', 'new/dir/t.json'])\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=120)
+    assert done.stdout.splitlines()[:3] == ["2", "2", "2"], done.stderr
+    assert done.stderr.splitlines() == [
+        "simulate_pipeline.py: error: --plot a_dir: expected a file path, found a directory",
+        "simulate_pipeline.py: error: --trace a_file/t.json: its directory is not writable "
+        f"(expected a writable directory ({tmp_path / 'a_file'} is a file))",
+        "simulate_pipeline.py: error: --schedule-file a_dir: expected a file path, found a "
+        "directory"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_dir", "a_file", "new"]
+    assert list((tmp_path / "a_dir").iterdir()) == []
+    assert [p.name for p in (tmp_path / "new" / "dir").iterdir()] == ["t.json"]

@@ -131,3 +131,83 @@ def test_ulimit_n_and_v_too_low_for_the_run_are_one_line_each():
     assert _in_child(soft_only) == ""
     message = _in_child(little_address_space)
     assert message.startswith("address space: ulimit -v ") and "malloc arenas" in message
+
+
+_LAUNCHED = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
+             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+
+
+@pytest.mark.parametrize("change,line", [
+    ({"RANK": "abc"}, "environment variable RANK 'abc': expected a whole number >= 0"),
+    ({"WORLD_SIZE": "0"}, "environment variable WORLD_SIZE '0': expected a whole number >= 1"),
+    ({"LOCAL_RANK": "zz"}, "environment variable LOCAL_RANK 'zz': expected a whole number"),
+    ({"LOCAL_WORLD_SIZE": "q"}, "environment variable LOCAL_WORLD_SIZE 'q': expected a whole"),
+    ({"RANK": "2"}, "environment variable RANK 2: expected a rank below WORLD_SIZE 2"),
+    ({"LOCAL_RANK": "2"}, "environment variable LOCAL_RANK 2: expected a rank below "
+                          "LOCAL_WORLD_SIZE 2"),
+    ({"LOCAL_WORLD_SIZE": "4"}, "environment variable LOCAL_WORLD_SIZE 4: expected at most "
+                                "WORLD_SIZE 2"),
+    ({"MASTER_ADDR": None}, "environment variable MASTER_ADDR (not set): expected the address "
+                            "of rank 0's node"),
+    ({"MASTER_PORT": "http"}, "environment variable MASTER_PORT 'http': expected a TCP port "
+                              "1-65535"),
+    ({"MASTER_PORT": "70000"}, "environment variable MASTER_PORT '70000': expected a TCP port"),
+])
+def test_a_launcher_variable_torchrun_would_never_set_is_one_line(change, line, capsys,
+                                                                  monkeypatch):
+    """Before the command line is read: not a ValueError traceback from the first int()
+    that reads it. The process whose own RANK is wrong says it (rank 0 may not see it)."""
+    from megatron.training.training import main
+    for name, value in {**_LAUNCHED, **change}.items():
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as exit_:
+        main(["--model-preset", "tiny"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2
+    assert err.splitlines() == [f"pretrain_llama.py: error: {err.split('error: ', 1)[1].strip()}"]
+    assert line in err
+
+
+def test_a_rank_alone_without_a_world_is_refused():
+    """RANK 3 with no WORLD_SIZE (a variable left over from another launch) used to train
+    as rank 0 of 1, its RANK ignored; Megatron-LM fails on it (rank 3 of a world of 1)."""
+    from megatron.common.launcher_env import check_launcher_env, speaks_for_the_job
+    with pytest.raises(ConfigError, match=r"RANK 3: expected a rank below WORLD_SIZE"):
+        check_launcher_env({"RANK": "3"})
+    assert speaks_for_the_job({"RANK": "3"}) and not speaks_for_the_job(_LAUNCHED | {"RANK": "1"})
+    check_launcher_env({})  # one process: nothing to check
+    check_launcher_env(_LAUNCHED)
+
+
+def test_a_master_port_in_use_is_one_line(capsys, monkeypatch, tmp_path):
+    """A launch by hand (RANK, WORLD_SIZE, MASTER_*) whose port another process holds."""
+    import socket
+
+    from megatron.training.training import main
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for name, value in {**_LAUNCHED, "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+                            "MASTER_PORT": str(port)}.items():
+            monkeypatch.setenv(name, value)
+        with pytest.raises(SystemExit) as exit_:
+            main(["--model-preset", "tiny", "--metrics-file", str(tmp_path / "m.jsonl")])
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2
+    assert err == (f"pretrain_llama.py: error: environment variable MASTER_PORT {port}: in use "
+                   "by another process on this node; expected a free port for rank 0's store")
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_bad_cpu_device_memlock_is_refused_before_anything_starts(monkeypatch):
+    """MEGATRON_CPU_DEVICE_MEMLOCK was read by the pipeline's set-up: its line came after
+    the shared-memory segments were made, the model built and the plan printed."""
+    from megatron.training.distributed import decide_device
+    monkeypatch.setenv("MEGATRON_CPU_DEVICE_MEMLOCK", "lots")
+    with pytest.raises(ConfigError, match="MEGATRON_CPU_DEVICE_MEMLOCK 'lots': expected a "
+                                          "byte count"):
+        decide_device()

@@ -104,6 +104,8 @@ def test_wrong_combinations_name_the_flag_value_and_expectation(files, tmp_path)
          "--vocab-file", "<|endoftext|>"),
         (TokenizerSpec("GPT2BPETokenizer", vocab_file=files.sp_model,
                        merge_file=files.gpt2_merges), "--vocab-file", "not a GPT-2 vocab.json"),
+        (TokenizerSpec("GPT2BPETokenizer", vocab_file=files.gpt2_vocab,
+                       merge_file=files.sp_model), "--merge-file", "not a GPT-2 merges.txt"),
         (TokenizerSpec("NullTokenizer"), "--vocab-size", "needs --vocab-size"),
     ]
     for spec, flag, fragment in cases:
@@ -144,3 +146,33 @@ def test_pretrain_flags_reach_the_run_configuration():
     assert (d.tokenizer_type, d.vocab_file, d.merge_file) == ("GPT2BPETokenizer", "v.json",
                                                                 "m.txt")
     assert run.flags()["tokenizer_type"] == "GPT2BPETokenizer"
+
+
+@pytest.mark.parametrize("unreadable", ["--vocab-file", "--merge-file"])
+def test_a_gpt2_file_this_user_may_not_read_is_one_line(files, unreadable):
+    """As another user (root reads anything): a PermissionError traceback before."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from tests.in_child import as_nobody, error_line_in_child
+    # not under pytest's directories: another user may not pass through them
+    folder = Path(tempfile.mkdtemp(prefix="gpt2-unreadable-"))
+    folder.chmod(0o755)
+    vocab, merges = folder / "vocab.json", folder / "merges.txt"
+    shutil.copy(files.gpt2_vocab, vocab)
+    shutil.copy(files.gpt2_merges, merges)
+    (vocab if unreadable == "--vocab-file" else merges).chmod(0)
+
+    def build_as_nobody() -> None:
+        as_nobody()
+        build_typed_tokenizer(TokenizerSpec("GPT2BPETokenizer", vocab_file=str(vocab),
+                                            merge_file=str(merges)))
+
+    path = vocab if unreadable == "--vocab-file" else merges
+    try:
+        line = error_line_in_child(build_as_nobody, (TokenizerFlagError,))
+    finally:
+        shutil.rmtree(folder)
+    assert line.startswith(f"{unreadable} {path}: unreadable (Permission denied); expected a "
+                           "GPT-2 ")

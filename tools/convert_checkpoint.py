@@ -192,6 +192,35 @@ def _shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, 
     return shards
 
 
+def _read_tokenizer(path: str, vocab_rows: int) -> str:
+    """--tokenizer's text once it is a tokenizer JSON this model can ship: a file copied
+    unread would make an output directory that transformers cannot load."""
+    if not os.path.isfile(path):
+        raise ConversionError(f"--tokenizer {path}: no such file")
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        from tokenizers import Tokenizer
+
+        size = Tokenizer.from_str(text).get_vocab_size(with_added_tokens=True)
+    except OSError as err:
+        raise ConversionError(f"--tokenizer {path}: unreadable ({err.strerror})") from None
+    except UnicodeDecodeError:
+        raise ConversionError(f"--tokenizer {path}: not a Hugging Face tokenizer JSON (not "
+                              "UTF-8 text); expected tokenizer.json as tokenizers saves it"
+                              ) from None
+    except Exception as err:  # not UTF-8, not JSON, not a tokenizer: tokenizers says which
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        raise ConversionError(f"--tokenizer {path}: not a Hugging Face tokenizer JSON "
+                              f"({first}); expected tokenizer.json as tokenizers saves it"
+                              ) from None
+    if size > vocab_rows:
+        raise ConversionError(f"--tokenizer {path}: {size} tokens, but the model has "
+                              f"{vocab_rows} embedding rows; expected the tokenizer the run "
+                              "trained with (or one no larger)")
+    return text
+
+
 def megatron_to_hf(args: argparse.Namespace) -> None:
     _check_empty_output(args.output)
     found = find_checkpoint(args.input)
@@ -210,10 +239,7 @@ def megatron_to_hf(args: argparse.Namespace) -> None:
     hf = {k: v.to(dtype) for k, v in gpt_to_hf(cfg, gpt).items()}
     tokenizer_json = common.get("tokenizer_json")  # what the run trained with
     if args.tokenizer:
-        if not os.path.isfile(args.tokenizer):
-            raise ConversionError(f"--tokenizer {args.tokenizer}: no such file")
-        with open(args.tokenizer) as f:
-            tokenizer_json = f.read()
+        tokenizer_json = _read_tokenizer(args.tokenizer, cfg.vocab_size)
     _check_free_disk(args.output, sum(t.nbytes for t in hf.values()))
     shards = _shards(hf, args.max_shard_size * MiB)
     config = {**hf_config_from_model(cfg), "torch_dtype": str(dtype).removeprefix("torch.")}

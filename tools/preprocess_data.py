@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # megatron.core warns on import that the GPU-only Apex/Transformer Engine are missing.
 warnings.filterwarnings("ignore", message="Transformer Engine and Apex")
 
+from megatron.common.files import missing_file  # noqa: E402
 from megatron.config.tokenizer_names import TOKENIZER_TYPES  # noqa: E402
 from megatron.data.checks import DataError, check_writable_prefix  # noqa: E402
 from megatron.data.indexed_dataset_writer import write_indexed_datasets  # noqa: E402
@@ -117,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     # The tokenizers library reads this when it first starts its thread pool.
     os.environ["RAYON_NUM_THREADS"] = str(args.workers)
     if not os.path.isfile(args.input):
-        return bad_input("--input", args.input, "file not found (expected a JSONL file)")
+        return bad_input("--input", args.input, f"{missing_file(args.input)} (expected a JSONL "
+                         "file)")
     try:
         check_writable_prefix(args.output_prefix)
     except DataError as err:

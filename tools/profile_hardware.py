@@ -56,13 +56,18 @@ import warnings
 from collections.abc import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# megatron-core warns at import that the GPU-only Apex / Transformer Engine are absent: 8
+# lines on stderr before a bad input's one (pretrain_llama.py filters them the same way)
+warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.core")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from bench.nvme_optimizer import filesystem_of  # noqa: E402
 from megatron.common.files import atomic_write  # noqa: E402
+from megatron.common.output_paths import check_writable_file  # noqa: E402
 from megatron.common.process_memory import memory_status  # noqa: E402
+from megatron.config.errors import ConfigError  # noqa: E402
 from megatron.config.model import MODEL_FIELDS, ModelConfig  # noqa: E402
 from megatron.config.run import RunConfig  # noqa: E402
 from megatron.models.llama import LlamaConfig, build_piece  # noqa: E402
@@ -860,6 +865,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds < 1:
         parser.exit(2, f"{parser.prog}: error: --rounds {args.rounds}: expected a positive "
                        "integer\n")
+    if args.out:  # before a minute of measurements, not after
+        try:
+            check_writable_file("--out", args.out)
+        except ConfigError as exc:
+            parser.exit(2, f"{parser.prog}: error: {exc}\n")
     run = planned_run(model_flags)
     baseline = process_baseline()
     initialize_distributed()  # megatron-core's layers need its (one-process) groups
@@ -868,6 +878,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutdown_distributed()
     if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         atomic_write(args.out, lambda stream: stream.write(text.encode()))
         progress(f"wrote {args.out}")
     else:

@@ -20,9 +20,11 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron.common.output_paths import check_writable_file  # noqa: E402
 from megatron.schedules.cost_model import (  # noqa: E402
     derived_costs,
     model_partition,
@@ -155,10 +157,26 @@ def _schedule(args: argparse.Namespace, parser: argparse.ArgumentParser):
                           backward_ratio=ratio or PAPER_BACKWARD_RATIO)
 
 
+def _check_outputs(args: argparse.Namespace) -> None:
+    """ConfigError for a file this run would write and cannot (before it simulates)."""
+    outputs = {"--plot": args.plot, "--trace": args.trace,
+               "--schedule-file": args.schedule_file if args.schedule else None}
+    for flag, path in outputs.items():
+        if path:
+            check_writable_file(flag, path)
+
+
+def _write(path: str, write: Callable[[str], None]) -> None:
+    """write(path), its directory created first (checked writable at the start)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    write(path)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        _check_outputs(args)
         schedule = _schedule(args, parser)
         if args.model_preset:
             costs = derived_costs(schedule, args.model_preset, args.hardware,
@@ -177,17 +195,17 @@ def main(argv: list[str] | None = None) -> int:
         message = error.args[0] if isinstance(error, KeyError) else str(error)
         parser.error(message)
     if args.schedule_file and args.schedule:
-        write_schedule(schedule, args.schedule_file)
+        _write(args.schedule_file, lambda path: write_schedule(schedule, path))
     if args.plot:
         title = (f"{schedule.name}: {schedule.ranks} ranks, {schedule.forward_stages} forward "
                  f"stages, d={schedule.backward_split}, {schedule.micro_batches} micro-batches; "
                  f"bubble {result.mean_bubble_ratio:.1%}")
-        write_timeline_png(result.events, args.plot, title=title,
-                           time_unit="s" if args.model_preset
-                           else "cost-model units: one stage's forward = 1")
+        _write(args.plot, lambda path: write_timeline_png(
+            result.events, path, title=title, time_unit="s" if args.model_preset
+            else "cost-model units: one stage's forward = 1"))
     if args.trace:
-        write_chrome_trace(result.events, args.trace,
-                           time_scale=1e6 if args.model_preset else 1e3)
+        _write(args.trace, lambda path: write_chrome_trace(
+            result.events, path, time_scale=1e6 if args.model_preset else 1e3))
     summary = result.summary()
     if distribution:
         summary["parameter_distribution"] = [d.summary() for d in distribution]

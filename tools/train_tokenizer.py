@@ -21,6 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # megatron.core warns on import that the GPU-only Apex/Transformer Engine are missing.
 warnings.filterwarnings("ignore", message="Transformer Engine and Apex")
 
+from megatron.common.files import missing_file  # noqa: E402
 from megatron.data.checks import DataError, check_writable_prefix  # noqa: E402
 from megatron.data.jsonl import iter_jsonl_texts  # noqa: E402
 from megatron.data.tokenizer import (  # noqa: E402
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     for path in args.input:
         if not os.path.isfile(path):
-            return bad_input("--input", path, "file not found")
+            return bad_input("--input", path, missing_file(path))
     if args.vocab_size < MIN_VOCAB_SIZE:
         return bad_input("--vocab-size", args.vocab_size,
                          f"expected at least {MIN_VOCAB_SIZE} (256 bytes + 2 special tokens)")

@@ -24,6 +24,14 @@ _PREFIX = ".tmp-"
 _OWNED = re.compile(r"\.tmp-(\d+)@([^~/]*)~")
 
 
+def missing_file(path: str) -> str:
+    """Why `path` is not a readable file, for an error line: a directory given for a file
+    is named as one (not "not found", which sends the user looking for a typo)."""
+    if os.path.isdir(path):
+        return "a directory, not a file"
+    return "a broken symbolic link" if os.path.islink(path) else "file not found"
+
+
 def atomic_write(path: str, write: Callable[[BinaryIO], object]) -> None:
     """Call write(stream) on a temporary file in the target folder, then rename it."""
     with staged_paths(path) as (temporary,):

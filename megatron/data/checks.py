@@ -30,7 +30,8 @@ def check_writable_prefix(prefix: str) -> None:
     """Raise DataError unless files `prefix`.* can be created."""
     directory = os.path.dirname(os.path.abspath(prefix))
     if not os.path.isdir(directory):
-        raise DataError(f"'{prefix}': directory '{directory}' does not exist")
+        what = "is a file" if os.path.exists(directory) else "does not exist"
+        raise DataError(f"'{prefix}': directory '{directory}' {what}")
     if not os.access(directory, os.W_OK | os.X_OK):
         raise DataError(f"'{prefix}': directory '{directory}' is not writable")
 
@@ -105,6 +106,11 @@ def check_data_prefix(prefix: str, vocab_size: int | None = None) -> None:
     bin_path, idx_path = prefix + ".bin", prefix + ".idx"
     for path in (idx_path, bin_path):
         if not os.path.isfile(path):
+            stem, extension = os.path.splitext(prefix)
+            if extension in (".bin", ".idx") and os.path.isfile(stem + ".idx"):
+                # a file's name given for the prefix, as the first data of a new user often is
+                raise DataError(f"'{path}': file not found; expected the prefix without "
+                                f"{extension}: {stem}")
             raise DataError(
                 f"'{path}': file not found (expected a Megatron indexed dataset "
                 f"{prefix}.bin/.idx, made by tools/preprocess_data.py)"

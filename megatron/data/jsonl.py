@@ -7,6 +7,7 @@ import json
 import os
 from collections.abc import Iterator, Sequence
 
+from megatron.common.files import missing_file
 from megatron.data.checks import DataError
 
 # A field is one text, or (as Megatron's preprocessing reads it) a list of sentences.
@@ -21,7 +22,7 @@ def iter_jsonl_records(path: str, json_keys: Sequence[str] = ("text",)
     with a string (or a list of strings) under every key.
     """
     if not os.path.isfile(path):
-        raise DataError(f"'{path}': file not found (expected a JSONL file)")
+        raise DataError(f"'{path}': {missing_file(path)} (expected a JSONL file)")
     with open(path, "rb") as f:
         for line_number, raw in enumerate(f, start=1):
             if not raw.strip():

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from megatron.core.tokenizers import MegatronTokenizerBase
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from megatron.common.files import atomic_write
+from megatron.common.files import atomic_write, missing_file
 from megatron.common.progress import progress_enabled
 
 EOD_TOKEN = "<|endoftext|>"
@@ -116,7 +116,9 @@ def load_tokenizer(path: str) -> HFTokenizer:
     Raises TokenizerError naming the path and what was expected.
     """
     if not os.path.isfile(path):
-        raise TokenizerError(f"tokenizer '{path}': file not found (expected a tokenizer JSON)")
+        raise TokenizerError(f"tokenizer '{path}': {missing_file(path)} (expected a tokenizer "
+                             "JSON; a Hugging Face directory with --tokenizer-type "
+                             "HuggingFaceTokenizer)")
     try:
         tokenizer = Tokenizer.from_file(path)
     except Exception as err:  # the Rust side raises a bare Exception on malformed JSON

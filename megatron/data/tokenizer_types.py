@@ -314,18 +314,28 @@ def _build_gpt2(spec: TokenizerSpec) -> TypedTokenizer:
             vocab = json.load(f)
     except (ValueError, UnicodeDecodeError):
         vocab = None
+    except OSError as err:
+        raise TokenizerFlagError("--vocab-file", spec.vocab_file,
+                                 f"unreadable ({err.strerror}); expected a GPT-2 vocab.json"
+                                 ) from None
     if not isinstance(vocab, dict) or not all(isinstance(v, int) for v in vocab.values()):
         raise TokenizerFlagError("--vocab-file", spec.vocab_file,
                                  "not a GPT-2 vocab.json (expected a JSON object token -> id)")
     if GPT2_EOD not in vocab:
         raise TokenizerFlagError("--vocab-file", spec.vocab_file,
                                  f"no {GPT2_EOD} token (GPT2BPETokenizer's end of document)")
-    with open(spec.merge_file, encoding="utf-8") as f:
-        # As Megatron's GPT2Tokenizer reads it: the first line (#version) and the part after
-        # the last newline are not merges.
-        lines = f.read().split("\n")[1:-1]
-    merges = [tuple(line.split()) for line in lines]
-    if any(len(m) != 2 for m in merges):
+    try:
+        with open(spec.merge_file, encoding="utf-8") as f:
+            # As Megatron's GPT2Tokenizer reads it: the first line (#version) and the part
+            # after the last newline are not merges.
+            merges = [tuple(line.split()) for line in f.read().split("\n")[1:-1]]
+    except UnicodeDecodeError:  # a binary file given by mistake
+        merges = None
+    except OSError as err:
+        raise TokenizerFlagError("--merge-file", spec.merge_file,
+                                 f"unreadable ({err.strerror}); expected a GPT-2 merges.txt"
+                                 ) from None
+    if merges is None or any(len(m) != 2 for m in merges):
         raise TokenizerFlagError("--merge-file", spec.merge_file,
                                  "not a GPT-2 merges.txt (expected two symbols per line after "
                                  "a #version line)")

@@ -24,7 +24,7 @@ import csv
 import io
 import os
 
-from megatron.common.files import atomic_write
+from megatron.common.files import atomic_write, missing_file
 
 from .instructions import Instruction, Op, Schedule
 
@@ -136,7 +136,7 @@ def schedule_from_csv(text: str, source: str = "<schedule>") -> Schedule:
 
 def read_schedule(path: str) -> Schedule:
     if not os.path.isfile(path):
-        raise ValueError(f"schedule file {path!r} does not exist")
+        raise ValueError(f"schedule file {path!r}: {missing_file(path)}")
     try:
         with open(path, encoding="utf-8") as stream:
             text = stream.read()

@@ -16,6 +16,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
+from megatron.common.launcher_env import speaks_for_the_job
 from megatron.config.errors import ConfigError, flag_name
 from megatron.config.model import ARCHITECTURE_DEFAULTS, MODEL_FIELDS
 from megatron.config.placement import parse_gpu_stride
@@ -670,7 +671,7 @@ def _unknown_flags(parser: argparse.ArgumentParser, unknown: Sequence[str]
 
 def exit_bad_input(exc: Exception) -> None:
     """One line on stderr (from rank 0 only, when several processes run), exit status 2."""
-    if os.environ.get("RANK", "0") == "0":
+    if speaks_for_the_job():
         details = getattr(exc, "details", "")  # e.g. the programs around a schedule's fault
         if details:
             print(details, file=sys.stderr)

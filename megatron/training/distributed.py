@@ -34,6 +34,7 @@ from megatron.config.attention_kernel import cpu_layer_gpu
 from megatron.config.device_choice import DeviceChoice, choose_device, cpu_device_capacity
 from megatron.config.errors import ConfigError
 from megatron.models.cpu_adaptation import set_up_megatron_core
+from megatron.offload.host_pinning import memlock_limit
 from megatron.pipeline.data_parallel import ParallelLayout
 from megatron.pipeline.host_group import forget_host_group, set_group_timeout
 
@@ -118,6 +119,7 @@ def decide_device(share_gpu: bool = False) -> DeviceChoice:
     if choice.kind == "cpu":  # refused before any start: a bad
         cpu_device_capacity()  # MEGATRON_CPU_DEVICE_MEMORY
         cpu_layer_gpu()  # MEGATRON_CPU_DEVICE_GPU
+        memlock_limit(choice.kind)  # MEGATRON_CPU_DEVICE_MEMLOCK (read again by a pipeline)
     return choice
 
 
@@ -159,6 +161,11 @@ def initialize_distributed(timeout: CollectiveTimeout | None = None,
                                         timeout=timedelta(seconds=timeout.seconds),
                                         **process_group_options(choice))
             except (dist.DistStoreError, dist.DistNetworkError) as exc:
+                if "EADDRINUSE" in str(exc):  # rank 0 could not listen: bad input
+                    raise ConfigError("environment variable MASTER_PORT",
+                                      os.environ.get("MASTER_PORT"),
+                                      "in use by another process on this node; expected a "
+                                      "free port for rank 0's store") from None
                 raise rendezvous_failure(exc, timeout) from None
         else:
             dist.init_process_group(choice.backend, store=dist.HashStore(), rank=0,

@@ -17,6 +17,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
+from megatron.common.launcher_env import check_launcher_env
 from megatron.common.progress import progress_enabled
 from megatron.common.save_lock import SaveLock
 from megatron.config.checks import run_notices
@@ -493,6 +494,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(argv: Sequence[str] | None) -> int:
+    try:  # what every later step reads (the command line's defaults included)
+        check_launcher_env()
+    except ConfigError as exc:
+        exit_bad_input(exc)
     run = parse_args(argv)
     if run.planning.print_model_size:
         print(model_size(run))
