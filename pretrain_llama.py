@@ -31,8 +31,8 @@ except ImportError as error:
 if __name__ == "__main__":
     import os
 
-    from megatron.common.launcher_env import launcher_rank
     from megatron.common.launcher_watch import watch_launcher
+    from megatron.config.launcher_env import launcher_rank
 
     watch_launcher(rank=launcher_rank())  # a bad RANK is refused by main()
     sys.exit(main())

@@ -326,8 +326,7 @@ def test_the_cuda_tests_step_runs_the_modules_that_hold_cuda_tests():
 def test_megatron_core_baseline_trains_the_model_on_the_cpu(capsys):
     assert mcore_baseline.main([
         "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "160",
-        "--num-attention-heads", "4", "--group-query-attention",
-        "--num-query-groups", "2", "--seq-length", "32",
+        "--num-attention-heads", "4", "--num-query-groups", "2", "--seq-length", "32",
         "--micro-batch-size", "2", "--global-batch-size", "4", "--iters", "2",
         "--vocab-size", "512"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

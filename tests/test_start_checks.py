@@ -174,7 +174,7 @@ def test_a_launcher_variable_torchrun_would_never_set_is_one_line(change, line, 
 def test_a_rank_alone_without_a_world_is_refused():
     """RANK 3 with no WORLD_SIZE (a variable left over from another launch) used to train
     as rank 0 of 1, its RANK ignored; Megatron-LM fails on it (rank 3 of a world of 1)."""
-    from megatron.common.launcher_env import check_launcher_env, speaks_for_the_job
+    from megatron.config.launcher_env import check_launcher_env, speaks_for_the_job
     with pytest.raises(ConfigError, match=r"RANK 3: expected a rank below WORLD_SIZE"):
         check_launcher_env({"RANK": "3"})
     assert speaks_for_the_job({"RANK": "3"}) and not speaks_for_the_job(_LAUNCHED | {"RANK": "1"})

@@ -65,10 +65,10 @@ import torch.distributed as dist  # noqa: E402
 
 from bench.nvme_optimizer import filesystem_of  # noqa: E402
 from megatron.common.files import atomic_write  # noqa: E402
-from megatron.common.output_paths import check_writable_file  # noqa: E402
 from megatron.common.process_memory import memory_status  # noqa: E402
 from megatron.config.errors import ConfigError  # noqa: E402
 from megatron.config.model import MODEL_FIELDS, ModelConfig  # noqa: E402
+from megatron.config.output_paths import check_writable_file  # noqa: E402
 from megatron.config.run import RunConfig  # noqa: E402
 from megatron.models.llama import LlamaConfig, build_piece  # noqa: E402
 from megatron.offload.device import get_device  # noqa: E402

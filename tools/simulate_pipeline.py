@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron.common.output_paths import check_writable_file  # noqa: E402
+from megatron.config.output_paths import check_writable_file  # noqa: E402
 from megatron.schedules.cost_model import (  # noqa: E402
     derived_costs,
     model_partition,

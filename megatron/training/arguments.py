@@ -16,8 +16,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from megatron.common.launcher_env import speaks_for_the_job
 from megatron.config.errors import ConfigError, flag_name
+from megatron.config.launcher_env import speaks_for_the_job
 from megatron.config.model import ARCHITECTURE_DEFAULTS, MODEL_FIELDS
 from megatron.config.placement import parse_gpu_stride
 from megatron.config.presets import PRESETS, get_preset

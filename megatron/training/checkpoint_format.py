@@ -149,12 +149,12 @@ COMPUTED_ARCHITECTURE = ("swiglu", "normalization", "position_embedding_type",
                          "multi_latent_attention", "num_experts")
 
 
-def foreign_architecture(args: dict) -> str:
+def foreign_architecture(saved: dict) -> str:
     """'' when a checkpoint's args (saved_args) describe this design's layers, a flag it did
     not record counting as this design's (ours record none); else the first that does not,
     as "use_rope_scaling True (this model computes False)"."""
     for key in COMPUTED_ARCHITECTURE:
-        value, ours = args.get(key), MEGATRON_ARCHITECTURE[key]
+        value, ours = saved.get(key), MEGATRON_ARCHITECTURE[key]
         if value is not None and value != ours:
             return f"{key} {value!r} (this model computes {ours!r})"
     return ""

@@ -34,9 +34,9 @@ from megatron.config.attention_kernel import cpu_layer_gpu
 from megatron.config.device_choice import DeviceChoice, choose_device, cpu_device_capacity
 from megatron.config.errors import ConfigError
 from megatron.models.cpu_adaptation import set_up_megatron_core
-from megatron.offload.host_pinning import memlock_limit
 from megatron.pipeline.data_parallel import ParallelLayout
 from megatron.pipeline.host_group import forget_host_group, set_group_timeout
+from megatron.pipeline.node_memory import memlock_limit
 
 TEST_TIMEOUT_ENV = "MEGATRON_SYSX_TEST_TIMEOUT_S"
 

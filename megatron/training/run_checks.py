@@ -9,14 +9,14 @@ from __future__ import annotations
 import os
 import shutil
 
-from megatron.common.output_paths import (
+from megatron.common.units import format_bytes
+from megatron.config.errors import ConfigError, flag_name
+from megatron.config.model import MODEL_FIELDS
+from megatron.config.output_paths import (
     check_writable_dir,
     check_writable_file,
     nearest_existing,
 )
-from megatron.common.units import format_bytes
-from megatron.config.errors import ConfigError, flag_name
-from megatron.config.model import MODEL_FIELDS
 from megatron.config.run import ONE_PROCESS_SCHEDULE, RunConfig
 from megatron.optimizer.state_io import ALIGNMENT
 from megatron.planning.shape import Unbuildable, build_run_schedule

@@ -17,11 +17,11 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from megatron.common.launcher_env import check_launcher_env
 from megatron.common.progress import progress_enabled
 from megatron.common.save_lock import SaveLock
 from megatron.config.checks import run_notices
 from megatron.config.errors import ConfigError
+from megatron.config.launcher_env import check_launcher_env
 from megatron.config.run import RunConfig
 from megatron.data.run_data import RunData, prepare_data
 from megatron.data.sampling import training_micro_batches
