@@ -382,10 +382,10 @@ class RunConfig:
         return batch, warmup, decay, wsd
 
     @property
-    def weight_decay_incr_steps(self) -> int:
-        """The span of the weight decay increment in the scheduler's units, samples, as
-        Megatron-LM's get_optimizer_param_scheduler sets it: --train-samples, or
-        --train-iters times the global batch."""
+    def training_samples(self) -> int:
+        """The samples the training reads, as Megatron-LM counts them: --train-samples, or
+        --train-iters times the global batch. Its scheduler's weight-decay increment spans
+        them, and megatron-core's training sample order depends on them."""
         t = self.training
         if t.train_samples is not None:
             return t.train_samples
@@ -393,14 +393,11 @@ class RunConfig:
 
     @property
     def split_sizes(self) -> list[int]:
-        """Samples each data split must provide (Megatron's formula): --train-samples, or
-        train_iters x global batch, for training (megatron-core's sample order depends on
-        it), evaluations x eval_iters x global batch for validation (every evaluation
+        """Samples each data split must provide (Megatron's formula): training_samples for
+        training, evaluations x eval_iters x global batch for validation (every evaluation
         reads new batches), eval_iters x global batch for the test set."""
-        t, iters = self.training, self.eval_iters
-        batch = t.global_batch_size
-        train = t.train_samples if t.train_samples is not None else t.train_iters * batch
-        return [train, self.evaluations * iters * batch, iters * batch]
+        batch, iters = self.training.global_batch_size, self.eval_iters
+        return [self.training_samples, self.evaluations * iters * batch, iters * batch]
 
     # --- conversions -------------------------------------------------------------------
 

@@ -38,7 +38,7 @@ class LRSchedule:
             lr_decay_style=o.lr_decay_style,
             start_wd=o.weight_decay if o.start_weight_decay is None else o.start_weight_decay,
             end_wd=o.weight_decay if o.end_weight_decay is None else o.end_weight_decay,
-            wd_incr_steps=max(run.weight_decay_incr_steps, 1),
+            wd_incr_steps=max(run.training_samples, 1),
             wd_incr_style=o.weight_decay_incr_style,
             wsd_decay_steps=wsd,
             lr_wsd_decay_style=o.lr_wsd_decay_style,
