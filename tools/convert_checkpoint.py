@@ -29,7 +29,7 @@ import torch  # noqa: E402
 from safetensors import SafetensorError  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from megatron.common.files import staged_paths  # noqa: E402
+from megatron.common.files import missing_file, staged_paths  # noqa: E402
 from megatron.config.model import ARCHITECTURE_DEFAULTS  # noqa: E402
 from megatron.models.llama import LlamaConfig  # noqa: E402
 from megatron.training.checkpoint_format import (  # noqa: E402
@@ -196,7 +196,7 @@ def _read_tokenizer(path: str, vocab_rows: int) -> str:
     """--tokenizer's text once it is a tokenizer JSON this model can ship: a file copied
     unread would make an output directory that transformers cannot load."""
     if not os.path.isfile(path):
-        raise ConversionError(f"--tokenizer {path}: no such file")
+        raise ConversionError(f"--tokenizer {path}: {missing_file(path)}")
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
