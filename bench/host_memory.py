@@ -33,8 +33,9 @@ per process, so every process reads parts of other processes' files), and report
   memory included), so that no peak between two samples goes unseen.
 
 Default model: the 0.54B shape (LLaMA, 8 layers x 2048, SwiGLU 5504, 16 heads, vocabulary
-32000, bf16 with --optimizer-state-dtype bf16) with few tokens per iteration (the states'
-memory does not depend on them); flags after `--` replace any default of the same name.
+32000, bf16 with --optimizer-state-dtype bf16 and --grad-reduce-in-bf16: 12 bytes per
+parameter of host tier) with few tokens per iteration (the states' memory does not depend
+on them); flags after `--` replace any default of the same name.
 At the default shape, 2 processes hold about 10 GB and the checkpoint takes 4.3 GB of
 disk.
 """
@@ -62,6 +63,7 @@ SHAPE_054B = {"--num-layers": "8", "--hidden-size": "2048", "--ffn-hidden-size":
               "--num-attention-heads": "16", "--seq-length": "32", "--micro-batch-size": "1",
               "--global-batch-size": "4", "--mock-data": None, "--tokenizer-type": "NullTokenizer",
               "--vocab-size": "32000", "--bf16": None, "--optimizer-state-dtype": "bf16",
+              "--grad-reduce-in-bf16": None,
               "--pipeline-schedule": "decoupled", "--eval-iters": "0", "--log-interval": "1"}
 PHASES = ("start-up", "checkpoint load", "first iteration", "steady state", "checkpoint save",
           "end")

@@ -70,7 +70,7 @@ def test_megatrons_llama_launch_is_accepted_and_its_values_honoured():
     assert run.training.train_iters == 10  # 40 samples / global batch 4
     assert run.lr_schedule_steps == (4, 4, 36, None)  # Megatron's units: samples
     assert run.precision.bf16 and run.exit.exit_signal == "SIGUSR1"
-    assert run.precision.host_gradient_dtype(on_cuda=True) == "bf16"  # --grad-reduce-in-bf16
+    assert run.precision.host_gradient_dtype == "bf16"  # --grad-reduce-in-bf16
     assert run.parallel.distributed_timeout_minutes == 60
     assert run.logging.log_throughput and run.logging.log_timers_to_tensorboard
 

@@ -9,6 +9,7 @@ from torch import nn
 
 from megatron.offload import host_memory
 from megatron.offload.device import get_device
+from megatron.offload.grad_buffers import GradientBuffers
 from megatron.offload.grad_offload import GradientOffloader
 from megatron.offload.host_memory import HostBufferPool
 from megatron.offload.layout import FlatLayout, bind_gradients
@@ -40,6 +41,48 @@ def test_accumulated_stage_gradients_reach_the_host_for_the_optimizer_thread(hos
         assert torch.equal(seen["h"], expected.to(host_dtype))  # the upcast is exact
         ready.release()
         assert pool.in_use == 0
+
+
+@pytest.mark.parametrize("kind", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("main_dtype", [torch.float32, torch.bfloat16])
+def test_micro_batch_gradients_are_summed_in_the_main_gradients_dtype(kind, main_dtype):
+    """As Megatron-LM sums its main gradients: each micro-batch's bf16 gradients (autograd's,
+    per micro-batch) added into an fp32 sum; or, with bf16 main gradients, summed in bf16 in
+    place. Against torch's own gradients of each micro-batch, summed by hand in that dtype,
+    bit for bit; the fp32 sum is nearer the exact (float64) sum than the bf16 one."""
+    torch.manual_seed(0)
+    stage = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8)).bfloat16()
+    reference = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8)).bfloat16()
+    reference.load_state_dict(stage.state_dict())
+    layout = FlatLayout.from_module(stage)
+    inputs = [torch.randn(4, 32, dtype=torch.bfloat16) for _ in range(16)]
+    with get_device(kind) as dev:
+        stage.to(dev.torch_device)
+        buffers = GradientBuffers(dev, layout.numel, main_dtype, 1, working_dtype=torch.bfloat16)
+        assert buffers.nbytes == layout.numel * (main_dtype.itemsize + (
+            2 if main_dtype != torch.bfloat16 else 0))
+        total = buffers.acquire(layout.numel)
+        for x in inputs:
+            micro_batch = buffers.micro_batch_gradients(total)
+            assert (micro_batch is total) == (main_dtype == torch.bfloat16)
+            bind_gradients(stage, layout, micro_batch)
+            stage(x.to(dev.torch_device)).float().square().sum().backward()
+            buffers.accumulate(total, micro_batch)
+        summed = total.cpu()
+    by_hand = torch.zeros(layout.numel, dtype=main_dtype)
+    exact = torch.zeros(layout.numel, dtype=torch.float64)
+    for x in inputs:
+        reference.zero_grad(set_to_none=True)
+        reference(x).float().square().sum().backward()
+        grads = torch.cat([p.grad.reshape(-1) for p in reference.parameters()])
+        by_hand += grads.to(main_dtype)
+        exact += grads.double()
+    if kind == "cpu":  # the same kernels: the same bits
+        assert torch.equal(summed, by_hand)
+    error = (summed.double() - exact).norm() / exact.norm()
+    assert error < (1e-6 if main_dtype == torch.float32 else 1e-1), float(error)
+    if main_dtype == torch.bfloat16:  # 16 bf16 additions round: far from the fp32 sum
+        assert error > 1e-4, float(error)
 
 
 @pytest.mark.parametrize("kind", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])

@@ -28,21 +28,20 @@ from megatron.config.values import parse_split
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
-def host_gradient_dtype(working_dtype: str, on_cuda: bool, grad_reduce_in_bf16: bool = False,
+def host_gradient_dtype(working_dtype: str, grad_reduce_in_bf16: bool = False,
                         accumulate_allreduce_grads_in_fp32: bool = False) -> str:
-    """The dtype the gradients are offloaded to the host in, reduced across data-parallel
-    replicas in and read by the CPU optimizer in (Megatron's main gradients). Megatron-LM's
-    flags decide it as there: a bf16 run with --grad-reduce-in-bf16 keeps bf16 (it wins
-    over the other flag, as in Megatron-LM; with fp16 it has no effect, as there);
-    --accumulate-allreduce-grads-in-fp32 makes it fp32. Neither: fp32 on CUDA (Megatron's
-    bf16 default; upcast on the device, measured faster there), the working dtype on the
-    CPU device layer (measured faster there). The one rule the offload, the memory plans
-    and the fit check follow."""
-    if working_dtype == "bf16" and grad_reduce_in_bf16:
-        return "bf16"
-    if accumulate_allreduce_grads_in_fp32:
-        return "fp32"
-    return "fp32" if on_cuda else working_dtype
+    """The dtype of the main gradients: what the micro-batches' gradients are summed in on
+    the device, offloaded to the host in, reduced across data-parallel replicas in and read
+    by the CPU optimizer in. Megatron-LM 0.19's rule, on every device: a bf16 run sums in
+    fp32 unless --grad-reduce-in-bf16 (which wins over the other flag, as there); an fp16
+    run in fp16 unless --accumulate-allreduce-grads-in-fp32 (--grad-reduce-in-bf16 has no
+    effect on it, as there); an fp32 run in fp32. The one rule the device's sums, the
+    offload, the one-process reference, the memory plans and the fit check follow."""
+    if working_dtype == "bf16":
+        return "bf16" if grad_reduce_in_bf16 else "fp32"
+    if working_dtype == "fp16" and not accumulate_allreduce_grads_in_fp32:
+        return "fp16"
+    return "fp32"
 
 
 CUSTOM_MODEL = "custom"
@@ -111,7 +110,7 @@ class PrecisionConfig:
     optimizer_state_dtype: str  # Adam's m and v: fp32 or bf16
     master_dtype: str  # the master weights: fp32 or bf16
     master_rounding: str  # a bf16 master: stochastic or nearest
-    # the host gradients' dtype (host_gradient_dtype): Megatron-LM's two flags
+    # the main gradients' dtype (host_gradient_dtype): Megatron-LM's two flags
     grad_reduce_in_bf16: bool = False
     accumulate_allreduce_grads_in_fp32: bool = False
 
@@ -124,12 +123,15 @@ class PrecisionConfig:
     def working_bytes(self) -> int:
         return DTYPE_BYTES[self.dtype]
 
-    def host_gradient_dtype(self, on_cuda: bool) -> str:
-        return host_gradient_dtype(self.dtype, on_cuda, self.grad_reduce_in_bf16,
+    @property
+    def host_gradient_dtype(self) -> str:
+        """The main gradients' dtype (see host_gradient_dtype)."""
+        return host_gradient_dtype(self.dtype, self.grad_reduce_in_bf16,
                                    self.accumulate_allreduce_grads_in_fp32)
 
-    def host_gradient_bytes(self, on_cuda: bool) -> int:
-        return DTYPE_BYTES[self.host_gradient_dtype(on_cuda)]
+    @property
+    def host_gradient_bytes(self) -> int:
+        return DTYPE_BYTES[self.host_gradient_dtype]
 
     @property
     def optimizer_bytes_per_param(self) -> int:

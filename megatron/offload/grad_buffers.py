@@ -1,11 +1,19 @@
 """Device gradient buffers lent to backward stages only while their backward runs.
 
-A backward stage accumulates its parameter gradients over all micro-batches in one flat
-device buffer; after its last micro-batch the buffer is offloaded to host memory and goes
-back to the pool. The pool holds as many buffers as the schedule has backward stages in
-flight at once on this rank (the validator counts them), plus one so that the next stage
-can start while the previous one's D2H copy is still running: device memory for gradients
-does not grow with the number of backward stages a rank owns.
+A backward stage sums its parameter gradients over all micro-batches in one flat device
+buffer, in the dtype of the main gradients (megatron.config.run.host_gradient_dtype: what
+is offloaded, reduced and read by the optimizer); after its last micro-batch the buffer is
+offloaded to host memory and goes back to the pool. The pool holds as many buffers as the
+schedule has backward stages in flight at once on this rank (the validator counts them),
+plus one so that the next stage can start while the previous one's D2H copy is still
+running: device memory for gradients does not grow with the number of backward stages a
+rank owns.
+
+Main gradients wider than the working dtype (fp32 for a bf16 or fp16 run, Megatron-LM's
+default) are summed as Megatron-LM sums them: each micro-batch's backward writes its
+gradients in the working dtype (autograd's own dtype) into one more buffer, which is then
+added into the wide sum and cleared. Summed in bf16 instead, every addition would round to
+bf16's 8-bit significand and the sum would drift with the number of micro-batches.
 """
 
 from __future__ import annotations
@@ -18,7 +26,11 @@ from megatron.offload.device import DeviceLayer, Event
 
 
 class GradientBuffers:
-    def __init__(self, device: DeviceLayer, numel: int, dtype: torch.dtype, count: int) -> None:
+    def __init__(self, device: DeviceLayer, numel: int, dtype: torch.dtype, count: int,
+                 working_dtype: torch.dtype | None = None) -> None:
+        """`count` buffers of `numel` elements in `dtype` (the main gradients'); with a
+        `working_dtype` other than it, one more buffer in that dtype for a micro-batch's
+        gradients (`micro_batch_gradients`)."""
         if count < 1 or numel < 1:
             raise ValueError(f"{count} gradient buffers of {numel} elements: expected >= 1 each")
         self.device = device
@@ -26,7 +38,10 @@ class GradientBuffers:
         # (buffer, event after which it may be overwritten): the oldest release first.
         self._free: deque[tuple[torch.Tensor, Event | None]] = deque(
             (device.empty(numel, dtype, name=f"gradient buffer {i}"), None) for i in range(count))
-        self.nbytes = sum(buffer.nbytes for buffer, _ in self._free)
+        self._micro_batch = (None if working_dtype in (None, dtype) else
+                             device.empty(numel, working_dtype, name="micro-batch gradients"))
+        self.nbytes = sum(buffer.nbytes for buffer, _ in self._free) + (
+            0 if self._micro_batch is None else self._micro_batch.nbytes)
 
     def acquire(self, numel: int) -> torch.Tensor:
         """A zeroed flat buffer of `numel` elements on the device."""
@@ -39,11 +54,35 @@ class GradientBuffers:
         if freed is not None:  # stream-ordered reuse after the D2H copy out of it
             self.device.compute_stream.wait_event(freed)
         view = buffer[:numel]
+        self._zero(view, "zeroing a gradient buffer")
+        return view
+
+    def micro_batch_gradients(self, total: torch.Tensor) -> torch.Tensor:
+        """Where one micro-batch's backward writes the gradients summed into `total` (an
+        acquired buffer): `total` itself when it is in the working dtype, else the zeroed
+        working-dtype buffer that `accumulate` adds into it."""
+        if self._micro_batch is None:
+            return total
+        view = self._micro_batch[:total.numel()]
+        self._zero(view, "zeroing the micro-batch gradients")
+        return view
+
+    def accumulate(self, total: torch.Tensor, micro_batch: torch.Tensor) -> None:
+        """After the backward that wrote `micro_batch` (micro_batch_gradients(total)): add it
+        into `total`, widened to `total`'s dtype; nothing when the backward summed in place."""
+        if micro_batch is total:
+            return
         compute = self.device.compute_stream
-        self.device.checks.kernel(compute, writes=(view,), what="zeroing a gradient buffer")
+        self.device.checks.kernel(compute, reads=(micro_batch,), writes=(total,),
+                                  what="adding a micro-batch's gradients into their sum")
+        with self.device.on(compute):
+            total.add_(micro_batch)
+
+    def _zero(self, view: torch.Tensor, what: str) -> None:
+        compute = self.device.compute_stream
+        self.device.checks.kernel(compute, writes=(view,), what=what)
         with self.device.on(compute):
             view.zero_()
-        return view
 
     def release(self, view: torch.Tensor, after: Event) -> None:
         """`view` may be reused once `after` (its offload copy) has completed."""

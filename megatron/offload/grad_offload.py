@@ -1,16 +1,15 @@
-"""Gradient offload: accumulated device gradients of a backward stage -> a host buffer.
+"""Gradient offload: a backward stage's summed device gradients -> a host buffer.
 
-Gradients accumulate in a flat device buffer over all micro-batches of a backward stage
-(see layout.bind_gradients). `offload` then copies them on the D2H stream into a pooled
-host buffer and returns a `GradientsReady` whose `wait()` is all the CPU optimizer task
-needs to call before reading `host`.
+Gradients are summed in a flat device buffer over all micro-batches of a backward stage,
+in the main gradients' dtype (grad_buffers.py). `offload` then copies them on the D2H
+stream into a pooled host buffer and returns a `GradientsReady` whose `wait()` is all the
+CPU optimizer task needs to call before reading `host`.
 
-Host dtype: fp32 upcasts on the device first and moves 4 bytes per value; the training
-dtype moves 2 bytes and leaves the upcast to the CPU. The default is picked by
-measurement (`default_grad_host_dtype`): on CUDA fp32, as Deep Optimizer States
-(section 4.1) measured over PCIe; on the CPU device layer the training dtype, which
-bench/offload.py measured faster there (the "device" upcast is CPU work as well, so
-moving fewer bytes wins). See BENCHMARKS.md "Host memory tier".
+Host dtype: the main gradients' (megatron.config.run.host_gradient_dtype, Megatron-LM's
+rule: fp32 for a bf16 run unless --grad-reduce-in-bf16), the dtype they were summed in, so
+the copy moves them as they are. An offload into a wider host dtype than the gradients'
+(a caller's choice; the runtime never makes it) converts on the D2H stream, a chunk at a
+time.
 """
 
 from __future__ import annotations
@@ -23,7 +22,12 @@ from megatron.config.run import host_gradient_dtype
 from megatron.offload.device import DeviceLayer, Event
 from megatron.offload.host_memory import HostBufferPool
 from megatron.schedules.instructions import BackwardStage
-from megatron.schedules.memory_model import UPCAST_CHUNK
+
+# Elements an offload that widens the gradients converts at a time, through one device
+# scratch: 64 MiB of fp32, against 4 bytes per parameter of a whole stage. The runtime
+# offloads its gradients in the dtype they were summed in (megatron/offload/grad_buffers.py)
+# and never widens; a caller that offloads 16-bit gradients to fp32 does.
+UPCAST_CHUNK = 1 << 24
 
 
 @dataclass
@@ -63,17 +67,17 @@ class GradientsReady:
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def default_grad_host_dtype(device: DeviceLayer, training_dtype: torch.dtype) -> torch.dtype:
-    """The measured-faster host gradient dtype for this device (see the module docstring;
-    the rule is megatron.config.run.host_gradient_dtype's)."""
+def default_grad_host_dtype(training_dtype: torch.dtype) -> torch.dtype:
+    """The main gradients' dtype for `training_dtype` without Megatron-LM's flags (the rule
+    is megatron.config.run.host_gradient_dtype's)."""
     name = {dtype: n for n, dtype in _DTYPES.items()}[training_dtype]
-    return _DTYPES[host_gradient_dtype(name, device.kind == "cuda")]
+    return _DTYPES[host_gradient_dtype(name)]
 
 
 class GradientOffloader:
     """Copies flat device gradients to host buffers on the D2H stream.
 
-    `host_dtype=None` picks `default_grad_host_dtype(device, training_dtype)`. An upcast
+    `host_dtype=None` picks `default_grad_host_dtype(training_dtype)`. An upcast
     (16-bit gradients, fp32 host buffers) runs on the D2H stream too, `upcast_chunk`
     elements at a time through one device scratch of that size: each chunk is converted,
     then copied, and the stream's order frees the scratch for the next chunk, so the device
@@ -89,7 +93,7 @@ class GradientOffloader:
         upcast_chunk: int = UPCAST_CHUNK,
     ) -> None:
         if host_dtype is None:
-            host_dtype = default_grad_host_dtype(device, training_dtype)
+            host_dtype = default_grad_host_dtype(training_dtype)
         if host_dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError(f"host_dtype={host_dtype}: expected float32, float16 or bfloat16")
         self.device = device

@@ -34,17 +34,19 @@ def rank_buffers(device: DeviceLayer, dtype: torch.dtype, rank: int,
     """Parameter slots for the stages this rank's training and evaluation programs (of
     `schedules`) hold at once, each as large as the stages it takes (slot_plan.py; at
     least two: one computes while the next is prefetched); a pinned pool of one buffer per
-    owned stage in `host_gradient_dtype` (None: the device's default; a stage's buffer goes
+    owned stage in `host_gradient_dtype` (None: the working dtype's default; a stage's buffer goes
     back when its update is published, before its next offload); gradient buffers for the
     backward stages in flight at once, plus one so the next starts while the previous one's
-    offload runs."""
+    offload runs, in the host gradients' dtype (with a micro-batch's buffer in `dtype` when
+    that is narrower: see GradientBuffers)."""
     numels = slot_numels(schedules, rank, stage_numel)
     param_slots = ParamSlots.sized(device, list(numels), dtype)
-    offloader_dtype = host_gradient_dtype or default_grad_host_dtype(device, dtype)
+    offloader_dtype = host_gradient_dtype or default_grad_host_dtype(dtype)
     host_pool = HostBufferPool(
         device, sum(owner.numel for owner in owned.values()) * offloader_dtype.itemsize or 1)
     offloader = GradientOffloader(device, host_pool, offloader_dtype, training_dtype=dtype)
     in_flight = training.peak_gradients[rank]
-    grad_buffers = GradientBuffers(device, owned.largest, dtype,
-                                   min(in_flight + 1, max(1, len(owned))))
+    # summed in the main gradients' dtype, which the offload then copies as it is
+    grad_buffers = GradientBuffers(device, owned.largest, offloader_dtype,
+                                   min(in_flight + 1, max(1, len(owned))), working_dtype=dtype)
     return RankBuffers(param_slots, host_pool, offloader, grad_buffers)

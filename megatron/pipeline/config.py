@@ -90,8 +90,8 @@ class PipelineConfig:
     data_parallel_size: int = 1
     zero_stage: int = 0
     device: DeviceChoice | None = None  # the process's device decision; None: the machine's
-    # the host gradients' dtype (megatron.config.run.host_gradient_dtype); None: the
-    # device's default
+    # the main gradients' dtype (megatron.config.run.host_gradient_dtype); None: the
+    # working dtype's without Megatron-LM's flags
     host_gradient_dtype: torch.dtype | None = None
 
     @property
@@ -164,6 +164,6 @@ def pipeline_config(run: RunConfig, plan: RunPlan,
         data_parallel_size=run.data_parallel_size,
         zero_stage=run.parallel.zero_stage,
         device=device,
-        # the dtype the plan priced the host gradients in
-        host_gradient_dtype=TORCH_DTYPES[p.host_gradient_dtype(plan.where.on_cuda)],
+        # the dtype the plan priced the main gradients in
+        host_gradient_dtype=TORCH_DTYPES[p.host_gradient_dtype],
     )

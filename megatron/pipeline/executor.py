@@ -522,8 +522,9 @@ class PipelineExecutor:
         module = self._bind(b)
         owner = self.owned[b]
         grad = owner.gradient_buffer(self.grad_buffers)
-        bind_gradients(module.module, module.layout, grad)
-        self._kernel(f"the backward of {b}", b, grad)
+        micro_batch = self.grad_buffers.micro_batch_gradients(grad)
+        bind_gradients(module.module, module.layout, micro_batch)
+        self._kernel(f"the backward of {b}", b, micro_batch)
         if b == (0, 0):
             hidden_in = None
         else:
@@ -538,6 +539,7 @@ class PipelineExecutor:
             else:
                 nxt = self.schedule.next_backward_stage(b)
                 out.backward(self._grads.pop((nxt, mb)))
+        self.grad_buffers.accumulate(grad, micro_batch)
         if hidden_in is not None:
             self._grads[(b, mb)] = hidden_in.grad
         if self.inject_overflow == (self._iteration, b):

@@ -28,7 +28,7 @@ from megatron.schedules.cost_model import (
 )
 from megatron.schedules.hardware import HardwareProfile, get_hardware, update_rates
 from megatron.schedules.instructions import BackwardStage, Op, Schedule
-from megatron.schedules.memory_model import UPCAST_CHUNK, MemoryPlan, Shortfall, shortfalls
+from megatron.schedules.memory_model import MemoryPlan, Shortfall, shortfalls
 from megatron.schedules.optimizer_placement import place_device_subgroups
 from megatron.schedules.optimizer_stride import SplitChoice, UpdateRates, auto_split
 from megatron.schedules.placement_cost import device_update_costs
@@ -336,7 +336,7 @@ def resolved_split(run: RunConfig, plain: Evaluation, headroom: dict[int, int | 
     requested = run.cpu_optimizer.optimizer_subgroup_size
     sizes = []
     for rank, numel in largest.items():
-        budget = gradient_buffer_bytes(run, plain, rank)
+        budget = gradient_buffer_bytes(plain, rank)
         if headroom[rank] is not None:
             budget = min(budget, max(0, headroom[rank]))
         size = planned_subgroup_size(requested, numel, budget)
@@ -363,13 +363,9 @@ def resolved_split(run: RunConfig, plain: Evaluation, headroom: dict[int, int | 
     return resolved
 
 
-def gradient_buffer_bytes(run: RunConfig, plan: Evaluation, rank: int) -> int:
-    """What `rank`'s gradient buffers hold (the budget the runtime gives its subgroups):
-    the memory plan's term without the gradient offload's fp32 upcast chunk (on CUDA)."""
-    p = run.precision
-    upcast = (UPCAST_CHUNK * p.host_gradient_bytes(plan.where.on_cuda)
-              if p.host_gradient_bytes(plan.where.on_cuda) != p.working_bytes else 0)
-    return plan.memory.per_gpu[rank]["gradient_buffers"] - upcast
+def gradient_buffer_bytes(plan: Evaluation, rank: int) -> int:
+    """What `rank`'s gradient buffers hold (the budget the runtime gives its subgroups)."""
+    return plan.memory.per_gpu[rank]["gradient_buffers"]
 
 
 def subgroup_stages(schedule: Schedule, rank: int) -> list[BackwardStage]:

@@ -76,7 +76,7 @@ def memory_plan(run: RunConfig, schedule: Schedule, shape: PlannedShape,
     p = run.precision
     return plan_memory(schedule, MemoryShape(
         shape.model, shape.micro_batch_size, run.model.seq_length, p.working_bytes,
-        p.host_gradient_bytes(shape.on_cuda), shape.optimizer_bytes, shape.procs_per_node,
+        p.host_gradient_bytes, shape.optimizer_bytes, shape.procs_per_node,
         state_snapshots(run, shape.placement), sends_complete=shape.on_cuda),
         shape.placement, shape.hardware, report)
 

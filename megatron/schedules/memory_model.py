@@ -9,8 +9,10 @@ Per GPU (the device layer's categories, `MEMORY_CATEGORIES`):
   free slot of lowest index), each as large as the largest backward stage it takes, at
   least two, in the working dtype;
 - gradient_buffers: one buffer per backward stage whose gradients are in flight at once
-  (the validator's peak) plus one, as large as the largest owned stage; on a GPU also the
-  fp32 upcast scratch of the gradient offload (one chunk of UPCAST_CHUNK elements);
+  (the validator's peak) plus one, as large as the largest owned stage, in the main
+  gradients' dtype (grad_host_bytes: what the offload copies as it is); when that is wider
+  than the working dtype, also one micro-batch's gradients in the working dtype, which are
+  added into the wide sum (megatron/offload/grad_buffers.py);
 - activation_checkpoints: checkpoints held at once (AFAB keeps every micro-batch's until
   its backward): the validator's residency bound plus the sent ones still in flight
   (`checkpoints_held`), each micro-batch x sequence x hidden;
@@ -79,9 +81,6 @@ from .placement_cost import RankOptimizer, device_optimizer_bytes
 from .slot_plan import slot_elements_held, slot_numels
 from .validator import ValidationReport, validate
 
-# Elements the gradient offload upcasts to fp32 at a time, through one device scratch
-# (megatron/offload/grad_offload.py): 64 MiB, against 4 bytes per parameter of a whole stage.
-UPCAST_CHUNK = 1 << 24
 # Elements of a group that the NVMe tier's rollbacks, corrections and loads hold in host
 # memory at a time (megatron/optimizer/disk_states.py's scratch buffer): 192 MiB of fp32
 # p, m and v, against 12 bytes per parameter of a whole stage. A multiple of 4096 (O_DIRECT
@@ -477,7 +476,8 @@ class MemoryShape:
     micro_batch_size: int
     seq_length: int | None = None  # None: the model's
     param_bytes: int = 2  # the working dtype's size (2 for bf16/fp16, 4 for fp32)
-    # the offloaded gradients' (4 on CUDA, the working dtype's on the CPU device layer)
+    # the main gradients' (megatron.config.run.host_gradient_dtype): summed over the
+    # micro-batches on the device and offloaded in it (4 unless Megatron-LM's flags say 2)
     grad_host_bytes: int = 4
     # host bytes per parameter of the master and Adam's moments (12 in fp32, 8 with bf16
     # m and v, 6 all in bf16)
@@ -546,15 +546,15 @@ def _gpu_terms(schedule: Schedule, rank: int, shape: MemoryShape, sizes: _Sizes,
     owned = schedule.owned_by(rank)
     largest_owned = max((params[b] for b in owned), default=0)
     buffers = min(report.peak_gradients[rank] + 1, max(1, len(owned))) if owned else 0
-    upcast = UPCAST_CHUNK * shape.grad_host_bytes if shape.grad_host_bytes != param_bytes else 0
-    gradient_buffers = buffers * largest_owned * param_bytes
+    micro_batch = largest_owned * param_bytes if shape.grad_host_bytes != param_bytes else 0
+    gradient_buffers = buffers * largest_owned * shape.grad_host_bytes + micro_batch
     optimizer = RankOptimizer(
         sum(params[b] for b in owned),
         tuple(params[b] for b in _stages_updating_subgroups(schedule, rank)),
         gradient_buffers, param_bytes, placement.subgroup_size)
     used = {b: params[b] for b in _stages_used(schedule, rank)}
     return {
-        "gradient_buffers": gradient_buffers + upcast,
+        "gradient_buffers": gradient_buffers,
         "optimizer_subgroups": device_optimizer_bytes(placement.updates, optimizer),
         **dict(zip(("parameter_slots", "activation_checkpoints", "activations",
                     "operator_working"),

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from megatron.config.run import RunConfig
 from megatron.models.llama import Batch, LlamaConfig, LlamaModel, uses_weight_decay
 from megatron.optimizer.iteration_verdict import clip_factor
-from megatron.pipeline.config import LossScaling, working_dtype
+from megatron.pipeline.config import TORCH_DTYPES, LossScaling, working_dtype
 from megatron.training.checkpoint_state import OwnedState, named_tensors
 from megatron.training.train_step import StepResult
 
@@ -31,6 +31,8 @@ class LocalTrainStep:
     def __init__(self, model_cfg: LlamaConfig, run: RunConfig,
                  device: torch.device) -> None:
         self.dtype = working_dtype(run.precision)
+        # what the micro-batches' gradients are summed in: the pipeline's main gradients
+        self.main_grad_dtype = TORCH_DTYPES[run.precision.host_gradient_dtype]
         self.model_cfg = model_cfg
         self.device = device
         self._host_states: dict[str, tuple[torch.Tensor, ...]] | None = None  # see owned_state
@@ -79,13 +81,22 @@ class LocalTrainStep:
             p.grad = None
         scale = self.scaler.scale if self.scaler else 1.0
         total = torch.zeros(1, dtype=torch.float32, device=self.device)
+        sums = None  # the main gradients, when wider than the working dtype
         for batch in micro_batches:
             loss = self.model(batch) / len(micro_batches)
             (loss * scale).backward()
             total += loss.detach().float()
+            if self.main_grad_dtype != self.dtype:  # each micro-batch's added, as the pipeline
+                if sums is None:
+                    sums = [torch.zeros_like(p, dtype=self.main_grad_dtype) for p in self.params]
+                for main, p in zip(sums, self.params):
+                    main.add_(p.grad)
+                    p.grad = None
+        if sums is None:
+            sums = [p.grad.detach() for p in self.params]
         if self.inject_overflow_at == iteration:
-            self.params[0].grad.view(-1)[0] = float("inf")
-        grads_fp32 = [p.grad.detach().float() for p in self.params]
+            sums[0].view(-1)[0] = float("inf")
+        grads_fp32 = [g.float() for g in sums]
         if self.replicas is not None:  # reduced in fp32, whatever the working dtype
             flat = self._mean_over_replicas(torch.cat(
                 [g.reshape(-1) for g in grads_fp32] + [total]))
