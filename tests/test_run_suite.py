@@ -112,8 +112,10 @@ def test_the_sessions_end_when_the_runner_is_terminated_or_killed(tmp_path, how)
     pids = tmp_path / "pids"
     pids.mkdir()
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # its temporary directory in the test's: a runner killed outright cannot remove it
     runner = subprocess.Popen([sys.executable, "-c", DRIVER.format(
-        root=root, sleeper=SLEEPER.format(pids=str(pids)))])
+        root=root, sleeper=SLEEPER.format(pids=str(pids)))],
+        env={**os.environ, "TMPDIR": str(tmp_path)})
     deadline = time.monotonic() + 30
     while len(os.listdir(pids)) < 4:
         assert time.monotonic() < deadline and runner.poll() is None
