@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import sys
 import traceback
 from collections.abc import Callable
 
@@ -20,12 +21,24 @@ def as_nobody() -> None:
     os.setuid(NOBODY)
 
 
+def _fork() -> int:
+    """os.fork(), refused while this process has a process group: the child inherits the
+    group without the gloo threads behind it, and a group it makes or frees then waits on
+    them for ever (the suite saw a child hang in ProcessGroupGloo's destructor). A child
+    works without a group."""
+    distributed = sys.modules.get("torch.distributed")
+    if distributed is not None and distributed.is_available() and distributed.is_initialized():
+        raise RuntimeError("a child forked with a process group: shut it down first "
+                           "(the child may start its own)")
+    return os.fork()
+
+
 def error_line_in_child(check: Callable[[], object],
                         errors: tuple[type[BaseException], ...]) -> str:
     """`check()` in a forked child: the line of the error of `errors` it raised, or ''
     when it raised none. Any other exception fails the test (the child exits 3)."""
     read, write = os.pipe()
-    child = os.fork()
+    child = _fork()
     if child == 0:
         code = 3
         try:
@@ -50,7 +63,7 @@ def outcome_in_child(check: Callable[[], str]) -> str:
     """`check()` in a forked child: the string it returns. An exception in the child fails
     the test with the child's traceback; `SkipInChild(reason)` skips it."""
     read, write = os.pipe()
-    child = os.fork()
+    child = _fork()
     if child == 0:
         try:
             os.close(read)
