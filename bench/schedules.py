@@ -279,7 +279,8 @@ def plan_costs(step: PipelineTrainStep, hardware: HardwareProfile) -> CostModel:
     plan, run = step.plan, step.run
     model = replace(run.model, vocab_size=step.model_cfg.vocab_size)
     return derived_costs(plan.schedule, model, hardware, run.training.micro_batch_size,
-                         model.seq_length, plan.optimizer_bytes_per_param)
+                         model.seq_length, plan.optimizer_bytes_per_param,
+                         run.precision.host_gradient_bytes)
 
 
 def plan_priced(step: PipelineTrainStep, hardware: HardwareProfile,

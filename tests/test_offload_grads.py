@@ -49,7 +49,9 @@ def test_micro_batch_gradients_are_summed_in_the_main_gradients_dtype(kind, main
     """As Megatron-LM sums its main gradients: each micro-batch's bf16 gradients (autograd's,
     per micro-batch) added into an fp32 sum; or, with bf16 main gradients, summed in bf16 in
     place. Against torch's own gradients of each micro-batch, summed by hand in that dtype,
-    bit for bit; the fp32 sum is nearer the exact (float64) sum than the bf16 one."""
+    bit for bit; the fp32 sum is nearer the exact (float64) sum than the bf16 one. The
+    device layer holds what it books: the sums, the micro-batch's buffer and the scratch
+    the addition widens through."""
     torch.manual_seed(0)
     stage = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8)).bfloat16()
     reference = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8)).bfloat16()
@@ -58,9 +60,13 @@ def test_micro_batch_gradients_are_summed_in_the_main_gradients_dtype(kind, main
     inputs = [torch.randn(4, 32, dtype=torch.bfloat16) for _ in range(16)]
     with get_device(kind) as dev:
         stage.to(dev.torch_device)
-        buffers = GradientBuffers(dev, layout.numel, main_dtype, 1, working_dtype=torch.bfloat16)
-        assert buffers.nbytes == layout.numel * (main_dtype.itemsize + (
-            2 if main_dtype != torch.bfloat16 else 0))
+        # widened through a scratch of 1000 elements: the stage's 2632 in 3 chunks, the
+        # last one short
+        buffers = GradientBuffers(dev, layout.numel, main_dtype, 1,
+                                  working_dtype=torch.bfloat16, widen_chunk=1000)
+        assert layout.numel % 1000 and layout.numel > 2000
+        assert buffers.nbytes == layout.numel * main_dtype.itemsize + (
+            layout.numel * 2 + 1000 * 4 if main_dtype != torch.bfloat16 else 0)
         total = buffers.acquire(layout.numel)
         for x in inputs:
             micro_batch = buffers.micro_batch_gradients(total)
@@ -69,6 +75,7 @@ def test_micro_batch_gradients_are_summed_in_the_main_gradients_dtype(kind, main
             stage(x.to(dev.torch_device)).float().square().sum().backward()
             buffers.accumulate(total, micro_batch)
         summed = total.cpu()
+        assert dev.device_bytes == buffers.nbytes
     by_hand = torch.zeros(layout.numel, dtype=main_dtype)
     exact = torch.zeros(layout.numel, dtype=torch.float64)
     for x in inputs:

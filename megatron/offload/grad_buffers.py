@@ -13,7 +13,10 @@ Main gradients wider than the working dtype (fp32 for a bf16 or fp16 run, Megatr
 default) are summed as Megatron-LM sums them: each micro-batch's backward writes its
 gradients in the working dtype (autograd's own dtype) into one more buffer, which is then
 added into the wide sum and cleared. Summed in bf16 instead, every addition would round to
-bf16's 8-bit significand and the sum would drift with the number of micro-batches.
+bf16's 8-bit significand and the sum would drift with the number of micro-batches. The
+addition widens a chunk at a time into a scratch of the layer's (UPCAST_CHUNK elements at
+most) and adds from there: a mixed-dtype add on the CPU would first copy the whole stage to
+fp32 where no book sees it; on CUDA it is a copy kernel more per chunk.
 """
 
 from __future__ import annotations
@@ -23,14 +26,17 @@ from collections import deque
 import torch
 
 from megatron.offload.device import DeviceLayer, Event
+from megatron.schedules.memory_model import UPCAST_CHUNK
 
 
 class GradientBuffers:
     def __init__(self, device: DeviceLayer, numel: int, dtype: torch.dtype, count: int,
-                 working_dtype: torch.dtype | None = None) -> None:
+                 working_dtype: torch.dtype | None = None,
+                 widen_chunk: int = UPCAST_CHUNK) -> None:
         """`count` buffers of `numel` elements in `dtype` (the main gradients'); with a
         `working_dtype` other than it, one more buffer in that dtype for a micro-batch's
-        gradients (`micro_batch_gradients`)."""
+        gradients (`micro_batch_gradients`) and a scratch of `widen_chunk` elements (at
+        most `numel`) in `dtype` that `accumulate` widens them through."""
         if count < 1 or numel < 1:
             raise ValueError(f"{count} gradient buffers of {numel} elements: expected >= 1 each")
         self.device = device
@@ -38,10 +44,15 @@ class GradientBuffers:
         # (buffer, event after which it may be overwritten): the oldest release first.
         self._free: deque[tuple[torch.Tensor, Event | None]] = deque(
             (device.empty(numel, dtype, name=f"gradient buffer {i}"), None) for i in range(count))
-        self._micro_batch = (None if working_dtype in (None, dtype) else
-                             device.empty(numel, working_dtype, name="micro-batch gradients"))
-        self.nbytes = sum(buffer.nbytes for buffer, _ in self._free) + (
-            0 if self._micro_batch is None else self._micro_batch.nbytes)
+        self._micro_batch = self._widened = None
+        if working_dtype not in (None, dtype):
+            if widen_chunk < 1:
+                raise ValueError(f"widen_chunk={widen_chunk}: expected >= 1")
+            self._micro_batch = device.empty(numel, working_dtype, name="micro-batch gradients")
+            self._widened = device.empty(min(numel, widen_chunk), dtype,
+                                         name="micro-batch gradients widened")
+        self.nbytes = sum(buffer.nbytes for buffer, _ in self._free) + sum(
+            t.nbytes for t in (self._micro_batch, self._widened) if t is not None)
 
     def acquire(self, numel: int) -> torch.Tensor:
         """A zeroed flat buffer of `numel` elements on the device."""
@@ -72,11 +83,15 @@ class GradientBuffers:
         into `total`, widened to `total`'s dtype; nothing when the backward summed in place."""
         if micro_batch is total:
             return
-        compute = self.device.compute_stream
-        self.device.checks.kernel(compute, reads=(micro_batch,), writes=(total,),
+        compute, chunk = self.device.compute_stream, self._widened.numel()
+        self.device.checks.kernel(compute, reads=(micro_batch,), writes=(total, self._widened),
                                   what="adding a micro-batch's gradients into their sum")
         with self.device.on(compute):
-            total.add_(micro_batch)
+            for lo in range(0, total.numel(), chunk):
+                hi = min(lo + chunk, total.numel())
+                widened = self._widened[:hi - lo]
+                widened.copy_(micro_batch[lo:hi])
+                total[lo:hi].add_(widened)
 
     def _zero(self, view: torch.Tensor, what: str) -> None:
         compute = self.device.compute_stream

@@ -22,12 +22,7 @@ from megatron.config.run import host_gradient_dtype
 from megatron.offload.device import DeviceLayer, Event
 from megatron.offload.host_memory import HostBufferPool
 from megatron.schedules.instructions import BackwardStage
-
-# Elements an offload that widens the gradients converts at a time, through one device
-# scratch: 64 MiB of fp32, against 4 bytes per parameter of a whole stage. The runtime
-# offloads its gradients in the dtype they were summed in (megatron/offload/grad_buffers.py)
-# and never widens; a caller that offloads 16-bit gradients to fp32 does.
-UPCAST_CHUNK = 1 << 24
+from megatron.schedules.memory_model import UPCAST_CHUNK
 
 
 @dataclass

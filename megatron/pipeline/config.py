@@ -72,7 +72,7 @@ class LossScaling:
 class PipelineConfig:
     schedule: Schedule
     report: ValidationReport  # the schedule's validation (residency bounds size the buffers)
-    dtype: torch.dtype  # working parameters, gradients and messages
+    dtype: torch.dtype  # working parameters, each micro-batch's gradients and messages
     micro_batch_size: int
     optimizer: OptimizerSettings
     loss_scaling: LossScaling | None = None  # fp16: dynamic; otherwise a constant 1
@@ -116,7 +116,7 @@ class PipelineConfig:
 
 
 def working_dtype(precision: PrecisionConfig) -> torch.dtype:
-    """Parameters, gradients and messages: fp32, bf16 or fp16."""
+    """Parameters, each micro-batch's gradients and messages: fp32, bf16 or fp16."""
     return TORCH_DTYPES[precision.dtype]
 
 

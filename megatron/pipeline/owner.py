@@ -36,8 +36,8 @@ class BackwardStageOwner:
     groups: tuple[int, int]  # CPU AdamW group of the decayed / the non-decayed elements
     split: int  # elements [0, split) are in the first group, the rest in the second
     segment: SharedSegment
-    # Flat, on the device, in the training dtype: lent by the pool from the stage's first
-    # backward of the iteration until its offload.
+    # Flat, on the device, in the main gradients' dtype: lent by the pool from the stage's
+    # first backward of the iteration until its offload.
     grad: torch.Tensor | None = None
     offloaded: GradientsReady | None = None
     submitted: bool = False

@@ -291,7 +291,8 @@ def simulated(run: RunConfig, evaluation: Evaluation, hardware: HardwareProfile
             return resolved_split(run, plain, profile_headroom(plain, hardware),
                                   lambda _: update_rates(hardware), hardware)
         costs = derived_costs(schedule, run.model, hardware, config.micro_batch_size,
-                              run.model.seq_length, optimizer_bytes(run, config))
+                              run.model.seq_length, optimizer_bytes(run, config),
+                              run.precision.host_gradient_bytes)
         rates = update_rates(hardware)
         if config.updates.uses_device and rates is not None:
             params = backward_stage_params(run.model, schedule.partition,

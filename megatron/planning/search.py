@@ -66,7 +66,7 @@ def lower_bound(run: RunConfig, config: Configuration, hardware: HardwareProfile
                shape_report(shape), hardware).missing:
         return None
     costs = derived_costs(shape, run.model, hardware, config.micro_batch_size,
-                          run.model.seq_length)
+                          run.model.seq_length, grad_bytes=run.precision.host_gradient_bytes)
     # the bound holds for every split searched: the largest device share
     share = max(device_share(updates.split) for updates in searched_updates(run, hardware))
     return iteration_lower_bound(

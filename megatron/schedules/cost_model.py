@@ -176,6 +176,7 @@ def derived_costs(
     micro_batch_size: int,
     seq_length: int | None = None,
     optimizer_bytes: int = 12,
+    grad_bytes: int = 2,
 ) -> CostModel:
     """Costs of `model` on `hardware` for the schedule's partition (layers per stage).
 
@@ -184,8 +185,9 @@ def derived_costs(
     backward is the profile's `backward_over_forward` times the forward (2 unless
     measured; the head's `head_backward_over_forward` where measured), recompute equals
     the forward, every pass scaled by `executor_compute_over_pass` (the executor's
-    instructions against the passes alone); parameters and gradients
-    move in 16-bit; the CPU optimizer throughput of a node is shared by its GPUs; every
+    instructions against the passes alone); parameters move in 16-bit, gradients in
+    `grad_bytes` per parameter (a run's main gradients: 4 for --bf16 by Megatron-LM's rule,
+    2 with --grad-reduce-in-bf16 and in the papers' designs, this default); the CPU optimizer throughput of a node is shared by its GPUs; every
     forward and backward pass adds the profile's `pass_overhead_s`, every transfer between
     ranks (activation, gradient, checkpoint) its `p2p_latency_s`, every instruction (those
     included) its `instruction_overhead_s`; one update alone reaches the profile's
@@ -247,7 +249,8 @@ def derived_costs(
         recompute=dict(forward_piece),
         optimizer={piece: n / optimizer_rate for piece, n in params.items()},
         param_transfer={piece: 2.0 * n / hardware.pcie_bytes_per_s for piece, n in params.items()},
-        grad_transfer={piece: 2.0 * n / hardware.pcie_bytes_per_s for piece, n in params.items()},
+        grad_transfer={piece: grad_bytes * n / hardware.pcie_bytes_per_s
+                       for piece, n in params.items()},
         p2p_activation=p2p,
         p2p_checkpoint=p2p,
         instruction=hardware.instruction_overhead_s,

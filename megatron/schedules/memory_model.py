@@ -12,7 +12,8 @@ Per GPU (the device layer's categories, `MEMORY_CATEGORIES`):
   (the validator's peak) plus one, as large as the largest owned stage, in the main
   gradients' dtype (grad_host_bytes: what the offload copies as it is); when that is wider
   than the working dtype, also one micro-batch's gradients in the working dtype, which are
-  added into the wide sum (megatron/offload/grad_buffers.py);
+  added into the wide sum through a scratch of UPCAST_CHUNK elements at most
+  (megatron/offload/grad_buffers.py);
 - activation_checkpoints: checkpoints held at once (AFAB keeps every micro-batch's until
   its backward): the validator's residency bound plus the sent ones still in flight
   (`checkpoints_held`), each micro-batch x sequence x hidden;
@@ -81,6 +82,11 @@ from .placement_cost import RankOptimizer, device_optimizer_bytes
 from .slot_plan import slot_elements_held, slot_numels
 from .validator import ValidationReport, validate
 
+# Elements widened to fp32 at a time, through one device scratch of that many: a
+# micro-batch's 16-bit gradients added into their fp32 sum (megatron/offload/grad_buffers.py:
+# converted into the scratch, then added, so that no operator makes a hidden fp32 copy of a
+# whole stage), and an offload into a wider host dtype (grad_offload.py). 64 MiB of fp32.
+UPCAST_CHUNK = 1 << 24
 # Elements of a group that the NVMe tier's rollbacks, corrections and loads hold in host
 # memory at a time (megatron/optimizer/disk_states.py's scratch buffer): 192 MiB of fp32
 # p, m and v, against 12 bytes per parameter of a whole stage. A multiple of 4096 (O_DIRECT
@@ -546,7 +552,9 @@ def _gpu_terms(schedule: Schedule, rank: int, shape: MemoryShape, sizes: _Sizes,
     owned = schedule.owned_by(rank)
     largest_owned = max((params[b] for b in owned), default=0)
     buffers = min(report.peak_gradients[rank] + 1, max(1, len(owned))) if owned else 0
-    micro_batch = largest_owned * param_bytes if shape.grad_host_bytes != param_bytes else 0
+    micro_batch = (largest_owned * param_bytes
+                   + min(largest_owned, UPCAST_CHUNK) * shape.grad_host_bytes
+                   if shape.grad_host_bytes != param_bytes and largest_owned else 0)
     gradient_buffers = buffers * largest_owned * shape.grad_host_bytes + micro_batch
     optimizer = RankOptimizer(
         sum(params[b] for b in owned),

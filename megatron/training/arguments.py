@@ -374,13 +374,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the master weights in host memory (bf16: rounded stochastically "
                         "with bits keyed by --seed, parameter, element and step)")
     g.add_argument("--grad-reduce-in-bf16", action="store_true",
-                   help="bf16 runs: the gradients reach host memory, are reduced across "
-                        "data-parallel replicas and read by the CPU optimizer in bf16, 2 "
-                        "bytes per parameter (Megatron-LM's: main gradients in bf16; "
-                        "default: fp32 on CUDA, bf16 on the CPU device layer)")
+                   help="bf16 runs: the micro-batches' gradients are summed on the device, "
+                        "reach host memory, are reduced across data-parallel replicas and "
+                        "read by the CPU optimizer in bf16, 2 bytes per parameter "
+                        "(Megatron-LM's: main gradients in bf16; default: fp32)")
     g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
-                   help="the gradients in host memory in fp32 on every device (Megatron-LM's "
-                        "flag; --grad-reduce-in-bf16 wins, as there)")
+                   help="fp16 runs: the main gradients (summed on the device, in host "
+                        "memory) in fp32 instead of fp16 (Megatron-LM's flag; bf16 runs' "
+                        "are fp32 already; --grad-reduce-in-bf16 wins, as there)")
     g.add_argument("--master-rounding", default="stochastic", choices=["stochastic", "nearest"],
                    help="how a bf16 master rounds (nearest: for comparison; small updates "
                         "are lost)")

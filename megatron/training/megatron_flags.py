@@ -97,7 +97,8 @@ DESIGN_SWITCHES = {
     "--no-bias-swiglu-fusion": "kernel choice; no effect on the numbers",
     "--no-bias-dropout-fusion": "kernel choice; no effect on the numbers",
     "--no-rope-fusion": "kernel choice; no effect on the numbers",
-    "--no-gradient-accumulation-fusion": "kernel choice; no effect on the numbers",
+    "--no-gradient-accumulation-fusion": "the unfused sum, which is this runtime's: each "
+    "micro-batch's 16-bit weight gradient added into the fp32 main gradients",
     "--use-flash-attn": "kernel choice; no effect on the numbers",
     "--manual-gc": "accepted; Python's collector runs as usual",
     "--no-create-attention-mask-in-dataloader": "the causal mask is built by the model (always)",
