@@ -187,7 +187,8 @@ def derived_costs(
     the forward, every pass scaled by `executor_compute_over_pass` (the executor's
     instructions against the passes alone); parameters move in 16-bit, gradients in
     `grad_bytes` per parameter (a run's main gradients: 4 for --bf16 by Megatron-LM's rule,
-    2 with --grad-reduce-in-bf16 and in the papers' designs, this default); the CPU optimizer throughput of a node is shared by its GPUs; every
+    2 with --grad-reduce-in-bf16 and in the papers' designs, this default); the CPU
+    optimizer throughput of a node is shared by its GPUs; every
     forward and backward pass adds the profile's `pass_overhead_s`, every transfer between
     ranks (activation, gradient, checkpoint) its `p2p_latency_s`, every instruction (those
     included) its `instruction_overhead_s`; one update alone reaches the profile's
