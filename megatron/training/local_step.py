@@ -5,8 +5,10 @@ device (the GPU on CUDA: what a user whose model fits would run); the same loss 
 clipping and no-decay rule as the pipeline's CPU optimizer. With
 --pipeline-model-parallel-size 1 on several processes (Megatron's data parallelism), each
 process is one replica: gradients and losses are averaged over the replicas, as device
-tensors on megatron-core's data-parallel group. The host reads two scalars an iteration
-(the loss and the gradient norm, after every micro-batch), none per micro-batch.
+tensors on megatron-core's data-parallel group (the gradients summed in the main gradients'
+dtype, as the pipeline's replicas sum theirs: bf16 with --grad-reduce-in-bf16, as
+Megatron-LM). The host reads two scalars an iteration (the loss and the gradient norm,
+after every micro-batch), none per micro-batch.
 """
 
 from __future__ import annotations
@@ -96,12 +98,13 @@ class LocalTrainStep:
             sums = [p.grad.detach() for p in self.params]
         if self.inject_overflow_at == iteration:
             sums[0].view(-1)[0] = float("inf")
+        if self.replicas is not None:  # summed in the main gradients' dtype, as the pipeline's
+            flat = torch.cat([g.reshape(-1) for g in sums])  # replicas sum them, then averaged
+            dist.all_reduce(flat, group=self.replicas)
+            flat = flat.float().div_(dist.get_world_size(self.replicas))
+            sums = list(torch.split(flat, [g.numel() for g in sums]))
+            total = self._mean_over_replicas(total)
         grads_fp32 = [g.float() for g in sums]
-        if self.replicas is not None:  # reduced in fp32, whatever the working dtype
-            flat = self._mean_over_replicas(torch.cat(
-                [g.reshape(-1) for g in grads_fp32] + [total]))
-            total = flat[-1:]
-            grads_fp32 = list(torch.split(flat[:-1], [g.numel() for g in grads_fp32]))
         total = float(total)
         for master, grad in zip(self.masters, grads_fp32):
             master.grad = grad.view_as(master).div_(scale)
