@@ -203,7 +203,11 @@ void check_runs(const StateFormat& format, int64_t n) {
 
 // One full step. A non-finite gradient anywhere leaves p, m, v and the working copy as
 // they were: the tiles updated before it was seen are put back (from the snapshot when
-// there is one, bit-exact; otherwise by the arithmetic inverse).
+// there is one, bit-exact; otherwise by the arithmetic inverse, which rounds). Every block
+// runs to its own first non-finite tile, none stops early when another block has seen
+// one: which tiles a thread reached before that news would depend on timing, and with
+// the rounding inverse the same run would not repeat its bits (nor match another thread
+// count). An overflowing step costs a whole pass and its undo; overflows are rare.
 py::tuple step(uintptr_t p, uintptr_t m, uintptr_t v, uintptr_t grad, int grad_dtype,
                uintptr_t out, int out_dtype, uintptr_t snapshot, int64_t n, double lr,
                double beta1, double beta2, double eps, double weight_decay, int64_t step_count,
@@ -221,17 +225,15 @@ py::tuple step(uintptr_t p, uintptr_t m, uintptr_t v, uintptr_t grad, int grad_d
   double sumsq = 0.0;
   {
     py::gil_scoped_release release;
-    int abort = 0;
     pool.run(blocks.count, [&](int64_t k) {
       results[k] = run_pieces(fn, Op::kStep, b, h, t, format, blocks.begin(k), blocks.end(k),
-                              &abort);
+                              nullptr);
     }, t.static_split);
     for (const auto& r : results) {
       finite = finite && r.finite;
       sumsq += r.sumsq;
     }
-    if (!finite || abort) {  // blocks not reached after the abort kept stop == begin
-      finite = false;
+    if (!finite) {  // each block updated [begin, stop): up to its first non-finite tile
       const Op undo = b.snap ? Op::kRestore : Op::kInverse;
       pool.run(blocks.count, [&](int64_t k) {
         fn(undo, b, h, t, blocks.begin(k), results[k].stop, nullptr);

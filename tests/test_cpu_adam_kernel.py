@@ -114,6 +114,28 @@ def test_non_finite_gradient_leaves_state_unchanged(isa, bad, where):
     assert not check_gradient(g, threads=2)[0]
 
 
+@pytest.mark.parametrize("isa", ISAS)
+def test_a_non_finite_gradient_leaves_the_same_bits_on_any_number_of_threads(isa):
+    """Without a snapshot the tiles a failed step updated are put back by the inverse of
+    AdamW, which rounds: the same bits every time need the same tiles updated whatever
+    the threads and their timing. The first half's last tile is not finite: one thread
+    reaches it after every tile before it, the second of two threads has meanwhile
+    stepped most of its own half."""
+    n = 400_003
+    gen = torch.Generator().manual_seed(7)
+    p0, g0 = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    g = torch.randn(n, generator=gen) * 1e3
+    g[n // 2 - 5] = float("inf")
+    states = []
+    for threads in (1, 2, 2, 2, 2):
+        opt = CPUAdamW([p0.clone()], lr=1e-2, weight_decay=0.1, threads=threads, isa=isa)
+        opt.step_group(0, g0)
+        assert not opt.step_group(0, g).updated
+        states.append([t.clone() for t in (opt.master(0), opt.exp_avg(0), opt.exp_avg_sq(0))])
+    for other in states[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(states[0], other))
+
+
 def test_unscaled_overflow_counts_as_non_finite():
     g = torch.full((100,), 3e38)  # finite in fp32, inf once multiplied by 2
     assert check_gradient(g)[0]
