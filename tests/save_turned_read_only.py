@@ -22,8 +22,18 @@ from megatron.common.save_lock import LOCK_NAME, SaveLock  # noqa: E402
 from megatron.training.checkpointing import CheckpointSaver, CheckpointWriteError  # noqa: E402
 from megatron.training.distributed import initialize_distributed, shutdown_distributed  # noqa: E402
 from tests.in_child import SkipInChild, make_read_only, private_mounts  # noqa: E402
-from tests.test_checkpoint_faults import open_files  # noqa: E402
 from tests.test_checkpointing import MODEL, owned  # noqa: E402
+
+
+def open_files() -> set[str]:
+    """The paths this process holds open."""
+    found = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            found.add(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:  # the listing's own descriptor, closed by now
+            pass
+    return found
 
 
 def main(save: str) -> str:

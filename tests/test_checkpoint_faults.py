@@ -167,14 +167,3 @@ def test_a_save_directory_that_turns_read_only_mid_run_is_one_line_and_lets_go_o
                     f"file system: '{save}/iter_0000002.tmp'); the previous checkpoint is "
                     "intact")
     assert (tmp_path / "ckpt" / TRACKER).read_text() == "1"
-
-
-def open_files() -> set[str]:
-    """The paths this process holds open."""
-    found = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            found.add(os.readlink(f"/proc/self/fd/{fd}"))
-        except OSError:  # the listing's own descriptor, closed by now
-            pass
-    return found

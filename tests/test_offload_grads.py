@@ -15,13 +15,19 @@ from megatron.offload.host_memory import HostBufferPool
 from megatron.offload.layout import FlatLayout, bind_gradients
 
 
-@pytest.mark.parametrize("host_dtype", [torch.float32, torch.bfloat16])
-def test_accumulated_stage_gradients_reach_the_host_for_the_optimizer_thread(host_dtype):
+def _stage_and_reference() -> tuple[nn.Module, nn.Module, FlatLayout]:
+    """A small bf16 stage, an independent copy of it (its gradients torch's own) and the
+    stage's flat layout."""
     torch.manual_seed(0)
     stage = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8)).bfloat16()
     reference = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8)).bfloat16()
     reference.load_state_dict(stage.state_dict())
-    layout = FlatLayout.from_module(stage)
+    return stage, reference, FlatLayout.from_module(stage)
+
+
+@pytest.mark.parametrize("host_dtype", [torch.float32, torch.bfloat16])
+def test_accumulated_stage_gradients_reach_the_host_for_the_optimizer_thread(host_dtype):
+    stage, reference, layout = _stage_and_reference()
     with get_device("cpu") as dev:
         pool = HostBufferPool(dev, capacity_bytes=4 * layout.numel)
         offloader = GradientOffloader(dev, pool, host_dtype=host_dtype)
@@ -52,11 +58,7 @@ def test_micro_batch_gradients_are_summed_in_the_main_gradients_dtype(kind, main
     bit for bit; the fp32 sum is nearer the exact (float64) sum than the bf16 one. The
     device layer holds what it books: the sums, the micro-batch's buffer and the scratch
     the addition widens through."""
-    torch.manual_seed(0)
-    stage = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8)).bfloat16()
-    reference = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8)).bfloat16()
-    reference.load_state_dict(stage.state_dict())
-    layout = FlatLayout.from_module(stage)
+    stage, reference, layout = _stage_and_reference()
     inputs = [torch.randn(4, 32, dtype=torch.bfloat16) for _ in range(16)]
     with get_device(kind) as dev:
         stage.to(dev.torch_device)
