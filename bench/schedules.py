@@ -79,7 +79,7 @@ import torch.distributed as dist  # noqa: E402
 
 from bench.machine import fixed_work_rate, machine, relative_spread  # noqa: E402
 from bench.spread import spread  # noqa: E402
-from megatron.common.files import atomic_write  # noqa: E402
+from megatron.common.files import atomic_write, make_parent_dir  # noqa: E402
 from megatron.config.errors import ConfigError  # noqa: E402
 from megatron.config.run import RunConfig  # noqa: E402
 from megatron.data.run_data import prepare_data  # noqa: E402
@@ -326,7 +326,7 @@ def compute_now(base: RunConfig, round_profile: str, out: str) -> dict:
     if dist.get_rank() == 0:
         hardware = with_pass_times(get_hardware(round_profile), base.model,
                                    base.training.micro_batch_size, forward_s, backward_s)
-        os.makedirs(os.path.dirname(out), exist_ok=True)
+        make_parent_dir(out)
         atomic_write(out, lambda stream: stream.write(hardware.to_json().encode()))
     dist.barrier()
     return {"fixed_work_per_s": rate, "forward_s": forward_s, "backward_s": backward_s}

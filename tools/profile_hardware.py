@@ -64,7 +64,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from bench.nvme_optimizer import filesystem_of  # noqa: E402
-from megatron.common.files import atomic_write  # noqa: E402
+from megatron.common.files import atomic_write, make_parent_dir  # noqa: E402
 from megatron.common.process_memory import memory_status  # noqa: E402
 from megatron.config.errors import ConfigError  # noqa: E402
 from megatron.config.model import MODEL_FIELDS, ModelConfig  # noqa: E402
@@ -878,7 +878,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutdown_distributed()
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        make_parent_dir(args.out)
         atomic_write(args.out, lambda stream: stream.write(text.encode()))
         progress(f"wrote {args.out}")
     else:

@@ -20,10 +20,10 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron.common.files import make_parent_dir  # noqa: E402
 from megatron.config.output_paths import check_writable_file  # noqa: E402
 from megatron.schedules.cost_model import (  # noqa: E402
     derived_costs,
@@ -166,12 +166,6 @@ def _check_outputs(args: argparse.Namespace) -> None:
             check_writable_file(flag, path)
 
 
-def _write(path: str, write: Callable[[str], None]) -> None:
-    """write(path), its directory created first (checked writable at the start)."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    write(path)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -195,17 +189,20 @@ def main(argv: list[str] | None = None) -> int:
         message = error.args[0] if isinstance(error, KeyError) else str(error)
         parser.error(message)
     if args.schedule_file and args.schedule:
-        _write(args.schedule_file, lambda path: write_schedule(schedule, path))
+        make_parent_dir(args.schedule_file)  # checked writable at the start
+        write_schedule(schedule, args.schedule_file)
     if args.plot:
         title = (f"{schedule.name}: {schedule.ranks} ranks, {schedule.forward_stages} forward "
                  f"stages, d={schedule.backward_split}, {schedule.micro_batches} micro-batches; "
                  f"bubble {result.mean_bubble_ratio:.1%}")
-        _write(args.plot, lambda path: write_timeline_png(
-            result.events, path, title=title, time_unit="s" if args.model_preset
-            else "cost-model units: one stage's forward = 1"))
+        make_parent_dir(args.plot)
+        write_timeline_png(result.events, args.plot, title=title,
+                           time_unit="s" if args.model_preset
+                           else "cost-model units: one stage's forward = 1")
     if args.trace:
-        _write(args.trace, lambda path: write_chrome_trace(
-            result.events, path, time_scale=1e6 if args.model_preset else 1e3))
+        make_parent_dir(args.trace)
+        write_chrome_trace(result.events, args.trace,
+                           time_scale=1e6 if args.model_preset else 1e3)
     summary = result.summary()
     if distribution:
         summary["parameter_distribution"] = [d.summary() for d in distribution]

@@ -32,6 +32,12 @@ def missing_file(path: str) -> str:
     return "a broken symbolic link" if os.path.islink(path) else "file not found"
 
 
+def make_parent_dir(path: str) -> None:
+    """Create the directory `path` will be written into (an output checked writable at the
+    start, its directory created only when something is written)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+
+
 def atomic_write(path: str, write: Callable[[BinaryIO], object]) -> None:
     """Call write(stream) on a temporary file in the target folder, then rename it."""
     with staged_paths(path) as (temporary,):

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
+from megatron.common.files import make_parent_dir
 from megatron.config.run import RunConfig
 from megatron.models.llama import Batch, LlamaConfig
 from megatron.pipeline.assembly import Pipeline
@@ -78,12 +79,11 @@ class PipelineTrainStep:
                  f"d={s.backward_split}, {s.micro_batches} micro-batches"
                  + ("" if bubble_ratio is None else f"; bubble {bubble_ratio:.1%}"))
         png, trace = self.run.logging.timeline, self.run.logging.trace
-        for path in (png, trace):  # checked writable at start, created only now
-            if path:
-                os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         if png:
+            make_parent_dir(png)
             write_timeline_png(events, png, title=title)
         if trace:
+            make_parent_dir(trace)
             write_chrome_trace(events, trace)
 
     def owned_state(self) -> OwnedState:
