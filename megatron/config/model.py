@@ -37,6 +37,11 @@ def materializes_attention_scores(attention_backend: str) -> bool:
     return attention_backend in UNFUSED_ATTENTION_BACKENDS
 
 
+def head_dim(hidden_size: int, num_attention_heads: int, kv_channels: int | None) -> int:
+    """Channels per attention head: --kv-channels, or hidden size / heads (Megatron's)."""
+    return kv_channels or hidden_size // num_attention_heads
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     name: str  # the preset it came from, or "custom"
@@ -60,7 +65,7 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.kv_channels or self.hidden_size // self.num_attention_heads
+        return head_dim(self.hidden_size, self.num_attention_heads, self.kv_channels)
 
     def padded_vocab_size(self, vocab_size: int) -> int:
         """Megatron's padding of the tokenizer's vocabulary (tensor-parallel size 1): the
@@ -105,8 +110,8 @@ def count_parameters(
 ) -> ParameterCount:
     """Closed-form parameter count of our LLaMA-2 (no biases, untied embeddings, GQA)."""
     h = hidden_size
-    head_dim = kv_channels or h // num_attention_heads
-    q_width, kv_width = num_attention_heads * head_dim, num_query_groups * head_dim
+    d = head_dim(h, num_attention_heads, kv_channels)
+    q_width, kv_width = num_attention_heads * d, num_query_groups * d
     attention = h * (q_width + 2 * kv_width) + q_width * h  # fused QKV + output projection
     mlp = 3 * h * ffn_hidden_size  # SwiGLU: gate and up (fused fc1) + down
     norms = 2 * h

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron.config.model import ModelConfig
+from megatron.config.model import ModelConfig, head_dim
 from megatron.models import rope
 from megatron.models.attention import SDPAttention, core_attention_kernel, with_sdpa_core_attention
 from megatron.models.rms_norm import RMSNorm
@@ -65,7 +65,7 @@ class LlamaConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.kv_channels or self.hidden_size // self.num_attention_heads
+        return head_dim(self.hidden_size, self.num_attention_heads, self.kv_channels)
 
     def with_dtype(self, dtype: torch.dtype) -> LlamaConfig:
         return replace(self, params_dtype=dtype)
