@@ -8,6 +8,10 @@ from (tests/forked_ranks.py) and the demo corpus they train on (tests/shared_cor
 get ready in the background meanwhile, on the core the one-process tests leave idle.
 """
 
+import os
+import shutil
+import uuid
+
 import pytest
 import torch
 
@@ -67,3 +71,14 @@ def pytest_sessionfinish(session, exitstatus):
 def demo_cache() -> str:
     """The cache directory holding the session's demo corpus (built)."""
     return shared_corpus.cache_dir()
+
+
+@pytest.fixture
+def private_shm_dir() -> str:
+    """A directory of its own on /dev/shm's tmpfs, for tests of the sweep of dead
+    processes' segments: in /dev/shm itself, any start in the suite's other session sweeps
+    the segments a test has just left, before the test's own start can."""
+    path = os.path.join("/dev/shm", f"sweep-test-{uuid.uuid4().hex}")  # not "mlm-": no sweep
+    os.mkdir(path)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)

@@ -110,13 +110,13 @@ def test_same_job_id_with_a_live_owner_is_a_clear_error(job_id):
         assert torch.equal(first.get((0, 0)).params, torch.ones(64, dtype=torch.float16))
 
 
-def test_stale_segment_of_a_dead_run_is_swept_by_the_next_start(job_id):
-    store = ParameterStore(job_id=job_id, rank=0)
+def test_stale_segment_of_a_dead_run_is_swept_by_the_next_start(job_id, private_shm_dir):
+    store = ParameterStore(job_id=job_id, rank=0, shm_dir=private_shm_dir)
     fake_stale_segment(store.path((0, 0)), dead_pid())
     fake_stale_segment(store.path((0, 1)), dead_pid())
-    restarted = ParameterStore(job_id=job_id, rank=0)
+    restarted = ParameterStore(job_id=job_id, rank=0, shm_dir=private_shm_dir)
     ours = {os.path.basename(store.path(k)) for k in ((0, 0), (0, 1))}
-    assert ours <= set(restarted.swept)  # with whatever other dead runs left
+    assert ours == set(restarted.swept)
     fake_stale_segment(store.path((2, 0)), dead_pid())  # appears after the sweep
     with pytest.warns(RuntimeWarning, match="removing stale shared-memory segment"):
         fresh = restarted.create((2, 0), 16, torch.bfloat16)

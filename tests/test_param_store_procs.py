@@ -123,11 +123,11 @@ def test_forward_stage_on_node_1_sees_each_update_of_its_owner_on_node_0():
     assert job_segments(job_id) == []
 
 
-def _create_and_hang(job_id: str, pids) -> None:
+def _create_and_hang(job_id: str, shm_dir: str, pids) -> None:
     """A worker that creates two segments (starting its reaper) and waits to be killed."""
     from megatron.offload.reaper_client import REAPER
     torch.set_num_threads(1)  # a forked child must not reuse the parent's OpenMP pool
-    store = ParameterStore(job_id=job_id, rank=0, procs_per_node=1)
+    store = ParameterStore(job_id=job_id, rank=0, procs_per_node=1, shm_dir=shm_dir)
     for key in ((0, 0), (1, 0)):
         store.create(key, NUMEL, torch.bfloat16).write(pattern(0), version=0)
     pids.put((os.getpid(), REAPER._proc.pid))
@@ -135,28 +135,28 @@ def _create_and_hang(job_id: str, pids) -> None:
     time.sleep(600)
 
 
-def test_segments_of_workers_killed_with_their_reapers_are_swept_by_any_later_start():
+def test_segments_of_workers_killed_with_their_reapers_are_swept_by_any_later_start(
+        private_shm_dir):
     """SIGKILL to a worker and to its reaper leaves its segments; the next start, under
     another run id, removes them (the creator is dead) and says how much."""
     import signal
     dead_job = f"killed-{uuid.uuid4()}"
     ctx = mp.get_context("fork")
     pids = ctx.Queue()
-    worker = ctx.Process(target=_create_and_hang, args=(dead_job, pids))
+    worker = ctx.Process(target=_create_and_hang, args=(dead_job, private_shm_dir, pids))
     worker.start()
     try:
         worker_pid, reaper_pid = pids.get(timeout=60)
         os.kill(reaper_pid, signal.SIGKILL)
         os.kill(worker_pid, signal.SIGKILL)
         worker.join(timeout=30)
-        left = job_segments(dead_job)
+        left = job_segments(dead_job, private_shm_dir)
         assert len(left) == 2  # nobody cleaned up: the case
-        with ParameterStore(job_id=f"next-{uuid.uuid4()}", rank=0, procs_per_node=1) as store:
-            assert set(left) <= set(store.swept)
+        with ParameterStore(job_id=f"next-{uuid.uuid4()}", rank=0, procs_per_node=1,
+                            shm_dir=private_shm_dir) as store:
+            assert set(left) == set(store.swept)
             assert store.swept_bytes >= 2 * 2 * NUMEL
-        assert job_segments(dead_job) == []
+        assert job_segments(dead_job, private_shm_dir) == []
     finally:
         if worker.is_alive():
             worker.kill()
-        for name in job_segments(dead_job):
-            os.unlink(os.path.join("/dev/shm", name))

@@ -352,12 +352,12 @@ def test_an_error_after_the_output_checks_leaves_no_empty_directories(tmp_path, 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tok.json"]
 
 
-def test_a_start_removes_what_dead_runs_left_in_shared_memory_and_says_so(capsys):
+def test_a_start_removes_what_dead_runs_left_in_shared_memory_and_says_so(
+        capsys, private_shm_dir):
     """A segment of another run id whose creator is dead (its worker and reaper were
     killed) is removed by the sweep a pipeline's start runs first (pipeline_step), which
-    says how much. The sweep itself, right after the segment is made: any other start on
-    the machine (the suite's other session) removes it too, so a whole run started here
-    could find it gone and rightly say nothing."""
+    says how much. The sweep runs on a directory of its own: in /dev/shm any other start
+    on the machine (the suite's other session) could remove the segment first."""
     import struct
     import subprocess
     import uuid
@@ -366,18 +366,15 @@ def test_a_start_removes_what_dead_runs_left_in_shared_memory_and_says_so(capsys
     from megatron.pipeline.node_memory import sweep_left_behind
     dead = subprocess.Popen(["true"])
     dead.wait()
-    path = f"/dev/shm/mlm-{uuid.uuid4().hex[:12]}-n0-s0-0"
+    path = os.path.join(private_shm_dir, f"mlm-{uuid.uuid4().hex[:12]}-n0-s0-0")
     with open(path, "wb") as f:  # what a SIGKILLed worker leaves: a complete segment
         f.write(MAGIC + struct.pack("<6q", 3, 0, dead.pid, 12345, 16, 3)
                 + bytes(4096 - 56 + 32))
-    try:
-        sweep_left_behind()
-        out = capsys.readouterr().out
-        assert not os.path.exists(path)
-        assert "shared-memory segment(s) (" in out and "left by dead processes" in out
-    finally:
-        if os.path.exists(path):
-            os.unlink(path)
+    sweep_left_behind(private_shm_dir)
+    out = capsys.readouterr().out
+    assert not os.path.exists(path)
+    assert ("removed 1 shared-memory segment(s) (" in out
+            and f"left by dead processes from {private_shm_dir}" in out)
 
 
 def test_a_pipeline_says_what_slows_it_and_keeps_the_lock_of_a_save_directory_removed(

@@ -24,13 +24,13 @@ __all__ = ["DEFAULT_SHM_DIR", "PinningShortfall", "SegmentInUseError", "ShmSpace
            "resolve_procs_per_node", "sweep_left_behind"]
 
 
-def sweep_left_behind() -> None:
+def sweep_left_behind(shm_dir: str = DEFAULT_SHM_DIR) -> None:
     """Remove the segments of dead processes (any run id: a job whose workers and reapers
     were killed leaves them) and say how much, once per node."""
-    names, nbytes = sweep_dead_segments()
+    names, nbytes = sweep_dead_segments(shm_dir)
     if names:
         print(f"removed {len(names)} shared-memory segment(s) ({format_bytes(nbytes)}) "
-              f"left by dead processes from {DEFAULT_SHM_DIR}", flush=True)
+              f"left by dead processes from {shm_dir}", flush=True)
 
 
 def live_job_with_this_id() -> SegmentInUseError | None:
