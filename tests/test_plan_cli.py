@@ -220,6 +220,33 @@ def test_nodes_for_gpu_memory_are_found_beyond_what_host_memory_implies(capsys):
     assert plan(capsys, *run, "--nodes", fewer, *STATE_FLAGS[6])[0] == 3
 
 
+def test_a_bf16_run_short_of_gpu_memory_is_offered_its_main_gradients_in_bf16(capsys,
+                                                                              tmp_path):
+    """One layer per stage and micro-batches of 1 (no stage or micro-batch knob left), on a
+    GPU that holds the run's gradient buffers in bf16 but not in fp32: the nearest fit is
+    --grad-reduce-in-bf16 on the same node, before a second node, and says what it
+    changes; the run with that flag does fit."""
+    v100 = get_hardware("paper-v100")
+    path = tmp_path / "small-gpu.json"
+    path.write_text(json.dumps(dict(vars(v100), name="small-gpu",
+                                    gpu_memory_bytes=v100.gpu_reserved_bytes + 7 * 2**29)))
+    run = ("--model-preset", "10b", "--bf16", "--hardware", str(path), "--nodes", "1",
+           "--gpus-per-node", "2", "--num-layers", "8", "--forward-stages", "8",
+           "--micro-batch-size", "1", "--global-batch-size", "8", "--seq-length", "1024")
+    code, out = plan(capsys, *run)
+    assert code == 3 and {s["resource"] for s in out["shortfalls"]} == {"gpu memory"}
+    nearest = out["nearest_fit"]
+    assert nearest["fits"] and nearest["nodes"] == 1
+    assert nearest["flags"].endswith("--grad-reduce-in-bf16")
+    code, fitted = plan(capsys, *run, "--grad-reduce-in-bf16")
+    assert code == 0 and fitted["fits"]
+    assert fitted["configuration"]["predicted_iteration_s"] == pytest.approx(
+        nearest["predicted_iteration_s"])
+    assert main(["--plan", *run]) == 3
+    text = capsys.readouterr().out.splitlines()[-1]
+    assert "--grad-reduce-in-bf16 (the main gradients in bf16 instead of fp32" in text
+
+
 def test_an_absurd_global_batch_is_refused_naming_the_flag_and_the_limit(capsys):
     with pytest.raises(SystemExit) as stop:
         main(["--plan", "--model-preset", "tiny", "--global-batch-size", "40000000"])

@@ -59,6 +59,8 @@ class Configuration:
     optimizer_state_dtype: str | None = None
     master_dtype: str | None = None
     states: StateStorage | None = None  # where master, m and v live (None: the run's)
+    # the main gradients in bf16 (Megatron-LM's --grad-reduce-in-bf16; None: the run's)
+    grad_reduce_in_bf16: bool | None = None
 
     def flags(self) -> str:
         parts = [f"--pipeline-schedule {self.schedule}"]
@@ -79,6 +81,8 @@ class Configuration:
             ("master-dtype", self.master_dtype)) if dtype is not None]
         if self.states is not None and self.states.on_nvme:
             flags.append("--optimizer-state-location nvme --optimizer-nvme-path DIR")
+        if self.grad_reduce_in_bf16:
+            flags.append("--grad-reduce-in-bf16")
         return flags
 
     def placement(self, run: RunConfig) -> Placement:
@@ -98,6 +102,14 @@ def optimizer_precision(run: RunConfig, config: Configuration) -> tuple[str, str
     p = run.precision
     return (config.optimizer_state_dtype or p.optimizer_state_dtype,
             config.master_dtype or p.master_dtype)
+
+
+def gradient_precision(run: RunConfig, config: Configuration) -> RunConfig:
+    """`run` with `config`'s main-gradient precision (what the gradient buffers, the
+    offload and the host gradients are priced at)."""
+    if config.grad_reduce_in_bf16 is None:
+        return run
+    return run.evolve(precision={"grad_reduce_in_bf16": config.grad_reduce_in_bf16})
 
 
 def optimizer_bytes(run: RunConfig, config: Configuration) -> int:
@@ -212,16 +224,18 @@ def configured(run: RunConfig, config: Configuration, keep_partition: bool = Tru
                   "stage_layers": run.parallel.stage_layers if own else None},
         training={"micro_batch_size": config.micro_batch_size},
         cpu_optimizer=config.placement(run).flags(),
-        precision={"optimizer_state_dtype": moments, "master_dtype": master},
+        precision={"optimizer_state_dtype": moments, "master_dtype": master,
+                   "grad_reduce_in_bf16": gradient_precision(run, config).precision
+                   .grad_reduce_in_bf16},
         planning={"nodes": config.nodes})
 
 
 def shape_of(config: Configuration) -> Configuration:
     """`config` without what leaves its schedule unchanged (the device subgroups, the
-    precision; the place of the states is kept: NVMe adds its reads and writes to the
+    precisions; the place of the states is kept: NVMe adds its reads and writes to the
     programs)."""
     return replace(config, updates=plain_updates(config.updates), optimizer_state_dtype=None,
-                   master_dtype=None)
+                   master_dtype=None, grad_reduce_in_bf16=None)
 
 
 def evaluate(run: RunConfig, config: Configuration, hardware: HardwareProfile,
@@ -268,7 +282,7 @@ def planned(run: RunConfig, config: Configuration, schedule: Schedule,
     evaluation = Evaluation(config, schedule, None, [], report,
                             optimizer_bytes_per_param=optimizer_bytes(run, config),
                             where=where, subgroup_size=subgroup_size)
-    evaluation.memory = memory_plan(run, schedule, PlannedShape(
+    evaluation.memory = memory_plan(gradient_precision(run, config), schedule, PlannedShape(
         run.model, config.micro_batch_size, procs_per_node=where.procs_per_node,
         on_cuda=where.on_cuda, placement=evaluation.placement(run),
         optimizer_bytes=evaluation.optimizer_bytes_per_param, hardware=hardware), report)
@@ -292,7 +306,7 @@ def simulated(run: RunConfig, evaluation: Evaluation, hardware: HardwareProfile
                                   lambda _: update_rates(hardware), hardware)
         costs = derived_costs(schedule, run.model, hardware, config.micro_batch_size,
                               run.model.seq_length, optimizer_bytes(run, config),
-                              run.precision.host_gradient_bytes)
+                              gradient_precision(run, config).precision.host_gradient_bytes)
         rates = update_rates(hardware)
         if config.updates.uses_device and rates is not None:
             params = backward_stage_params(run.model, schedule.partition,

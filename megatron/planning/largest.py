@@ -6,7 +6,7 @@ beside the host. The answer is the run's plan with the model swapped: each LLaMA
 them), in size order, keeps the run's schedule, sequence, batch and precision, and
 its memory is planned on the same hardware; where it does not fit, the planner's own
 nearest fit (a cheaper optimizer state, the states on the node's NVMe drives, another
-split or more forward stages) is tried on the same nodes, never more of them. Only memory
+split or more forward stages, bf16 main gradients) is tried on the same nodes, never more of them. Only memory
 is planned (nothing is simulated) until the answer, which is simulated once for its
 predicted iteration.
 """
@@ -111,8 +111,8 @@ def stage_ladder(run: RunConfig, ranks: int) -> list[int | None]:
 def fitting(run: RunConfig, hardware: HardwareProfile) -> Evaluation | str:
     """The run's schedule on the run's nodes with its stages by default, else more forward
     stages while GPU memory is short, else the planner's nearest fit on the same GPUs (a
-    cheaper optimizer state, the NVMe tier, a smaller micro-batch); else why not, in
-    words."""
+    cheaper optimizer state, the NVMe tier, a smaller micro-batch, bf16 main gradients);
+    else why not, in words."""
     c = base_configuration(run)
     ranks = ranks_of(run, c, hardware)
     why = "no configuration could be built"
@@ -139,8 +139,8 @@ def fitting(run: RunConfig, hardware: HardwareProfile) -> Evaluation | str:
 
 
 def changes(run: RunConfig, config: Configuration) -> str:
-    """What `config` changes of the run's optimizer state, in a few words ('' when
-    nothing)."""
+    """What `config` changes of the run's optimizer state and main gradients, in a few
+    words ('' when nothing)."""
     moments, master = optimizer_precision(run, config)
     p = run.precision
     parts = [f"{what} in {dtype}" for what, dtype, own in (
@@ -148,6 +148,8 @@ def changes(run: RunConfig, config: Configuration) -> str:
         if dtype != own]
     if config.placement(run).states.on_nvme and not run.cpu_optimizer.placement.states.on_nvme:
         parts.append("the optimizer states on NVMe")
+    if config.grad_reduce_in_bf16 and not p.grad_reduce_in_bf16:
+        parts.append("main gradients in bf16")
     return ", ".join(parts)
 
 

@@ -33,6 +33,7 @@ from .evaluate import (
     configured,
     evaluation_or_reason,
     gpus_per_node,
+    gradient_precision,
     optimizer_bytes,
     optimizer_precision,
     plain_updates,
@@ -66,7 +67,8 @@ def lower_bound(run: RunConfig, config: Configuration, hardware: HardwareProfile
                shape_report(shape), hardware).missing:
         return None
     costs = derived_costs(shape, run.model, hardware, config.micro_batch_size,
-                          run.model.seq_length, grad_bytes=run.precision.host_gradient_bytes)
+                          run.model.seq_length,
+                          grad_bytes=gradient_precision(run, config).precision.host_gradient_bytes)
     # the bound holds for every split searched: the largest device share
     share = max(device_share(updates.split) for updates in searched_updates(run, hardware))
     return iteration_lower_bound(
@@ -91,18 +93,23 @@ def cheaper_precisions(run: RunConfig) -> list[Precision]:
 
 
 def precision_note(run: RunConfig, config: Configuration) -> str:
-    """What `config` changes of the run's optimizer state, in words ('' when nothing)."""
+    """What `config` changes of the run's precisions and of where its optimizer state
+    lives, in words ('' when nothing)."""
+    notes = []
     on_disk = (config.states is not None and config.states.on_nvme
                and not run.cpu_optimizer.placement.states.on_nvme)
-    if config.optimizer_state_dtype is None and config.master_dtype is None and not on_disk:
-        return ""
-    moments, master = optimizer_precision(run, config)
-    where = ("on NVMe (a window of stages in host memory)"
-             if config.placement(run).states.on_nvme else "in host memory")
-    size, own = optimizer_bytes(run, config), run.precision.optimizer_bytes_per_param
-    return (f"the optimizer state {where} with m and v in {moments} and the master in "
-            f"{master}: {size} bytes per parameter" + (f" instead of {own}" if size != own
-                                                        else ""))
+    if config.optimizer_state_dtype is not None or config.master_dtype is not None or on_disk:
+        moments, master = optimizer_precision(run, config)
+        where = ("on NVMe (a window of stages in host memory)"
+                 if config.placement(run).states.on_nvme else "in host memory")
+        size, own = optimizer_bytes(run, config), run.precision.optimizer_bytes_per_param
+        notes.append(f"the optimizer state {where} with m and v in {moments} and the master "
+                     f"in {master}: {size} bytes per parameter"
+                     + (f" instead of {own}" if size != own else ""))
+    if config.grad_reduce_in_bf16 and not run.precision.grad_reduce_in_bf16:
+        notes.append("the main gradients in bf16 instead of fp32: the micro-batches' "
+                     "gradients summed and offloaded in bf16, half the gradient buffers")
+    return "; ".join(notes)
 
 
 def with_precision(config: Configuration, precision: Precision) -> Configuration:
@@ -148,10 +155,12 @@ def nearest_fit(run: RunConfig, base: Evaluation, hardware: HardwareProfile,
     first. Host memory and /dev/shm are per node: at the run's nodes, the optimizer state's
     cheaper precisions (`cheaper_precisions`) are tried first (the same schedule, planned
     again), then the states on the node's NVMe drives when the profile has them (the
-    schedule with their reads and writes) if that fits; when none fits the node, more nodes, from the count the shortfall at the cheapest
-    precision implies, each with the run's precision first, then the cheaper ones. GPU
-    memory: another backward split, more forward stages (one more per rank, d = 1), a smaller
-    micro-batch, then one or two more nodes. At most `max_tries` configurations are built (a
+    schedule with their reads and writes) if that fits; when none fits the node, more
+    nodes, from the count the shortfall at the cheapest precision implies, each with the
+    run's precision first, then the cheaper ones. GPU memory: another backward split, more
+    forward stages (one more per rank, d = 1), a smaller micro-batch, a --bf16 run's main
+    gradients in bf16 (--grad-reduce-in-bf16: half the gradient buffers, the sums rounded
+    as Megatron-LM's flag rounds them), then one or two more nodes. At most `max_tries` configurations are built (a
     schedule of many ranks takes seconds); those whose lower-bound memory cannot fit are
     skipped unbuilt."""
     precisions: list[Precision] = [(base.config.optimizer_state_dtype,
@@ -189,6 +198,8 @@ def nearest_fit(run: RunConfig, base: Evaluation, hardware: HardwareProfile,
         while mbs >= 1:
             tries.append(replace(c, micro_batch_size=mbs))
             mbs //= 2
+        if run.precision.dtype == "bf16" and run.precision.host_gradient_dtype == "fp32":
+            tries.append(replace(c, grad_reduce_in_bf16=True))  # half the gradient buffers
         tries += [replace(c, nodes=n) for n in (c.nodes + 1, 2 * c.nodes) if n > c.nodes]
     built = 0
     for config in tries:
