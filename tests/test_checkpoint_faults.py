@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from megatron.config.errors import ConfigError
+from megatron.training import run_checks
 from megatron.training.arguments import parse_args
 from megatron.training.checkpoint_format import CHECKSUMS
 from megatron.training.checkpointing import (
@@ -28,10 +29,11 @@ from megatron.training.checkpointing import (
     iteration_dir,
     load_checkpoint,
     reading_checkpoint,
+    staging_dirs,
     write_failure,
 )
 from megatron.training.distributed import initialize_distributed, shutdown_distributed
-from megatron.training.run_checks import check_load_dir
+from megatron.training.run_checks import check_load_dir, check_save_space
 from tests import forked_ranks
 from tests.in_child import (
     as_nobody,
@@ -136,6 +138,7 @@ def test_a_save_the_disk_cannot_hold_is_a_fault_and_keeps_the_last_checkpoint(tm
     assert str(error.value).startswith(f"--save {root}: writing the checkpoint failed (")
     assert str(error.value).endswith("the previous checkpoint is intact")
     assert (tmp_path / "ckpt" / TRACKER).read_text() == "1"
+    assert staging_dirs(root) == []  # what it had written went: the disk is not kept full
     target = empty_like(owned(1))
     assert load_checkpoint(root, target, MODEL)["iteration"] == 1
     # A disk with a few KiB left shows through torch's zip writer as an internal error.
@@ -145,6 +148,25 @@ def test_a_save_the_disk_cannot_hold_is_a_fault_and_keeps_the_last_checkpoint(tm
     assert str(write_failure(root, internal)) == (
         f"--save {root}: writing the checkpoint failed (No space left on device: 4 KiB "
         "free); the previous checkpoint is intact")
+
+
+def test_what_an_unfinished_save_staged_counts_as_free_space_at_the_next_start(
+        tmp_path, monkeypatch):
+    """A save killed mid-write leaves iter_N.tmp, which the next save removes before it
+    writes: the start-up check of --save's space counts it as free, so that a disk it
+    fills does not refuse the run that would clear it."""
+    save = tmp_path / "ckpt"
+    (save / "iter_0000010.tmp").mkdir(parents=True)
+    (save / "iter_0000010.tmp" / "__0_0.distcp").write_bytes(os.urandom(1 << 20))
+    run = parse_args(["--model-preset", "tiny", "--vocab-size", "128", "--save", str(save)])
+    need = run_checks.checkpoint_bytes(run, 128)
+    free = need - (1 << 19)  # short by half of what the staged file holds
+    monkeypatch.setattr(run_checks.shutil, "disk_usage",
+                        lambda _: shutil._ntuple_diskusage(1 << 40, 1 << 40, free))
+    check_save_space(run, 128)
+    shutil.rmtree(save / "iter_0000010.tmp")
+    with pytest.raises(ConfigError, match="a checkpoint of this model needs at least"):
+        check_save_space(run, 128)
 
 
 @pytest.mark.multiproc  # a process of its own (tests/save_turned_read_only.py)

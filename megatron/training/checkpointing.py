@@ -98,6 +98,12 @@ def iteration_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
 
 
+def staging_dirs(root: str) -> list[str]:
+    """The directories under `root` where a save stages its files (iter_N.tmp, renamed to
+    iter_N at its commit): any found between saves are of one that did not finish."""
+    return glob.glob(os.path.join(glob.escape(root), "iter_*.tmp"))
+
+
 def latest_iteration(root: str) -> int | None:
     """The iteration the tracker under `root` names, or None when there is no tracker."""
     tracker = os.path.join(root, TRACKER)
@@ -246,7 +252,7 @@ class CheckpointSaver:
             raise CheckpointError(f"--save {self.root}: cannot be created ({exc.strerror})"
                                   ) from None
         if self.rank == 0:
-            for stale in glob.glob(os.path.join(glob.escape(self.root), "iter_*.tmp")):
+            for stale in staging_dirs(self.root):
                 shutil.rmtree(stale, ignore_errors=True)  # of a save killed mid-write
         try:  # in the foreground: a name megatron-core's GPTModel lacks is the caller's bug
             layout.layout_of(self.model, {split_key(k)[1] for k in owned.tensors})
@@ -318,6 +324,18 @@ class CheckpointSaver:
             self._error = exc
 
     def _write(self, iteration: int, tensors: dict[str, torch.Tensor], common: dict) -> None:
+        staging = iteration_dir(self.root, iteration) + ".tmp"
+        try:
+            self._write_staged(iteration, staging, tensors, common)
+        except BaseException:
+            # every rank is out of dcp.save (it gathers the ranks' outcomes) or this is the
+            # only one: what was staged goes, so that a full disk is not kept full by it
+            if self.rank == 0:
+                shutil.rmtree(staging, ignore_errors=True)
+            raise
+
+    def _write_staged(self, iteration: int, staging: str, tensors: dict[str, torch.Tensor],
+                      common: dict) -> None:
         from megatron.core.dist_checkpointing import ShardedObject
         from megatron.core.dist_checkpointing.strategies.torch import (
             MCoreSavePlanner,
@@ -325,7 +343,6 @@ class CheckpointSaver:
             mcore_to_pyt_state_dict,
         )
 
-        staging = iteration_dir(self.root, iteration) + ".tmp"
         t0 = time.perf_counter()
         # What megatron-core's TorchDistSaveShardedStrategy does, over our own group (the
         # writer thread's collectives must not meet training's): one copy of what several

@@ -6,6 +6,7 @@ expected (ConfigError, exit status 2), raised before anything is allocated or wr
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 
@@ -22,6 +23,7 @@ from megatron.optimizer.state_io import ALIGNMENT
 from megatron.planning.shape import Unbuildable, build_run_schedule
 from megatron.schedules.generators import DEFAULT_SCHEDULE
 from megatron.training.checkpoint_format import foreign_architecture, saved_args
+from megatron.training.checkpointing import staging_dirs
 
 OUTPUT_FILE_FIELDS = ("metrics_file", "timeline", "trace")
 
@@ -46,6 +48,18 @@ def checkpoint_bytes(run: RunConfig, vocab_size: int | None) -> int:
     return params * run.precision.optimizer_bytes_per_param + 2**20
 
 
+def staged_bytes(save: str) -> int:
+    """The bytes of the staging directories (iter_N.tmp) under `save` that a save which
+    did not finish left."""
+    total = 0
+    for staging in staging_dirs(save):
+        for folder, _, files in os.walk(staging):
+            for name in files:
+                with contextlib.suppress(OSError):
+                    total += os.lstat(os.path.join(folder, name)).st_blocks * 512
+    return total
+
+
 def check_save_space(run: RunConfig, vocab_size: int | None) -> None:
     """The file system of --save can hold one checkpoint (checkpoint_bytes), checked at
     start instead of at the first save, after training ran. `vocab_size`: the padded
@@ -55,7 +69,9 @@ def check_save_space(run: RunConfig, vocab_size: int | None) -> None:
     if not save:
         return
     need = checkpoint_bytes(run, vocab_size)
-    free = shutil.disk_usage(nearest_existing(save)).free
+    # what a save killed mid-write staged there is removed by the first save, before it
+    # writes: it counts as free
+    free = shutil.disk_usage(nearest_existing(save)).free + staged_bytes(save)
     if need > free:
         raise ConfigError("--save", save, f"a checkpoint of this model needs at least "
                                           f"{format_bytes(need)}, its file system has "
