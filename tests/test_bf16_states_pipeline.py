@@ -16,9 +16,11 @@ from megatron.training.checkpointing import TRACKER, iteration_dir, read_all_ten
 from tests.test_pipeline_executor import FEATURE_SCHEDULES, ScheduleRun, metrics, start
 
 pytestmark = pytest.mark.multiproc
-# 4 iterations: the resume from the checkpoint of iteration 3 has one to continue (the
-# test model's fifth adds nothing but CPU time)
-ITERS = 4
+# 3 iterations: the resume from the checkpoint of iteration 2 has one to continue, and
+# two updates at a learning rate above 0 come before it (the last one's is 0: the
+# schedule decays to it); a fourth adds nothing but CPU time
+ITERS = 3
+RESUMED_FROM = ITERS - 1
 BF16_STATES = ["--optimizer-state-dtype", "bf16", "--master-dtype", "bf16",
                "--cpu-optimizer-threads", "1", "--eval-iters", "0", "--train-iters", str(ITERS)]
 STATE_PREFIXES = (MASTER, EXP_AVG, EXP_AVG_SQ)
@@ -41,7 +43,7 @@ def assert_identical(got_run_metrics, want_metrics, got_states, want_states):
 
 def test_bf16_states_on_a_speculative_and_an_interleaved_schedule_and_a_resume_equal_one_process(
         tmp_path, demo_cache):
-    one = start(tmp_path, "one", 1, *BF16_STATES, "--save-interval", "3")
+    one = start(tmp_path, "one", 1, *BF16_STATES, "--save-interval", str(RESUMED_FROM))
     two = start(tmp_path, "two", 2, *BF16_STATES, "--schedules", ",".join(FEATURE_SCHEDULES),
                 script="tests/run_schedules.py", timeout=600)
     one = one.wait()  # started together: one's bubbles are the other's compute
@@ -49,10 +51,11 @@ def test_bf16_states_on_a_speculative_and_an_interleaved_schedule_and_a_resume_e
     reference = metrics(one)
     assert [m["iteration"] for m in reference] == list(range(1, ITERS + 1))
 
-    saved = tmp_path / "saved"  # the one-process run's iteration 3, as if it died there
+    saved = tmp_path / "saved"  # the one-process run's iteration 2, as if it died there
     saved.mkdir()
-    shutil.copytree(iteration_dir(str(one.out / "ckpt"), 3), saved / "iter_0000003")
-    (saved / TRACKER).write_text("3")
+    shutil.copytree(iteration_dir(str(one.out / "ckpt"), RESUMED_FROM),
+                    iteration_dir(str(saved), RESUMED_FROM))
+    (saved / TRACKER).write_text(str(RESUMED_FROM))
     # the resume needs only the one-process run: it starts beside the 2-process job's end
     resumed = start(tmp_path, "resumed", 2, *BF16_STATES, "--load", str(saved),
                     "--pipeline-schedule", "1f1b", "--backward-split", "1")
@@ -65,5 +68,5 @@ def test_bf16_states_on_a_speculative_and_an_interleaved_schedule_and_a_resume_e
 
     resumed = resumed.wait()
     assert resumed.returncode == 0, resumed.stderr[-4000:]
-    assert_identical(metrics(resumed), reference[3:], states(resumed.out / "ckpt", ITERS),
-                     states(one.out / "ckpt", ITERS))
+    assert_identical(metrics(resumed), reference[RESUMED_FROM:],
+                     states(resumed.out / "ckpt", ITERS), states(one.out / "ckpt", ITERS))
