@@ -219,6 +219,9 @@ def test_model_flags_must_match_the_checkpoint():
         check_checkpoint_model(run, saved, "/ckpt")
     assert str(exc.value) == "--num-layers 6: the checkpoint in /ckpt was saved with 4"
     check_checkpoint_model(parse_args(TINY), saved, "/ckpt")  # same flags: accepted
+    # another sequence length, resumed or fine-tuned (a longer context), as Megatron-LM
+    # accepts it: no weight has its shape
+    check_checkpoint_model(parse_args([*TINY, "--seq-length", "4096"]), saved, "/ckpt")
     rope = parse_args([*TINY, "--rotary-base", "500000"])
     with pytest.raises(ConfigError, match="--rotary-base 500000: the checkpoint in /ckpt was "
                                           "saved with 10000"):

@@ -149,6 +149,8 @@ def check_checkpoint_model(run: RunConfig, saved: dict | None, where: str,
         raise ConfigError("--load", where, f"the checkpoint was saved with {foreign}")
     fields = MODEL_FIELDS + (() if run.checkpointing.finetune else RESUMED_ARCHITECTURE)
     for field in fields:
+        if field == "seq_length":  # no weight has its shape (rotary positions): a run may
+            continue  # go on at another length, as with Megatron-LM (a longer context)
         theirs, ours = saved.get(field), getattr(run.model, field)
         if field == "kv_channels" and saved.get("hidden_size") and saved.get(
                 "num_attention_heads"):  # the head width, given or implied
