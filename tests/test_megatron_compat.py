@@ -350,14 +350,20 @@ def test_on_resume_the_schedule_is_the_checkpoints_unless_overridden():
     saved = LRSchedule(parse_args([*base, "--lr", "1e-3"]))
     for _ in range(3):
         saved.step()
-    lrs = {}
+    lrs, kept = {}, {}
     for extra in ([], ["--use-checkpoint-opt_param-scheduler"],
                   ["--override-opt_param-scheduler"]):
         resumed = LRSchedule(parse_args([*base, "--lr", "2e-3", *extra]))
-        resumed.load_state_dict(saved.state_dict())
+        kept[tuple(extra)] = resumed.load_state_dict(saved.state_dict())
         lrs[tuple(extra)] = (resumed.lr, resumed.num_steps)
     assert lrs == {(): (1e-3, 3), ("--use-checkpoint-opt_param-scheduler",): (1e-3, 3),
                    ("--override-opt_param-scheduler",): (2e-3, 3)}
+    # what the checkpoint kept is said (the run's --lr is not used), and only that
+    assert kept == {(): ["--lr 0.001 (this run's: 0.002)"],
+                    ("--use-checkpoint-opt_param-scheduler",): ["--lr 0.001 (this run's: 0.002)"],
+                    ("--override-opt_param-scheduler",): []}
+    same = LRSchedule(parse_args([*base, "--lr", "1e-3"]))
+    assert same.load_state_dict(saved.state_dict()) == []
 
 
 @pytest.mark.unit

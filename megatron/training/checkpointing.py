@@ -743,12 +743,13 @@ def load_checkpoint(root: str, owned: OwnedState, model: LlamaConfig, *,
     return common
 
 
-def restore_run(common: dict, step: TrainStep, schedule: LRSchedule,
-                finetune: bool) -> tuple[int, int]:
+def restore_run(common: dict, step: TrainStep, schedule: LRSchedule, finetune: bool,
+                log: Callable[[str], Any] = print) -> tuple[int, int]:
     """After check_resumable() and load_checkpoint(): hand the scalars to the step and the
     LR schedule. Returns (the iteration to continue after, skipped iterations so far);
     (0, 0) with --finetune. A Megatron checkpoint's scheduler counts samples: its steps
-    are divided by the global batch it was saved with."""
+    are divided by the global batch it was saved with. Where the checkpoint's schedule
+    differs from this run's flags, one line says which values continue."""
     if finetune:
         step.restored(0, None, 0)
         return 0, 0
@@ -766,8 +767,11 @@ def restore_run(common: dict, step: TrainStep, schedule: LRSchedule,
         state = {**schedule.state_dict(),
                  "num_steps": iteration * schedule.samples_per_iteration}
     try:
-        schedule.load_state_dict(state)
+        kept = schedule.load_state_dict(state)
     except AssertionError as exc:  # OptimizerParamScheduler's check of its flags
         raise CheckpointError(f"the checkpoint's LR schedule differs from this run's: "
                               f"{exc}") from None
+    if kept:
+        log("the checkpoint's LR schedule continues, where it differs from this run's flags: "
+            + ", ".join(kept) + "; --override-opt_param-scheduler takes this run's")
     return iteration, int(common.get("skipped_total", 0))

@@ -11,6 +11,19 @@ from dataclasses import dataclass
 
 from megatron.config.run import RunConfig
 
+# The scheduler's settings a checkpoint carries, by what sets them here (steps count samples)
+SCHEDULE_FLAGS = {
+    "max_lr": "--lr",
+    "min_lr": "--min-lr",
+    "lr_warmup_steps": "warmup samples",
+    "lr_decay_steps": "decay samples",
+    "lr_decay_style": "--lr-decay-style",
+    "start_wd": "start weight decay",
+    "end_wd": "end weight decay",
+    "wd_incr_steps": "weight decay samples",
+    "wd_incr_style": "--weight-decay-incr-style",
+}
+
 
 @dataclass
 class _ParamGroupsHolder:
@@ -67,6 +80,12 @@ class LRSchedule:
     def state_dict(self) -> dict:
         return self._scheduler.state_dict()
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict) -> list[str]:
+        """Continue from `state`; returns what of it differs from this run's flags (kept,
+        unless --override-opt_param-scheduler), in words: [] when nothing differs."""
+        ours = {attr: getattr(self._scheduler, attr) for attr in SCHEDULE_FLAGS}
         self._scheduler.load_state_dict(state)
         self._scheduler.step(increment=0)  # refresh lr/wd for the restored step count
+        return [f"{what} {getattr(self._scheduler, attr)} (this run's: {ours[attr]})"
+                for attr, what in SCHEDULE_FLAGS.items()
+                if getattr(self._scheduler, attr) != ours[attr]]

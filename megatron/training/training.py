@@ -236,7 +236,7 @@ class TrainingLoop:
                                      verify=False)  # check_resumable() verified the files
             if common is not None:
                 self.start_iteration, self.skipped_total = restore_run(
-                    common, self.step, self.schedule, finetune)
+                    common, self.step, self.schedule, finetune, self.log)
         if common is not None:
             self.log(f"loaded checkpoint from {load} at iteration {common.get('iteration', 0)}"
                      + (" (--finetune: weights only, from iteration 0)" if finetune else ""))
