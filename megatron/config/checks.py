@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from megatron.config.placement import StateStorage
     from megatron.config.run import OptimizationConfig, RunConfig
 
+MAX_SEED = 2**32 - 1  # numpy's RandomState, which megatron-core's dataset indices use
 REQUIRED_MODEL_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size",
                          "num_attention_heads", "seq_length")
 FINITE_FIELDS = (("optimization", "lr"), ("optimization", "min_lr"),
@@ -85,6 +86,11 @@ def _check_sizes(run: RunConfig) -> None:
     _positive(run.logging.tensorboard_log_interval, "tensorboard_log_interval")
     _positive(run.logging.tensorboard_queue_size, "tensorboard_queue_size")
     _positive(run.parallel.distributed_timeout_minutes, "distributed_timeout_minutes")
+    _positive(run.parallel.pipeline_model_parallel_size, "pipeline_model_parallel_size")
+    if not 1 <= t.seed <= MAX_SEED:
+        raise ConfigError("--seed", t.seed, f"expected an integer in [1, {MAX_SEED}] "
+                          "(Megatron-LM needs a positive seed; numpy, which orders the data, "
+                          "one below 2**32)")
 
 
 def _check_values(run: RunConfig) -> None:
@@ -102,6 +108,10 @@ def _check_values(run: RunConfig) -> None:
             raise ConfigError(flag_name(field), getattr(p, field), "expected a value > 0")
     if p.loss_scale is not None and not (math.isfinite(p.loss_scale) and p.loss_scale > 0):
         raise ConfigError("--loss-scale", p.loss_scale, "expected a finite value > 0")
+    if p.fp16 and p.loss_scale is None and p.min_loss_scale > p.initial_loss_scale:
+        # megatron-core's DynamicGradScaler asserts min_scale <= initial_scale
+        raise ConfigError("--min-loss-scale", p.min_loss_scale, "must not exceed "
+                          f"--initial-loss-scale ({p.initial_loss_scale})")
     m = run.model
     for field in ("norm_epsilon", "init_method_std"):
         if getattr(m, field) <= 0:
@@ -114,8 +124,9 @@ def _check_values(run: RunConfig) -> None:
                               "not supported: 0 only (LLaMA trains without dropout, and the "
                               "backward stage recomputes on another GPU without the mask)")
     fraction = o.lr_warmup_fraction
-    if fraction is not None and not 0.0 <= fraction <= 1.0:
-        raise ConfigError("--lr-warmup-fraction", fraction, "expected a value in [0, 1]")
+    if fraction is not None and not 0.0 <= fraction < 1.0:
+        raise ConfigError("--lr-warmup-fraction", fraction, "expected a value in [0, 1) (the "
+                          "warmup must end before the decay does)")
     _positive(run.evaluation.eval_interval, "eval_interval")
     _positive(run.exit.exit_interval, "exit_interval")
     if run.evaluation.eval_iters is not None and run.evaluation.eval_iters < 0:
@@ -191,6 +202,11 @@ def _check_optimization(run: RunConfig) -> None:
             raise ConfigError(flag_name(field), getattr(o, field), "expected a value >= 0")
     if o.min_lr > o.lr:
         raise ConfigError("--min-lr", o.min_lr, f"must not exceed --lr ({o.lr})")
+    # megatron-core's OptimizerParamScheduler asserts 0 <= init_lr <= max_lr
+    if o.lr_warmup_init < 0:
+        raise ConfigError("--lr-warmup-init", o.lr_warmup_init, "expected a value >= 0")
+    if o.lr_warmup_init > o.lr:
+        raise ConfigError("--lr-warmup-init", o.lr_warmup_init, f"must not exceed --lr ({o.lr})")
     for field in ("adam_beta1", "adam_beta2"):
         if not 0.0 <= getattr(o, field) < 1.0:
             raise ConfigError(flag_name(field), getattr(o, field), "expected a value in [0, 1)")
@@ -199,11 +215,15 @@ def _check_optimization(run: RunConfig) -> None:
         raise ConfigError("--lr-warmup-iters", o.lr_warmup_iters, "expected >= 0")
     if o.lr_warmup_samples < 0:
         raise ConfigError("--lr-warmup-samples", o.lr_warmup_samples, "expected >= 0")
-    _, warmup, decay, _ = run.lr_schedule_steps
-    if o.lr_decay_style not in ("constant", "WSD") and decay <= warmup:
-        unit = "samples" if run.training.train_samples is not None else "iters"
-        raise ConfigError(f"--lr-decay-{unit}", decay if unit == "samples" else o.lr_decay_iters,
-                          f"must exceed the warmup (--lr-warmup-{unit} or -fraction)")
+    # megatron-core's scheduler asserts decay > 0 and warmup < decay, whatever the style
+    unit = "samples" if run.training.train_samples is not None else "iters"
+    _positive(getattr(o, f"lr_decay_{unit}"), f"lr_decay_{unit}")
+    warmup = getattr(o, f"lr_warmup_{unit}")
+    decay = o.lr_decay_iters if unit == "iters" else run.lr_schedule_steps[2]
+    if o.lr_warmup_fraction is None and warmup >= decay:
+        # the warmup is the flag given: the decay may be a default (--train-iters/-samples)
+        raise ConfigError(f"--lr-warmup-{unit}", warmup, f"must be below the decay's {decay} "
+                          f"(--lr-decay-{unit}, by default --train-{unit})")
     if o.lr_decay_style == "WSD" and run.lr_schedule_steps[3] is None:
         raise ConfigError("--lr-decay-style", "WSD", "needs --lr-wsd-decay-iters (or "
                           "--lr-wsd-decay-samples with --train-samples)")
@@ -221,6 +241,10 @@ def _check_schedule_flags(o: OptimizationConfig) -> None:
     for field in given:
         if not math.isfinite(getattr(o, field)) or getattr(o, field) < 0:
             raise ConfigError(flag_name(field), getattr(o, field), "expected a value >= 0")
+    if len(given) == 2 and o.end_weight_decay < o.start_weight_decay:
+        # megatron-core's scheduler asserts end_wd >= start_wd: the decay only increases
+        raise ConfigError("--end-weight-decay", o.end_weight_decay,
+                          f"must not be below --start-weight-decay ({o.start_weight_decay})")
     if o.override_opt_param_scheduler and o.use_checkpoint_opt_param_scheduler:
         raise ConfigError("--override-opt_param-scheduler", True, "give one of it and "
                           "--use-checkpoint-opt_param-scheduler")

@@ -372,7 +372,7 @@ class RunConfig:
         t, o = self.training, self.optimization
         batch = t.global_batch_size
         if t.train_samples is not None:
-            decay = o.lr_decay_samples or t.train_samples
+            decay = t.train_samples if o.lr_decay_samples is None else o.lr_decay_samples
             warmup = o.lr_warmup_samples
             wsd = o.lr_wsd_decay_samples
         else:

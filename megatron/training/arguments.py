@@ -168,7 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lr-warmup-samples", type=int,
                    help="samples of linear warmup (with --train-samples)")
     g.add_argument("--lr-warmup-fraction", type=float,
-                   help="warmup as a fraction of the decay (instead of iterations or samples)")
+                   help="warmup as a fraction of the decay, below 1 (instead of iterations or "
+                        "samples)")
     g.add_argument("--lr-decay-iters", type=int, help="iterations of decay (default: all)")
     g.add_argument("--lr-decay-samples", type=int,
                    help="samples of decay (with --train-samples; default: all)")
@@ -183,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lr-wsd-decay-samples", type=int, default=None,
                    help="WSD: samples of the final decay (with --train-samples)")
     g.add_argument("--lr-warmup-init", type=float, default=0.0,
-                   help="learning rate the linear warmup starts from (default 0)")
+                   help="learning rate the linear warmup starts from, 0 to --lr (default 0)")
     g.add_argument("--override-opt_param-scheduler", action="store_true",
                    help="with --load: this run's LR schedule flags, not the checkpoint's")
     g.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
@@ -204,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--adam-beta1", type=float, help="Adam beta1 (default 0.9)")
     g.add_argument("--adam-beta2", type=float, help="Adam beta2 (default 0.999)")
     g.add_argument("--adam-eps", type=float, help="Adam epsilon (default 1e-8)")
-    g.add_argument("--seed", type=int, help="initialization and data order (default 1234)")
+    g.add_argument("--seed", type=int, help="initialization and data order: 1 to 2^32 - 1 (default 1234)")
     prec = g.add_mutually_exclusive_group()
     prec.add_argument("--bf16", action="store_true", help="bf16 working parameters and gradients")
     prec.add_argument("--fp16", action="store_true",
