@@ -388,6 +388,19 @@ def test_what_megatrons_scheduler_seed_and_scaler_assert_is_one_line_before_anyt
 
 
 @pytest.mark.unit
+def test_save_interval_and_signal_handler_without_save_are_accepted_as_in_megatron():
+    """Megatron-LM 0.19 saves only with --save: without it the interval and a signal save
+    nothing, which the start says."""
+    from megatron.config.checks import run_notices
+
+    run = parse_args([*MOCK, "--save-interval", "2", "--exit-signal-handler"])
+    assert run.checkpointing.save is None and run.checkpointing.save_interval == 2
+    assert run_notices(run) == [
+        "--exit-signal-handler without --save: SIGTERM stops the run early and nothing will "
+        "be saved", "--save-interval 2 without --save: nothing will be saved"]
+
+
+@pytest.mark.unit
 def test_on_resume_the_schedule_is_the_checkpoints_unless_overridden():
     """--override-opt_param-scheduler: the resumed run's --lr; otherwise (and with
     --use-checkpoint-opt_param-scheduler) the checkpoint's."""

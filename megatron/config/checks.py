@@ -59,6 +59,12 @@ def run_notices(run: RunConfig) -> list[str]:
             if value is not None:
                 notices.append(f"{flag_name(field)} {value} without --save: the run may stop "
                                "early and nothing will be saved")
+        if run.exit.exit_signal_handler:
+            notices.append(f"--exit-signal-handler without --save: {run.exit.exit_signal} "
+                           "stops the run early and nothing will be saved")
+        if run.checkpointing.save_interval is not None:
+            notices.append(f"--save-interval {run.checkpointing.save_interval} without "
+                           "--save: nothing will be saved")
     return notices
 
 
@@ -252,14 +258,9 @@ def _check_schedule_flags(o: OptimizationConfig) -> None:
 
 def _check_checkpointing(run: RunConfig) -> None:
     c = run.checkpointing
+    # without --save, --save-interval saves nothing (Megatron-LM 0.19 saves only `if
+    # args.save and args.save_interval`, and a signal ends its run without a checkpoint)
     _positive(c.save_interval, "save_interval")
-    if c.save_interval is not None and c.save is None:
-        raise ConfigError("--save-interval", c.save_interval, "needs --save DIR")
-    if run.exit.exit_signal_handler and c.save is None:
-        # a signal would stop the run early with nothing saved: the progress is lost
-        raise ConfigError("--exit-signal-handler", True,
-                          "needs --save DIR (a signal stops the run early; without a "
-                          "checkpoint its progress is lost)")
     if c.finetune and c.load is None:
         raise ConfigError("--finetune", True, "needs --load DIR")
     _check_tokenizer(run)

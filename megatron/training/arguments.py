@@ -261,7 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="append one JSON object per iteration")
     g.add_argument("--save", default=None, metavar="DIR", help="checkpoint directory")
     g.add_argument("--save-interval", type=int,
-                   help="save every N iterations (and at the end, and on a clean exit)")
+                   help="with --save: save every N iterations (and at the end, and on a clean "
+                        "exit)")
     g.add_argument("--load", default=None, metavar="DIR",
                    help="resume from this checkpoint directory")
     g.add_argument("--load-optional", action="store_true",
