@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from megatron.config.errors import ConfigError
 from megatron.config.run import RunConfig
 from megatron.data.blend import data_blend
+from megatron.data.cache import CACHE_FLAG
 from megatron.data.checks import DataError
 from megatron.data.datasets import build_datasets, build_mock_datasets
 from megatron.data.demo_corpus import ensure_demo_corpus
@@ -76,8 +77,9 @@ def prepare_data(run: RunConfig, log: Callable[[str], object] = print) -> RunDat
             )
     except DataError as exc:
         if default_prefix is not None:  # the demo corpus: the user gave no --data-path
-            raise ConfigError("--data-cache-dir", os.path.dirname(default_prefix),
-                              f"{exc} (the demo corpus's cache; remove it to rebuild it)"
+            raise ConfigError(CACHE_FLAG, d.data_cache_dir,
+                              f"{exc} (the demo corpus in this cache: remove "
+                              f"{os.path.dirname(default_prefix)} to rebuild it)"
                               ) from None
         raise ConfigError(flag, " ".join(blend.all_prefixes()), str(exc)) from None
     if train_ds is None:
