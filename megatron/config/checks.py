@@ -53,6 +53,11 @@ def run_notices(run: RunConfig) -> list[str]:
     if run.precision.grad_reduce_in_bf16 and run.precision.dtype != "bf16":
         notices.append(f"--grad-reduce-in-bf16 with {run.precision.dtype}: no effect (as in "
                        "Megatron-LM, it applies to --bf16 runs)")
+    given, kind = run.model.vocab_size, run.data.tokenizer_type
+    if given is not None and run.vocab_size_given is None:
+        notices.append(f"--vocab-size {given} with --tokenizer-type {kind}: no effect (as in "
+                       "Megatron-LM 0.19, the model's vocabulary is the tokenizer's own, "
+                       "padded to a multiple of --make-vocab-size-divisible-by)")
     if run.checkpointing.save is None:
         for field in ("exit_interval", "exit_duration_in_mins"):
             value = getattr(run.exit, field)

@@ -344,6 +344,18 @@ class RunConfig:
         return self.training.global_batch_size * self.model.seq_length
 
     @property
+    def vocab_size_given(self) -> int | None:
+        """--vocab-size where it decides the model's vocabulary (before padding), as in
+        Megatron-LM 0.19: NullTokenizer's own size; without --tokenizer-type (this
+        project's tokenizer JSON, or no tokenizer read: --plan) the model's, as Megatron's
+        model built without a tokenizer. None with the tokenizers that know their
+        vocabulary (HuggingFace, SentencePiece, GPT-2 BPE): 0.19 gives them no vocab_size
+        and pads their own, so the flag has no effect there."""
+        if self.data.tokenizer_type not in (None, "NullTokenizer"):
+            return None
+        return self.model.vocab_size
+
+    @property
     def eval_interval(self) -> int | None:
         """--eval-interval; None (Megatron's default): only the evaluation at the end."""
         return self.evaluation.eval_interval

@@ -57,9 +57,10 @@ def prepare_data(run: RunConfig, log: Callable[[str], object] = print) -> RunDat
     log(f"tokenizer: {d.tokenizer_type or 'tokenizer JSON'} "
         f"({tokenizer_path or d.vocab_file or 'no files'}), vocabulary {tokenizer.vocab_size}, "
         f"end of document {tokenizer.eod}")
-    # Megatron's NullTokenizer reads --vocab-size as its own size (0.19: ids 0..N-1, eod N-1).
+    # Megatron's NullTokenizer reads --vocab-size as its own size (0.19: ids 0..N-1, eod N-1);
+    # the other types ignore it (RunConfig.vocab_size_given)
     vocab = (tokenizer.vocab_size if d.tokenizer_type == "NullTokenizer"
-             else run.model.vocab_size or tokenizer.vocab_size)
+             else run.vocab_size_given or tokenizer.vocab_size)
     if vocab < tokenizer.vocab_size:
         raise ConfigError("--vocab-size", vocab,
                           f"must be >= the tokenizer's vocabulary ({tokenizer.vocab_size})")

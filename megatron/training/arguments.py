@@ -147,7 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--hidden-dropout", type=float,
                    help="0 only (the default here): see README's differences")
     g.add_argument("--vocab-size", type=int,
-                   help="default: the tokenizer's vocabulary size (then padded)")
+                   help="NullTokenizer: its size N (ids 0..N-1); without --tokenizer-type: the "
+                        "model's vocabulary (default: the tokenizer's); no effect with the "
+                        "other types, which know their own (Megatron-LM 0.19); then padded")
     g.add_argument("--make-vocab-size-divisible-by", type=int,
                    help="pad the vocabulary to a multiple of this (default 128, Megatron's)")
     g.add_argument("--print-model-size", action="store_true",
@@ -236,9 +238,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokenizer JSON from tools/train_tokenizer.py (required with --data-path); "
                         "with --tokenizer-type: a Hugging Face directory or a SentencePiece model")
     g.add_argument("--tokenizer-type", default=None, metavar="|".join(TOKENIZER_TYPES),
-                   help="Megatron's tokenizer names; the model's vocabulary is the tokenizer's "
-                        "(NullTokenizer: --vocab-size N ids, the last the end of document, as "
-                        "Megatron-LM 0.19)")
+                   help="Megatron's tokenizer names; the model's vocabulary is the tokenizer's, "
+                        "--vocab-size has no effect (NullTokenizer: --vocab-size N ids, the "
+                        "last the end of document), as Megatron-LM 0.19")
     g.add_argument("--vocab-file", default=None, metavar="PATH",
                    help="GPT2BPETokenizer's vocab.json")
     g.add_argument("--merge-file", default=None, metavar="PATH",
