@@ -370,6 +370,10 @@ BOUNDS = ("expected an integer in [1, 4294967295] (Megatron-LM needs a positive 
     (["--train-iters", "3", "--lr-decay-style", "constant", "--lr-warmup-iters", "3"],
      "--lr-warmup-iters 3: must be below the decay's 3 (--lr-decay-iters, by default "
      "--train-iters)"),
+    (["--lr-decay-style", "constant", "--lr-decay-iters", "0"],
+     "--lr-decay-iters 0: expected a positive integer"),
+    (["--pipeline-model-parallel-size", "0"],
+     "--pipeline-model-parallel-size 0: expected a positive integer"),
 ])
 def test_what_megatrons_scheduler_seed_and_scaler_assert_is_one_line_before_anything(
         tmp_path, capsys, flags, line):
