@@ -342,6 +342,68 @@ def test_megatrons_checks_of_the_schedule_flags_are_one_line(capsys, flags, name
     assert code == 2 and len(lines) == 1 and named in lines[0], lines
 
 
+MOCK = [*SMALL, "--micro-batch-size", "2", "--global-batch-size", "4", "--mock-data",
+        "--tokenizer-type", "NullTokenizer", "--vocab-size", "500"]
+BOUNDS = ("expected an integer in [1, 4294967295] (Megatron-LM needs a positive seed; numpy, "
+          "which orders the data, one below 2**32)")
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("flags,line", [
+    (["--seed", "0"], f"--seed 0: {BOUNDS}"),
+    (["--seed", "-1"], f"--seed -1: {BOUNDS}"),
+    (["--seed", "4294967296"], f"--seed 4294967296: {BOUNDS}"),
+    (["--lr-warmup-init", "0.001"], "--lr-warmup-init 0.001: must not exceed --lr (0.0003)"),
+    (["--lr-warmup-init=-1e-5"], "--lr-warmup-init -1e-05: expected a value >= 0"),
+    (["--weight-decay-incr-style", "cosine", "--start-weight-decay", "0.1",
+      "--end-weight-decay", "0.01"],
+     "--end-weight-decay 0.01: must not be below --start-weight-decay (0.1)"),
+    (["--fp16", "--initial-loss-scale", "2", "--min-loss-scale", "4"],
+     "--min-loss-scale 4.0: must not exceed --initial-loss-scale (2.0)"),
+    (["--fp16", "--min-loss-scale", "1e10"],
+     "--min-loss-scale 10000000000.0: must not exceed --initial-loss-scale (4294967296.0)"),
+    (["--train-samples", "16", "--lr-decay-samples", "0"],
+     "--lr-decay-samples 0: expected a positive integer"),
+    (["--train-iters", "3", "--lr-warmup-fraction", "1.0"],
+     "--lr-warmup-fraction 1.0: expected a value in [0, 1) (the warmup must end before the "
+     "decay does)"),
+    (["--train-iters", "3", "--lr-decay-style", "constant", "--lr-warmup-iters", "3"],
+     "--lr-warmup-iters 3: must be below the decay's 3 (--lr-decay-iters, by default "
+     "--train-iters)"),
+    (["--lr-decay-style", "constant", "--lr-decay-iters", "0"],
+     "--lr-decay-iters 0: expected a positive integer"),
+    (["--pipeline-model-parallel-size", "0"],
+     "--pipeline-model-parallel-size 0: expected a positive integer"),
+])
+def test_what_megatrons_scheduler_seed_and_scaler_assert_is_one_line_before_anything(
+        tmp_path, capsys, flags, line):
+    """Values Megatron-LM 0.19 ends in a traceback (its seed check, megatron-core's
+    OptimizerParamScheduler and DynamicGradScaler asserts): one line naming the flag as
+    given, exit 2, and nothing written."""
+    from megatron.training.training import main
+
+    outputs = ["--save", str(tmp_path / "ckpt"), "--metrics-file", str(tmp_path / "m.jsonl"),
+               "--data-cache-path", str(tmp_path / "cache")]
+    with pytest.raises(SystemExit) as exc:
+        main([*MOCK, *outputs, *flags])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [f"pretrain_llama.py: error: {line}"]
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.unit
+def test_save_interval_and_signal_handler_without_save_are_accepted_as_in_megatron():
+    """Megatron-LM 0.19 saves only with --save: without it the interval and a signal save
+    nothing, which the start says."""
+    from megatron.config.checks import run_notices
+
+    run = parse_args([*MOCK, "--save-interval", "2", "--exit-signal-handler"])
+    assert run.checkpointing.save is None and run.checkpointing.save_interval == 2
+    assert run_notices(run) == [
+        "--exit-signal-handler without --save: SIGTERM stops the run early and nothing will "
+        "be saved", "--save-interval 2 without --save: nothing will be saved"]
+
+
 @pytest.mark.unit
 def test_on_resume_the_schedule_is_the_checkpoints_unless_overridden():
     """--override-opt_param-scheduler: the resumed run's --lr; otherwise (and with

@@ -187,16 +187,6 @@ def test_tiny_preset_learns_on_the_builtin_corpus(learning):
 
 # --- faults a user meets: progress lost, sizes, messages ------------------------------------
 
-def test_exit_signal_handler_without_save_is_refused_at_start(tmp_path, cache, capsys):
-    metrics = tmp_path / "m.jsonl"
-    code, out, err = run_in_process(capsys, *SMALL, "--exit-signal-handler",
-                                    "--metrics-file", str(metrics), cache=cache)
-    assert code == 2
-    assert err.strip().splitlines() == [err.strip()]  # one line
-    assert "--exit-signal-handler" in err and "needs --save" in err
-    assert not metrics.exists() and list(tmp_path.iterdir()) == []
-
-
 def test_exit_interval_without_save_says_nothing_will_be_saved_and_stops(tmp_path, cache):
     r = run_cli(*SMALL, "--train-iters", "4", "--exit-interval", "2", cache=cache)
     assert r.returncode == 0, r.stderr[-2000:]

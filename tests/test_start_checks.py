@@ -92,13 +92,31 @@ def test_a_cache_this_user_cannot_write_is_one_line(tmp_path):
 
     def lock_as_nobody() -> None:
         as_nobody()
-        with file_lock(str(cache / "corpus.lock")):
+        with file_lock(str(cache / "corpus.lock"), str(cache)):
             pass
 
     message = error_line_in_child(lock_as_nobody, (ConfigError,))
-    assert message == (f"--data-cache-dir {cache}: expected a cache directory this user can "
-                       "write (Permission denied); give another with --data-cache-dir or "
+    assert message == (f"--data-cache-path {cache}: expected a cache directory this user can "
+                       "write (Permission denied); give another with --data-cache-path or "
                        "$MEGATRON_SYSX_CACHE")
+
+
+def test_a_cache_path_through_a_file_names_the_flag_and_path_given(tmp_path, capsys):
+    """Not the index directory under it, nor the other spelling of the flag."""
+    from megatron.training.training import main
+
+    (tmp_path / "F").write_text("x")
+    given = tmp_path / "F" / "cache"
+    with pytest.raises(SystemExit) as exc:
+        main(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+              "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4",
+              "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "500",
+              "--data-cache-path", str(given)])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"pretrain_llama.py: error: --data-cache-path {given}: expected a cache directory "
+        "this user can write (Not a directory); give another with --data-cache-path or "
+        "$MEGATRON_SYSX_CACHE"]
 
 
 def _in_child(check) -> str:

@@ -176,3 +176,28 @@ def test_a_gpt2_file_this_user_may_not_read_is_one_line(files, unreadable):
         shutil.rmtree(folder)
     assert line.startswith(f"{unreadable} {path}: unreadable (Permission denied); expected a "
                            "GPT-2 ")
+
+
+@pytest.mark.parametrize("kind", ["HuggingFaceTokenizer", "Llama2Tokenizer", "GPT2BPETokenizer"])
+def test_vocab_size_leaves_a_tokenizer_that_knows_its_vocabulary_alone_as_megatron_019(
+        files, kind, tmp_path):
+    """Megatron-LM 0.19 gives these tokenizers no vocab_size and pads their own: the 0.19
+    LLaMA example's --vocab-size 128256 beside a small tokenizer builds the tokenizer's
+    rows, not 128256, and the start says the flag had no effect."""
+    from megatron.config.checks import run_notices
+    from megatron.data.run_data import prepare_data
+    from megatron.training.arguments import parse_args
+
+    flags = {"HuggingFaceTokenizer": ["--tokenizer-model", files.hf_dir],
+             "Llama2Tokenizer": ["--tokenizer-model", files.sp_model],
+             "GPT2BPETokenizer": ["--vocab-file", files.gpt2_vocab,
+                                  "--merge-file", files.gpt2_merges]}[kind]
+    run = parse_args(["--model-preset", "tiny", "--train-iters", "2", "--eval-iters", "0",
+                      "--mock-data", "--tokenizer-type", kind, *flags, "--vocab-size", "128256",
+                      "--data-cache-path", str(tmp_path)])
+    data = prepare_data(run, log=lambda line: None)
+    own = data.tokenizer.vocab_size
+    assert own < 512 and data.vocab_size == run.model.padded_vocab_size(own)
+    assert (f"--vocab-size 128256 with --tokenizer-type {kind}: no effect (as in Megatron-LM "
+            "0.19, the model's vocabulary is the tokenizer's own, padded to a multiple of "
+            "--make-vocab-size-divisible-by)") in run_notices(run)

@@ -212,6 +212,20 @@ def test_another_tokenizer_or_padding_is_named_once_the_vocabulary_is_known():
         check_checkpoint_vocabulary(divisor, saved, "/ckpt", 4096, vocab_rows=5000)
 
 
+def test_with_a_tokenizer_that_knows_its_vocabulary_the_tokenizer_is_named_not_vocab_size():
+    """Megatron-LM 0.19's --tokenizer-type HuggingFaceTokenizer ignores --vocab-size: the
+    rows are the tokenizer's, checked once it is read, and the line names the tokenizer."""
+    hf = parse_args([*TINY, "--data-path", "d", "--tokenizer-type", "HuggingFaceTokenizer",
+                     "--tokenizer-model", "/tok/hf", "--vocab-size", "5000"])
+    check_checkpoint_vocabulary(hf, {}, "/ckpt", 4096)  # not known before the data
+    with pytest.raises(ConfigError) as exc:
+        check_checkpoint_vocabulary(hf, {}, "/ckpt", 4096, vocab_rows=384)
+    assert str(exc.value) == (
+        "--tokenizer-model /tok/hf: its vocabulary pads to 384 rows (a multiple of "
+        "--make-vocab-size-divisible-by 128); the checkpoint in /ckpt has 4096 (its embedding "
+        "and output layer rows): the checkpoint of another tokenizer")
+
+
 def test_model_flags_must_match_the_checkpoint():
     run = parse_args([*TINY, "--num-layers", "6"])
     saved = parse_args(TINY).flags()

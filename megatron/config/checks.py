@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from megatron.config.placement import StateStorage
     from megatron.config.run import OptimizationConfig, RunConfig
 
+MAX_SEED = 2**32 - 1  # numpy's RandomState, which megatron-core's dataset indices use
 REQUIRED_MODEL_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size",
                          "num_attention_heads", "seq_length")
 FINITE_FIELDS = (("optimization", "lr"), ("optimization", "min_lr"),
@@ -52,12 +53,23 @@ def run_notices(run: RunConfig) -> list[str]:
     if run.precision.grad_reduce_in_bf16 and run.precision.dtype != "bf16":
         notices.append(f"--grad-reduce-in-bf16 with {run.precision.dtype}: no effect (as in "
                        "Megatron-LM, it applies to --bf16 runs)")
+    given, kind = run.model.vocab_size, run.data.tokenizer_type
+    if given is not None and run.vocab_size_given is None:
+        notices.append(f"--vocab-size {given} with --tokenizer-type {kind}: no effect (as in "
+                       "Megatron-LM 0.19, the model's vocabulary is the tokenizer's own, "
+                       "padded to a multiple of --make-vocab-size-divisible-by)")
     if run.checkpointing.save is None:
         for field in ("exit_interval", "exit_duration_in_mins"):
             value = getattr(run.exit, field)
             if value is not None:
                 notices.append(f"{flag_name(field)} {value} without --save: the run may stop "
                                "early and nothing will be saved")
+        if run.exit.exit_signal_handler:
+            notices.append(f"--exit-signal-handler without --save: {run.exit.exit_signal} "
+                           "stops the run early and nothing will be saved")
+        if run.checkpointing.save_interval is not None:
+            notices.append(f"--save-interval {run.checkpointing.save_interval} without "
+                           "--save: nothing will be saved")
     return notices
 
 
@@ -85,6 +97,11 @@ def _check_sizes(run: RunConfig) -> None:
     _positive(run.logging.tensorboard_log_interval, "tensorboard_log_interval")
     _positive(run.logging.tensorboard_queue_size, "tensorboard_queue_size")
     _positive(run.parallel.distributed_timeout_minutes, "distributed_timeout_minutes")
+    _positive(run.parallel.pipeline_model_parallel_size, "pipeline_model_parallel_size")
+    if not 1 <= t.seed <= MAX_SEED:
+        raise ConfigError("--seed", t.seed, f"expected an integer in [1, {MAX_SEED}] "
+                          "(Megatron-LM needs a positive seed; numpy, which orders the data, "
+                          "one below 2**32)")
 
 
 def _check_values(run: RunConfig) -> None:
@@ -102,6 +119,10 @@ def _check_values(run: RunConfig) -> None:
             raise ConfigError(flag_name(field), getattr(p, field), "expected a value > 0")
     if p.loss_scale is not None and not (math.isfinite(p.loss_scale) and p.loss_scale > 0):
         raise ConfigError("--loss-scale", p.loss_scale, "expected a finite value > 0")
+    if p.fp16 and p.loss_scale is None and p.min_loss_scale > p.initial_loss_scale:
+        # megatron-core's DynamicGradScaler asserts min_scale <= initial_scale
+        raise ConfigError("--min-loss-scale", p.min_loss_scale, "must not exceed "
+                          f"--initial-loss-scale ({p.initial_loss_scale})")
     m = run.model
     for field in ("norm_epsilon", "init_method_std"):
         if getattr(m, field) <= 0:
@@ -114,8 +135,9 @@ def _check_values(run: RunConfig) -> None:
                               "not supported: 0 only (LLaMA trains without dropout, and the "
                               "backward stage recomputes on another GPU without the mask)")
     fraction = o.lr_warmup_fraction
-    if fraction is not None and not 0.0 <= fraction <= 1.0:
-        raise ConfigError("--lr-warmup-fraction", fraction, "expected a value in [0, 1]")
+    if fraction is not None and not 0.0 <= fraction < 1.0:
+        raise ConfigError("--lr-warmup-fraction", fraction, "expected a value in [0, 1) (the "
+                          "warmup must end before the decay does)")
     _positive(run.evaluation.eval_interval, "eval_interval")
     _positive(run.exit.exit_interval, "exit_interval")
     if run.evaluation.eval_iters is not None and run.evaluation.eval_iters < 0:
@@ -191,6 +213,11 @@ def _check_optimization(run: RunConfig) -> None:
             raise ConfigError(flag_name(field), getattr(o, field), "expected a value >= 0")
     if o.min_lr > o.lr:
         raise ConfigError("--min-lr", o.min_lr, f"must not exceed --lr ({o.lr})")
+    # megatron-core's OptimizerParamScheduler asserts 0 <= init_lr <= max_lr
+    if o.lr_warmup_init < 0:
+        raise ConfigError("--lr-warmup-init", o.lr_warmup_init, "expected a value >= 0")
+    if o.lr_warmup_init > o.lr:
+        raise ConfigError("--lr-warmup-init", o.lr_warmup_init, f"must not exceed --lr ({o.lr})")
     for field in ("adam_beta1", "adam_beta2"):
         if not 0.0 <= getattr(o, field) < 1.0:
             raise ConfigError(flag_name(field), getattr(o, field), "expected a value in [0, 1)")
@@ -199,11 +226,15 @@ def _check_optimization(run: RunConfig) -> None:
         raise ConfigError("--lr-warmup-iters", o.lr_warmup_iters, "expected >= 0")
     if o.lr_warmup_samples < 0:
         raise ConfigError("--lr-warmup-samples", o.lr_warmup_samples, "expected >= 0")
-    _, warmup, decay, _ = run.lr_schedule_steps
-    if o.lr_decay_style not in ("constant", "WSD") and decay <= warmup:
-        unit = "samples" if run.training.train_samples is not None else "iters"
-        raise ConfigError(f"--lr-decay-{unit}", decay if unit == "samples" else o.lr_decay_iters,
-                          f"must exceed the warmup (--lr-warmup-{unit} or -fraction)")
+    # megatron-core's scheduler asserts decay > 0 and warmup < decay, whatever the style
+    unit = "samples" if run.training.train_samples is not None else "iters"
+    _positive(getattr(o, f"lr_decay_{unit}"), f"lr_decay_{unit}")
+    warmup = getattr(o, f"lr_warmup_{unit}")
+    decay = o.lr_decay_iters if unit == "iters" else run.lr_schedule_steps[2]
+    if o.lr_warmup_fraction is None and warmup >= decay:
+        # the warmup is the flag given: the decay may be a default (--train-iters/-samples)
+        raise ConfigError(f"--lr-warmup-{unit}", warmup, f"must be below the decay's {decay} "
+                          f"(--lr-decay-{unit}, by default --train-{unit})")
     if o.lr_decay_style == "WSD" and run.lr_schedule_steps[3] is None:
         raise ConfigError("--lr-decay-style", "WSD", "needs --lr-wsd-decay-iters (or "
                           "--lr-wsd-decay-samples with --train-samples)")
@@ -221,6 +252,10 @@ def _check_schedule_flags(o: OptimizationConfig) -> None:
     for field in given:
         if not math.isfinite(getattr(o, field)) or getattr(o, field) < 0:
             raise ConfigError(flag_name(field), getattr(o, field), "expected a value >= 0")
+    if len(given) == 2 and o.end_weight_decay < o.start_weight_decay:
+        # megatron-core's scheduler asserts end_wd >= start_wd: the decay only increases
+        raise ConfigError("--end-weight-decay", o.end_weight_decay,
+                          f"must not be below --start-weight-decay ({o.start_weight_decay})")
     if o.override_opt_param_scheduler and o.use_checkpoint_opt_param_scheduler:
         raise ConfigError("--override-opt_param-scheduler", True, "give one of it and "
                           "--use-checkpoint-opt_param-scheduler")
@@ -228,14 +263,9 @@ def _check_schedule_flags(o: OptimizationConfig) -> None:
 
 def _check_checkpointing(run: RunConfig) -> None:
     c = run.checkpointing
+    # without --save, --save-interval saves nothing (Megatron-LM 0.19 saves only `if
+    # args.save and args.save_interval`, and a signal ends its run without a checkpoint)
     _positive(c.save_interval, "save_interval")
-    if c.save_interval is not None and c.save is None:
-        raise ConfigError("--save-interval", c.save_interval, "needs --save DIR")
-    if run.exit.exit_signal_handler and c.save is None:
-        # a signal would stop the run early with nothing saved: the progress is lost
-        raise ConfigError("--exit-signal-handler", True,
-                          "needs --save DIR (a signal stops the run early; without a "
-                          "checkpoint its progress is lost)")
     if c.finetune and c.load is None:
         raise ConfigError("--finetune", True, "needs --load DIR")
     _check_tokenizer(run)

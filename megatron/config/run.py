@@ -344,6 +344,18 @@ class RunConfig:
         return self.training.global_batch_size * self.model.seq_length
 
     @property
+    def vocab_size_given(self) -> int | None:
+        """--vocab-size where it decides the model's vocabulary (before padding), as in
+        Megatron-LM 0.19: NullTokenizer's own size; without --tokenizer-type (this
+        project's tokenizer JSON, or no tokenizer read: --plan) the model's, as Megatron's
+        model built without a tokenizer. None with the tokenizers that know their
+        vocabulary (HuggingFace, SentencePiece, GPT-2 BPE): 0.19 gives them no vocab_size
+        and pads their own, so the flag has no effect there."""
+        if self.data.tokenizer_type not in (None, "NullTokenizer"):
+            return None
+        return self.model.vocab_size
+
+    @property
     def eval_interval(self) -> int | None:
         """--eval-interval; None (Megatron's default): only the evaluation at the end."""
         return self.evaluation.eval_interval
@@ -372,7 +384,7 @@ class RunConfig:
         t, o = self.training, self.optimization
         batch = t.global_batch_size
         if t.train_samples is not None:
-            decay = o.lr_decay_samples or t.train_samples
+            decay = t.train_samples if o.lr_decay_samples is None else o.lr_decay_samples
             warmup = o.lr_warmup_samples
             wsd = o.lr_wsd_decay_samples
         else:

@@ -10,6 +10,9 @@ from collections.abc import Iterator
 
 from megatron.config.errors import ConfigError
 
+# Megatron-LM's name of the flag (--data-cache-dir is this project's older spelling of it)
+CACHE_FLAG = "--data-cache-path"
+
 
 def default_cache_dir() -> str:
     """$MEGATRON_SYSX_CACHE, else ~/.cache/megatron-sysx."""
@@ -19,18 +22,18 @@ def default_cache_dir() -> str:
 
 
 @contextlib.contextmanager
-def file_lock(path: str) -> Iterator[None]:
-    """An exclusive advisory lock (fcntl.flock) on `path`, released on exit or process death.
-    A cache this user cannot write (a read-only $MEGATRON_SYSX_CACHE or HOME) is bad input:
-    one line naming the directory and how to choose another."""
-    directory = os.path.dirname(os.path.abspath(path))
+def file_lock(path: str, cache_dir: str) -> Iterator[None]:
+    """An exclusive advisory lock (fcntl.flock) on `path` under `cache_dir`, released on exit
+    or process death. A cache this user cannot write (a read-only $MEGATRON_SYSX_CACHE or
+    HOME, a file in the path) is bad input: one line naming the cache directory as given
+    (not the entry under it) and how to choose another."""
     try:
-        os.makedirs(directory, exist_ok=True)
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         handle = open(path, "a+")  # noqa: SIM115 - closed below
     except OSError as exc:
-        raise ConfigError("--data-cache-dir", directory,
+        raise ConfigError(CACHE_FLAG, cache_dir,
                           f"expected a cache directory this user can write ({exc.strerror}); "
-                          "give another with --data-cache-dir or $MEGATRON_SYSX_CACHE"
+                          f"give another with {CACHE_FLAG} or $MEGATRON_SYSX_CACHE"
                           ) from None
     with handle:
         fcntl.flock(handle, fcntl.LOCK_EX)

@@ -91,11 +91,11 @@ def build_datasets(
         path_to_cache=index_dir,
     )
 
-    return _build_cached(SplitGPTDataset, sizes, config, index_dir)
+    return _build_cached(SplitGPTDataset, sizes, config, index_dir, cache_dir)
 
 
 def _build_cached(dataset_class: type, sizes: list[int], config: GPTDatasetConfig,
-                  index_dir: str) -> list:
+                  index_dir: str, cache_dir: str | None) -> list:
     """megatron-core's builder, its indices cached in `index_dir`. Collective under
     torch.distributed: rank 0 builds under a file lock, the others read after megatron's
     barrier (so the lock never spans a collective they must join)."""
@@ -106,7 +106,7 @@ def _build_cached(dataset_class: type, sizes: list[int], config: GPTDatasetConfi
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     if distributed and torch.distributed.get_rank() != 0:
         return build()
-    with file_lock(index_dir + ".lock"):
+    with file_lock(index_dir + ".lock", cache_dir or default_cache_dir()):
         try:
             return build()
         except DataError:
@@ -166,7 +166,7 @@ def build_mock_datasets(tokenizer, seq_length: int, sizes: list[int], seed: int,
                               reset_position_ids=False, reset_attention_mask=False,
                               eod_mask_loss=False, create_attention_mask=False,
                               path_to_cache=index_dir)
-    return _build_cached(MockGPTDataset, sizes, config, index_dir)
+    return _build_cached(MockGPTDataset, sizes, config, index_dir, cache_dir)
 
 
 def _index_cache_dir(data_prefixes: str, cache_dir: str | None) -> str:

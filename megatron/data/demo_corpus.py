@@ -68,7 +68,7 @@ def ensure_demo_corpus(
     if os.path.isdir(final_dir):
         return corpus
     # file_lock creates the cache directory (one line when it cannot)
-    with file_lock(os.path.join(cache, name + ".lock")):
+    with file_lock(os.path.join(cache, name + ".lock"), cache):
         if os.path.isdir(final_dir):  # another process built it while we waited
             return corpus
         # Leftovers of a killed build: safe to remove, no one else builds while we hold the lock.

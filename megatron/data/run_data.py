@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from megatron.config.errors import ConfigError
 from megatron.config.run import RunConfig
 from megatron.data.blend import data_blend
+from megatron.data.cache import CACHE_FLAG
 from megatron.data.checks import DataError
 from megatron.data.datasets import build_datasets, build_mock_datasets
 from megatron.data.demo_corpus import ensure_demo_corpus
@@ -56,9 +57,10 @@ def prepare_data(run: RunConfig, log: Callable[[str], object] = print) -> RunDat
     log(f"tokenizer: {d.tokenizer_type or 'tokenizer JSON'} "
         f"({tokenizer_path or d.vocab_file or 'no files'}), vocabulary {tokenizer.vocab_size}, "
         f"end of document {tokenizer.eod}")
-    # Megatron's NullTokenizer reads --vocab-size as its own size (0.19: ids 0..N-1, eod N-1).
+    # Megatron's NullTokenizer reads --vocab-size as its own size (0.19: ids 0..N-1, eod N-1);
+    # the other types ignore it (RunConfig.vocab_size_given)
     vocab = (tokenizer.vocab_size if d.tokenizer_type == "NullTokenizer"
-             else run.model.vocab_size or tokenizer.vocab_size)
+             else run.vocab_size_given or tokenizer.vocab_size)
     if vocab < tokenizer.vocab_size:
         raise ConfigError("--vocab-size", vocab,
                           f"must be >= the tokenizer's vocabulary ({tokenizer.vocab_size})")
@@ -76,8 +78,9 @@ def prepare_data(run: RunConfig, log: Callable[[str], object] = print) -> RunDat
             )
     except DataError as exc:
         if default_prefix is not None:  # the demo corpus: the user gave no --data-path
-            raise ConfigError("--data-cache-dir", os.path.dirname(default_prefix),
-                              f"{exc} (the demo corpus's cache; remove it to rebuild it)"
+            raise ConfigError(CACHE_FLAG, d.data_cache_dir,
+                              f"{exc} (the demo corpus in this cache: remove "
+                              f"{os.path.dirname(default_prefix)} to rebuild it)"
                               ) from None
         raise ConfigError(flag, " ".join(blend.all_prefixes()), str(exc)) from None
     if train_ds is None:

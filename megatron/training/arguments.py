@@ -147,7 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--hidden-dropout", type=float,
                    help="0 only (the default here): see README's differences")
     g.add_argument("--vocab-size", type=int,
-                   help="default: the tokenizer's vocabulary size (then padded)")
+                   help="NullTokenizer: its size N (ids 0..N-1); without --tokenizer-type: the "
+                        "model's vocabulary (default: the tokenizer's); no effect with the "
+                        "other types, which know their own (Megatron-LM 0.19); then padded")
     g.add_argument("--make-vocab-size-divisible-by", type=int,
                    help="pad the vocabulary to a multiple of this (default 128, Megatron's)")
     g.add_argument("--print-model-size", action="store_true",
@@ -168,7 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lr-warmup-samples", type=int,
                    help="samples of linear warmup (with --train-samples)")
     g.add_argument("--lr-warmup-fraction", type=float,
-                   help="warmup as a fraction of the decay (instead of iterations or samples)")
+                   help="warmup as a fraction of the decay, below 1 (instead of iterations or "
+                        "samples)")
     g.add_argument("--lr-decay-iters", type=int, help="iterations of decay (default: all)")
     g.add_argument("--lr-decay-samples", type=int,
                    help="samples of decay (with --train-samples; default: all)")
@@ -183,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lr-wsd-decay-samples", type=int, default=None,
                    help="WSD: samples of the final decay (with --train-samples)")
     g.add_argument("--lr-warmup-init", type=float, default=0.0,
-                   help="learning rate the linear warmup starts from (default 0)")
+                   help="learning rate the linear warmup starts from, 0 to --lr (default 0)")
     g.add_argument("--override-opt_param-scheduler", action="store_true",
                    help="with --load: this run's LR schedule flags, not the checkpoint's")
     g.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
@@ -204,7 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--adam-beta1", type=float, help="Adam beta1 (default 0.9)")
     g.add_argument("--adam-beta2", type=float, help="Adam beta2 (default 0.999)")
     g.add_argument("--adam-eps", type=float, help="Adam epsilon (default 1e-8)")
-    g.add_argument("--seed", type=int, help="initialization and data order (default 1234)")
+    g.add_argument("--seed", type=int, help="initialization and data order: 1 to 2^32 - 1 (default 1234)")
     prec = g.add_mutually_exclusive_group()
     prec.add_argument("--bf16", action="store_true", help="bf16 working parameters and gradients")
     prec.add_argument("--fp16", action="store_true",
@@ -235,9 +238,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokenizer JSON from tools/train_tokenizer.py (required with --data-path); "
                         "with --tokenizer-type: a Hugging Face directory or a SentencePiece model")
     g.add_argument("--tokenizer-type", default=None, metavar="|".join(TOKENIZER_TYPES),
-                   help="Megatron's tokenizer names; the model's vocabulary is the tokenizer's "
-                        "(NullTokenizer: --vocab-size N ids, the last the end of document, as "
-                        "Megatron-LM 0.19)")
+                   help="Megatron's tokenizer names; the model's vocabulary is the tokenizer's, "
+                        "--vocab-size has no effect (NullTokenizer: --vocab-size N ids, the "
+                        "last the end of document), as Megatron-LM 0.19")
     g.add_argument("--vocab-file", default=None, metavar="PATH",
                    help="GPT2BPETokenizer's vocab.json")
     g.add_argument("--merge-file", default=None, metavar="PATH",
@@ -260,7 +263,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="append one JSON object per iteration")
     g.add_argument("--save", default=None, metavar="DIR", help="checkpoint directory")
     g.add_argument("--save-interval", type=int,
-                   help="save every N iterations (and at the end, and on a clean exit)")
+                   help="with --save: save every N iterations (and at the end, and on a clean "
+                        "exit)")
     g.add_argument("--load", default=None, metavar="DIR",
                    help="resume from this checkpoint directory")
     g.add_argument("--load-optional", action="store_true",

@@ -47,7 +47,7 @@ class LRSchedule:
             max_lr=o.lr,
             min_lr=o.min_lr,
             lr_warmup_steps=warmup,
-            lr_decay_steps=max(decay, warmup + 1),
+            lr_decay_steps=decay,
             lr_decay_style=o.lr_decay_style,
             start_wd=o.weight_decay if o.start_weight_decay is None else o.start_weight_decay,
             end_wd=o.weight_decay if o.end_weight_decay is None else o.end_weight_decay,

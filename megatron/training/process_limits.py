@@ -96,7 +96,7 @@ def check_address_space(run: RunConfig, own_state_bytes: int) -> None:
 def check_process_limits(run: RunConfig, world_size: int) -> None:
     """Both checks; the optimizer states are shared out over the pipeline's ranks."""
     check_open_files(world_size)
-    params = run.model.parameters(run.model.vocab_size or 1).total
+    params = run.model.parameters(run.vocab_size_given or 1).total
     share = params * run.precision.optimizer_bytes_per_param // max(
         world_size // run.data_parallel_size, 1)
     check_address_space(run, share)

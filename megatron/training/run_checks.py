@@ -172,10 +172,11 @@ def check_checkpoint_vocabulary(run: RunConfig, saved: dict | None, where: str,
     m = run.model
     if saved_vocab_rows is None:
         return
+    given = run.vocab_size_given
     if vocab_rows is None:
-        if m.vocab_size is None or run.data.tokenizer_type == "NullTokenizer":
+        if given is None or run.data.tokenizer_type == "NullTokenizer":
             return  # the tokenizer decides: checked again after the data
-        vocab_rows = m.padded_vocab_size(m.vocab_size)
+        vocab_rows = m.padded_vocab_size(given)
     if vocab_rows == saved_vocab_rows:
         return
     divisor = m.make_vocab_size_divisible_by
@@ -187,13 +188,15 @@ def check_checkpoint_vocabulary(run: RunConfig, saved: dict | None, where: str,
                           f"the vocabulary pads to {vocab_rows} rows; {theirs}, padded to a "
                           f"multiple of {saved_divisor}")
     pads = f"pads to {vocab_rows} rows (a multiple of --make-vocab-size-divisible-by {divisor})"
-    if m.vocab_size is not None:
-        raise ConfigError("--vocab-size", m.vocab_size, f"{pads}; {theirs}")
+    if given is not None:
+        raise ConfigError("--vocab-size", given, f"{pads}; {theirs}")
     d = run.data
     flag, value = (("--tokenizer-model", d.tokenizer_model) if d.tokenizer_model
                    else ("--tokenizer-type", d.tokenizer_type or "the demo corpus's"))
+    # --vocab-size widens only this project's tokenizer JSON (Megatron's types ignore it)
+    hint = " (give --vocab-size to pad to its rows)" if d.tokenizer_type is None else ""
     raise ConfigError(flag, value, f"its vocabulary {pads}; {theirs}: the checkpoint of "
-                      "another tokenizer (give --vocab-size to pad to its rows)")
+                      f"another tokenizer{hint}")
 
 
 def check_schedule_size(run: RunConfig, pipeline_size: int) -> None:

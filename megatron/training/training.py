@@ -125,8 +125,8 @@ def check_before_start(run: RunConfig, dist_info: DistInfo) -> None:
     check_load_dir(run)  # the checks that create nothing first
     check_scalar_sinks(run)
     check_output_paths(run)
-    check_save_space(run, run.model.vocab_size)  # again with the tokenizer's vocabulary
-    check_nvme_space(run, run.model.vocab_size)
+    check_save_space(run, run.vocab_size_given)  # again with the tokenizer's vocabulary
+    check_nvme_space(run, run.vocab_size_given)
 
 
 class TrainingLoop:
@@ -190,7 +190,7 @@ class TrainingLoop:
         if not runs_pipeline(run, self.dist_info.world_size):
             # before the data: the vocabulary given, or 1 (a lower bound; checked again
             # with the tokenizer's below), so that a run far too large stops at once
-            refuse_single_process_that_does_not_fit(run, run.model.vocab_size or 1,
+            refuse_single_process_that_does_not_fit(run, run.vocab_size_given or 1,
                                                     self.dist_info.device)
         with setup_phase("data", log):
             self.data = prepare_data(run, log=log)
