@@ -673,7 +673,8 @@ def test_validation_loss_is_a_forward_only_evaluation_of_the_final_weights(
 
 def test_logs_and_tensorboard_carry_megatrons_names(reference, two_processes):
     assert " validation loss at iteration 5 | lm loss value: " in reference.stdout
-    assert " validation loss at the end of training for test data | " in reference.stdout
+    assert " validation loss at iteration 5 on validation set | " in reference.stdout
+    assert " validation loss at iteration 5 on test set | " in reference.stdout
     assert "setup: data done in" in reference.stdout and "eta: " in reference.stdout
     for out, pipeline in ((reference.out, False), (ScheduleRun(two_processes, "decoupled").out, True)):
         events = EventAccumulator(str(out / "tb"))

@@ -305,10 +305,11 @@ class TrainingLoop:
         if stopped is None and run.eval_iters > 0:
             datasets = self.data.datasets
             self.evaluate(datasets.valid, run.evaluations - 1, t.train_iters,
-                          "the end of training for val data", "validation", end=True)
+                          f"iteration {t.train_iters} on validation set", "validation",
+                          end=True)
             if datasets.test is not None:
                 self.evaluate(datasets.test, 0, t.train_iters,
-                              "the end of training for test data", "test", end=True)
+                              f"iteration {t.train_iters} on test set", "test", end=True)
 
     def _iteration(self, iteration: int) -> None:
         run, schedule = self.run, self.schedule
