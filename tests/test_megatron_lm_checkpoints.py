@@ -261,10 +261,12 @@ def test_a_skipped_iteration_leaves_the_lr_schedule_and_is_counted_per_log_inter
     after updates, the logged LR is the one after the step, and each log line counts the
     skipped iterations since the previous one."""
     argv = [*FLAGS, "--train-iters", "4", "--fp16", "--initial-loss-scale", "1024",
-            "--inject-overflow", "2,0,0",
+            "--hysteresis", "1", "--inject-overflow", "2,0,0",
             "--log-interval", "2", "--data-cache-path", str(tmp_path)]
     records = train(parse_args(argv), one_process)
     assert [r["skipped"] for r in records] == [False, True, False, False]
+    # the scale after each update, as Megatron logs it: backed off by the overflow
+    assert [r["loss_scale"] for r in records] == [1024, 512, 512, 512]
     updates = [1, 1, 2, 3]  # successful steps after each iteration
     assert [r["lr"] for r in records] == pytest.approx(
         [megatron_lr_after(n * BATCH, train_iters=4) for n in updates], rel=1e-12)

@@ -347,7 +347,8 @@ def test_fp16_overflow_skips_the_iteration_on_every_rank(reference, tmp_path):
     assert_same_training(run, ref, rel=1e-3)
     rows = metrics(run)
     assert [m["skipped"] for m in rows] == [False, False, True, False, False]
-    assert [m["loss_scale"] for m in rows] == [1024, 1024, 1024, 512, 512]
+    # the scale after each update, as Megatron logs it: halved by iteration 3's overflow
+    assert [m["loss_scale"] for m in rows] == [1024, 1024, 512, 512, 512]
 
 
 def test_decoupled_steps_while_its_rank_computes_and_mobius_after(tmp_path, reference):
