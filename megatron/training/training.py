@@ -40,7 +40,7 @@ from megatron.planning.evaluate import plan_hardware, run_hardware
 from megatron.planning.report import candidates_text, model_size, run_plan
 from megatron.planning.search import auto_configure
 from megatron.planning.shape import check_pipeline_shape
-from megatron.schedules.cost_model import model_flops_per_token
+from megatron.schedules.cost_model import megatron_model_flops_per_token
 from megatron.training.arguments import exit_bad_input, parse_args
 from megatron.training.checkpoint_format import saved_args, saved_vocab_rows
 from megatron.training.checkpointing import (
@@ -209,7 +209,7 @@ class TrainingLoop:
             warn(f"the checkpoint in {load} was saved with another tokenizer (of the same "
                  "vocabulary size): its token ids stand for other text now", self.dist_info)
         model_cfg = LlamaConfig.from_model(run.model, self.data.vocab_size, run.training.seed)
-        self.flops_per_token = model_flops_per_token(
+        self.flops_per_token = megatron_model_flops_per_token(
             replace(run.model, vocab_size=self.data.vocab_size))
         self.model_cfg = model_cfg
         torch.manual_seed(run.training.seed)
