@@ -43,7 +43,7 @@ from megatron.models.llama import (  # noqa: E402
     transformer_config,
     uses_weight_decay,
 )
-from megatron.schedules.cost_model import model_flops_per_token  # noqa: E402
+from megatron.schedules.cost_model import megatron_model_flops_per_token  # noqa: E402
 from megatron.schedules.gpu_peaks import datasheet_peak_flops  # noqa: E402
 from megatron.training.distributed import initialize_distributed, shutdown_distributed  # noqa: E402
 
@@ -217,7 +217,7 @@ def measure(args: argparse.Namespace) -> dict:
     batches = random_batches(args, shape.planned_vocab_size,
                              args.global_batch_size // args.micro_batch_size)
     tokens = args.global_batch_size * args.seq_length
-    flops = model_flops_per_token(shape) * tokens
+    flops = megatron_model_flops_per_token(shape) * tokens
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     peak = datasheet_peak_flops(name, args.dtype) if args.dtype != "fp32" else None
     times: dict[str, list[float]] = {v: [] for v in args.variants}

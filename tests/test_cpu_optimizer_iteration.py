@@ -73,6 +73,7 @@ def test_injected_overflow_rolls_back_every_group_and_backs_off(exact):
         assert result.overflow_groups == (1,)
         assert result.rolled_back_groups == (0, 2)
         assert opt.scaler.scale == 2.0**9
+        assert result.loss_scale == 2.0**9  # the backed-off scale, as Megatron logs it
         assert same(snapshot(opt, outs), before, exact)
         assert [opt.optimizer.step_count(s) for s in range(3)] == [1, 1, 1]
         # the next iteration proceeds as if the skipped one never happened

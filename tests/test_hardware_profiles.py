@@ -7,11 +7,13 @@ import json
 
 import pytest
 
+from megatron.config.model import ModelConfig
 from megatron.config.presets import get_preset
 from megatron.schedules.cost_model import (
     derived_costs,
     head_forward_flops_per_token,
     layer_forward_flops_per_token,
+    megatron_model_flops_per_token,
     model_partition,
 )
 from megatron.schedules.generators import build_schedule
@@ -269,6 +271,25 @@ def test_a_measured_head_is_priced_at_its_passes_and_scales_by_its_flops():
         head_forward_flops_per_token(preset)
         / layer_forward_flops_per_token(preset, preset.seq_length))
     assert backward / forward == pytest.approx(layer[1] / layer[0])
+
+
+def test_model_flops_are_megatron_0_19s_count():
+    """megatron/training/training.py num_floating_point_operations (transformer_flops) of
+    0.19 written out for a dense GPT with --swiglu and --group-query-attention, per global
+    batch: query heads x --kv-channels (here twice hidden / heads) wide, the causal mask
+    halving the attention core, the logits over the padded vocabulary."""
+    model = ModelConfig("gqa", num_layers=3, hidden_size=64, ffn_hidden_size=176,
+                        num_attention_heads=4, num_query_groups=2, seq_length=48,
+                        vocab_size=1000, kv_channels=32)
+    batch, s, h, layers = 5, 48, 64, 3
+    query = 32 * 4
+    key = value = 32 * 2
+    self_attn_term = 3 * 2 * (h * (query + key + value) + query * h)
+    self_attn_core_term = 3 * 2 * query / 2 * 2 * layers
+    flops = (batch * s * (3 * 2 * h * (176 * 3) * layers + self_attn_term * layers
+                          + 3 * 2 * h * 1024)  # 1000 padded to a multiple of 128
+             + batch * s * s * self_attn_core_term)
+    assert megatron_model_flops_per_token(model) * batch * s == pytest.approx(flops, rel=1e-15)
 
 
 @pytest.mark.parametrize("out,expected", [

@@ -512,7 +512,7 @@ def test_mock_data_trains_as_in_megatrons_examples(tmp_path):
     first = _metrics(metrics)[0]
     # Megatron-LM 0.19's NullTokenizer: 1000 ids (the end of document 999), padded to 1024
     assert first["loss"] == pytest.approx(math.log(1024), abs=0.1)
-    assert "validation loss at the end of training" in result.stdout
+    assert "validation loss at iteration 2 on validation set" in result.stdout
 
 
 @pytest.mark.multiproc

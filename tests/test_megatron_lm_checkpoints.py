@@ -258,19 +258,27 @@ def test_finetune_from_a_megatron_checkpoint_on_a_two_process_pipeline(tmp_path,
 def test_a_skipped_iteration_leaves_the_lr_schedule_and_is_counted_per_log_interval(
         tmp_path, capsys, one_process):
     """fp16, iteration 2's gradient made non-finite: as Megatron, the scheduler steps only
-    after updates, the logged LR is the one after the step, and each log line counts the
-    skipped iterations since the previous one."""
+    after updates, the logged LR and loss scale are the ones after the step, and each log
+    line counts the skipped iterations since the previous one and averages the loss of
+    the others."""
     argv = [*FLAGS, "--train-iters", "4", "--fp16", "--initial-loss-scale", "1024",
-            "--inject-overflow", "2,0,0",
+            "--hysteresis", "1", "--inject-overflow", "2,0,0",
             "--log-interval", "2", "--data-cache-path", str(tmp_path)]
     records = train(parse_args(argv), one_process)
     assert [r["skipped"] for r in records] == [False, True, False, False]
+    # the scale after each update, as Megatron logs it: backed off by the overflow
+    assert [r["loss_scale"] for r in records] == [1024, 512, 512, 512]
     updates = [1, 1, 2, 3]  # successful steps after each iteration
     assert [r["lr"] for r in records] == pytest.approx(
         [megatron_lr_after(n * BATCH, train_iters=4) for n in updates], rel=1e-12)
     lines = [line for line in capsys.readouterr().out.splitlines() if "| lm loss:" in line]  # not the summary
     assert [line.split("number of skipped iterations:")[1].split("|")[0].strip()
             for line in lines] == ["0", "1", "0"]  # iterations 1, 2 and 4
+    # 0.19's means: the line after the first iteration starts no interval, a skipped
+    # iteration's loss is left out
+    loss = [r["loss"] for r in records]
+    assert [line.split("lm loss:")[1].split("|")[0].strip() for line in lines] == [
+        f"{x:.6E}" for x in (loss[0], loss[0], (loss[2] + loss[3]) / 2)]
 
 
 def test_without_its_tracker_a_0_19_checkpoint_is_still_found(tmp_path):

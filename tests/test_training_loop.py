@@ -30,6 +30,7 @@ from megatron.training.checkpoint_state import EXP_AVG, EXP_AVG_SQ, MASTER, Owne
 from megatron.training.checkpointing import CheckpointSaver
 from megatron.training.distributed import DistInfo, initialize_distributed, shutdown_distributed
 from megatron.training.evaluation import due, format_evaluation, perplexity
+from megatron.training.metrics import LogInterval, format_log_line
 from megatron.training.run_checks import (
     check_checkpoint_model,
     check_checkpoint_vocabulary,
@@ -295,6 +296,32 @@ def test_evaluation_block_is_megatrons():
                        f"lm loss PPL: {math.exp(2.0):.6E} | "
     assert block[0] == block[2] == "-" * (len(block[1]) + 1)
     assert perplexity(100.0) == math.exp(20)
+
+
+def test_the_line_reduces_its_interval_as_megatron_0_19():
+    """training_log's sums by hand: the loss averaged over the iterations that updated,
+    the time over all of them, a skipped iteration counted, and as nan when its loss was
+    not finite; no loss before the first update, 0 for an interval that only skipped."""
+    interval = LogInterval()
+    interval.add({"skipped": True, "loss": 9.0}, 0.5)
+    assert interval.fields()["loss"] is None  # nothing updated yet: no "lm loss" field
+    interval.clear()
+    for loss, skipped, seconds in ((4.0, False, 0.1), (math.inf, True, 0.3),
+                                   (math.nan, True, 0.1), (5.0, True, 0.2), (3.0, False, 0.3)):
+        interval.add({"skipped": skipped, "loss": loss, "gpu_time_s": 2 * seconds}, seconds)
+    fields = interval.fields()
+    assert fields["loss"] == (4.0 + 3.0) / 2
+    assert (fields["skipped_iterations"], fields["nan_iterations"]) == (3, 2)
+    assert interval.seconds_per_iteration == pytest.approx(1.0 / 5)
+    assert fields["gpu_time_s"] == pytest.approx(2.0 / 5)
+    line = format_log_line({"iteration": 5, "consumed_samples": 40, "iter_time_s": 0.2,
+                            "tokens_per_s": 100.0, "lr": 1e-3, "global_batch_size": 8,
+                            "loss_scale": None, "grad_norm": math.inf, **fields}, 10)
+    assert ("| lm loss: 3.500000E+00 | loss scale: 1.0 | number of skipped iterations:   3 "
+            "| number of nan iterations:   2 |") in line
+    interval.clear()
+    interval.add({"skipped": True, "loss": 5.0}, 0.1)
+    assert interval.fields()["loss"] == 0.0  # 0.19 prints 0 once a loss was ever summed
 
 
 SHAPES = [("gpipe", 2, 1), ("1f1b", 2, 1), ("interleaved-1f1b", 4, 1), ("mobius", 4, 1),

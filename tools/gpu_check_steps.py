@@ -43,7 +43,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.config.model import ModelConfig  # noqa: E402
-from megatron.schedules.cost_model import model_flops_per_token  # noqa: E402
+from megatron.schedules.cost_model import megatron_model_flops_per_token  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRETRAIN = os.path.join(ROOT, "pretrain_llama.py")
@@ -167,7 +167,7 @@ def large_run(workdir: str) -> tuple[bool, dict]:
     ok = proc.returncode == 0 and len(metrics) == LARGE_ITERS
     if ok:
         times = [m["iter_time_s"] for m in metrics[1:]]
-        flops = model_flops_per_token(shape) * LARGE_BATCH["global_batch_size"] * shape.seq_length
+        flops = megatron_model_flops_per_token(shape) * LARGE_BATCH["global_batch_size"] * shape.seq_length
         peak = datasheet_peak_flops(device_name(), "bf16")
         last = metrics[-1]
         figures["decoupled"] = {
@@ -324,7 +324,7 @@ def timed_figures(metrics: list[dict], shape: ModelConfig, global_batch: int,
     if len(times) != last - first + 1:
         raise ValueError(f"iterations {first}-{last} are not all in the metrics")
     mean = sum(times) / len(times)
-    flops = model_flops_per_token(shape) * global_batch * shape.seq_length
+    flops = megatron_model_flops_per_token(shape) * global_batch * shape.seq_length
     return {"timed_iterations": [first, last], "iteration_s": {"mean": mean,
             "min": min(times), "max": max(times)},
             "model_tflops": flops / mean / 1e12,

@@ -50,7 +50,7 @@ from megatron.optimizer.speculation import Speculation
 class IterationResult:
     skipped: bool  # an overflow somewhere: no group changed this iteration
     mode: str  # the schedule this iteration ran with
-    loss_scale: float  # the scale the gradients were computed with
+    loss_scale: float  # the scale after this iteration's update (Megatron's logged one)
     grad_norm: float  # global norm of the unscaled gradient (inf on overflow)
     overflow_groups: tuple[int, ...]  # local groups whose gradient was not finite
     rolled_back_groups: tuple[int, ...]  # local groups that updated, then rolled back
@@ -255,9 +255,10 @@ class AsyncGroupOptimizer:
         if self.runner.pending_groups:
             raise RuntimeError(f"optimizer tasks of groups {self.runner.pending_groups} "
                                "were never waited for")
+        self.scaler.update(verdict.overflow)
         result = IterationResult(
             skipped=verdict.overflow, mode="async" if r.speculated else "sync",
-            loss_scale=r.scale, grad_norm=verdict.grad_norm,
+            loss_scale=self.scaler.scale, grad_norm=verdict.grad_norm,
             overflow_groups=verdict.overflow_groups,
             rolled_back_groups=r.rolled_back if verdict.overflow else (),
             clipped=not verdict.overflow and verdict.clip < 1.0,
@@ -268,7 +269,6 @@ class AsyncGroupOptimizer:
             if not self.deferred.running(group):  # a deferred correction commits its own
                 self.optimizer.commit_group(group)
         self._round = None
-        self.scaler.update(verdict.overflow)
         return result
 
     def finish_iteration(self) -> IterationResult:

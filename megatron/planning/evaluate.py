@@ -24,7 +24,7 @@ from megatron.config.run import DTYPE_BYTES, RunConfig, optimizer_state_bytes
 from megatron.schedules.cost_model import (
     backward_stage_params,
     derived_costs,
-    model_flops_per_token,
+    megatron_model_flops_per_token,
 )
 from megatron.schedules.hardware import HardwareProfile, get_hardware, update_rates
 from megatron.schedules.instructions import BackwardStage, Op, Schedule
@@ -397,5 +397,5 @@ def model_flops_utilization(run: RunConfig, evaluation: Evaluation,
     s, config = evaluation.schedule, evaluation.config
     tokens = s.micro_batches * config.micro_batch_size * run.model.seq_length
     peak = s.ranks * hardware.mfu_peak_flops
-    return model_flops_per_token(run.model) * tokens / (
+    return megatron_model_flops_per_token(run.model) * tokens / (
         evaluation.simulation.iteration_time * peak)

@@ -162,11 +162,22 @@ def head_forward_flops_per_token(model: ModelConfig) -> float:
     return 2.0 * model.hidden_size * (model.planned_vocab_size)
 
 
-def model_flops_per_token(model: ModelConfig) -> float:
-    """Forward and backward (3x the forward) of every layer and the head: the model FLOPs
-    of throughput and MFU (recomputation not counted, as Megatron's --log-throughput)."""
-    return 3.0 * (model.num_layers * layer_forward_flops_per_token(model, model.seq_length)
-                  + head_forward_flops_per_token(model))
+def megatron_model_flops_per_token(model: ModelConfig) -> float:
+    """Megatron-LM 0.19's model FLOPs per token (num_floating_point_operations of a dense
+    GPT with SwiGLU and grouped-query attention, over batch x seq_length tokens): 3 passes
+    (forward, data and weight gradients) x 2 flops per multiply-add of each projection
+    (queries heads x kv_channels wide), of the attention scores and their product with the
+    values (halved by the causal mask) and of the logits; no norms, no embedding lookup,
+    recomputation not counted. The FLOPs of --log-throughput, of the checkpoint's
+    num_floating_point_operations_so_far and of --plan's MFU. (The cost model prices the
+    passes with layer_forward_flops_per_token, the profiles' own measure.)"""
+    h, s = model.hidden_size, model.seq_length
+    queries = model.num_attention_heads * model.head_dim
+    keys_values = 2 * model.num_query_groups * model.head_dim
+    projections = h * (queries + keys_values) + queries * h + 3 * h * model.ffn_hidden_size
+    core_attention = 2 * s * queries / 2  # QK^T and (QK^T)V, causal
+    return 3 * 2 * (model.num_layers * (projections + core_attention)
+                    + h * model.planned_vocab_size)
 
 
 def derived_costs(

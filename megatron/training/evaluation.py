@@ -37,7 +37,7 @@ def perplexity(loss: float) -> float:
 def format_evaluation(where: str, loss: float) -> str:
     """Megatron's three lines: dashes, ' validation loss at iteration 5 | lm loss value: ...
     | lm loss PPL: ... | ', dashes (Megatron says "validation loss" for the test set too:
-    'validation loss at the end of training for test data')."""
+    'validation loss at iteration 100 on test set', its words at the end of training)."""
     text = (f" validation loss at {where} | lm loss value: {loss:.6E} | "
             f"lm loss PPL: {perplexity(loss):.6E} | ")
     rule = "-" * (len(text) + 1)

@@ -113,8 +113,10 @@ class LocalTrainStep:
         overflow = not math.isfinite(norm)
         if self.scaler:
             self.scaler.update(overflow)
+        # the scale after the update, as Megatron logs it (backed off on an overflow)
+        logged_scale = self.scaler.scale if self.scaler else None
         if overflow:
-            return StepResult(total, skipped=True, grad_norm=norm, loss_scale=scale)
+            return StepResult(total, skipped=True, grad_norm=norm, loss_scale=logged_scale)
         clip = clip_factor(norm, self.clip_grad)
         if clip < 1.0:
             for g in grads:
@@ -126,7 +128,7 @@ class LocalTrainStep:
         with torch.no_grad():
             for master, p in zip(self.masters, self.params):
                 p.copy_(master)
-        return StepResult(total, grad_norm=norm, loss_scale=scale if self.scaler else None)
+        return StepResult(total, grad_norm=norm, loss_scale=logged_scale)
 
     def evaluate(self, batches: Sequence[Sequence[Batch]]) -> float:
         """Mean loss over every micro-batch of `batches`, forward only."""

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import math
 import os
 import sys
-import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
@@ -20,11 +20,61 @@ def format_tflops(tflops: float) -> str:
     return f"{tflops:.1f}" if tflops >= 1 else f"{tflops:.3g}"
 
 
+# the pipeline's times of an iteration that the line prints, averaged over its interval
+INTERVAL_TIMES = ("gpu_time_s", "bubble_time_s", "exposed_optimizer_time_s")
+
+
+class LogInterval:
+    """The iterations since the previous iteration line, reduced as Megatron-LM 0.19's
+    training_log reduces them: the mean loss of the iterations that updated (a skipped
+    one's loss left out; an interval with none prints 0, and no loss at all before the
+    run's first update), the wall time per iteration (evaluations and checkpoint saves
+    left out, as its interval timer stops for them), the skipped iterations and those of
+    them whose loss was not finite. The other fields of a line are its last iteration's."""
+
+    def __init__(self) -> None:
+        self.clear()
+        self.updated_once = False
+
+    def clear(self) -> None:
+        self.iterations = self.updated = self.skipped = self.nan = 0
+        self.loss_sum = self.seconds = 0.0
+        self.times = dict.fromkeys(INTERVAL_TIMES, 0.0)
+
+    def add(self, record: dict[str, Any], seconds: float) -> None:
+        """One iteration's metrics record and its wall time."""
+        self.iterations += 1
+        self.seconds += seconds
+        if record["skipped"]:
+            self.skipped += 1
+            self.nan += not math.isfinite(record["loss"])
+        else:
+            self.updated += 1
+            self.updated_once = True
+            self.loss_sum += record["loss"]
+        for key in INTERVAL_TIMES:
+            if record.get(key) is not None:
+                self.times[key] += record[key]
+
+    @property
+    def seconds_per_iteration(self) -> float:
+        return self.seconds / self.iterations
+
+    def fields(self) -> dict[str, Any]:
+        """What the line takes from the interval, under the metrics records' names."""
+        return {"loss": self.loss_sum / max(1, self.updated) if self.updated_once else None,
+                "skipped_iterations": self.skipped, "nan_iterations": self.nan,
+                **{key: total / self.iterations for key, total in self.times.items()
+                   if total}}
+
+
 def format_log_line(m: dict[str, Any], train_iters: int, throughput: bool = False) -> str:
-    """Megatron's iteration line; `throughput` (--log-throughput) adds the model TFLOP/s
-    per GPU."""
+    """Megatron's iteration line of a record whose loss, times, rates and counts are its
+    interval's (LogInterval); `throughput` (--log-throughput) adds the model TFLOP/s per
+    GPU."""
+    stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S.%f")
     parts = [
-        f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] iteration {m['iteration']:>8d}/{train_iters:>8d}",
+        f" [{stamp}] iteration {m['iteration']:>8d}/{train_iters:>8d}",
         f"consumed samples: {m['consumed_samples']:>12d}",
         f"elapsed time per iteration (ms): {m['iter_time_s'] * 1000:.1f}",
         *([f"throughput per GPU (TFLOP/s/GPU): {format_tflops(m['tflops_per_gpu'])}"]
@@ -32,14 +82,15 @@ def format_log_line(m: dict[str, Any], train_iters: int, throughput: bool = Fals
         f"tokens per second: {m['tokens_per_s']:.0f}",
         f"learning rate: {m['lr']:.6E}",
         f"global batch size: {m['global_batch_size']:>5d}",
-        f"lm loss: {m['loss']:.6E}",
     ]
-    if m.get("loss_scale") is not None:
-        parts.append(f"loss scale: {m['loss_scale']:.1f}")
+    if m.get("loss") is not None:
+        parts.append(f"lm loss: {m['loss']:.6E}")
+    # Megatron prints the scale of every precision (1.0 without fp16's scaler)
+    parts.append(f"loss scale: {m['loss_scale'] if m.get('loss_scale') else 1.0:.1f}")
     if m.get("grad_norm") is not None and math.isfinite(m["grad_norm"]):
         parts.append(f"grad norm: {m['grad_norm']:.3f}")
-    # Megatron's count: the skipped iterations since the previous line
-    parts.append(f"number of skipped iterations: {m.get('skipped_in_interval', 0):>3d}")
+    parts.append(f"number of skipped iterations: {m['skipped_iterations']:>3d}")
+    parts.append(f"number of nan iterations: {m['nan_iterations']:>3d}")
     if m.get("eta_s") is not None:
         parts.append(f"eta: {format_duration(m['eta_s'])}")
     for key, label in (("gpu_time_s", "gpu time (ms)"), ("bubble_time_s", "bubble time (ms)"),

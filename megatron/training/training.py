@@ -40,7 +40,7 @@ from megatron.planning.evaluate import plan_hardware, run_hardware
 from megatron.planning.report import candidates_text, model_size, run_plan
 from megatron.planning.search import auto_configure
 from megatron.planning.shape import check_pipeline_shape
-from megatron.schedules.cost_model import model_flops_per_token
+from megatron.schedules.cost_model import megatron_model_flops_per_token
 from megatron.training.arguments import exit_bad_input, parse_args
 from megatron.training.checkpoint_format import saved_args, saved_vocab_rows
 from megatron.training.checkpointing import (
@@ -65,7 +65,12 @@ from megatron.training.evaluation import due, evaluate, evaluation_record, forma
 from megatron.training.fit_check import refuse_single_process_that_does_not_fit
 from megatron.training.local_step import LocalTrainStep
 from megatron.training.lr_schedule import LRSchedule
-from megatron.training.metrics import MetricsWriter, format_host_memory, format_log_line
+from megatron.training.metrics import (
+    LogInterval,
+    MetricsWriter,
+    format_host_memory,
+    format_log_line,
+)
 from megatron.training.pipeline_step import PipelineTrainStep
 from megatron.training.process_limits import check_process_limits
 from megatron.training.profiling import IterationProfiler
@@ -155,7 +160,7 @@ class TrainingLoop:
         self.iteration = 0  # the one running (0: setting up)
         self.last_saved: int | None = None
         self.skipped_total = 0
-        self.skipped_in_interval = 0  # since the last log line (Megatron's count)
+        self.interval = LogInterval()  # what the next iteration line reports
         self.flops_per_token = 0.0  # model FLOPs, for --log-throughput
         self.model_cfg: LlamaConfig | None = None
         self.pinning: PinningShortfall | None = None  # page-locked memory over ulimit -l
@@ -204,7 +209,7 @@ class TrainingLoop:
             warn(f"the checkpoint in {load} was saved with another tokenizer (of the same "
                  "vocabulary size): its token ids stand for other text now", self.dist_info)
         model_cfg = LlamaConfig.from_model(run.model, self.data.vocab_size, run.training.seed)
-        self.flops_per_token = model_flops_per_token(
+        self.flops_per_token = megatron_model_flops_per_token(
             replace(run.model, vocab_size=self.data.vocab_size))
         self.model_cfg = model_cfg
         torch.manual_seed(run.training.seed)
@@ -305,14 +310,16 @@ class TrainingLoop:
         if stopped is None and run.eval_iters > 0:
             datasets = self.data.datasets
             self.evaluate(datasets.valid, run.evaluations - 1, t.train_iters,
-                          "the end of training for val data", "validation", end=True)
+                          f"iteration {t.train_iters} on validation set", "validation",
+                          end=True)
             if datasets.test is not None:
                 self.evaluate(datasets.test, 0, t.train_iters,
-                              "the end of training for test data", "test", end=True)
+                              f"iteration {t.train_iters} on test set", "test", end=True)
 
     def _iteration(self, iteration: int) -> None:
         run, schedule = self.run, self.schedule
         INTERRUPT.iteration = self.iteration = iteration
+        started = time.perf_counter()  # the line's time: the batch's reading included
         micro_batches = on_device(
             training_micro_batches(self.data.datasets.train, iteration, run,
                                    self.dist_info.data_parallel_rank),
@@ -323,22 +330,17 @@ class TrainingLoop:
         if not result.skipped:  # Megatron steps the schedule only after an update
             schedule.step()
         self.skipped_total += int(result.skipped)
-        self.skipped_in_interval += int(result.skipped)
         batch = run.training.global_batch_size
         record = {
             "iteration": iteration,
             "loss": result.loss,
             "lr": schedule.lr,  # after the scheduler's step, as Megatron logs it
-            "iter_time_s": elapsed,
-            "tokens_per_s": run.tokens_per_iteration / elapsed,
-            "tflops_per_gpu": run.tokens_per_iteration * self.flops_per_token
-            / (elapsed * 1e12 * self.dist_info.world_size),
+            **self._rates(elapsed),
             "consumed_samples": iteration * batch,
             "global_batch_size": batch,
             "skipped": result.skipped,
             "skipped_total": self.skipped_total,
-            "skipped_in_interval": self.skipped_in_interval,  # Megatron's logged count
-            "loss_scale": result.loss_scale,
+            "loss_scale": result.loss_scale,  # after the update, as Megatron logs it
             "grad_norm": result.grad_norm,
             "eta_s": eta_seconds(self.records, elapsed, run.training.train_iters - iteration),
             # the kernel that computed core attention on this rank (pinned: the same on a GPU
@@ -352,11 +354,26 @@ class TrainingLoop:
         self.metrics.write(record)
         self.sinks.training(record)
         self.records.append(record)
-        if self.is_logger and (iteration % run.logging.log_interval == 0 or iteration == 1):
-            print(format_log_line(record, run.training.train_iters,
-                                  throughput=run.logging.log_throughput), flush=True)
-        if iteration % run.logging.log_interval == 0 or iteration == 1:
-            self.skipped_in_interval = 0
+        self.interval.add(record, time.perf_counter() - started)
+        # Megatron 0.19 prints after the run's first iteration too, without starting a new
+        # interval: the next line reports that iteration again
+        first = iteration == self.start_iteration + 1
+        if iteration % run.logging.log_interval == 0 or first:
+            if self.is_logger:
+                line = {**record, **self._rates(self.interval.seconds_per_iteration),
+                        **self.interval.fields()}
+                print(format_log_line(line, run.training.train_iters,
+                                      throughput=run.logging.log_throughput), flush=True)
+            if not first:
+                self.interval.clear()
+
+    def _rates(self, seconds: float) -> dict[str, float]:
+        """An iteration's time and the rates it gives: tokens per second and model TFLOP/s
+        per GPU (--log-throughput's)."""
+        tokens = self.run.tokens_per_iteration
+        return {"iter_time_s": seconds, "tokens_per_s": tokens / seconds,
+                "tflops_per_gpu": tokens * self.flops_per_token
+                / (seconds * 1e12 * self.dist_info.world_size)}
 
     def evaluate(self, dataset, number: int, iteration: int, where: str, split: str,
                  end: bool = False) -> dict:
