@@ -6,7 +6,9 @@ fills it: on 2 cores the suite took 0.93 of one session's time (BENCHMARKS.md, "
 sessions at once"); the `after_unit` modules move about 140 s of the multi-process tests
 into the first session, which ended first by about that much. The sessions share nothing a
 test compares: each has its own temporary directory, the tests that look at /dev/shm look
-at their own job's segments only, and the demo corpus they share is built once, under its
+at their own job's segments only (those of the sweep of dead processes' segments at a
+directory of their own), a port a test chooses for a rank 0 stays reserved until that rank
+binds it (megatron/common/ports.py), and the demo corpus they share is built once, under its
 own file lock (MEGATRON_TEST_CACHE).
 
     python tests/run_suite.py              both sessions at once; the multi-process one

@@ -2,7 +2,6 @@
 loss-scale backoff, the synchronous baseline, clipping, failures, several ranks."""
 
 import os
-import socket
 import threading
 
 import pytest
@@ -10,6 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from megatron.common.ports import reserved_port
 from megatron.optimizer import (
     AsyncGroupOptimizer,
     ConstantLossScaler,
@@ -218,10 +218,7 @@ def _rank_main(rank, port, results):
 
 @pytest.mark.multiproc  # two processes over gloo
 def test_overflow_on_one_rank_skips_the_iteration_on_all_ranks():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    with mp.Manager() as manager:
+    with reserved_port() as port, mp.Manager() as manager:
         results = manager.dict()
         mp.start_processes(_rank_main, args=(port, results), nprocs=2, start_method="fork")
         results = dict(results)

@@ -3,7 +3,6 @@ checks that reject missing or corrupt data."""
 
 import multiprocessing
 import os
-import socket
 import time
 import traceback
 from pathlib import Path
@@ -12,6 +11,7 @@ import numpy
 import pytest
 import torch
 
+from megatron.common.ports import reserved_port
 from megatron.data.checks import DataError, check_data_prefix
 from megatron.data.datasets import (
     DataBlend,
@@ -128,26 +128,23 @@ def _run_two_builders(data, cache_dir: Path, distributed: bool):
     prefix, tokenizer, _ = data
     ctx = multiprocessing.get_context("fork")
     barrier, results = ctx.Barrier(2), ctx.Queue()
-    world = None
-    if distributed:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            world = (2, s.getsockname()[1])
-    procs = [
-        ctx.Process(target=_build_in_child,
-                    args=(prefix, tokenizer.path, str(cache_dir), barrier, results, r, world))
-        for r in range(2)
-    ]
-    for p in procs:
-        p.start()
-    try:
-        outcome = dict(results.get(timeout=120) for _ in procs)
-    finally:
+    with reserved_port() as port:  # rank 0's store binds it in its process
+        world = (2, port) if distributed else None
+        procs = [
+            ctx.Process(target=_build_in_child,
+                        args=(prefix, tokenizer.path, str(cache_dir), barrier, results, r, world))
+            for r in range(2)
+        ]
         for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-                p.join()
+            p.start()
+        try:
+            outcome = dict(results.get(timeout=120) for _ in procs)
+        finally:
+            for p in procs:
+                p.join(timeout=30)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
     for rank, result in outcome.items():
         assert not isinstance(result, str), f"rank {rank} failed:\n{result}"
     return outcome

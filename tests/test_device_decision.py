@@ -36,6 +36,15 @@ CFG = LlamaConfig(num_layers=1, hidden_size=32, ffn_hidden_size=64, num_attentio
                   num_query_groups=2, vocab_size=64, seq_length=8, seed=3)
 
 
+@pytest.fixture(autouse=True)
+def no_group_left_behind():
+    """The tests that build pieces start a process group (megatron-core's layers read its
+    parallel state); none outlives its test: the tests after this module would inherit it
+    (a fork is refused with one, tests/in_child.py, and main() would not start its own)."""
+    yield
+    distributed.shutdown_distributed()
+
+
 def test_one_gpu_per_process_over_nccl():
     assert choose_device(True, 8, local_rank=3, local_world_size=8) == DeviceChoice(
         "cuda", 3, "nccl")

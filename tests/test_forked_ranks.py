@@ -84,12 +84,12 @@ def test_the_first_failure_takes_the_other_ranks_down(tmp_path):
         signal.signal(signal.SIGTERM, lambda *_: (print("terminated"), sys.exit(0)))
         time.sleep(60)
     """)
-    t0 = time.monotonic()
     run = forked_ranks.launch(script, [], 2)
     assert run.returncode == 1  # torchrun's status for a failed worker, which it names
     assert "rank 1 failed with exit status 3" in run.stderr
-    assert time.monotonic() - t0 < forked_ranks.GRACE_S + 10
-    assert "terminated" in run.stdout  # SIGTERM first, as torchrun sends
+    # SIGTERM first, as torchrun sends: rank 0 ends in its handler, not after its sleep
+    # (which would end it without a word)
+    assert "terminated" in run.stdout
 
 
 def test_a_timeout_kills_every_rank(tmp_path):

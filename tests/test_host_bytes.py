@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from bench.host_memory import storage_spans
+from megatron.common.host_allocator import return_free_memory
 from megatron.common.process_memory import PAGE, memory_status, reset_peak, resident_bytes
 from megatron.config.run import host_gradient_dtype
 from megatron.models.llama import LlamaConfig, build_pieces
@@ -36,7 +37,11 @@ CFG = LlamaConfig(num_layers=2, hidden_size=64, ffn_hidden_size=160, num_attenti
 
 
 def test_resident_bytes_count_the_pages_written_once_each():
-    # 64 MiB: above malloc's largest mmap threshold, fresh pages not resident until written
+    # 64 MiB: above malloc's largest mmap threshold, fresh pages not resident until written.
+    # malloc serves a request of any size from the free memory its heaps hold (the
+    # threshold only decides how they grow), resident when an earlier test of the session
+    # wrote it (after a whole training run: tens of MiB): returned to the kernel first
+    return_free_memory()
     buffer = torch.empty(16 << 20)
     assert resident_bytes(storage_spans([buffer])) < 4 * PAGE
     buffer[: 1 << 20].fill_(1.0)
@@ -87,7 +92,8 @@ def test_a_pipelines_modules_are_never_written_and_its_masters_built_one_stage_a
             key=lambda np: [s.name for s in reference[key].layout.slices].index(np[0]))])
         assert flat.dtype == torch.float32 and torch.equal(flat, want), key
     # an uninitialized piece's weights were allocated, never written: a large one (50 MB,
-    # fresh pages from the kernel) holds no memory
+    # fresh pages from the kernel, once malloc's free memory is returned) holds no memory
+    return_free_memory()
     large = replace(CFG, vocab_size=196608).with_dtype(torch.float32)
     weight = build_pieces(large, [0], initialize=False)[0].embedding.word_embeddings.weight
     assert resident_bytes(storage_spans([weight])) < weight.nbytes // 100

@@ -7,14 +7,15 @@ The timeout is --distributed-timeout-minutes (whole minutes, as Megatron's); the
 stand seconds in for it with MEGATRON_SYSX_TEST_TIMEOUT_S.
 """
 
+import contextlib
 import os
 import re
-import socket
 import time
 import uuid
 
 import pytest
 
+from megatron.common.ports import reserved_port
 from megatron.common.save_lock import LOCK_NAME
 from megatron.training.checkpointing import TRACKER, iteration_dir
 from megatron.training.distributed import TEST_TIMEOUT_ENV
@@ -40,20 +41,20 @@ def started(request, tmp_path_factory):
     needed = {name for item in request.session.items if item.module is request.module
               for name in item.fixturenames}
     runs = {}
-    if "never_joined" in needed:
-        with socket.socket() as s:  # a port nobody listens on
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        env = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port), TEST_TIMEOUT_ENV: "2"}
-        directory = tmp_path_factory.mktemp("never-joined")
-        save = directory / "ckpt"
-        job = forked_ranks.start("pretrain_llama.py", [*SMALL, "--train-iters", "1", "--save",
-                                                       str(save)], torchrun=False, env=env)
-        runs["never_joined"] = job, port, directory, save
-    yield runs
-    for job, *_ in runs.values():
-        job.wait(timeout=120)  # gone even when no test waited for it
+    with contextlib.ExitStack() as ports:
+        if "never_joined" in needed:
+            port = ports.enter_context(reserved_port())  # for the lone rank's store alone
+            env = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0",
+                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), TEST_TIMEOUT_ENV: "2"}
+            directory = tmp_path_factory.mktemp("never-joined")
+            save = directory / "ckpt"
+            job = forked_ranks.start("pretrain_llama.py", [*SMALL, "--train-iters", "1",
+                                                           "--save", str(save)],
+                                     torchrun=False, env=env)
+            runs["never_joined"] = job, port, directory, save
+        yield runs
+        for job, *_ in runs.values():
+            job.wait(timeout=120)  # gone even when no test waited for it
 
 
 @pytest.fixture

@@ -3,13 +3,13 @@
 import json
 import math
 import os
-import socket
 import subprocess
 import types
 
 import pytest
 import torch
 
+from megatron.common.ports import reserved_port
 from megatron.training.arguments import build_parser, parse_args
 from megatron.training.lr_schedule import LRSchedule
 from tests import forked_ranks
@@ -524,12 +524,6 @@ def test_a_refusal_under_torchrun_is_one_line_from_one_rank_and_every_rank_exits
     assert "exit status 2" in result.stderr and "Traceback" not in result.stderr
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.multiproc
 @pytest.mark.slow
 def test_the_megatron_style_example_launch_trains_and_resumes(tmp_path, demo_cache):
@@ -538,8 +532,7 @@ def test_the_megatron_style_example_launch_trains_and_resumes(tmp_path, demo_cac
     where the first stopped."""
     ckpt, tb = tmp_path / "ckpt", tmp_path / "tb"
     env = {**os.environ, "GPUS_PER_NODE": "2", "MODEL_SIZE": "tiny",
-           "TORCHRUN": os.path.join(ROOT, ".venv", "bin", "torchrun"),
-           "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": "1"}
+           "TORCHRUN": os.path.join(ROOT, ".venv", "bin", "torchrun"), "OMP_NUM_THREADS": "1"}
 
     def launch(iters, metrics):
         return subprocess.run(
@@ -550,7 +543,9 @@ def test_the_megatron_style_example_launch_trains_and_resumes(tmp_path, demo_cac
              "--log-interval", "1"],
             env=env, capture_output=True, text=True, timeout=300)
 
-    first = launch(2, "first.jsonl")
+    with reserved_port() as port:  # torchrun's agent binds it
+        env["MASTER_PORT"] = str(port)
+        first = launch(2, "first.jsonl")
     assert first.returncode == 0, first.stderr[-3000:]
     assert "starting from scratch" in first.stdout + first.stderr
     assert "throughput per GPU (TFLOP/s/GPU)" in first.stdout

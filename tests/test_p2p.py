@@ -3,13 +3,13 @@ one peer goes out at once (a send and a receive crossing in it meet), and the ch
 names the tensor that arrived when it is not the one the instruction expects."""
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from megatron.common.ports import reserved_port
 from megatron.pipeline.p2p import MessageShape, PointToPoint, WrongMessageError
 from megatron.schedules.instructions import Instruction, Op
 
@@ -64,10 +64,7 @@ def _rank_main(rank, port, receive_order, results, staged=False):
 
 
 def _run(receive_order, staged=False):
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    with mp.Manager() as manager:
+    with reserved_port() as port, mp.Manager() as manager:
         results = manager.dict()
         mp.start_processes(_rank_main, args=(port, receive_order, results, staged), nprocs=2,
                            start_method="fork")

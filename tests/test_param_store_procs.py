@@ -6,12 +6,12 @@ each on a 2-core machine; everything the workers use is imported here, before th
 
 import multiprocessing as mp
 import os
-import socket
 import uuid
 
 import torch
 import torch.distributed as dist
 
+from megatron.common.ports import reserved_port
 from megatron.offload.device import get_device
 from megatron.offload.multinode import push_parameters, receive_parameters
 from megatron.offload.param_store import ParameterStore, job_segments
@@ -97,25 +97,20 @@ def two_node_worker(rank: int, job_id: str, port: int, steps: int, results) -> N
     dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_forward_stage_on_node_1_sees_each_update_of_its_owner_on_node_0():
     job_id = f"test-{uuid.uuid4().hex}"
     ctx = mp.get_context("fork")  # no torch re-import per child
     results = ctx.Queue()
-    port, steps = free_port(), 3
-    procs = [
-        ctx.Process(target=two_node_worker, args=(r, job_id, port, steps, results))
-        for r in range(2)
-    ]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=120)
+    steps = 3
+    with reserved_port() as port:  # rank 0's store binds it in its process
+        procs = [
+            ctx.Process(target=two_node_worker, args=(r, job_id, port, steps, results))
+            for r in range(2)
+        ]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=120)
     assert [p.exitcode for p in procs] == [0, 0]
     (_, node0, name0, _), (_, node1, name1, seen) = sorted(results.get(timeout=5) for _ in range(2))
     assert (node0, node1) == (0, 1) and name0 != name1  # separate node namespaces

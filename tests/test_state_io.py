@@ -198,11 +198,13 @@ def test_shutdown_joins_every_thread(tmp_path):
     def tasks() -> int:
         return len(os.listdir("/proc/self/task"))
 
+    # the data first: torch starts its OpenMP threads at the first parallel operation of
+    # the process, which would count here when this test runs first
+    buf = random_bytes(8 * CHUNK, seed=2)
     before = tasks()
     engine = Engine(6, CHUNK)
     assert tasks() == before + 6
     f = StateFile(tmp_path / "s.bin", 8 * CHUNK, engine)
-    buf = random_bytes(f.nbytes, seed=2)
     ticket = f.write_from(buf, 0)
     engine.shutdown()  # finishes what was queued, then joins
     ticket.wait()

@@ -65,6 +65,7 @@ import torch.distributed as dist  # noqa: E402
 
 from bench.nvme_optimizer import filesystem_of  # noqa: E402
 from megatron.common.files import atomic_write, make_parent_dir  # noqa: E402
+from megatron.common.ports import reserved_port  # noqa: E402
 from megatron.common.process_memory import memory_status  # noqa: E402
 from megatron.config.errors import ConfigError  # noqa: E402
 from megatron.config.model import MODEL_FIELDS, ModelConfig  # noqa: E402
@@ -511,21 +512,19 @@ def pair_measurements(processes: int, model_flags: list[str], model: ModelConfig
     context = torch.multiprocessing.get_context("spawn")
     results = context.SimpleQueue()
     ready = context.Barrier(processes)
-    with socket.socket() as probe:  # a free port for the rendezvous
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    workers = [context.Process(target=_pair_worker, args=(
-        rank, processes, port, model_flags, model, dtype, batches, rounds, micro_batch,
-        ready, results)) for rank in range(processes)]
-    for worker in workers:
-        worker.start()
-    while any(w.is_alive() for w in workers):
-        time.sleep(0.2)
-        if any(w.exitcode not in (None, 0) for w in workers):
-            ready.abort()  # the others stop at `ready` instead of waiting there for it
-            break
-    for worker in workers:
-        worker.join()
+    with reserved_port() as port:  # rank 0's store binds it once the workers have started
+        workers = [context.Process(target=_pair_worker, args=(
+            rank, processes, port, model_flags, model, dtype, batches, rounds, micro_batch,
+            ready, results)) for rank in range(processes)]
+        for worker in workers:
+            worker.start()
+        while any(w.is_alive() for w in workers):
+            time.sleep(0.2)
+            if any(w.exitcode not in (None, 0) for w in workers):
+                ready.abort()  # the others stop at `ready` instead of waiting there for it
+                break
+        for worker in workers:
+            worker.join()
     failed = [w.exitcode for w in workers if w.exitcode != 0]
     if failed:
         raise RuntimeError(f"a measuring process exited with status {failed[0]}")
