@@ -9,8 +9,14 @@ FROM nvcr.io/nvidia/pytorch:25.01-py3
 
 WORKDIR /workspace/megatron-sysx
 COPY requirements.txt setup.py pyproject.toml ./
-# The base image's torch satisfies megatron-core's requirement, so nothing pulls another.
-RUN pip install --no-cache-dir -r requirements.txt
+# megatron-core without its dependencies: it asks for torch>=2.6.0, which NGC's pre-release
+# torch builds (2.6.0a0+...) do not satisfy, so pip would replace the image's torch (and
+# the apex and Transformer Engine built against it) with a PyPI one. Its other two
+# dependencies, numpy and packaging, are installed here.
+RUN grep -v '^megatron-core' requirements.txt > /tmp/requirements-base.txt \
+ && pip install --no-cache-dir -r /tmp/requirements-base.txt "packaging>=24.2" \
+ && pip install --no-cache-dir --no-deps "$(grep -o '^megatron-core==[^ ]*' requirements.txt)" \
+ && python -c "import torch, megatron.core; print('torch', torch.__version__)"
 COPY . .
 RUN python setup.py -q build_ext --inplace
 
