@@ -332,7 +332,7 @@ def test_use_checkpoint_args_takes_the_model_flags_from_the_checkpoint(tmp_path)
     checkpoint's."""
     saved = parse_args(["--model-preset", "tiny", "--num-layers", "2",
                         "--group-query-attention", "--num-query-groups", "2",
-                        "--rotary-base", "500000"])
+                        "--rotary-base", "500000", "--make-vocab-size-divisible-by", "1"])
     saver = CheckpointSaver(str(tmp_path), MODEL, async_save=False)
     saver.save(1, owned(1), {"args": saved.flags()})
     saver.close()
@@ -340,9 +340,12 @@ def test_use_checkpoint_args_takes_the_model_flags_from_the_checkpoint(tmp_path)
     alone = parse_args(load).model
     assert (alone.num_layers, alone.hidden_size, alone.num_query_groups, alone.rotary_base) \
         == (2, saved.model.hidden_size, 2, 500000)
+    # the vocabulary padded as the checkpoint's was (a converted model's rows, divisor 1)
+    assert alone.make_vocab_size_divisible_by == 1
     given = parse_args([*load, "--num-layers", "6", "--group-query-attention",
-                        "--num-query-groups", "4"]).model
+                        "--num-query-groups", "4", "--make-vocab-size-divisible-by", "64"]).model
     assert (given.num_layers, given.num_query_groups) == (6, 2)
+    assert given.make_vocab_size_divisible_by == 64
     assert parse_args(["--model-preset", "tiny", "--load", str(tmp_path)]).model.num_layers \
         == get_preset("tiny").num_layers
 

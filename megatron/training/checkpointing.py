@@ -691,8 +691,10 @@ def check_resumable(run: RunConfig, log: Callable[[str], Any] = print) -> dict |
 # fill only the flags not given
 FORCED_CHECKPOINT_ARGS = ("num_query_groups", "rotary_base", "rotary_percent",
                           "attention_dropout", "hidden_dropout")
+# (--make-vocab-size-divisible-by: Megatron-LM takes the checkpoint's padded vocabulary,
+# the rows that divisor made of the tokenizer's)
 CHECKPOINT_ARGS = (*MODEL_FIELDS, "kv_channels", "max_position_embeddings",
-                   *FORCED_CHECKPOINT_ARGS)
+                   "make_vocab_size_divisible_by", *FORCED_CHECKPOINT_ARGS)
 
 
 def checkpoint_args(load: str) -> dict | None:
