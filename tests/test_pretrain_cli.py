@@ -193,7 +193,8 @@ def test_exit_interval_without_save_says_nothing_will_be_saved_and_stops(tmp_pat
     warnings = [line for line in r.stderr.splitlines() if "warning" in line]
     assert len(warnings) == 1 and "--exit-interval 2 without --save" in warnings[0]
     assert "nothing will be saved" in warnings[0]
-    assert "exiting after iteration 2" in r.stdout
+    assert "exiting program at iteration 2 (after iteration 2: --exit-interval 2 reached)" \
+        in r.stdout  # Megatron-LM 0.19's words first
 
 
 def test_train_iters_below_the_checkpoint_ends_normally_saying_so(tmp_path, cache, saved):

@@ -125,7 +125,8 @@ def test_a_signal_before_the_time_limit_saves_requeues_and_continues_the_run(
     stopped = int((ckpt / TRACKER).read_text())
     assert f"no checkpoint in {ckpt}: starting from scratch" in first  # --load of the empty dir
     assert SIGNAL_AFTER <= stopped < TRAIN_ITERS, first
-    assert f"exiting after iteration {stopped}: SIGUSR1 received" in first
+    assert (f"exiting program after receiving SIGUSR1. (after iteration {stopped}: SIGUSR1 "
+            "received") in first
     for rank in (0, 1):  # every rank wrote its part of the iteration it stopped after
         assert f"checkpoint iteration {stopped}: rank {rank} wrote its shard" in first
         assert os.path.getsize(os.path.join(iteration_dir(str(ckpt), stopped),

@@ -37,6 +37,8 @@ class ExitConditions:
                          if conditions.exit_duration_in_mins is not None else None)
         self.handles_signals = bool(conditions.exit_signal_handler)
         self.agree = agree
+        self.start_time = start_time
+        self._exit_line = ""  # what Megatron-LM prints for the stop reason() found
         self.received: int | None = None
         self._previous: dict[int, object] = {}
         if self.handles_signals:
@@ -55,12 +57,21 @@ class ExitConditions:
             self.agree(flags)
         if flags[0] > 0:
             name = signal.Signals(self.received).name if self.received else "a signal"
+            self._exit_line = f"exiting program after receiving {name}."
             return f"{name} received (on this or another rank)"
         if flags[1] > 0:
+            minutes = (time.time() - self.start_time) / 60.0
+            self._exit_line = f"exiting program after {minutes} minutes"
             return "--exit-duration-in-mins reached"
         if self.exit_interval and iteration % self.exit_interval == 0:
+            self._exit_line = f"exiting program at iteration {iteration}"
             return f"--exit-interval {self.exit_interval} reached"
         return None
+
+    def exit_line(self, iteration: int, reason: str) -> str:
+        """The line of a stop: Megatron-LM 0.19's words first (what a requeue script greps
+        for), then the iteration and `reason` (reason()'s answer)."""
+        return f"{self._exit_line} (after iteration {iteration}: {reason})"
 
     def close(self) -> None:
         for sig, handler in self._previous.items():

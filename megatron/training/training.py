@@ -301,7 +301,7 @@ class TrainingLoop:
                                        or (interval and iteration % interval == 0)):
             self.save(iteration)
         if stopped is not None:
-            log(f"exiting after iteration {iteration}: {stopped}")
+            log(self.exits.exit_line(iteration, stopped))
         return stopped
 
     def _after_training(self, stopped: str | None) -> None:
