@@ -17,7 +17,8 @@ MODEL_STATE_BYTES_PER_PARAM = 20
 PLANNING_VOCAB_SIZE = 32000
 
 
-# The model's shape flags (Megatron's names): what a preset sets and a checkpoint must agree on.
+# The model's shape flags (Megatron's names): what a preset sets and, but for the sequence
+# length, what a checkpoint must agree on.
 MODEL_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                 "num_query_groups", "seq_length", "vocab_size")
 # The flags that shape the layers beyond the sizes, with Megatron-LM's defaults (dropout:

@@ -131,6 +131,10 @@ def check_load_dir(run: RunConfig) -> None:
                           "to start from scratch when it does not exist)")
 
 
+# The model flags that shape the checkpoint's weights: all but the sequence length (rotary
+# positions have no weight), so a run may go on at another length, as with Megatron-LM (a
+# longer context).
+WEIGHT_SHAPE_FIELDS = tuple(field for field in MODEL_FIELDS if field != "seq_length")
 # What a resumed run must also keep to compute what was trained (a fine-tuning run may
 # change them: a longer context's rotary base, say).
 RESUMED_ARCHITECTURE = ("kv_channels", "rotary_base", "rotary_percent", "norm_epsilon")
@@ -147,10 +151,9 @@ def check_checkpoint_model(run: RunConfig, saved: dict | None, where: str,
     foreign = foreign_architecture(saved)
     if foreign:
         raise ConfigError("--load", where, f"the checkpoint was saved with {foreign}")
-    fields = MODEL_FIELDS + (() if run.checkpointing.finetune else RESUMED_ARCHITECTURE)
+    fields = WEIGHT_SHAPE_FIELDS + (() if run.checkpointing.finetune
+                                    else RESUMED_ARCHITECTURE)
     for field in fields:
-        if field == "seq_length":  # no weight has its shape (rotary positions): a run may
-            continue  # go on at another length, as with Megatron-LM (a longer context)
         theirs, ours = saved.get(field), getattr(run.model, field)
         if field == "kv_channels" and saved.get("hidden_size") and saved.get(
                 "num_attention_heads"):  # the head width, given or implied
